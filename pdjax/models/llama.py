@@ -1,0 +1,146 @@
+"""Llama / Qwen2 / Qwen3 decoder (GQA) as a Flax NNX module over the paged KV cache.
+
+One module serves the three architectures; they differ only in rows of ``ModelConfig``:
+Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k. Layer parameters are stacked
+on a leading ``[layers]`` axis and the forward is a ``lax.scan`` over layers that carries the
+stacked KV cache (compile time independent of depth; DESIGN.md §2).
+
+Shapes: ``T`` tokens of the flat stream, ``H`` hidden, ``QH``/``KVH`` query/KV heads, ``D`` head
+dim, ``F`` MLP width, ``V`` vocabulary, ``L`` layers. Linear weights are stored ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from pdjax.config import ModelConfig
+from pdjax.models.attention import AttentionMetadata, paged_attention
+from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+
+
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], P]]:
+    """Per-layer parameter shapes (without the leading layer axis) and TP partition specs.
+
+    Heads and the MLP width are split over the mesh axis ``"tp"`` (Megatron column/row split).
+    """
+    H, D, F = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    QH, KVH = cfg.num_q_heads, cfg.num_kv_heads
+    shapes = {
+        "input_norm": ((H,), P()),
+        "wq": ((H, QH * D), P(None, "tp")),
+        "wk": ((H, KVH * D), P(None, "tp")),
+        "wv": ((H, KVH * D), P(None, "tp")),
+        "wo": ((QH * D, H), P("tp", None)),
+        "post_norm": ((H,), P()),
+        "w_gate": ((H, F), P(None, "tp")),
+        "w_up": ((H, F), P(None, "tp")),
+        "w_down": ((F, H), P("tp", None)),
+    }
+    if cfg.attention_bias:
+        shapes.update(bq=((QH * D,), P("tp")), bk=((KVH * D,), P("tp")), bv=((KVH * D,), P("tp")))
+    if cfg.qk_norm:
+        shapes.update(q_norm=((D,), P()), k_norm=((D,), P()))
+    return shapes
+
+
+class DecoderLayers(nnx.Module):
+    """All decoder layers, parameters stacked as ``[L, ...]``, applied with ``lax.scan``."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(0.02)
+        for name, (shape, _) in layer_param_shapes(cfg).items():
+            full = (cfg.num_layers, *shape)
+            value = jnp.ones(full, dtype) if name.endswith("norm") else init(rngs.params(), full, dtype)
+            setattr(self, name, nnx.Param(value))
+
+    def __call__(self, x, k_cache, v_cache, md: AttentionMetadata, *, attention_impl=None,
+                 interpret=False):
+        cfg = self.cfg
+        T = x.shape[0]
+        QH, KVH, D = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
+        inv_freq, rope_scale = rope_inv_freq(D, cfg.rope_theta, cfg.rope_params)
+        inv_freq = jnp.asarray(inv_freq)
+        params = {name: getattr(self, name)[...] for name in layer_param_shapes(cfg)}
+
+        def layer_step(carry, xs):
+            x, k_cache, v_cache = carry
+            p, layer = xs
+            h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
+            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if cfg.attention_bias:
+                q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+            q, k, v = q.reshape(T, QH, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+            q = apply_rope(q, md.positions, inv_freq, rope_scale)
+            k = apply_rope(k, md.positions, inv_freq, rope_scale)
+            attn, k_cache, v_cache = paged_attention(
+                q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5,
+                impl=attention_impl, interpret=interpret)
+            x = x + attn.reshape(T, QH * D) @ p["wo"]
+            h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
+            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            return (x, k_cache, v_cache), None
+
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, k_cache, v_cache), (params, layers))
+        return x, k_cache, v_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama-family causal LM (also Qwen2 and Qwen3) over a paged KV cache.
+
+    ``__call__(input_ids [T] int32, k_cache, v_cache, md, logits_indices [N] int32)`` returns
+    ``(logits [N, V] float32, k_cache, v_cache)``; caches are
+    ``[L, num_pages, page_size, KVH, D]`` and come back updated (donate them).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention_impl: str | None = None, interpret: bool = False):
+        self.cfg = cfg
+        self.attention_impl = attention_impl
+        self.interpret = interpret
+        init = nnx.initializers.normal(0.02)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+
+    def hidden_states(self, input_ids, k_cache, v_cache, md: AttentionMetadata):
+        x = self.embed_tokens[...][input_ids]
+        return self.layers(x, k_cache, v_cache, md, attention_impl=self.attention_impl,
+                           interpret=self.interpret)
+
+    def compute_logits(self, h: jax.Array) -> jax.Array:
+        """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32."""
+        h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
+        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return (h @ w).astype(jnp.float32)
+
+    def __call__(self, input_ids, k_cache, v_cache, md: AttentionMetadata, logits_indices):
+        x, k_cache, v_cache = self.hidden_states(input_ids, k_cache, v_cache, md)
+        return self.compute_logits(x[logits_indices]), k_cache, v_cache
+
+
+def param_partition_specs(cfg: ModelConfig, tp_size: int) -> dict[str, P]:
+    """Partition spec of every top-level parameter path (``"layers.wq"``, ``"embed_tokens"``).
+
+    The vocabulary is split over ``tp`` for the LM head when it divides evenly.
+    """
+    specs = {f"layers.{name}": P(None, *spec) for name, (_, spec) in layer_param_shapes(cfg).items()}
+    specs["embed_tokens"] = P()
+    specs["norm"] = P()
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = P(None, "tp") if cfg.vocab_size % tp_size == 0 else P()
+    return specs
+
+
+def kv_cache_spec() -> P:
+    """KV cache ``[L, pages, page_size, KVH, D]``: KV heads split over ``tp``."""
+    return P(None, None, None, "tp", None)

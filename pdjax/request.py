@@ -1,0 +1,188 @@
+"""Requests, their states and sampling parameters (DESIGN.md §1).
+
+``Request`` is the single source of truth for token counters: ``num_prompt_tokens``,
+``num_computed_tokens`` and ``output_ids``. Whether a request is still in (chunked) prefill is
+derived from them, never stored twice. Pure Python: never imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling settings, with SGLang's field names.
+
+    ``top_k = -1`` (or 0 in OpenAI-style input, normalised here) means no top-k limit.
+    ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
+    reproducible whatever else shares the batch. Raises ``ValueError`` naming the field.
+    """
+
+    max_new_tokens: int | None = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    n: int = 1
+
+    MAX_NEW_TOKENS_LIMIT = 1 << 20
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Build from a JSON dict; unknown keys raise ``ValueError`` naming them."""
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"sampling_params: unsupported field(s) {unknown}")
+        if d.get("stop") is None:
+            d.pop("stop", None)
+        if d.get("stop_token_ids") is None:
+            d.pop("stop_token_ids", None)
+        return cls(**d)
+
+    def validate(self) -> None:
+        def num(name, v, *, integer=False, allow_none=False):
+            if v is None and allow_none:
+                return
+            ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+            if not ok or isinstance(v, bool):
+                kind = "an integer" if integer else "a number"
+                raise ValueError(f"{name} must be {kind}, got {v!r}")
+            if not integer and not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v!r}")
+
+        num("max_new_tokens", self.max_new_tokens, integer=True, allow_none=True)
+        if self.max_new_tokens is not None and not 0 <= self.max_new_tokens <= self.MAX_NEW_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_new_tokens must be in [0, {self.MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}")
+        num("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        num("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        num("top_k", self.top_k, integer=True)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        num("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            num(name, v)
+            if not -2 <= v <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        num("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or list of them, got {self.stop!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        num("seed", self.seed, integer=True, allow_none=True)
+        num("n", self.n, integer=True)
+        if not 1 <= self.n <= 64:
+            raise ValueError(f"n must be in [1, 64], got {self.n}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"          # queued; may hold no pages
+    RUNNING = "running"          # prefill chunks or decode steps in flight
+    FINISHED = "finished"        # stop condition hit, pages released
+    ABORTED = "aborted"          # client abort or error, pages released
+
+
+_TRANSITIONS = {
+    RequestState.WAITING: {RequestState.RUNNING, RequestState.ABORTED, RequestState.FINISHED},
+    RequestState.RUNNING: {RequestState.WAITING, RequestState.FINISHED, RequestState.ABORTED},
+    RequestState.FINISHED: set(),
+    RequestState.ABORTED: set(),
+}
+
+
+@dataclasses.dataclass
+class Request:
+    """One sequence being served. ``pages`` lists the KV pages it holds, in position order.
+
+    Counters: the first ``num_computed_tokens`` tokens of ``all_ids`` have KV in ``pages``
+    (``num_cached_tokens`` of them came from the prefix cache). ``is_prefilling`` is derived.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    arrival_time: float = 0.0
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[float] = dataclasses.field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[float | None] = dataclasses.field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    state: RequestState = RequestState.WAITING
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+    prefix_node: Any = None       # prefix-cache node locked while this request runs
+    num_retractions: int = 0
+    last_scheduled_step: int = 0
+
+    def __post_init__(self):
+        if not self.prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while tokens other than the newest one still lack KV (prompt or recompute)."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    def set_state(self, new: RequestState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"request {self.rid}: illegal transition {self.state} -> {new}")
+        self.state = new

@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Write tiny random Hugging Face checkpoints (config.json + safetensors + tokenizer) for tests.
+
+Each checkpoint is made by transformers itself (``from_config`` + ``save_pretrained``), so it is
+an independent oracle for pdjax's models. A small byte-level BPE tokenizer (vocab 512, ChatML
+template) is trained with the ``tokenizers`` library and saved beside each model.
+
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--only NAME ...]
+
+Writes OUT_DIR/NAME/ for every NAME in ``CONFIGS``; existing complete folders are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+VOCAB = 512
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0)
+
+# name -> (transformers config class name, overrides, save kwargs)
+CONFIGS: dict[str, tuple[str, dict, dict]] = {
+    # GQA 4/2, untied, llama3 rope scaling, weights split in shards with an index JSON.
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0,
+              rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                high_freq_factor=4.0, original_max_position_embeddings=64)),
+              dict(max_shard_size="100KB")),
+    # MHA-ish tied embeddings, plain rope; 3 layers; fewer KV heads (1) than test TP sizes.
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1,
+                   num_hidden_layers=3, rope_theta=10000.0), {}),
+    # qkv bias, tied, yarn rope scaling.
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1000000.0,
+              rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                original_max_position_embeddings=128)), {}),
+    # q/k norm, untied, head_dim != hidden/heads.
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32,
+              rope_theta=1000000.0), {}),
+}
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Once upon a time there was a little robot who liked to count pages of memory.",
+    "Prefill computes the prompt; decode generates one token at a time.",
+    "Hello world! Bonjour le monde. Hola mundo. 你好，世界。",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000; symbols: <>{}[]()!?.,;:'\"",
+] * 20
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_tokenizer(out_dir: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def make_checkpoint(name: str, out_root: str, seed: int = 0) -> str:
+    import torch
+    import transformers
+
+    cls_name, overrides, save_kwargs = CONFIGS[name]
+    out_dir = os.path.join(out_root, name)
+    if os.path.exists(os.path.join(out_dir, "DONE")):
+        return out_dir
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = getattr(transformers, cls_name)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+    # Random init uses std 0.02: scale up so logits are far from uniform (a real oracle).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(4.0)
+    model.save_pretrained(out_dir, **save_kwargs)
+    make_tokenizer(out_dir)
+    with open(os.path.join(out_dir, "DONE"), "w") as f:
+        json.dump({"name": name}, f)
+    return out_dir
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None)
+    args = parser.parse_args(argv)
+    for name in args.only or sorted(CONFIGS):
+        print(make_checkpoint(name, args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

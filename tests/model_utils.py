@@ -1,0 +1,63 @@
+"""Test helpers: run a pdjax model on rows of the flat token stream, and tie-aware greedy checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.models.attention import AttentionMetadata
+from pdjax.sched.batch import BatchRow, build_flat_batch
+
+
+def _pow2(n, lo=16):
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+@jax.jit
+def _forward(model, input_ids, kc, vc, md, logits_indices):
+    return model(input_ids, kc, vc, md, logits_indices)
+
+
+def new_cache(cfg, num_pages, page_size, dtype=jnp.float32, sharding=None):
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    kc = jnp.zeros(shape, dtype)
+    if sharding is not None:
+        kc = jax.device_put(kc, sharding)
+    return kc, jnp.zeros_like(kc) if sharding is None else jax.device_put(jnp.zeros(shape, dtype), sharding)
+
+
+def run_rows(model, rows: list[BatchRow], kc, vc, page_size):
+    """One forward over ``rows``; returns (list of per-row logits arrays, kc, vc)."""
+    T = _pow2(sum(len(r.input_ids) for r in rows))
+    R = _pow2(len(rows), 4)
+    P = _pow2(max(-(-r.kv_len // page_size) for r in rows), 4)
+    fb = build_flat_batch(rows, page_size=page_size, num_tokens_pad=T, num_rows_pad=R,
+                          pages_per_seq_pad=P, num_logits_pad=T)
+    md = AttentionMetadata(*(jnp.asarray(a) for a in (
+        fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
+    logits, kc, vc = _forward(model, jnp.asarray(fb.input_ids), kc, vc, md, jnp.asarray(fb.logits_indices))
+    logits = np.asarray(logits)
+    return [logits[s:e] for s, e in fb.logits_row_spans], kc, vc
+
+
+def assign_pages(lengths, page_size, num_pages, seed=0):
+    """Disjoint, shuffled page lists for sequences of the given lengths."""
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(np.arange(1, num_pages)))
+    out = []
+    for n in lengths:
+        need = -(-n // page_size)
+        out.append([int(free.pop()) for _ in range(need)])
+    return out
+
+
+def greedy_match_len(ref_logits: np.ndarray, tokens, gap: float = 1e-3) -> int:
+    """Tie-aware comparison (DESIGN.md §5): number of leading positions that must match, i.e.
+    up to and including the first position whose reference top-2 logit gap is below ``gap``."""
+    for i, row in enumerate(ref_logits):
+        top2 = np.sort(row)[-2:]
+        if top2[1] - top2[0] < gap:
+            return i
+    return len(ref_logits)
