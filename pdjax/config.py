@@ -122,3 +122,110 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
         return cls.from_hf_dict(cfg, source=cfg_path)
+
+
+ROLES = ("colocated", "prefill", "decode", "pd")
+_DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
+    ``page_size``). Built from the CLI in one place (``from_cli_args``) or from keyword
+    arguments (``pdjax.Engine(**kwargs)``); a bad value raises ``ValueError`` naming the field.
+
+    Memory: the KV pool holds ``max_total_tokens`` tokens (default 16384) in pages of
+    ``page_size``; page 0 is the reserved null page.
+    """
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    tp_size: int = 1
+    page_size: int = 16
+    max_total_tokens: int = 16384
+    max_running_requests: int = 16
+    chunked_prefill_size: int = 256
+    max_prefill_tokens: int = 16384
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = False
+    context_length: int | None = None
+    random_seed: int = 0
+    attention_backend: str | None = None      # None/auto, reference, tpu, gpu
+    pallas_interpret: bool = False
+    profile_dir: str | None = None
+    log_level: str = "info"
+    skip_warmup_progress: bool = False
+    watchdog_timeout_s: float = 600.0
+    # PD disaggregation (DESIGN.md §4)
+    role: str = "colocated"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_ib_device: str | None = None
+    num_reserved_decode_tokens: int = 512
+    bootstrap_timeout_s: float = 300.0
+    waiting_timeout_s: float = 300.0
+    transfer_timeout_s: float = 300.0
+    heartbeat_interval_s: float = 5.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "fp8_e4m3"):
+            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, fp8_e4m3; "
+                             f"got {self.kv_cache_dtype!r}")
+        for name in ("port", "tp_size", "page_size", "max_total_tokens", "max_running_requests",
+                     "chunked_prefill_size", "max_prefill_tokens", "disaggregation_bootstrap_port"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if "port" in name else 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_total_tokens < 2 * self.page_size:
+            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
+                             f"pages of page_size {self.page_size}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.attention_backend not in (None, "auto", "reference", "tpu", "gpu"):
+            raise ValueError("attention_backend must be one of auto, reference, tpu, gpu; "
+                             f"got {self.attention_backend!r}")
+        if self.disaggregation_transfer_backend not in ("mooncake", "fake", "mooncake-corrupt"):
+            raise ValueError("disaggregation_transfer_backend must be mooncake or fake, got "
+                             f"{self.disaggregation_transfer_backend!r}")
+        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
+                     "heartbeat_interval_s", "drain_timeout_s", "watchdog_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def num_pages(self) -> int:
+        return self.max_total_tokens // self.page_size + 1
+
+    @classmethod
+    def add_cli_args(cls, parser) -> None:
+        """Add one ``--flag`` per field (SGLang's names), plus ``--disaggregation-mode``."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=default)
+                continue
+            typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+                str(f.type), str)
+            parser.add_argument(flag, type=typ, default=default)
+        parser.add_argument("--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE),
+                            default=None, help="SGLang's alias of --role")
+
+    @classmethod
+    def from_cli_args(cls, args) -> "ServerArgs":
+        kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        mode = getattr(args, "disaggregation_mode", None)
+        if mode is not None:
+            kw["role"] = _DISAGG_MODE_TO_ROLE[mode]
+        return cls(**kw)

@@ -156,6 +156,7 @@ class Request:
     prefix_node: Any = None       # prefix-cache node locked while this request runs
     num_retractions: int = 0
     last_scheduled_step: int = 0
+    seed_for_sampling: int = 0    # sampling_params.seed, or a random one drawn at arrival
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -177,6 +178,11 @@ class Request:
     def is_prefilling(self) -> bool:
         """True while tokens other than the newest one still lack KV (prompt or recompute)."""
         return self.num_computed_tokens < self.num_tokens - 1 or not self.output_ids
+
+    @property
+    def num_cached_tokens_reported(self) -> int:
+        """Prompt tokens served from a prefix cache (``cached_tokens`` in usage)."""
+        return min(self.num_cached_tokens, self.num_prompt_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -61,3 +61,43 @@ def greedy_match_len(ref_logits: np.ndarray, tokens, gap: float = 1e-3) -> int:
         if top2[1] - top2[0] < gap:
             return i
     return len(ref_logits)
+
+
+def assert_tokens_match(ours, ref, ref_gaps, gap: float = 1e-3, what: str = ""):
+    """Tie-aware token equality (DESIGN.md §5): equal up to and including the first position
+    whose reference top-2 gap is below ``gap``; returns how many positions were compared."""
+    n = len(ref)
+    for i, g in enumerate(ref_gaps):
+        if g < gap:
+            n = i + 1
+            break
+    assert list(ours[:n]) == list(ref[:n]), f"{what}: {list(ours[:n])} != {list(ref[:n])}"
+    return n
+
+
+def top2_gaps_from_top_logprobs(tops):
+    """Per position, logprob(top1) - logprob(top2) from ``output_top_logprobs`` of pdjax."""
+    return [t[0][0] - t[1][0] for t in tops]
+
+
+def boundary_prompts(n, seed=0, page=8, chunk=16, lengths=None, vocab=500):
+    """Prompts whose lengths sit at page and chunk boundaries (k*page, k*page+1, k*chunk-1,
+    k*chunk+1) and in between."""
+    rng = np.random.default_rng(seed)
+    if lengths is None:
+        lengths = [page, page + 1, 2 * page, 2 * page + 1, chunk - 1, chunk + 1, 2 * chunk - 1,
+                   2 * chunk + 1, 3 * chunk + 1, 1, 2, 5, 3 * page + 1, 4 * page, 40, 55]
+        lengths = (lengths * (n // len(lengths) + 1))[:n]
+    return [[int(x) for x in rng.integers(3, vocab, L)] for L in lengths]
+
+
+def set_sched(engine, **changes):
+    """Change scheduler settings of an idle engine (buckets stay the same)."""
+    import dataclasses
+
+    from pdjax.sched.scheduler import Scheduler
+
+    core = engine.core
+    assert not core.scheduler.has_work
+    core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes))
+    return core.scheduler

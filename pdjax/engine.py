@@ -1,0 +1,557 @@
+"""The engine every role runs: ``EngineCore`` (one step = schedule, forward, sample, update),
+the offline ``Engine`` in the style of ``sglang.Engine`` / ``vllm.LLM``, and ``AsyncEngine``,
+which runs the core on its own thread for the HTTP server (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import jax.numpy as jnp
+
+from pdjax.config import ServerArgs
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.jax_setup import enable_compilation_cache
+from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
+from pdjax.request import Request, SamplingParams
+from pdjax.runner.model_runner import ModelRunner
+from pdjax.runner.sampler import log_softmax, sample_token, top_logprobs
+from pdjax.sched.batch import BatchRow
+from pdjax.sched.buckets import Buckets
+from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_dtype(args: ServerArgs, model_dtype):
+    return {"auto": model_dtype, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
+            "fp8_e4m3": jnp.float8_e4m3fn}[args.kv_cache_dtype]
+
+
+class EngineCore:
+    """Model, scheduler and runner of one server; single-threaded (call from one thread).
+
+    ``step()`` returns the ``GenerateOutput`` increments of every request that got a token or
+    finished in that step.
+    """
+
+    def __init__(self, args: ServerArgs, *, progress: bool = True):
+        enable_compilation_cache()
+        self.args = args
+        self.model_path = resolve_model_path(args.model_path)
+        mesh = make_mesh(args.tp_size)
+        self.model_cfg, model = load_model(
+            self.model_path, dtype=args.dtype, mesh=mesh, progress=progress,
+            attention_impl=args.attention_backend, interpret=args.pallas_interpret)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        context = min(args.context_length or self.model_cfg.max_position_embeddings,
+                      self.model_cfg.max_position_embeddings if args.context_length is None
+                      else args.context_length)
+        self.sched_config = SchedulerConfig(
+            num_pages=args.num_pages, page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_prefill_tokens=args.max_prefill_tokens,
+            enable_mixed_chunk=args.enable_mixed_chunk,
+            disable_radix_cache=args.disable_radix_cache, max_context_len=context,
+            page_aligned_chunks=args.role == "prefill")
+        self.scheduler = Scheduler(self.sched_config)
+        self.context_length = self.scheduler.max_request_tokens
+        self.buckets = Buckets.create(
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            max_pages_per_seq=-(-self.context_length // args.page_size))
+        kv_dtype = kv_cache_dtype(args, resolve_dtype(args.dtype))
+        self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
+                                  kv_dtype=kv_dtype, buckets=self.buckets,
+                                  chunk_size=args.chunked_prefill_size)
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._rng = random.Random(args.random_seed)
+        self.num_steps = 0
+        self.host_time_s = 0.0        # scheduling + batch building + sampling
+        self.forward_time_s = 0.0
+        self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
+        self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, g: GenerateRequest) -> Request:
+        """Queue a request; ``ValueError`` (naming the problem) if it cannot be served."""
+        if not g.input_ids:
+            raise ValueError("input_ids: the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in g.input_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]!r} is outside [0, {vocab})")
+        req = Request(rid=g.rid, prompt_ids=list(g.input_ids), sampling_params=g.sampling_params,
+                      return_logprob=g.return_logprob, top_logprobs_num=g.top_logprobs_num,
+                      logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
+        sp = g.sampling_params
+        req.seed_for_sampling = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
+        req = self.scheduler.abort_request(rid, message)
+        return None if req is None else self._output(req, [], [], [])
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[GenerateOutput]:
+        t0 = time.perf_counter()
+        outputs: list[GenerateOutput] = []
+        for req in list(self.scheduler.requests.values()):
+            sp = req.sampling_params
+            if sp.max_new_tokens == 0 and not req.output_ids and req.num_computed_tokens == 0 \
+                    and not req.return_logprob:
+                self.scheduler.abort_request(req.rid)
+                req.finish_reason = {"type": "length", "length": 0}
+                outputs.append(self._output(req, [], [], []))
+        batch = self.scheduler.schedule()
+        if batch is None:
+            # A request the pool could never hold is finished by the scheduler.
+            return outputs
+        rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
+        max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
+        key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages)
+        fb = self.runner.make_batch(key, rows)
+        want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
+        t1 = time.perf_counter()
+        logits, hidden = self.runner.forward(key, fb, want_hidden=want_prompt_lp)
+        t2 = time.perf_counter()
+        if want_prompt_lp:
+            self._prompt_logprobs(batch, fb, hidden)
+        sampled, results = {}, {}
+        for i, row in enumerate(batch.rows):
+            if row.samples:
+                res = sample_token(logits[i], row.req)
+                sampled[i], results[i] = res.token_id, res
+        finished = self.scheduler.process_results(batch, sampled, self._stop_check)
+        for i, res in results.items():
+            req = batch.rows[i].req
+            if req.return_logprob:
+                req.output_logprobs.append(res.logprob)
+                req.output_top_logprobs.append(res.top_logprobs)
+            lp = [res.logprob] if req.return_logprob else []
+            top = [res.top_logprobs] if req.return_logprob else []
+            outputs.append(self._output(req, [res.token_id], lp, top))
+        del finished
+        self.num_steps += 1
+        self.forward_time_s += t2 - t1
+        self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
+        for hook in self.step_hooks:
+            hook(batch, outputs)
+        return outputs
+
+    def _stop_check(self, req: Request) -> dict | None:
+        sp = req.sampling_params
+        tok = req.output_ids[-1]
+        if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if sp.max_new_tokens is not None and len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    @staticmethod
+    def _wants_prompt_logprobs(row) -> bool:
+        req = row.req
+        return (req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
+                and row.start + row.num_tokens > req.logprob_start_len)
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden) -> None:
+        """Logprob of prompt token p from the logits at p - 1, for p >= logprob_start_len."""
+        wanted = []      # (req, position p, flat row of position p-1)
+        for i, row in enumerate(batch.rows):
+            if not self._wants_prompt_logprobs(row):
+                continue
+            req, s, n = row.req, row.start, row.num_tokens
+            lo = max(req.logprob_start_len, s)
+            for p in range(lo, min(s + n, req.num_prompt_tokens)):
+                if p == 0:
+                    req.prompt_logprobs.append(None)
+                    req.prompt_top_logprobs.append(None)
+                elif p - 1 >= s:
+                    wanted.append((req, p, int(fb.cu_q_lens[i]) + p - 1 - s))
+                else:
+                    # p - 1 lies in the previous chunk: its logits were taken then.
+                    pass
+            # The next chunk's first token is predicted by this chunk's last position.
+            p = s + n
+            if p < req.num_prompt_tokens and p >= req.logprob_start_len:
+                wanted.append((req, p, int(fb.cu_q_lens[i]) + n - 1))
+        if not wanted:
+            return
+        logits = self.runner.logits_at(hidden, [w[2] for w in wanted])
+        lps = log_softmax(logits)
+        for (req, p, _), lp in zip(wanted, lps):
+            req.prompt_logprobs.append(float(lp[req.prompt_ids[p]]))
+            req.prompt_top_logprobs.append(top_logprobs(lp, req.top_logprobs_num))
+
+    def _output(self, req: Request, tokens, lps, tops) -> GenerateOutput:
+        first = len(req.output_ids) <= len(tokens)
+        send_prompt_lp = req.return_logprob and req.logprob_start_len >= 0 and first
+        return GenerateOutput(
+            rid=req.rid, new_token_ids=list(tokens), new_logprobs=list(lps),
+            new_top_logprobs=list(tops),
+            prompt_logprobs=list(req.prompt_logprobs) if send_prompt_lp else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if send_prompt_lp else None,
+            finished=req.is_finished, finish_reason=req.finish_reason if req.is_finished else None,
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_ids),
+            cached_tokens=req.num_cached_tokens_reported, error=req.error)
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        if self.scheduler.running or self.scheduler.waiting:
+            return False
+        return self.scheduler.prefix_cache.reset()
+
+    def get_load(self) -> dict[str, Any]:
+        s = self.scheduler
+        total = s.config.num_pages - 1
+        return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
+                "num_used_pages": s.num_used_pages, "num_total_pages": total,
+                "num_cached_pages": s.prefix_cache.num_cached_pages,
+                "kv_usage": s.num_used_pages / total}
+
+
+def _sampling_params(sp) -> SamplingParams:
+    if isinstance(sp, SamplingParams):
+        return dataclasses.replace(sp)
+    return SamplingParams.from_dict(sp)
+
+
+class Engine:
+    """Offline engine in the style of ``sglang.Engine``: ``Engine(model_path=None,
+    dtype="auto", **server_args)``; no path serves the default SmolLM2 model.
+
+    ``generate(prompt | list of prompts, sampling_params, input_ids=...)`` returns a dict (one
+    prompt) or a list of dicts with ``text``, ``output_ids`` and ``meta_info``
+    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``finish_reason``, and
+    logprobs when asked). ``n > 1`` gives ``n`` results per prompt, prompt-major.
+    """
+
+    def __init__(self, model_path: str | None = None, dtype: str = "auto", **server_args):
+        progress = server_args.pop("progress", True)
+        self.args = ServerArgs(model_path=model_path, dtype=dtype, **server_args)
+        self.core = EngineCore(self.args, progress=progress)
+        self.tokenizer = self.core.tokenizer
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None,
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 top_logprobs_num: int = 0):
+        from pdjax.server.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
+
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids
+                                             and isinstance(input_ids[0], int))
+        if prompt is not None and input_ids is not None:
+            raise ValueError("pass either prompt or input_ids, not both")
+        if input_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: no prompt given")
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids_list = [input_ids] if single else list(input_ids)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+        if len(sps) != len(ids_list):
+            raise ValueError("sampling_params: list length differs from the number of prompts")
+        core = self.core
+        order, state = [], {}
+        for ids, sp in zip(ids_list, sps):
+            sp = _sampling_params(sp or {})
+            for k in range(sp.n):
+                rid = uuid.uuid4().hex
+                one = dataclasses.replace(sp, n=1)
+                if sp.n > 1 and sp.seed is not None:
+                    one = dataclasses.replace(one, seed=sp.seed + k)
+                g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
+                                    top_logprobs_num=top_logprobs_num,
+                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)
+                core.add_request(g)
+                order.append(rid)
+                state[rid] = {"ids": [], "lps": [], "tops": [], "prompt_lps": None,
+                              "out": None, "detok": IncrementalDetokenizer(
+                                  self.tokenizer, stop=one.stop,
+                                  skip_special_tokens=one.skip_special_tokens, prompt_ids=ids),
+                              "text": "", "finish": None}
+        pending = set(order)
+        while pending:
+            for out in core.step():
+                st = state.get(out.rid)
+                if st is None or out.rid not in pending:
+                    continue
+                st["ids"] += out.new_token_ids
+                st["lps"] += out.new_logprobs
+                st["tops"] += out.new_top_logprobs
+                if out.prompt_logprobs is not None:
+                    st["prompt_lps"] = (out.prompt_logprobs, out.prompt_top_logprobs)
+                st["out"] = out
+                new_ids = out.new_token_ids
+                if out.finished:       # the matched EOS / stop token is not part of the text
+                    new_ids = trim_matched_stop_token(new_ids, out.finish_reason)
+                delta = st["detok"].add_tokens(new_ids)
+                st["text"] += delta.text
+                if delta.stop_matched is not None and not out.finished:
+                    core.abort_request(out.rid)
+                    st["finish"] = {"type": "stop", "matched": delta.stop_matched}
+                    pending.discard(out.rid)
+                    continue
+                if out.finished:
+                    st["text"] += st["detok"].finish().text
+                    st["finish"] = out.finish_reason
+                    pending.discard(out.rid)
+        results = [self._result(rid, state[rid], return_logprob) for rid in order]
+        return results[0] if single and len(results) == 1 else results
+
+    def _result(self, rid, st, return_logprob) -> dict:
+        out = st["out"]
+        meta = {"id": rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(st["ids"]),
+                "cached_tokens": out.cached_tokens, "finish_reason": st["finish"]}
+        if return_logprob:
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(st["lps"], st["ids"])]
+            meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top] for top in st["tops"]]
+            if st["prompt_lps"] is not None:
+                meta["input_token_logprobs"] = st["prompt_lps"][0]
+                meta["input_top_logprobs"] = st["prompt_lps"][1]
+        return {"text": st["text"], "output_ids": st["ids"], "meta_info": meta}
+
+    def shutdown(self) -> None:
+        """Drop every request and free the device state."""
+        for rid in list(self.core.scheduler.requests):
+            self.core.abort_request(rid)
+        self.core.runner.k_cache = self.core.runner.v_cache = None
+        self.core = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.core is not None:
+            self.shutdown()
+
+
+class AsyncEngine:
+    """``EngineCore`` on its own thread, for the HTTP server (never on the event loop).
+
+    ``start()`` loads and warms up in the background; ``is_ready`` turns True after warm-up.
+    ``generate(req)`` is an async generator of ``GenerateOutput`` increments, pushed from the
+    engine thread into the caller's loop with ``call_soon_threadsafe`` (never polled); leaving
+    it early (client disconnect) aborts the request and frees its pages.
+    """
+
+    def __init__(self, args: ServerArgs, *, progress: bool = True):
+        self.args = args
+        self.model_path = resolve_model_path(args.model_path)
+        self.served_model_name = args.served_model_name or args.model_path or "default"
+        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.core: EngineCore | None = None
+        self.metrics = None                  # pdjax.metrics.Metrics, set by the server
+        self.error: BaseException | None = None
+        self.is_ready = False
+        self._progress = progress
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="pdjax-engine", daemon=True)
+        self._profile_steps_left: int | None = None
+        self._profile_dir: str | None = None
+        self._ready_event = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        self._ready_event.wait(timeout_s)
+        if self.error is not None:
+            raise RuntimeError(f"engine failed to start: {self.error}") from self.error
+        return self.is_ready
+
+    @property
+    def context_length(self) -> int:
+        return self.core.context_length if self.core is not None else 0
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ client API
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        if req.rid in self._streams:
+            yield GenerateOutput(req.rid, [], finished=True, error=f"rid {req.rid!r} is already in use",
+                                 finish_reason={"type": "abort", "message": "duplicate rid"})
+            return
+        self._streams[req.rid] = (loop, q)
+        self._call("add", req)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._streams.pop(req.rid, None)
+            if not finished:
+                self.abort(req.rid)
+
+    def abort(self, rid: str) -> None:
+        self._call("abort", rid)
+
+    def flush_cache(self) -> bool:
+        return self._call_sync("flush")
+
+    def get_load(self) -> dict:
+        return self._call_sync("load") if self.core is not None else {}
+
+    def server_info(self) -> dict:
+        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
+                    load_balance_method="round_robin", context_length=self.context_length,
+                    model_path=self.model_path, is_ready=self.is_ready)
+        if self.core is not None:
+            info.update(num_pages=self.core.args.num_pages, buckets=self.core.buckets.describe(),
+                        warmup_s=round(self.core.warmup_s, 3))
+        return info
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
+        return self._call_sync("start_profile", (output_dir or self.args.profile_dir or "profiles", num_steps))
+
+    def stop_profile(self) -> str:
+        return self._call_sync("stop_profile")
+
+    # ------------------------------------------------------------------ thread plumbing
+    def _call(self, op: str, arg=None) -> None:
+        self._inbox.put((op, arg, None))
+        self._wake.set()
+
+    def _call_sync(self, op: str, arg=None, timeout_s: float = 60.0):
+        if not self._thread.is_alive():
+            raise RuntimeError("engine is not running")
+        done = threading.Event()
+        box: list = []
+        self._inbox.put((op, arg, (done, box)))
+        self._wake.set()
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"engine did not answer {op!r} within {timeout_s} s")
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def _push(self, out: GenerateOutput) -> None:
+        stream = self._streams.get(out.rid)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _handle(self, op: str, arg):
+        core = self.core
+        if op == "add":
+            try:
+                core.add_request(arg)
+            except ValueError as e:
+                self._push(GenerateOutput(arg.rid, [], finished=True, error=str(e),
+                                          finish_reason={"type": "abort", "message": str(e)}))
+            return None
+        if op == "abort":
+            out = core.abort_request(arg)
+            if out is not None:
+                self._push(out)
+            return None
+        if op == "flush":
+            return core.flush_cache()
+        if op == "load":
+            return core.get_load()
+        if op == "start_profile":
+            out_dir, steps = arg
+            core.runner.start_profile(out_dir)
+            self._profile_dir, self._profile_steps_left = out_dir, steps
+            return out_dir
+        if op == "stop_profile":
+            if self._profile_dir is None:
+                raise ValueError("no profile is running")
+            core.runner.stop_profile()
+            out_dir, self._profile_dir, self._profile_steps_left = self._profile_dir, None, None
+            return out_dir
+        raise ValueError(f"unknown engine op {op!r}")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, arg, reply = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                result = self._handle(op, arg)
+            except BaseException as e:      # reported to the caller, never kills the loop
+                result = e
+                if reply is None:
+                    logger.exception("engine op %s failed", op)
+            if reply is not None:
+                reply[1].append(result)
+                reply[0].set()
+
+    def _run(self) -> None:
+        try:
+            self.core = EngineCore(self.args, progress=self._progress)
+            if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
+                self.metrics.attach_engine(self.core)
+            self.is_ready = True
+        except BaseException as e:
+            logger.exception("engine failed to start")
+            self.error = e
+            self._ready_event.set()
+            return
+        self._ready_event.set()
+        while not self._stop:
+            self._drain_inbox()
+            if not self.core.scheduler.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.core.step()
+            except Exception as e:
+                logger.exception("engine step failed; failing the running requests")
+                for rid in list(self.core.scheduler.requests):
+                    out = self.core.abort_request(rid, f"internal error: {e}")
+                    if out is not None:
+                        out.error = f"internal error: {e}"
+                        self._push(out)
+                continue
+            for out in outputs:
+                self._push(out)
+            if self._profile_steps_left is not None:
+                self._profile_steps_left -= 1
+                if self._profile_steps_left <= 0:
+                    self.core.runner.stop_profile()
+                    self._profile_dir = self._profile_steps_left = None
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("pdjax")
+    except Exception:
+        return "0.0.0"
+
+
+def _disagg_mode(role: str) -> str:
+    return {"colocated": "null", "prefill": "prefill", "decode": "decode"}.get(role, "null")

@@ -1,0 +1,163 @@
+"""The only owner of device state: parameters, the KV cache, and one jitted function per entry
+point, compiled once per bucket at warm-up (DESIGN.md §2).
+
+The NNX model is split into ``graphdef`` and ``state`` once; each entry point is a
+``jax.jit`` of a pure function that merges them, with the KV cache donated so XLA updates it in
+place. Compiles are counted from JAX's own monitoring events (a lowering to MLIR happens for
+every new executable, whether or not the persistent cache then serves the binary).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from pdjax.models.attention import AttentionMetadata
+from pdjax.models.llama import kv_cache_spec
+from pdjax.sched.batch import FlatBatch, build_flat_batch
+from pdjax.sched.buckets import BucketKey, Buckets
+
+logger = logging.getLogger(__name__)
+
+_COMPILE_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_compile_lock = threading.Lock()
+_compile_count = 0
+
+
+def _on_event(event: str, duration_s: float, **kwargs) -> None:
+    global _compile_count
+    if event == _COMPILE_EVENT:
+        with _compile_lock:
+            _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compile_count() -> int:
+    """Executables lowered in this process so far (JAX monitoring events)."""
+    return _compile_count
+
+
+def _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
+    model = nnx.merge(graphdef, state)
+    hidden, k_cache, v_cache = model.hidden_states(input_ids, k_cache, v_cache, md)
+    logits = model.compute_logits(hidden[logits_indices])
+    return logits, hidden, k_cache, v_cache
+
+
+# Three entry points over the same model, each its own jit (its own executables per bucket).
+def _decode(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
+    logits, _, k_cache, v_cache = _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
+    return logits, None, k_cache, v_cache
+
+
+def _prefill_chunk(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
+    return _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
+
+
+def _mixed(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
+    return _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
+
+
+def _all_logits(graphdef, state, hidden, indices):
+    return nnx.merge(graphdef, state).compute_logits(hidden[indices])
+
+
+class ModelRunner:
+    """Runs forwards of ``FlatBatch``es on ``mesh``; owns the KV cache.
+
+    KV cache: two arrays ``[layers, num_pages, page_size, KVH, D]`` of ``kv_dtype``, KV heads
+    sharded over ``tp``. ``forward`` returns logits ``[rows, V]`` float32 on the host.
+    """
+
+    def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
+                 buckets: Buckets, chunk_size: int | None = None):
+        self.cfg = model.cfg
+        self.mesh = mesh
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.buckets = buckets
+        self.chunk_size = chunk_size
+        self.graphdef, self.state = nnx.split(model)
+        shape = (self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_sharding = NamedSharding(mesh, kv_cache_spec())
+        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=self.kv_sharding)
+        self.k_cache, self.v_cache = zeros(), zeros()
+        self.kv_bytes_per_page = 2 * int(np.prod(shape[2:])) * self.cfg.num_layers * jnp.dtype(kv_dtype).itemsize
+        replicated = NamedSharding(mesh, P())
+        self._entries = {
+            name: jax.jit(fn, static_argnums=0, donate_argnums=(2, 3),
+                          out_shardings=(replicated, None, self.kv_sharding, self.kv_sharding))
+            for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
+        self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
+        self.warmup_done = False
+        self.compiles_after_warmup = 0
+        self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
+
+    # ------------------------------------------------------------------ batches
+    def make_batch(self, key: BucketKey, rows) -> FlatBatch:
+        n_logits = key.num_rows
+        return build_flat_batch(rows, page_size=self.page_size, num_tokens_pad=key.num_tokens,
+                                num_rows_pad=key.num_rows, pages_per_seq_pad=key.pages_per_seq,
+                                num_logits_pad=n_logits, chunk_size=self.chunk_size)
+
+    def forward(self, key: BucketKey, fb: FlatBatch, want_hidden: bool = False):
+        """Run one forward; returns ``(logits [num_rows, V] np.float32, hidden or None)``.
+
+        ``hidden`` (``[T, H]`` on device) is returned for prompt logprobs when asked.
+        """
+        before = compile_count()
+        md = AttentionMetadata(*(jnp.asarray(a) for a in (
+            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
+        logits, hidden, self.k_cache, self.v_cache = self._entries[key.entry](
+            self.graphdef, self.state, self.k_cache, self.v_cache, jnp.asarray(fb.input_ids), md,
+            jnp.asarray(fb.logits_indices))
+        logits = np.asarray(logits)[:fb.num_rows]
+        if self.warmup_done and compile_count() != before:
+            self.compiles_after_warmup += compile_count() - before
+            logger.warning("compile on the request path for bucket %s", key)
+            if self.on_unexpected_compile is not None:
+                self.on_unexpected_compile(key)
+        return logits, (hidden if want_hidden else None)
+
+    def logits_at(self, hidden, indices: list[int]) -> np.ndarray:
+        """Logits ``[len(indices), V]`` of chosen token rows of ``hidden`` (prompt logprobs)."""
+        n = hidden.shape[0]                      # the token bucket: one executable per bucket
+        idx = np.zeros(n, np.int32)
+        idx[:len(indices)] = indices
+        out = self._all_logits(self.graphdef, self.state, hidden, jnp.asarray(idx))
+        return np.asarray(out)[:len(indices)]
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket (the list is printed); returns seconds spent."""
+        keys = self.buckets.all_keys()
+        logger.info("warm-up: %s", self.buckets.describe())
+        print(f"pdjax warm-up: {self.buckets.describe()}", flush=True)
+        t0 = time.monotonic()
+        for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="bucket"):
+            fb = self.make_batch(key, [])
+            _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
+            if key.entry == "prefill_chunk" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
+                self.logits_at(hidden, [0])
+        jax.block_until_ready(self.k_cache)
+        self.warmup_done = True
+        return time.monotonic() - t0
+
+    # ------------------------------------------------------------------ profiling
+    def start_profile(self, output_dir: str) -> None:
+        jax.profiler.start_trace(output_dir)
+
+    def stop_profile(self) -> None:
+        jax.block_until_ready(self.k_cache)
+        jax.profiler.stop_trace()

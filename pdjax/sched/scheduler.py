@@ -1,0 +1,343 @@
+"""Continuous batching with chunked prefill, mixed batches and retraction (DESIGN.md §3).
+
+One step: ``schedule() -> (caller runs the forward and samples) -> process_results()``.
+Pure Python; never imports JAX.
+
+Policy, per step:
+1. Decode rows first: every running request whose prompt is done gets one token. Their next
+   page comes first (``check_decode_mem``); when the pool is exhausted even after evicting the
+   prefix cache, the decode request with the least progress is retracted (pages released into
+   the prefix cache, requeued at the front, recomputed later).
+2. The rest of the token budget (``chunked_prefill_size``, capped by ``max_prefill_tokens``)
+   goes to prefill: first requests already being prefilled, then waiting ones in arrival order
+   (head of line; no skipping), admitted only when the whole prompt's pages plus one fit.
+   A prompt longer than the budget is split into chunks; one chunked request at a time.
+3. With ``enable_mixed_chunk`` the decode rows and the prefill chunk share one forward (the
+   ``mixed`` entry). Without it a step is either decode or prefill, alternating when both have
+   work, so decode rows never wait more than one step (the fairness bound).
+
+Page ownership, checked by ``check_invariants`` from independent sides:
+
+    request.pages = [cached prefix pages (owned by the prefix cache, locked) | own pages]
+    own pages of live requests + prefix-cache pages + free list = pages 1..num_pages-1
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from pdjax.kv.allocator import PageAllocator
+from pdjax.kv.prefix_cache import RadixCache
+from pdjax.request import Request, RequestState
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits in SGLang's terms; ``ValueError`` naming the field for a bad value."""
+
+    num_pages: int
+    page_size: int = 16
+    max_running_requests: int = 16
+    chunked_prefill_size: int = 256
+    max_prefill_tokens: int = 16384
+    enable_mixed_chunk: bool = False
+    disable_radix_cache: bool = False
+    max_context_len: int = 4096
+    page_aligned_chunks: bool = False   # PD prefill: non-last chunks end on a page boundary
+
+    def __post_init__(self):
+        for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size",
+                     "max_prefill_tokens", "max_context_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.page_aligned_chunks and self.chunked_prefill_size < self.page_size:
+            raise ValueError("chunked_prefill_size must be >= page_size when chunks are page-aligned")
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    """``num_tokens`` new tokens of ``req`` from position ``start``."""
+
+    req: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start == self.req.num_tokens - 1 and bool(self.req.output_ids)
+
+    @property
+    def samples(self) -> bool:
+        """True when this row reaches the request's newest token, so a token is sampled."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.req.all_ids[self.start:self.start + self.num_tokens]
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    forward_mode: str             # "decode" | "prefill_chunk" | "mixed"
+    rows: list[ScheduledRow]      # decode rows first
+    step: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.rows)
+
+
+class Scheduler:
+    """Owns the waiting/running queues, the page allocator and the prefix cache."""
+
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.num_pages)
+        self.prefix_cache = RadixCache(config.page_size, self.allocator,
+                                       enabled=not config.disable_radix_cache)
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.step_id = 0
+        self._last_forward_mode: str | None = None
+        self.num_retractions = 0
+        self.num_prompt_tokens_computed = 0
+
+    # ------------------------------------------------------------------ queue operations
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens one request may hold: the context length, and what the pool can hold."""
+        return min(self.config.max_context_len, (self.config.num_pages - 2) * self.page_size)
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``; ``ValueError`` if its prompt cannot fit the context or the pool."""
+        if req.rid in self.requests:
+            raise ValueError(f"rid {req.rid!r} is already in use")
+        if req.num_tokens >= self.max_request_tokens:
+            raise ValueError(f"prompt of {req.num_tokens} tokens is at or over the context "
+                             f"length {self.max_request_tokens}")
+        req.arrival_time = req.arrival_time or time.monotonic()
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str, message: str = "aborted") -> Request | None:
+        """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        req.finish_reason = {"type": "abort", "message": message}
+        req.set_state(RequestState.ABORTED)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ pages
+    def _pages_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.page_size) - len(req.pages))
+
+    def _make_free(self, n: int) -> bool:
+        """Evict from the prefix cache until ``n`` pages are free; False if impossible."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.prefix_cache.evict(short)
+        return self.allocator.num_free >= n
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give ``req`` pages to hold ``num_tokens`` tokens; False (no change) if impossible."""
+        n = self._pages_needed(req, num_tokens)
+        if n == 0:
+            return True
+        if not self._make_free(n):
+            return False
+        req.pages.extend(self.allocator.alloc(n))
+        return True
+
+    def _release(self, req: Request) -> None:
+        """Return ``req``'s pages: full computed pages into the prefix cache, the rest freed."""
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        full = min(req.num_computed_tokens // self.page_size, len(req.pages))
+        self.prefix_cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
+        if req.pages[full:]:
+            self.allocator.free(req.pages[full:])
+        req.pages = []
+
+    def _retract(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.num_retractions += 1
+        req.last_scheduled_step = self.step_id   # not readmitted in the step that retracted it
+        req.set_state(RequestState.WAITING)
+        self.waiting.appendleft(req)
+        self.num_retractions += 1
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick this step's rows; None when there is nothing to run."""
+        self.step_id += 1
+        decode_reqs = [r for r in self.running if not r.is_prefilling]
+        has_prefill_work = any(r.is_prefilling for r in self.running) or any(
+            r.last_scheduled_step != self.step_id for r in self.waiting)
+        mixed = self.config.enable_mixed_chunk
+        run_decode = bool(decode_reqs) and (mixed or not has_prefill_work
+                                            or self._last_forward_mode != "decode")
+        rows: list[ScheduledRow] = []
+        if run_decode:
+            rows = self._schedule_decode(decode_reqs)
+        run_prefill = has_prefill_work and (mixed or not rows)
+        if run_prefill:
+            budget = min(self.config.chunked_prefill_size - len(rows), self.config.max_prefill_tokens)
+            rows += self._schedule_prefill(budget)
+        if not rows and decode_reqs and not run_decode:
+            rows = self._schedule_decode(decode_reqs)   # prefill could not start: decode now
+        if not rows:
+            return None
+        n_decode = sum(r.is_decode for r in rows)
+        mode = "decode" if n_decode == len(rows) else ("prefill_chunk" if n_decode == 0 else "mixed")
+        self._last_forward_mode = mode
+        for r in rows:
+            r.req.last_scheduled_step = self.step_id
+        return ScheduledBatch(mode, rows, self.step_id)
+
+    def _schedule_decode(self, decode_reqs: list[Request]) -> list[ScheduledRow]:
+        # check_decode_mem: every decode row needs room for one more token; retract the
+        # request with the least progress until the rest fit.
+        reqs = list(decode_reqs)
+        while reqs:
+            need = sum(self._pages_needed(r, r.num_tokens) for r in reqs)
+            if self._make_free(need):
+                break
+            if len(reqs) == 1 and len(self.running) == 1:
+                # Alone and still no room: the pool cannot hold this request at all.
+                victim = reqs[0]
+                self.running.remove(victim)
+                self._release(victim)
+                self.requests.pop(victim.rid, None)
+                victim.finish_reason = {"type": "length", "length": len(victim.output_ids)}
+                victim.set_state(RequestState.FINISHED)
+                return []
+            victim = min(reqs, key=lambda r: (len(r.output_ids), -r.arrival_time))
+            reqs.remove(victim)
+            self._retract(victim)
+        rows = []
+        for r in reqs:
+            grown = self._grow(r, r.num_tokens)
+            assert grown, "decode pages were reserved above"
+            rows.append(ScheduledRow(r, r.num_tokens - 1, 1))
+        return rows
+
+    def _admit(self, req: Request) -> bool:
+        ps = self.page_size
+        max_pages = (req.num_tokens - 1) // ps
+        if req.return_logprob and req.logprob_start_len >= 0:
+            max_pages = min(max_pages, max(0, req.logprob_start_len - 1) // ps)
+        pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
+        self.prefix_cache.lock(node)
+        need = -(-req.num_tokens // ps) + 1 - len(pages)
+        if not self._make_free(need):
+            self.prefix_cache.unlock(node)
+            return False
+        req.prefix_node = node
+        req.pages = list(pages)
+        req.num_computed_tokens = req.num_cached_tokens = len(pages) * ps
+        req.set_state(RequestState.RUNNING)
+        self.running.append(req)
+        return True
+
+    def _schedule_prefill(self, budget: int) -> list[ScheduledRow]:
+        rows: list[ScheduledRow] = []
+        candidates = [r for r in self.running if r.is_prefilling]
+        while budget > 0:
+            if candidates:
+                req = candidates.pop(0)
+            else:
+                if not self.waiting or len(self.running) >= self.config.max_running_requests:
+                    break
+                req = self.waiting[0]
+                if req.last_scheduled_step == self.step_id or not self._admit(req):
+                    break
+                self.waiting.popleft()
+            remaining = req.num_tokens - req.num_computed_tokens
+            n = min(budget, remaining)
+            if n < remaining and self.config.page_aligned_chunks:
+                n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
+            if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
+                break
+            rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            budget -= n
+            if n < remaining:
+                break          # one chunked request at a time
+        return rows
+
+    # ------------------------------------------------------------------ results
+    def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],
+                        stop_check) -> list[Request]:
+        """Advance counters after the forward. ``sampled[row_index]`` is the token sampled for
+        each row with ``samples``; ``stop_check(req)`` returns a finish reason or None after a
+        token is appended. Returns the requests that finished this step (pages released)."""
+        finished = []
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            if req.is_finished or req.rid not in self.requests:
+                continue
+            if not row.is_decode:
+                self.num_prompt_tokens_computed += row.num_tokens
+            req.num_computed_tokens = row.start + row.num_tokens
+            if not row.samples:
+                continue
+            req.output_ids.append(sampled[i])
+            reason = stop_check(req)
+            if reason is None and req.num_tokens >= self.max_request_tokens:
+                reason = {"type": "length", "length": len(req.output_ids)}
+            if reason is not None:
+                self.finish_request(req, reason)
+                finished.append(req)
+        return finished
+
+    def finish_request(self, req: Request, reason: dict) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        self.requests.pop(req.rid, None)
+        req.finish_reason = reason
+        req.set_state(RequestState.FINISHED)
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_used_pages(self) -> int:
+        return self.config.num_pages - 1 - self.allocator.num_free
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` unless request-owned, cached and free pages partition the
+        pool (counted from each side independently) and requests' pages are disjoint."""
+        free = set(self.allocator.free_pages())
+        cached = set(self.prefix_cache.cached_pages())
+        owned: list[int] = []
+        for r in self.running:
+            k = r.num_cached_tokens // self.page_size
+            assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
+            owned += r.pages[k:]
+        owned_set = set(owned)
+        assert len(owned_set) == len(owned), "a page is owned by two requests"
+        assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
+            "page sets overlap"
+        assert 0 not in owned_set | cached | free, "the null page escaped"
+        total = len(owned_set) + len(cached) + len(free)
+        assert owned_set | cached | free == set(range(1, self.config.num_pages)), \
+            f"pages leaked: {self.config.num_pages - 1 - total} missing"

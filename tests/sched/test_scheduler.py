@@ -1,0 +1,216 @@
+"""Scheduler unit tests with a fake model (pure Python; no JAX)."""
+
+import random
+import sys
+
+import pytest
+
+from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.sched.batch import BatchRow, build_flat_batch
+from pdjax.sched.buckets import Buckets
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+
+def _req(rid, n_prompt, max_new=4, seed=0):
+    rng = random.Random(seed)
+    return Request(rid, [rng.randrange(3, 100) for _ in range(n_prompt)],
+                   SamplingParams(max_new_tokens=max_new, temperature=0))
+
+
+def _fake_token(req):
+    # Deterministic "model": next token depends on the whole sequence.
+    return 3 + sum(req.all_ids) % 97
+
+
+def _stop(req):
+    if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+        return {"type": "length", "length": len(req.output_ids)}
+    return None
+
+
+def run_to_completion(sched, max_steps=10_000, on_batch=None):
+    steps = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+        if batch is None:
+            continue
+        if on_batch:
+            on_batch(batch)
+        sampled = {i: _fake_token(r.req) for i, r in enumerate(batch.rows) if r.samples}
+        sched.process_results(batch, sampled, _stop)
+        sched.check_invariants()
+    return steps
+
+
+def test_no_jax_import():
+    import subprocess
+
+    code = "import sys, pdjax.sched.scheduler, pdjax.sched.batch, pdjax.sched.buckets; " \
+           "assert 'jax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_chunked_prefill_and_decode_rows_first():
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=8,
+                                      enable_mixed_chunk=True))
+    a, b = _req("a", 3, max_new=6), _req("b", 20, max_new=2, seed=1)
+    sched.add_request(a)
+    batch = sched.schedule()
+    assert batch.forward_mode == "prefill_chunk" and [(r.start, r.num_tokens) for r in batch.rows] == [(0, 3)]
+    sched.process_results(batch, {0: 50}, _stop)
+    sched.add_request(b)
+    batch = sched.schedule()
+    # Mixed: a's decode row first, then b's first chunk (budget 8 - 1 decode row = 7 tokens).
+    assert batch.forward_mode == "mixed"
+    assert [(r.req.rid, r.start, r.num_tokens) for r in batch.rows] == [("a", 3, 1), ("b", 0, 7)]
+    assert batch.rows[0].is_decode and not batch.rows[1].samples
+    sched.process_results(batch, {0: 51}, _stop)
+    sched.check_invariants()
+    run_to_completion(sched)
+    assert a.output_ids[:2] == [50, 51] and len(a.output_ids) == 6 and len(b.output_ids) == 2
+
+
+def test_page_aligned_chunks_for_pd_prefill():
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=10,
+                                      page_aligned_chunks=True))
+    sched.add_request(_req("a", 23, max_new=1))
+    spans = []
+    run_to_completion(sched, on_batch=lambda b: spans.extend((r.start, r.num_tokens) for r in b.rows))
+    assert spans == [(0, 8), (8, 8), (16, 7)]      # non-last chunks end on page boundaries
+
+
+def test_without_mixing_decode_waits_at_most_one_step():
+    sched = Scheduler(SchedulerConfig(num_pages=256, page_size=4, chunked_prefill_size=8,
+                                      max_running_requests=8))
+    sched.add_request(_req("d", 3, max_new=40))
+    for i in range(5):
+        sched.add_request(_req(f"p{i}", 30, max_new=2, seed=i))
+    last_decode, gaps = None, []
+
+    def on_batch(batch):
+        nonlocal last_decode
+        assert batch.forward_mode in ("decode", "prefill_chunk")
+        if any(r.req.rid == "d" and r.is_decode for r in batch.rows):
+            if last_decode is not None:
+                gaps.append(batch.step - last_decode)
+            last_decode = batch.step
+
+    run_to_completion(sched, on_batch=on_batch)
+    assert gaps and max(gaps) <= 2
+
+
+def test_small_pool_retracts_and_completes_with_same_tokens():
+    def workload():
+        return [_req(f"r{i}", 5 + 3 * i, max_new=12, seed=i) for i in range(8)]
+
+    big = Scheduler(SchedulerConfig(num_pages=512, page_size=4, chunked_prefill_size=16))
+    reqs_big = workload()
+    for r in reqs_big:
+        big.add_request(r)
+    run_to_completion(big)
+    assert big.num_retractions == 0
+
+    small = Scheduler(SchedulerConfig(num_pages=20, page_size=4, chunked_prefill_size=16,
+                                      max_context_len=64))
+    reqs_small = workload()
+    for r in reqs_small:
+        small.add_request(r)
+    run_to_completion(small)
+    assert small.num_retractions > 0
+    assert [r.output_ids for r in reqs_small] == [r.output_ids for r in reqs_big]
+    assert all(r.state == RequestState.FINISHED for r in reqs_small)
+    assert not small.running and small.num_used_pages == small.prefix_cache.num_cached_pages
+
+
+def test_prefix_cache_hit_skips_cached_pages():
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=64))
+    a = _req("a", 13, max_new=1)
+    sched.add_request(a)
+    run_to_completion(sched)
+    b = Request("b", list(a.prompt_ids[:12]) + [9, 9], SamplingParams(max_new_tokens=1))
+    sched.add_request(b)
+    batch = sched.schedule()
+    assert b.num_cached_tokens == 12 and [(r.start, r.num_tokens) for r in batch.rows] == [(12, 2)]
+    # Capped so at least one token is computed even on a full hit.
+    c = Request("c", list(a.prompt_ids[:12]), SamplingParams(max_new_tokens=1))
+    sched.process_results(batch, {0: 5}, _stop)
+    sched.add_request(c)
+    batch = sched.schedule()
+    assert c.num_cached_tokens == 8 and [(r.start, r.num_tokens) for r in batch.rows] == [(8, 4)]
+
+
+def test_abort_returns_pages_and_rejects_long_prompt():
+    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=4, chunked_prefill_size=8,
+                                      max_context_len=64, disable_radix_cache=True))
+    sched.add_request(_req("a", 30, max_new=5))
+    batch = sched.schedule()
+    sched.process_results(batch, {}, _stop)
+    assert sched.num_used_pages > 0
+    assert sched.abort_request("a").state == RequestState.ABORTED
+    sched.check_invariants()
+    assert sched.num_used_pages == 0
+    with pytest.raises(ValueError, match="context length"):
+        sched.add_request(_req("long", 64))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(_req("x", 3))
+        sched.add_request(_req("x", 3))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workloads_keep_page_invariants(seed):
+    rng = random.Random(seed)
+    sched = Scheduler(SchedulerConfig(num_pages=rng.choice([24, 40, 200]), page_size=4,
+                                      chunked_prefill_size=rng.choice([8, 16, 32]),
+                                      max_running_requests=rng.choice([2, 4, 8]),
+                                      enable_mixed_chunk=bool(seed % 2), max_context_len=80))
+    sched.allocator.shuffle(seed)
+    base = [rng.randrange(3, 100) for _ in range(24)]
+    reqs = []
+    for i in range(30):
+        n = rng.randrange(1, 60)
+        prompt = (base[:rng.randrange(0, 24)] + [rng.randrange(3, 100) for _ in range(n)])[:70] or [5]
+        r = Request(f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randrange(1, 9)))
+        sched.add_request(r)
+        reqs.append(r)
+    aborted = set()
+
+    def on_batch(batch):
+        if rng.random() < 0.05 and sched.requests:
+            rid = rng.choice(sorted(sched.requests))
+            aborted.add(rid)
+            sched.abort_request(rid)
+            sched.check_invariants()
+
+    run_to_completion(sched, on_batch=on_batch)
+    for r in reqs:
+        if r.rid not in aborted:
+            assert r.state == RequestState.FINISHED and len(r.output_ids) == r.sampling_params.max_new_tokens
+
+
+def test_flat_batch_layout():
+    rows = [BatchRow([5], 6, [3, 7]), BatchRow([1, 2, 3, 4, 5], 2, [9, 2])]
+    fb = build_flat_batch(rows, page_size=4, num_tokens_pad=16, num_rows_pad=4, pages_per_seq_pad=4,
+                          chunk_size=5)
+    assert fb.input_ids[:6].tolist() == [5, 1, 2, 3, 4, 5] and fb.input_ids[6:].tolist() == [0] * 10
+    assert fb.positions[:6].tolist() == [6, 2, 3, 4, 5, 6]
+    assert fb.slot_mapping[:6].tolist() == [7 * 4 + 2, 9 * 4 + 2, 9 * 4 + 3, 2 * 4, 2 * 4 + 1, 2 * 4 + 2]
+    assert fb.slot_mapping[6:].tolist() == [0] * 10
+    assert fb.cu_q_lens.tolist() == [0, 1, 6, 6, 6] and fb.kv_lens.tolist() == [7, 7, 0, 0]
+    assert fb.distribution.tolist() == [1, 2, 2]
+    assert fb.logits_indices.tolist() == [0, 5, 0, 0]
+
+
+def test_buckets_bounded_and_pick():
+    b = Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=512)
+    assert b.token_buckets == (16, 32, 64, 128, 256)
+    assert b.request_buckets == (1, 2, 4, 8, 16)
+    assert b.pages_per_seq_buckets == (4, 16, 64, 256, 512)
+    assert len(b.all_keys()) == 5 * 5 + 2 * 5 * 5
+    k = b.pick("decode", 3, 3, 17)
+    assert (k.num_tokens, k.num_rows, k.pages_per_seq) == (4, 4, 64)
+    k = b.pick("mixed", 100, 5, 3)
+    assert (k.num_tokens, k.num_rows, k.pages_per_seq) == (128, 16, 4)
+    with pytest.raises(ValueError, match="tokens"):
+        b.pick("prefill_chunk", 257, 1, 1)
