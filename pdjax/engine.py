@@ -30,6 +30,8 @@ from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
 
 def kv_cache_dtype(args: ServerArgs, model_dtype):
     return {"auto": model_dtype, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
@@ -351,7 +353,7 @@ class AsyncEngine:
     def __init__(self, args: ServerArgs, *, progress: bool = True):
         self.args = args
         self.model_path = resolve_model_path(args.model_path)
-        self.served_model_name = args.served_model_name or args.model_path or "default"
+        self.served_model_name = args.served_model_name or args.model_path or DEFAULT_SERVED_MODEL_NAME
         self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
         self.core: EngineCore | None = None
         self.metrics = None                  # pdjax.metrics.Metrics, set by the server

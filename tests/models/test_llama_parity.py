@@ -87,3 +87,20 @@ def test_tensor_parallel_matches_single_device(tiny_checkpoints, name, tp):
 def test_tp_size_that_does_not_divide_heads_is_rejected(tiny_checkpoints):
     with pytest.raises(ValueError, match="tp_size"):
         load_model(tiny_checkpoints["qwen3"], dtype="float32", mesh=make_mesh(3), progress=False)
+
+
+def test_bfloat16_close_to_float32(tiny_checkpoints):
+    path = tiny_checkpoints["qwen3"]
+    cfg, m32 = load_model(path, dtype="float32", progress=False)
+    _, m16 = load_model(path, dtype="bfloat16", progress=False)
+    assert m16.layers.wq[...].dtype.name == "bfloat16"
+    prompts = _prompts(3, (20,))
+    a = _prefill_all(m32, cfg, prompts)[0]
+    import jax.numpy as jnp
+
+    kc, vc = new_cache(cfg, 64, PAGE, dtype=jnp.bfloat16)
+    pages = assign_pages([20], PAGE, 64)
+    b, _, _ = run_rows(m16, [BatchRow(prompts[0], 0, pages[0], logits_start=0)], kc, vc, PAGE)
+    rel = np.abs(a - b[0]).max() / np.abs(a).max()
+    assert rel < 0.05
+    assert (np.argmax(a, -1) == np.argmax(b[0], -1)).mean() > 0.8
