@@ -1,0 +1,149 @@
+"""The ``mooncake`` transfer backend, over Mooncake Transfer Engine (DESIGN.md §4).
+
+Setup that worked here (reference/transfer_engines.md §1): ``initialize(hostname,
+"P2PHANDSHAKE", protocol, device_name)`` (never ``initialize_ext``), no etcd; the peer id is
+``"hostname:rpc_port"`` with the port read back from ``get_rpc_port()`` (the port in the
+hostname is ignored). The ``protocol`` argument does not pick the transport: Mooncake uses RDMA
+when it finds HCAs and ``MC_FORCE_TCP`` is unset, TCP otherwise. The target refuses writes
+outside its registered memory, so a bad destination fails the write instead of corrupting memory.
+
+CPU install: ``pip install mooncake-transfer-engine-non-cuda`` and
+``apt-get install -y libibverbs1`` (the wheel links libibverbs/libnl even when no NIC is used).
+
+``CorruptingMooncakeTransferEngine`` (``mooncake-corrupt``) is TEST ONLY; see its docstring.
+Pure Python; never imports JAX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import numpy as np
+
+from pdjax.transfer.engine import DEFAULT_MAX_BATCH, TransferEngine, TransferError
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = ("Mooncake is not importable. On CPU hosts: "
+                "`pip install mooncake-transfer-engine-non-cuda` and "
+                "`apt-get install -y libibverbs1`; on CUDA 12 hosts: "
+                "`pip install mooncake-transfer-engine`.")
+
+
+def _import_mooncake():
+    try:
+        from mooncake.engine import TransferEngine as _MooncakeEngine
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return _MooncakeEngine
+
+
+class MooncakeTransferEngine(TransferEngine):
+    """Mooncake Transfer Engine with P2P handshake metadata (no etcd).
+
+    ``hostname``: the IP peers reach this engine at (``127.0.0.1`` on one machine).
+    ``protocol``: ``tcp`` or ``rdma`` (see the module docstring). ``device_name``: RDMA HCAs to
+    use, e.g. ``"mlx5_0,mlx5_1"``; empty for all/TCP. Raises ``ImportError`` with install
+    instructions when the wheel or libibverbs is missing, ``TransferError`` when initialization
+    fails.
+
+    ``_write_batch`` uses ``batch_transfer_sync_write``, which busy-waits with the GIL released:
+    call ``batch_write`` from a worker thread, not from an event loop.
+    """
+
+    backend = "mooncake"
+
+    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
+                 device_name: str = "", metadata_server: str = "P2PHANDSHAKE",
+                 max_batch: int = DEFAULT_MAX_BATCH, check_sources: bool = True):
+        super().__init__(max_batch=max_batch, check_sources=check_sources)
+        if not isinstance(hostname, str) or not hostname or hostname == "0.0.0.0":
+            raise ValueError(f"hostname: expected a reachable IP or name, got {hostname!r}")
+        if protocol not in ("tcp", "rdma"):
+            raise ValueError(f"protocol: {protocol!r} not in ('tcp', 'rdma')")
+        if metadata_server != "P2PHANDSHAKE":
+            # Anything else is treated as an etcd address and stalls ~5 s when none runs.
+            raise ValueError(f"metadata_server: only 'P2PHANDSHAKE' is supported, "
+                             f"got {metadata_server!r}")
+        engine_cls = _import_mooncake()
+        self._engine = engine_cls()
+        rc = self._engine.initialize(hostname, metadata_server, protocol, device_name)
+        if rc != 0:
+            raise TransferError(f"mooncake initialize({hostname!r}, {protocol!r}) returned {rc}")
+        self._session_id = f"{hostname}:{self._engine.get_rpc_port()}"
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def _register(self, addr: int, length: int) -> None:
+        rc = self._engine.register_memory(addr, length)
+        if rc != 0:
+            raise TransferError(f"mooncake register_memory({addr:#x}, {length}) returned {rc}")
+
+    def _unregister(self, addr: int) -> None:
+        rc = self._engine.unregister_memory(addr)
+        if rc != 0:
+            raise TransferError(f"mooncake unregister_memory({addr:#x}) returned {rc}")
+
+    def _write_batch(self, peer_session_id, srcs, dsts, lens) -> None:
+        rc = self._engine.batch_transfer_sync_write(peer_session_id, srcs, dsts, lens)
+        if rc != 0:
+            raise TransferError(
+                f"mooncake write to {peer_session_id} failed (rc={rc}; {len(srcs)} copies, "
+                f"{sum(lens)} bytes): peer down, or destination outside its registered memory")
+
+    def _shutdown(self) -> None:
+        self._engine = None  # the binding has no explicit close; dropping it stops the engine
+
+
+class CorruptingMooncakeTransferEngine(MooncakeTransferEngine):
+    """TEST ONLY (``--disaggregation-transfer-backend mooncake-corrupt``): Mooncake, then one
+    flipped byte in the destination of the first KV copy of every ``batch_write``.
+
+    It exists to prove that the decode side really uses the transferred KV (issue 5: "a test
+    transfer backend that flips one byte of the KV changes the output"). After the real write
+    has landed, it reads byte ``corrupt_offset`` (clamped to the copy) of the first copy whose
+    *source* lies in a region registered with label ``corrupt_label`` (default ``"kv"``, so the
+    metadata row is never touched), XORs it with ``corrupt_xor`` and writes that one byte over
+    the destination through Mooncake from a private scratch buffer, so it works across
+    processes. With the defaults (offset 1, mask 0x40) the byte is the high byte of the first
+    bf16/fp16 element, and the flip toggles the top exponent bit: the value is scaled by
+    2**64 or 2**-64. ``corruptions`` counts the flipped bytes.
+    """
+
+    backend = "mooncake-corrupt"
+
+    def __init__(self, hostname: str = "127.0.0.1", *, corrupt_label: str = "kv",
+                 corrupt_offset: int = 1, corrupt_xor: int = 0x40, **kwargs):
+        super().__init__(hostname, **kwargs)
+        if not isinstance(corrupt_offset, int) or corrupt_offset < 0:
+            raise ValueError(f"corrupt_offset: expected an int >= 0, got {corrupt_offset!r}")
+        if not isinstance(corrupt_xor, int) or not 1 <= corrupt_xor <= 0xFF:
+            raise ValueError(f"corrupt_xor: expected an int in [1, 255], got {corrupt_xor!r}")
+        self.corrupt_label = corrupt_label
+        self.corrupt_offset = corrupt_offset
+        self.corrupt_xor = corrupt_xor
+        self.corruptions = 0
+        self._scratch = np.zeros(64, dtype=np.uint8)
+        self._scratch_lock = threading.Lock()
+        self.register_memory(self._scratch.ctypes.data, self._scratch.nbytes, label="scratch")
+        logger.warning("transfer backend %s is TEST ONLY: it corrupts one KV byte per write",
+                       self.backend)
+
+    def batch_write(self, peer_session_id, copies) -> None:
+        super().batch_write(peer_session_id, copies)
+        for src, dst, length in copies:
+            region = self.find_region(int(src), int(length))
+            if region is not None and region.label == self.corrupt_label:
+                offset = min(self.corrupt_offset, int(length) - 1)
+                with self._scratch_lock:
+                    # The source is local memory registered here, so reading it is safe.
+                    original = ctypes.string_at(int(src) + offset, 1)[0]
+                    self._scratch[0] = original ^ self.corrupt_xor
+                    self._write_batch(peer_session_id, [self._scratch.ctypes.data],
+                                      [int(dst) + offset], [1])
+                    self.corruptions += 1
+                return

@@ -1,0 +1,530 @@
+"""PD control-plane messages: typed, versioned dataclasses encoded with msgpack (DESIGN.md §4).
+
+Every ZMQ frame between a prefill and a decode server is one msgpack map::
+
+    {"v": PROTOCOL_VERSION, "t": <MessageType>, <field>: <value>, ...}
+
+``decode_message`` accepts only that shape: the version must match, the type tag must be known,
+every field must be present with the right type and range, and unknown fields are rejected. Any
+violation raises ``ProtocolError`` (a ``ValueError``) naming the field, so a receiver can log it
+and keep serving. No pickle anywhere. Page lists travel as packed little-endian uint32 bytes.
+
+Message flow (the room is the key everywhere; rooms are in [1, 2**63); 0 means "unwritten")::
+
+    decode                                   prefill
+      |-- RegisterDecode (once per peer) ------->|   buffers, page geometry, fingerprint
+      |<------------------ RegisterResult -------|   accepted / reason
+      |-- TransferRequest (per room) ----------->|   dst pages, metadata slot, prefix len
+      |<------------------ TransferStatus -------|   Success / Failed + reason
+      |-- Abort ---------------------------------|   either direction
+      |<---------------------------- AbortAck ---|   pages may be reused after this
+      |<-------------- Heartbeat --------------->|
+
+Pure Python (msgpack + numpy); never imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import Any, ClassVar, Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Bounds on what a peer may send; they keep a hostile or corrupt frame from allocating much.
+MAX_FRAME_BYTES = 64 << 20
+MAX_ROOM = (1 << 63) - 1
+MAX_ADDR = (1 << 64) - 1
+MAX_PAGES = (1 << 31) - 1
+MAX_LAYERS = 4096
+MAX_SHARDS = 1024
+MAX_BUFFERS = 4096
+MAX_BYTES_PER_PAGE = 1 << 40
+MAX_SLOTS = 1 << 24
+MAX_BYTES_PER_SLOT = 1 << 20
+MAX_PAGE_SIZE = 1 << 16
+MAX_STR = 256
+MAX_REASON = 4096
+METADATA_ROW_ALIGN = 64
+KV_LAYOUTS = ("layer_major", "page_major")
+
+_ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9_.:\[\]-]+:([0-9]{1,5})$")
+
+
+class ProtocolError(ValueError):
+    """A frame or field that breaks the protocol; the message names the offending field."""
+
+
+class KVPoll(enum.IntEnum):
+    """Transfer state of one room, on either side (SGLang's order and values).
+
+    The numeric order makes a MIN over ranks the most conservative state, and ``Failed`` is 0 so
+    that any failing rank fails the whole room.
+    """
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @staticmethod
+    def advance(old: "KVPoll", new: "KVPoll") -> "KVPoll":
+        """Update rule for a room's state: it only moves up, except that ``Failed`` always wins.
+
+        A room that already failed stays failed (a late Success must not revive it).
+        """
+        if old == KVPoll.Failed or new == KVPoll.Failed:
+            return KVPoll.Failed
+        return KVPoll(max(int(old), int(new)))
+
+
+class MessageType(str, enum.Enum):
+    """Type tag carried in field ``t`` of every frame."""
+
+    REGISTER = "register"
+    REGISTER_RESULT = "register_result"
+    TRANSFER_REQUEST = "transfer_request"
+    TRANSFER_STATUS = "transfer_status"
+    ABORT = "abort"
+    ABORT_ACK = "abort_ack"
+    HEARTBEAT = "heartbeat"
+
+
+# --------------------------------------------------------------------------------------------
+# Field checks. Each raises ProtocolError naming the field; ``bool`` is never accepted as int.
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ProtocolError(f"field {name!r}: expected int, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ProtocolError(f"field {name!r}: {value} outside [{lo}, {hi}]")
+    return value
+
+
+def _check_str(name: str, value: Any, max_len: int = MAX_STR, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError(f"field {name!r}: expected str, got {type(value).__name__}")
+    if not allow_empty and not value:
+        raise ProtocolError(f"field {name!r}: must not be empty")
+    if len(value) > max_len:
+        raise ProtocolError(f"field {name!r}: length {len(value)} exceeds {max_len}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"field {name!r}: expected bool, got {type(value).__name__}")
+    return value
+
+
+def _check_room(name: str, value: Any) -> int:
+    return _check_int(name, value, 1, MAX_ROOM)
+
+
+def _check_endpoint(name: str, value: Any) -> str:
+    value = _check_str(name, value)
+    m = _ENDPOINT_RE.match(value)
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        raise ProtocolError(f"field {name!r}: {value!r} is not a 'tcp://host:port' endpoint")
+    return value
+
+
+def find_duplicates(values: Iterable[int]) -> list[int]:
+    """Values that occur more than once, sorted ascending (each reported once)."""
+    arr = np.asarray(list(values) if not isinstance(values, np.ndarray) else values)
+    if arr.size == 0:
+        return []
+    uniq, counts = np.unique(arr, return_counts=True)
+    return [int(v) for v in uniq[counts > 1]]
+
+
+def validate_pages(indices: Sequence[int] | np.ndarray, num_pages: int,
+                   name: str = "pages") -> np.ndarray:
+    """Range- and duplicate-check a page list against a pool of ``num_pages`` pages.
+
+    Page 0 is the null page (padding writes land there), so a real page index must lie in
+    ``[1, num_pages)``. Returns the indices as a 1-D int64 array. Raises ``ProtocolError``
+    naming ``name`` for a non-integer entry, an index out of range, or a duplicate (two source
+    pages written into one destination page would corrupt it).
+    """
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise ProtocolError(f"field {name!r}: expected a 1-D page list, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise ProtocolError(f"field {name!r}: page indices must be integers, got {arr.dtype}")
+    arr = arr.astype(np.int64)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 1 or hi >= num_pages:
+        bad = int(arr[(arr < 1) | (arr >= num_pages)][0])
+        raise ProtocolError(f"field {name!r}: page index {bad} outside [1, {num_pages})")
+    dups = find_duplicates(arr)
+    if dups:
+        raise ProtocolError(f"field {name!r}: duplicate page indices {dups[:8]}")
+    return arr
+
+
+def _pack_pages(pages: Sequence[int]) -> bytes:
+    return np.asarray(pages, dtype="<u4").tobytes()
+
+
+def _unpack_pages(name: str, value: Any) -> np.ndarray:
+    if not isinstance(value, (bytes, bytearray)):
+        raise ProtocolError(f"field {name!r}: expected packed uint32 bytes, "
+                            f"got {type(value).__name__}")
+    if len(value) % 4:
+        raise ProtocolError(f"field {name!r}: byte length {len(value)} is not a multiple of 4")
+    return np.frombuffer(value, dtype="<u4")
+
+
+def _check_pages(name: str, value: Any) -> tuple[int, ...]:
+    """Shape/type check of a page list in a message (range vs the pool is ``validate_pages``)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, np.ndarray)):
+        raise ProtocolError(f"field {name!r}: expected a sequence of page indices")
+    if len(value) == 0:
+        return ()
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype != np.bool_ \
+            and np.issubdtype(value.dtype, np.integer):
+        arr = value
+        # Fast path (the common case): one vectorised range check.
+        if int(arr.min()) >= 0 and int(arr.max()) <= MAX_PAGES:
+            return tuple(arr.tolist())
+    return tuple(_check_int(f"{name}[{i}]", p, 0, MAX_PAGES) for i, p in enumerate(value))
+
+
+# --------------------------------------------------------------------------------------------
+# Messages.
+
+
+@dataclasses.dataclass(frozen=True)
+class KVBufferDesc:
+    """One KV buffer (one kind, e.g. K or V, all layers) as seen by the transfer engine.
+
+    ``shard_addrs``: base address of each addressable shard, in shard order (one per device for a
+    sharded array). Layer-major layout: the shard holds ``[num_layers, num_pages, page bytes]``
+    contiguously, so page ``p`` of layer ``l`` starts at
+    ``base + (l * num_pages + p) * bytes_per_page``. Page-major layout swaps the two leading
+    dimensions. Units: bytes; addresses are uint64.
+    """
+
+    shard_addrs: tuple[int, ...]
+    num_layers: int
+    num_pages: int
+    bytes_per_page: int
+
+    def __post_init__(self):
+        addrs = self.shard_addrs
+        if isinstance(addrs, (str, bytes)) or not isinstance(addrs, (list, tuple)):
+            raise ProtocolError("field 'shard_addrs': expected a list of addresses")
+        if not 1 <= len(addrs) <= MAX_SHARDS:
+            raise ProtocolError(f"field 'shard_addrs': {len(addrs)} shards outside "
+                                f"[1, {MAX_SHARDS}]")
+        object.__setattr__(self, "shard_addrs", tuple(
+            _check_int(f"shard_addrs[{i}]", a, 1, MAX_ADDR) for i, a in enumerate(addrs)))
+        _check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
+        _check_int("num_pages", self.num_pages, 2, MAX_PAGES)
+        _check_int("bytes_per_page", self.bytes_per_page, 1, MAX_BYTES_PER_PAGE)
+
+    def to_wire(self) -> dict:
+        return {"shard_addrs": list(self.shard_addrs), "num_layers": self.num_layers,
+                "num_pages": self.num_pages, "bytes_per_page": self.bytes_per_page}
+
+    @classmethod
+    def from_wire(cls, name: str, d: Any) -> "KVBufferDesc":
+        if not isinstance(d, dict):
+            raise ProtocolError(f"field {name!r}: expected a map")
+        _check_keys(name, d, {"shard_addrs", "num_layers", "num_pages", "bytes_per_page"})
+        try:
+            return cls(**d)
+        except ProtocolError as e:
+            raise ProtocolError(f"{name}: {e}") from None
+
+
+class Message:
+    """Base of all control messages: ``encode()`` to one msgpack frame."""
+
+    TYPE: ClassVar[MessageType]
+
+    def to_wire(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Message":
+        return cls(**d)
+
+    def encode(self) -> bytes:
+        """One msgpack frame: ``{"v": PROTOCOL_VERSION, "t": TYPE, **fields}``."""
+        body = self.to_wire()
+        body["v"] = PROTOCOL_VERSION
+        body["t"] = self.TYPE.value
+        return msgpack.packb(body, use_bin_type=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterDecode(Message):
+    """One-time registration of a decode engine with a prefill rank (decode -> prefill).
+
+    Fields: ``decode_engine_id`` (unique per decode process, the key of later messages),
+    ``reply_endpoint`` (``tcp://host:port`` of the decode's ZMQ PULL socket, where status and
+    aborts go), ``engine_session_id`` (the decode transfer engine's peer id, e.g. Mooncake's
+    ``ip:rpc_port``), ``tp_rank``/``tp_size``, ``kv_buffers`` (``KVBufferDesc`` per buffer, in
+    the same order as the prefill's), ``kv_layout`` (``layer_major`` | ``page_major``),
+    ``metadata_addr``/``metadata_bytes_per_slot``/``metadata_num_slots`` (the MetadataBuffers
+    pool; rows padded to 64 bytes), ``page_size`` (tokens per page), ``kv_dtype`` and
+    ``layout_fingerprint`` (must equal the prefill's).
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.REGISTER
+    decode_engine_id: str
+    reply_endpoint: str
+    engine_session_id: str
+    tp_rank: int
+    tp_size: int
+    kv_buffers: tuple[KVBufferDesc, ...]
+    kv_layout: str
+    metadata_addr: int
+    metadata_bytes_per_slot: int
+    metadata_num_slots: int
+    page_size: int
+    kv_dtype: str
+    layout_fingerprint: str
+
+    def __post_init__(self):
+        _check_str("decode_engine_id", self.decode_engine_id)
+        _check_endpoint("reply_endpoint", self.reply_endpoint)
+        _check_str("engine_session_id", self.engine_session_id)
+        _check_int("tp_size", self.tp_size, 1, MAX_SHARDS)
+        _check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
+        bufs = self.kv_buffers
+        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)):
+            raise ProtocolError("field 'kv_buffers': expected a list")
+        if not 1 <= len(bufs) <= MAX_BUFFERS:
+            raise ProtocolError(f"field 'kv_buffers': {len(bufs)} buffers outside "
+                                f"[1, {MAX_BUFFERS}]")
+        for i, b in enumerate(bufs):
+            if not isinstance(b, KVBufferDesc):
+                raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")
+        object.__setattr__(self, "kv_buffers", tuple(bufs))
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ProtocolError(f"field 'kv_layout': {self.kv_layout!r} not in {KV_LAYOUTS}")
+        _check_int("metadata_addr", self.metadata_addr, 1, MAX_ADDR)
+        _check_int("metadata_bytes_per_slot", self.metadata_bytes_per_slot,
+                   METADATA_ROW_ALIGN, MAX_BYTES_PER_SLOT)
+        if self.metadata_bytes_per_slot % METADATA_ROW_ALIGN:
+            raise ProtocolError(f"field 'metadata_bytes_per_slot': {self.metadata_bytes_per_slot}"
+                                f" is not a multiple of {METADATA_ROW_ALIGN}")
+        _check_int("metadata_num_slots", self.metadata_num_slots, 1, MAX_SLOTS)
+        _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        _check_str("kv_dtype", self.kv_dtype, 32)
+        _check_str("layout_fingerprint", self.layout_fingerprint)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        d["kv_buffers"] = [b.to_wire() for b in self.kv_buffers]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "RegisterDecode":
+        bufs = d.get("kv_buffers")
+        if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
+            raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
+        d = dict(d, kv_buffers=tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b)
+                                     for i, b in enumerate(bufs)))
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterResult(Message):
+    """Prefill's answer to ``RegisterDecode`` (prefill -> decode): accepted, or refused with a
+    reason (e.g. a page size or fingerprint mismatch)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.REGISTER_RESULT
+    decode_engine_id: str
+    accepted: bool
+    reason: str = ""
+
+    def __post_init__(self):
+        _check_str("decode_engine_id", self.decode_engine_id)
+        _check_bool("accepted", self.accepted)
+        _check_str("reason", self.reason, MAX_REASON, allow_empty=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferRequest(Message):
+    """Per-request destination from decode (decode -> prefill).
+
+    ``bootstrap_room`` in [1, 2**63); ``dst_pages``: decode page indices, one per prompt page
+    from ``decode_prefix_len`` on (range-checked by the receiver with ``validate_pages`` against
+    the registered ``num_pages``); ``dst_metadata_slot``: the decode MetadataBuffers slot;
+    ``decode_prefix_len``: prompt tokens the decode already holds in its prefix cache (tokens);
+    ``decode_engine_id``: the registered decode engine this room belongs to.
+    """
+
+    TYPE: ClassVar[MessageType] = MessageType.TRANSFER_REQUEST
+    bootstrap_room: int
+    dst_pages: tuple[int, ...]
+    dst_metadata_slot: int
+    decode_prefix_len: int
+    decode_engine_id: str
+
+    def __post_init__(self):
+        _check_room("bootstrap_room", self.bootstrap_room)
+        object.__setattr__(self, "dst_pages", _check_pages("dst_pages", self.dst_pages))
+        _check_int("dst_metadata_slot", self.dst_metadata_slot, 0, MAX_SLOTS - 1)
+        _check_int("decode_prefix_len", self.decode_prefix_len, 0, MAX_PAGES)
+        _check_str("decode_engine_id", self.decode_engine_id)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        d["dst_pages"] = _pack_pages(self.dst_pages)
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "TransferRequest":
+        return cls(**dict(d, dst_pages=_unpack_pages("dst_pages", d.get("dst_pages"))))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferStatus(Message):
+    """Final state of a room from a prefill rank (prefill -> decode): Success or Failed."""
+
+    TYPE: ClassVar[MessageType] = MessageType.TRANSFER_STATUS
+    bootstrap_room: int
+    state: KVPoll
+    reason: str = ""
+    tp_rank: int = 0
+
+    def __post_init__(self):
+        _check_room("bootstrap_room", self.bootstrap_room)
+        state = _check_int("state", self.state, 0, 4)
+        if state not in (KVPoll.Success, KVPoll.Failed):
+            raise ProtocolError(f"field 'state': {KVPoll(state).name} is not a final state "
+                                f"(Success or Failed)")
+        object.__setattr__(self, "state", KVPoll(state))
+        _check_str("reason", self.reason, MAX_REASON, allow_empty=True)
+        _check_int("tp_rank", self.tp_rank, 0, MAX_SHARDS - 1)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        d["state"] = int(self.state)
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort(Message):
+    """Abort one room (either direction); the receiver marks it Failed and answers ``AbortAck``."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT
+    bootstrap_room: int
+    sender_id: str
+    reason: str = ""
+
+    def __post_init__(self):
+        _check_room("bootstrap_room", self.bootstrap_room)
+        _check_str("sender_id", self.sender_id)
+        _check_str("reason", self.reason, MAX_REASON, allow_empty=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortAck(Message):
+    """The aborted side has stopped writing for this room; its destination pages may be reused."""
+
+    TYPE: ClassVar[MessageType] = MessageType.ABORT_ACK
+    bootstrap_room: int
+    sender_id: str
+
+    def __post_init__(self):
+        _check_room("bootstrap_room", self.bootstrap_room)
+        _check_str("sender_id", self.sender_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(Message):
+    """Liveness ping; ``role`` is ``prefill`` or ``decode``, ``seq`` counts up from 0."""
+
+    TYPE: ClassVar[MessageType] = MessageType.HEARTBEAT
+    sender_id: str
+    role: str
+    seq: int
+
+    def __post_init__(self):
+        _check_str("sender_id", self.sender_id)
+        if self.role not in ("prefill", "decode"):
+            raise ProtocolError(f"field 'role': {self.role!r} not in ('prefill', 'decode')")
+        _check_int("seq", self.seq, 0, MAX_ADDR)
+
+
+_MESSAGE_CLASSES: dict[str, type[Message]] = {
+    cls.TYPE.value: cls
+    for cls in (RegisterDecode, RegisterResult, TransferRequest, TransferStatus, Abort,
+                AbortAck, Heartbeat)
+}
+
+
+def _check_keys(where: str, d: dict, allowed: set[str], optional: set[str] = frozenset()) -> None:
+    for k in d:
+        if not isinstance(k, str):
+            raise ProtocolError(f"{where}: non-string key {k!r}")
+    unknown = sorted(set(d) - allowed - optional)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {unknown}")
+    missing = sorted(allowed - set(d))
+    if missing:
+        raise ProtocolError(f"field {missing[0]!r}: missing in {where}")
+
+
+def encode_message(msg: Message) -> bytes:
+    """Encode ``msg`` into one msgpack frame (see ``Message.encode``)."""
+    if not isinstance(msg, Message):
+        raise TypeError(f"expected a protocol Message, got {type(msg).__name__}")
+    return msg.encode()
+
+
+def decode_message(frame: bytes | bytearray | memoryview) -> Message:
+    """Parse and validate one frame.
+
+    Returns the typed message. Raises ``ProtocolError`` (naming the field) for: a frame over
+    ``MAX_FRAME_BYTES``, invalid msgpack, a non-map body, a missing/wrong protocol version
+    ``v``, an unknown type tag ``t``, missing/unknown fields, wrong types and out-of-range
+    values.
+    """
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame: expected bytes, got {type(frame).__name__}")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame: {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    try:
+        body = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True,
+                               max_array_len=1 << 20, max_map_len=64,
+                               max_str_len=1 << 16, max_bin_len=MAX_FRAME_BYTES, max_ext_len=0)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"frame: not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame: expected a map, got {type(body).__name__}")
+    if "v" not in body:
+        raise ProtocolError("field 'v': missing protocol version")
+    version = body.pop("v")
+    if isinstance(version, bool) or version != PROTOCOL_VERSION:
+        raise ProtocolError(f"field 'v': protocol version {version!r} not supported "
+                            f"(expected {PROTOCOL_VERSION})")
+    tag = body.pop("t", None)
+    cls = _MESSAGE_CLASSES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise ProtocolError(f"field 't': unknown message type {tag!r}")
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    optional = {f.name for f in dataclasses.fields(cls)} - required
+    _check_keys(cls.TYPE.value, body, required, optional)
+    try:
+        return cls.from_wire(body)
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"{cls.TYPE.value}: {e}") from None

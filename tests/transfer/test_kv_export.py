@@ -1,0 +1,168 @@
+"""kv_export on real JAX CPU arrays: shard addresses, page addresses, fingerprints, and Mooncake
+writes straight into a JAX array's buffer, read back through JAX."""
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pdjax.transfer.engine import create_transfer_engine
+from pdjax.transfer.kv_export import (AddressChange, build_copies, changed_addresses,
+                                      export_kv_layout, kv_layout_fingerprint,
+                                      register_kv_layout, shard_addresses,
+                                      unregister_kv_layout)
+
+HOST = "127.0.0.1"
+L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 3, 24, 4, 2, 8
+SHAPE = (L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM)
+BPP = PAGE_SIZE * HEADS * HEAD_DIM * 2                     # bf16
+
+
+def _kv(seed, shape=SHAPE):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(jnp.bfloat16)
+
+
+def _head_sharded(x, n=2):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
+    return jax.device_put(x, NamedSharding(mesh, P(None, None, None, "tp", None)))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    a = create_transfer_engine("mooncake", HOST)
+    b = create_transfer_engine("mooncake", HOST)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_export_single_device_addresses():
+    k, v = _kv(0), _kv(1)
+    layout = export_kv_layout([k, v])
+    assert layout.kind == "layer_major" and layout.num_pages == PAGES
+    for arr, desc in zip((k, v), layout.buffers):
+        assert desc.shard_addrs == (arr.unsafe_buffer_pointer(),)
+        assert (desc.num_layers, desc.num_pages, desc.bytes_per_page) == (L, PAGES, BPP)
+    # page_addr points at the bytes of k[l, p] (np.asarray of a CPU array is zero-copy).
+    host = np.asarray(k)
+    assert host.ctypes.data == k.unsafe_buffer_pointer()
+    for layer, page in [(0, 0), (1, 5), (2, PAGES - 1)]:
+        addr = layout.page_addr(0, 0, layer, page)
+        assert ctypes.string_at(addr, BPP) == host[layer, page].tobytes()
+    assert layout.regions() == [(k.unsafe_buffer_pointer(), k.nbytes),
+                                (v.unsafe_buffer_pointer(), v.nbytes)]
+
+
+def test_export_page_major():
+    x = _kv(2, (PAGES, L, PAGE_SIZE, HEADS, HEAD_DIM))
+    layout = export_kv_layout([x], kind="page_major")
+    desc = layout.buffers[0]
+    assert (desc.num_layers, desc.num_pages, desc.bytes_per_page) == (L, PAGES, BPP)
+    assert ctypes.string_at(layout.page_addr(0, 0, 2, 7), BPP) == np.asarray(x)[7, 2].tobytes()
+
+
+def test_export_head_sharded_array_has_one_address_per_shard():
+    assert len(jax.devices()) >= 2, "tests/conftest.py sets 4 simulated CPU devices"
+    x = _head_sharded(_kv(3))
+    layout = export_kv_layout([x])
+    desc = layout.buffers[0]
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[3].start or 0)
+    assert desc.shard_addrs == tuple(s.data.unsafe_buffer_pointer() for s in shards)
+    assert len(set(desc.shard_addrs)) == 2
+    assert desc.bytes_per_page == BPP // 2
+    # Shard 1 holds head 1: its page bytes are x[l, p, :, 1:2, :].
+    got = ctypes.string_at(layout.page_addr(0, 1, 1, 4), BPP // 2)
+    assert got == np.asarray(x)[1, 4, :, 1:2, :].tobytes()
+
+
+def test_export_rejects_page_sharding_and_donated_arrays():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    by_pages = jax.device_put(_kv(4), NamedSharding(mesh, P(None, "tp")))
+    with pytest.raises(ValueError, match=r"arrays\[0\]: sharded over its layer/page"):
+        export_kv_layout([by_pages])
+    with pytest.raises(ValueError, match="3 dims"):
+        export_kv_layout([jnp.zeros((4, 4))])
+    x = _kv(5)
+    jax.jit(lambda c: c + 1, donate_argnums=0)(x)
+    with pytest.raises(ValueError, match="cannot read its buffer address"):
+        export_kv_layout([x])
+    with pytest.raises(ValueError, match="kind"):
+        export_kv_layout([_kv(6)], kind="token_major")
+
+
+def test_fingerprint_ignores_pool_size_only():
+    base = kv_layout_fingerprint([_kv(0)])
+    assert kv_layout_fingerprint([jnp.zeros((L, 7) + SHAPE[2:], jnp.bfloat16)]) == base
+    assert kv_layout_fingerprint([_kv(0).astype(jnp.float32)]) != base
+    assert kv_layout_fingerprint([jnp.zeros((L, PAGES, 8, HEADS, HEAD_DIM // 2), jnp.bfloat16)]) \
+        != base
+    assert kv_layout_fingerprint([jnp.zeros((L + 1,) + SHAPE[1:], jnp.bfloat16)]) != base
+    assert kv_layout_fingerprint([_kv(0), _kv(1)]) != base
+    assert kv_layout_fingerprint([_head_sharded(_kv(0))]) != base
+    assert len(base) == 16
+
+
+def test_changed_addresses_reports_moves():
+    k = _kv(0)
+    layout = export_kv_layout([k])
+    assert changed_addresses([k], layout) == []
+    moved = _kv(0) + 0    # a different buffer with the same contents
+    assert changed_addresses([moved], layout) == [
+        AddressChange(0, 0, k.unsafe_buffer_pointer(), moved.unsafe_buffer_pointer())]
+    with pytest.raises(ValueError, match="arrays"):
+        changed_addresses([k, k], layout)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "head_sharded"])
+def test_mooncake_writes_into_jax_arrays_and_jax_sees_them(engines, sharded):
+    """Prefill KV (JAX) -> decode KV (JAX) by Mooncake, checked through jitted JAX reads.
+
+    Also pins what this jax version does on CPU: a donated step keeps the buffer address, so
+    a second transfer after the step lands in the step's output array.
+    """
+    a, b = engines
+    place = _head_sharded if sharded else (lambda x: x)
+    src_k, src_v = place(_kv(10)), place(_kv(11))
+    dst_k = place(jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
+    dst_v = place(jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
+    src_layout, dst_layout = export_kv_layout([src_k, src_v]), export_kv_layout([dst_k, dst_v])
+    register_kv_layout(a, src_layout)
+    register_kv_layout(b, dst_layout)
+    try:
+        src_pages = np.array([3, 4, 5, 9, 1, 20, 21])
+        dst_pages = np.array([30, 31, 2, 3, 17, 18, 39])
+        copies = build_copies(src_layout, dst_layout, src_pages, dst_pages)
+        shards = 2 if sharded else 1
+        # runs: (3,30,2) (5,2,1) (9,3,1) (1,17,1) (20,18,1) (21,39,1) -> 6
+        assert len(copies) == 6 * L * 2 * shards
+        a.batch_write(b.session_id, copies)
+
+        gather = jax.jit(lambda c, idx: c[:, idx])
+        for s, d in ((src_k, dst_k), (src_v, dst_v)):
+            np.testing.assert_array_equal(np.asarray(gather(d, dst_pages)),
+                                          np.asarray(gather(s, src_pages)))
+        untouched = np.setdiff1d(np.arange(40), dst_pages)
+        assert float(jnp.abs(dst_k[:, untouched].astype(jnp.float32)).sum()) == 0.0
+
+        # A donated in-place step on the decode cache (writes the null page only).
+        step = jax.jit(lambda c: c.at[:, 0].set(1), donate_argnums=0)
+        new_k = step(dst_k)
+        assert changed_addresses([new_k, dst_v], dst_layout) == []
+        more = build_copies(src_layout, dst_layout, [7], [25])
+        a.batch_write(b.session_id, more)
+        np.testing.assert_array_equal(np.asarray(new_k[:, 25]), np.asarray(src_k[:, 7]))
+        np.testing.assert_array_equal(np.asarray(new_k[:, 30]), np.asarray(src_k[:, 3]))
+    finally:
+        unregister_kv_layout(a, src_layout)
+        unregister_kv_layout(b, dst_layout)
+
+
+def test_shard_addresses_order_follows_the_global_index():
+    x = _head_sharded(_kv(12))
+    addrs = shard_addresses(x)
+    by_index = {(s.index[3].start or 0): s.data.unsafe_buffer_pointer()
+                for s in x.addressable_shards}
+    assert addrs == (by_index[0], by_index[1])
