@@ -468,7 +468,7 @@ class AsyncEngine:
             try:
                 core.add_request(arg)
             except ValueError as e:
-                self._push(GenerateOutput(arg.rid, [], finished=True, error=str(e),
+                self._push(GenerateOutput(arg.rid, [], finished=True, error=str(e), status_code=400,
                                           finish_reason={"type": "abort", "message": str(e)}))
             return None
         if op == "abort":

@@ -54,3 +54,4 @@ class GenerateOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    status_code: int | None = None    # HTTP status for ``error`` (400: bad input; default 500)

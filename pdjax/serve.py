@@ -1,0 +1,57 @@
+"""``python -m pdjax.serve``: the server entry point for every role (DESIGN.md §1, §4).
+
+    python -m pdjax.serve [--model-path PATH] [--host H] [--port P] [--role colocated|prefill|decode|pd] ...
+
+Flags use SGLang's names (``--page-size``, ``--chunked-prefill-size``, ``--enable-mixed-chunk``,
+``--disaggregation-mode``, ...); run with ``--help`` for the list. With no ``--model-path`` the
+default SmolLM2 model is served. The HTTP server starts at once and answers ``/health`` with
+503 until warm-up is done; SIGTERM drains and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdjax.config import ServerArgs
+
+
+def parse_args(argv=None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m pdjax.serve", description=__doc__.splitlines()[0])
+    ServerArgs.add_cli_args(parser)
+    try:
+        return ServerArgs.from_cli_args(parser.parse_args(argv))
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def run_colocated(args: ServerArgs) -> int:
+    """One engine behind the HTTP API; the prefill and decode roles build on the same pieces."""
+    from pdjax.engine import AsyncEngine
+    from pdjax.server.http import create_app, run_server
+
+    engine = AsyncEngine(args, progress=not args.skip_warmup_progress)
+    app = create_app(engine, served_model_name=engine.served_model_name, api_key=args.api_key)
+    engine.start()
+    return run_server(app, args.host, args.port, on_shutdown=engine.shutdown,
+                      drain_timeout_s=args.drain_timeout_s)
+
+
+def _role_runner(role: str):
+    if role == "colocated":
+        return run_colocated
+    from pdjax.transfer import roles     # PD roles: prefill, decode, pd
+
+    return roles.RUNNERS[role]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return _role_runner(args.role)(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""IncrementalDetokenizer: UTF-8 hold-back, stop strings, special tokens, context."""
+
+import pytest
+from server_fakes import build_tokenizer, pieces_to_ids
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from pdjax.server.detokenizer import (IncrementalDetokenizer, TokenTexts,
+                                      trim_matched_stop_token)
+
+
+def run(detok, ids, chunk=1):
+    deltas = []
+    for i in range(0, len(ids), chunk):
+        d = detok.add_tokens(ids[i:i + chunk])
+        deltas.append(d.text)
+        if d.stop_matched is not None:
+            break
+    deltas.append(detok.finish().text)
+    return deltas
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_incremental_text_equals_full_decode(chunk):
+    tok = build_tokenizer()
+    text = "The capital of France is Paris. One two three, the lazy dog!"
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas = run(IncrementalDetokenizer(tok), ids, chunk)
+    assert "".join(deltas) == text == tok.decode(ids)
+
+
+def test_multibyte_characters_split_over_byte_tokens_are_held_back():
+    tok = build_tokenizer()
+    text = "Hello € and 😀 and é!"
+    ids = tok.encode(text, add_special_tokens=False)
+    # The euro sign (3 bytes) and the emoji (4 bytes) are not in the corpus: one token per byte.
+    assert [tok.decode([i]) for i in tok.encode("€", add_special_tokens=False)] == ["\ufffd"] * 3
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add_tokens([i]).text for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.finish().text == text
+    # Exactly the continuation bytes produced nothing: 2 for €, 3 for 😀, 1 for é.
+    assert deltas.count("") == 2 + 3 + 1
+    assert "€" in deltas and "😀" in deltas
+
+
+def test_stop_string_split_across_tokens_is_never_released():
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["Hello", " wor", "ld", " S", "T", "O", "P", " and", " more"])
+    detok = IncrementalDetokenizer(tok, stop=["STOP"])
+    released, result = "", None
+    for n, i in enumerate(ids, 1):
+        d = detok.add_tokens([i])
+        released += d.text
+        assert "S" not in released.replace("Hello world", "")
+        if d.stop_matched:
+            result = (n, d)
+            break
+    n, d = result
+    assert d.stop_matched == "STOP" and d.num_tokens == 1
+    assert tok.decode(ids[:n]).endswith("STOP")
+    assert released == "Hello world " == detok.text
+    assert detok.add_tokens([ids[-1]]).num_tokens == 0       # nothing after the stop
+    assert detok.finish().text == ""
+
+
+def test_stop_string_in_the_middle_of_one_chunk_counts_tokens_up_to_the_match():
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["One", " two", " three", " four", " five"])
+    detok = IncrementalDetokenizer(tok, stop=["three"])
+    d = detok.add_tokens(ids)
+    assert d.stop_matched == "three"
+    assert d.text == "One two "
+    assert d.num_tokens == len(pieces_to_ids(tok, ["One", " two", " three"]))
+
+
+def test_stop_prefix_that_does_not_complete_is_released_later():
+    tok = build_tokenizer()
+    pieces = ["Hello", " S", "T", "ure", " thing"]
+    detok = IncrementalDetokenizer(tok, stop=["STOP"])
+    deltas = [detok.add_tokens(pieces_to_ids(tok, [p])).text for p in pieces]
+    assert deltas[0] == "Hello"
+    assert deltas[1] == " " and deltas[2] == ""          # "S", "ST" held back
+    assert deltas[3] == "STure"
+    assert "".join(deltas) + detok.finish().text == "Hello STure thing"
+
+
+def test_earliest_of_several_stop_strings_wins_and_finish_flushes_prefix():
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["a", "b", "c", "d", "e"])
+    detok = IncrementalDetokenizer(tok, stop=["de", "bcd"])
+    d = detok.add_tokens(ids)
+    assert d.stop_matched == "bcd" and d.text == "a"
+    # A held-back stop prefix is released when the request ends without a match.
+    detok = IncrementalDetokenizer(tok, stop=["xyz"])
+    d = detok.add_tokens(pieces_to_ids(tok, ["ab", "x", "y"]))
+    assert d.text == "ab"
+    assert detok.finish().text == "xy"
+
+
+def test_stop_string_with_multibyte_character():
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["price ", "5", "€", " net"])
+    detok = IncrementalDetokenizer(tok, stop=["5€"])
+    released = ""
+    for i in ids:
+        d = detok.add_tokens([i])
+        released += d.text
+        assert "5" not in released and "\ufffd" not in released
+        if d.stop_matched:
+            break
+    assert d.stop_matched == "5€" and released == "price "
+
+
+def test_finish_releases_an_unfinished_character_as_replacement():
+    tok = build_tokenizer()
+    euro = tok.encode("€", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add_tokens(tok.encode("ok", add_special_tokens=False) + euro[:2]).text == "ok"
+    assert detok.finish().text == "\ufffd"
+
+
+def test_skip_special_tokens():
+    tok = build_tokenizer()
+    ids = tok.encode("Hello world", add_special_tokens=False) + [tok.eos_token_id]
+    assert "".join(run(IncrementalDetokenizer(tok), ids)) == "Hello world"
+    shown = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    assert "".join(run(shown, ids)) == "Hello world<|im_end|>"
+
+
+def test_trim_matched_stop_token():
+    assert trim_matched_stop_token([5, 6, 2], {"type": "stop", "matched": 2}) == [5, 6]
+    assert trim_matched_stop_token([5, 6, 2], {"type": "stop", "matched": "x"}) == [5, 6, 2]
+    assert trim_matched_stop_token([5, 6, 2], {"type": "length", "length": 3}) == [5, 6, 2]
+    assert trim_matched_stop_token([5, 6], {"type": "stop", "matched": 2}) == [5, 6]
+    assert trim_matched_stop_token([], None) == []
+
+
+def test_prompt_context_keeps_sentencepiece_leading_space():
+    vocab = {"▁Hello": 0, "▁world": 1, "▁again": 2, "[UNK]": 3}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace()
+    tk.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    assert tok.decode([1]) == "world"                  # alone, the leading space is dropped
+    with_ctx = IncrementalDetokenizer(tok, prompt_ids=[0])
+    assert "".join(run(with_ctx, [1, 2])) == " world again"
+    assert "".join(run(IncrementalDetokenizer(tok), [1, 2])) == "world again"
+
+
+def test_token_texts_bytes():
+    tok = build_tokenizer()
+    texts = TokenTexts(tok)
+    ids = tok.encode("Hi €", add_special_tokens=False)
+    assert b"".join(bytes(texts.token_bytes(i)) for i in ids) == "Hi €".encode()
+    assert texts.token_bytes(tok.eos_token_id) == list(b"<|im_end|>")
+    assert texts.text(ids[-1]) == "\ufffd"
+
+
+def test_bad_stop_rejected():
+    with pytest.raises(ValueError, match="stop"):
+        IncrementalDetokenizer(build_tokenizer(), stop=[""])

@@ -1,0 +1,195 @@
+"""Every bad input gets HTTP 400 naming the field, and the next valid request still works."""
+
+import json
+import random
+
+import pytest
+
+pytestmark = pytest.mark.asyncio
+
+CTX = 256              # FakeEngine's default context length
+VOCAB = 400            # the test tokenizer's vocabulary
+MSG = [{"role": "user", "content": "Hello"}]
+NAN = float("nan")
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+GEN = "/generate"
+
+VALID = {CMPL: {"model": "fake-model", "prompt": "Hello", "max_tokens": 4},
+         CHAT: {"model": "fake-model", "messages": MSG, "max_tokens": 4},
+         GEN: {"text": "Hello", "sampling_params": {"max_new_tokens": 4}}}
+
+
+def with_(path, **fields):
+    body = dict(VALID[path])
+    body.update(fields)
+    return body
+
+
+CASES = [
+    # (path, body (bytes = raw), text the error message must contain)
+    (CMPL, b"{not json", "malformed JSON"),
+    (CHAT, b'{"messages": [', "malformed JSON"),
+    (GEN, b"", "empty"),
+    (CMPL, b"[1, 2]", "JSON object"),
+    (CMPL, {"model": "fake-model"}, "prompt"),
+    (CMPL, with_(CMPL, prompt=""), "prompt"),
+    (CMPL, with_(CMPL, prompt=[]), "prompt"),
+    (CMPL, with_(CMPL, prompt=5), "prompt"),
+    (CMPL, with_(CMPL, prompt=[1, -2]), "prompt"),
+    (CMPL, with_(CMPL, prompt=[[1, VOCAB]]), "prompt"),
+    (CMPL, with_(CMPL, prompt=[3] * CTX), "context length"),
+    (CMPL, with_(CMPL, prompt="Hello " * 300), "context length"),
+    (CMPL, with_(CMPL, temperature="hot"), "temperature"),
+    (CMPL, with_(CMPL, temperature=NAN), "temperature"),
+    (CMPL, with_(CMPL, temperature=float("inf")), "temperature"),
+    (CMPL, with_(CMPL, temperature=-0.5), "temperature"),
+    (CMPL, with_(CMPL, top_p=0), "top_p"),
+    (CMPL, with_(CMPL, top_p=1.5), "top_p"),
+    (CMPL, with_(CMPL, top_p=NAN), "top_p"),
+    (CMPL, with_(CMPL, top_k=0), "top_k"),
+    (CMPL, with_(CMPL, top_k=-2), "top_k"),
+    (CMPL, with_(CMPL, top_k=2.5), "top_k"),
+    (CMPL, with_(CMPL, min_p=2), "min_p"),
+    (CMPL, with_(CMPL, n=0), "n"),
+    (CMPL, with_(CMPL, n=-1), "n"),
+    (CMPL, with_(CMPL, max_tokens=-1), "max_tokens"),
+    (CMPL, with_(CMPL, max_tokens=10 ** 12), "max_tokens"),
+    (CMPL, with_(CMPL, max_tokens=CTX + 1), "max_tokens"),
+    (CMPL, with_(CMPL, max_tokens="8"), "max_tokens"),
+    (CMPL, with_(CMPL, max_tokens=1.5), "max_tokens"),
+    (CMPL, with_(CMPL, model="gpt-4"), "model"),
+    (CMPL, with_(CMPL, stream="yes"), "stream"),
+    (CMPL, with_(CMPL, stream_options={"include_usage": True}), "stream_options"),
+    (CMPL, with_(CMPL, stream=True, stream_options={"bogus": 1}), "stream_options.bogus"),
+    (CMPL, with_(CMPL, stop=[""]), "stop"),
+    (CMPL, with_(CMPL, stop=5), "stop"),
+    (CMPL, with_(CMPL, stop_token_ids=[-1]), "stop_token_ids"),
+    (CMPL, with_(CMPL, seed="x"), "seed"),
+    (CMPL, with_(CMPL, frequency_penalty=3), "frequency_penalty"),
+    (CMPL, with_(CMPL, presence_penalty="a"), "presence_penalty"),
+    (CMPL, with_(CMPL, repetition_penalty=0), "repetition_penalty"),
+    (CMPL, with_(CMPL, ignore_eos="no"), "ignore_eos"),
+    (CMPL, with_(CMPL, logprobs=21), "logprobs"),
+    (CMPL, with_(CMPL, logprobs=True), "logprobs"),
+    (CMPL, with_(CMPL, echo=True, logprobs=1), "echo"),
+    (CMPL, with_(CMPL, suffix="tail"), "suffix"),
+    (CMPL, with_(CMPL, best_of=2), "best_of"),
+    (CMPL, with_(CMPL, logit_bias={"5": 10}), "logit_bias"),
+    (CMPL, with_(CMPL, frobnicate=1), "frobnicate"),
+    (CMPL, with_(CMPL, bootstrap_room=-1), "bootstrap_room"),
+    (CMPL, with_(CMPL, bootstrap_room=2 ** 63), "bootstrap_room"),
+    (CMPL, with_(CMPL, n=2, bootstrap_room=[1]), "bootstrap_room"),
+    (CMPL, with_(CMPL, n=2, bootstrap_room=[3, 3]), "bootstrap_room"),
+    (CMPL, with_(CMPL, bootstrap_port=0), "bootstrap_port"),
+    (CMPL, with_(CMPL, bootstrap_host=7), "bootstrap_host"),
+    (CMPL, with_(CMPL, rid=""), "rid"),
+    (CHAT, {"model": "fake-model"}, "messages"),
+    (CHAT, with_(CHAT, messages=[]), "messages"),
+    (CHAT, with_(CHAT, messages="hi"), "messages"),
+    (CHAT, with_(CHAT, messages=[{"role": "bot", "content": "x"}]), "role"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": 5}]), "content"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]), "image_url"),
+    (CHAT, with_(CHAT, messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "tool"),
+    (CHAT, with_(CHAT, messages=[{"role": "assistant", "content": "x",
+                                  "tool_calls": [{"id": "1"}]}]), "tool_calls"),
+    (CHAT, with_(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (CHAT, with_(CHAT, tool_choice="auto"), "tool_choice"),
+    (CHAT, with_(CHAT, functions=[{"name": "f"}]), "functions"),
+    (CHAT, with_(CHAT, response_format={"type": "json_object"}), "response_format"),
+    (CHAT, with_(CHAT, audio={"voice": "x"}), "audio"),
+    (CHAT, with_(CHAT, max_completion_tokens=-5), "max_completion_tokens"),
+    (CHAT, with_(CHAT, top_logprobs=2), "top_logprobs"),
+    (CHAT, with_(CHAT, logprobs=True, top_logprobs=30), "top_logprobs"),
+    (CHAT, with_(CHAT, logprobs="yes"), "logprobs"),
+    (CHAT, with_(CHAT, n=0), "n"),
+    (CHAT, with_(CHAT, model="nope"), "model"),
+    (CHAT, with_(CHAT, temperature=-1), "temperature"),
+    (CHAT, with_(CHAT, chat_template_kwargs=3), "chat_template_kwargs"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": "Hello " * 300}]), "context length"),
+    (GEN, {"sampling_params": {}}, "text"),
+    (GEN, {"text": "a", "input_ids": [1]}, "text"),
+    (GEN, {"text": ""}, "text"),
+    (GEN, {"text": []}, "text"),
+    (GEN, {"text": ["ok", ""]}, "text[1]"),
+    (GEN, {"text": 3}, "text"),
+    (GEN, {"input_ids": []}, "input_ids"),
+    (GEN, {"input_ids": ["a"]}, "input_ids"),
+    (GEN, {"input_ids": [1, -1]}, "input_ids"),
+    (GEN, {"input_ids": [[1], [VOCAB]]}, "input_ids[1]"),
+    (GEN, {"input_ids": [1] * CTX}, "context length"),
+    (GEN, with_(GEN, sampling_params={"temperature": -1}), "temperature"),
+    (GEN, with_(GEN, sampling_params={"temperature": NAN}), "temperature"),
+    (GEN, with_(GEN, sampling_params={"top_p": 0}), "top_p"),
+    (GEN, with_(GEN, sampling_params={"top_k": 0}), "top_k"),
+    (GEN, with_(GEN, sampling_params={"max_new_tokens": -3}), "max_new_tokens"),
+    (GEN, with_(GEN, sampling_params={"max_new_tokens": 10 ** 9}), "max_new_tokens"),
+    (GEN, with_(GEN, sampling_params={"n": 0}), "n"),
+    (GEN, with_(GEN, sampling_params={"regex": "a+"}), "regex"),
+    (GEN, with_(GEN, sampling_params="greedy"), "sampling_params"),
+    (GEN, {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "n"),
+    (GEN, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    (GEN, with_(GEN, return_logprob="yes"), "return_logprob"),
+    (GEN, with_(GEN, return_logprob=True, top_logprobs_num=-1), "top_logprobs_num"),
+    (GEN, with_(GEN, return_logprob=True, logprob_start_len=99), "logprob_start_len"),
+    (GEN, with_(GEN, return_logprob=True, logprob_start_len=-2), "logprob_start_len"),
+    (GEN, with_(GEN, rid=5), "rid"),
+    (GEN, {"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+    (GEN, {"text": ["a", "b"], "rid": ["x"]}, "rid"),
+    (GEN, with_(GEN, stream=1), "stream"),
+    (GEN, with_(GEN, bootstrap_port=70000), "bootstrap_port"),
+    (GEN, with_(GEN, bootstrap_room="r"), "bootstrap_room"),
+    (GEN, {"text": ["a", "b"], "bootstrap_room": [1, 2, 3]}, "bootstrap_room"),
+    (GEN, with_(GEN, image_data="http://x/y.png"), "image_data"),
+    (GEN, with_(GEN, lora_path="x"), "lora_path"),
+    (GEN, with_(GEN, mystery=True), "mystery"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", CASES,
+                         ids=[f"{i}-{c[0].rsplit('/', 1)[-1]}-{c[2]}" for i, c in enumerate(CASES)])
+async def test_bad_request_then_valid_one(make_client, path, body, needle):
+    client, engine = await make_client()
+    data = body if isinstance(body, bytes) else json.dumps(body)   # NaN/Infinity as JS literals
+    resp = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+    assert resp.status == 400, await resp.text()
+    err = (await resp.json())["error"]
+    assert needle in err["message"], err
+    assert err["code"] == 400 and err["type"] == "invalid_request_error"
+    assert engine.submitted == []                      # nothing reached the engine
+    resp = await client.post(path, json=VALID[path])
+    assert resp.status == 200, await resp.text()
+    assert len(engine.submitted) == 1
+
+
+async def test_null_fields_and_defaults_are_accepted(make_client):
+    client, engine = await make_client()
+    body = with_(CHAT, tools=None, tool_choice="none", response_format={"type": "text"},
+                 logit_bias={}, stop=None, seed=None, user="u1", n=None, top_k=-1,
+                 stream_options=None, parallel_tool_calls=False, max_tokens=None,
+                 max_completion_tokens=3)
+    resp = await client.post(CHAT, json=body)
+    assert resp.status == 200, await resp.text()
+    assert engine.submitted[-1].sampling_params.max_new_tokens == 3
+    resp = await client.post(CMPL, json=with_(CMPL, best_of=1, suffix=None, echo=True))
+    body = await resp.json()
+    assert body["choices"][0]["text"].startswith("Hello")
+
+
+async def test_garbage_never_breaks_the_server(make_client):
+    client, engine = await make_client()
+    rng = random.Random(0)
+    atoms = [None, True, 0, -1, 2 ** 70, 1.5, NAN, "", "x", [], {}, [[]], [None], {"a": {}}]
+    fields = ["prompt", "messages", "text", "input_ids", "sampling_params", "n", "max_tokens",
+              "temperature", "stop", "logprobs", "top_logprobs", "stream", "rid",
+              "bootstrap_room", "stream_options", "model", "echo"]
+    for _ in range(150):
+        path = rng.choice([CMPL, CHAT, GEN])
+        body = {f: rng.choice(atoms) for f in rng.sample(fields, rng.randint(1, 5))}
+        resp = await client.post(path, data=json.dumps(body),
+                                 headers={"Content-Type": "application/json"})
+        assert resp.status in (200, 400), (path, body, resp.status, await resp.text())
+    for path in (CMPL, CHAT, GEN):
+        assert (await client.post(path, json=VALID[path])).status == 200
