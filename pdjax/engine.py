@@ -330,7 +330,7 @@ class Engine:
         """Drop every request and free the device state."""
         for rid in list(self.core.scheduler.requests):
             self.core.abort_request(rid)
-        self.core.runner.k_cache = self.core.runner.v_cache = None
+        self.core.runner.caches = {}
         self.core = None
 
     def __enter__(self):

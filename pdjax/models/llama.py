@@ -123,6 +123,20 @@ class LlamaForCausalLM(nnx.Module):
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
+    def cache_spec(self, num_pages: int, page_size: int, dtype) -> tuple:
+        """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``)."""
+        from pdjax.models.cache_spec import gqa_cache_spec
+
+        cfg = self.cfg
+        return gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                              num_pages=num_pages, page_size=page_size, dtype=dtype)
+
+    def paged_forward(self, input_ids, caches: dict, md: AttentionMetadata):
+        """The engine's model interface: ``(hidden [T, H], caches)`` with ``caches`` the dict
+        of buffers named by ``cache_spec``."""
+        x, k, v = self.hidden_states(input_ids, caches["k_cache"], caches["v_cache"], md)
+        return x, {"k_cache": k, "v_cache": v}
+
     def __call__(self, input_ids, k_cache, v_cache, md: AttentionMetadata, logits_indices):
         x, k_cache, v_cache = self.hidden_states(input_ids, k_cache, v_cache, md)
         return self.compute_logits(x[logits_indices]), k_cache, v_cache

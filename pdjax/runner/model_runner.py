@@ -22,7 +22,6 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from pdjax.models.attention import AttentionMetadata
-from pdjax.models.llama import kv_cache_spec
 from pdjax.sched.batch import FlatBatch, build_flat_batch
 from pdjax.sched.buckets import BucketKey, Buckets
 
@@ -48,25 +47,25 @@ def compile_count() -> int:
     return _compile_count
 
 
-def _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
+def _forward(graphdef, state, caches, input_ids, md, logits_indices):
     model = nnx.merge(graphdef, state)
-    hidden, k_cache, v_cache = model.hidden_states(input_ids, k_cache, v_cache, md)
+    hidden, caches = model.paged_forward(input_ids, caches, md)
     logits = model.compute_logits(hidden[logits_indices])
-    return logits, hidden, k_cache, v_cache
+    return logits, hidden, caches
 
 
 # Three entry points over the same model, each its own jit (its own executables per bucket).
-def _decode(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
-    logits, _, k_cache, v_cache = _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
-    return logits, None, k_cache, v_cache
+def _decode(graphdef, state, caches, input_ids, md, logits_indices):
+    logits, _, caches = _forward(graphdef, state, caches, input_ids, md, logits_indices)
+    return logits, None, caches
 
 
-def _prefill_chunk(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
-    return _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
+def _prefill_chunk(graphdef, state, caches, input_ids, md, logits_indices):
+    return _forward(graphdef, state, caches, input_ids, md, logits_indices)
 
 
-def _mixed(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices):
-    return _forward(graphdef, state, k_cache, v_cache, input_ids, md, logits_indices)
+def _mixed(graphdef, state, caches, input_ids, md, logits_indices):
+    return _forward(graphdef, state, caches, input_ids, md, logits_indices)
 
 
 def _all_logits(graphdef, state, hidden, indices):
@@ -76,8 +75,9 @@ def _all_logits(graphdef, state, hidden, indices):
 class ModelRunner:
     """Runs forwards of ``FlatBatch``es on ``mesh``; owns the KV cache.
 
-    KV cache: two arrays ``[layers, num_pages, page_size, KVH, D]`` of ``kv_dtype``, KV heads
-    sharded over ``tp``. ``forward`` returns logits ``[rows, V]`` float32 on the host.
+    KV cache: ``caches``, one layer-major array per buffer of ``model.cache_spec`` (GQA:
+    ``k_cache``/``v_cache`` ``[layers, num_pages, page_size, KVH, D]``, KV heads over ``tp``),
+    donated to every forward. ``forward`` returns logits ``[rows, V]`` float32 on the host.
     """
 
     def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
@@ -89,15 +89,18 @@ class ModelRunner:
         self.buckets = buckets
         self.chunk_size = chunk_size
         self.graphdef, self.state = nnx.split(model)
-        shape = (self.cfg.num_layers, num_pages, page_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_sharding = NamedSharding(mesh, kv_cache_spec())
-        zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=self.kv_sharding)
-        self.k_cache, self.v_cache = zeros(), zeros()
-        self.kv_bytes_per_page = 2 * int(np.prod(shape[2:])) * self.cfg.num_layers * jnp.dtype(kv_dtype).itemsize
+        self.cache_specs = tuple(model.cache_spec(num_pages, page_size, kv_dtype))
+        self.cache_shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}
+        self.caches = {}
+        for spec in self.cache_specs:
+            zeros = jax.jit(lambda spec=spec: jnp.zeros(spec.shape, spec.dtype),
+                            out_shardings=self.cache_shardings[spec.name])
+            self.caches[spec.name] = zeros()
+        self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
         replicated = NamedSharding(mesh, P())
         self._entries = {
-            name: jax.jit(fn, static_argnums=0, donate_argnums=(2, 3),
-                          out_shardings=(replicated, None, self.kv_sharding, self.kv_sharding))
+            name: jax.jit(fn, static_argnums=0, donate_argnums=(2,),
+                          out_shardings=(replicated, None, self.cache_shardings))
             for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
         self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
         self.warmup_done = False
@@ -119,8 +122,8 @@ class ModelRunner:
         before = compile_count()
         md = AttentionMetadata(*(jnp.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        logits, hidden, self.k_cache, self.v_cache = self._entries[key.entry](
-            self.graphdef, self.state, self.k_cache, self.v_cache, jnp.asarray(fb.input_ids), md,
+        logits, hidden, self.caches = self._entries[key.entry](
+            self.graphdef, self.state, self.caches, jnp.asarray(fb.input_ids), md,
             jnp.asarray(fb.logits_indices))
         logits = np.asarray(logits)[:fb.num_rows]
         if self.warmup_done and compile_count() != before:
@@ -150,7 +153,7 @@ class ModelRunner:
             _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
             if key.entry == "prefill_chunk" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
                 self.logits_at(hidden, [0])
-        jax.block_until_ready(self.k_cache)
+        jax.block_until_ready(self.caches)
         self.warmup_done = True
         return time.monotonic() - t0
 
@@ -159,5 +162,26 @@ class ModelRunner:
         jax.profiler.start_trace(output_dir)
 
     def stop_profile(self) -> None:
-        jax.block_until_ready(self.k_cache)
+        jax.block_until_ready(self.caches)
         jax.profiler.stop_trace()
+
+    # GQA models: the two buffers by name (the PD staging path and tests use them).
+    @property
+    def kv_sharding(self) -> NamedSharding:
+        return self.cache_shardings["k_cache"]
+
+    @property
+    def k_cache(self) -> jax.Array:
+        return self.caches["k_cache"]
+
+    @k_cache.setter
+    def k_cache(self, value) -> None:
+        self.caches["k_cache"] = value
+
+    @property
+    def v_cache(self) -> jax.Array:
+        return self.caches["v_cache"]
+
+    @v_cache.setter
+    def v_cache(self, value) -> None:
+        self.caches["v_cache"] = value

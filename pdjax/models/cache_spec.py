@@ -1,0 +1,103 @@
+"""Description of a model's paged KV cache as a list of buffers, each with its own page bytes.
+
+A GQA model has two buffers (``k_cache``, ``v_cache``); an MLA model has one latent buffer and,
+with DSA, an indexer key buffer that covers only the layers that run their own indexer. Every
+buffer is one layer-major array ``[layers, num_pages, page_size, *row]`` (the layout the
+``lax.scan`` over layers carries, DESIGN.md §2), and all buffers share the page table: page
+``p`` of a request means page ``p`` in every buffer.
+
+    buffer "latent"     [L,  num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
+    buffer "indexer_k"  [Li, num_pages, page_size, index_head_dim]       (Li = full layers)
+
+    bytes of one page in one layer  = page_size * prod(row) * itemsize   (bytes_per_page_layer)
+    bytes of one page, all layers   = layers * bytes_per_page_layer     (bytes_per_page)
+
+The model runner allocates one zero array per spec; the PD transfer copies, for each run of
+pages, ``run_len * bytes_per_page_layer`` bytes per (buffer, layer) and registers the
+per-buffer byte lengths (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheBufferSpec:
+    """One layer-major KV buffer.
+
+    Attributes:
+      name: key of the buffer in the model's cache dict (``"latent"``, ``"indexer_k"``, ...).
+      shape: ``(layers, num_pages, page_size, *row)``.
+      dtype: element dtype.
+      partition: TP partition spec of the array (``P()`` = replicated on every rank).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+    partition: P = P()
+
+    def __post_init__(self):
+        if len(self.shape) < 4 or any(not isinstance(d, int) or d < 1 for d in self.shape):
+            raise ValueError(f"CacheBufferSpec {self.name!r}: shape must be (layers, num_pages, "
+                             f"page_size, *row) of positive ints, got {self.shape}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_pages(self) -> int:
+        return self.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.shape[2]
+
+    @property
+    def bytes_per_page_layer(self) -> int:
+        """Bytes of one page of one layer (the unit one PD copy moves per page)."""
+        return math.prod(self.shape[2:]) * jnp.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page over all layers of this buffer."""
+        return self.num_layers * self.bytes_per_page_layer
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.bytes_per_page
+
+    def zeros(self, sharding=None) -> jax.Array:
+        """A zero array of this shape and dtype (placed with ``sharding`` when given)."""
+        x = jnp.zeros(self.shape, self.dtype)
+        return x if sharding is None else jax.device_put(x, sharding)
+
+
+def bytes_per_page(specs: tuple[CacheBufferSpec, ...] | list[CacheBufferSpec]) -> int:
+    """Bytes of one page summed over every buffer and layer (what PD moves per page)."""
+    return sum(s.bytes_per_page for s in specs)
+
+
+def allocate_caches(specs, mesh=None) -> dict[str, jax.Array]:
+    """``{spec.name: zeros}``; with a mesh each buffer is placed with its partition spec."""
+    from jax.sharding import NamedSharding
+
+    return {s.name: s.zeros(None if mesh is None else NamedSharding(mesh, s.partition))
+            for s in specs}
+
+
+def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
+                   page_size: int, dtype=jnp.float32) -> tuple[CacheBufferSpec, ...]:
+    """The two buffers of a GQA model (``k_cache``, ``v_cache`` ``[L, N, ps, KVH, D]``, KV heads
+    split over ``tp``), in the same description as the MLA caches."""
+    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+    part = P(None, None, None, "tp", None)
+    return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part),
+            CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part))
