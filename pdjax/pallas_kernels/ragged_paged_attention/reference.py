@@ -73,6 +73,8 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     pages_per_block: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> jax.Array:
     """Attention of every query row over its request's paged KV cache.
 
@@ -90,6 +92,8 @@ def ragged_paged_attention_reference(
       sliding_window: if set, a query at position p sees keys at positions ``> p - window``.
       soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)``.
       pages_per_block: pages visited per online-softmax step (default: up to 8).
+      k_scale, v_scale: dequantization scales of a quantized (e.g. float8_e4m3fn) cache: the
+        stored values are multiplied by them after the cast to float32; None = no scaling.
 
     Returns:
       ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
@@ -127,6 +131,10 @@ def ragged_paged_attention_reference(
         v = v_cache[layer, pages].astype(jnp.float32)
         k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
         v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
+        if k_scale is not None:
+            k = k * k_scale
+        if v_scale is not None:
+            v = v * v_scale
         kv_pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)    # [S]
         mask = (kv_pos[None, :] <= positions[:, None]) & (kv_pos[None, :] < kv_len_tok[:, None])
         if sliding_window is not None:

@@ -1,0 +1,99 @@
+"""Ragged paged attention: one dispatch over the reference, the Pallas TPU and GPU kernels.
+
+All implementations share the batch contract of DESIGN.md §2 (documented in ``reference.py``).
+``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu ->
+reference, tpu -> tpu, gpu -> gpu); the others force a path, e.g. a kernel in interpret mode
+on CPU (``impl="tpu", interpret=True``). The kernel modules are imported on first use, so
+importing this package only needs jax.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pdjax.pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference)
+
+ATTENTION_IMPLS = ("auto", "reference", "tpu", "gpu")
+
+_PLATFORM_IMPL = {"cpu": "reference", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+def resolve_impl(impl: str | None) -> str:
+    """Concrete implementation name for ``impl``: ``"reference"``, ``"tpu"`` or ``"gpu"``.
+
+    ``None`` and ``"auto"`` map the default backend's platform (``jax.default_backend()``).
+
+    Raises:
+      ValueError: ``impl`` is not one of ``ATTENTION_IMPLS``, or auto meets an unknown platform.
+    """
+    if impl is None:
+        impl = "auto"
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"impl must be one of {ATTENTION_IMPLS} or None, got {impl!r}")
+    if impl != "auto":
+        return impl
+    platform = jax.default_backend()
+    if platform not in _PLATFORM_IMPL:
+        raise ValueError(f"impl='auto' has no attention kernel for platform {platform!r}; "
+                         f"pass impl explicitly (one of {ATTENTION_IMPLS})")
+    return _PLATFORM_IMPL[platform]
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    impl: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Attention of every query row of the flat token stream over its request's paged KV.
+
+    Args:
+      q: ``[T, num_q_heads, head_dim]`` float32 or bfloat16.
+      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads, head_dim]``, this step's
+        K/V already written; float32, bfloat16 or float8_e4m3fn (kernels).
+      layer: int32 scalar, the layer of the stacked caches to read.
+      kv_lens: ``[R]`` int32; page_indices: ``[R, P]`` int32; cu_q_lens: ``[R+1]`` int32;
+      distribution: ``[3]`` int32 ``(decode_end, prefill_end, num_seqs)`` (DESIGN.md §2).
+      sm_scale: softmax scale. sliding_window: keys at positions ``> p - window`` only.
+      soft_cap: scores become ``soft_cap * tanh(s / soft_cap)``.
+      k_scale, v_scale: static float dequantization scales of a quantized cache, or None.
+      impl: one of ``ATTENTION_IMPLS`` or None (auto).
+      interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
+        kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
+
+    Returns:
+      ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
+
+    Raises:
+      ValueError: unknown ``impl``, or inputs outside the contract (named field).
+    """
+    impl = resolve_impl(impl)
+    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                  k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, **kwargs)
+    if impl == "tpu":
+        from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
+            ragged_paged_attention_tpu)
+        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
+    from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import (
+        ragged_paged_attention_gpu)
+    return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
+
+
+__all__ = ["ATTENTION_IMPLS", "ragged_paged_attention", "ragged_paged_attention_reference",
+           "resolve_impl"]

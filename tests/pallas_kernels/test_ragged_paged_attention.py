@@ -1,0 +1,458 @@
+"""Ragged paged attention kernels against the jnp reference.
+
+On CPU both Pallas kernels run in interpret mode; on a GPU host (scripts/gpu_check.sh) the GPU
+kernel runs compiled through Triton and the TPU kernel stays interpreted. Every configuration
+is compiled once for a fixed shape envelope and fed several batches (decode only, prefill only,
+mixed, page-boundary lengths, padding); unused pages and cache slots past ``kv_lens`` hold NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pdjax.pallas_kernels.ragged_paged_attention import (
+    ATTENTION_IMPLS, ragged_paged_attention, resolve_impl)
+from pdjax.pallas_kernels.ragged_paged_attention.common import (
+    block_metadata, grid_size, merge_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.reference import (
+    ragged_paged_attention_reference)
+from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
+    PATHS, BlockSizes, fallback_block_sizes, get_block_sizes, gpu_group_pad)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# jax 0.11 warns on every Triton lowering; the GPU kernel picks Triton on purpose (kernel_gpu.py).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+# Fixed envelope so that each configuration compiles once.
+NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 48, 8, 6, 16, 2
+NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ + 3
+
+# name -> ((q_len, kv_len) per request, distribution (decode_end, prefill_end, num_seqs)).
+BATCHES = {
+    "decode": ([(1, 1), (1, 15), (1, 16), (1, 17), (1, 31), (1, 32), (1, 33), (1, 96)],
+               (8, 8, 8)),
+    "prefill": ([(16, 16), (32, 80)], (0, 2, 2)),
+    "mixed": ([(1, 20), (1, 64), (1, 16), (16, 32), (5, 5), (7, 40), (3, 17), (1, 96)],
+              (3, 4, 8)),
+    "page_boundaries": ([(15, 31), (17, 33), (16, 48)], (0, 0, 3)),
+    "padding": ([(1, 9), (4, 4), (9, 25)], (1, 1, 3)),
+}
+
+
+def make_batch(seqs, distribution, *, num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype,
+               k_scale=None, v_scale=None, seed=0):
+    """Inputs in the fixed envelope; pages are a random permutation, NaN where unused."""
+    rng = np.random.default_rng(seed)
+    q_lens = np.zeros(NUM_SEQS, np.int32)
+    kv_lens = np.zeros(NUM_SEQS, np.int32)
+    q_lens[:len(seqs)] = [s[0] for s in seqs]
+    kv_lens[:len(seqs)] = [s[1] for s in seqs]
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    assert cu_q_lens[-1] <= NUM_TOKENS and kv_lens.max() <= PAGES_PER_SEQ * PAGE_SIZE
+    need = -(-kv_lens // PAGE_SIZE)
+    perm = rng.permutation(np.arange(1, NUM_PAGES))          # page 0: the null page
+    page_indices = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
+    used = np.zeros(NUM_PAGES, bool)
+    start = 0
+    for r, n in enumerate(need):
+        page_indices[r, :n] = perm[start:start + n]
+        used[perm[start:start + n]] = True
+        start += n
+    shape = (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
+    # |v| <= 0.5 bounds every output by 0.5, where one bf16 ulp (1.95e-3) is within the 2e-3
+    # bf16 tolerance: two correct bf16 results may differ by one rounding step.
+    q = rng.standard_normal((NUM_TOKENS, num_q_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.uniform(-0.5, 0.5, shape).astype(np.float32)
+    if k_scale is not None:
+        k, v = k / k_scale, v / v_scale
+    k[:, ~used] = np.nan
+    v[:, ~used] = np.nan
+    for r in range(NUM_SEQS):
+        tail = kv_lens[r] % PAGE_SIZE
+        if need[r] and tail:
+            last = page_indices[r, need[r] - 1]
+            k[:, last, tail:] = np.nan
+            v[:, last, tail:] = np.nan
+    return (jnp.asarray(q, dtype), jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype),
+            jnp.int32(1), jnp.asarray(kv_lens), jnp.asarray(page_indices),
+            jnp.asarray(cu_q_lens), jnp.asarray(distribution, jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: object
+    kv_dtype: object
+    small_blocks: bool = False
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+    @property
+    def tol(self) -> float:
+        return 1e-5 if self.dtype == jnp.float32 else 2e-3
+
+
+# GQA ratios 1/3/4/8, head_dim 64/128, f32 / bf16 / fp8 KV, default tuning or small blocks.
+CONFIGS = {
+    "gqa3_d64_f32": Config(9, 3, 64, jnp.float32, jnp.float32),            # the default model
+    "mha_d128_f32": Config(4, 4, 128, jnp.float32, jnp.float32, small_blocks=True),
+    "gqa4_d64_bf16_window_softcap": Config(8, 2, 64, jnp.bfloat16, jnp.bfloat16,
+                                           small_blocks=True, sliding_window=20, soft_cap=15.0),
+    "gqa8_d128_fp8_kv": Config(8, 1, 128, jnp.bfloat16, jnp.float8_e4m3fn, k_scale=0.5,
+                               v_scale=0.25),
+}
+
+# Small blocks make query blocks straddle requests and paths, and KV steps straddle pages.
+SMALL_BLOCKS = {
+    "tpu": {"decode": BlockSizes(4, 32), "prefill": BlockSizes(8, 32), "mixed": BlockSizes(8, 16)},
+    "gpu": {"decode": BlockSizes(1, 16), "prefill": BlockSizes(8, 32), "mixed": BlockSizes(4, 16)},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_fn(impl: str, cfg: Config, interpret):
+    """Jitted kernel through the public dispatch (or the module with small blocks)."""
+    opts = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+                soft_cap=cfg.soft_cap, k_scale=cfg.k_scale, v_scale=cfg.v_scale)
+    if not cfg.small_blocks:
+        return jax.jit(functools.partial(ragged_paged_attention, impl=impl, interpret=interpret,
+                                         **opts))
+    if impl == "tpu":
+        from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
+            ragged_paged_attention_tpu as fn)
+    else:
+        from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import (
+            ragged_paged_attention_gpu as fn)
+    return jax.jit(functools.partial(fn, interpret=interpret, block_sizes=SMALL_BLOCKS[impl],
+                                     **opts))
+
+
+@functools.lru_cache(maxsize=None)
+def reference_fn(cfg: Config):
+    ref = jax.jit(functools.partial(
+        ragged_paged_attention_reference, sm_scale=cfg.head_dim ** -0.5,
+        sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap, k_scale=cfg.k_scale,
+        v_scale=cfg.v_scale))
+
+    def run(*args):
+        with jax.default_matmul_precision("highest"):      # no TF32 in the oracle on GPU
+            return ref(*args)
+    return run
+
+
+def interpret_mode(impl: str):
+    return not (ON_GPU and impl == "gpu")
+
+
+def kernel_device(impl: str):
+    """Interpreted kernels run on the CPU device, also on a GPU host."""
+    if interpret_mode(impl) and jax.default_backend() != "cpu":
+        return jax.default_device(jax.devices("cpu")[0])
+    return contextlib.nullcontext()
+
+
+def lowered_kernels(fn, args) -> set[str]:
+    """Names of the kernel pallas_calls in the lowered module (proof the kernel path ran);
+    compiled on a GPU, the module must also hold the three Triton custom calls."""
+    text = fn.lower(*args).as_text(debug_info=True)
+    names = set(re.findall(r"(ragged_paged_attention_(?:tpu|gpu)_\w+)/pallas_call", text))
+    if any(name.startswith("ragged_paged_attention_gpu") for name in names) and ON_GPU:
+        assert text.count("__gpu$xla.gpu.triton") == 3
+    return names
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernel_matches_reference(impl, config):
+    with kernel_device(impl):
+        _check_against_reference(impl, CONFIGS[config])
+
+
+def _check_against_reference(impl: str, cfg: Config):
+    fn = kernel_fn(impl, cfg, interpret_mode(impl))
+    ref = reference_fn(cfg)
+    shapes = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
+                  k_scale=cfg.k_scale, v_scale=cfg.v_scale)
+    first = make_batch(*BATCHES["mixed"], **shapes)
+    assert lowered_kernels(fn, first) == {f"ragged_paged_attention_{impl}_{p}" for p in PATHS}
+    for seed, (name, (seqs, distribution)) in enumerate(BATCHES.items()):
+        args = make_batch(seqs, distribution, seed=seed, **shapes)
+        out = np.asarray(fn(*args).astype(jnp.float32))
+        want = np.asarray(ref(*args).astype(jnp.float32))
+        real_tokens = int(args[6][distribution[2]])
+        assert np.isfinite(want).all()
+        assert np.isfinite(out).all(), f"{name}: NaN/Inf in kernel output"
+        err = float(np.abs(out - want).max())
+        assert err <= cfg.tol, f"{name}: max abs err {err:.3g} > {cfg.tol}"
+        # Padding rows are exactly 0 and real rows are not trivially 0.
+        assert not out[real_tokens:].any()
+        assert np.abs(out[:real_tokens]).max() > 0.01
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_layer_selects_cache_slice(impl):
+    """The stacked pool is indexed by ``layer``: layer 0 and 1 give the reference's answers."""
+    cfg = CONFIGS["gqa3_d64_f32"]
+    fn = kernel_fn(impl, cfg, interpret_mode(impl))
+    ref = reference_fn(cfg)
+    outs = []
+    with kernel_device(impl):
+        args = list(make_batch(*BATCHES["mixed"], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                               dtype=jnp.float32, kv_dtype=jnp.float32))
+        for layer in (0, 1):
+            args[3] = jnp.int32(layer)
+            out = np.asarray(fn(*args))
+            np.testing.assert_allclose(out, np.asarray(ref(*args)), atol=1e-5, rtol=0)
+            outs.append(out)
+    assert np.abs(outs[0] - outs[1]).max() > 0.1
+
+
+def test_tpu_kernel_race_detector_all_paths():
+    """``InterpretParams(detect_races=True)`` on tiny shapes with every path active."""
+    with kernel_device("tpu"):
+        _check_tpu_races()
+
+
+def _check_tpu_races():
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+    from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
+        ragged_paged_attention_tpu)
+
+    rng = np.random.default_rng(3)
+    # requests: 2 decode rows, 1 prefill chunk, 1 mixed row; page_size 4, 1 KV head, D 8.
+    q_lens, kv_lens = np.array([1, 1, 6, 3], np.int32), np.array([5, 9, 10, 3], np.int32)
+    page_indices = np.array([[1, 2, 0], [3, 4, 5], [6, 7, 8], [9, 0, 0]], np.int32)
+    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    distribution = jnp.array([2, 3, 4], jnp.int32)
+    k = rng.standard_normal((1, 11, 4, 1, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 11, 4, 1, 8)).astype(np.float32)
+    k[:, [0, 10]] = np.nan
+    v[:, [0, 10]] = np.nan
+    args = (jnp.asarray(rng.standard_normal((12, 2, 8)), jnp.float32), jnp.asarray(k),
+            jnp.asarray(v), jnp.int32(0), jnp.asarray(kv_lens), jnp.asarray(page_indices),
+            jnp.asarray(cu_q_lens), distribution)
+    blocks = {"decode": BlockSizes(2, 8), "prefill": BlockSizes(4, 4), "mixed": BlockSizes(2, 8)}
+    for path, bs in blocks.items():
+        grid = grid_size(path, 12, 4, bs.q_tokens)
+        head, _ = block_metadata(args[6], distribution, path, q_tokens=bs.q_tokens,
+                                 num_tokens=12, grid=grid)
+        assert int(head[1]) >= 1, f"path {path} has no active program"
+    out = ragged_paged_attention_tpu(
+        *args, sm_scale=0.35, interpret=pltpu.InterpretParams(detect_races=True),
+        block_sizes=blocks)
+    assert tpu_interpreter.races is not None and not tpu_interpreter.races.races_found
+    want = ragged_paged_attention_reference(*args, sm_scale=0.35)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_race_detector_sees_a_missing_dma_wait():
+    """Control for the test above: a DMA whose destination is read before the wait is caught."""
+    with kernel_device("tpu"):
+        _racy_kernel()
+
+
+def _racy_kernel():
+    from jax.experimental import pallas as pl
+    from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter
+
+    def racy(x_hbm, o_ref, buf, sem):
+        copy = pltpu.make_async_copy(x_hbm, buf, sem)
+        copy.start()
+        o_ref[...] = buf[...]            # read while the DMA may still be writing
+        copy.wait()
+
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    pl.pallas_call(
+        racy, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        scratch_shapes=[pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(())],
+        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+    )(x).block_until_ready()
+    assert tpu_interpreter.races.races_found
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gpu_programs_write_disjoint_tiles(path):
+    """The GPU kernel has no shared scratch or async copies; its only hazard would be two
+    programs storing the same output tile. Active programs own distinct query blocks that
+    together cover exactly the path's tokens."""
+    for seqs, distribution in BATCHES.values():
+        cu = np.concatenate([[0], np.cumsum([s[0] for s in seqs] + [0] * (NUM_SEQS - len(seqs)))])
+        cu_q_lens, dist = jnp.asarray(cu, jnp.int32), jnp.asarray(distribution, jnp.int32)
+        for q_tokens in (1, 4, 8, 16):
+            grid = grid_size(path, NUM_TOKENS, NUM_SEQS, q_tokens)
+            head, blk_seqs = block_metadata(cu_q_lens, dist, path, q_tokens=q_tokens,
+                                            num_tokens=NUM_TOKENS, grid=grid)
+            first, num = int(head[0]), int(head[1])
+            blocks = [first + b for b in range(num)]
+            assert len(set(blocks)) == len(blocks) and num <= grid
+            idx = PATHS.index(path)
+            s_lo = 0 if idx == 0 else distribution[idx - 1]
+            t_lo, t_hi = cu[s_lo], cu[distribution[idx]]
+            covered = {t for blk in blocks for t in range(blk * q_tokens, (blk + 1) * q_tokens)}
+            assert set(range(t_lo, t_hi)) <= covered
+            # Each active program meets exactly the requests owning its tokens.
+            for b in range(num):
+                lo, hi = int(blk_seqs[2 * b]), int(blk_seqs[2 * b + 1])
+                owners = {r for r in range(s_lo, distribution[idx])
+                          for t in range(cu[r], cu[r + 1])
+                          if (first + b) * q_tokens <= t < (first + b + 1) * q_tokens}
+                assert set(range(lo, hi)) == owners
+
+
+def test_merge_paths_picks_owner_and_zeroes_padding():
+    cu_q_lens = jnp.array([0, 1, 2, 6, 9, 9], jnp.int32)
+    distribution = jnp.array([2, 3, 4], jnp.int32)
+    outs = {p: jnp.full((11, 1, 1), float(i + 1)) for i, p in enumerate(PATHS)}
+    outs["decode"] = outs["decode"].at[5].set(jnp.nan)     # a row decode does not own
+    merged = np.asarray(merge_paths(outs, cu_q_lens, distribution))[:, 0, 0]
+    np.testing.assert_array_equal(merged, [1, 1, 2, 2, 2, 2, 3, 3, 3, 0, 0])
+
+
+def test_resolve_impl():
+    assert ATTENTION_IMPLS == ("auto", "reference", "tpu", "gpu")
+    platform_impl = {"cpu": "reference", "tpu": "tpu", "gpu": "gpu"}[jax.default_backend()]
+    assert resolve_impl(None) == resolve_impl("auto") == platform_impl
+    for impl in ("reference", "tpu", "gpu"):
+        assert resolve_impl(impl) == impl
+    with pytest.raises(ValueError, match="impl must be one of"):
+        resolve_impl("triton")
+
+
+def test_dispatch_reference_and_bad_inputs():
+    args = make_batch(*BATCHES["padding"], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      dtype=jnp.float32, kv_dtype=jnp.float32)
+    out = ragged_paged_attention(*args, sm_scale=0.125, impl="reference")
+    want = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ragged_paged_attention(*args, sm_scale=0.125, impl="cuda")
+    bad_q = jnp.zeros((NUM_TOKENS, 8, 64), jnp.float32)                 # 8 % 3 != 0
+    for impl in ("tpu", "gpu"):
+        with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+            ragged_paged_attention(bad_q, *args[1:], sm_scale=0.125, impl=impl, interpret=True)
+        with pytest.raises(ValueError, match="k_scale"):
+            ragged_paged_attention(*args, sm_scale=0.125, impl=impl, interpret=True,
+                                   k_scale=jnp.float32(0.5))
+    odd_d = [jnp.zeros((NUM_TOKENS, 9, 48), jnp.float32),
+             jnp.zeros((1, 4, PAGE_SIZE, 3, 48), jnp.float32)]
+    with pytest.raises(ValueError, match="head_dim must be a power of two"):
+        ragged_paged_attention(odd_d[0], odd_d[1], odd_d[1], *args[3:], sm_scale=0.1,
+                               impl="gpu", interpret=True)
+
+
+def test_tuning_table_and_fallback():
+    # Table hit for the default model, fitted to the bucket.
+    bs = get_block_sizes("tpu", "decode", head_dim=64, group=3, page_size=16, kv_bits=16,
+                         max_pages=512, num_tokens=16)
+    assert bs == BlockSizes(q_tokens=8, kv_tokens=256)
+    # Unknown shapes: the fallback rule, made legal for the backend.
+    assert fallback_block_sizes("tpu", "prefill", 256, 32) == BlockSizes(128, 64)
+    tpu = get_block_sizes("tpu", "mixed", head_dim=96, group=5, page_size=12, kv_bits=32,
+                          max_pages=3, num_tokens=20)
+    assert tpu.kv_tokens % 12 == 0 and tpu.kv_tokens <= 36 and tpu.q_tokens == 20
+    for path in PATHS:
+        gpu = get_block_sizes("gpu", path, head_dim=128, group=7, page_size=12, kv_bits=32,
+                              max_pages=9, num_tokens=1000)
+        rows = gpu.q_tokens * gpu_group_pad(7, gpu.q_tokens)
+        assert rows & (rows - 1) == 0 and 16 <= rows <= 128
+        assert gpu.kv_tokens >= 16 and gpu.kv_tokens & (gpu.kv_tokens - 1) == 0
+        assert gpu.num_stages * gpu.kv_tokens * 2 * 128 * 4 <= 96 * 1024
+    with pytest.raises(ValueError, match="path must be one of"):
+        get_block_sizes("gpu", "chunk", head_dim=64, group=3, page_size=16, kv_bits=16,
+                        max_pages=4, num_tokens=16)
+    with pytest.raises(ValueError, match="q_tokens"):
+        BlockSizes(q_tokens=0, kv_tokens=16)
+
+
+def _engine_attention_shapes():
+    """Every attention shape ``(T, R, P)`` of the buckets the engine compiles with default
+    ServerArgs for SmolLM2 (8k context). The kernels see only shapes (the entry point reaches
+    them as ``distribution`` values), so entry points with equal shapes lower identically."""
+    from pdjax.config import ServerArgs
+    from pdjax.sched.buckets import Buckets
+
+    args = ServerArgs()
+    keys = Buckets.create(chunked_prefill_size=args.chunked_prefill_size,
+                          max_running_requests=args.max_running_requests,
+                          max_pages_per_seq=-(-8192 // args.page_size)).all_keys()
+    shapes = sorted({(k.num_tokens, k.num_rows, k.pages_per_seq) for k in keys})
+    assert {k.entry for k in keys} == {"decode", "prefill_chunk", "mixed"}
+    return shapes, args
+
+
+def lowering_context(platform: str):
+    """jax 0.11 lowers Triton kernels only for a known GPU: without one, name an abstract H200
+    (jax 0.10 falls back to sm_90 by itself)."""
+    if platform != "cuda" or jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                         platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+@pytest.mark.parametrize("impl,platform,custom_call", [
+    ("tpu", "tpu", "tpu_custom_call"), ("gpu", "cuda", "__gpu$xla.gpu.triton")])
+def test_kernels_lower_for_every_engine_bucket(impl, platform, custom_call):
+    """Cross-lowering on CPU catches Pallas-level lowering errors for every engine shape
+    (SmolLM2: 9 query heads over 3 KV heads, head_dim 64, 30 layers, bf16 KV)."""
+    with lowering_context(platform):
+        _lower_engine_buckets(impl, platform, custom_call)
+
+
+def _lower_engine_buckets(impl, platform, custom_call):
+    shapes_trp, args = _engine_attention_shapes()
+    assert len(shapes_trp) >= 3
+    S = jax.ShapeDtypeStruct
+    pool = S((30, args.num_pages, args.page_size, 3, 64), jnp.bfloat16)
+
+    def arg_shapes(num_tokens, num_rows, pages_per_seq, kv_pool):
+        return (S((num_tokens, 9, 64), jnp.bfloat16), kv_pool, kv_pool, S((), jnp.int32),
+                S((num_rows,), jnp.int32), S((num_rows, pages_per_seq), jnp.int32),
+                S((num_rows + 1,), jnp.int32), S((3,), jnp.int32))
+
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125, impl=impl))
+    for trp in shapes_trp:
+        text = fn.trace(*arg_shapes(*trp, pool)).lower(lowering_platforms=(platform,)).as_text()
+        assert text.count(custom_call) == 3, trp          # decode, prefill, mixed kernels
+    # fp8 KV with scales, sliding window and soft cap lower too (largest shape).
+    fp8_pool = S(pool.shape, jnp.float8_e4m3fn)
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125, impl=impl,
+                                   sliding_window=128, soft_cap=30.0, k_scale=0.5, v_scale=0.5))
+    lowered = fn.trace(*arg_shapes(*shapes_trp[-1], fp8_pool)).lower(
+        lowering_platforms=(platform,))
+    assert lowered.as_text().count(custom_call) == 3
+
+
+def test_package_import_is_light():
+    """The GPU check host has only jax, numpy and pytest: importing the kernels (and pdjax)
+    must not pull in flax, zmq or transformers."""
+    code = ("import sys, pdjax.pallas_kernels.ragged_paged_attention as m; "
+            "import pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu, "
+            "pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu; "
+            "print(sorted(n for n in ('flax', 'zmq', 'transformers', 'torch', 'aiohttp', "
+            "'msgpack') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
+                                          "PYTHONPATH": ":".join(sys.path)})
+    assert out.stdout.strip() == "[]"
