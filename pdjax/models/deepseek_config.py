@@ -1,0 +1,293 @@
+"""Frozen, validated configuration of the MLA family: DeepSeek-V3, DeepSeek-V3.2 and GLM-5.
+
+One dataclass covers the three Hugging Face architectures (the oracle is transformers 5.24's
+``deepseek_v3``, ``deepseek_v32`` and ``glm_moe_dsa`` folders):
+
+| architecture              | MLA RoPE          | indexer (DSA)                 | indexer RoPE       |
+|---------------------------|-------------------|-------------------------------|--------------------|
+| ``DeepseekV3ForCausalLM`` | ``rope_interleave`` | none (dense MLA)            | -                  |
+| ``DeepseekV32ForCausalLM``| interleaved       | every layer ``"full"``        | rotate-half        |
+| ``GlmMoeDsaForCausalLM``  | interleaved       | ``indexer_types`` full/shared | interleaved        |
+
+A ``"shared"`` layer has no indexer: it reuses the top-k selection of the previous ``"full"``
+layer (GLM-5). Every bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+INDEXER_TYPES = ("none", "full", "shared")
+MLP_TYPES = ("dense", "sparse")
+_ROPE_TYPES = ("default", "yarn")
+
+
+def _freeze(d: dict | None):
+    return None if not d else tuple(sorted(d.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekConfig:
+    """Static, hashable description of an MLA + MoE decoder (optionally with DSA).
+
+    Shapes it implies: latent KV per token per layer ``kv_lora_rank + qk_rope_head_dim``;
+    indexer key per token per ``"full"`` layer ``index_head_dim``. ``mlp_layer_types[i]`` is
+    ``"dense"`` (SwiGLU of ``intermediate_size``) or ``"sparse"`` (MoE); ``indexer_types[i]`` is
+    one of ``INDEXER_TYPES``. ``rope_scaling`` is a sorted tuple of ``(key, value)`` pairs.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    mlp_layer_types: tuple[str, ...]
+    indexer_types: tuple[str, ...]
+    index_topk: int = 0
+    index_head_dim: int = 0
+    index_n_heads: int = 0
+    indexer_rope_interleave: bool = False
+    rope_interleave: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    def __post_init__(self):
+        if self.architecture not in DEEPSEEK_ARCHITECTURES:
+            raise ValueError(f"architecture {self.architecture!r} is not an MLA architecture; "
+                             f"supported: {', '.join(DEEPSEEK_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+        if len(self.mlp_layer_types) != self.num_layers or any(
+                t not in MLP_TYPES for t in self.mlp_layer_types):
+            raise ValueError(f"mlp_layer_types must list {self.num_layers} entries from "
+                             f"{MLP_TYPES}, got {self.mlp_layer_types!r}")
+        if len(self.indexer_types) != self.num_layers or any(
+                t not in INDEXER_TYPES for t in self.indexer_types):
+            raise ValueError(f"indexer_types must list {self.num_layers} entries from "
+                             f"{INDEXER_TYPES}, got {self.indexer_types!r}")
+        if "sparse" in self.mlp_layer_types:
+            for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                         "n_group", "topk_group"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if self.n_shared_experts < 0:
+                raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
+            if self.n_routed_experts % self.n_group:
+                raise ValueError(f"n_group ({self.n_group}) must divide n_routed_experts "
+                                 f"({self.n_routed_experts})")
+            if self.topk_group > self.n_group:
+                raise ValueError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+            per_group = self.n_routed_experts // self.n_group
+            if self.n_group > 1 and per_group < 2:
+                raise ValueError("grouped routing scores each group by its top-2 experts: "
+                                 f"n_routed_experts / n_group must be >= 2, got {per_group}")
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
+                                 f"experts of topk_group ({self.topk_group}) groups")
+        if self.has_indexer:
+            for name in ("index_topk", "index_head_dim", "index_n_heads"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if self.index_head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= "
+                                 f"qk_rope_head_dim ({self.qk_rope_head_dim})")
+            first = next(t for t in self.indexer_types if t != "none")
+            if first != "full":
+                raise ValueError("indexer_types: the first indexed layer must be 'full' (a "
+                                 "'shared' layer reuses the previous full layer's top-k)")
+            if "none" in self.indexer_types:
+                raise ValueError("indexer_types: mixing 'none' with indexed layers is not supported")
+        rope_type = self.rope_params.get("rope_type", "default")
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"rope_scaling.rope_type must be one of {_ROPE_TYPES}, got {rope_type!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def rope_params(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    @property
+    def has_indexer(self) -> bool:
+        return any(t != "none" for t in self.indexer_types)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached values per token per layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        """Layers that run their own indexer (and own a slice of the indexer key cache)."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "dense")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "sparse")
+
+    # Names shared with ``ModelConfig`` so generic code (runner, server) can read them.
+    @property
+    def num_q_heads(self) -> int:
+        return self.num_heads
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "DeepseekConfig":
+        """Build from a transformers ``config.json`` dict (``rope_parameters`` of transformers 5
+        or the legacy ``rope_theta`` + ``rope_scaling``). Raises ``ValueError`` naming a
+        missing or bad field."""
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{source}: missing 'architectures'")
+        arch = archs[0]
+        try:
+            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+            if "type" in rope and "rope_type" not in rope:
+                rope["rope_type"] = rope.pop("type")
+            rope.pop("partial_rotary_factor", None)
+            if rope.get("rope_type", "default") == "default":
+                rope = {}
+            num_layers = int(cfg["num_hidden_layers"])
+            mlp_types = cfg.get("mlp_layer_types")
+            if mlp_types is None:
+                n_dense = min(int(cfg.get("first_k_dense_replace", 3) or 0), num_layers)
+                mlp_types = ["dense"] * n_dense + ["sparse"] * (num_layers - n_dense)
+            if arch == "DeepseekV3ForCausalLM":
+                indexer_types = ["none"] * num_layers
+            elif arch == "DeepseekV32ForCausalLM":
+                indexer_types = ["full"] * num_layers
+            else:
+                indexer_types = _glm_indexer_types(cfg, num_layers)
+            eos = cfg.get("eos_token_id")
+            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            has_idx = arch != "DeepseekV3ForCausalLM"
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                num_layers=num_layers,
+                num_heads=int(cfg["num_attention_heads"]),
+                q_lora_rank=_required_int(cfg, "q_lora_rank", source),
+                kv_lora_rank=int(cfg["kv_lora_rank"]),
+                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+                v_head_dim=int(cfg["v_head_dim"]),
+                n_routed_experts=int(cfg.get("n_routed_experts") or 0),
+                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                n_group=int(cfg.get("n_group") or 1),
+                topk_group=int(cfg.get("topk_group") or 1),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                mlp_layer_types=tuple(mlp_types),
+                indexer_types=tuple(indexer_types),
+                index_topk=int(cfg.get("index_topk", 0)) if has_idx else 0,
+                index_head_dim=int(cfg.get("index_head_dim", 0)) if has_idx else 0,
+                index_n_heads=int(cfg.get("index_n_heads", 0)) if has_idx else 0,
+                indexer_rope_interleave=arch == "GlmMoeDsaForCausalLM",
+                rope_interleave=(bool(cfg.get("rope_interleave", True))
+                                 if arch == "DeepseekV3ForCausalLM" else True),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=_freeze(rope),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos,
+                hidden_act=cfg.get("hidden_act", "silu"),
+            )
+        except KeyError as e:
+            raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            if str(e).startswith(source):
+                raise
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "DeepseekConfig":
+        return cls.from_hf_dict(read_hf_config(path), source=os.path.join(path, "config.json"))
+
+
+def _required_int(cfg: dict, name: str, source: str) -> int:
+    v = cfg.get(name)
+    if v is None:
+        raise ValueError(f"{source}: {name} is required (the q_lora-less MLA variant is not "
+                         "supported)")
+    return int(v)
+
+
+def _glm_indexer_types(cfg: dict, num_layers: int) -> list[str]:
+    """GLM-5's per-layer indexer schedule, in transformers' order of precedence:
+    ``indexer_types``, then ``index_topk_pattern`` (``"FSS..."``), then
+    ``index_topk_freq`` / ``index_skip_topk_offset``."""
+    types = cfg.get("indexer_types")
+    if types is None:
+        pattern = cfg.get("index_topk_pattern")
+        if pattern is not None:
+            types = ([{"F": "full", "S": "shared"}[c] for c in pattern]
+                     if isinstance(pattern, str) else list(pattern))
+        else:
+            freq = max(int(cfg.get("index_topk_freq", 1)), 1)
+            offset = int(cfg.get("index_skip_topk_offset", 2))
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
+                     for i in range(num_layers)]
+    return list(types)
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """``config.json`` of a checkpoint folder as a dict; raises ``ValueError`` when missing or
+    malformed."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{cfg_path}: file not found")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None

@@ -1,0 +1,60 @@
+"""Lightning-indexer scoring (DSA) over the paged indexer key cache: one dispatch over the
+reference and the Pallas TPU and GPU kernels, plus the top-k selection.
+
+The contract is documented in ``reference.py``. ``impl`` follows
+``ragged_paged_attention.resolve_impl`` (``None``/``"auto"`` by platform, or ``"reference"``,
+``"tpu"``, ``"gpu"``). The top-k itself is ``lax.top_k`` outside the kernels
+(``topk_positions``).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pdjax.pallas_kernels.indexer.reference import indexer_scores_reference, topk_positions
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+
+
+def indexer_scores(
+    q: jax.Array,
+    weights: jax.Array,
+    k_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    *,
+    sm_scale: float,
+    impl: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Index scores ``[T, P * page_size]`` float32 of every token over its request's positions.
+
+    Args:
+      q: ``[T, index_n_heads, index_head_dim]`` (RoPE applied); weights: ``[T, index_n_heads]``
+        (``weights_proj(x) * n_heads ** -0.5``).
+      k_cache: ``[layers, num_pages, page_size, index_head_dim]``, this step's keys written.
+      layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
+      sm_scale: scale inside the relu (``index_head_dim ** -0.5``).
+      impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``.
+      interpret: kernels only: run through the Pallas interpreter (CPU).
+
+    Returns:
+      Column ``i`` is position ``i``; ``-inf`` past the token's position or ``kv_lens``.
+
+    Raises:
+      ValueError: unknown ``impl`` or inputs outside the contract (named field).
+    """
+    impl = resolve_impl(impl)
+    args = (q, weights, k_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
+    if impl == "reference":
+        return indexer_scores_reference(*args, sm_scale=sm_scale)
+    if impl == "tpu":
+        from pdjax.pallas_kernels.indexer.kernel_tpu import indexer_scores_tpu
+        return indexer_scores_tpu(*args, sm_scale=sm_scale, interpret=interpret)
+    from pdjax.pallas_kernels.indexer.kernel_gpu import indexer_scores_gpu
+    return indexer_scores_gpu(*args, sm_scale=sm_scale, interpret=interpret)
+
+
+__all__ = ["indexer_scores", "indexer_scores_reference", "topk_positions"]

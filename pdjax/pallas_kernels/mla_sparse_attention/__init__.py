@@ -1,0 +1,65 @@
+"""MLA attention over the paged latent cache (dense, or DSA top-k sparse): one dispatch over
+the reference and the Pallas TPU and GPU kernels.
+
+The contract (absorbed MLA, DESIGN.md §2 metadata, top-k positions) is documented in
+``reference.py``. ``impl`` follows ``ragged_paged_attention.resolve_impl``: ``None``/``"auto"``
+picks by platform (cpu -> reference), ``"reference"``, ``"tpu"`` or ``"gpu"`` force a path. The
+kernel modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pdjax.pallas_kernels.mla_sparse_attention.reference import mla_sparse_attention_reference
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+
+
+def mla_sparse_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    topk_indices: jax.Array | None = None,
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+    impl: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Absorbed MLA attention of every query row over its request's paged latent cache.
+
+    Args:
+      q: ``[T, H, kv_lora_rank + rope_dim]`` float32 or bfloat16.
+      kv_cache: ``[layers, num_pages, page_size, kv_lora_rank + rope_dim]``, this step's rows
+        already written.
+      layer: int32 scalar; kv_lens ``[R]``, page_indices ``[R, P]``, cu_q_lens ``[R+1]``,
+        distribution ``[3]``: DESIGN.md §2 metadata (int32).
+      topk_indices: ``[T, K]`` int32 sequence positions per token (``-1`` = empty), or None
+        for dense causal attention.
+      sm_scale: softmax scale. kv_lora_rank: value width (the first entries of each row).
+      impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``.
+      interpret: kernels only: run through the Pallas interpreter (CPU).
+
+    Returns:
+      ``[T, H, kv_lora_rank]`` in ``q.dtype``; padding rows are 0.
+
+    Raises:
+      ValueError: unknown ``impl`` or inputs outside the contract (named field).
+    """
+    impl = resolve_impl(impl)
+    args = (q, kv_cache, layer, kv_lens, page_indices, cu_q_lens, distribution, topk_indices)
+    kwargs = dict(sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+    if impl == "reference":
+        return mla_sparse_attention_reference(*args, **kwargs)
+    if impl == "tpu":
+        from pdjax.pallas_kernels.mla_sparse_attention.kernel_tpu import mla_sparse_attention_tpu
+        return mla_sparse_attention_tpu(*args, **kwargs, interpret=interpret)
+    from pdjax.pallas_kernels.mla_sparse_attention.kernel_gpu import mla_sparse_attention_gpu
+    return mla_sparse_attention_gpu(*args, **kwargs, interpret=interpret)
+
+
+__all__ = ["mla_sparse_attention", "mla_sparse_attention_reference"]
