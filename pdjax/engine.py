@@ -85,6 +85,14 @@ class EngineCore:
         self.forward_time_s = 0.0
         self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
+        # PD disaggregation hook (DESIGN.md §4): the role's transfer manager, or None.
+        self.disagg = None
+        if args.role == "prefill":
+            from pdjax.transfer.prefill import PrefillManager
+            self.disagg = PrefillManager(self)
+        elif args.role == "decode":
+            from pdjax.transfer.decode import DecodeManager
+            self.disagg = DecodeManager(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest) -> Request:
@@ -100,10 +108,21 @@ class EngineCore:
                       logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
         sp = g.sampling_params
         req.seed_for_sampling = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        if self.disagg is not None and self.disagg.add_request(g, req):
+            return req                # PD: the role's manager schedules it later
         self.scheduler.add_request(req)
         return req
 
+    @property
+    def has_work(self) -> bool:
+        """Whether ``step()`` has something to do (scheduled requests or PD events)."""
+        return self.scheduler.has_work or (self.disagg is not None and self.disagg.has_work())
+
     def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
+        if self.disagg is not None:
+            out = self.disagg.abort(rid, message)
+            if out is not None:
+                return out
         req = self.scheduler.abort_request(rid, message)
         return None if req is None else self._output(req, [], [], [])
 
@@ -111,6 +130,8 @@ class EngineCore:
     def step(self) -> list[GenerateOutput]:
         t0 = time.perf_counter()
         outputs: list[GenerateOutput] = []
+        if self.disagg is not None:
+            outputs += self.disagg.poll()
         for req in list(self.scheduler.requests.values()):
             sp = req.sampling_params
             if sp.max_new_tokens == 0 and not req.output_ids and req.num_computed_tokens == 0 \
@@ -147,6 +168,8 @@ class EngineCore:
             top = [res.top_logprobs] if req.return_logprob else []
             outputs.append(self._output(req, [res.token_id], lp, top))
         del finished
+        if self.disagg is not None:
+            outputs = self.disagg.after_step(batch, outputs)
         self.num_steps += 1
         self.forward_time_s += t2 - t1
         self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
@@ -222,7 +245,18 @@ class EngineCore:
         return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
                 "num_used_pages": s.num_used_pages, "num_total_pages": total,
                 "num_cached_pages": s.prefix_cache.num_cached_pages,
-                "kv_usage": s.num_used_pages / total}
+                "kv_usage": s.num_used_pages / total, **self._pd_load()}
+
+    def _pd_load(self) -> dict[str, Any]:
+        """PD fields of ``get_load``: pages nothing can evict (a finished PD server must show
+        0), prompt tokens computed (decode: stays 0), and the role manager's queue sizes."""
+        if self.disagg is None:
+            return {}
+        s = self.scheduler
+        return {"num_evictable_pages": s.prefix_cache.num_evictable_pages,
+                "num_pinned_pages": s.num_used_pages - s.prefix_cache.num_evictable_pages,
+                "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
+                **self.disagg.load()}
 
 
 def _sampling_params(sp) -> SamplingParams:
@@ -422,6 +456,10 @@ class AsyncEngine:
     def get_load(self) -> dict:
         return self._call_sync("load") if self.core is not None else {}
 
+    def pd_state(self) -> dict:
+        """The PD manager's rooms, peers and transfer records (``/pd_state``); {} otherwise."""
+        return self._call_sync("pd_state") if self.core is not None else {}
+
     def server_info(self) -> dict:
         info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
         info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
@@ -480,6 +518,8 @@ class AsyncEngine:
             return core.flush_cache()
         if op == "load":
             return core.get_load()
+        if op == "pd_state":
+            return core.disagg.debug_state() if core.disagg is not None else {}
         if op == "start_profile":
             out_dir, steps = arg
             core.runner.start_profile(out_dir)
@@ -514,6 +554,10 @@ class AsyncEngine:
             self.core = EngineCore(self.args, progress=self._progress)
             if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
                 self.metrics.attach_engine(self.core)
+            if self.core.disagg is not None:
+                self.core.disagg.set_wake(self._wake.set)
+                if self.metrics is not None:
+                    self.core.disagg.attach_metrics(self.metrics)
             self.is_ready = True
         except BaseException as e:
             logger.exception("engine failed to start")
@@ -523,7 +567,7 @@ class AsyncEngine:
         self._ready_event.set()
         while not self._stop:
             self._drain_inbox()
-            if not self.core.scheduler.has_work:
+            if not self.core.has_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
@@ -544,6 +588,8 @@ class AsyncEngine:
                 if self._profile_steps_left <= 0:
                     self.core.runner.stop_profile()
                     self._profile_dir = self._profile_steps_left = None
+        if self.core.disagg is not None:
+            self.core.disagg.close()
 
 
 def _version() -> str:

@@ -108,6 +108,11 @@ class Scheduler:
         self._last_forward_mode: str | None = None
         self.num_retractions = 0
         self.num_prompt_tokens_computed = 0
+        # PD disaggregation (DESIGN.md §4); see the "PD hooks" section below.
+        self.hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
+        self.held: dict[str, Request] = {}         # finished, pages kept until release_held
+        self.prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
+        self.quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
 
     # ------------------------------------------------------------------ queue operations
     @property
@@ -129,6 +134,7 @@ class Scheduler:
     def abort_request(self, rid: str, message: str = "aborted") -> Request | None:
         """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
         req = self.requests.pop(rid, None)
+        self.hold_on_finish.discard(rid)
         if req is None:
             return None
         if req in self.waiting:
@@ -313,10 +319,112 @@ class Scheduler:
     def finish_request(self, req: Request, reason: dict) -> None:
         if req in self.running:
             self.running.remove(req)
-            self._release(req)
+            if req.rid in self.hold_on_finish:
+                self.hold_on_finish.discard(req.rid)
+                self.held[req.rid] = req           # pages stay until release_held
+            else:
+                self._release(req)
         self.requests.pop(req.rid, None)
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED)
+
+    # ------------------------------------------------------------------ PD hooks
+    # Prefill: a request whose KV is being copied to a decode server finishes after its first
+    # token, but its pages must not be evicted or reused until the copy ends (DESIGN.md §4
+    # step 7): ``hold_on_finish`` -> ``held`` -> ``release_held``.
+    # Decode: pages are reserved before the KV arrives (``reserve_prebuilt``), then the request
+    # joins the running batch with its first token and no prompt recompute (``add_prebuilt``),
+    # or gives the pages back without caching them (``release_prebuilt``); pages a late write
+    # may still hit wait in ``quarantined`` until ``release_quarantine``.
+    #
+    #     waiting/none --reserve_prebuilt--> prealloc --add_prebuilt--> running
+    #                                           '--release_prebuilt--> free | quarantined
+
+    def release_held(self, rid: str) -> bool:
+        """Give back the pages of a held finished request (full pages into the prefix cache).
+        Returns False if ``rid`` is not held."""
+        req = self.held.pop(rid, None)
+        if req is None:
+            return False
+        self._release(req)
+        return True
+
+    def reserve_prebuilt(self, req: Request, extra_free_pages: int = 0) -> bool:
+        """Decode admission: match the prompt in the prefix cache (full pages), lock the match
+        and allocate the pages for the rest of the prompt, provided ``extra_free_pages`` more
+        (reserved for decode tokens) could also be freed. Returns False (no change) otherwise.
+        Afterwards ``req.num_cached_tokens`` = matched prefix tokens (a multiple of page_size)
+        and ``req.pages`` covers the whole prompt; the request is in ``prealloc``.
+        Raises ``ValueError`` if ``req`` is already known or its prompt is too long."""
+        if req.rid in self.requests or req.rid in self.prealloc or req.rid in self.held:
+            raise ValueError(f"rid {req.rid!r} is already in use")
+        if req.num_prompt_tokens >= self.max_request_tokens:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
+                             f"context length {self.max_request_tokens}")
+        ps = self.page_size
+        pages, node = self.prefix_cache.match_prefix(req.prompt_ids,
+                                                     max_pages=req.num_prompt_tokens // ps)
+        self.prefix_cache.lock(node)
+        new = -(-req.num_prompt_tokens // ps) - len(pages)
+        if not self._make_free(new + max(0, extra_free_pages)):
+            self.prefix_cache.unlock(node)
+            return False
+        req.prefix_node = node
+        req.pages = list(pages) + self.allocator.alloc(new)
+        req.num_cached_tokens = len(pages) * ps
+        req.num_computed_tokens = 0
+        self.prealloc[req.rid] = req
+        return True
+
+    def add_prebuilt(self, req: Request, first_token_id: int) -> None:
+        """Move a reserved request into the running batch: its prompt KV is in its pages, its
+        first output token is ``first_token_id`` (sampled by the prefill server). The next
+        decode step computes that token's KV; the prompt is never recomputed.
+        Raises ``ValueError`` if ``req`` is not in ``prealloc``."""
+        if self.prealloc.get(req.rid) is not req:
+            raise ValueError(f"rid {req.rid!r} has no reserved pages")
+        del self.prealloc[req.rid]
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_ids.append(int(first_token_id))
+        req.arrival_time = req.arrival_time or time.monotonic()
+        req.last_scheduled_step = self.step_id
+        req.set_state(RequestState.RUNNING)
+        self.requests[req.rid] = req
+        self.running.append(req)
+
+    def release_prebuilt(self, req: Request, quarantine_key: object = None) -> list[int]:
+        """Give back a reserved request's pages without caching them (failed or aborted
+        transfer): the matched prefix is unlocked; the request's own pages are freed, or kept
+        in ``quarantined[quarantine_key]`` when a key is given. Returns the own pages.
+        Raises ``ValueError`` if ``req`` is not in ``prealloc``."""
+        if self.prealloc.get(req.rid) is not req:
+            raise ValueError(f"rid {req.rid!r} has no reserved pages")
+        del self.prealloc[req.rid]
+        k = req.num_cached_tokens // self.page_size
+        own = req.pages[k:]
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+            req.prefix_node = None
+        if quarantine_key is not None:
+            if quarantine_key in self.quarantined:
+                raise ValueError(f"quarantine key {quarantine_key!r} is already in use")
+            self.quarantined[quarantine_key] = list(own)
+        elif own:
+            self.allocator.free(own)
+        req.pages = []
+        return own
+
+    def release_quarantine(self, quarantine_key: object) -> int:
+        """Free quarantined pages; returns how many (0 for an unknown key)."""
+        pages = self.quarantined.pop(quarantine_key, None)
+        if not pages:
+            return 0
+        self.allocator.free(pages)
+        return len(pages)
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return sum(len(p) for p in self.quarantined.values())
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -328,8 +436,8 @@ class Scheduler:
         pool (counted from each side independently) and requests' pages are disjoint."""
         free = set(self.allocator.free_pages())
         cached = set(self.prefix_cache.cached_pages())
-        owned: list[int] = []
-        for r in self.running:
+        owned: list[int] = [p for pages in self.quarantined.values() for p in pages]
+        for r in [*self.running, *self.held.values(), *self.prealloc.values()]:
             k = r.num_cached_tokens // self.page_size
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]

@@ -271,6 +271,9 @@ _NATIVE_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "custom_logit_processor": lambda v: False, "token_ids_logprob": lambda v: v == [],
     "return_hidden_states": lambda v: v is False, "routed_dp_rank": lambda v: v == 0,
     "data_parallel_rank": lambda v: v == 0, "disagg_prefill_dp_rank": lambda v: v == 0,
+    # Sent with their defaults by sglang-router (PD mode, issue 5).
+    "background": lambda v: v is False, "no_logs": lambda v: isinstance(v, bool),
+    "return_bytes": lambda v: v is False, "return_entropy": lambda v: v is False,
 }
 
 
@@ -431,6 +434,12 @@ _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: False, "reasoning_effort": lambda v: False,
     "web_search_options": lambda v: False, "regex": lambda v: False,
     "json_schema": lambda v: False, "ebnf": lambda v: False,
+    # Sent with their defaults by sglang-router (PD mode, issue 5); pdjax has no reasoning
+    # parser, so the two reasoning switches change nothing.
+    "no_stop_trim": lambda v: v is False, "continue_final_message": lambda v: v is False,
+    "return_hidden_states": lambda v: v is False,
+    "separate_reasoning": lambda v: isinstance(v, bool),
+    "stream_reasoning": lambda v: isinstance(v, bool),
 }
 
 

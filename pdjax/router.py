@@ -1,0 +1,487 @@
+"""``python -m pdjax.router``: a minimal PD router (DESIGN.md §4, reference/sglang_pd_notes.md §9).
+
+    python -m pdjax.router --prefill http://127.0.0.1:30001 8998 --decode http://127.0.0.1:30002 \\
+        [--prefill URL [BOOTSTRAP_PORT] ...] [--decode URL ...] --host 127.0.0.1 --port 30000
+
+The same arguments as sglang-router's PD mode. For every generation request
+(``/generate``, ``/v1/completions``, ``/v1/chat/completions``) it picks a prefill and a decode
+server (round robin), adds ``bootstrap_host`` (the prefill URL's host), ``bootstrap_port``
+(the prefill's bootstrap port, or null: the server's default) and ``bootstrap_room`` (a
+random room in [1, 2**63); a list of one room per sample for batches and ``n > 1``), POSTs
+the same body to both at once, and returns the decode server's answer, streaming included:
+
+    client --> router --body + bootstrap fields--> prefill  (computes the prompt, sends the KV)
+                      '-------- same body ------->  decode  (receives the KV, generates) --> client
+
+If the prefill fails first, the decode request is cancelled and the client gets 502 with the
+prefill's error; if the decode fails, the prefill request is cancelled. With
+``return_logprob`` on ``/generate``, the prompt logprobs computed by the prefill are put in
+front of the decode's ``meta_info.input_token_logprobs`` (and ``input_top_logprobs``), per
+sample and per stream event. ``/health`` is 200 only when every worker is healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import random
+import sys
+import urllib.parse
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+logger = logging.getLogger(__name__)
+
+MAX_ROOM = (1 << 63) - 1
+GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+_FORWARD_HEADERS = ("Authorization",)
+
+
+def draw_room(rng: random.Random) -> int:
+    """A bootstrap room in [1, 2**63): 0 means "unwritten" in the metadata row."""
+    return rng.randint(1, MAX_ROOM)
+
+
+def num_samples(path: str, body: dict[str, Any]) -> int:
+    """How many samples (rooms) a request body asks for: prompts in the batch x ``n``."""
+    if path == "/generate":
+        sp = body.get("sampling_params") or {}
+        n = sp.get("n", 1) if isinstance(sp, dict) else 1
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            batch = len(text)
+        elif isinstance(ids, list) and ids and isinstance(ids[0], list):
+            batch = len(ids)
+        else:
+            batch = 1
+    else:
+        n = body.get("n", 1)
+        prompt = body.get("prompt")
+        if path == "/v1/completions" and isinstance(prompt, list) and prompt \
+                and not isinstance(prompt[0], int):
+            batch = len(prompt)
+        else:
+            batch = 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return max(1, batch) * n
+
+
+def _merge_input_logprobs(decode_obj: Any, prefill_obj: Any) -> Any:
+    """Put the prefill's prompt logprobs in front of the decode's, sample by sample."""
+    if isinstance(decode_obj, list):
+        if isinstance(prefill_obj, list) and len(prefill_obj) == len(decode_obj):
+            return [_merge_input_logprobs(d, p) for d, p in zip(decode_obj, prefill_obj)]
+        return decode_obj
+    if not isinstance(decode_obj, dict) or not isinstance(prefill_obj, dict):
+        return decode_obj
+    dm, pm = decode_obj.get("meta_info"), prefill_obj.get("meta_info")
+    if not isinstance(dm, dict) or not isinstance(pm, dict):
+        return decode_obj
+    for key in ("input_token_logprobs", "input_top_logprobs"):
+        if isinstance(pm.get(key), list):
+            dm[key] = pm[key] + (dm.get(key) if isinstance(dm.get(key), list) else [])
+    return decode_obj
+
+
+def _first_sse_json(raw: bytes) -> Any:
+    for line in raw.splitlines():
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            with contextlib.suppress(ValueError):
+                return json.loads(line[6:])
+    return None
+
+
+class PDRouter:
+    """Round-robin pairing of prefill and decode workers.
+
+    ``prefills``: ``[(url, bootstrap_port or None)]``; ``decodes``: ``[url]``. Raises
+    ``ValueError`` for an empty list or a URL without host.
+    """
+
+    def __init__(self, prefills: list[tuple[str, int | None]], decodes: list[str],
+                 request_timeout_s: float = 3600.0, seed: int | None = None):
+        if not prefills or not decodes:
+            raise ValueError("at least one --prefill and one --decode server are required")
+        for url in [p[0] for p in prefills] + decodes:
+            if not urllib.parse.urlparse(url).hostname:
+                raise ValueError(f"worker URL {url!r} has no host (expected http://host:port)")
+        self.prefills = [(u.rstrip("/"), p) for u, p in prefills]
+        self.decodes = [u.rstrip("/") for u in decodes]
+        self.request_timeout_s = request_timeout_s
+        self._rng = random.Random(seed)
+        self._p_cycle = itertools.cycle(range(len(self.prefills)))
+        self._d_cycle = itertools.cycle(range(len(self.decodes)))
+        self.session: aiohttp.ClientSession | None = None
+        self.num_requests = 0
+        self.num_errors = 0
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10)
+        self.session = aiohttp.ClientSession(timeout=timeout, trust_env=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    @property
+    def workers(self) -> list[str]:
+        return [u for u, _ in self.prefills] + self.decodes
+
+    def pick(self) -> tuple[str, int | None, str]:
+        url, port = self.prefills[next(self._p_cycle)]
+        return url, port, self.decodes[next(self._d_cycle)]
+
+    def inject(self, path: str, body: dict[str, Any], prefill_url: str,
+               bootstrap_port: int | None) -> list[int]:
+        """Add the bootstrap fields to ``body`` (in place); returns the rooms drawn."""
+        n = num_samples(path, body)
+        rooms = [draw_room(self._rng) for _ in range(n)]
+        host = urllib.parse.urlparse(prefill_url).hostname
+        body["bootstrap_host"] = host if n == 1 else [host] * n
+        body["bootstrap_port"] = bootstrap_port if n == 1 else [bootstrap_port] * n
+        body["bootstrap_room"] = rooms[0] if n == 1 else rooms
+        return rooms
+
+
+# ---------------------------------------------------------------------------------------------
+# Handlers
+# ---------------------------------------------------------------------------------------------
+
+ROUTER_KEY = web.AppKey("pdjax_router", PDRouter)
+
+
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status,
+                                        "type": "router_error"}}, status=status)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict,
+                headers: dict) -> tuple[int, bytes, str]:
+    async with session.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.read(), resp.headers.get("Content-Type", "")
+
+
+def _error_text(raw: bytes) -> str:
+    with contextlib.suppress(ValueError):
+        obj = json.loads(raw)
+        if isinstance(obj, dict):
+            err = obj.get("error")
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            if isinstance(err, str):
+                return err
+    return raw.decode(errors="replace")[:2000]
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    router = request.app[ROUTER_KEY]
+    path = request.path
+    try:
+        body = json.loads(await request.read())
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error(f"malformed JSON body: {e}", 400)
+    if not isinstance(body, dict):
+        return _error("the request body must be a JSON object", 400)
+    router.num_requests += 1
+    p_url, p_port, d_url = router.pick()
+    router.inject(path, body, p_url, p_port)
+    headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+    merge = path == "/generate" and bool(body.get("return_logprob"))
+    session = router.session
+    p_task = asyncio.create_task(_post(session, p_url + path, body, headers))
+    if body.get("stream"):
+        return await _stream(request, router, p_task, d_url + path, body, headers, merge)
+    d_task = asyncio.create_task(_post(session, d_url + path, body, headers))
+    try:
+        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+        if p_task in done and not d_task.done():
+            p_status, p_raw, _ = _result(p_task)
+            if p_status != 200:
+                await _cancel(d_task)
+                router.num_errors += 1
+                return _error(f"prefill server {p_url} failed ({p_status}): "
+                              f"{_error_text(p_raw)}", 502)
+        d_status, d_raw, d_type = await d_task
+        if d_status != 200:
+            await _cancel(p_task)
+            router.num_errors += 1
+            return web.Response(status=d_status, body=d_raw,
+                                content_type=d_type.split(";")[0] or "application/json")
+        # The prefill answers when its transfer is over, i.e. before the decode's first token:
+        # waiting for it here costs nothing and keeps it from being aborted by our cancel.
+        await asyncio.wait({p_task}, timeout=5.0)
+        if merge and p_task.done():
+            p_status, p_raw, _ = _result(p_task)
+            if p_status == 200:
+                with contextlib.suppress(ValueError):
+                    merged = _merge_input_logprobs(json.loads(d_raw), json.loads(p_raw))
+                    return web.json_response(merged)
+        return web.Response(status=200, body=d_raw, content_type="application/json")
+    finally:
+        await _cancel(p_task, d_task)
+
+
+def _result(task: asyncio.Task) -> tuple[int, bytes, str]:
+    """A finished ``_post`` task's result; a connection error counts as a 502."""
+    try:
+        return task.result()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return 502, json.dumps({"error": {"message": f"{type(e).__name__}: {e}"}}).encode(), ""
+
+
+async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, d_url: str,
+                  body: dict, headers: dict, merge: bool) -> web.StreamResponse:
+    session = router.session
+
+    async def open_decode() -> aiohttp.ClientResponse:
+        return await session.post(d_url, json=body, headers=headers)
+
+    d_open = asyncio.create_task(open_decode())
+    d_resp = None
+    try:
+        done, _ = await asyncio.wait({p_task, d_open}, return_when=asyncio.FIRST_COMPLETED)
+        if p_task in done and not d_open.done():
+            p_status, p_raw, _ = _result(p_task)
+            if p_status != 200:
+                router.num_errors += 1
+                return _error(f"prefill server failed ({p_status}): {_error_text(p_raw)}", 502)
+        try:
+            d_resp = await d_open
+        except (aiohttp.ClientError, OSError) as e:
+            router.num_errors += 1
+            return _error(f"decode server {d_url} unreachable: {e}", 502)
+        if d_resp.status != 200:
+            router.num_errors += 1
+            raw = await d_resp.read()
+            return web.Response(status=d_resp.status, body=raw, content_type="application/json")
+        prefill_obj = None
+        if merge:
+            await asyncio.wait({p_task})
+            p_status, p_raw, _ = _result(p_task)
+            if p_status == 200:
+                prefill_obj = _first_sse_json(p_raw)
+        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await resp.prepare(request)
+        async for line in d_resp.content:
+            if prefill_obj is not None and line.startswith(b"data: ") \
+                    and line.strip() != b"data: [DONE]":
+                with contextlib.suppress(ValueError):
+                    obj = _merge_input_logprobs(json.loads(line[6:]), prefill_obj)
+                    line = b"data: " + json.dumps(obj).encode() + b"\n"
+            await resp.write(line)
+        await resp.write_eof()
+        await asyncio.wait({p_task}, timeout=5.0)
+        return resp
+    finally:
+        await _cancel(d_open)
+        if d_resp is None and not d_open.cancelled() and d_open.exception() is None:
+            d_resp = d_open.result()
+        if d_resp is not None:
+            d_resp.release()
+        await _cancel(p_task)
+
+
+async def _get_json(router: PDRouter, url: str, timeout_s: float = 5.0) -> tuple[int, Any]:
+    try:
+        async with router.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            raw = await r.read()
+            try:
+                return r.status, json.loads(raw)
+            except ValueError:
+                return r.status, raw.decode(errors="replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return 503, f"{type(e).__name__}: {e}"
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    results = await asyncio.gather(*(_get_json(router, u + "/health") for u in router.workers))
+    bad = [f"{u}: {s}" for u, (s, _) in zip(router.workers, results) if s != 200]
+    if bad:
+        return _error("unhealthy workers: " + "; ".join(bad), 503)
+    return web.Response(text="OK")
+
+
+async def handle_health_generate(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    results = await asyncio.gather(*(_get_json(router, u + "/health_generate", 60.0)
+                                     for u in router.workers))
+    bad = [f"{u}: {s}" for u, (s, _) in zip(router.workers, results) if s != 200]
+    if bad:
+        return _error("unhealthy workers: " + "; ".join(bad), 503)
+    return web.Response(text="OK")
+
+
+async def _fan_out(request: web.Request, path: str) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    p = await asyncio.gather(*(_get_json(router, u + path) for u, _ in router.prefills))
+    d = await asyncio.gather(*(_get_json(router, u + path) for u in router.decodes))
+    return web.json_response({"prefill": [x for _, x in p], "decode": [x for _, x in d]})
+
+
+async def handle_server_info(request: web.Request) -> web.Response:
+    return await _fan_out(request, "/get_server_info")
+
+
+async def handle_get_load(request: web.Request) -> web.Response:
+    return await _fan_out(request, "/get_load")
+
+
+async def _first_prefill(request: web.Request, path: str) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    status, obj = await _get_json(router, router.prefills[0][0] + path)
+    if status != 200:
+        return _error(f"prefill server: {obj}", 503)
+    return web.json_response(obj)
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    return await _first_prefill(request, "/get_model_info")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    return await _first_prefill(request, "/v1/models")
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    out = []
+    for u in router.workers:
+        try:
+            async with router.session.post(u + "/flush_cache") as r:
+                out.append(r.status)
+        except (aiohttp.ClientError, OSError):
+            out.append(503)
+    status = 200 if all(s == 200 for s in out) else 400
+    return web.json_response({"workers": router.workers, "status": out}, status=status)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    text = ("# HELP pdjax_router_requests_total Generation requests routed.\n"
+            "# TYPE pdjax_router_requests_total counter\n"
+            f"pdjax_router_requests_total {router.num_requests}\n"
+            "# HELP pdjax_router_errors_total Routed requests answered with an error.\n"
+            "# TYPE pdjax_router_errors_total counter\n"
+            f"pdjax_router_errors_total {router.num_errors}\n")
+    return web.Response(text=text, content_type="text/plain")
+
+
+def create_router_app(router: PDRouter) -> web.Application:
+    """The router's aiohttp application (routes listed in the module docstring)."""
+    app = web.Application(client_max_size=64 << 20)
+    app[ROUTER_KEY] = router
+
+    async def on_startup(_app):
+        await router.start()
+
+    async def on_cleanup(_app):
+        await router.close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    for path in GENERATE_PATHS:
+        app.router.add_post(path, handle_generate)
+    for path, handler in (("/health", handle_health), ("/health_generate", handle_health_generate),
+                          ("/get_server_info", handle_server_info),
+                          ("/server_info", handle_server_info),
+                          ("/get_model_info", handle_model_info),
+                          ("/model_info", handle_model_info), ("/v1/models", handle_models),
+                          ("/get_load", handle_get_load), ("/metrics", handle_metrics)):
+        app.router.add_get(path, handler)
+    app.router.add_post("/flush_cache", handle_flush_cache)
+    return app
+
+
+async def serve_router(router: PDRouter, host: str, port: int,
+                       stop_event: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT or ``stop_event``."""
+    import signal
+
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_router_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+        logger.info("pdjax router on %s:%d: prefill %s, decode %s", host, port, router.prefills,
+                    router.decodes)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def parse_prefill_args(values: list[list[str]]) -> list[tuple[str, int | None]]:
+    """``--prefill URL [BOOTSTRAP_PORT]`` occurrences -> ``[(url, port or None)]``.
+    Raises ``ValueError`` for a bad port or extra values."""
+    out = []
+    for v in values:
+        if not 1 <= len(v) <= 2:
+            raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {v}")
+        port = None
+        if len(v) == 2 and v[1].lower() not in ("none", "null"):
+            try:
+                port = int(v[1])
+            except ValueError:
+                raise ValueError(f"--prefill {v[0]}: bootstrap port {v[1]!r} is not an "
+                                 f"integer") from None
+            if not 1 <= port <= 65535:
+                raise ValueError(f"--prefill {v[0]}: bootstrap port {port} outside [1, 65535]")
+        out.append((v[0], port))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pdjax.router", description=__doc__.splitlines()[0])
+    p.add_argument("--prefill", nargs="+", action="append", required=True,
+                   metavar=("URL", "BOOTSTRAP_PORT"), help="a prefill server and its bootstrap port")
+    p.add_argument("--decode", action="append", required=True, metavar="URL")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="accepted for sglang-router compatibility (always on)")
+    p.add_argument("--request-timeout-secs", type=float, default=3600.0)
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        router = PDRouter(parse_prefill_args(ns.prefill), ns.decode, ns.request_timeout_secs)
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve_router(router, ns.host, ns.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,580 @@
+"""The decode side of PD disaggregation (DESIGN.md §4, reference/sglang_pd_notes.md §1-§5).
+
+A decode server reserves pages for a prompt, tells the prefill where to write them, waits for
+the KV and the metadata row, then continues generation from the second token without ever
+computing the prompt. One ``DecodeRoom`` per request:
+
+    Bootstrapping --(prefill found and paired: GET /route, RegisterDecode -> accepted)-->
+    WaitingForInput --(pages + metadata slot reserved, TransferRequest sent)-->
+    Transferring --(prefill's Success status AND the metadata row holds our room)--> Success:
+        the request joins the running batch with its first token (no prompt recompute)
+    any state --(timeout, refused pairing, prefill Failed/Abort, lost heartbeat, client abort,
+                 metadata room mismatch)--> Failed: the client gets an error
+
+Safety rules (SGLang's bug history, reference/sglang_pd_notes.md §12):
+* pages of a failed or aborted transfer never enter the prefix cache;
+* when this side gives up on a transfer the prefill may still be writing (client abort,
+  timeout, lost prefill, KV cache moved), the pages and the metadata slot are quarantined until
+  the prefill's ``AbortAck`` or ``drain_timeout_s``; a prefill Failed/Abort comes after its last
+  write, so those pages are freed at once;
+* a metadata slot is zeroed before it is handed out again (``MetadataBuffers``);
+* a failed prefill is not failed forever: its peer entry is dropped, and the next request
+  bootstraps again (a restarted prefill has a new ZMQ port).
+
+Admission (SGLang's ``pop_preallocated``, simplified): a request is preallocated when the pool
+can free its prompt pages minus the decode-side prefix hit, plus
+``ceil(min(num_reserved_decode_tokens, tokens still to generate) / page_size)`` pages for it
+and for every running or preallocated request. Requests are preallocated in arrival order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+import uuid
+from typing import Any
+
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.request import Request
+from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
+                                      check_bootstrap_health, check_compatible,
+                                      fetch_prefill_info)
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
+from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
+                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.role import RoleManager, check_room, error_output
+
+logger = logging.getLogger(__name__)
+
+REGISTER_TIMEOUT_S = 10.0
+HEARTBEAT_MAX_FAILURES = 2
+
+
+@dataclasses.dataclass
+class PrefillPeer:
+    """One prefill server, keyed by its bootstrap ``host:port``."""
+
+    host: str
+    port: int
+    engine_id: str                     # this decode's id towards that prefill
+    state: str = "connecting"          # connecting | ready | failed
+    reason: str = ""
+    endpoint: str | None = None        # the prefill rank's ZMQ PULL socket
+    accepted: bool | None = None
+    health_failures: int = 0
+    registered: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.host, self.port
+
+
+@dataclasses.dataclass
+class DecodeRoom:
+    """One PD request on the decode. ``status``/``status_reason`` are set by the receiver
+    thread; the rest belongs to the engine thread."""
+
+    room: int | None                   # None for a fake (warm-up) request
+    req: Request
+    peer_key: tuple[str, int] | None   # None for a fake request
+    created_s: float
+    state: KVPoll = KVPoll.Bootstrapping
+    state_s: float = 0.0
+    slot: int | None = None
+    dst_pages: list[int] = dataclasses.field(default_factory=list)
+    decode_prefix_len: int = 0
+    sent_s: float = 0.0
+    status: KVPoll | None = None
+    status_reason: str = ""
+    fail_reason: str | None = None
+
+    @property
+    def fake(self) -> bool:
+        return self.peer_key is None
+
+    def record(self) -> dict[str, Any]:
+        return {"room": self.room, "rid": self.req.rid, "state": self.state.name,
+                "reason": self.fail_reason, "prompt_len": self.req.num_prompt_tokens,
+                "decode_prefix_len": self.decode_prefix_len, "dst_pages": list(self.dst_pages),
+                "slot": self.slot,
+                "peer": None if self.peer_key is None else f"{self.peer_key[0]}:{self.peer_key[1]}"}
+
+
+class DecodeManager(RoleManager):
+    """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
+
+    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
+    """
+
+    role = "decode"
+
+    def __init__(self, core):
+        super().__init__(core)
+        self._uid = uuid.uuid4().hex[:12]
+        self._peer_ids = itertools.count()
+        self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
+        self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
+        self.peers: dict[tuple[str, int], PrefillPeer] = {}
+        self.quarantine: dict[tuple[int, int], tuple[float, int | None]] = {}
+        self._quarantine_seq = itertools.count()
+        self._acked: set[int] = set()
+        self.num_abort_acks = 0
+        self.num_quarantine_released_by_ack = 0
+        self.num_quarantine_released_by_timeout = 0
+        self._stop = threading.Event()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="pd-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, g: GenerateRequest, req: Request) -> bool:
+        """Queue a PD request (always True: the decode owns every request until its KV is
+        in). Raises ``ValueError`` for missing/bad bootstrap fields, a duplicate room or a
+        prompt over the context length."""
+        fake = g.bootstrap_host == FAKE_BOOTSTRAP_HOST
+        room = None
+        if not fake:
+            room = check_room(g.bootstrap_room, self.role)
+            if not isinstance(g.bootstrap_host, str) or not g.bootstrap_host:
+                raise ValueError("bootstrap_host: required on a decode server (the prefill "
+                                 "server's host)")
+        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
+                             f"context length {self.scheduler.max_request_tokens}")
+        if req.rid in self.rooms or req.rid in self.scheduler.requests:
+            raise ValueError(f"rid {req.rid!r} is already in use")
+        now = time.monotonic()
+        peer_key = None
+        with self.lock:
+            if room is not None:
+                if room in self.room_owner:
+                    raise ValueError(f"bootstrap_room {room} is already in use on this decode "
+                                     f"server (duplicate room)")
+                self.room_owner[room] = req.rid
+                port = g.bootstrap_port or self.args.disaggregation_bootstrap_port
+                peer_key = (g.bootstrap_host, int(port))
+            self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now)
+        if peer_key is not None:
+            self._ensure_peer(peer_key)
+        self.wake()
+        return True
+
+    def abort(self, rid: str, message: str) -> GenerateOutput | None:
+        """Client abort (engine thread). A request still waiting for its KV fails here (an
+        Abort goes to the prefill if it may be writing); a running one is left to the
+        scheduler (returns None)."""
+        r = self.rooms.get(rid)
+        if r is None:
+            with self.lock:
+                for room, owner in list(self.room_owner.items()):
+                    if owner == rid:
+                        del self.room_owner[room]
+            return None
+        in_flight = r.state == KVPoll.Transferring and not r.fake
+        self._fail(r, f"aborted by client: {message}", quarantine=in_flight,
+                   send_abort=in_flight, answer=False)
+        return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
+                              finish_reason={"type": "abort", "message": message})
+
+    # ------------------------------------------------------------------ peers
+    def _ensure_peer(self, key: tuple[str, int]) -> None:
+        with self.lock:
+            if key in self.peers:
+                return
+            peer = PrefillPeer(key[0], key[1], f"decode-{self._uid}-{next(self._peer_ids)}")
+            self.peers[key] = peer
+        threading.Thread(target=self._bootstrap_peer, args=(peer,), daemon=True,
+                         name=f"pd-bootstrap-{key[0]}:{key[1]}").start()
+
+    def _register_msg(self, peer: PrefillPeer) -> RegisterDecode:
+        layout = self.local_kv.layout
+        return RegisterDecode(
+            decode_engine_id=peer.engine_id, reply_endpoint=self.channel.endpoint,
+            engine_session_id=self.transfer_engine.session_id, tp_rank=0, tp_size=1,
+            kv_buffers=layout.buffers, kv_layout=layout.kind, metadata_addr=self.meta.base_addr,
+            metadata_bytes_per_slot=self.meta.bytes_per_slot,
+            metadata_num_slots=self.meta.num_slots, page_size=self.page_size,
+            kv_dtype=self.local_kv.kv_dtype, layout_fingerprint=self.local_kv.fingerprint)
+
+    def _bootstrap_peer(self, peer: PrefillPeer) -> None:
+        """Bootstrap thread: topology, compatibility check, registration (DESIGN.md §4)."""
+        where = f"{peer.host}:{peer.port}"
+        try:
+            info = fetch_prefill_info(peer.host, peer.port,
+                                      timeout_s=min(self.args.bootstrap_timeout_s, 30.0))
+            check_compatible(info, page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
+                             layout_fingerprint=self.local_kv.fingerprint)
+            rank = info.rank(0)
+            peer.endpoint = f"tcp://{rank.rank_ip}:{rank.rank_port}"
+            peer.registered.clear()
+            if not self.send(peer.endpoint, self._register_msg(peer)):
+                raise BootstrapError(f"could not send the registration to {peer.endpoint}")
+            if not peer.registered.wait(REGISTER_TIMEOUT_S):
+                raise BootstrapError(f"no answer to the registration from {peer.endpoint} "
+                                     f"within {REGISTER_TIMEOUT_S:g} s")
+            if not peer.accepted:
+                raise IncompatiblePeerError(peer.reason)
+            peer.state = "ready"
+            logger.info("PD decode: paired with prefill %s (%s)", where, peer.endpoint)
+        except (BootstrapError, IncompatiblePeerError, ValueError, OSError) as e:
+            peer.reason = f"cannot pair with prefill {where}: {e}"
+            peer.state = "failed"
+            logger.error("PD decode: %s", peer.reason)
+        self.wake()
+
+    def _heartbeat_loop(self) -> None:
+        interval = max(0.1, self.args.heartbeat_interval_s)
+        while not self._stop.wait(interval):
+            with self.lock:
+                peers = [p for p in self.peers.values() if p.state == "ready"]
+            for p in peers:
+                if check_bootstrap_health(p.host, p.port, timeout_s=min(2.0, interval * 2)):
+                    p.health_failures = 0
+                    continue
+                p.health_failures += 1
+                if p.health_failures >= HEARTBEAT_MAX_FAILURES and p.state == "ready":
+                    p.reason = (f"lost connection with prefill {p.host}:{p.port} "
+                                f"({p.health_failures} failed heartbeats)")
+                    p.state = "failed"
+                    logger.error("PD decode: %s", p.reason)
+                    if p.endpoint:
+                        self.channel.drop_peer(p.endpoint)
+                    self.wake()
+
+    # ------------------------------------------------------------------ engine thread
+    def poll(self) -> list[GenerateOutput]:
+        """Advance rooms in arrival order: pairing, preallocation, commits, failures and
+        timeouts; release quarantined pages. Returns outputs to push."""
+        now = self._begin_poll()
+        outputs: list[GenerateOutput] = []
+        self._release_quarantine(now)
+        with self.lock:
+            rooms = list(self.rooms.values())
+        admit = True
+        for r in rooms:
+            peer = None if r.fake else self.peers.get(r.peer_key)
+            if not r.fake and (peer is None or peer.state == "failed"):
+                reason = peer.reason if peer is not None else "prefill peer dropped"
+                in_flight = r.state == KVPoll.Transferring
+                out = self._fail(r, reason, quarantine=in_flight, send_abort=False)
+            elif r.state == KVPoll.Bootstrapping:
+                out = None
+                if r.fake or peer.state == "ready":
+                    self._set_state(r, KVPoll.WaitingForInput, now)
+                elif now - r.created_s > self.args.bootstrap_timeout_s:
+                    out = self._fail(r, f"bootstrap timeout: no pairing with the prefill within "
+                                        f"{self.args.bootstrap_timeout_s:g} s")
+            else:
+                out = None
+            if out is None and r.state == KVPoll.WaitingForInput:
+                if admit:
+                    admit, out = self._prealloc(r, peer, now)
+                if r.state == KVPoll.WaitingForInput and \
+                        now - r.state_s > self.args.waiting_timeout_s:
+                    out = self._fail(r, f"waiting timeout: no KV pages free within "
+                                        f"{self.args.waiting_timeout_s:g} s")
+            if out is None and r.state == KVPoll.Transferring:
+                with self.lock:
+                    status, reason = r.status, r.status_reason
+                if status == KVPoll.Success or r.fake:
+                    # The KV is in; the request joins the running batch when it has a row.
+                    if len(self.scheduler.running) < self.args.max_running_requests:
+                        out = self._commit(r, now)
+                elif status == KVPoll.Failed:
+                    out = self._fail(r, reason)
+                elif now - r.state_s > self.args.transfer_timeout_s:
+                    out = self._fail(r, f"transfer timeout: no KV from the prefill within "
+                                        f"{self.args.transfer_timeout_s:g} s",
+                                     quarantine=True, send_abort=True)
+            if out is not None:
+                outputs.append(out)
+        with self.lock:
+            used = {r.peer_key for r in self.rooms.values()}
+            for key, p in list(self.peers.items()):
+                if p.state == "failed" and key not in used:
+                    del self.peers[key]      # the next request bootstraps again
+        self.update_gauges()
+        return outputs
+
+    def _set_state(self, r: DecodeRoom, state: KVPoll, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        new = KVPoll.advance(r.state, state)
+        if new != r.state:
+            self.metrics.on_state(r.state.name, now - r.state_s)
+        r.state, r.state_s = new, now
+
+    def _reserve_pages(self, req: Request) -> int:
+        ps = self.page_size
+        reserved = self.args.num_reserved_decode_tokens
+
+        def need(r: Request) -> int:
+            mnt = r.sampling_params.max_new_tokens
+            left = reserved if mnt is None else max(0, min(reserved, mnt - max(1, len(r.output_ids))))
+            return -(-left // ps)
+
+        s = self.scheduler
+        return need(req) + sum(need(r) for r in s.running) + sum(need(r) for r in s.prealloc.values())
+
+    def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
+                  now: float) -> tuple[bool, GenerateOutput | None]:
+        """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
+        s = self.scheduler
+        req = r.req
+        if not s.reserve_prebuilt(req, self._reserve_pages(req)):
+            if s.running or s.prealloc:
+                return False, None
+            if not s.reserve_prebuilt(req, 0):
+                return False, self._fail(r, f"the prompt of {req.num_prompt_tokens} tokens does "
+                                            f"not fit the decode KV pool")
+        slot = None
+        if not r.fake:
+            slot = self.meta.alloc()
+            if slot is None:
+                s.release_prebuilt(req)
+                return False, None
+        r.slot = slot
+        k = req.num_cached_tokens // self.page_size
+        r.dst_pages = list(req.pages[k:])
+        r.decode_prefix_len = req.num_cached_tokens
+        r.sent_s = now
+        self.metrics.on_bootstrap(now - r.created_s)
+        self._set_state(r, KVPoll.Transferring, now)
+        if r.fake:
+            return True, None
+        msg = TransferRequest(bootstrap_room=r.room, dst_pages=tuple(r.dst_pages),
+                              dst_metadata_slot=slot, decode_prefix_len=r.decode_prefix_len,
+                              decode_engine_id=peer.engine_id)
+        if not self.send(peer.endpoint, msg):
+            return True, self._fail(r, f"could not send the page list to {peer.endpoint}")
+        return True, None
+
+    def _commit(self, r: DecodeRoom, now: float) -> GenerateOutput | None:
+        """The metadata gate, then the prebuilt path into the running batch."""
+        req = r.req
+        token, lp, top = 0, None, None
+        if not r.fake and self.transfer_engine.backend == "fake":
+            # --disaggregation-transfer-backend fake moves no bytes (SGLang's fake transfer):
+            # no metadata gate, and the "first token" is whatever the slot holds.
+            token = self.meta.read(r.slot).output_token_id
+            self.meta.free(r.slot)
+            r.slot = None
+        elif not r.fake:
+            got = self.meta.room(r.slot)
+            if got != r.room:
+                what = "was never written" if got == 0 else f"holds room {got}"
+                return self._fail(r, f"metadata gate: slot {r.slot} {what}, expected "
+                                     f"bootstrap_room {r.room} (metadata not ready or corrupt)")
+            try:
+                row = self.meta.read(r.slot)
+            except ValueError as e:
+                return self._fail(r, f"metadata row is corrupt: {e}")
+            token = row.output_token_id
+            if not 0 <= token < self.core.model_cfg.vocab_size:
+                return self._fail(r, f"metadata: first token {token} outside the vocabulary")
+            lp = row.output_token_logprob
+            top = list(zip(row.top_logprob_ids, row.top_logprob_vals))[:req.top_logprobs_num]
+            self.local_kv.stage_in(r.dst_pages)
+            self.meta.free(r.slot)
+            r.slot = None
+        self.scheduler.add_prebuilt(req, token)
+        lps, tops = [], []
+        if req.return_logprob:
+            lps, tops = [float(lp or 0.0)], [top or []]
+            req.output_logprobs.append(lps[0])
+            req.output_top_logprobs.append(tops[0])
+        reason = self.core._stop_check(req)
+        if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        if reason is not None:
+            self.scheduler.finish_request(req, reason)
+        self._set_state(r, KVPoll.Success, now)
+        nbytes = len(r.dst_pages) * self.local_kv.bytes_per_page
+        if not r.fake:
+            self.metrics.on_chunk(nbytes, len(r.dst_pages), 0)
+            self.metrics.on_success(nbytes, now - r.sent_s)
+        with self.lock:
+            del self.rooms[req.rid]
+            if req.is_finished and r.room is not None:
+                self.room_owner.pop(r.room, None)
+        rec = r.record()
+        rec.update(bytes=nbytes, latency_s=now - r.sent_s)
+        self.recent.append(rec)
+        return self.core._output(req, [token], lps, tops)
+
+    def _fail(self, r: DecodeRoom, reason: str, quarantine: bool = False,
+              send_abort: bool = False, answer: bool = True) -> GenerateOutput | None:
+        """Fail a room: pages back (never into the prefix cache; quarantined when the prefill
+        may still write), the client answered with an error unless ``answer`` is False."""
+        self._set_state(r, KVPoll.Failed)
+        r.fail_reason = reason
+        logger.warning("PD decode: bootstrap_room %s (rid %s) failed: %s", r.room, r.req.rid,
+                       reason)
+        self.metrics.on_failure(_reason_class(reason))
+        peer = None if r.fake else self.peers.get(r.peer_key)
+        if send_abort and peer is not None and peer.endpoint:
+            self.send(peer.endpoint, Abort(bootstrap_room=r.room, sender_id=peer.engine_id,
+                                           reason=reason[:4000]))
+        req = r.req
+        if req.rid in self.scheduler.prealloc:
+            if quarantine and r.room is not None:
+                key = (r.room, next(self._quarantine_seq))
+                self.scheduler.release_prebuilt(req, key)
+                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot)
+                r.slot = None
+            else:
+                self.scheduler.release_prebuilt(req)
+        if r.slot is not None:
+            self.meta.free(r.slot)
+            r.slot = None
+        with self.lock:
+            self.rooms.pop(req.rid, None)
+            if r.room is not None and self.room_owner.get(r.room) == req.rid:
+                del self.room_owner[r.room]
+        self.recent.append(r.record())
+        if not answer:
+            return None
+        return error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): {reason}",
+                            req.num_prompt_tokens)
+
+    def _release_quarantine(self, now: float) -> None:
+        if not self.quarantine:
+            return
+        with self.lock:
+            acked, self._acked = self._acked, set()
+        for key, (deadline, slot) in list(self.quarantine.items()):
+            by_ack = key[0] in acked
+            if not by_ack and now < deadline:
+                continue
+            del self.quarantine[key]
+            self.scheduler.release_quarantine(key)
+            if slot is not None:
+                self.meta.free(slot)
+            if by_ack:
+                self.num_quarantine_released_by_ack += 1
+            else:
+                self.num_quarantine_released_by_timeout += 1
+                logger.warning("PD decode: drain timeout: reusing the pages of bootstrap_room %d "
+                               "without an abort ack", key[0])
+
+    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
+        """After a forward: re-check the KV addresses (a move fails the transfers in flight and
+        re-registers with every prefill) and forget rooms of finished requests."""
+        if self.local_kv.check_addresses():
+            with self.lock:
+                moving = [r for r in self.rooms.values()
+                          if r.state == KVPoll.Transferring and not r.fake]
+                peers = [p for p in self.peers.values() if p.state == "ready"]
+            for r in moving:
+                out = self._fail(r, "the decode KV cache moved after a donated step",
+                                 quarantine=True, send_abort=True)
+                if out is not None:
+                    outputs.append(out)
+            for p in peers:
+                self.send(p.endpoint, self._register_msg(p))
+        done = [o.rid for o in outputs if o.finished]
+        if done and self.room_owner:
+            with self.lock:
+                finished = set(done)
+                for room, rid in list(self.room_owner.items()):
+                    if rid in finished and rid not in self.rooms:
+                        del self.room_owner[room]
+        return outputs
+
+    # ------------------------------------------------------------------ receiver thread
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, TransferStatus):
+            self._on_status(msg.bootstrap_room, msg.state, msg.reason)
+        elif isinstance(msg, Abort):
+            self._on_status(msg.bootstrap_room, KVPoll.Failed,
+                            f"aborted by the prefill server: {msg.reason or 'no reason'}",
+                            ack_sender=msg.sender_id)
+        elif isinstance(msg, AbortAck):
+            with self.lock:
+                self._acked.add(msg.bootstrap_room)
+                self.num_abort_acks += 1
+            self.wake()
+        elif isinstance(msg, RegisterResult):
+            with self.lock:
+                peer = next((p for p in self.peers.values()
+                             if p.engine_id == msg.decode_engine_id), None)
+            if peer is None:
+                self._reject(f"RegisterResult for unknown engine id {msg.decode_engine_id!r}")
+                return
+            peer.accepted, peer.reason = msg.accepted, msg.reason
+            peer.registered.set()
+        elif type(msg).__name__ != "Heartbeat":
+            self._reject(f"unexpected {type(msg).__name__} on a decode server")
+
+    def _on_status(self, room: int, state: KVPoll, reason: str,
+                   ack_sender: str | None = None) -> None:
+        with self.lock:
+            rid = self.room_owner.get(room)
+            r = self.rooms.get(rid) if rid is not None else None
+            ok = r is not None and r.state == KVPoll.Transferring and r.status is None
+            if ok:
+                r.status, r.status_reason = state, reason
+            peer = None if r is None or r.fake else self.peers.get(r.peer_key)
+        if ack_sender is not None and peer is not None and peer.endpoint:
+            self.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
+        if not ok:
+            self._reject(f"{state.name} status for bootstrap_room {room}, which is not waiting "
+                         f"for a transfer here")
+            return
+        self.wake()
+
+    def _reject(self, reason: str) -> None:
+        logger.error("PD decode: rejected a control message: %s", reason)
+        self._count_rejected()
+
+    # ------------------------------------------------------------------ introspection
+    def num_live_rooms(self) -> int:
+        return len(self.rooms) + len(self.quarantine)
+
+    def queue_sizes(self) -> dict[str, int]:
+        with self.lock:
+            rooms = list(self.rooms.values())
+        count = {"bootstrap": 0, "prealloc": 0, "transfer": 0}
+        for r in rooms:
+            if r.state == KVPoll.Bootstrapping:
+                count["bootstrap"] += 1
+            elif r.state == KVPoll.WaitingForInput:
+                count["prealloc"] += 1
+            elif r.state == KVPoll.Transferring:
+                count["transfer"] += 1
+        return count
+
+    def load(self) -> dict[str, Any]:
+        q = self.queue_sizes()
+        return {"disaggregation_mode": "decode", "num_pd_rooms": len(self.rooms),
+                "num_decode_prealloc_queue_reqs": q["bootstrap"] + q["prealloc"],
+                "num_decode_transfer_queue_reqs": q["transfer"],
+                "num_quarantined_pages": self.scheduler.num_quarantined_pages}
+
+    def debug_state(self) -> dict[str, Any]:
+        state = self.base_state()
+        with self.lock:
+            state["rooms"] = [r.record() for r in self.rooms.values()]
+            state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state,
+                               "reason": p.reason, "endpoint": p.endpoint,
+                               "engine_id": p.engine_id} for p in self.peers.values()]
+        state.update(num_quarantined_pages=self.scheduler.num_quarantined_pages,
+                     num_abort_acks=self.num_abort_acks,
+                     num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,
+                     num_quarantine_released_by_timeout=self.num_quarantine_released_by_timeout)
+        return state
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(5.0)
+        self.close_base()
+
+
+def _reason_class(reason: str) -> str:
+    for key in ("timeout", "aborted", "metadata", "pair", "lost", "moved", "fit"):
+        if key in reason:
+            return key
+    return "other"

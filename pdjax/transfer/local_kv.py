@@ -1,0 +1,199 @@
+"""This server's KV pool as the transfer engine sees it: direct or staged (DESIGN.md §4).
+
+Two ways to expose the model runner's KV cache (``k_cache``/``v_cache``, each
+``[layers, num_pages, page_size, kv_heads, head_dim]``) to one-sided writes:
+
+    direct   the JAX arrays themselves are registered by address (``kv_export``). XLA does
+             not promise that a donated buffer keeps its address, so ``check_addresses()``
+             runs after every donated step; a move re-registers and tells the caller, who
+             fails the transfers in flight.
+    staging  host mirrors (numpy, same shape and layout) are registered instead. The prefill
+             copies the pages it is about to send from the cache into its mirror
+             (``stage_out``); the decode copies pages that arrived in its mirror into the
+             cache with a donated jit (``stage_in``). Used where addresses cannot be exported
+             or checked (e.g. a tiled device layout), or when forced.
+
+Both ways give the peer the same ``KVLayout`` shape (layer-major, same bytes per page), so a
+direct prefill pairs with a staging decode and vice versa; only the addresses differ.
+
+``mode`` comes from ``--disaggregation-transfer-path``-like env ``PDJAX_KV_TRANSFER_PATH``
+(``auto`` | ``direct`` | ``staging``; ``auto`` = direct when the export works). JAX is imported
+lazily; the staging jits are compiled once per page bucket in ``warmup``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from pdjax.transfer.engine import TransferEngine
+from pdjax.transfer.kv_export import (KVLayout, changed_addresses, export_kv_layout,
+                                      kv_layout_fingerprint, register_kv_layout,
+                                      unregister_kv_layout)
+from pdjax.transfer.protocol import KVBufferDesc
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_PATHS = ("auto", "direct", "staging")
+
+
+def _page_buckets(max_pages: int) -> list[int]:
+    out, b = [], 1
+    while b < max_pages:
+        out.append(b)
+        b *= 2
+    out.append(b)
+    return out
+
+
+def _aligned_zeros(shape, dtype) -> np.ndarray:
+    """A zeroed numpy array whose data starts on a 64-byte boundary (RDMA-friendly)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.zeros(nbytes + 64, np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
+class LocalKV:
+    """The runner's KV cache registered with ``engine`` (see the module docstring).
+
+    ``layout``: the ``KVLayout`` peers address (two buffers, K then V). ``fingerprint`` and
+    ``kv_dtype`` are what the peer must match. ``bytes_per_page``: bytes of one page over all
+    buffers and layers. Raises ``ValueError`` for an unknown ``mode``, or when ``direct`` is
+    forced and the arrays cannot be exported.
+    """
+
+    def __init__(self, runner, engine: TransferEngine, mode: str = "auto",
+                 max_pages_per_seq: int = 64):
+        if mode not in TRANSFER_PATHS:
+            raise ValueError(f"transfer path must be one of {TRANSFER_PATHS}, got {mode!r}")
+        self.runner = runner
+        self.engine = engine
+        arrays = self._arrays()
+        self.fingerprint = kv_layout_fingerprint(arrays)
+        self.kv_dtype = np.dtype(arrays[0].dtype).name
+        self.num_pages = int(arrays[0].shape[1])
+        self.max_pages_per_seq = max(1, int(max_pages_per_seq))
+        self.mirrors: list[np.ndarray] = []
+        self.mode = "staging"
+        if mode != "staging":
+            try:
+                self.layout = export_kv_layout(arrays)
+                self.mode = "direct"
+            except ValueError as e:
+                if mode == "direct":
+                    raise
+                logger.warning("KV cache addresses cannot be exported (%s): using the staging "
+                               "path", e)
+        if self.mode == "staging":
+            if len(arrays[0].addressable_shards) != 1:
+                raise ValueError("the staging path supports one shard per KV array (tp_size 1)")
+            self.mirrors = [_aligned_zeros(a.shape, a.dtype) for a in arrays]
+            self.layout = KVLayout("layer_major", tuple(
+                KVBufferDesc(shard_addrs=(int(m.ctypes.data),), num_layers=m.shape[0],
+                             num_pages=m.shape[1],
+                             bytes_per_page=math.prod(m.shape[2:]) * m.dtype.itemsize)
+                for m in self.mirrors))
+        register_kv_layout(engine, self.layout)
+        self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
+                                  for b in self.layout.buffers)
+        self.num_address_changes = 0
+        self._gather = self._scatter = None
+
+    def _arrays(self) -> list:
+        return [self.runner.k_cache, self.runner.v_cache]
+
+    @property
+    def num_layer_buffers(self) -> int:
+        """Copy targets per page run: one per layer of every KV kind (and shard)."""
+        return sum(b.num_layers * len(b.shard_addrs) for b in self.layout.buffers)
+
+    # -- direct path ---------------------------------------------------------------------
+    def check_addresses(self) -> bool:
+        """After a donated step: True when the cache moved (it is then re-registered).
+
+        The staging path never moves (its mirrors are numpy) and always returns False.
+        """
+        if self.mode != "direct":
+            return False
+        arrays = self._arrays()
+        if not changed_addresses(arrays, self.layout):
+            return False
+        unregister_kv_layout(self.engine, self.layout)
+        self.layout = export_kv_layout(arrays)
+        register_kv_layout(self.engine, self.layout)
+        self.num_address_changes += 1
+        logger.warning("KV cache moved after a donated step: re-registered (%d so far)",
+                       self.num_address_changes)
+        return True
+
+    # -- staging path --------------------------------------------------------------------
+    def _padded(self, pages: Sequence[int]) -> np.ndarray:
+        n = len(pages)
+        size = next(b for b in _page_buckets(max(n, self.max_pages_per_seq)) if b >= n)
+        idx = np.zeros(size, np.int32)          # padding reads/writes the null page 0
+        idx[:n] = pages
+        return idx
+
+    def _build_jits(self) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        sharding = self.runner.kv_sharding
+
+        def gather(k, v, idx):
+            return jnp.take(k, idx, axis=1), jnp.take(v, idx, axis=1)
+
+        def scatter(k, v, idx, k_pages, v_pages):
+            return k.at[:, idx].set(k_pages), v.at[:, idx].set(v_pages)
+
+        self._gather = jax.jit(gather)
+        self._scatter = jax.jit(scatter, donate_argnums=(0, 1),
+                                out_shardings=(sharding, sharding))
+
+    def warmup(self) -> None:
+        """Compile the staging gather and scatter for every page bucket (no-op when direct)."""
+        if self.mode != "staging":
+            return
+        if self._gather is None:
+            self._build_jits()
+        for b in _page_buckets(self.max_pages_per_seq):
+            idx = np.zeros(b, np.int32)
+            k, v = self._gather(self.runner.k_cache, self.runner.v_cache, idx)
+            self.runner.k_cache, self.runner.v_cache = self._scatter(
+                self.runner.k_cache, self.runner.v_cache, idx, k, v)
+
+    def stage_out(self, pages: Sequence[int]) -> None:
+        """Prefill, staging: copy ``pages`` of the cache into the mirrors (blocking)."""
+        if self.mode != "staging" or len(pages) == 0:
+            return
+        if self._gather is None:
+            self._build_jits()
+        idx = self._padded(pages)
+        n = len(pages)
+        for mirror, part in zip(self.mirrors, self._gather(self.runner.k_cache,
+                                                           self.runner.v_cache, idx)):
+            mirror[:, np.asarray(pages)] = np.asarray(part)[:, :n]
+
+    def stage_in(self, pages: Sequence[int]) -> None:
+        """Decode, staging: copy ``pages`` that arrived in the mirrors into the cache."""
+        if self.mode != "staging" or len(pages) == 0:
+            return
+        if self._scatter is None:
+            self._build_jits()
+        idx = self._padded(pages)
+        k_pages, v_pages = (m[:, idx] for m in self.mirrors)
+        k_pages[:, len(pages):] = 0
+        v_pages[:, len(pages):] = 0
+        self.runner.k_cache, self.runner.v_cache = self._scatter(
+            self.runner.k_cache, self.runner.v_cache, idx, k_pages, v_pages)
+
+    def close(self) -> None:
+        try:
+            unregister_kv_layout(self.engine, self.layout)
+        except Exception:       # the engine may already be closed
+            pass

@@ -1,0 +1,622 @@
+"""The prefill side of PD disaggregation (DESIGN.md §4, reference/sglang_pd_notes.md §2-§4).
+
+A prefill server computes a prompt's KV and its first token, copies the KV page by page into
+pages a decode server reserved, then the metadata row (first token, logprobs, room), and only
+then releases its own pages. One ``PrefillRoom`` per ``bootstrap_room``:
+
+    HTTP request --------.                       decode's TransferRequest (ZMQ) --.
+                         v                                                         v
+    Bootstrapping --(dst pages + slot known)--> WaitingForInput --(first chunk sent)-->
+    Transferring --(last chunk + metadata written, status sent)--> Success
+         any state --(timeout, bad destination, write error, abort either way)--> Failed
+
+Rules kept here:
+* nothing is written before the decode's page list arrives; the request is not even scheduled;
+* non-last chunks send full pages only (the scheduler ends them on page boundaries), the last
+  chunk sends the rest plus the metadata row; pages the decode already holds
+  (``decode_prefix_len``) are skipped;
+* copies are contiguous runs x layer buffers (``kv_export.build_copies``), written by one worker
+  thread in engine batches of at most ``max_batch`` copies;
+* the request's pages stay held (``Scheduler.hold_on_finish``) until Success or Failed and no
+  chunk of the room is in flight; the HTTP answer is held until then too, so a failed transfer
+  reaches the prefill client as an error;
+* every message to the decode about a room (status, abort, abort ack) goes through the same
+  worker queue as its chunks, so it is sent only after the room's last write has finished:
+  a decode that gets Failed, Abort or AbortAck may reuse its pages at once.
+
+Pure Python on top of the engine (JAX only through ``LocalKV`` and one ``block_until_ready``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.request import Request
+from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
+from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, ProtocolError,
+                                     RegisterDecode, RegisterResult, TransferRequest,
+                                     TransferStatus, validate_pages)
+from pdjax.transfer.role import RoleManager, check_room, error_output
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class DecodePeer:
+    """A registered decode engine: where its KV pool and metadata slots are."""
+
+    engine_id: str
+    reply_endpoint: str
+    session_id: str
+    layout: KVLayout
+    metadata_addr: int
+    metadata_num_slots: int
+    metadata_bytes_per_slot: int
+
+
+@dataclasses.dataclass
+class PrefillRoom:
+    """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are
+    marked; everything else belongs to the engine thread."""
+
+    room: int
+    created_s: float
+    state: KVPoll = KVPoll.Bootstrapping
+    state_s: float = 0.0
+    req: Request | None = None
+    # From the decode's TransferRequest (receiver thread).
+    peer_id: str | None = None
+    dst_pages: np.ndarray | None = None
+    dst_slot: int = -1
+    decode_prefix_len: int = 0
+    # Progress.
+    src_slot: int | None = None
+    next_page: int = 0                  # next prompt page to send
+    jobs_inflight: int = 0              # chunk/notice jobs queued or running (worker)
+    last_queued: bool = False
+    first_send_s: float = 0.0
+    done: bool = False                  # worker: last chunk + metadata written
+    error: str | None = None            # worker: a write failed
+    abort_reason: str | None = None     # receiver: the decode aborted
+    fail_reason: str | None = None
+    notified: bool = False              # the decode was told the outcome
+    output: GenerateOutput | None = None
+    output_sent: bool = False
+    # Accounting (worker).
+    bytes: int = 0
+    pages: int = 0
+    copies: int = 0
+    chunks: list = dataclasses.field(default_factory=list)
+
+    @property
+    def rid(self) -> str | None:
+        return None if self.req is None else self.req.rid
+
+    def record(self) -> dict[str, Any]:
+        return {"room": self.room, "rid": self.rid, "state": self.state.name,
+                "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
+                "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
+                "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
+                "chunks": self.chunks,
+                "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
+
+
+class PrefillManager(RoleManager):
+    """``--role prefill``: bootstrap server, ZMQ control, transfer worker, room table.
+
+    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
+    """
+
+    role = "prefill"
+
+    def __init__(self, core):
+        super().__init__(core)
+        self.rooms: dict[int, PrefillRoom] = {}
+        self.rooms_by_rid: dict[str, PrefillRoom] = {}
+        self.peers: dict[str, DecodePeer] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._stop = False
+        self._worker = threading.Thread(target=self._work, name="pd-prefill-transfer",
+                                        daemon=True)
+        self._worker.start()
+        self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port)
+        self.bootstrap_port = self.bootstrap.start()
+        self.bootstrap.add_rank(PrefillRankInfo(
+            rank_ip=self.channel.host, rank_port=self.channel.port, tp_rank=0, tp_size=1,
+            page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
+            layout_fingerprint=self.local_kv.fingerprint))
+        logger.info("PD prefill: bootstrap server on port %d", self.bootstrap_port)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, g: GenerateRequest, req: Request) -> bool:
+        """Take a PD request into the bootstrap queue (True), or leave a warm-up request with
+        the fake host 2.2.2.2 to the scheduler (False). Forces ``max_new_tokens = 1``.
+        Raises ``ValueError`` for a missing/bad/duplicate ``bootstrap_room``."""
+        req.sampling_params.max_new_tokens = 1
+        if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            return False
+        room = check_room(g.bootstrap_room, self.role)
+        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
+                             f"context length {self.scheduler.max_request_tokens}")
+        if req.rid in self.rooms_by_rid or req.rid in self.scheduler.requests:
+            raise ValueError(f"rid {req.rid!r} is already in use")
+        now = time.monotonic()
+        with self.lock:
+            r = self.rooms.get(room)
+            if r is not None and r.req is not None:
+                raise ValueError(f"bootstrap_room {room} is already in use on this prefill "
+                                 f"server (duplicate room)")
+            if r is not None and r.state == KVPoll.Failed:
+                raise ValueError(f"bootstrap_room {room} already failed on this prefill "
+                                 f"server: {r.fail_reason}")
+            if r is None:
+                r = PrefillRoom(room=room, created_s=now, state_s=now)
+                self.rooms[room] = r
+            r.req = req
+            r.created_s = now
+            self.rooms_by_rid[req.rid] = r
+        self.wake()
+        return True
+
+    def abort(self, rid: str, message: str) -> GenerateOutput | None:
+        """Client abort of a PD request (engine thread); None if ``rid`` is not one."""
+        r = self.rooms_by_rid.get(rid)
+        if r is None:
+            return None
+        self._fail(r, f"aborted on the prefill server: {message}", notify="abort")
+        r.output_sent = True           # the client is gone; nothing more to say
+        out = GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
+                             finish_reason={"type": "abort", "message": message})
+        self._try_conclude(r)
+        return out
+
+    # ------------------------------------------------------------------ engine thread
+    def poll(self) -> list[GenerateOutput]:
+        """Advance every room: admit bootstrapped requests, apply worker/receiver events,
+        enforce timeouts, conclude finished rooms. Returns outputs to push."""
+        now = self._begin_poll()
+        outputs: list[GenerateOutput] = []
+        with self.lock:
+            rooms = list(self.rooms.values())
+        for r in rooms:
+            with self.lock:
+                abort_reason, error, done = r.abort_reason, r.error, r.done
+            if r.state != KVPoll.Failed:
+                if abort_reason is not None:
+                    self._fail(r, abort_reason, notify=None)
+                elif error is not None:
+                    self._fail(r, error, notify=None)
+                elif done and r.state != KVPoll.Success:
+                    self._set_state(r, KVPoll.Success, now)
+                    self.metrics.on_success(r.bytes, now - r.first_send_s)
+                elif r.state == KVPoll.Bootstrapping:
+                    self._try_start(r, now)
+                else:
+                    self._check_timeouts(r, now)
+            out = self._try_conclude(r)
+            if out is not None:
+                outputs.append(out)
+        self.update_gauges()
+        return outputs
+
+    def _set_state(self, r: PrefillRoom, state: KVPoll, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        new = KVPoll.advance(r.state, state)
+        if new != r.state:
+            self.metrics.on_state(r.state.name, now - r.state_s)
+        r.state, r.state_s = new, now
+
+    def _try_start(self, r: PrefillRoom, now: float) -> None:
+        """Bootstrapping -> WaitingForInput once both the request and its destination are here."""
+        timeout = self.args.bootstrap_timeout_s
+        if r.req is None or r.dst_pages is None:
+            if now - r.created_s > timeout:
+                what = "the request" if r.req is None else "a page list from the decode server"
+                self._fail(r, f"bootstrap timeout: no {what} for bootstrap_room {r.room} within "
+                              f"{timeout:g} s")
+            return
+        req = r.req
+        ps = self.page_size
+        n_prompt_pages = -(-req.num_prompt_tokens // ps)
+        if r.decode_prefix_len % ps or r.decode_prefix_len > req.num_prompt_tokens:
+            self._fail(r, f"decode_prefix_len {r.decode_prefix_len} is not a multiple of "
+                          f"page_size {ps} within the prompt of {req.num_prompt_tokens} tokens")
+            return
+        r.next_page = r.decode_prefix_len // ps
+        if len(r.dst_pages) != n_prompt_pages - r.next_page:
+            self._fail(r, f"dst_pages: {len(r.dst_pages)} pages for a prompt of "
+                          f"{req.num_prompt_tokens} tokens needing {n_prompt_pages - r.next_page}"
+                          f" (page_size {ps}, decode_prefix_len {r.decode_prefix_len})")
+            return
+        slot = self.meta.alloc()
+        if slot is None:
+            return                       # all metadata slots busy: try again next poll
+        r.src_slot = slot
+        self.scheduler.hold_on_finish.add(req.rid)
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self.scheduler.hold_on_finish.discard(req.rid)
+            self._fail(r, str(e))
+            return
+        self.metrics.on_bootstrap(now - r.created_s)
+        self._set_state(r, KVPoll.WaitingForInput, now)
+
+    def _check_timeouts(self, r: PrefillRoom, now: float) -> None:
+        if r.state == KVPoll.WaitingForInput and now - r.state_s > self.args.waiting_timeout_s:
+            self._fail(r, f"waiting timeout: bootstrap_room {r.room} not computed within "
+                          f"{self.args.waiting_timeout_s:g} s")
+        elif r.state == KVPoll.Transferring and now - r.state_s > self.args.transfer_timeout_s:
+            self._fail(r, f"transfer timeout: bootstrap_room {r.room} not transferred within "
+                          f"{self.args.transfer_timeout_s:g} s")
+
+    def _fail(self, r: PrefillRoom, reason: str, notify: str | None = "status") -> None:
+        """Mark ``r`` Failed (engine thread). ``notify``: tell the decode with a Failed status
+        or an Abort (through the worker queue, after the room's chunks), or not (None: the
+        decode already knows)."""
+        if r.state == KVPoll.Failed:
+            return
+        self._set_state(r, KVPoll.Failed)
+        r.fail_reason = reason
+        logger.warning("PD prefill: bootstrap_room %d failed: %s", r.room, reason)
+        self.metrics.on_failure(_reason_class(reason))
+        if r.req is not None and r.req.rid in self.scheduler.requests:
+            self.scheduler.abort_request(r.req.rid, reason)
+        if notify is not None and r.peer_id is not None and not r.notified:
+            r.notified = True
+            with self.lock:
+                r.jobs_inflight += 1
+            self._jobs.put(("notice", r, notify))
+
+    def _try_conclude(self, r: PrefillRoom) -> GenerateOutput | None:
+        """Release pages and answer the client once the room is final and idle."""
+        if r.state not in (KVPoll.Success, KVPoll.Failed):
+            return None
+        with self.lock:
+            if r.jobs_inflight:
+                return None
+        req = r.req
+        if req is not None:
+            self.scheduler.hold_on_finish.discard(req.rid)
+            self.scheduler.release_held(req.rid)
+        if r.src_slot is not None:
+            self.meta.free(r.src_slot)
+            r.src_slot = None
+        out = None
+        if req is not None and not r.output_sent:
+            r.output_sent = True
+            if r.state == KVPoll.Success and r.output is not None:
+                out = r.output
+            else:
+                out = error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): "
+                                            f"{r.fail_reason}", req.num_prompt_tokens)
+        with self.lock:
+            if self.rooms.get(r.room) is r:
+                if r.state == KVPoll.Failed and req is None:
+                    # Keep a tombstone so a late request for this room fails at once.
+                    if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
+                        return out
+                del self.rooms[r.room]
+            if req is not None:
+                self.rooms_by_rid.pop(req.rid, None)
+        self.recent.append(r.record())
+        return out
+
+    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
+        """After a forward: re-check the KV addresses, queue the pages each PD row completed
+        (all the rest plus the metadata row once the first token is sampled), and hold the
+        final output of each PD request until its transfer ends."""
+        if self.local_kv.check_addresses():
+            with self.lock:
+                moving = [r for r in self.rooms.values()
+                          if r.state == KVPoll.Transferring or r.jobs_inflight]
+            for r in moving:
+                self._fail(r, "the prefill KV cache moved after a donated step; transfers in "
+                              "flight were failed")
+        held: dict[str, PrefillRoom] = {}
+        synced = False
+        for row in batch.rows:
+            r = self.rooms_by_rid.get(row.req.rid)
+            if r is None or r.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                continue
+            req = row.req
+            last = req.is_finished
+            end = -(-req.num_prompt_tokens // self.page_size) if last else \
+                min(req.num_computed_tokens, req.num_prompt_tokens) // self.page_size
+            if end <= r.next_page and not last:
+                continue
+            if not synced:
+                import jax
+
+                jax.block_until_ready((self.core.runner.k_cache, self.core.runner.v_cache))
+                synced = True
+            self._queue_chunk(r, end, last)
+            if last:
+                held[req.rid] = r
+        if not held:
+            return outputs
+        kept = []
+        for out in outputs:
+            r = held.get(out.rid)
+            if r is not None and out.finished:
+                r.output = out
+            else:
+                kept.append(out)
+        return kept
+
+    def _queue_chunk(self, r: PrefillRoom, end: int, last: bool) -> None:
+        req = r.req
+        start = r.next_page
+        src = list(req.pages[start:end])
+        first_dst = start - r.decode_prefix_len // self.page_size
+        dst = r.dst_pages[first_dst:first_dst + len(src)].tolist()
+        if last:
+            lp, ids, vals = 0.0, [], []
+            if req.return_logprob and req.output_logprobs:
+                lp = req.output_logprobs[0]
+                tops = (req.output_top_logprobs[0] or [])[:self.meta.max_top_logprobs]
+                ids, vals = [t for t, _ in tops], [v for _, v in tops]
+            self.meta.write(r.src_slot, r.room, req.output_ids[0],
+                            req.num_cached_tokens_reported, lp, ids, vals)
+        self.local_kv.stage_out(src)
+        r.next_page = end
+        r.last_queued = last
+        if r.state == KVPoll.WaitingForInput:
+            r.first_send_s = time.monotonic()
+            self._set_state(r, KVPoll.Transferring)
+        with self.lock:
+            r.jobs_inflight += 1
+        self._jobs.put(("chunk", r, (src, dst, last)))
+
+    # ------------------------------------------------------------------ transfer worker
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            kind, r, arg = job
+            try:
+                if kind == "chunk":
+                    self._write_chunk(r, *arg)
+                elif kind == "notice":
+                    self._send_notice(r, arg)
+                elif kind == "ack":
+                    endpoint, sender = arg
+                    self.send(endpoint, AbortAck(bootstrap_room=r, sender_id=sender))
+            except Exception as e:       # never let the worker die
+                logger.exception("PD prefill worker: %s job failed", kind)
+                if kind == "chunk":
+                    with self.lock:
+                        r.error = r.error or f"internal error in the transfer worker: {e}"
+            finally:
+                if kind in ("chunk", "notice"):
+                    with self.lock:
+                        r.jobs_inflight -= 1
+                self.wake()
+
+    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool) -> None:
+        with self.lock:
+            if r.abort_reason is not None or r.error is not None or r.state == KVPoll.Failed:
+                return
+            peer = self.peers.get(r.peer_id)
+        if peer is None:
+            with self.lock:
+                r.error = f"decode engine {r.peer_id!r} is no longer registered"
+            return
+        try:
+            copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
+            n_kv = len(copies)
+            if last:
+                copies.append(self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
+                                                peer.metadata_num_slots,
+                                                peer.metadata_bytes_per_slot))
+            self.transfer_engine.batch_write(peer.session_id, copies)
+        except (TransferError, ValueError) as e:
+            reason = f"KV write to decode {peer.session_id} failed: {e}"
+            with self.lock:
+                r.error = reason
+                r.notified = True
+            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
+                                                          state=KVPoll.Failed, reason=reason))
+            return
+        nbytes = len(src) * self.local_kv.bytes_per_page
+        with self.lock:
+            r.bytes += nbytes
+            r.pages += len(src)
+            r.copies += n_kv
+            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last})
+        self.metrics.on_chunk(nbytes, len(src), n_kv)
+        if last:
+            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
+                                                          state=KVPoll.Success))
+            with self.lock:
+                r.done = True
+                r.notified = True
+
+    def _send_notice(self, r: PrefillRoom, kind: str) -> None:
+        peer = self.peers.get(r.peer_id)
+        if peer is None:
+            return
+        reason = r.fail_reason or "failed"
+        if kind == "abort":
+            self.send(peer.reply_endpoint, Abort(bootstrap_room=r.room, sender_id=self._id,
+                                                 reason=reason[:4000]))
+        else:
+            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
+                                                          state=KVPoll.Failed,
+                                                          reason=reason[:4000]))
+
+    @property
+    def _id(self) -> str:
+        return f"prefill@{self.channel.endpoint}"
+
+    # ------------------------------------------------------------------ receiver thread
+    def _on_message(self, msg: Message) -> None:
+        if isinstance(msg, RegisterDecode):
+            self._on_register(msg)
+        elif isinstance(msg, TransferRequest):
+            self._on_transfer_request(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, AbortAck):
+            logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
+        elif type(msg).__name__ != "Heartbeat":
+            self._reject(f"unexpected {type(msg).__name__} on a prefill server")
+
+    def _reject(self, reason: str) -> None:
+        logger.error("PD prefill: rejected a control message: %s", reason)
+        self._count_rejected()
+
+    def _on_register(self, msg: RegisterDecode) -> None:
+        problems = []
+        ours = {"page_size": self.page_size, "kv_dtype": self.local_kv.kv_dtype,
+                "layout_fingerprint": self.local_kv.fingerprint,
+                "kv_layout": self.local_kv.layout.kind,
+                "metadata_bytes_per_slot": self.meta.bytes_per_slot}
+        for name, value in ours.items():
+            if getattr(msg, name) != value:
+                problems.append(f"{name}: prefill {value!r} != decode {getattr(msg, name)!r}")
+        layout = None
+        if not problems:
+            try:
+                layout = KVLayout(msg.kv_layout, msg.kv_buffers)
+                self.local_kv.layout.check_compatible(layout)
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            reason = "prefill refuses to pair: " + "; ".join(problems)
+            self._reject(f"registration of {msg.decode_engine_id}: {reason}")
+            self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
+                                                         accepted=False, reason=reason))
+            return
+        peer = DecodePeer(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id,
+                          layout, msg.metadata_addr, msg.metadata_num_slots,
+                          msg.metadata_bytes_per_slot)
+        with self.lock:
+            self.peers[msg.decode_engine_id] = peer
+        logger.info("PD prefill: decode %s registered (session %s, %d pages)",
+                    msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
+        self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
+                                                     accepted=True))
+
+    def _on_transfer_request(self, msg: TransferRequest) -> None:
+        with self.lock:
+            peer = self.peers.get(msg.decode_engine_id)
+        if peer is None:
+            self._reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
+                         f"unregistered decode {msg.decode_engine_id!r}")
+            return
+        try:
+            dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
+                                 "dst_pages")
+            if not 0 <= msg.dst_metadata_slot < peer.metadata_num_slots:
+                raise ProtocolError(f"field 'dst_metadata_slot': {msg.dst_metadata_slot} outside "
+                                    f"[0, {peer.metadata_num_slots})")
+        except ProtocolError as e:
+            reason = f"bad TransferRequest for bootstrap_room {msg.bootstrap_room}: {e}"
+            self._reject(reason)
+            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=msg.bootstrap_room,
+                                                          state=KVPoll.Failed, reason=reason))
+            with self.lock:
+                r = self.rooms.get(msg.bootstrap_room)
+                if r is not None and r.peer_id is None:
+                    r.error = reason     # the prefill client hears of it too
+                    r.notified = True
+            self.wake()
+            return
+        now = time.monotonic()
+        with self.lock:
+            r = self.rooms.get(msg.bootstrap_room)
+            if r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+                duplicate = True
+            else:
+                duplicate = False
+                if r is None:
+                    r = PrefillRoom(room=msg.bootstrap_room, created_s=now, state_s=now)
+                    self.rooms[msg.bootstrap_room] = r
+                r.peer_id = msg.decode_engine_id
+                r.dst_pages = dst
+                r.dst_slot = msg.dst_metadata_slot
+                r.decode_prefix_len = msg.decode_prefix_len
+        if duplicate:
+            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
+                      f"(the room already has a destination)")
+            self._reject(reason)
+            if r.peer_id != msg.decode_engine_id:
+                self.send(peer.reply_endpoint, TransferStatus(
+                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
+            return
+        self.wake()
+
+    def _on_abort(self, msg: Abort) -> None:
+        with self.lock:
+            peer = self.peers.get(msg.sender_id)
+            r = self.rooms.get(msg.bootstrap_room)
+            if r is not None and r.peer_id == msg.sender_id:
+                r.abort_reason = f"aborted by the decode server: {msg.reason or 'no reason'}"
+                r.notified = True
+        if peer is None:
+            self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
+                         f"{msg.sender_id!r}")
+            return
+        # Acked after every job queued so far (the room's in-flight chunk included) is done.
+        self._jobs.put(("ack", msg.bootstrap_room, (peer.reply_endpoint, self._id)))
+        self.wake()
+
+    # ------------------------------------------------------------------ introspection
+    def num_live_rooms(self) -> int:
+        return len(self.rooms)
+
+    def queue_sizes(self) -> dict[str, int]:
+        with self.lock:
+            rooms = list(self.rooms.values())
+        count = {"bootstrap": 0, "waiting": 0, "inflight": 0}
+        for r in rooms:
+            if r.state == KVPoll.Bootstrapping:
+                count["bootstrap"] += 1
+            elif r.state == KVPoll.WaitingForInput:
+                count["waiting"] += 1
+            elif r.state == KVPoll.Transferring:
+                count["inflight"] += 1
+        count["held"] = len(self.scheduler.held)
+        return count
+
+    def load(self) -> dict[str, Any]:
+        with self.lock:
+            live = sum(r.state != KVPoll.Failed for r in self.rooms.values())
+        return {"disaggregation_mode": "prefill", "num_pd_rooms": live,
+                "num_held_reqs": len(self.scheduler.held),
+                "num_prefill_bootstrap_queue_reqs": self.queue_sizes()["bootstrap"]}
+
+    def debug_state(self) -> dict[str, Any]:
+        state = self.base_state()
+        with self.lock:
+            state["rooms"] = [r.record() for r in self.rooms.values()]
+            state["peers"] = sorted(self.peers)
+        state["bootstrap_port"] = self.bootstrap_port
+        return state
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._worker.join(5.0)
+        self.bootstrap.stop()
+        self.close_base()
+
+
+def _reason_class(reason: str) -> str:
+    for key in ("timeout", "aborted", "duplicate", "write", "dst_pages", "moved"):
+        if key in reason:
+            return key
+    return "other"

@@ -1,0 +1,191 @@
+"""What the prefill and decode managers share: the data plane of one server and its plumbing.
+
+A ``RoleManager`` is created by ``EngineCore`` for ``--role prefill|decode`` and lives on the
+engine thread; its helper threads (ZMQ receiver, transfer worker, bootstrap, heartbeat) only
+record events and wake the engine, which applies every change to the scheduler itself:
+
+    engine thread: step() = disagg.poll() -> schedule -> forward -> sample -> disagg.after_step()
+    helper threads: record under ``lock`` -> wake()
+
+It owns the transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
+the engine sees it (``LocalKV``: direct or staging), the ``MetadataBuffers`` pool, the control
+channel and the PD metrics. Test knobs (environment): ``PDJAX_KV_TRANSFER_PATH``
+(auto|direct|staging), ``PDJAX_TRANSFER_MAX_BATCH`` (copies per engine batch, default 1024,
+the Mooncake per-peer queue limit), ``PDJAX_SHUFFLE_FREE_PAGES`` (a seed: fragment the free
+list for good, as tests of copy counts need).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from pdjax.engine_io import GenerateOutput
+from pdjax.transfer.channel import MessageChannel, advertise_host
+from pdjax.transfer.engine import DEFAULT_MAX_BATCH, create_transfer_engine
+from pdjax.transfer.local_kv import LocalKV
+from pdjax.transfer.metadata import MetadataBuffers
+from pdjax.transfer.pd_metrics import PDMetrics
+from pdjax.transfer.protocol import MAX_ROOM, Message
+
+logger = logging.getLogger(__name__)
+
+MAX_TOP_LOGPROBS = 20           # the HTTP API's limit; both roles must use the same row size
+RECENT_ROOMS = 512              # concluded rooms kept for /pd_state
+POLL_INTERVAL_S = 0.1           # timeouts are checked at least this often while rooms live
+
+
+def env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def check_room(room: Any, role: str) -> int:
+    """``bootstrap_room`` of a PD request: an int in [1, 2**63). ``ValueError`` otherwise."""
+    if room is None:
+        raise ValueError(f"bootstrap_room: required on a {role} server (send requests through "
+                         f"a PD router, or set bootstrap_host/bootstrap_port/bootstrap_room)")
+    if isinstance(room, bool) or not isinstance(room, int) or not 1 <= room <= MAX_ROOM:
+        raise ValueError(f"bootstrap_room: {room!r} outside [1, 2**63) (0 means unwritten)")
+    return room
+
+
+def error_output(rid: str, message: str, prompt_tokens: int = 0) -> GenerateOutput:
+    return GenerateOutput(rid, [], finished=True, error=message, prompt_tokens=prompt_tokens,
+                          finish_reason={"type": "abort", "message": message})
+
+
+class RoleManager:
+    """Base of ``PrefillManager`` and ``DecodeManager`` (see the module docstring)."""
+
+    role = ""
+
+    def __init__(self, core):
+        self.core = core
+        self.args = core.args
+        self.scheduler = core.scheduler
+        self.page_size = core.args.page_size
+        self.lock = threading.RLock()
+        self._wake_cb: Callable[[], None] | None = None
+        self._event = threading.Event()
+        self._last_poll = 0.0
+        self.metrics = PDMetrics(None, self.role)
+        self.recent: collections.deque = collections.deque(maxlen=RECENT_ROOMS)
+        self.num_rejected_messages = 0
+        seed = env_int("PDJAX_SHUFFLE_FREE_PAGES", None)
+        if seed is not None:
+            self.scheduler.allocator.shuffle(seed)
+        host = advertise_host(self.args.host)
+        kwargs: dict[str, Any] = {"max_batch": env_int("PDJAX_TRANSFER_MAX_BATCH",
+                                                       DEFAULT_MAX_BATCH)}
+        backend = self.args.disaggregation_transfer_backend
+        if backend == "mooncake-corrupt":
+            # Flip the top exponent bit of one element: the high byte of a little-endian value.
+            kwargs["corrupt_offset"] = core.runner.k_cache.dtype.itemsize - 1
+        if backend != "fake" and self.args.disaggregation_ib_device:
+            kwargs["device_name"] = self.args.disaggregation_ib_device
+        self.transfer_engine = create_transfer_engine(backend, host, **kwargs)
+        if backend == "fake":
+            logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
+                           "are meaningless (control-plane testing only)", self.role)
+        max_pages = -(-core.context_length // self.page_size)
+        self.local_kv = LocalKV(core.runner, self.transfer_engine,
+                                os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages)
+        self.local_kv.warmup()
+        num_slots = max(32, 8 * self.args.max_running_requests)
+        self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
+        self.meta.register(self.transfer_engine)
+        self.channel = MessageChannel(self.args.host, self._on_message, self.role,
+                                      on_reject=lambda reason: self._count_rejected())
+        logger.info("PD %s: transfer backend %s (session %s), KV path %s, %d B per page over "
+                    "%d layer buffers, control channel %s", self.role, backend,
+                    self.transfer_engine.session_id, self.local_kv.mode,
+                    self.local_kv.bytes_per_page, self.local_kv.num_layer_buffers,
+                    self.channel.endpoint)
+
+    # -- plumbing --------------------------------------------------------------------------
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """``wake()`` makes the engine thread run a step soon (set by ``AsyncEngine``)."""
+        self._wake_cb = wake
+
+    def wake(self) -> None:
+        self._event.set()
+        if self._wake_cb is not None:
+            self._wake_cb()
+
+    def attach_metrics(self, metrics) -> None:
+        """Register the PD metrics on the server's ``pdjax.metrics.Metrics``."""
+        self.metrics = PDMetrics(metrics, self.role)
+
+    def _count_rejected(self) -> None:
+        with self.lock:
+            self.num_rejected_messages += 1
+        self.metrics.on_rejected()
+
+    def has_work(self) -> bool:
+        """True when the engine thread has PD work now: an event arrived, or live rooms need
+        their timeouts checked (at most every ``POLL_INTERVAL_S``)."""
+        if self._event.is_set():
+            return True
+        return self.num_live_rooms() > 0 and time.monotonic() - self._last_poll >= POLL_INTERVAL_S
+
+    def _begin_poll(self) -> float:
+        self._event.clear()
+        self._last_poll = time.monotonic()
+        return self._last_poll
+
+    def send(self, endpoint: str, msg: Message) -> bool:
+        return self.channel.send(endpoint, msg)
+
+    def update_gauges(self) -> None:
+        c = self.transfer_engine.counters()
+        self.metrics.set_state(self.queue_sizes(), c.largest_batch,
+                               self.scheduler.num_quarantined_pages,
+                               self.scheduler.num_prompt_tokens_computed)
+
+    def base_state(self) -> dict[str, Any]:
+        c = self.transfer_engine.counters()
+        return {"role": self.role, "zmq_endpoint": self.channel.endpoint,
+                "transfer_backend": self.transfer_engine.backend,
+                "session_id": self.transfer_engine.session_id,
+                "transfer_path": self.local_kv.mode,
+                "kv_bytes_per_page": self.local_kv.bytes_per_page,
+                "num_layer_buffers": self.local_kv.num_layer_buffers,
+                "page_size": self.page_size, "num_pages": self.local_kv.num_pages,
+                "max_batch": self.transfer_engine.max_batch,
+                "engine": {"bytes": c.bytes, "copies": c.copies, "batches": c.batches,
+                           "failures": c.failures, "largest_batch": c.largest_batch,
+                           "seconds": c.seconds, "gbps": c.gbps},
+                "num_address_changes": self.local_kv.num_address_changes,
+                "num_rejected_messages": self.num_rejected_messages,
+                "queues": self.queue_sizes(),
+                "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+                "recent": list(self.recent)}
+
+    def close_base(self) -> None:
+        self.channel.close()
+        try:
+            self.meta.unregister(self.transfer_engine)
+        except Exception:
+            pass
+        self.local_kv.close()
+        self.transfer_engine.close()
+
+    # -- to implement ------------------------------------------------------------------------
+    def _on_message(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def num_live_rooms(self) -> int:
+        raise NotImplementedError
+
+    def queue_sizes(self) -> dict[str, int]:
+        raise NotImplementedError

@@ -1,0 +1,246 @@
+"""Real PD processes for the end-to-end tests: servers, HTTP helpers, independent arithmetic.
+
+Every server is a ``python -m pdjax.serve`` child on 127.0.0.1 with one XLA thread; its log
+goes to a file that a failing test prints. ``TINY_ARGS`` is the configuration every process
+uses (the colocated reference engine in the test process too), so they share compiled
+executables through the persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGE_SIZE = 4
+CHUNK = 32
+TINY_ARGS = dict(page_size=PAGE_SIZE, max_total_tokens=2048, chunked_prefill_size=CHUNK,
+                 max_running_requests=8, context_length=256)
+EOS = 2
+
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", OMP_NUM_THREADS="1",
+               JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1")
+    for key in ("PDJAX_KV_TRANSFER_PATH", "PDJAX_TRANSFER_MAX_BATCH", "PDJAX_SHUFFLE_FREE_PAGES"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+class Server:
+    """One ``python -m pdjax.serve`` (or any module) child process with a log file."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_dir: str,
+                 env: dict[str, str] | None = None):
+        self.name, self.argv, self.port = name, argv, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.env = env or child_env()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=ROOT, start_new_session=True)
+        log.close()
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            status, _ = get(self.url + "/health", timeout_s=2)
+            if status == 200:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy in {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def pd_server(name: str, role: str, model_path: str, log_dir: str, *, port: int | None = None,
+              bootstrap_port: int | None = None, extra: list[str] = (),
+              env: dict[str, str] | None = None, **overrides) -> Server:
+    port = port or free_port()
+    args = dict(TINY_ARGS, **overrides)
+    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model_path,
+            "--port", str(port), "--skip-warmup-progress", "--num-reserved-decode-tokens", "16"]
+    for k, v in args.items():
+        argv += ["--" + k.replace("_", "-"), str(v)]
+    if bootstrap_port is not None:
+        argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    server = Server(name, argv + list(extra), port, log_dir, env)
+    server.bootstrap_port = bootstrap_port
+    return server
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+def _decode(raw: bytes):
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+def get(url: str, timeout_s: float = 30.0):
+    try:
+        with _opener.open(url, timeout=timeout_s) as r:
+            return r.status, _decode(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _decode(e.read())
+    except OSError as e:
+        return 0, str(e)
+
+
+def post(url: str, body, timeout_s: float = 60.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with _opener.open(req, timeout=timeout_s) as r:
+            return r.status, _decode(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, _decode(e.read())
+
+
+def post_stream(url: str, body, timeout_s: float = 60.0) -> tuple[int, list]:
+    """POST with ``stream: true``; returns (status, [decoded ``data:`` events], [DONE] dropped)."""
+    req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with _opener.open(req, timeout=timeout_s) as r:
+            events = []
+            for line in r:
+                line = line.strip()
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    events.append(json.loads(line[6:]))
+            return r.status, events
+    except urllib.error.HTTPError as e:
+        return e.code, [_decode(e.read())]
+
+
+def pd_body(ids: list[int], room: int, bootstrap_port: int, **sampling) -> dict:
+    """A /generate body as a PD router would send it."""
+    sp = {"temperature": 0, "max_new_tokens": 8}
+    sp.update(sampling)
+    return {"input_ids": ids, "sampling_params": sp, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+
+
+def wait_until(pred, timeout_s: float, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def load(server: Server) -> dict:
+    status, body = get(server.url + "/get_load")
+    assert status == 200, body
+    return body
+
+
+def pd_state(server: Server) -> dict:
+    status, body = get(server.url + "/pd_state")
+    assert status == 200, body
+    return body
+
+
+def at_baseline(server: Server) -> bool:
+    """No page held by anything but the evictable prefix cache, no PD request in flight."""
+    ld = load(server)
+    return (ld["num_pinned_pages"] == 0 and ld["num_pd_rooms"] == 0
+            and ld["num_running_reqs"] == 0 and ld.get("num_quarantined_pages", 0) == 0
+            and ld.get("num_held_reqs", 0) == 0)
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, rest = head.partition("{")
+        if metric != name:
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+            found = True
+    assert found, f"metric {name} {labels} not exposed"
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Independent arithmetic (not pdjax's own code)
+
+
+def count_runs(src: list[int], dst: list[int]) -> int:
+    """Runs of pages consecutive in both lists, by a plain loop."""
+    runs = 0
+    for i in range(len(src)):
+        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs += 1
+    return runs
+
+
+def greedy_agrees(ref_ids: list[int], ref_top: list, got_ids: list[int], tie: float = 1e-3) -> int:
+    """Check ``got_ids`` against a greedy reference (DESIGN.md §5): equal up to the first
+    position where the reference's top-2 logprob gap is below ``tie``; returns the number of
+    positions compared. ``ref_top[i]`` holds ``(logprob, token, text)`` entries, best first."""
+    assert len(got_ids) == len(ref_ids), (got_ids, ref_ids)
+    for i, (a, b) in enumerate(zip(ref_ids, got_ids)):
+        gap = ref_top[i][0][0] - ref_top[i][1][0]
+        if a != b:
+            assert gap < tie, f"token {i}: got {b}, reference {a} (top-2 gap {gap:.2e})\n" \
+                              f"got {got_ids}\nref {ref_ids}"
+            return i
+        if gap < tie:
+            return i + 1
+    return len(ref_ids)

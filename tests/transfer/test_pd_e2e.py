@@ -1,0 +1,279 @@
+"""PD disaggregation end to end: a prefill server, a decode server and the router, three real
+processes on 127.0.0.1 with the Mooncake backend (issue 5), checked against the colocated
+engine; then sglang-router (PyPI) in front of the same two servers."""
+
+import collections
+import concurrent.futures
+import random
+import sys
+import time
+
+import pytest
+from pd_harness import (CHUNK, EOS, PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env,
+                        count_runs, free_port, get, greedy_agrees, load, metric_value,
+                        pd_server, pd_state, post, post_stream, wait_until)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_checkpoints, tmp_path_factory):
+    """Prefill P1, decode D1 and the pdjax router, plus the colocated reference engine."""
+    logs = str(tmp_path_factory.mktemp("pd_e2e"))
+    model = tiny_checkpoints["llama"]
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport)
+    decode = pd_server("decode", "decode", model, logs)
+    router_port = free_port()
+    router = Server("router", [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
+                               str(bport), "--decode", decode.url, "--port", str(router_port)],
+                    router_port, logs, child_env())
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
+    try:
+        for s in (prefill, decode, router):
+            s.wait_healthy()
+        yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated,
+                   model=model, bport=bport, logs=logs)
+    except BaseException:
+        for s in (prefill, decode, router):
+            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
+        raise
+    finally:
+        for s in (router, prefill, decode):
+            s.stop()
+        colocated.shutdown()
+
+
+def _reference(engine, prompts, max_new):
+    outs = engine.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+                           sampling_params=[{"temperature": 0, "max_new_tokens": m} for m in max_new])
+    return [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
+
+
+def _generate(url, ids, max_new, stream=False, **extra):
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new},
+            **extra}
+    if stream:
+        status, events = post_stream(url + "/generate", body)
+        assert status == 200, events
+        assert all(not e.get("error") for e in events), events
+        return events[-1]
+    status, out = post(url + "/generate", body)
+    assert status == 200, out
+    return out
+
+
+def _records_by_len(state):
+    by_len = collections.defaultdict(list)
+    for rec in state["recent"]:
+        by_len[rec["prompt_len"]].append(rec)
+    return by_len
+
+
+def test_32_concurrent_greedy_requests_match_colocated(pd):
+    """k*page_size +- 1, k*chunk +- 1, a decode-side prefix hit and streaming, all at once;
+    then bytes, pages and copy ops per room, the decode's prompt-token count and page baseline."""
+    rng = random.Random(5)
+    router, prefill, decode = pd["router"].url, pd["prefill"], pd["decode"]
+    prefix = [rng.randrange(3, 440) for _ in range(41)]
+    warm = _generate(router, prefix, 8)            # fills the decode's prefix cache
+    lengths = sorted({1, 2, 3, 5, 7, 8, 9, 11, 15, 16, 17, 23, 31, 32, 33, 47, 63, 64, 65, 95,
+                      96, 97, 127, 128, 129, 150, 181, 200, 223, 250})
+    assert {PAGE_SIZE * 4 - 1, PAGE_SIZE * 4 + 1, CHUNK - 1, CHUNK + 1, 3 * CHUNK - 1,
+            3 * CHUNK + 1} <= set(lengths)
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    prompts += [prefix[:40] + [rng.randrange(3, 440) for _ in range(9)],      # 49 tokens
+                prefix[:40] + [rng.randrange(3, 440) for _ in range(30)]]     # 70 tokens
+    assert len(prompts) == 32 and len({len(p) for p in prompts}) == 32
+    max_new = [4 + (i * 5) % 13 for i in range(32)]
+    p_metrics_before = get(prefill.url + "/metrics")[1]
+    bytes_before = metric_value(p_metrics_before, "pdjax:kv_transfer_total_bytes_total",
+                                role="prefill")
+    # ~2400 prompt tokens for a 2048-token pool: the decode admits in waves and evicts its
+    # prefix cache, so the two prefix-hit prompts go first (the rest follow 0.3 s later).
+    order = [30, 31] + list(range(30))
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = {}
+        for i in order:
+            futures[i] = pool.submit(_generate, router, prompts[i], max_new[i],
+                                     stream=(i % 4 == 0))
+            if i == 31:
+                time.sleep(0.3)
+        results = [futures[i].result() for i in range(32)]
+    ref = _reference(pd["colocated"], prompts, max_new)
+    compared = sum(greedy_agrees(ids, top, res["output_ids"])
+                   for (ids, top), res in zip(ref, results))
+    assert compared >= 0.9 * sum(max_new)
+    for res, p in zip(results, prompts):
+        assert res["meta_info"]["prompt_tokens"] == len(p)
+
+    # Per room (prefill side): what was sent is exactly the prompt minus the decode's prefix.
+    state = pd_state(prefill)
+    by_len = _records_by_len(state)
+    buffers, bpp = state["num_layer_buffers"], state["kv_bytes_per_page"]
+    assert buffers == 2 * 2 and bpp == 2 * 2 * PAGE_SIZE * 2 * 16 * 4   # K,V x 2 layers, f32
+    total_pages = total_copies = 0
+    for p in prompts:
+        (rec,) = by_len[len(p)]
+        assert rec["state"] == "Success", rec
+        prefix_pages = rec["decode_prefix_len"] // PAGE_SIZE
+        pages = -(-len(p) // PAGE_SIZE) - prefix_pages
+        runs = sum(count_runs(c["src"], c["dst"]) for c in rec["chunks"])
+        assert rec["pages"] == pages == sum(len(c["src"]) for c in rec["chunks"])
+        assert rec["bytes"] == pages * bpp
+        assert rec["copies"] == runs * buffers
+        assert rec["chunks"][-1]["last"] and not any(c["last"] for c in rec["chunks"][:-1])
+        total_pages += pages
+        total_copies += rec["copies"]
+    # The decode-side prefix hit shrank both transfers by the 10 cached pages.
+    assert by_len[49][0]["decode_prefix_len"] == 40 and by_len[70][0]["decode_prefix_len"] == 40
+    assert by_len[49][0]["pages"] == 13 - 10 and by_len[70][0]["pages"] == 18 - 10
+    # A fresh pool hands out consecutive pages: runs merge, so far fewer copies than pages.
+    assert total_copies < total_pages * buffers / 2
+    p_metrics = get(prefill.url + "/metrics")[1]
+    moved = metric_value(p_metrics, "pdjax:kv_transfer_total_bytes_total", role="prefill")
+    assert moved - bytes_before == total_pages * bpp
+    assert metric_value(p_metrics, "pdjax:kv_transfer_copy_ops_total", role="prefill") == \
+        sum(r["copies"] for r in state["recent"])
+    assert state["engine"]["largest_batch"] <= state["max_batch"] == 1024
+    d_metrics = get(decode.url + "/metrics")[1]
+    assert metric_value(d_metrics, "pdjax:kv_transfer_pages_total", role="decode") == \
+        sum(r["pages"] for r in state["recent"])
+    assert "pdjax:kv_transfer_failed_total{" not in d_metrics + p_metrics
+
+    # The decode never computed a prompt token; every page is back (cache pages evictable).
+    assert warm["meta_info"]["completion_tokens"] == 8
+    assert load(decode)["num_prompt_tokens_computed"] == 0
+    assert metric_value(d_metrics, "pdjax:pd_prompt_tokens_computed", role="decode") == 0
+    assert wait_until(lambda: at_baseline(prefill) and at_baseline(decode), 10)
+
+
+def test_max_new_tokens_1_and_eos_first(pd):
+    router, colocated = pd["router"].url, pd["colocated"]
+    rng = random.Random(11)
+    ids = [rng.randrange(3, 440) for _ in range(21)]
+    for stream in (False, True):
+        out = _generate(router, ids, 1, stream=stream)
+        assert len(out["output_ids"]) == 1
+        assert out["output_ids"] == colocated.generate(
+            input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 1})["output_ids"]
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 1}
+    # A prompt whose greedy first token is EOS (searched with the colocated engine).
+    cands = [[rng.randrange(3, 440) for _ in range(rng.randrange(1, 6))] for _ in range(4000)]
+    firsts = colocated.generate(input_ids=cands, sampling_params={"temperature": 0,
+                                                                  "max_new_tokens": 1})
+    eos_prompt = next(c for c, o in zip(cands, firsts) if o["output_ids"] == [EOS])
+    out = _generate(router, eos_prompt, 32)
+    assert out["output_ids"] == [EOS]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": EOS}
+    assert out["meta_info"]["completion_tokens"] == 1
+
+
+def test_n2_and_batches_get_one_room_per_sample(pd):
+    router, prefill, colocated = pd["router"].url, pd["prefill"], pd["colocated"]
+    rng = random.Random(12)
+    a = [rng.randrange(3, 440) for _ in range(133)]
+    b = [rng.randrange(3, 440) for _ in range(134)]
+    rooms_before = {r["room"] for r in pd_state(prefill)["recent"]}
+    status, outs = post(router + "/generate", {
+        "input_ids": [a, b], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "n": 2}})
+    assert status == 200, outs
+    assert len(outs) == 4
+    ref = {len(p): colocated.generate(input_ids=p, sampling_params={
+        "temperature": 0, "max_new_tokens": 6})["output_ids"] for p in (a, b)}
+    for out in outs:
+        assert out["output_ids"] == ref[out["meta_info"]["prompt_tokens"]]
+    new = [r for r in pd_state(prefill)["recent"] if r["room"] not in rooms_before]
+    assert sorted(r["prompt_len"] for r in new) == [133, 133, 134, 134]
+    assert len({r["room"] for r in new}) == 4 and all(r["state"] == "Success" for r in new)
+
+
+def test_logprobs_are_merged_from_prefill(pd):
+    router, colocated = pd["router"].url, pd["colocated"]
+    ids = list(range(40, 77))
+    ref = colocated.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 5},
+                             return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
+    for stream in (False, True):
+        out = _generate(router, ids, 5, stream=stream, return_logprob=True, logprob_start_len=0,
+                        top_logprobs_num=2)
+        meta, rmeta = out["meta_info"], ref["meta_info"]
+        assert out["output_ids"] == ref["output_ids"]
+        got_in = meta["input_token_logprobs"]
+        assert len(got_in) == len(ids) and got_in[0][0] is None
+        for (lp, tok, _), ref_lp in zip(got_in[1:], rmeta["input_token_logprobs"][1:]):
+            assert abs(lp - ref_lp) < 1e-4
+        assert [t for _, t, _ in got_in] == ids
+        for (lp, tok, _), (rlp, rtok, _) in zip(meta["output_token_logprobs"],
+                                                rmeta["output_token_logprobs"]):
+            assert tok == rtok and abs(lp - rlp) < 1e-4
+        assert len(meta["output_top_logprobs"][0]) == 2
+
+
+def test_health_generate_uses_the_fake_transfer(pd):
+    for server in (pd["prefill"], pd["decode"]):
+        status, body = get(server.url + "/health_generate")
+        assert status == 200, body
+    info = get(pd["prefill"].url + "/get_server_info")[1]
+    assert info["disaggregation_mode"] == "prefill"
+    assert get(pd["decode"].url + "/get_server_info")[1]["disaggregation_mode"] == "decode"
+    assert wait_until(lambda: at_baseline(pd["prefill"]) and at_baseline(pd["decode"]), 10)
+
+
+@pytest.fixture(scope="module")
+def sglang_router(pd):
+    port = free_port()
+    server = Server("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", pd["prefill"].url, str(pd["bport"]), "--decode", pd["decode"].url,
+        "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()),
+        "--log-level", "warn"], port, pd["logs"], child_env())
+    try:
+        server.wait_healthy(120)
+        yield server
+    except BaseException:
+        print(f"==== sglang-router log ====\n{server.log_tail(80)}")
+        raise
+    finally:
+        server.stop()
+
+
+def test_sglang_router_in_front_of_the_same_servers(pd, sglang_router):
+    url, colocated = sglang_router.url, pd["colocated"]
+    rng = random.Random(13)
+    ids = [rng.randrange(3, 440) for _ in range(45)]
+    ref = colocated.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                             "max_new_tokens": 7})["output_ids"]
+    assert _generate(url, ids, 7)["output_ids"] == ref
+    assert _generate(url, ids, 7, stream=True)["output_ids"] == ref
+    # n = 2: sglang-router sends one scalar room; the servers give sample k room + k.
+    status, outs = post(url + "/generate", {
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 7, "n": 2}})
+    assert status == 200, outs
+    assert [o["output_ids"] for o in outs] == [ref, ref]
+    # A batch of token-id prompts: one room per prompt (lists).
+    status, outs = post(url + "/generate", {
+        "input_ids": [ids, ids[:30]], "sampling_params": {"temperature": 0, "max_new_tokens": 7}})
+    assert status == 200, outs
+    assert outs[0]["output_ids"] == ref
+    # Chat, n = 2, plain and streamed, equals the pdjax router's answer.
+    model = get(url + "/v1/models")[1]["data"][0]["id"]
+    chat = {"model": model, "messages": [{"role": "user", "content": "Once upon a time"}],
+            "max_tokens": 9, "temperature": 0, "n": 2}
+    status, ours = post(pd["router"].url + "/v1/chat/completions", chat)
+    assert status == 200, ours
+    status, theirs = post(url + "/v1/chat/completions", chat)
+    assert status == 200, theirs
+    texts = [c["message"]["content"] for c in theirs["choices"]]
+    assert texts == [c["message"]["content"] for c in ours["choices"]] and len(texts) == 2
+    assert theirs["usage"]["completion_tokens"] == ours["usage"]["completion_tokens"]
+    status, events = post_stream(url + "/v1/chat/completions", chat)
+    assert status == 200, events
+    streamed = collections.defaultdict(str)
+    for e in events:
+        for c in e.get("choices", []):
+            streamed[c["index"]] += c["delta"].get("content") or ""
+    assert [streamed[0], streamed[1]] == texts
+    assert wait_until(lambda: at_baseline(pd["prefill"]) and at_baseline(pd["decode"]), 10)
+    assert load(pd["decode"])["num_prompt_tokens_computed"] == 0

@@ -1,0 +1,155 @@
+"""Fast PD pieces without processes: the scheduler's PD hooks (held, prebuilt, quarantine)
+under its invariant check, the staging path of ``LocalKV``, and the router's request
+arithmetic."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.router import _merge_input_logprobs, num_samples, parse_prefill_args
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.transfer.fake import FakeTransferEngine
+from pdjax.transfer.local_kv import LocalKV
+
+PS = 4
+
+
+def _req(rid, n, max_new=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return Request(rid, [int(t) for t in rng.integers(3, 400, n)],
+                   SamplingParams(max_new_tokens=max_new, temperature=0.0))
+
+
+def _sched(num_pages=33, **kw):
+    return Scheduler(SchedulerConfig(num_pages=num_pages, page_size=PS, max_running_requests=4,
+                                     chunked_prefill_size=16, **kw))
+
+
+def test_held_pages_outlive_the_finish_until_released():
+    s = _sched(page_aligned_chunks=True)
+    req = _req("p", 10, max_new=1)
+    s.hold_on_finish.add("p")
+    s.add_request(req)
+    batch = s.schedule()
+    assert [(r.start, r.num_tokens) for r in batch.rows] == [(0, 10)]
+    s.process_results(batch, {0: 7}, lambda r: {"type": "length", "length": 1})
+    assert req.state == RequestState.FINISHED and s.held == {"p": req}
+    assert len(req.pages) == 3 and s.num_used_pages == 3
+    s.check_invariants()
+    assert s.prefix_cache.num_cached_pages == 0       # nothing cached while held
+    assert s.release_held("p") and not s.release_held("p")
+    s.check_invariants()
+    assert s.prefix_cache.num_cached_pages == 2        # the two full pages, now evictable
+    assert s.prefix_cache.num_evictable_pages == 2
+
+
+def test_prebuilt_request_joins_decode_without_prompt_compute():
+    s = _sched()
+    req = _req("d", 9, max_new=3)
+    assert s.reserve_prebuilt(req, extra_free_pages=2)
+    assert len(req.pages) == 3 and req.num_cached_tokens == 0 and s.prealloc == {"d": req}
+    s.check_invariants()
+    s.add_prebuilt(req, 42)
+    assert req.output_ids == [42] and req.num_computed_tokens == 9
+    batch = s.schedule()
+    assert batch.forward_mode == "decode" and [(r.start, r.num_tokens) for r in batch.rows] == [(9, 1)]
+    s.process_results(batch, {0: 43}, lambda r: None)
+    s.check_invariants()
+    assert s.num_prompt_tokens_computed == 0
+    # A second prompt sharing two full pages hits the prefix cache after the first finishes.
+    first_pages = list(req.pages[:2])
+    s.finish_request(req, {"type": "length", "length": 2})
+    twin = Request("t", req.prompt_ids[:8] + [5, 6, 7], SamplingParams(max_new_tokens=2))
+    assert s.reserve_prebuilt(twin)
+    assert twin.num_cached_tokens == 8 and twin.pages[:2] == first_pages
+    s.check_invariants()
+
+
+def test_failed_prebuilt_pages_are_freed_or_quarantined_never_cached():
+    s = _sched()
+    a, b = _req("a", 13), _req("b", 6, seed=1)
+    assert s.reserve_prebuilt(a) and s.reserve_prebuilt(b)
+    used = s.num_used_pages
+    own_a = s.release_prebuilt(a, quarantine_key=(77, 0))
+    assert len(own_a) == 4 and s.num_quarantined_pages == 4 and s.num_used_pages == used
+    s.check_invariants()
+    assert s.release_prebuilt(b) and s.num_used_pages == used - 2
+    assert s.release_quarantine((77, 0)) == 4 and s.release_quarantine((77, 0)) == 0
+    assert s.num_used_pages == 0 and s.prefix_cache.num_cached_pages == 0
+    s.check_invariants()
+    with pytest.raises(ValueError, match="no reserved pages"):
+        s.release_prebuilt(a)
+
+
+def test_reserve_respects_the_pool_and_the_decode_reservation():
+    s = _sched(num_pages=10)                       # 9 usable pages
+    big = _req("big", 30)                          # 8 pages
+    assert not s.reserve_prebuilt(big, extra_free_pages=2)
+    assert s.num_used_pages == 0 and not s.prealloc
+    assert s.reserve_prebuilt(big, extra_free_pages=1)
+    assert s.num_used_pages == 8                   # the reservation is checked, not taken
+    with pytest.raises(ValueError, match="already in use"):
+        s.reserve_prebuilt(big)
+    s.check_invariants()
+
+
+class _Runner:
+    def __init__(self, shape, dtype=jnp.float32):
+        dev = jax.devices()[0]
+        self.kv_sharding = jax.sharding.SingleDeviceSharding(dev)
+        rng = np.random.default_rng(0)
+        self.k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+        self.v_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def test_staging_path_round_trip_and_direct_addresses():
+    shape = (2, 9, PS, 2, 8)                       # [layers, pages, page_size, heads, dim]
+    src, dst = _Runner(shape), _Runner(shape)
+    dst.k_cache, dst.v_cache = jnp.zeros(shape), jnp.zeros(shape)
+    engine = FakeTransferEngine()
+    out = LocalKV(src, engine, "staging", max_pages_per_seq=4)
+    into = LocalKV(dst, FakeTransferEngine(), "staging", max_pages_per_seq=4)
+    assert out.mode == into.mode == "staging"
+    assert out.bytes_per_page == 2 * 2 * PS * 2 * 8 * 4 and out.num_layer_buffers == 4
+    out.warmup()
+    into.warmup()
+    pages_src, pages_dst = [3, 5, 6], [8, 1, 2]
+    out.stage_out(pages_src)
+    # What the transfer engine would do: copy page by page between the registered mirrors.
+    for m_src, m_dst in zip(out.mirrors, into.mirrors):
+        m_dst[:, pages_dst] = m_src[:, pages_src]
+    into.stage_in(pages_dst)
+    for a, b in ((src.k_cache, dst.k_cache), (src.v_cache, dst.v_cache)):
+        np.testing.assert_array_equal(np.asarray(b)[:, pages_dst], np.asarray(a)[:, pages_src])
+        untouched = [p for p in range(1, 9) if p not in pages_dst]
+        assert not np.asarray(b)[:, untouched].any()
+    # The registered regions are the mirrors, labelled "kv".
+    regions = {r.addr: r for r in engine.registered_regions()}
+    assert {int(m.ctypes.data) for m in out.mirrors} <= set(regions)
+    assert all(regions[int(m.ctypes.data)].label == "kv" for m in out.mirrors)
+    direct = LocalKV(_Runner(shape), FakeTransferEngine(), "auto")
+    assert direct.mode == "direct" and not direct.check_addresses()
+    with pytest.raises(ValueError, match="transfer path"):
+        LocalKV(_Runner(shape), FakeTransferEngine(), "rdma")
+
+
+def test_router_sample_counts_ports_and_logprob_merge():
+    assert num_samples("/generate", {"text": "a"}) == 1
+    assert num_samples("/generate", {"text": ["a", "b"], "sampling_params": {"n": 3}}) == 6
+    assert num_samples("/generate", {"input_ids": [[1], [2]]}) == 2
+    assert num_samples("/generate", {"input_ids": [1, 2, 3]}) == 1
+    assert num_samples("/v1/completions", {"prompt": ["a", "b"], "n": 2}) == 4
+    assert num_samples("/v1/completions", {"prompt": [1, 2]}) == 1
+    assert num_samples("/v1/chat/completions", {"messages": [], "n": 2}) == 2
+    assert parse_prefill_args([["http://p:1"], ["http://q:2", "8998"], ["http://r:3", "none"]]) \
+        == [("http://p:1", None), ("http://q:2", 8998), ("http://r:3", None)]
+    with pytest.raises(ValueError, match="bootstrap port"):
+        parse_prefill_args([["http://p:1", "x"]])
+    d = {"meta_info": {"input_token_logprobs": []}}
+    p = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-1.5, 6, None]],
+                       "input_top_logprobs": [None, []]}}
+    merged = _merge_input_logprobs([d], [p])[0]["meta_info"]
+    assert merged["input_token_logprobs"] == [[None, 5, None], [-1.5, 6, None]]
+    assert merged["input_top_logprobs"] == [None, []]
