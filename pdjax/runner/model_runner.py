@@ -103,6 +103,7 @@ class ModelRunner:
                           out_shardings=(replicated, None, self.cache_shardings))
             for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
         self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
+        self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
         self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
@@ -165,7 +166,38 @@ class ModelRunner:
         jax.block_until_ready(self.caches)
         jax.profiler.stop_trace()
 
-    # GQA models: the two buffers by name (the PD staging path and tests use them).
+    # ------------------------------------------------------------------ KV pages (PD)
+    def kv_buffers(self) -> list[jax.Array]:
+        """The KV buffers in ``cache_specs`` order (what PD registers and copies)."""
+        return [self.caches[s.name] for s in self.cache_specs]
+
+    def _page_jits(self):
+        if self._gather_jit is None:
+            def gather(caches, idx):
+                return {k: jnp.take(v, idx, axis=1) for k, v in caches.items()}
+
+            def scatter(caches, idx, parts):
+                return {k: v.at[:, idx].set(parts[k].astype(v.dtype)) for k, v in caches.items()}
+
+            self._gather_jit = jax.jit(gather)
+            self._scatter_jit = jax.jit(scatter, donate_argnums=0, out_shardings=self.cache_shardings)
+        return self._gather_jit, self._scatter_jit
+
+    def gather_pages(self, page_idx: np.ndarray) -> list[np.ndarray]:
+        """Host copies of pages ``page_idx [n]`` int32 of every buffer: ``[layers, n, ...]``
+        each, in ``cache_specs`` order (PD staging). One executable per ``n``."""
+        gather, _ = self._page_jits()
+        out = gather(self.caches, jnp.asarray(page_idx, jnp.int32))
+        return [np.asarray(out[s.name]) for s in self.cache_specs]
+
+    def scatter_pages(self, page_idx: np.ndarray, parts: list[np.ndarray]) -> None:
+        """Write ``parts`` (as ``gather_pages`` returns them) into pages ``page_idx``; the cache
+        is donated. Padding entries of ``page_idx`` should point at the null page 0."""
+        _, scatter = self._page_jits()
+        named = {s.name: p for s, p in zip(self.cache_specs, parts)}
+        self.caches = scatter(self.caches, jnp.asarray(page_idx, jnp.int32), named)
+
+    # GQA models: the two buffers by name (tests use them).
     @property
     def kv_sharding(self) -> NamedSharding:
         return self.cache_shardings["k_cache"]

@@ -1,7 +1,8 @@
 """This server's KV pool as the transfer engine sees it: direct or staged (DESIGN.md §4).
 
-Two ways to expose the model runner's KV cache (``k_cache``/``v_cache``, each
-``[layers, num_pages, page_size, kv_heads, head_dim]``) to one-sided writes:
+Two ways to expose the model runner's KV buffers (``runner.kv_buffers()``: every buffer of the
+model's ``cache_spec``, each layer-major ``[layers, num_pages, page_size, ...]``; GQA:
+``k_cache``/``v_cache``, MLA: ``latent`` and the DSA ``indexer_k``) to one-sided writes:
 
     direct   the JAX arrays themselves are registered by address (``kv_export``). XLA does
              not promise that a donated buffer keeps its address, so ``check_addresses()``
@@ -18,7 +19,7 @@ direct prefill pairs with a staging decode and vice versa; only the addresses di
 
 ``mode`` comes from ``--disaggregation-transfer-path``-like env ``PDJAX_KV_TRANSFER_PATH``
 (``auto`` | ``direct`` | ``staging``; ``auto`` = direct when the export works). JAX is imported
-lazily; the staging jits are compiled once per page bucket in ``warmup``.
+lazily; the runner's staging gather/scatter are compiled once per page bucket in ``warmup``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _aligned_zeros(shape, dtype) -> np.ndarray:
 class LocalKV:
     """The runner's KV cache registered with ``engine`` (see the module docstring).
 
-    ``layout``: the ``KVLayout`` peers address (two buffers, K then V). ``fingerprint`` and
+    ``layout``: the ``KVLayout`` peers address (the runner's buffers in order). ``fingerprint`` and
     ``kv_dtype`` are what the peer must match. ``bytes_per_page``: bytes of one page over all
     buffers and layers. Raises ``ValueError`` for an unknown ``mode``, or when ``direct`` is
     forced and the arrays cannot be exported.
@@ -102,10 +103,9 @@ class LocalKV:
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
                                   for b in self.layout.buffers)
         self.num_address_changes = 0
-        self._gather = self._scatter = None
 
     def _arrays(self) -> list:
-        return [self.runner.k_cache, self.runner.v_cache]
+        return self.runner.kv_buffers()
 
     @property
     def num_layer_buffers(self) -> int:
@@ -139,58 +139,32 @@ class LocalKV:
         idx[:n] = pages
         return idx
 
-    def _build_jits(self) -> None:
-        import jax
-        import jax.numpy as jnp
-
-        sharding = self.runner.kv_sharding
-
-        def gather(k, v, idx):
-            return jnp.take(k, idx, axis=1), jnp.take(v, idx, axis=1)
-
-        def scatter(k, v, idx, k_pages, v_pages):
-            return k.at[:, idx].set(k_pages), v.at[:, idx].set(v_pages)
-
-        self._gather = jax.jit(gather)
-        self._scatter = jax.jit(scatter, donate_argnums=(0, 1),
-                                out_shardings=(sharding, sharding))
-
     def warmup(self) -> None:
         """Compile the staging gather and scatter for every page bucket (no-op when direct)."""
         if self.mode != "staging":
             return
-        if self._gather is None:
-            self._build_jits()
         for b in _page_buckets(self.max_pages_per_seq):
             idx = np.zeros(b, np.int32)
-            k, v = self._gather(self.runner.k_cache, self.runner.v_cache, idx)
-            self.runner.k_cache, self.runner.v_cache = self._scatter(
-                self.runner.k_cache, self.runner.v_cache, idx, k, v)
+            self.runner.scatter_pages(idx, self.runner.gather_pages(idx))
 
     def stage_out(self, pages: Sequence[int]) -> None:
         """Prefill, staging: copy ``pages`` of the cache into the mirrors (blocking)."""
         if self.mode != "staging" or len(pages) == 0:
             return
-        if self._gather is None:
-            self._build_jits()
         idx = self._padded(pages)
         n = len(pages)
-        for mirror, part in zip(self.mirrors, self._gather(self.runner.k_cache,
-                                                           self.runner.v_cache, idx)):
-            mirror[:, np.asarray(pages)] = np.asarray(part)[:, :n]
+        for mirror, part in zip(self.mirrors, self.runner.gather_pages(idx)):
+            mirror[:, np.asarray(pages)] = part[:, :n]
 
     def stage_in(self, pages: Sequence[int]) -> None:
         """Decode, staging: copy ``pages`` that arrived in the mirrors into the cache."""
         if self.mode != "staging" or len(pages) == 0:
             return
-        if self._scatter is None:
-            self._build_jits()
         idx = self._padded(pages)
-        k_pages, v_pages = (m[:, idx] for m in self.mirrors)
-        k_pages[:, len(pages):] = 0
-        v_pages[:, len(pages):] = 0
-        self.runner.k_cache, self.runner.v_cache = self._scatter(
-            self.runner.k_cache, self.runner.v_cache, idx, k_pages, v_pages)
+        parts = [m[:, idx] for m in self.mirrors]
+        for part in parts:
+            part[:, len(pages):] = 0          # padding rows write zeros into the null page
+        self.runner.scatter_pages(idx, parts)
 
     def close(self) -> None:
         try:

@@ -340,7 +340,7 @@ class PrefillManager(RoleManager):
             if not synced:
                 import jax
 
-                jax.block_until_ready((self.core.runner.k_cache, self.core.runner.v_cache))
+                jax.block_until_ready(self.core.runner.caches)
                 synced = True
             self._queue_chunk(r, end, last)
             if last:

@@ -90,7 +90,7 @@ class RoleManager:
         backend = self.args.disaggregation_transfer_backend
         if backend == "mooncake-corrupt":
             # Flip the top exponent bit of one element: the high byte of a little-endian value.
-            kwargs["corrupt_offset"] = core.runner.k_cache.dtype.itemsize - 1
+            kwargs["corrupt_offset"] = core.runner.kv_buffers()[0].dtype.itemsize - 1
         if backend != "fake" and self.args.disaggregation_ib_device:
             kwargs["device_name"] = self.args.disaggregation_ib_device
         self.transfer_engine = create_transfer_engine(backend, host, **kwargs)

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.request import Request, RequestState, SamplingParams
 from pdjax.router import _merge_input_logprobs, num_samples, parse_prefill_args
+from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
@@ -95,19 +97,23 @@ def test_reserve_respects_the_pool_and_the_decode_reservation():
     s.check_invariants()
 
 
-class _Runner:
+class _Runner(ModelRunner):
+    """The runner's KV-page methods over two random buffers (no model)."""
+
     def __init__(self, shape, dtype=jnp.float32):
-        dev = jax.devices()[0]
-        self.kv_sharding = jax.sharding.SingleDeviceSharding(dev)
+        L, N, ps, h, d = shape
+        self.cache_specs = gqa_cache_spec(L, h, d, num_pages=N, page_size=ps, dtype=dtype)
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        self.cache_shardings = {s.name: dev for s in self.cache_specs}
         rng = np.random.default_rng(0)
-        self.k_cache = jnp.asarray(rng.standard_normal(shape), dtype)
-        self.v_cache = jnp.asarray(rng.standard_normal(shape), dtype)
+        self.caches = {s.name: jnp.asarray(rng.standard_normal(shape), dtype) for s in self.cache_specs}
+        self._gather_jit = self._scatter_jit = None
 
 
 def test_staging_path_round_trip_and_direct_addresses():
     shape = (2, 9, PS, 2, 8)                       # [layers, pages, page_size, heads, dim]
     src, dst = _Runner(shape), _Runner(shape)
-    dst.k_cache, dst.v_cache = jnp.zeros(shape), jnp.zeros(shape)
+    dst.caches = {k: jnp.zeros(shape) for k in dst.caches}
     engine = FakeTransferEngine()
     out = LocalKV(src, engine, "staging", max_pages_per_seq=4)
     into = LocalKV(dst, FakeTransferEngine(), "staging", max_pages_per_seq=4)
