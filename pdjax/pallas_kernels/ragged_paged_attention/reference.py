@@ -158,7 +158,10 @@ def ragged_paged_attention_reference(
     if num_blocks == 1:
         m, l, acc = body(0, (m0, l0, acc0))
     else:
-        m, l, acc = jax.lax.fori_loop(0, num_blocks, body, (m0, l0, acc0))
+        # Visit only the blocks some request reaches: the pages-per-sequence bucket is often
+        # several times the longest sequence, and the loop bound may be a traced value.
+        needed = (jnp.max(kv_lens) + block_tokens - 1) // block_tokens
+        m, l, acc = jax.lax.fori_loop(0, jnp.minimum(needed, num_blocks), body, (m0, l0, acc0))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
