@@ -1,0 +1,38 @@
+"""Host overhead on /metrics: per-step host and forward time histograms fed from the engine's
+``host_time_s`` / ``forward_time_s`` accumulators (pdjax.metrics.Metrics.attach_engine)."""
+
+import pytest
+from bench_common import parse_metrics, server_step_times
+
+from pdjax.metrics import Metrics
+
+
+class _Core:
+    def __init__(self):
+        self.step_hooks, self.runner = [], None
+        self.host_time_s = self.forward_time_s = 0.0
+
+    def get_load(self):
+        return {}
+
+
+def test_step_time_histograms_and_server_step_times():
+    m, core = Metrics(), _Core()
+    m.attach_engine(core)
+    assert len(core.step_hooks) == 1
+    before = parse_metrics(m.render()[0].decode())
+    for host, fwd in ((0.001, 0.004), (0.002, 0.006), (0.003, 0.010)):
+        core.host_time_s += host
+        core.forward_time_s += fwd
+        for hook in core.step_hooks:
+            hook(None, [])
+    after = parse_metrics(m.render()[0].decode())
+    assert after[("pdjax:step_host_time_seconds_count", ())] == 3
+    assert after[("pdjax:step_host_time_seconds_sum", ())] == pytest.approx(0.006)
+    assert after[("pdjax:step_forward_time_seconds_sum", ())] == pytest.approx(0.020)
+    st = server_step_times(before, after)
+    assert st["num_steps"] == 3
+    assert st["host_time_per_step_ms"] == pytest.approx(2.0)
+    assert st["forward_time_per_step_ms"] == pytest.approx(20.0 / 3)
+    assert st["host_overhead_fraction"] == pytest.approx(6 / 26)
+    assert server_step_times(None, after)["host_time_per_step_ms"] is None
