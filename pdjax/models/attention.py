@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 

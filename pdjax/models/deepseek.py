@@ -33,13 +33,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from pdjax.models.params import place_params
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 
@@ -557,22 +558,8 @@ def build_deepseek_model(cfg: DeepseekConfig, params: dict[str, np.ndarray], mes
     tp_size = mesh.shape["tp"]
     check_tp(cfg, tp_size)
     specs = param_partition_specs(cfg, tp_size)
-    abstract = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                                          **model_kwargs))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    for path, var in flat.items():
-        key = ".".join(str(p) for p in path)
-        if key not in params:
-            raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
-        abstract_value = var.get_value()
-        value = np.asarray(params[key])
-        if value.shape != abstract_value.shape:
-            raise ValueError(f"parameter {key!r}: shape {value.shape}, expected "
-                             f"{abstract_value.shape}")
-        sharding = NamedSharding(mesh, specs[key])
-        var.set_value(jax.device_put(jnp.asarray(value, dtype=abstract_value.dtype), sharding))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return place_params(lambda: DeepseekForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs),
+                        params, specs, mesh)
 
 
 def load_deepseek_model(path: str, *, dtype="auto", mesh: Mesh | None = None,

