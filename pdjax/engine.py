@@ -153,11 +153,20 @@ class EngineCore:
         t2 = time.perf_counter()
         if want_prompt_lp:
             self._prompt_logprobs(batch, fb, hidden)
-        sampled, results = {}, {}
+        sampled, results, failed = {}, {}, []
         for i, row in enumerate(batch.rows):
             if row.samples:
-                res = sample_token(logits[i], row.req)
+                try:
+                    res = sample_token(logits[i], row.req)
+                except Exception as e:    # one request's bad state never fails the batch
+                    logger.exception("sampling failed for request %s", row.req.rid)
+                    failed.append((row.req, e))
+                    continue
                 sampled[i], results[i] = res.token_id, res
+        for req, e in failed:
+            out = self.abort_request(req.rid, f"sampling failed: {e}")
+            out.error = f"sampling failed: {e}"
+            outputs.append(out)
         finished = self.scheduler.process_results(batch, sampled, self._stop_check)
         for i, res in results.items():
             req = batch.rows[i].req
@@ -240,12 +249,15 @@ class EngineCore:
         return self.scheduler.prefix_cache.reset()
 
     def get_load(self) -> dict[str, Any]:
+        """Queue sizes and pages. ``kv_usage``: the share of the pool that is not free and
+        not evictable prefix cache (what new requests cannot get), in [0, 1]."""
         s = self.scheduler
         total = s.config.num_pages - 1
+        pinned = s.num_used_pages - s.prefix_cache.num_evictable_pages
         return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
                 "num_used_pages": s.num_used_pages, "num_total_pages": total,
                 "num_cached_pages": s.prefix_cache.num_cached_pages,
-                "kv_usage": s.num_used_pages / total, **self._pd_load()}
+                "kv_usage": pinned / total, **self._pd_load()}
 
     def _pd_load(self) -> dict[str, Any]:
         """PD fields of ``get_load``: pages nothing can evict (a finished PD server must show
@@ -408,6 +420,12 @@ class AsyncEngine:
         self._thread.start()
         return self
 
+    def wait_started(self, timeout_s: float | None = None) -> BaseException | None:
+        """Wait up to ``timeout_s`` for the load and warm-up to end; returns the error that
+        stopped the engine from starting, or None (ready, or still starting)."""
+        self._ready_event.wait(timeout_s)
+        return self.error
+
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         self._ready_event.wait(timeout_s)
         if self.error is not None:
@@ -466,7 +484,9 @@ class AsyncEngine:
                     load_balance_method="round_robin", context_length=self.context_length,
                     model_path=self.model_path, is_ready=self.is_ready)
         if self.core is not None:
-            info.update(num_pages=self.core.args.num_pages, buckets=self.core.buckets.describe(),
+            info.update(num_total_pages=self.core.args.num_pages - 1,
+                        max_total_num_tokens=(self.core.args.num_pages - 1) * self.args.page_size,
+                        buckets=self.core.buckets.describe(),
                         warmup_s=round(self.core.warmup_s, 3))
         return info
 

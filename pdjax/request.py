@@ -17,7 +17,7 @@ from typing import Any
 class SamplingParams:
     """Per-request sampling settings, with SGLang's field names.
 
-    ``top_k = -1`` (or 0 in OpenAI-style input, normalised here) means no top-k limit.
+    ``top_k = -1`` means no top-k limit (0 is rejected, as SGLang does).
     ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
     reproducible whatever else shares the batch. Raises ``ValueError`` naming the field.
     """
@@ -101,15 +101,21 @@ class SamplingParams:
                    for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         num("seed", self.seed, integer=True, allow_none=True)
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         num("n", self.n, integer=True)
         if not 1 <= self.n <= 64:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
+    # Below this temperature sampling is greedy: dividing logits by a subnormal temperature
+    # overflows to inf (and then NaN), as SGLang also guards.
+    GREEDY_TEMPERATURE = 1e-5
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
 
 
 class RequestState(enum.Enum):

@@ -128,3 +128,27 @@ def test_stop_conditions(llama_engine):
     out = llama_engine.generate(input_ids=long, sampling_params={**GREEDY, "max_new_tokens": 50})
     assert len(long) + len(out["output_ids"]) == llama_engine.core.context_length
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_one_request_failing_to_sample_fails_alone(llama_engine):
+    """A request whose sampling raises (here a seed numpy refuses, set past validation) gets
+    an error; the requests sharing its batch finish normally and its pages come back."""
+    from pdjax.engine_io import GenerateRequest
+    from pdjax.request import SamplingParams
+
+    sched = set_sched(llama_engine, chunked_prefill_size=64)
+    core = llama_engine.core
+    prompts = boundary_prompts(3, seed=12, lengths=(5, 9, 17))
+    sp = SamplingParams(max_new_tokens=5, temperature=0.7, ignore_eos=True)
+    reqs = [core.add_request(GenerateRequest(f"r{i}", p, sp)) for i, p in enumerate(prompts)]
+    reqs[1].seed_for_sampling = -5
+    outs = {}
+    while sched.has_work:
+        for out in core.step():
+            outs.setdefault(out.rid, []).append(out)
+        sched.check_invariants()
+    assert outs["r1"][-1].finished and "sampling failed" in outs["r1"][-1].error
+    for rid in ("r0", "r2"):
+        assert outs[rid][-1].error is None
+        assert sum(len(o.new_token_ids) for o in outs[rid]) == 5
+    assert not sched.running and sched.num_used_pages == sched.prefix_cache.num_cached_pages

@@ -83,3 +83,19 @@ def test_top_logprobs_order():
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-6])
+def test_subnormal_temperature_is_greedy(temperature):
+    # Dividing by a subnormal temperature overflowed to inf/NaN and sampled token 0.
+    res = sample_token(LOGITS.copy(), _req(temperature=temperature))
+    assert res.token_id == 1
+    assert SamplingParams(temperature=temperature).is_greedy
+
+
+def test_seed_range_is_checked():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=-5)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2 ** 200)
+    assert SamplingParams(seed=2 ** 63 - 1).seed == 2 ** 63 - 1
