@@ -408,8 +408,8 @@ async def _read_json(request: web.Request, allow_empty: bool = False) -> Any:
         raise RequestError("the request body is empty; a JSON object is required")
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RequestError(f"malformed JSON body: {e}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise RequestError(f"malformed JSON body: {type(e).__name__}: {e}") from None
 
 
 async def _sse(resp: web.StreamResponse, obj: Any) -> None:
@@ -467,7 +467,9 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     state.check_accepting()
     with state.track():
-        parsed = proto.parse_generate_request(await _read_json(request), state.ctx)
+        # Tokenizing a large prompt takes seconds: never on the event loop.
+        parsed = await asyncio.to_thread(proto.parse_generate_request, await _read_json(request),
+                                         state.ctx)
         group = state.open_group(parsed.requests, parsed.group_rid, parsed.log_metrics)
         texts = state.token_texts if parsed.return_text_in_logprobs else None
         try:
@@ -496,7 +498,8 @@ async def _handle_openai(request: web.Request, parse: Callable) -> web.StreamRes
     state = request.app[STATE_KEY]
     state.check_accepting()
     with state.track():
-        parsed: proto.OpenAIRequest = parse(await _read_json(request), state.ctx)
+        parsed: proto.OpenAIRequest = await asyncio.to_thread(parse, await _read_json(request),
+                                                              state.ctx)
         group = state.open_group(parsed.requests, parsed.group_rid)
         texts = state.token_texts
         results = [s.result for s in group.samples]
@@ -764,7 +767,11 @@ async def serve(app: web.Application, host: str, port: int, *,
         logger.info("pdjax HTTP server listening on %s", runner.addresses)
         if on_started is not None:
             on_started(list(runner.addresses))
+        watcher = asyncio.create_task(_watch_engine_start(app[STATE_KEY].engine, stop))
         await stop.wait()
+        watcher.cancel()
+        if watcher.done() and not watcher.cancelled() and watcher.result():
+            code = 1
         logger.info("shutdown requested: draining for up to %.1f s", drain_timeout_s)
         await app[STATE_KEY].drain(drain_timeout_s)
     finally:
@@ -780,6 +787,23 @@ async def serve(app: web.Application, host: str, port: int, *,
                 logger.exception("on_shutdown failed")
                 code = 1
     return code
+
+
+async def _watch_engine_start(engine: Any, stop: asyncio.Event) -> bool:
+    """Stop the server (exit code 1) when the engine fails to start, instead of answering
+    503 "warming up" forever. Returns True when it did."""
+    wait = getattr(engine, "wait_started", None)
+    if wait is None:
+        return False
+    while not stop.is_set():
+        error = await asyncio.to_thread(wait, 1.0)
+        if error is not None:
+            logger.error("the engine failed to start (%s): shutting down", error)
+            stop.set()
+            return True
+        if getattr(engine, "is_ready", False):
+            return False
+    return False
 
 
 def run_server(app: web.Application, host: str = "127.0.0.1", port: int = 30000, *,

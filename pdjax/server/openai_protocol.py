@@ -191,8 +191,15 @@ def _check_prompt_length(name: str, ids: list[int], ctx: ServingContext) -> None
             f"of {ctx.context_length} tokens", name)
 
 
-def _encode(ctx: ServingContext, text: str, add_special_tokens: bool = True) -> list[int]:
-    return list(ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+def _encode(ctx: ServingContext, text: str, add_special_tokens: bool = True,
+            param: str = "prompt") -> list[int]:
+    """Token ids of ``text``; text the tokenizer refuses (e.g. a lone UTF-16 surrogate from
+    a JSON ``\\ud800`` escape) is the client's error: ``RequestError`` naming ``param``."""
+    try:
+        return list(ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as e:  # tokenizers raises TypeError / ValueError / its own exceptions
+        raise RequestError(f"{param}: the text cannot be tokenized ({type(e).__name__}: {e})",
+                           param) from None
 
 
 def _sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
@@ -317,7 +324,7 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
             _check_str(name, t)
             if not t:
                 raise RequestError(f"{name} is empty: the prompt needs at least one token", "text")
-            prompts.append(_encode(ctx, t))
+            prompts.append(_encode(ctx, t, param=name))
     else:
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
@@ -546,7 +553,7 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
             if not p:
                 raise RequestError(f"{name} is empty: the prompt needs at least one token",
                                    "prompt")
-            ids = _encode(ctx, p)
+            ids = _encode(ctx, p, param=name)
             texts.append(p)
         else:
             ids = _validate_token_ids(name, p, ctx)
@@ -636,7 +643,7 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
         raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
     if not isinstance(prompt_text, str) or not prompt_text:
         raise RequestError("messages: the chat template produced an empty prompt", "messages")
-    ids = _encode(ctx, prompt_text, add_special_tokens=False)
+    ids = _encode(ctx, prompt_text, add_special_tokens=False, param="messages")
     if not ids:
         raise RequestError("messages: the prompt is empty", "messages")
     _check_prompt_length("messages", ids, ctx)

@@ -145,6 +145,15 @@ CASES = [
     (GEN, with_(GEN, image_data="http://x/y.png"), "image_data"),
     (GEN, with_(GEN, lora_path="x"), "lora_path"),
     (GEN, with_(GEN, mystery=True), "mystery"),
+    # Found by a fresh user (each was a 500, or worse, before the fix):
+    (CMPL, with_(CMPL, seed=-5), "seed"),
+    (GEN, with_(GEN, sampling_params={"max_new_tokens": 4, "seed": -1}), "seed"),
+    (CHAT, with_(CHAT, seed=2 ** 64), "seed"),
+    (CMPL, b'{"model": "fake-model", "prompt": "\\ud800 x", "max_tokens": 4}', "prompt"),
+    (GEN, b'{"text": "a \\udfff"}', "text"),
+    (CHAT, b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     "messages"),
+    (CMPL, b"[" * 100000, "malformed JSON"),
 ]
 
 
