@@ -258,17 +258,21 @@ def render(results_dir: str, quick: bool) -> str:
                   "`kv_transfer_latency_seconds`: from the first chunk queued to Success, so "
                   "for a prompt of several chunks it includes the forwards of the later chunks "
                   "(compute, not data movement); for a one-chunk prompt it is the write plus "
-                  "the status message. The raw write is one `batch_write` of the same bytes in "
+                  "the status message. The PD write columns are the time inside the prefill's "
+                  "transfer-engine batch writes alone (`kv_transfer_write_seconds`), the data "
+                  "plane's own rate. The raw write is one `batch_write` of the same bytes in "
                   "the same number of copies between two engines in the bench process. TTFT in "
                   "ms, median.", ""]
         rows = [[r["input_len"], r["transfer_bytes_per_request"], r["transfer_pages_per_request"],
                  r["transfer_copy_ops_per_request"], r["transfer_chunks_per_request"],
                  r["transfer_time_ms"], r["transfer_gbps"],
-                 r["raw_write_time_ms"], r["raw_write_gbps"], r["transfer_gbps_pd_over_raw"],
+                 r.get("write_time_ms_per_request"), r.get("write_gbps"),
+                 r["raw_write_time_ms"], r["raw_write_gbps"], r.get("write_gbps_pd_over_raw"),
                  r["ttft_colocated_ms"], r["ttft_pd_ms"], r["ttft_pd_over_colocated"]]
                 for r in tr["rows"]]
         lines += _table(["prompt tokens", "bytes", "pages", "copy ops", "chunks", "PD transfer ms",
-                         "PD GB/s", "raw write ms", "raw GB/s", "PD / raw GB/s",
+                         "PD GB/s", "PD write ms", "PD write GB/s", "raw write ms", "raw GB/s",
+                         "PD write / raw GB/s",
                          "TTFT colocated", "TTFT PD", "TTFT PD / colocated"], rows)
         lines += _commands(tr)
     hf = _load(results_dir, "vs_hf")

@@ -10,6 +10,9 @@ received (it cannot see copy ops: those are the prefill's choice).
     kv_transfer_chunks_total       transfer chunks (one per prefill forward that sent pages)
     kv_transfer_latency_seconds    first chunk queued -> Success, per request (histogram)
     kv_transfer_speed_gb_s         last request's bytes / latency, GB/s (1e9 B/s)
+    kv_transfer_write_seconds      one chunk's transfer-engine batch write, s (histogram; its
+                                   ``_sum`` against ``kv_transfer_total_bytes`` is the data
+                                   plane's own GB/s, without forward or queueing time)
     kv_transfer_bootstrap_seconds  request arrival -> destination known (histogram)
     kv_transfer_state_seconds      time a room spent in each KVPoll ``state`` (queue times:
                                    Bootstrapping, WaitingForInput, Transferring)
@@ -54,6 +57,9 @@ class PDMetrics:
                                         ("role",), buckets=LATENCY_BUCKETS_S)
         self._speed = m.add_gauge("kv_transfer_speed_gb_s",
                                   "Last request's KV bytes / transfer latency, GB/s.", ("role",))
+        self._write = m.add_histogram("kv_transfer_write_seconds",
+                                      "Transfer-engine batch write of one chunk, s.",
+                                      ("role",), buckets=LATENCY_BUCKETS_S)
         self._bootstrap = m.add_histogram("kv_transfer_bootstrap_seconds",
                                           "Request arrival to destination known, s.",
                                           ("role",), buckets=LATENCY_BUCKETS_S)
@@ -74,8 +80,11 @@ class PDMetrics:
                                      "Prompt tokens computed by this server's scheduler.",
                                      ("role",))
 
-    def on_chunk(self, num_bytes: int, num_pages: int, num_copies: int) -> None:
+    def on_chunk(self, num_bytes: int, num_pages: int, num_copies: int,
+                 write_s: float | None = None) -> None:
         if self.enabled:
+            if write_s is not None:
+                self._write.labels(self.role).observe(write_s)
             self._bytes.labels(self.role).inc(num_bytes)
             self._pages.labels(self.role).inc(num_pages)
             self._copies.labels(self.role).inc(num_copies)

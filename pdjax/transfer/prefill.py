@@ -96,6 +96,7 @@ class PrefillRoom:
     bytes: int = 0
     pages: int = 0
     copies: int = 0
+    write_s: float = 0.0          # time inside the transfer engine's batch writes
     chunks: list = dataclasses.field(default_factory=list)
 
     @property
@@ -107,7 +108,7 @@ class PrefillRoom:
                 "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
                 "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
                 "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
-                "chunks": self.chunks,
+                "chunks": self.chunks, "write_s": self.write_s,
                 "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
 
 
@@ -422,7 +423,9 @@ class PrefillManager(RoleManager):
                 copies.append(self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
                                                 peer.metadata_num_slots,
                                                 peer.metadata_bytes_per_slot))
+            t0 = time.perf_counter()
             self.transfer_engine.batch_write(peer.session_id, copies)
+            write_s = time.perf_counter() - t0
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
             with self.lock:
@@ -436,8 +439,10 @@ class PrefillManager(RoleManager):
             r.bytes += nbytes
             r.pages += len(src)
             r.copies += n_kv
-            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last})
-        self.metrics.on_chunk(nbytes, len(src), n_kv)
+            r.write_s += write_s
+            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
+                             "write_s": write_s})
+        self.metrics.on_chunk(nbytes, len(src), n_kv, write_s)
         if last:
             self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
                                                           state=KVPoll.Success))
