@@ -80,6 +80,7 @@ class EngineCore:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self._rng = random.Random(args.random_seed)
+        self._zero_token_reqs: list[Request] = []
         self.num_steps = 0
         self.host_time_s = 0.0        # scheduling + batch building + sampling
         self.forward_time_s = 0.0
@@ -111,6 +112,8 @@ class EngineCore:
         if self.disagg is not None and self.disagg.add_request(g, req):
             return req                # PD: the role's manager schedules it later
         self.scheduler.add_request(req)
+        if sp.max_new_tokens == 0 and not req.return_logprob:
+            self._zero_token_reqs.append(req)
         return req
 
     @property
@@ -132,11 +135,9 @@ class EngineCore:
         outputs: list[GenerateOutput] = []
         if self.disagg is not None:
             outputs += self.disagg.poll()
-        for req in list(self.scheduler.requests.values()):
-            sp = req.sampling_params
-            if sp.max_new_tokens == 0 and not req.output_ids and req.num_computed_tokens == 0 \
-                    and not req.return_logprob:
-                self.scheduler.abort_request(req.rid)
+        while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
+            req = self._zero_token_reqs.pop()
+            if self.scheduler.abort_request(req.rid) is not None:
                 req.finish_reason = {"type": "length", "length": 0}
                 outputs.append(self._output(req, [], [], []))
         batch = self.scheduler.schedule()

@@ -152,3 +152,13 @@ def test_one_request_failing_to_sample_fails_alone(llama_engine):
         assert outs[rid][-1].error is None
         assert sum(len(o.new_token_ids) for o in outs[rid]) == 5
     assert not sched.running and sched.num_used_pages == sched.prefix_cache.num_cached_pages
+
+
+def test_max_new_tokens_zero_returns_no_tokens(llama_engine):
+    sched = set_sched(llama_engine)
+    outs = llama_engine.generate(input_ids=boundary_prompts(2, seed=13, lengths=(7, 20)),
+                                 sampling_params={"max_new_tokens": 0})
+    for o in outs:
+        assert o["output_ids"] == [] and o["text"] == ""
+        assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert not sched.has_work and sched.num_used_pages == 0
