@@ -166,9 +166,10 @@ class EngineCore:
                 sampled[i], results[i] = res.token_id, res
         for req, e in failed:
             out = self.abort_request(req.rid, f"sampling failed: {e}")
-            out.error = f"sampling failed: {e}"
-            outputs.append(out)
-        finished = self.scheduler.process_results(batch, sampled, self._stop_check)
+            if out is not None:
+                out.error = f"sampling failed: {e}"
+                outputs.append(out)
+        self.scheduler.process_results(batch, sampled, self._stop_check)
         for i, res in results.items():
             req = batch.rows[i].req
             if req.return_logprob:
@@ -177,7 +178,6 @@ class EngineCore:
             lp = [res.logprob] if req.return_logprob else []
             top = [res.top_logprobs] if req.return_logprob else []
             outputs.append(self._output(req, [res.token_id], lp, top))
-        del finished
         if self.disagg is not None:
             outputs = self.disagg.after_step(batch, outputs)
         self.num_steps += 1
