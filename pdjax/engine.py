@@ -199,8 +199,10 @@ class EngineCore:
     @staticmethod
     def _wants_prompt_logprobs(row) -> bool:
         req = row.req
+        # ">=": a chunk's last position predicts the next chunk's first token, which is the
+        # first one wanted when logprob_start_len sits on the chunk boundary.
         return (req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
-                and row.start + row.num_tokens > req.logprob_start_len)
+                and row.start + row.num_tokens >= req.logprob_start_len)
 
     def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden) -> None:
         """Logprob of prompt token p from the logits at p - 1, for p >= logprob_start_len."""

@@ -1,6 +1,7 @@
 """Offline Engine vs transformers: greedy tokens and logprobs on a batch of 16 prompts."""
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -39,18 +40,20 @@ def test_batch_greedy_and_logprobs_match_transformers(llama_engine, tiny_checkpo
     assert compared >= 16 * NEW // 2      # ties are rare: most positions are compared
 
 
-def test_prompt_logprobs_match_transformers(llama_engine, tiny_checkpoints):
-    """Prompt logprobs from a start position, across chunk boundaries (chunk 16)."""
+@pytest.mark.parametrize("start", [3, 16, 17])
+def test_prompt_logprobs_match_transformers(llama_engine, tiny_checkpoints, start):
+    """Prompt logprobs from a start position, across chunk boundaries (chunk 16), including a
+    start exactly on a chunk boundary."""
     set_sched(llama_engine, chunked_prefill_size=16, disable_radix_cache=True)
-    prompts = boundary_prompts(3, seed=5, lengths=(40, 17, 9))
+    prompts = boundary_prompts(3, seed=5, lengths=(40, 33, 20))
     outs = llama_engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 2, "temperature": 0},
-                                 return_logprob=True, logprob_start_len=3, top_logprobs_num=1)
+                                 return_logprob=True, logprob_start_len=start, top_logprobs_num=1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"],
                                                            dtype=torch.float32).eval()
     for p, out in zip(prompts, outs):
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([p])).logits[0].double(), -1).numpy()
         got = out["meta_info"]["input_token_logprobs"]
-        assert len(got) == len(p) - 3
-        ref = [lp[i - 1, p[i]] for i in range(3, len(p))]
+        assert len(got) == len(p) - start
+        ref = [lp[i - 1, p[i]] for i in range(start, len(p))]
         assert np.abs(np.array(got) - np.array(ref)).max() < 1e-4
