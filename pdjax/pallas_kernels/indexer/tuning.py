@@ -11,33 +11,11 @@ Legal sizes:
 
 from __future__ import annotations
 
-import dataclasses
+from pdjax.pallas_kernels.block_sizes import TokenBlockSizes, pow2_ceil
 
 
-@dataclasses.dataclass(frozen=True)
-class IndexerBlockSizes:
-    """Static block configuration.
-
-    Attributes:
-      block_tokens: cached positions scored per program.
-      heads_per_block: indexer heads per GPU tile (all heads, padded to a power of two).
-      num_warps, num_stages: Triton launch parameters (GPU only).
-    """
-
-    block_tokens: int
-    heads_per_block: int = 16
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_tokens", "heads_per_block", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"IndexerBlockSizes.{name} must be a positive int, got {v!r}")
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+class IndexerBlockSizes(TokenBlockSizes):
+    """Block configuration of this kernel (fields and checks: ``TokenBlockSizes``)."""
 
 
 def get_block_sizes(backend: str, *, num_heads: int, head_dim: int, page_size: int,
@@ -56,8 +34,8 @@ def get_block_sizes(backend: str, *, num_heads: int, head_dim: int, page_size: i
         block = min(max(page_size, 512 // page_size * page_size), -(-span // page_size) * page_size)
         return IndexerBlockSizes(block_tokens=block)
     if backend == "gpu":
-        heads = max(16, _pow2_ceil(num_heads))
-        tokens = max(16, min(64 if heads > 32 else 128, _pow2_ceil(span)))
+        heads = max(16, pow2_ceil(num_heads))
+        tokens = max(16, min(64 if heads > 32 else 128, pow2_ceil(span)))
         return IndexerBlockSizes(block_tokens=tokens, heads_per_block=heads, num_warps=4,
                                  num_stages=2)
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")

@@ -13,33 +13,11 @@ Legal sizes:
 
 from __future__ import annotations
 
-import dataclasses
+from pdjax.pallas_kernels.block_sizes import TokenBlockSizes, pow2_ceil
 
 
-@dataclasses.dataclass(frozen=True)
-class MlaBlockSizes:
-    """Static block configuration.
-
-    Attributes:
-      block_tokens: cached tokens (top-k entries) gathered per online-softmax step.
-      heads_per_block: query heads per GPU program (TPU programs take every head).
-      num_warps, num_stages: Triton launch parameters (GPU only).
-    """
-
-    block_tokens: int
-    heads_per_block: int = 16
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("block_tokens", "heads_per_block", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"MlaBlockSizes.{name} must be a positive int, got {v!r}")
-
-
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+class MlaBlockSizes(TokenBlockSizes):
+    """Block configuration of this kernel (fields and checks: ``TokenBlockSizes``)."""
 
 
 def get_block_sizes(backend: str, *, num_heads: int, dim: int, page_size: int,
@@ -59,9 +37,9 @@ def get_block_sizes(backend: str, *, num_heads: int, dim: int, page_size: int,
         want = 256 if dim <= 256 else 128
         return MlaBlockSizes(block_tokens=max(page_size, want // page_size * page_size))
     if backend == "gpu":
-        heads = min(64, max(16, _pow2_ceil(num_heads)))
+        heads = min(64, max(16, pow2_ceil(num_heads)))
         tokens = 32 if dim > 256 else 64
-        tokens = max(16, min(tokens, _pow2_ceil(span)))
+        tokens = max(16, min(tokens, pow2_ceil(span)))
         return MlaBlockSizes(block_tokens=tokens, heads_per_block=heads,
                              num_warps=8 if dim > 256 else 4, num_stages=2)
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdjax.pallas_kernels.block_sizes import pow2_ceil
+
 PATHS = ("decode", "prefill", "mixed")
 BACKENDS = ("tpu", "gpu")
 
@@ -69,10 +71,6 @@ _TABLE: dict[tuple[str, str, int, int, int], BlockSizes] = {
 }
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
@@ -80,7 +78,7 @@ def _pow2_floor(x: int) -> int:
 def gpu_group_pad(group: int, q_tokens: int) -> int:
     """Rows per query token in a GPU tile: the GQA group rounded up to a power of two, raised
     so that a tile has at least 16 rows (the smallest Triton tensor-core dot)."""
-    return max(_pow2_ceil(group), _pow2_ceil(-(-16 // q_tokens)))
+    return max(pow2_ceil(group), pow2_ceil(-(-16 // q_tokens)))
 
 
 def _fit_tpu(bs: BlockSizes, page_size: int, max_pages: int, num_tokens: int,
@@ -104,8 +102,8 @@ def _fit_gpu(bs: BlockSizes, group: int, head_dim: int, kv_bits: int, num_tokens
     else:
         # Keep tiles at <= 128 rows (<= 64 for head_dim > 128) whatever the group size.
         max_rows = 128 if head_dim <= 128 else 64
-        q_tokens = _pow2_floor(max(1, min(bs.q_tokens, max_rows // _pow2_ceil(group))))
-        q_tokens = min(q_tokens, _pow2_ceil(num_tokens))
+        q_tokens = _pow2_floor(max(1, min(bs.q_tokens, max_rows // pow2_ceil(group))))
+        q_tokens = min(q_tokens, pow2_ceil(num_tokens))
     kv_tokens = max(16, _pow2_floor(bs.kv_tokens))
     stage_bytes = 2 * head_dim * kv_bits // 8          # one K row and one V row
     while kv_tokens > 16 and bs.num_stages * kv_tokens * stage_bytes > _GPU_KV_SMEM_BYTES:
