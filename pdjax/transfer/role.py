@@ -17,6 +17,7 @@ list for good, as tests of copy counts need).
 
 from __future__ import annotations
 
+import abc
 import collections
 import logging
 import os
@@ -64,7 +65,7 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0) -> GenerateOutp
                           finish_reason={"type": "abort", "message": message})
 
 
-class RoleManager:
+class RoleManager(abc.ABC):
     """Base of ``PrefillManager`` and ``DecodeManager`` (see the module docstring)."""
 
     role = ""
@@ -181,11 +182,14 @@ class RoleManager:
         self.transfer_engine.close()
 
     # -- to implement ------------------------------------------------------------------------
+    @abc.abstractmethod
     def _on_message(self, msg: Message) -> None:
-        raise NotImplementedError
+        """Role-specific; see PrefillManager / DecodeManager."""
 
+    @abc.abstractmethod
     def num_live_rooms(self) -> int:
-        raise NotImplementedError
+        """Role-specific; see PrefillManager / DecodeManager."""
 
+    @abc.abstractmethod
     def queue_sizes(self) -> dict[str, int]:
-        raise NotImplementedError
+        """Role-specific; see PrefillManager / DecodeManager."""
