@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
+from pdjax.models.checkpoint import make_mesh, read_hf_tensors, resolve_dtype
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
 from pdjax.models.params import place_params
@@ -566,8 +567,6 @@ def load_deepseek_model(path: str, *, dtype="auto", mesh: Mesh | None = None,
                         progress: bool = True, **model_kwargs):
     """Load an HF DeepSeek-V3 / V3.2 / GLM-5 checkpoint folder onto ``mesh`` (default: one
     device). Returns ``(cfg, model)``; raises ``ValueError`` for a bad folder or tensor."""
-    from pdjax.models.loader import make_mesh, read_hf_tensors, resolve_dtype
-
     if not os.path.isdir(path):
         raise ValueError(f"{path}: model path is not a directory")
     mesh = mesh if mesh is not None else make_mesh(1)

