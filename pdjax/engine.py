@@ -48,12 +48,12 @@ class EngineCore:
     def __init__(self, args: ServerArgs, *, progress: bool = True):
         enable_compilation_cache()
         self.args = args
-        self.model_path = resolve_model_path(args.model_path)
+        self.model_path = resolve_model_path(args.model_path, args.revision)
         mesh = make_mesh(args.tp_size)
         self.model_cfg, model = load_model(
             self.model_path, dtype=args.dtype, mesh=mesh, progress=progress,
             attention_impl=args.attention_backend, interpret=args.pallas_interpret)
-        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
         context = min(args.context_length or self.model_cfg.max_position_embeddings,
                       self.model_cfg.max_position_embeddings if args.context_length is None
                       else args.context_length)
@@ -401,9 +401,9 @@ class AsyncEngine:
 
     def __init__(self, args: ServerArgs, *, progress: bool = True):
         self.args = args
-        self.model_path = resolve_model_path(args.model_path)
+        self.model_path = resolve_model_path(args.model_path, args.revision)
         self.served_model_name = args.served_model_name or args.model_path or DEFAULT_SERVED_MODEL_NAME
-        self.tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
         self.core: EngineCore | None = None
         self.metrics = None                  # pdjax.metrics.Metrics, set by the server
         self.error: BaseException | None = None

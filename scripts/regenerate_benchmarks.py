@@ -14,6 +14,7 @@ present, so a section can be rerun alone):
   transfer   bench_transfer.py against the same servers
   mixed      bench_mixed.py (offline engine, mixed batches on vs off)
   vs_hf      bench_vs_hf.py (offline engine vs transformers)
+  load       bench_load.py (model load: source checkpoint vs its pdjax Orbax conversion)
   notebook   notebooks/bucket_shapes.ipynb executed in place (outputs saved) via nbclient
 """
 
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import ROOT, fmt, machine_info, now_iso  # noqa: E402
 
-STEPS = ("serving", "transfer", "mixed", "vs_hf", "notebook")
+STEPS = ("serving", "transfer", "mixed", "vs_hf", "load", "notebook")
 NOTEBOOK = os.path.join("notebooks", "bucket_shapes.ipynb")
 
 
@@ -295,6 +296,21 @@ def render(results_dir: str, quick: bool) -> str:
                   f"({st['num_steps']} steps); compiles after warm-up: "
                   f"{hf['pdjax_compiles_after_warmup']}.", ""]
         lines += _commands(hf)
+    ld = _load(results_dir, "load")
+    if ld:
+        lines += ["## Model load: source checkpoint vs Orbax (bench_load.py)", "",
+                  f"Date: {ld['date']}. Model: `{model_name(ld)}`, {ld['dtype']}, one device. "
+                  "Wall time of `load_model` until every parameter is on the device; the two "
+                  f"alternate over {ld['repeats']} repeats. The Orbax checkpoint was written by "
+                  "`python -m pdjax.convert` (already dequantized and stacked)"
+                  + (f" in {fmt(ld['convert_s'])} s." if ld.get("convert_s") else "."), ""]
+        lines += _table(["", "median load s", "all runs s"],
+                        [["source checkpoint", ld["median_source_load_s"],
+                          ", ".join(fmt(v) for v in ld["source_load_s"])],
+                         ["pdjax Orbax checkpoint", ld["median_orbax_load_s"],
+                          ", ".join(fmt(v) for v in ld["orbax_load_s"])]])
+        lines += [f"Orbax loads **{fmt(ld['speedup_orbax_over_source'])}x** faster.", ""]
+        lines += _commands(ld)
     nbr = _load(results_dir, "notebook")
     if nbr:
         lines += ["## Bucket shapes: padding waste vs compile count (notebooks/bucket_shapes.ipynb)", "",
@@ -341,6 +357,9 @@ def main(argv=None) -> None:
             if "--dtype" not in flags:
                 flags += ["--dtype", "float32"]
             step_offline("vs_hf", "bench_vs_hf.py", [*flags, *cfg["vs_hf"]], args.results_dir, logs)
+        if "load" in args.only:
+            step_offline("load", "bench_load.py", [*(["--model-path", model] if model else []),
+                                                   "--repeats", "3"], args.results_dir, logs)
         if "notebook" in args.only:
             step_notebook(args.results_dir)
         print(f"benchmarks done in {time.perf_counter() - t0:.0f} s", flush=True)

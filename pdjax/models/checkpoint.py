@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +49,45 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """``model_path``, or the default model's; ``ValueError`` when the path does not exist
-    (model hubs are never contacted: a path must be local)."""
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(model_path: str | None, revision: str | None = None) -> str:
+    """A local folder or ``.gguf`` file for ``model_path``.
+
+    ``None`` is the default model; an existing path is returned as it is; an ``org/name``
+    model id resolves through ``huggingface_hub`` (its cache, ``HF_HOME`` / ``HF_HUB_CACHE``,
+    ``HF_HUB_OFFLINE``; ``revision`` a branch, tag or commit, default ``main``) to the
+    snapshot folder, or to the one ``.gguf`` file of a snapshot without ``config.json``.
+    Raises ``ValueError`` when the path does not exist and the id cannot be resolved.
+    """
     if model_path is None:
         return default_model_path()
-    if not os.path.exists(model_path):
-        raise ValueError(f"{model_path}: model path not found (a local folder or .gguf file)")
-    return model_path
+    if os.path.exists(model_path):
+        return model_path
+    if not _REPO_ID.match(model_path) or model_path.endswith(".gguf"):
+        raise ValueError(f"{model_path}: model path not found (a local folder, a .gguf file "
+                         "or a Hugging Face model id org/name)")
+    return _hub_snapshot(model_path, revision)
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(repo_id, revision=revision)
+    except (LocalEntryNotFoundError, HFValidationError, OSError) as e:
+        where = f"{repo_id}" + (f" (revision {revision})" if revision else "")
+        raise ValueError(f"{where}: not found locally and not downloadable: "
+                         f"{type(e).__name__}: {e}") from None
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return folder
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return os.path.join(folder, ggufs[0])
+    raise ValueError(f"{repo_id}: snapshot {folder} has no config.json and "
+                     f"{len(ggufs)} .gguf files (give the file's path instead)")
 
 
 def is_gguf(path: str) -> bool:

@@ -27,21 +27,17 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
-from pdjax.models.checkpoint import make_mesh, read_hf_tensors, resolve_dtype
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
-from pdjax.models.params import place_params
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 
@@ -547,30 +543,3 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
         if out[key].shape != expect:
             raise ValueError(f"{source}: tensor {key} has shape {out[key].shape}, expected {expect}")
     return out
-
-
-def build_deepseek_model(cfg: DeepseekConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype,
-                         **model_kwargs) -> DeepseekForCausalLM:
-    """Place ``params`` on ``mesh`` with their partition specs and wrap them in the module.
-
-    Raises ``ValueError`` for a missing or mis-shaped parameter, or a TP size that does not
-    split the heads / MLP widths.
-    """
-    tp_size = mesh.shape["tp"]
-    check_tp(cfg, tp_size)
-    specs = param_partition_specs(cfg, tp_size)
-    return place_params(lambda: DeepseekForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs),
-                        params, specs, mesh)
-
-
-def load_deepseek_model(path: str, *, dtype="auto", mesh: Mesh | None = None,
-                        progress: bool = True, **model_kwargs):
-    """Load an HF DeepSeek-V3 / V3.2 / GLM-5 checkpoint folder onto ``mesh`` (default: one
-    device). Returns ``(cfg, model)``; raises ``ValueError`` for a bad folder or tensor."""
-    if not os.path.isdir(path):
-        raise ValueError(f"{path}: model path is not a directory")
-    mesh = mesh if mesh is not None else make_mesh(1)
-    cfg = DeepseekConfig.from_hf_dir(path)
-    tensors = read_hf_tensors(path, progress)
-    params = stack_hf_tensors(cfg, tensors, path)
-    return cfg, build_deepseek_model(cfg, params, mesh, resolve_dtype(dtype), **model_kwargs)

@@ -1,23 +1,17 @@
 """Llama / Qwen2 / Qwen3 weights: HF-named tensors (from safetensors or GGUF, see
-``checkpoint.py``) -> ``LlamaForCausalLM``'s stacked parameters, placed on the mesh with their
-TP partition specs. Every missing or mis-shaped tensor raises ``ValueError`` naming the file
-and the tensor.
+``checkpoint.py``) -> ``LlamaForCausalLM``'s stacked parameters (``"layers.wq" [L, H, QH*D]``,
+...), and the KV-head replication a TP size larger than the KV head count needs. Every missing
+or mis-shaped tensor raises ``ValueError`` naming the file and the tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh
 
 from pdjax.config import ModelConfig
-from pdjax.models.checkpoint import (is_gguf, make_mesh, read_gguf, read_hf_tensors,
-                                     resolve_dtype, resolve_model_path)
-from pdjax.models.llama import LlamaForCausalLM, layer_param_shapes, param_partition_specs
-from pdjax.models.params import place_params
+from pdjax.models.llama import layer_param_shapes
 
 # HF per-layer tensor name -> (our stacked name, transpose?)
 _HF_LAYER_NAMES = {
@@ -64,9 +58,10 @@ def tp_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_kv_heads=tp_size)
 
 
-def stack_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], run_cfg: ModelConfig,
+def stack_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray],
                      source: str) -> dict[str, np.ndarray]:
-    """HF-named tensors -> our parameter paths (``"layers.wq"`` stacked ``[L, ...]``)."""
+    """HF-named tensors -> our parameter paths (``"layers.wq"`` stacked ``[L, ...]``) of
+    ``cfg`` itself (no KV-head replication: see ``replicate_kv_heads``)."""
 
     def get(name):
         if name not in tensors:
@@ -76,16 +71,13 @@ def stack_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], run_cfg: 
     out = {"embed_tokens": get("model.embed_tokens.weight"), "norm": get("model.norm.weight")}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = get("lm_head.weight").T
-    repeat = run_cfg.num_kv_heads // cfg.num_kv_heads
-    shapes = layer_param_shapes(run_cfg)
+    shapes = layer_param_shapes(cfg)
     wanted = {ours: (hf, tr) for hf, (ours, tr) in _HF_LAYER_NAMES.items() if ours in shapes}
     for ours, (hf, transpose) in wanted.items():
         per_layer = []
         for i in range(cfg.num_layers):
             w = get(f"model.layers.{i}.{hf}")
             w = w.T if transpose else w
-            if repeat > 1 and ours in ("wk", "wv", "bk", "bv"):
-                w = _expand_kv_heads(w, cfg.num_kv_heads, repeat, cfg.head_dim, axis=w.ndim - 1)
             if w.shape != shapes[ours][0]:
                 raise ValueError(f"{source}: tensor model.layers.{i}.{hf} has shape {w.shape}, "
                                  f"expected {shapes[ours][0]}")
@@ -98,33 +90,18 @@ def stack_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], run_cfg: 
     return out
 
 
-def build_model(cfg: ModelConfig, params: dict[str, np.ndarray], mesh: Mesh, dtype,
-                **model_kwargs) -> LlamaForCausalLM:
-    """Place ``params`` on ``mesh`` with their partition specs and wrap them in the module."""
-    specs = param_partition_specs(cfg, mesh.shape["tp"])
-    return place_params(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs),
-                        params, specs, mesh)
-
-
-def load_checkpoint(model_path: str | None, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray], str]:
-    """Config and HF-named float32 tensors of a checkpoint; returns ``(cfg, tensors, source)``."""
-    path = resolve_model_path(model_path)
-    if is_gguf(path):
-        cfg, tensors = read_gguf(path, progress)
-        return cfg, tensors, path
-    if not os.path.isdir(path):
-        raise ValueError(f"{path}: model path is neither a directory nor a .gguf file")
-    cfg = ModelConfig.from_hf_dir(path)
-    return cfg, read_hf_tensors(path, progress), path
-
-
-def load_llama_model(path: str, *, dtype="auto", mesh: Mesh | None = None,
-                     progress: bool = True, **model_kwargs) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """Load a Llama-family checkpoint (HF folder or GGUF file) onto ``mesh`` (default: one
-    device). Returns ``(run_cfg, model)``; ``run_cfg`` may differ from the checkpoint's config
-    in ``num_kv_heads`` when TP replicates KV heads (see ``tp_model_config``)."""
-    mesh = mesh if mesh is not None else make_mesh(1)
-    cfg, tensors, source = load_checkpoint(path, progress)
-    run_cfg = tp_model_config(cfg, mesh.shape["tp"])
-    params = stack_hf_tensors(cfg, tensors, run_cfg, source)
-    return run_cfg, build_model(run_cfg, params, mesh, resolve_dtype(dtype), **model_kwargs)
+def replicate_kv_heads(params: dict[str, np.ndarray], cfg: ModelConfig,
+                       run_cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Stacked params of ``cfg`` -> those of ``run_cfg`` (``tp_model_config``): each KV head of
+    ``layers.wk/wv [L, H, KVH*D]`` and ``layers.bk/bv [L, KVH*D]`` repeated
+    ``run_cfg.num_kv_heads // cfg.num_kv_heads`` times. Returns ``params`` itself when the
+    two configs agree."""
+    repeat = run_cfg.num_kv_heads // cfg.num_kv_heads
+    if repeat == 1:
+        return params
+    out = dict(params)
+    for name in ("layers.wk", "layers.wv", "layers.bk", "layers.bv"):
+        if name in out:
+            w = np.asarray(out[name])
+            out[name] = _expand_kv_heads(w, cfg.num_kv_heads, repeat, cfg.head_dim, axis=w.ndim - 1)
+    return out

@@ -1,22 +1,84 @@
-"""The model-loading API: ``load_model`` (any registered architecture, from an HF folder or a
-GGUF file, onto a mesh) and ``load_tokenizer`` (with the chat template).
+"""The model-loading API: ``load_model`` (any registered architecture, from an HF folder, a
+GGUF file or a pdjax Orbax checkpoint, onto a mesh) and ``load_tokenizer`` (with the chat
+template).
 
-The file formats live in ``checkpoint.py``, each family's weight mapping in its own module,
-and the architecture -> family table in ``registry.py``. The path, mesh and dtype helpers of
-``checkpoint.py`` are re-exported here so that callers need one import.
+    path ─> checkpoint_architecture ─> registry.model_family ─> read_params ─> build_model
+                                                                (or restore_params for Orbax)
+
+The file formats live in ``checkpoint.py`` and ``orbax_checkpoint.py``, each family's weight
+mapping in its own module, and the architecture -> family table in ``registry.py``. The path,
+mesh and dtype helpers of ``checkpoint.py`` are re-exported here so callers need one import.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
-from jax.sharding import Mesh
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from pdjax.models.checkpoint import (DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE,  # noqa: F401
                                      checkpoint_architecture, default_model_path, is_gguf,
-                                     make_mesh, resolve_dtype, resolve_model_path)
-from pdjax.models.registry import model_loader
+                                     make_mesh, read_gguf, read_hf_tensors, resolve_dtype,
+                                     resolve_model_path)
+from pdjax.models.orbax_checkpoint import is_orbax_checkpoint, read_marker, restore_params
+from pdjax.models.params import abstract_params, place_params
+from pdjax.models.registry import ModelFamily, Params, model_family
+
+logger = logging.getLogger(__name__)
+
+
+def read_params(path: str, progress: bool = True) -> tuple[ModelFamily, object, Params, str]:
+    """Read an HF folder or GGUF file (``path`` already resolved) into the stacked params of
+    its own config. Returns ``(family, cfg, params, source)``; ``ValueError`` naming the file,
+    tensor or architecture that is wrong."""
+    family = model_family(checkpoint_architecture(path))
+    if is_gguf(path):
+        cfg, tensors = read_gguf(path, progress)
+    else:
+        cfg = family.read_config(path)
+        tensors = read_hf_tensors(path, progress)
+    return family, cfg, family.stack_params(cfg, tensors, path), path
+
+
+def _family_model(family: ModelFamily, run_cfg, dtype, model_kwargs):
+    return lambda: family.model_class(run_cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs)
+
+
+def build_model(family: ModelFamily, cfg, params: Params, mesh: Mesh, dtype="auto",
+                **model_kwargs):
+    """Place the stacked ``params`` of ``cfg`` on ``mesh`` as ``family``'s module.
+
+    Returns ``(run_cfg, model)``: ``run_cfg`` is ``family.run_config(cfg, tp)`` (Llama: KV
+    heads replicated up to the TP size when fewer). ``ValueError`` when TP does not split the
+    model or a parameter is missing or mis-shaped."""
+    tp_size = mesh.shape["tp"]
+    run_cfg = family.run_config(cfg, tp_size)
+    params = family.adapt_params(params, cfg, run_cfg)
+    make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
+    return run_cfg, place_params(make, params, family.param_specs(run_cfg, tp_size), mesh)
+
+
+def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
+    """Restore a pdjax Orbax checkpoint (``orbax_checkpoint.py``) onto ``mesh``.
+
+    When the run config equals the checkpoint's (no KV-head replication), every parameter is
+    restored with its target sharding and dtype, so each device gets only its shard; otherwise
+    the arrays come to the host and take the ``build_model`` path."""
+    family = model_family(read_marker(path)["architecture"])
+    cfg = family.read_config(path)
+    tp_size = mesh.shape["tp"]
+    run_cfg = family.run_config(cfg, tp_size)
+    if run_cfg != cfg:
+        logger.info("%s: TP %d replicates KV heads; restoring through the host", path, tp_size)
+        return build_model(family, cfg, restore_params(path), mesh, dtype, **model_kwargs)
+    make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
+    specs = family.param_specs(run_cfg, tp_size)
+    targets = {k: a.update(sharding=NamedSharding(mesh, specs[k]))
+               for k, a in abstract_params(make).items()}
+    return run_cfg, place_params(make, restore_params(path, targets), specs, mesh)
 
 
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
@@ -26,13 +88,16 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
     The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
     Qwen3 give ``(ModelConfig, LlamaForCausalLM)`` (``run_cfg.num_kv_heads`` may be larger
     than the checkpoint's when TP replicates KV heads), DeepSeek-V3 / V3.2 / GLM-5 give
-    ``(DeepseekConfig, DeepseekForCausalLM)``. Raises ``ValueError`` naming the file, tensor
-    or architecture that is wrong.
+    ``(DeepseekConfig, DeepseekForCausalLM)``. ``model_path`` may be an HF folder, a GGUF file
+    or a pdjax Orbax checkpoint. Raises ``ValueError`` naming the file, tensor or
+    architecture that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
-    load = model_loader(checkpoint_architecture(path))
-    return load(path, dtype=dtype, mesh=mesh, progress=progress, **model_kwargs)
+    if is_orbax_checkpoint(path):
+        return load_orbax_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+    family, cfg, params, _ = read_params(path, progress)
+    return build_model(family, cfg, params, mesh, dtype, **model_kwargs)
 
 
 # --------------------------------------------------------------------------- tokenizer

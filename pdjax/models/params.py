@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -11,24 +11,45 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
-def place_params(make_model: Callable[[], nnx.Module], params: dict[str, np.ndarray],
+def _split_abstract(make_model: Callable[[], nnx.Module]):
+    graphdef, state = nnx.split(nnx.eval_shape(make_model))
+    return graphdef, dict(nnx.to_flat_state(state))
+
+
+def _key(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def abstract_params(make_model: Callable[[], nnx.Module]) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shape and dtype of every parameter of ``make_model()`` by dotted path (``"layers.wq"``),
+    found without allocating the model."""
+    _, flat = _split_abstract(make_model)
+    return {_key(path): jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype)
+            for path, var in flat.items()}
+
+
+def place_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.ndarray | jax.Array],
                  specs: dict[str, PartitionSpec], mesh: Mesh) -> nnx.Module:
     """Build ``make_model()`` abstractly (no allocation) and fill every parameter from
     ``params`` (keyed by dotted path, e.g. ``"layers.wq"``), cast to the parameter's dtype and
-    placed with ``NamedSharding(mesh, specs[path])``.
+    placed with ``NamedSharding(mesh, specs[path])``. A value that is already a ``jax.Array``
+    with that sharding and dtype (e.g. restored shard by shard from an Orbax checkpoint) is
+    used as it is, without a trip through the host.
 
     Raises ``ValueError`` naming the parameter when ``params`` lacks it or its shape differs.
     """
-    graphdef, state = nnx.split(nnx.eval_shape(make_model))
-    flat = dict(nnx.to_flat_state(state))
+    graphdef, flat = _split_abstract(make_model)
     for path, var in flat.items():
-        key = ".".join(str(p) for p in path)
+        key = _key(path)
         if key not in params:
             raise ValueError(f"checkpoint has no tensor for parameter {key!r}")
         abstract = var.get_value()
-        value = np.asarray(params[key])
-        if value.shape != abstract.shape:
-            raise ValueError(f"parameter {key!r}: shape {value.shape}, expected {abstract.shape}")
+        value = params[key]
+        if tuple(value.shape) != tuple(abstract.shape):
+            raise ValueError(f"parameter {key!r}: shape {tuple(value.shape)}, expected {abstract.shape}")
         sharding = NamedSharding(mesh, specs[key])
-        var.set_value(jax.device_put(jnp.asarray(value, dtype=abstract.dtype), sharding))
+        if not (isinstance(value, jax.Array) and value.dtype == abstract.dtype
+                and value.sharding.is_equivalent_to(sharding, value.ndim)):
+            value = jax.device_put(jnp.asarray(np.asarray(value), dtype=abstract.dtype), sharding)
+        var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -1,42 +1,77 @@
-"""Model registry: Hugging Face architecture name -> the function that loads that family.
+"""Model registry: Hugging Face architecture name -> the model family that serves it.
 
     "LlamaForCausalLM"  ─┐
-    "Qwen2ForCausalLM"   ├─> llama_weights.load_llama_model  -> LlamaForCausalLM
+    "Qwen2ForCausalLM"   ├─> family "llama"    -> LlamaForCausalLM     (llama.py, llama_weights.py)
     "Qwen3ForCausalLM"  ─┘
     "DeepseekV3ForCausalLM"  ─┐
-    "DeepseekV32ForCausalLM"  ├─> deepseek.load_deepseek_model -> DeepseekForCausalLM
+    "DeepseekV32ForCausalLM"  ├─> family "deepseek" -> DeepseekForCausalLM (deepseek.py)
     "GlmMoeDsaForCausalLM"   ─┘
 
-A family module registers nothing itself and imports nothing above ``checkpoint.py``; this
-table is the one place that knows every family (so ``loader.py`` never branches on names).
+A ``ModelFamily`` is the whole recipe the generic loader (``loader.py``) and the Orbax
+checkpoints (``orbax_checkpoint.py``) follow, so neither branches on architecture names and no
+family module imports the loader:
+
+    config.json ──read_config──> cfg ──run_config(cfg, tp)──> run_cfg
+    HF tensors ──stack_params──> params of cfg ──adapt_params──> params of run_cfg
+    model_class(run_cfg) placed with param_specs(run_cfg, tp)
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable
 
-from pdjax.config import SUPPORTED_ARCHITECTURES
-from pdjax.models.deepseek import load_deepseek_model
-from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES
-from pdjax.models.llama_weights import load_llama_model
+import numpy as np
 
-# load(path, *, dtype, mesh, progress, **model_kwargs) -> (run_cfg, model)
-ModelLoader = Callable[..., tuple]
+from pdjax.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pdjax.models import deepseek, llama, llama_weights
+from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
 
-_REGISTRY: dict[str, ModelLoader] = {}
-
-
-def register_model(architectures, loader: ModelLoader) -> None:
-    """Make ``loader`` the loader of every name in ``architectures``; ``ValueError`` when a
-    name already has another loader."""
-    for arch in architectures:
-        if _REGISTRY.get(arch, loader) is not loader:
-            raise ValueError(f"architecture {arch!r} is already registered")
-        _REGISTRY[arch] = loader
+Params = dict[str, np.ndarray]
 
 
-def model_loader(architecture: str) -> ModelLoader:
-    """The loader of ``architecture``; ``ValueError`` listing the supported names otherwise."""
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """How to build one family of models.
+
+    Attributes:
+      name: short family name (``"llama"``, ``"deepseek"``).
+      architectures: the HF ``architectures[0]`` names it serves.
+      read_config: HF folder -> config (``ValueError`` naming the bad config.json field).
+      stack_params: ``(cfg, HF-named float32 tensors, source)`` -> stacked params of ``cfg``.
+      run_config: ``(cfg, tp_size)`` -> the config the sharded model runs (``ValueError`` when
+        ``tp_size`` does not split it).
+      adapt_params: ``(params of cfg, cfg, run_cfg)`` -> params of ``run_cfg``.
+      param_specs: ``(run_cfg, tp_size)`` -> partition spec of every parameter path.
+      model_class: the NNX module, ``model_class(run_cfg, dtype=..., rngs=..., **kwargs)``.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    read_config: Callable[[str], Any]
+    stack_params: Callable[[Any, Params, str], Params]
+    run_config: Callable[[Any, int], Any]
+    adapt_params: Callable[[Params, Any, Any], Params]
+    param_specs: Callable[[Any, int], dict]
+    model_class: type
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register_model_family(family: ModelFamily) -> None:
+    """Serve ``family.architectures`` with ``family``; ``ValueError`` when a name already
+    belongs to another family."""
+    for arch in family.architectures:
+        if _REGISTRY.get(arch, family) is not family:
+            raise ValueError(f"architecture {arch!r} is already registered "
+                             f"(family {_REGISTRY[arch].name!r})")
+    for arch in family.architectures:
+        _REGISTRY[arch] = family
+
+
+def model_family(architecture: str) -> ModelFamily:
+    """The family of ``architecture``; ``ValueError`` listing the supported names otherwise."""
     try:
         return _REGISTRY[architecture]
     except KeyError:
@@ -48,5 +83,18 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-register_model(SUPPORTED_ARCHITECTURES, load_llama_model)
-register_model(DEEPSEEK_ARCHITECTURES, load_deepseek_model)
+def _deepseek_run_config(cfg: DeepseekConfig, tp_size: int) -> DeepseekConfig:
+    deepseek.check_tp(cfg, tp_size)
+    return cfg
+
+
+register_model_family(ModelFamily(
+    name="llama", architectures=SUPPORTED_ARCHITECTURES, read_config=ModelConfig.from_hf_dir,
+    stack_params=llama_weights.stack_hf_tensors, run_config=llama_weights.tp_model_config,
+    adapt_params=llama_weights.replicate_kv_heads, param_specs=llama.param_partition_specs,
+    model_class=llama.LlamaForCausalLM))
+register_model_family(ModelFamily(
+    name="deepseek", architectures=DEEPSEEK_ARCHITECTURES, read_config=DeepseekConfig.from_hf_dir,
+    stack_params=deepseek.stack_hf_tensors, run_config=_deepseek_run_config,
+    adapt_params=lambda params, cfg, run_cfg: params,
+    param_specs=deepseek.param_partition_specs, model_class=deepseek.DeepseekForCausalLM))

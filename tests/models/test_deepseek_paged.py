@@ -203,12 +203,17 @@ def test_glm_indexer_schedule_from_freq_and_offset():
 
 
 def test_model_from_synthetic_weights_runs_and_rejects_bad_tp():
-    """``build_deepseek_model`` places any parameter set of the right shapes (the route of a
+    """``loader.build_model`` places any parameter set of the right shapes (the route of a
     synthetic-weight check); missing or mis-shaped parameters and bad TP sizes are named."""
     import dataclasses
 
     from flax import nnx
-    from pdjax.models.deepseek import build_deepseek_model, check_tp
+    from pdjax.models.deepseek import check_tp
+    from pdjax.models.loader import build_model
+    from pdjax.models.registry import model_family
+
+    def build_deepseek_model(cfg, params, mesh, dtype):
+        return build_model(model_family(cfg.architecture), cfg, params, mesh, dtype)[1]
 
     cfg = DeepseekConfig.from_hf_dict(_hf_dict())
     abstract = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, rngs=nnx.Rngs(0)))
