@@ -1,0 +1,175 @@
+"""Host-side grammars (llguidance): every walk through a masked random-logit sampler yields
+text that parses and validates, invalid specs are ValueErrors naming the field, and the numpy
+bitmask application matches the bit layout."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from pdjax.constrained.grammar import GrammarBackend, GrammarSpec, apply_bitmask, bitmask_words
+from pdjax.models.loader import load_tokenizer
+
+# Random walks need bounded languages: objects close their keys (additionalProperties false)
+# and strings have a maxLength or a pattern, else a walk may never end.
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["x"], "additionalProperties": False},
+    {"type": "object", "properties": {"inner": {"type": "object", "properties": {
+        "deep": {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"],
+                 "additionalProperties": False}},
+        "required": ["deep"], "additionalProperties": False}}, "required": ["inner"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                               "maxItems": 3}}, "required": ["tags"],
+     "additionalProperties": False},
+    {"type": "string", "maxLength": 12},
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    {"type": "boolean"},
+    {"enum": ["yes", "no", 3, None]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}},
+     "required": ["id"], "additionalProperties": False},
+    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"], "additionalProperties": False}}}, "required": ["points"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"opt": {"type": ["string", "null"], "maxLength": 5}},
+     "required": ["opt"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+               {"type": "string", "enum": ["none"]}]},
+    {"type": "object", "properties": {"price": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 1000}}, "required": ["price"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"const": "fixed"}, "b": {"type": "integer"}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 4}, {"type": "integer"}],
+     "items": False},
+    {"type": "object", "properties": {"m": {"type": "array", "maxItems": 2, "items": {
+        "type": "array", "maxItems": 2, "items": {"type": "integer"}}}}, "required": ["m"],
+     "additionalProperties": False},
+    {"$defs": {"leaf": {"type": "object", "properties": {"n": {"type": "integer"}},
+                        "required": ["n"], "additionalProperties": False}},
+     "type": "object", "properties": {"l": {"$ref": "#/$defs/leaf"}}, "required": ["l"],
+     "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(None)          # SmolLM2's 49,152-token vocabulary
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return GrammarBackend(tokenizer, 49152, eos_token_ids=[tokenizer.eos_token_id])
+
+
+def _walk(backend, tokenizer, spec, seed, max_tokens=120):
+    """Greedy over seeded random logits, masked by the grammar: the text and whether the
+    grammar finished (EOS chosen, or nothing more admitted)."""
+    rng = np.random.default_rng(seed)
+    m = backend.matcher(spec)
+    out = []
+    for _ in range(max_tokens):
+        logits = rng.standard_normal(backend.vocab_size).astype(np.float32)
+        # Nudge towards the end so that every walk terminates well inside max_tokens.
+        logits[tokenizer.eos_token_id] += 3.0
+        t = int(np.argmax(apply_bitmask(logits, m.bitmask())))
+        if t == tokenizer.eos_token_id:
+            assert m.is_accepting
+            return tokenizer.decode(out), True
+        assert m.accept(t), m.error
+        out.append(t)
+        if m.is_terminated:
+            return tokenizer.decode(out), True
+    return tokenizer.decode(out), False
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_json_schema_walks_validate(backend, tokenizer, i):
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[i]), "response_format")
+    for seed in range(3):
+        text, done = _walk(backend, tokenizer, spec, seed)
+        assert done, text
+        jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
+def test_json_object_walk_is_an_object(backend, tokenizer):
+    text, done = _walk(backend, tokenizer, GrammarSpec("json_object", field="response_format"), 1)
+    assert done and isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("regex", [r"[0-9]{3}-[0-9]{4}", r"(cat|dog|bird)s?", r"[a-z]{1,8}@[a-z]{1,8}\.com"])
+def test_regex_walks_match(backend, tokenizer, regex):
+    for seed in range(3):
+        text, done = _walk(backend, tokenizer, GrammarSpec("regex", regex, "regex"), seed, 60)
+        assert done and re.fullmatch(regex, text), text
+
+
+def test_ebnf_walk_is_in_the_language(backend, tokenizer):
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    for seed in range(3):
+        text, done = _walk(backend, tokenizer, GrammarSpec("ebnf", grammar, "ebnf"), seed, 60)
+        assert done and re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text), text
+
+
+@pytest.mark.parametrize("spec,msg", [
+    (GrammarSpec("json_schema", "{not json", "response_format"), "response_format: the JSON schema is not valid JSON"),
+    (GrammarSpec("json_schema", "[1, 2]", "json_schema"), "json_schema: a JSON schema must be an object"),
+    (GrammarSpec("json_schema", json.dumps({"type": "nonsense"}), "response_format"), "response_format: "),
+    (GrammarSpec("regex", "(unclosed", "regex"), "regex: "),
+    (GrammarSpec("ebnf", "root ::= missing_rule", "ebnf"), "ebnf: "),
+])
+def test_invalid_specs_name_the_field(backend, spec, msg):
+    with pytest.raises(ValueError) as e:
+        backend.compile(spec)
+    assert str(e.value).startswith(msg), str(e.value)
+
+
+def test_spec_checks_its_fields():
+    with pytest.raises(ValueError, match="grammar kind must be one of"):
+        GrammarSpec("yaml", "x", "response_format")
+    with pytest.raises(ValueError, match="regex: longer than"):
+        GrammarSpec("regex", "a" * (256 * 1024 + 1), "regex")
+
+
+def test_compile_is_cached(backend):
+    spec = GrammarSpec("regex", "[xyz]{2}", "regex")
+    backend.compile(spec)
+    hits = backend.cache_info().hits
+    backend.compile(GrammarSpec("regex", "[xyz]{2}", "regex"))
+    assert backend.cache_info().hits == hits + 1
+
+
+def test_bitmask_layout_and_rejection(backend, tokenizer):
+    m = backend.matcher(GrammarSpec("regex", "ab", "regex"))
+    mask = m.bitmask()
+    assert mask.shape == (bitmask_words(49152),) and mask.dtype == np.int32
+    allowed = [t for t in range(49152) if (mask[t // 32] >> (t % 32)) & 1]
+    assert allowed and all("ab".startswith(tokenizer.decode([t])) for t in allowed)
+    logits = np.zeros((2, 49152), np.float32)
+    masked = apply_bitmask(logits, np.stack([mask, mask]))
+    assert sorted(np.flatnonzero(np.isfinite(masked[0]))) == allowed
+    bad = tokenizer.encode("zz")[0]
+    assert not m.accept(bad) and m.error is not None
+
+
+def test_rollback_restores_the_state(backend, tokenizer):
+    m = backend.matcher(GrammarSpec("regex", "(abc|abd)", "regex"))
+    first = m.bitmask().copy()
+    tok = tokenizer.encode("a")[0]
+    assert m.accept(tok)
+    assert not np.array_equal(m.bitmask(), first)
+    m.rollback(1)
+    np.testing.assert_array_equal(m.bitmask(), first)
