@@ -147,6 +147,9 @@ class ModelConfig:
 
 
 ROLES = ("colocated", "prefill", "decode", "pd")
+# Output parsers of the chat API (SGLang's names; pdjax.server.parsers registers them).
+TOOL_CALL_PARSERS = ("hermes", "llama3", "qwen25")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
 _CHOICES = {
     "role": ROLES,
@@ -155,6 +158,8 @@ _CHOICES = {
     "attention_backend": ("auto", "reference", "tpu", "gpu"),
     "disaggregation_transfer_backend": ("mooncake", "fake", "mooncake-corrupt"),
     "log_level": ("debug", "info", "warning", "error"),
+    "tool_call_parser": TOOL_CALL_PARSERS,
+    "reasoning_parser": REASONING_PARSERS,
 }
 
 _HELP = {
@@ -191,6 +196,8 @@ _HELP = {
     "waiting_timeout_s": "PD: seconds a prefill waits for the decode's page list",
     "transfer_timeout_s": "PD: seconds a KV transfer may take",
     "drain_timeout_s": "SIGTERM: seconds running requests may finish",
+    "tool_call_parser": "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
+    "reasoning_parser": "put <think> reasoning in reasoning_content: deepseek-r1, qwen3",
 }
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
@@ -214,6 +221,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     tp_size: int = 1
     page_size: int = 16
     max_total_tokens: int = 16384
@@ -245,6 +254,10 @@ class ServerArgs:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
+                            ("reasoning_parser", REASONING_PARSERS)):
+            if getattr(self, name) not in (None,) + known:
+                raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "fp8_e4m3"):

@@ -33,9 +33,11 @@ from aiohttp import web
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.metrics import Metrics, RequestTimer
 from pdjax.request import SamplingParams
+from pdjax.server import chat_output
 from pdjax.server import openai_protocol as proto
 from pdjax.server.detokenizer import IncrementalDetokenizer, TokenTexts, trim_matched_stop_token
 from pdjax.server.openai_protocol import RequestError, SampleDelta, SampleResult
+from pdjax.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +259,13 @@ class ServerState:
     """What the handlers share: the engine client, metrics, the live request groups and the
     drain flag."""
 
-    def __init__(self, engine: Any, served_model_name: str | None, api_key: str | None) -> None:
+    def __init__(self, engine: Any, served_model_name: str | None, api_key: str | None,
+                 tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        args = getattr(engine, "args", None)       # AsyncEngine: the --flags it was built from
+        self.tool_call_parser = tool_call_parser or getattr(args, "tool_call_parser", None)
+        self.reasoning_parser = reasoning_parser or getattr(args, "reasoning_parser", None)
         self.tokenizer = engine.tokenizer
         if getattr(engine, "metrics", None) is None:
             # The server owns the metrics; the engine thread attaches its gauges and compile
@@ -288,7 +295,9 @@ class ServerState:
                                     served_model_name=self.served_model_name,
                                     model_path=engine.model_path,
                                     context_length=int(engine.context_length),
-                                    vocab_size=int(vocab))
+                                    vocab_size=int(vocab),
+                                    tool_call_parser=self.tool_call_parser,
+                                    reasoning_parser=self.reasoning_parser)
 
     # -- request bookkeeping -------------------------------------------------------------------
     def open_group(self, reqs: list[GenerateRequest], group_rid: str | None = None,
@@ -472,23 +481,31 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
                                          state.ctx)
         group = state.open_group(parsed.requests, parsed.group_rid, parsed.log_metrics)
         texts = state.token_texts if parsed.return_text_in_logprobs else None
+        # separate_reasoning: each sample's text split into reasoning_text and text.
+        split = None if parsed.reasoning_parser is None else [
+            chat_output.NativeReasoning(parsed.reasoning_parser,
+                                        state.tokenizer.decode(s.req.input_ids[-64:]))
+            for s in group.samples]
         try:
-            def one(s: _Sample) -> dict:
-                return proto.native_response(s.result, s.req, texts,
-                                             None if parsed.is_single else s.index)
+            def one(s: _Sample, index: int | None) -> dict:
+                out = proto.native_response(s.result, s.req, texts, index)
+                if split is not None:
+                    split[s.index].update(s.result.text, s.result.finished)
+                    split[s.index].apply(out)
+                return out
 
             if parsed.stream:
                 def on_delta(d: SampleDelta) -> list[dict]:
                     s = group.samples[d.index]
                     if not d.text and not d.finished and not (s.req.return_logprob and d.token_ids):
                         return []
-                    return [one(s)]
+                    return [one(s, None if parsed.is_single else s.index)]
                 return await _stream(request, group, list, on_delta, list)
             await group.wait()
             err = _result_error(group)
             if err is not None:
                 return err
-            outs = [proto.native_response(s.result, s.req, texts) for s in group.samples]
+            outs = [one(s, None) for s in group.samples]
             return json_response(outs[0] if parsed.is_single else outs)
         finally:
             group.close()
@@ -508,11 +525,11 @@ async def _handle_openai(request: web.Request, parse: Callable) -> web.StreamRes
                 token_chars = [0] * len(group.samples)
 
                 def on_delta(d: SampleDelta) -> list[dict]:
-                    chunk = proto.stream_delta_chunk(parsed, d, results[d.index], texts,
-                                                     token_chars[d.index])
+                    chunks = proto.stream_delta_chunks(parsed, d, results[d.index], texts,
+                                                       token_chars[d.index])
                     if parsed.logprobs is not None:
                         token_chars[d.index] += sum(len(texts.text(t)) for t in d.token_ids)
-                    return [] if chunk is None else [chunk]
+                    return chunks
 
                 def on_end() -> list[dict]:
                     if not parsed.include_usage:
@@ -627,6 +644,23 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def handle_separate_reasoning(request: web.Request) -> web.Response:
+    """SGLang's ``/separate_reasoning``: ``{"text", "reasoning_parser"}`` ->
+    ``{"text", "reasoning_text"}`` (a finished output split by the named parser)."""
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    text = body.get("text")
+    if not isinstance(text, str):
+        raise RequestError("text must be a string", "text")
+    name = body.get("reasoning_parser") or request.app[STATE_KEY].reasoning_parser
+    if name not in REASONING_PARSERS:
+        raise RequestError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
+                           f"{name!r}", "reasoning_parser")
+    reasoning, answer = chat_output.separate_reasoning_text(name, text)
+    return json_response({"text": answer, "reasoning_text": reasoning})
+
+
 async def handle_flush_cache(request: web.Request) -> web.Response:
     ok = await asyncio.to_thread(request.app[STATE_KEY].engine.flush_cache)
     if ok:
@@ -703,17 +737,25 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
 
 
 def create_app(engine_client: Any, served_model_name: str | None = None,
-               api_key: str | None = None) -> web.Application:
+               api_key: str | None = None, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> web.Application:
     """Build the aiohttp application over an engine client (``pdjax.engine.AsyncEngine`` or
     any object with its interface: ``tokenizer``, ``model_path``, ``served_model_name``,
     ``context_length``, ``is_ready``, ``metrics``, ``generate``, ``abort``, ``flush_cache``,
     ``get_load``, ``server_info``, ``start_profile``, ``stop_profile``).
 
     ``api_key``: when set, every path but ``/health*`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>``. The state is at ``app[STATE_KEY]``.
+    ``Authorization: Bearer <api_key>``. ``tool_call_parser`` / ``reasoning_parser``: parser
+    names (``pdjax.server.parsers``); default: the engine's ``args`` (``--tool-call-parser``,
+    ``--reasoning-parser``). The state is at ``app[STATE_KEY]``.
     """
+    for field, name, known in (("tool_call_parser", tool_call_parser, TOOL_CALL_PARSERS),
+                               ("reasoning_parser", reasoning_parser, REASONING_PARSERS)):
+        if name is not None and name not in known:
+            raise ValueError(f"{field} must be one of {sorted(known)}, got {name!r}")
     app = web.Application(middlewares=[_middleware], client_max_size=CLIENT_MAX_SIZE)
-    app[STATE_KEY] = ServerState(engine_client, served_model_name, api_key)
+    app[STATE_KEY] = ServerState(engine_client, served_model_name, api_key, tool_call_parser,
+                                 reasoning_parser)
     r = app.router
     r.add_post("/generate", handle_generate)
     r.add_post("/v1/completions", handle_completions)
@@ -729,6 +771,7 @@ def create_app(engine_client: Any, served_model_name: str | None = None,
         r.add_get(path, handler)
     r.add_post("/flush_cache", handle_flush_cache)
     r.add_post("/abort_request", handle_abort_request)
+    r.add_post("/separate_reasoning", handle_separate_reasoning)
     r.add_post("/start_profile", handle_start_profile)
     r.add_get("/start_profile", handle_start_profile)
     r.add_post("/stop_profile", handle_stop_profile)

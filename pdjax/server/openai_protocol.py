@@ -14,8 +14,10 @@ scalar or one value per sample (a list in the sample order above). A scalar room
 sample ``k`` room ``r + k`` (as SGLang does); a list must hold one distinct room per sample.
 
 Every bad input raises ``RequestError`` (HTTP 400 unless stated) with a message that names the
-field. Fields that ask for behaviour pdjax does not have (``tools``, ``response_format``, ...)
-are rejected, never ignored; a field set to ``null`` counts as absent.
+field. Fields that ask for behaviour pdjax does not have (``response_format``, ``logit_bias``,
+...) are rejected, never ignored; a field set to ``null`` counts as absent. Tool calling and
+reasoning output (``tools.py``, ``chat_output.py``, ``parsers/``) hook in at the chat request
+and at the chat answer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any, Callable, Sequence
 
 from pdjax.engine_io import GenerateRequest
 from pdjax.request import SamplingParams
+from pdjax.server import tools as tool_api
+from pdjax.server.chat_output import ChatOutputConfig, ChoiceOutput
 from pdjax.server.detokenizer import TokenTexts
 
 MAX_TOP_LOGPROBS = 20
@@ -60,7 +64,8 @@ class ServingContext:
     """What parsing needs to know about the served model.
 
     ``context_length``: maximum tokens per sequence. ``vocab_size``: token ids must lie in
-    ``[0, vocab_size)``.
+    ``[0, vocab_size)``. ``tool_call_parser`` / ``reasoning_parser``: the server's
+    ``--tool-call-parser`` / ``--reasoning-parser`` (None: off).
     """
 
     tokenizer: Any
@@ -68,6 +73,8 @@ class ServingContext:
     model_path: str
     context_length: int
     vocab_size: int
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.model_path}
@@ -88,6 +95,7 @@ class NativeRequest:
     return_text_in_logprobs: bool = False
     group_rid: str | None = None
     log_metrics: bool = True
+    reasoning_parser: str | None = None     # set by ``separate_reasoning: true``
 
 
 @dataclasses.dataclass
@@ -111,9 +119,19 @@ class OpenAIRequest:
     created: int
     echo_texts: list[str] | None = None
     group_rid: str | None = None
+    chat_output: ChatOutputConfig | None = None
+    _choice_outputs: dict[int, ChoiceOutput] = dataclasses.field(default_factory=dict)
 
     def prompt_index(self, k: int) -> int:
         return k // self.n
+
+    def choice_output(self, k: int) -> ChoiceOutput | None:
+        """Choice ``k``'s output parsers (streaming state), or None without parsing."""
+        if self.chat_output is None:
+            return None
+        if k not in self._choice_outputs:
+            self._choice_outputs[k] = self.chat_output.new_choice()
+        return self._choice_outputs[k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,7 +288,8 @@ def _pd_fields(body: dict[str, Any], num: int) -> tuple[list, list, list]:
 
 _NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
                   "top_logprobs_num", "logprob_start_len", "rid", "bootstrap_host",
-                  "bootstrap_port", "bootstrap_room", "return_text_in_logprobs", "log_metrics"}
+                  "bootstrap_port", "bootstrap_room", "return_text_in_logprobs", "log_metrics",
+                  "separate_reasoning"}
 _NATIVE_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "image_data": lambda v: v in ([], ""), "video_data": lambda v: v in ([], ""),
     "audio_data": lambda v: v in ([], ""), "input_embeds": lambda v: False,
@@ -392,6 +411,13 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     if len(set(rids)) != len(rids):
         raise RequestError("rid: request ids in one request must be distinct", "rid")
 
+    reasoning_parser = None
+    if _check_bool("separate_reasoning", body.get("separate_reasoning", False)):
+        if ctx.reasoning_parser is None:
+            raise RequestError("separate_reasoning needs a reasoning parser: start the server "
+                               "with --reasoning-parser", "separate_reasoning")
+        reasoning_parser = ctx.reasoning_parser
+
     hosts, ports, rooms = _pd_fields(body, num)
     reqs = []
     for k in range(num):
@@ -407,7 +433,8 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
         return_text_in_logprobs=_check_bool("return_text_in_logprobs",
                                             body.get("return_text_in_logprobs", False)),
         group_rid=group_rid,
-        log_metrics=_check_bool("log_metrics", body.get("log_metrics", True)))
+        log_metrics=_check_bool("log_metrics", body.get("log_metrics", True)),
+        reasoning_parser=reasoning_parser)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +452,8 @@ _OPENAI_COMMON = _OPENAI_SAMPLING | {
     "prompt_cache_key", "safety_identifier"}
 _COMPLETION_FIELDS = _OPENAI_COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _OPENAI_COMMON | {"messages", "max_completion_tokens", "top_logprobs",
-                                 "chat_template_kwargs"}
+                                 "chat_template_kwargs", "tools", "tool_choice",
+                                 "parallel_tool_calls", "separate_reasoning", "stream_reasoning"}
 
 
 def _empty(v: Any) -> bool:
@@ -441,8 +469,8 @@ _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: False, "reasoning_effort": lambda v: False,
     "web_search_options": lambda v: False, "regex": lambda v: False,
     "json_schema": lambda v: False, "ebnf": lambda v: False,
-    # Sent with their defaults by sglang-router (PD mode, issue 5); pdjax has no reasoning
-    # parser, so the two reasoning switches change nothing.
+    # Sent with their defaults by sglang-router (PD mode, issue 5); the two reasoning
+    # switches act on chat requests only.
     "no_stop_trim": lambda v: v is False, "continue_final_message": lambda v: v is False,
     "return_hidden_states": lambda v: v is False,
     "separate_reasoning": lambda v: isinstance(v, bool),
@@ -579,8 +607,8 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
         echo_texts=texts if echo else None, group_rid=group_rid)
 
 
-_CHAT_ROLES = {"system", "user", "assistant", "developer"}
-_MESSAGE_FIELDS = {"role", "content", "name"}
+_CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
 
 
 def _chat_messages(messages: Any) -> list[dict[str, Any]]:
@@ -593,9 +621,9 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
             raise RequestError(f"{name} must be an object", "messages")
         m = _present(m)
         role = m.get("role")
-        if role in ("tool", "function"):
-            raise RequestError(f"{name}.role {role!r} is not supported (no tool calling)",
-                               "messages")
+        if role == "function":
+            raise RequestError(f"{name}.role 'function' (the deprecated functions API) is not "
+                               "supported; use tools and role 'tool'", "messages")
         if role not in _CHAT_ROLES:
             raise RequestError(f"{name}.role must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
                                "messages")
@@ -618,6 +646,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if "name" in m:
             msg["name"] = _check_str(f"{name}.name", m["name"])
+        msg.update(tool_api.message_tool_fields(m, role, name))
         out.append(msg)
     return out
 
@@ -636,9 +665,12 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     kwargs = body.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    if "tools" in kwargs:
+        raise RequestError("chat_template_kwargs.tools: pass tools as the tools field",
+                           "chat_template_kwargs")
+    chat_tools = tool_api.parse_tools(body, ctx.tool_call_parser)
     try:
-        prompt_text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        prompt_text = tool_api.render_prompt(ctx.tokenizer, messages, chat_tools, kwargs)
     except Exception as e:  # jinja errors, a missing template, bad kwargs
         raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
     if not isinstance(prompt_text, str) or not prompt_text:
@@ -667,7 +699,22 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     return OpenAIRequest(
         kind="chat", requests=_openai_requests(body, [ids], sp, base, logprobs), n=sp.n,
         num_prompts=1, stream=stream, include_usage=include_usage, logprobs=logprobs,
-        model=model, response_id=response_id, created=int(time.time()), group_rid=group_rid)
+        model=model, response_id=response_id, created=int(time.time()), group_rid=group_rid,
+        chat_output=_chat_output(body, ctx, chat_tools, prompt_text))
+
+
+def _chat_output(body: dict[str, Any], ctx: ServingContext,
+                 chat_tools: tool_api.ChatTools | None,
+                 prompt_text: str) -> ChatOutputConfig | None:
+    """How the answer is parsed: tool calls, and reasoning unless ``separate_reasoning`` is
+    false (SGLang's switches; ``stream_reasoning: false`` sends the reasoning in one piece)."""
+    separate = _check_bool("separate_reasoning", body.get("separate_reasoning", True))
+    stream_reasoning = _check_bool("stream_reasoning", body.get("stream_reasoning", True))
+    reasoning = ctx.reasoning_parser if separate else None
+    if chat_tools is None and reasoning is None:
+        return None
+    return ChatOutputConfig(tools=chat_tools, reasoning_parser=reasoning,
+                            prompt_text=prompt_text[-256:], stream_reasoning=stream_reasoning)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -860,9 +907,15 @@ def chat_response(req: OpenAIRequest, results: Sequence[SampleResult],
         if req.logprobs is not None:
             lp = chat_logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs,
                                req.logprobs, texts)
-        choices.append({"index": r.index,
-                        "message": {"role": "assistant", "content": r.text, "tool_calls": None},
-                        "logprobs": lp, "finish_reason": openai_finish_reason(r.finish_reason),
+        finish = openai_finish_reason(r.finish_reason)
+        out = req.chat_output.new_choice() if req.chat_output is not None else None
+        if out is None:
+            message = {"role": "assistant", "content": r.text, "tool_calls": None}
+        else:
+            message = out.message(r.text)
+            finish = out.finish_reason(finish)
+        choices.append({"index": r.index, "message": message, "logprobs": lp,
+                        "finish_reason": finish,
                         "matched_stop": (r.finish_reason or {}).get("matched")})
     return {"id": req.response_id, "object": "chat.completion", "created": req.created,
             "model": req.model, "choices": choices, "usage": usage(req, results),
@@ -910,6 +963,34 @@ def stream_delta_chunk(req: OpenAIRequest, d: SampleDelta, r: SampleResult,
     if d.finished:
         choice["matched_stop"] = (r.finish_reason or {}).get("matched")
     return _chunk(req, [choice])
+
+
+def stream_delta_chunks(req: OpenAIRequest, d: SampleDelta, r: SampleResult,
+                        texts: TokenTexts, text_offset: int) -> list[dict[str, Any]]:
+    """The chunks for one increment: ``stream_delta_chunk``'s, or, when the chat output is
+    parsed (tools, reasoning), one chunk per parsed delta (a call's first delta alone); the
+    increment's logprobs ride on the first, the finish reason on the last."""
+    out = req.choice_output(d.index) if req.kind == "chat" else None
+    if out is None:
+        chunk = stream_delta_chunk(req, d, r, texts, text_offset)
+        return [] if chunk is None else [chunk]
+    deltas = out.stream(d.text, d.finished)
+    want_lp = req.logprobs is not None and bool(d.token_ids)
+    if not deltas and (want_lp or d.finished):
+        deltas = [{}]
+    chunks = []
+    for j, delta in enumerate(deltas):
+        lp = None
+        if j == 0 and want_lp:
+            lp = chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs, req.logprobs, texts)
+        last = d.finished and j == len(deltas) - 1
+        choice = {"index": d.index, "delta": delta, "logprobs": lp,
+                  "finish_reason": out.finish_reason(openai_finish_reason(r.finish_reason))
+                  if last else None}
+        if last:
+            choice["matched_stop"] = (r.finish_reason or {}).get("matched")
+        chunks.append(_chunk(req, [choice]))
+    return chunks
 
 
 def stream_usage_chunk(req: OpenAIRequest, results: Sequence[SampleResult]) -> dict[str, Any]:

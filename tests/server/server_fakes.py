@@ -38,15 +38,28 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                  "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                  "{% endif %}")
+# A Qwen2.5-style template that renders tools, assistant tool calls and tool results.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n<tools>\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}</tools><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
-_TOKENIZER = None
+_TOKENIZERS: dict[str, PreTrainedTokenizerFast] = {}
+_BACKEND = None
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A GPT-2-style byte-level BPE (vocab 400) trained on ``CORPUS``; EOS is ``<|im_end|>``.
-    Characters outside the corpus (é, €, emoji) split into one token per UTF-8 byte."""
-    global _TOKENIZER
-    if _TOKENIZER is None:
+    Characters outside the corpus (é, €, emoji) split into one token per UTF-8 byte.
+    ``chat_template``: ``CHAT_TEMPLATE`` (no tools) or ``TOOLS_CHAT_TEMPLATE``."""
+    global _BACKEND
+    if _BACKEND is None:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -54,11 +67,13 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
         tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-        t = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+        _BACKEND = tok
+    if chat_template not in _TOKENIZERS:
+        t = PreTrainedTokenizerFast(tokenizer_object=_BACKEND, eos_token="<|im_end|>",
                                     pad_token="<|endoftext|>")
-        t.chat_template = CHAT_TEMPLATE
-        _TOKENIZER = t
-    return _TOKENIZER
+        t.chat_template = chat_template
+        _TOKENIZERS[chat_template] = t
+    return _TOKENIZERS[chat_template]
 
 
 def pieces_to_ids(tokenizer, pieces: list[str]) -> list[int]:
@@ -89,13 +104,18 @@ class FakeEngine:
     ``[(tok, lp), (tok + 1, lp - 1), ...]``; prompt position ``p`` has ``-1 - 0.001 * p``.
     Knobs: ``step_s`` (seconds per engine step), ``tokens_per_step``, ``fail_after`` (emit an
     error after that many tokens), ``reject`` (exception raised by ``generate``).
+
+    ``script``: a scripted model, the texts the successive requests answer (``script[k]`` for
+    the ``k``-th request, the last one repeated), each then EOS, cut into the byte-level tokens
+    the tokenizer gives it (tool calls, ``<think>`` blocks, ...). ``prompts`` decodes the
+    prompts the engine received.
     """
 
     def __init__(self, tokenizer=None, *, reply: str = "Hello world, the quick brown fox.",
                  reply_ids: Callable[[GenerateRequest], list[int]] | None = None,
                  step_s: float = 0.001, tokens_per_step: int = 1, context_length: int = 256,
                  num_total_pages: int = 128, page_size: int = 4, ready: bool = True,
-                 disaggregation_mode: str = "null") -> None:
+                 disaggregation_mode: str = "null", script: list[str] | None = None) -> None:
         self.tokenizer = tokenizer or build_tokenizer()
         self.model_path = "fake-org/fake-model"
         self.served_model_name = "fake-model"
@@ -104,6 +124,7 @@ class FakeEngine:
         self.metrics = Metrics()
         self.reply = reply
         self._reply_ids = reply_ids
+        self.script = list(script) if script else None
         self.step_s = step_s
         self.tokens_per_step = tokens_per_step
         self.num_total_pages = num_total_pages
@@ -124,8 +145,16 @@ class FakeEngine:
     def plan_for(self, req: GenerateRequest) -> list[int]:
         if self._reply_ids is not None:
             return list(self._reply_ids(req))
-        return self.tokenizer.encode(self.reply, add_special_tokens=False) + [
+        reply = self.reply
+        if self.script is not None:
+            # plan_for runs before the request is recorded in ``submitted``.
+            reply = self.script[min(len(self.submitted), len(self.script) - 1)]
+        return self.tokenizer.encode(reply, add_special_tokens=False) + [
             self.tokenizer.eos_token_id]
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.tokenizer.decode(r.input_ids) for r in self.submitted]
 
     async def generate(self, req: GenerateRequest):
         if self.reject is not None:
