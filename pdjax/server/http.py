@@ -35,6 +35,7 @@ from pdjax.metrics import Metrics, RequestTimer
 from pdjax.request import SamplingParams
 from pdjax.server import chat_output
 from pdjax.server import openai_protocol as proto
+from pdjax.server import tools as tool_api
 from pdjax.server.detokenizer import IncrementalDetokenizer, TokenTexts, trim_matched_stop_token
 from pdjax.server.openai_protocol import RequestError, SampleDelta, SampleResult
 from pdjax.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
@@ -661,6 +662,32 @@ async def handle_separate_reasoning(request: web.Request) -> web.Response:
     return json_response({"text": answer, "reasoning_text": reasoning})
 
 
+async def handle_parse_function_call(request: web.Request) -> web.Response:
+    """SGLang's ``/parse_function_call``: ``{"text", "tools", "tool_call_parser"}`` ->
+    ``{"normal_text", "calls": [{"tool_index", "name", "parameters"}]}`` for a finished
+    output (``parameters``: the arguments JSON text; ``tool_index``: into ``tools``)."""
+    body = await _read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    text = body.get("text")
+    if not isinstance(text, str):
+        raise RequestError("text must be a string", "text")
+    name = body.get("tool_call_parser") or request.app[STATE_KEY].tool_call_parser
+    if name not in TOOL_CALL_PARSERS:
+        raise RequestError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
+                           f"{name!r}", "tool_call_parser")
+    chat_tools = tool_api.parse_tools({"tools": body.get("tools") or []}, name)
+    if chat_tools is None:
+        raise RequestError("tools must list at least one function", "tools")
+    parser = chat_tools.new_parser()
+    parser.feed(text)
+    parser.finish()
+    normal_text, calls = parser.result()
+    index = {t["function"]["name"]: i for i, t in enumerate(chat_tools.tools)}
+    return json_response({"normal_text": normal_text, "calls": [
+        {"tool_index": index[c.name], "name": c.name, "parameters": c.arguments} for c in calls]})
+
+
 async def handle_flush_cache(request: web.Request) -> web.Response:
     ok = await asyncio.to_thread(request.app[STATE_KEY].engine.flush_cache)
     if ok:
@@ -772,6 +799,7 @@ def create_app(engine_client: Any, served_model_name: str | None = None,
     r.add_post("/flush_cache", handle_flush_cache)
     r.add_post("/abort_request", handle_abort_request)
     r.add_post("/separate_reasoning", handle_separate_reasoning)
+    r.add_post("/parse_function_call", handle_parse_function_call)
     r.add_post("/start_profile", handle_start_profile)
     r.add_get("/start_profile", handle_start_profile)
     r.add_post("/stop_profile", handle_stop_profile)

@@ -320,3 +320,19 @@ async def test_tool_calls_and_reasoning_through_the_pd_router(make_client):
     finally:
         await oa.close()
         await rclient.close()
+
+
+async def test_parse_function_call_endpoint(make_client):
+    client, _ = await make_client(FakeEngine())
+    resp = await client.post("/parse_function_call", json={
+        "text": TWO_CALLS, "tools": TOOLS, "tool_call_parser": "hermes"})
+    assert await resp.json() == {"normal_text": "I will check.", "calls": [
+        {"tool_index": 0, "name": "get_weather", "parameters": '{"city": "Paris"}'},
+        {"tool_index": 1, "name": "add", "parameters": '{"a": 1, "b": 2.5}'}]}
+    for body, field in (({"text": "x", "tools": TOOLS, "tool_call_parser": "nope"},
+                         "tool_call_parser"),
+                        ({"text": "x", "tools": [{"type": "x"}], "tool_call_parser": "hermes"},
+                         "tools[0].type"),
+                        ({"text": 5, "tools": TOOLS, "tool_call_parser": "hermes"}, "text")):
+        resp = await client.post("/parse_function_call", json=body)
+        assert resp.status == 400 and field in (await resp.json())["error"]["message"]

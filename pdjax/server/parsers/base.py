@@ -161,14 +161,15 @@ class CallAssembler:
     def header_ready(self) -> bool:
         return self.name is not None and (self._args_member is not None or self.scanner.done)
 
-    def arguments_text(self) -> str:
-        """The arguments text read so far (``{}`` when the closed object had none)."""
+    def arguments_text(self, skip: int = 0) -> str:
+        """The arguments text read so far (``{}`` when the closed object had none), less its
+        first ``skip`` characters (what was already streamed)."""
         m = self._args_member
         if m is None:
-            return "{}" if self.scanner.done else ""
+            return "{}"[skip:] if self.scanner.done else ""
         offset = self._offset()
         end = len(self.raw) if m.end is None else offset + m.end
-        return "".join(self.raw[offset + m.start:end])
+        return "".join(self.raw[offset + m.start + skip:end])
 
 
 class ToolCallParser(abc.ABC):
@@ -188,7 +189,7 @@ class ToolCallParser(abc.ABC):
         self.max_calls = max_calls
         self.calls: list[ToolCall] = []
         self._events: list[Event] = []
-        self._segments: list[str | ToolCall] = []
+        self._segments: list[list[str] | ToolCall] = []   # content runs (pieces) and calls
         self._ws = ""               # trailing content whitespace not yet sent
         self._after_call = False    # drop the whitespace that follows a complete call
         self._asm: CallAssembler | None = None
@@ -200,8 +201,15 @@ class ToolCallParser(abc.ABC):
     # -- interface -----------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
         """Consume a piece of output text; returns the events it completes."""
-        for ch in text:
-            self._char(ch)
+        i = 0
+        while i < len(text):
+            n = self._plain_run(text, i)
+            if n:
+                self._content(text[i:i + n])
+                i += n
+            else:
+                self._char(text[i])
+                i += 1
         return self._take()
 
     def finish(self) -> list[Event]:
@@ -217,8 +225,8 @@ class ToolCallParser(abc.ABC):
         ``message.content`` / ``tool_calls``); broken calls are content here."""
         parts, calls = [], []
         for seg in self._segments:
-            if isinstance(seg, str):
-                parts.append(seg)
+            if isinstance(seg, list):
+                parts.extend(seg)
             elif seg.complete:
                 calls.append(seg)
             else:
@@ -260,19 +268,27 @@ class ToolCallParser(abc.ABC):
         if self._asm is not None:
             self._abandon_call()
 
+    def _plain_run(self, text: str, i: int) -> int:
+        """How many characters from ``text[i]`` on are plain content for sure (a fast path
+        past the per-character state machine); 0: read ``text[i]`` with ``_char``."""
+        return 0
+
     def _take(self) -> list[Event]:
         """The pending events, neighbours of one kind (and call) merged."""
-        out: list[Event] = []
+        groups: list[tuple[Event, list[str]]] = []
         for e in self._events:
-            last = out[-1] if out else None
+            last = groups[-1][0] if groups else None
             if isinstance(e, ContentEvent) and isinstance(last, ContentEvent):
-                out[-1] = ContentEvent(last.text + e.text)
+                groups[-1][1].append(e.text)
             elif isinstance(e, ArgsEvent) and isinstance(last, ArgsEvent) and last.index == e.index:
-                out[-1] = ArgsEvent(e.index, last.text + e.text)
+                groups[-1][1].append(e.text)
+            elif isinstance(e, CallStartEvent):
+                groups.append((e, []))
             else:
-                out.append(e)
+                groups.append((e, [e.text]))
         self._events = []
-        return out
+        return [e if isinstance(e, CallStartEvent) else dataclasses.replace(e, text="".join(t))
+                for e, t in groups]
 
     def _content(self, text: str, hold_ws: bool = True) -> None:
         """Send content, keeping trailing whitespace back until it is known whether a call
@@ -288,10 +304,10 @@ class ToolCallParser(abc.ABC):
         self._ws = s[len(body):]
         if body:
             self._events.append(ContentEvent(body))
-            if self._segments and isinstance(self._segments[-1], str):
-                self._segments[-1] += body
+            if self._segments and isinstance(self._segments[-1], list):
+                self._segments[-1].append(body)
             else:
-                self._segments.append(body)
+                self._segments.append([body])
 
     def _begin_block(self, opening: str) -> None:
         """A block that may hold a call begins with ``opening`` (a marker, or nothing)."""
@@ -322,11 +338,11 @@ class ToolCallParser(abc.ABC):
             if self._visible(self._call):
                 self._events.append(CallStartEvent(index, self._call.id, self._call.name))
         if self._call is not None:
-            args = asm.arguments_text()
-            if len(args) > self._sent_args:
+            new = asm.arguments_text(self._sent_args)
+            if new:
                 if self._visible(self._call):
-                    self._events.append(ArgsEvent(self._call.index, args[self._sent_args:]))
-                self._sent_args = len(args)
+                    self._events.append(ArgsEvent(self._call.index, new))
+                self._sent_args += len(new)
         if status == "done":
             call = self._call
             call.arguments = asm.arguments_text()

@@ -29,6 +29,12 @@ class HermesToolCallParser(ToolCallParser):
         return CallFormat(begin=self.start_marker + "\n", end="\n" + self.end_marker,
                           separator="\n")
 
+    def _plain_run(self, text: str, i: int) -> int:
+        if self._state != _TEXT or self._hold:
+            return 0
+        j = text.find("<", i)
+        return (len(text) if j < 0 else j) - i
+
     def _char(self, ch: str) -> None:
         if self._state == _CALL:
             if self._push_call(ch) == "error":

@@ -29,6 +29,12 @@ class Llama3ToolCallParser(ToolCallParser):
     def call_format(self) -> CallFormat:
         return CallFormat(begin="", end="", separator="; ", arguments_key="parameters")
 
+    def _plain_run(self, text: str, i: int) -> int:
+        if self._state != _TEXT or self._hold:
+            return 0
+        j = text.find("<", i)
+        return (len(text) if j < 0 else j) - i
+
     def _char(self, ch: str) -> None:
         st = self._state
         if st == _START:
