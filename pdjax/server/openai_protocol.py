@@ -33,20 +33,11 @@ from pdjax.request import SamplingParams
 from pdjax.server import tools as tool_api
 from pdjax.server.chat_output import ChatOutputConfig, ChoiceOutput
 from pdjax.server.detokenizer import TokenTexts
+from pdjax.server.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_ROOM = (1 << 63) - 1
 LOGPROB_FLOOR = -9999.0      # JSON has no -inf: log(0) is reported as this
-
-
-class RequestError(ValueError):
-    """A request the server refuses; ``status`` is the HTTP status, ``param`` the field."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
 
 
 def error_body(message: str, status: int, param: str | None = None,

@@ -18,18 +18,13 @@ import json
 import re
 from typing import Any
 
+from pdjax.server.errors import RequestError
 from pdjax.server.parsers import ToolCallParser, create_tool_call_parser
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 TOOL_CHOICES = ("none", "auto", "required")
-
-
-def _error(message: str, param: str):
-    from pdjax.server.openai_protocol import RequestError
-
-    return RequestError(message, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,29 +63,29 @@ class ChatTools:
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:
     name = f"tools[{i}]"
     if not isinstance(tool, dict):
-        raise _error(f"{name} must be an object", "tools")
+        raise RequestError(f"{name} must be an object", "tools")
     for key in tool:
         if key not in _TOOL_KEYS:
-            raise _error(f"{name}.{key} is not supported", "tools")
+            raise RequestError(f"{name}.{key} is not supported", "tools")
     if tool.get("type") != "function":
-        raise _error(f"{name}.type must be 'function', got {tool.get('type')!r}", "tools")
+        raise RequestError(f"{name}.type must be 'function', got {tool.get('type')!r}", "tools")
     fn = tool.get("function")
     if not isinstance(fn, dict):
-        raise _error(f"{name}.function must be an object", "tools")
+        raise RequestError(f"{name}.function must be an object", "tools")
     fn = {k: v for k, v in fn.items() if v is not None}
     for key in fn:
         if key not in _FUNCTION_KEYS:
-            raise _error(f"{name}.function.{key} is not supported", "tools")
+            raise RequestError(f"{name}.function.{key} is not supported", "tools")
     fname = fn.get("name")
     if not isinstance(fname, str) or not _NAME.match(fname):
-        raise _error(f"{name}.function.name must be 1 to 64 letters, digits, '_' or '-', got "
-                     f"{fname!r}", "tools")
+        raise RequestError(f"{name}.function.name must be 1 to 64 letters, digits, '_' or "
+                           f"'-', got {fname!r}", "tools")
     if "description" in fn and not isinstance(fn["description"], str):
-        raise _error(f"{name}.function.description must be a string", "tools")
+        raise RequestError(f"{name}.function.description must be a string", "tools")
     if "parameters" in fn and not isinstance(fn["parameters"], dict):
-        raise _error(f"{name}.function.parameters must be a JSON schema object", "tools")
+        raise RequestError(f"{name}.function.parameters must be a JSON schema object", "tools")
     if "strict" in fn and not isinstance(fn["strict"], bool):
-        raise _error(f"{name}.function.strict must be a boolean", "tools")
+        raise RequestError(f"{name}.function.strict must be a boolean", "tools")
     return {"type": "function", "function": fn}
 
 
@@ -100,15 +95,15 @@ def parse_tools(body: dict[str, Any], tool_call_parser: str | None) -> ChatTools
     ``tool_call_parser``: the server's ``--tool-call-parser`` (tools need one)."""
     tools = body.get("tools", [])
     if not isinstance(tools, list):
-        raise _error("tools must be a list of function tools", "tools")
+        raise RequestError("tools must be a list of function tools", "tools")
     tools = [_check_tool(i, t) for i, t in enumerate(tools)]
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
-        raise _error("tools: function names must be distinct", "tools")
+        raise RequestError("tools: function names must be distinct", "tools")
     parallel = body.get("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
-        raise _error(f"parallel_tool_calls must be a boolean, got {parallel!r}",
-                     "parallel_tool_calls")
+        raise RequestError(f"parallel_tool_calls must be a boolean, got {parallel!r}",
+                           "parallel_tool_calls")
     choice = body.get("tool_choice", "auto" if tools else "none")
     function_name = None
     if isinstance(choice, dict):
@@ -116,23 +111,23 @@ def parse_tools(body: dict[str, Any], tool_call_parser: str | None) -> ChatTools
         if (choice.get("type") != "function" or set(choice) - {"type", "function"}
                 or not isinstance(fn, dict) or set(fn) != {"name"}
                 or not isinstance(fn["name"], str)):
-            raise _error('tool_choice must be "none", "auto", "required" or {"type": '
-                         '"function", "function": {"name": NAME}}', "tool_choice")
+            raise RequestError('tool_choice must be "none", "auto", "required" or {"type": '
+                               '"function", "function": {"name": NAME}}', "tool_choice")
         function_name = fn["name"]
         if function_name not in names:
-            raise _error(f"tool_choice names function {function_name!r}, which is not in "
-                         "tools", "tool_choice")
+            raise RequestError(f"tool_choice names function {function_name!r}, which is not "
+                               "in tools", "tool_choice")
         choice = "function"
     elif choice not in TOOL_CHOICES:
-        raise _error(f'tool_choice must be "none", "auto", "required" or a named function, '
-                     f"got {choice!r}", "tool_choice")
+        raise RequestError(f'tool_choice must be "none", "auto", "required" or a named '
+                           f"function, got {choice!r}", "tool_choice")
     if choice == "none":
         return None
     if not tools:
-        raise _error(f"tool_choice {choice!r} needs tools", "tool_choice")
+        raise RequestError(f"tool_choice {choice!r} needs tools", "tool_choice")
     if tool_call_parser is None:
-        raise _error("tools need a tool-call parser: start the server with "
-                     "--tool-call-parser (hermes, qwen25 or llama3)", "tools")
+        raise RequestError("tools need a tool-call parser: start the server with "
+                           "--tool-call-parser (hermes, qwen25 or llama3)", "tools")
     return ChatTools(tools=tools, choice=choice, function_name=function_name,
                      max_calls=None if parallel else 1, parser_name=tool_call_parser)
 
@@ -145,16 +140,17 @@ def message_tool_fields(m: dict[str, Any], role: str, name: str) -> dict[str, An
     if role == "tool":
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise _error(f"{name}.tool_call_id must be a non-empty string", "messages")
+            raise RequestError(f"{name}.tool_call_id must be a non-empty string", "messages")
         out["tool_call_id"] = call_id
     elif "tool_call_id" in m:
-        raise _error(f"{name}.tool_call_id is only allowed in tool messages", "messages")
+        raise RequestError(f"{name}.tool_call_id is only allowed in tool messages", "messages")
     if "tool_calls" in m:
         if role != "assistant":
-            raise _error(f"{name}.tool_calls is only allowed in assistant messages", "messages")
+            raise RequestError(f"{name}.tool_calls is only allowed in assistant messages",
+                               "messages")
         calls = m["tool_calls"]
         if not isinstance(calls, list):
-            raise _error(f"{name}.tool_calls must be a list", "messages")
+            raise RequestError(f"{name}.tool_calls must be a list", "messages")
         out["tool_calls"] = [_message_call(f"{name}.tool_calls[{j}]", c)
                              for j, c in enumerate(calls)]
     return out
@@ -162,24 +158,24 @@ def message_tool_fields(m: dict[str, Any], role: str, name: str) -> dict[str, An
 
 def _message_call(name: str, call: Any) -> dict[str, Any]:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise _error(f"{name} must be an object with a function", "messages")
+        raise RequestError(f"{name} must be an object with a function", "messages")
     if call.get("type", "function") != "function":
-        raise _error(f"{name}.type must be 'function'", "messages")
+        raise RequestError(f"{name}.type must be 'function'", "messages")
     fn = call["function"]
     fname = fn.get("name")
     if not isinstance(fname, str) or not fname:
-        raise _error(f"{name}.function.name must be a non-empty string", "messages")
+        raise RequestError(f"{name}.function.name must be a non-empty string", "messages")
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
-        raise _error(f"{name}.function.arguments must be a JSON string", "messages")
+        raise RequestError(f"{name}.function.arguments must be a JSON string", "messages")
     try:
         decoded = json.loads(args) if args.strip() else {}
     except ValueError:
-        raise _error(f"{name}.function.arguments is not valid JSON", "messages") from None
+        raise RequestError(f"{name}.function.arguments is not valid JSON", "messages") from None
     out = {"type": "function", "function": {"name": fname, "arguments": decoded}}
     if "id" in call:
         if not isinstance(call["id"], str):
-            raise _error(f"{name}.id must be a string", "messages")
+            raise RequestError(f"{name}.id must be a string", "messages")
         out["id"] = call["id"]
     return out
 

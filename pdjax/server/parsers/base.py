@@ -246,7 +246,8 @@ class ToolCallParser(abc.ABC):
         fmt = self.call_format()
         if function_name is None:
             return f'{fmt.begin}{{"{fmt.name_key}": "'
-        return f'{fmt.begin}{{"{fmt.name_key}": {json.dumps(function_name)}, "{fmt.arguments_key}": '
+        name = json.dumps(function_name)
+        return f'{fmt.begin}{{"{fmt.name_key}": {name}, "{fmt.arguments_key}": '
 
     def system_prompt(self, tools: Sequence[dict[str, Any]]) -> str:
         """Instructions for a chat template that does not render ``tools`` itself."""

@@ -1,6 +1,7 @@
 """Hermes / Qwen2.5 / Qwen3 tool calls: JSON objects between ``<tool_call>`` tags.
 
-    Let me check.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}\\n</tool_call>
+    Let me check.\\n<tool_call>\\n{"name": "get_weather", "arguments": {"city": "Paris"}}
+    \\n</tool_call>
 
 Several calls are several blocks. Text before the first block is content. A block whose object
 closes without ``</tool_call>`` (the output ended, or other text follows) still counts: models
