@@ -268,3 +268,27 @@ def test_stream_reasoning_false_sends_the_reasoning_once():
     assert deltas[0] == {"reasoning_content": "step one, step two"}
     assert [d for d in deltas[1:] if "reasoning_content" in d] == []
     assert "".join(d["content"] for d in deltas[1:]) == "Answer."
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3"])
+def test_random_outputs_never_lose_text(name):
+    """Random mixes of markers, JSON pieces and text: no exception, whole or streamed; with no
+    complete call the content is the text exactly; streamed with no call sent, likewise."""
+    import random
+
+    rng = random.Random(1234)
+    atoms = ["<tool_call>", "</tool_call>", "<|python_tag|>", "<tool", "{", "}", "[", "]", ":",
+             ",", ";", '"', '"name"', '"arguments"', '"parameters"', '"add"', '"get_weather"',
+             "1", "-2.5e3", "true", "null", "\\", "\\u00e9", " ", "\n", "x", "Hi", "é", "<"]
+    for _ in range(400):
+        text = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 30)))
+        content, calls = whole(name, text)
+        if not calls:
+            assert content == text, text
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        s_content, s_calls, _ = replay(create_tool_call_parser(name, TOOLS), pieces)
+        if not s_calls:
+            assert s_content == text, text
+        for _, args in calls:
+            json.loads(args)

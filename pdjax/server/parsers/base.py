@@ -133,6 +133,14 @@ class CallAssembler:
             return "done" if self.name is not None else "error"
         return "ok"
 
+    def push_run(self, text: str, i: int) -> int:
+        """Accept the plain characters of a string at ``text[i:]`` at once; returns how many
+        (0: push them one by one). Member boundaries never fall inside such a run."""
+        n = self.scanner.push_string_run(text, i) if self._started else 0
+        if n:
+            self.raw.extend(text[i:i + n])
+        return n
+
     def _check_members(self) -> bool:
         for m in self.scanner.members:
             if m.key == "name" and m.end is not None and self.name is None:
@@ -206,6 +214,10 @@ class ToolCallParser(abc.ABC):
             n = self._plain_run(text, i)
             if n:
                 self._content(text[i:i + n])
+                i += n
+            elif self._asm is not None and (n := self._asm.push_run(text, i)):
+                self._block.append(text[i:i + n])
+                self._stream_args()
                 i += n
             else:
                 self._char(text[i])
@@ -338,12 +350,7 @@ class ToolCallParser(abc.ABC):
             self._call = ToolCall(index=index, id=new_call_id(), name=asm.name)
             if self._visible(self._call):
                 self._events.append(CallStartEvent(index, self._call.id, self._call.name))
-        if self._call is not None:
-            new = asm.arguments_text(self._sent_args)
-            if new:
-                if self._visible(self._call):
-                    self._events.append(ArgsEvent(self._call.index, new))
-                self._sent_args += len(new)
+        self._stream_args()
         if status == "done":
             call = self._call
             call.arguments = asm.arguments_text()
@@ -353,6 +360,16 @@ class ToolCallParser(abc.ABC):
             self._asm, self._call = None, None
             self._after_call = True
         return status
+
+    def _stream_args(self) -> None:
+        """Send the arguments text read since the last piece (once the header is out)."""
+        if self._call is None:
+            return
+        new = self._asm.arguments_text(self._sent_args)
+        if new:
+            if self._visible(self._call):
+                self._events.append(ArgsEvent(self._call.index, new))
+            self._sent_args += len(new)
 
     def _visible(self, call: ToolCall) -> bool:
         return self.max_calls is None or call.index < self.max_calls

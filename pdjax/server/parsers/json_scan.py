@@ -16,6 +16,7 @@ import json
 import re
 
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
+_STRING_RUN = re.compile(r'[^"\\\x00-\x1f]+')    # string characters with no special meaning
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _HEX = frozenset("0123456789abcdefABCDEF")
 _WS = frozenset(" \t\n\r")
@@ -73,6 +74,20 @@ class JsonScanner:
             return False
         self.pos += 1
         return True
+
+    def push_string_run(self, text: str, i: int) -> int:
+        """Inside a string, accept the run of plain characters at ``text[i:]`` in one go (a
+        fast path for long arguments); returns how many (0 outside a string)."""
+        if self.state != _STRING or self.failed:
+            return 0
+        m = _STRING_RUN.match(text, i)
+        if m is None:
+            return 0
+        n = m.end() - i
+        if self._is_key:
+            self._token.append(m.group())
+        self.pos += n
+        return n
 
     # -- internals ---------------------------------------------------------------------------
     def _value_end(self, end: int) -> None:
