@@ -599,7 +599,7 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
 
 
 _CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
-_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls"}
+_MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content"}
 
 
 def _chat_messages(messages: Any) -> list[dict[str, Any]]:
@@ -638,6 +638,12 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         if "name" in m:
             msg["name"] = _check_str(f"{name}.name", m["name"])
         msg.update(tool_api.message_tool_fields(m, role, name))
+        if "reasoning_content" in m:      # an earlier answer sent back (templates may use it)
+            if role != "assistant":
+                raise RequestError(f"{name}.reasoning_content is only allowed in assistant "
+                                   "messages", "messages")
+            msg["reasoning_content"] = _check_str(f"{name}.reasoning_content",
+                                                  m["reasoning_content"])
         out.append(msg)
     return out
 

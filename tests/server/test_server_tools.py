@@ -134,7 +134,7 @@ async def test_history_with_tool_calls_and_results_renders(make_openai):
                                              max_tokens=400)
     msg = first.choices[0].message
     call = msg.tool_calls[0]
-    history = MSG + [msg.model_dump(exclude_none=True),
+    history = MSG + [msg.model_dump(),        # as a client sends it back, nulls included
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'},
                      {"role": "tool", "tool_call_id": msg.tool_calls[1].id, "content": "3.5"}]
     second = await oa.chat.completions.create(model="fake-model", messages=history,
@@ -257,6 +257,11 @@ async def test_reasoning_and_tool_call_together(make_openai):
     assert msg.reasoning_content == "Need the weather."
     assert msg.content == "I will check."
     assert [c.function.name for c in msg.tool_calls] == ["get_weather", "add"]
+    # The answer goes back in the history with its reasoning_content.
+    again = await oa.chat.completions.create(model="fake-model", messages=MSG + [
+        msg.model_dump(), {"role": "tool", "tool_call_id": msg.tool_calls[0].id,
+                           "content": "sunny"}], tools=TOOLS, max_tokens=400)
+    assert again.choices[0].finish_reason == "tool_calls"
 
 
 async def test_generate_separate_reasoning_and_endpoint(make_client):

@@ -103,6 +103,10 @@ CASES = [
      "tool_calls[0].function.arguments"),
     (CHAT, with_(CHAT, messages=[{"role": "user", "content": "x", "tool_calls": []}]),
      "tool_calls"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": "x", "reasoning_content": "r"}]),
+     "reasoning_content"),
+    (CHAT, with_(CHAT, messages=[{"role": "assistant", "content": "x", "reasoning_content": 5}]),
+     "reasoning_content"),
     # No --tool-call-parser on this server: tools that may be called are refused.
     (CHAT, with_(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]),
      "--tool-call-parser"),
