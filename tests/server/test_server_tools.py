@@ -341,3 +341,21 @@ async def test_parse_function_call_endpoint(make_client):
                         ({"text": 5, "tools": TOOLS, "tool_call_parser": "hermes"}, "text")):
         resp = await client.post("/parse_function_call", json=body)
         assert resp.status == 400 and field in (await resp.json())["error"]["message"]
+
+
+async def test_parsers_come_from_the_engine_args(make_client):
+    """``serve.py`` passes nothing: the server reads ``--tool-call-parser`` and
+    ``--reasoning-parser`` from the engine's ``args`` (as ``AsyncEngine`` has them)."""
+    from pdjax.config import ServerArgs
+
+    engine = tools_engine("<think>a</think>" + TWO_CALLS)
+    engine.args = ServerArgs(tool_call_parser="hermes", reasoning_parser="qwen3")
+    client, _ = await make_client(engine)
+    resp = await client.post("/v1/chat/completions",
+                             json={"messages": MSG, "tools": TOOLS, "max_tokens": 400})
+    msg = (await resp.json())["choices"][0]["message"]
+    assert msg["reasoning_content"] == "a"
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "add"]
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        from pdjax.server.http import create_app
+        create_app(engine, tool_call_parser="mistral")
