@@ -645,19 +645,26 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
-async def handle_separate_reasoning(request: web.Request) -> web.Response:
-    """SGLang's ``/separate_reasoning``: ``{"text", "reasoning_parser"}`` ->
-    ``{"text", "reasoning_text"}`` (a finished output split by the named parser)."""
+async def _parse_text_body(request: web.Request, field: str,
+                           known: dict) -> tuple[dict, str, str]:
+    """The body of ``/separate_reasoning`` / ``/parse_function_call``: (body, ``text``, the
+    parser named by ``field``, default the server's own)."""
     body = await _read_json(request)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     text = body.get("text")
     if not isinstance(text, str):
         raise RequestError("text must be a string", "text")
-    name = body.get("reasoning_parser") or request.app[STATE_KEY].reasoning_parser
-    if name not in REASONING_PARSERS:
-        raise RequestError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got "
-                           f"{name!r}", "reasoning_parser")
+    name = body.get(field) or getattr(request.app[STATE_KEY], field)
+    if name not in known:
+        raise RequestError(f"{field} must be one of {sorted(known)}, got {name!r}", field)
+    return body, text, name
+
+
+async def handle_separate_reasoning(request: web.Request) -> web.Response:
+    """SGLang's ``/separate_reasoning``: ``{"text", "reasoning_parser"}`` ->
+    ``{"text", "reasoning_text"}`` (a finished output split by the named parser)."""
+    _, text, name = await _parse_text_body(request, "reasoning_parser", REASONING_PARSERS)
     reasoning, answer = chat_output.separate_reasoning_text(name, text)
     return json_response({"text": answer, "reasoning_text": reasoning})
 
@@ -666,16 +673,7 @@ async def handle_parse_function_call(request: web.Request) -> web.Response:
     """SGLang's ``/parse_function_call``: ``{"text", "tools", "tool_call_parser"}`` ->
     ``{"normal_text", "calls": [{"tool_index", "name", "parameters"}]}`` for a finished
     output (``parameters``: the arguments JSON text; ``tool_index``: into ``tools``)."""
-    body = await _read_json(request)
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    text = body.get("text")
-    if not isinstance(text, str):
-        raise RequestError("text must be a string", "text")
-    name = body.get("tool_call_parser") or request.app[STATE_KEY].tool_call_parser
-    if name not in TOOL_CALL_PARSERS:
-        raise RequestError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
-                           f"{name!r}", "tool_call_parser")
+    body, text, name = await _parse_text_body(request, "tool_call_parser", TOOL_CALL_PARSERS)
     chat_tools = tool_api.parse_tools({"tools": body.get("tools") or []}, name)
     if chat_tools is None:
         raise RequestError("tools must list at least one function", "tools")

@@ -92,6 +92,19 @@ class CallFormat:
                 "required": [self.name_key, self.arguments_key], "additionalProperties": False}
 
 
+def release_before_marker(hold: str, marker: str) -> tuple[str, str]:
+    """Split held-back text into the part that cannot begin ``marker`` (safe to send on) and
+    the rest: a possible partial marker, or the whole marker.
+
+    ``release_before_marker("ab <to", "<tool_call>") == ("ab ", "<to")``.
+    """
+    cut = 0
+    while cut < len(hold) and not marker.startswith(hold[cut:]):
+        nxt = hold.find(marker[0], cut + 1)
+        cut = len(hold) if nxt < 0 else nxt
+    return hold[:cut], hold[cut:]
+
+
 def new_call_id() -> str:
     """An OpenAI-style tool call id: ``call_`` and 24 hex digits."""
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -205,6 +218,7 @@ class ToolCallParser(abc.ABC):
         self._block: list[str] = []   # the current block's text (its fallback content)
         self._sent_args = 0
         self._num_seen = 0            # calls started, dropped ones included
+        self._hold = ""               # text held back: a possible partial marker
 
     # -- interface -----------------------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -281,10 +295,28 @@ class ToolCallParser(abc.ABC):
         if self._asm is not None:
             self._abandon_call()
 
+    @abc.abstractmethod
+    def _in_text(self) -> bool:
+        """Is the family's state machine reading plain text (outside any call)?"""
+
     def _plain_run(self, text: str, i: int) -> int:
-        """How many characters from ``text[i]`` on are plain content for sure (a fast path
-        past the per-character state machine); 0: read ``text[i]`` with ``_char``."""
-        return 0
+        """How many characters from ``text[i]`` on are plain content for sure (no marker can
+        start there; a fast path past ``_char``); 0: read ``text[i]`` with ``_char``."""
+        if not self._in_text() or self._hold:
+            return 0
+        j = text.find("<", i)
+        return (len(text) if j < 0 else j) - i
+
+    def _text_char(self, ch: str, marker: str) -> bool:
+        """Text state: hold ``ch`` back while it may begin ``marker``, send the rest as
+        content; True when the held text is the whole marker (consumed)."""
+        safe, self._hold = release_before_marker(self._hold + ch, marker)
+        if safe:
+            self._content(safe)
+        if self._hold == marker:
+            self._hold = ""
+            return True
+        return False
 
     def _take(self) -> list[Event]:
         """The pending events, neighbours of one kind (and call) merged."""

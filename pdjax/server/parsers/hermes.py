@@ -24,17 +24,13 @@ class HermesToolCallParser(ToolCallParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._state = _TEXT
-        self._hold = ""           # a possible partial marker
 
     def call_format(self) -> CallFormat:
         return CallFormat(begin=self.start_marker + "\n", end="\n" + self.end_marker,
                           separator="\n")
 
-    def _plain_run(self, text: str, i: int) -> int:
-        if self._state != _TEXT or self._hold:
-            return 0
-        j = text.find("<", i)
-        return (len(text) if j < 0 else j) - i
+    def _in_text(self) -> bool:
+        return self._state == _TEXT
 
     def _char(self, ch: str) -> None:
         if self._state == _CALL:
@@ -44,8 +40,8 @@ class HermesToolCallParser(ToolCallParser):
             elif self._asm is None:
                 self._state, self._hold = _AFTER, ""
             return
-        self._hold += ch
         if self._state == _AFTER:
+            self._hold += ch
             stripped = self._hold.lstrip()
             if self.end_marker.startswith(stripped):
                 if stripped == self.end_marker:
@@ -56,19 +52,8 @@ class HermesToolCallParser(ToolCallParser):
             for c in rest:
                 self._char(c)
             return
-        self._scan_marker()
-
-    def _scan_marker(self) -> None:
-        """Text state: send everything that cannot start ``<tool_call>``."""
-        marker = self.start_marker
-        while self._hold and not marker.startswith(self._hold):
-            cut = self._hold.find("<", 1)
-            cut = len(self._hold) if cut < 0 else cut
-            self._content(self._hold[:cut])
-            self._hold = self._hold[cut:]
-        if self._hold == marker:
-            self._hold = ""
-            self._begin_block(marker)
+        if self._text_char(ch, self.start_marker):
+            self._begin_block(self.start_marker)
             self._begin_call()
             self._state = _CALL
 

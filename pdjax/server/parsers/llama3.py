@@ -24,16 +24,12 @@ class Llama3ToolCallParser(ToolCallParser):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._state = _START
-        self._hold = ""
 
     def call_format(self) -> CallFormat:
         return CallFormat(begin="", end="", separator="; ", arguments_key="parameters")
 
-    def _plain_run(self, text: str, i: int) -> int:
-        if self._state != _TEXT or self._hold:
-            return 0
-        j = text.find("<", i)
-        return (len(text) if j < 0 else j) - i
+    def _in_text(self) -> bool:
+        return self._state == _TEXT
 
     def _char(self, ch: str) -> None:
         st = self._state
@@ -80,17 +76,8 @@ class Llama3ToolCallParser(ToolCallParser):
                 self._state = _PRECALL
                 return
             self._state = _TEXT
-        # Text: send everything that cannot start <|python_tag|>.
-        self._hold += ch
-        tag = self.python_tag
-        while self._hold and not tag.startswith(self._hold):
-            cut = self._hold.find("<", 1)
-            cut = len(self._hold) if cut < 0 else cut
-            self._content(self._hold[:cut])
-            self._hold = self._hold[cut:]
-        if self._hold == tag:
-            self._hold = ""
-            self._begin_block(tag)
+        if self._text_char(ch, self.python_tag):
+            self._begin_block(self.python_tag)
             self._state = _PRECALL
 
     def _end(self) -> None:

@@ -16,6 +16,8 @@ Whitespace that only pads the think block (after ``<think>``, before ``</think>`
 
 from __future__ import annotations
 
+from pdjax.server.parsers.base import release_before_marker
+
 _START, _REASONING, _CONTENT = range(3)
 
 
@@ -81,13 +83,10 @@ class ThinkReasoningParser:
                 self._state = _CONTENT
                 self._emit_content(hold, content)
             return
-        end = self.think_end
-        while self._hold and not end.startswith(self._hold):
-            cut = self._hold.find("<", 1)
-            cut = len(self._hold) if cut < 0 else cut
-            self._reason(self._hold[:cut], reasoning)
-            self._hold = self._hold[cut:]
-        if self._hold == end:
+        safe, self._hold = release_before_marker(self._hold, self.think_end)
+        if safe:
+            self._reason(safe, reasoning)
+        if self._hold == self.think_end:
             self._hold, self._ws, self._state = "", "", _CONTENT
             self._strip_content = True
 
