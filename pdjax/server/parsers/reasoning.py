@@ -45,13 +45,30 @@ class ThinkReasoningParser:
         return prompt_text.rfind(cls.think_start) > prompt_text.rfind(cls.think_end)
 
     def feed(self, text: str) -> tuple[str, str]:
-        reasoning, content = [], []
-        for ch in text:
-            self._char(ch, reasoning, content)
+        """Consume a piece of output; returns the ``(reasoning, content)`` it releases."""
+        reasoning: list[str] = []
+        content: list[str] = []
+        i = 0
+        while i < len(text):
+            if self._state == _CONTENT:           # after </think>: the rest is the answer
+                self._emit_content(text[i:], content)
+                break
+            if self._state == _REASONING and not self._hold:
+                j = text.find("<", i)             # no marker can start before the next "<"
+                j = len(text) if j < 0 else j
+                if j > i:
+                    self._reason(text[i:j], reasoning)
+                    i = j
+                    continue
+            self._char(text[i], reasoning, content)
+            i += 1
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
-        reasoning, content = [], []
+        """The output ended: release what was held back (an unclosed think block is all
+        reasoning)."""
+        reasoning: list[str] = []
+        content: list[str] = []
         hold, self._hold = self._hold, ""
         if self._state == _START:
             if self._forced:
@@ -112,6 +129,8 @@ class ThinkReasoningParser:
 
 
 class DeepSeekR1ReasoningParser(ThinkReasoningParser):
+    """Always starts in reasoning (the template opened ``<think>``; R1-0528 writes it again)."""
+
     name = "deepseek-r1"
 
     def __init__(self, starts_in_reasoning: bool = True) -> None:
@@ -119,4 +138,6 @@ class DeepSeekR1ReasoningParser(ThinkReasoningParser):
 
 
 class Qwen3ReasoningParser(ThinkReasoningParser):
+    """Reasoning only when the output opens ``<think>`` or the prompt left one open."""
+
     name = "qwen3"
