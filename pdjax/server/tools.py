@@ -6,7 +6,8 @@ ignores them (its prompt is the same with and without) gets the parser's instruc
 system message instead, so the model still sees the functions. ``tool_choice="required"`` or a
 named function appends the start of a call to the prompt (``ToolCallParser.forced_prefix``):
 the model continues inside a call. That steers but does not enforce; enforcement needs
-grammar-constrained decoding (structured outputs), which ``ChatTools.call_schemas`` prepares.
+grammar-constrained decoding in the engine (structured outputs): ``ChatTools.grammar_spec``
+is the grammar of the calls the choice allows, ready for ``pdjax.constrained``.
 
 Every bad field raises ``RequestError`` (HTTP 400) naming it, as in ``openai_protocol``.
 """
@@ -18,6 +19,7 @@ import json
 import re
 from typing import Any
 
+from pdjax.constrained.grammar import GrammarSpec
 from pdjax.server.errors import RequestError
 from pdjax.server.parsers import ToolCallParser, create_tool_call_parser
 
@@ -58,6 +60,17 @@ class ChatTools:
         allowed = [t for t in self.tools
                    if self.function_name is None or t["function"]["name"] == self.function_name]
         return [fmt.schema(t) for t in allowed]
+
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The grammar that enforces ``required`` (one or more calls; one without
+        ``parallel_tool_calls``) or a named function (one call of it), for the structured
+        outputs backend (``pdjax.constrained``); None for ``auto``. With it, the forced
+        prompt opening is not needed: the grammar covers the whole answer."""
+        if self.choice == "auto":
+            return None
+        max_calls = 1 if self.function_name is not None else self.max_calls
+        grammar = self.new_parser().call_format().lark_grammar(self.call_schemas(), max_calls)
+        return GrammarSpec("lark", grammar, field="tool_choice")
 
 
 def _check_tool(i: int, tool: Any) -> dict[str, Any]:

@@ -306,3 +306,48 @@ def test_cli_flags_reach_the_server_and_the_pd_children():
     assert parse_args([]).tool_call_parser is None
     with pytest.raises(SystemExit):
         parse_args(["--tool-call-parser", "mistral"])
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3"])
+@pytest.mark.parametrize("choice,name,parallel", [("required", None, True),
+                                                  ("required", None, False),
+                                                  ("function", "get_weather", True)])
+def test_tool_choice_grammar_admits_exactly_the_valid_calls(parser, choice, name, parallel):
+    """The grammar ``required`` / a named function would be enforced with (llguidance via
+    pdjax.constrained): the parser's own call text walks through it and reads back as the
+    same calls; a wrong function, missing required arguments or a second call where one is
+    allowed do not."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from server_fakes import build_tokenizer
+
+    from pdjax.constrained.grammar import GrammarBackend
+
+    tok = build_tokenizer()
+    backend = GrammarBackend(tok, len(tok), [tok.eos_token_id])
+    tools = ChatTools(TOOLS, choice, name, None if parallel else 1, parser)
+    spec = tools.grammar_spec()
+    fmt = tools.new_parser().call_format()
+
+    def call(fn, args):
+        return (f'{fmt.begin}{{"name": "{fn}", "{fmt.arguments_key}": '
+                f'{json.dumps(args)}}}{fmt.end}')
+
+    def walk(text):
+        m = backend.matcher(spec)
+        ids = tok.encode(text, add_special_tokens=False)
+        return all(m.accept(t) for t in ids) and m.is_accepting
+
+    one = call("get_weather", {"city": "Paris"})
+    two = one + fmt.separator + call("get_weather", {"city": "Rome"})
+    assert walk(one)
+    assert walk(two) == (choice == "required" and parallel)
+    assert not walk(call("get_weather", {"town": "Paris"}))           # required "city" missing
+    assert walk(call("add", {"a": 1})) == (choice == "required")
+    assert not walk(call("launch", {}))
+    assert not walk("Sure! " + one)
+    assert whole(parser, two) == ("", [("get_weather", '{"city": "Paris"}'),
+                                       ("get_weather", '{"city": "Rome"}')])
+    assert tools.grammar_spec() == spec and ChatTools(TOOLS, "auto", None, None,
+                                                      parser).grammar_spec() is None

@@ -91,6 +91,16 @@ class CallFormat:
                 "properties": {self.name_key: {"const": fn["name"]}, self.arguments_key: params},
                 "required": [self.name_key, self.arguments_key], "additionalProperties": False}
 
+    def lark_grammar(self, schemas: Sequence[dict[str, Any]], max_calls: int | None) -> str:
+        """A Lark grammar (llguidance's dialect, ``%json`` for the call object) of an output
+        that is only calls: one call matching one of ``schemas`` (``max_calls=1``) or several
+        joined by ``separator``."""
+        body = schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+        call = " ".join(p for p in (json.dumps(self.begin) if self.begin else "", "body",
+                                    json.dumps(self.end) if self.end else "") if p)
+        start = "call" if max_calls == 1 else f"call ({json.dumps(self.separator)} call)*"
+        return f"start: {start}\ncall: {call}\nbody: %json {json.dumps(body)}\n"
+
 
 def release_before_marker(hold: str, marker: str) -> tuple[str, str]:
     """Split held-back text into the part that cannot begin ``marker`` (safe to send on) and
