@@ -191,6 +191,8 @@ _HELP = {
     "disaggregation_bootstrap_port": "prefill role: port of the bootstrap server",
     "disaggregation_transfer_backend": "PD data plane; fake moves no bytes (warm-up, tests)",
     "disaggregation_ib_device": "RDMA device for Mooncake (TCP when unset)",
+    "disaggregation_secret": "PD: shared secret for the bootstrap and ZMQ control plane "
+                             "(or env PDJAX_DISAGGREGATION_SECRET); unset: unauthenticated",
     "num_reserved_decode_tokens": "decode admission: free tokens kept per request beyond its prompt",
     "bootstrap_timeout_s": "PD: seconds to pair with the peer",
     "waiting_timeout_s": "PD: seconds a prefill waits for the decode's page list",
@@ -244,6 +246,7 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_ib_device: str | None = None
+    disaggregation_secret: str | None = None
     num_reserved_decode_tokens: int = 512
     bootstrap_timeout_s: float = 300.0
     waiting_timeout_s: float = 300.0

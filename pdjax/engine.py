@@ -141,8 +141,12 @@ class EngineCore:
                 req.finish_reason = {"type": "length", "length": 0}
                 outputs.append(self._output(req, [], [], []))
         batch = self.scheduler.schedule()
+        # Requests the scheduler finished without a forward (a lone decode request the pool
+        # cannot grow) still owe their client a final output.
+        outputs += [self._output(req, [], [], []) for req in self.scheduler.pop_finished()]
         if batch is None:
-            # A request the pool could never hold is finished by the scheduler.
+            if self.disagg is not None and outputs:
+                outputs = self.disagg.after_step(None, outputs)
             return outputs
         rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
@@ -471,6 +475,12 @@ class AsyncEngine:
     def abort(self, rid: str) -> None:
         self._call("abort", rid)
 
+    def pd_reject(self, rooms: list[int], message: str, status_code: int = 400) -> None:
+        """The HTTP server refused a request for these bootstrap rooms before it reached the
+        engine: a prefill fails the rooms and tells their decode at once (issue 16, item 3)."""
+        if rooms:
+            self._call("pd_reject", (list(rooms), message, status_code))
+
     def flush_cache(self) -> bool:
         return self._call_sync("flush")
 
@@ -482,7 +492,8 @@ class AsyncEngine:
         return self._call_sync("pd_state") if self.core is not None else {}
 
     def server_info(self) -> dict:
-        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info = {k: v for k, v in dataclasses.asdict(self.args).items()
+                if k not in ("api_key", "disaggregation_secret")}
         info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
                     load_balance_method="round_robin", context_length=self.context_length,
                     model_path=self.model_path, is_ready=self.is_ready)
@@ -529,8 +540,16 @@ class AsyncEngine:
             try:
                 core.add_request(arg)
             except ValueError as e:
+                if core.disagg is not None:
+                    core.disagg.on_rejected(arg, str(e))     # PD: the peer hears of it at once
                 self._push(GenerateOutput(arg.rid, [], finished=True, error=str(e), status_code=400,
                                           finish_reason={"type": "abort", "message": str(e)}))
+            return None
+        if op == "pd_reject":
+            if core.disagg is not None:
+                rooms, message, status = arg
+                for room in rooms:
+                    core.disagg.reject_room(room, message, status)
             return None
         if op == "abort":
             out = core.abort_request(arg)

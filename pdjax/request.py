@@ -108,6 +108,9 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be a boolean, got "
+                             f"{self.skip_special_tokens!r}")
 
     # Below this temperature sampling is greedy: dividing logits by a subnormal temperature
     # overflows to inf (and then NaN), as SGLang also guards.
@@ -163,6 +166,7 @@ class Request:
     num_retractions: int = 0
     last_scheduled_step: int = 0
     seed_for_sampling: int = 0    # sampling_params.seed, or a random one drawn at arrival
+    reported_cached_tokens: int | None = None   # PD decode: the prefill's prefix-cache hit
 
     def __post_init__(self):
         if not self.prompt_ids:
@@ -187,8 +191,11 @@ class Request:
 
     @property
     def num_cached_tokens_reported(self) -> int:
-        """Prompt tokens served from a prefix cache (``cached_tokens`` in usage)."""
-        return min(self.num_cached_tokens, self.num_prompt_tokens)
+        """Prompt tokens served from a prefix cache (``cached_tokens`` in usage); on a PD decode
+        server, the prefill's hit (``reported_cached_tokens``), as colocated would report."""
+        cached = self.num_cached_tokens if self.reported_cached_tokens is None \
+            else self.reported_cached_tokens
+        return max(0, min(cached, self.num_prompt_tokens))
 
     @property
     def is_finished(self) -> bool:

@@ -13,8 +13,12 @@ the same body to both at once, and returns the decode server's answer, streaming
     client --> router --body + bootstrap fields--> prefill  (computes the prompt, sends the KV)
                       '-------- same body ------->  decode  (receives the KV, generates) --> client
 
-If the prefill fails first, the decode request is cancelled and the client gets 502 with the
-prefill's error; if the decode fails, the prefill request is cancelled. With
+Errors: a 4xx from either server reaches the client as that 4xx with its body (a decode that
+failed because the prefill refused the request gives way to the prefill's 4xx); a server that
+failed (5xx) or could not be reached gives 502 ``router_error``; the other half is cancelled.
+Before anything is drawn, a body is refused with 400 when it is not JSON (or nested deeper than
+the parser allows), or asks for more than ``MAX_SAMPLES`` samples (``MAX_BATCH_SIZE`` prompts,
+``n`` up to ``MAX_N``), the limits the servers apply. With
 ``return_logprob`` on ``/generate``, the prompt logprobs computed by the prefill are put in
 front of the decode's ``meta_info.input_token_logprobs`` (and ``input_top_logprobs``), per
 sample and per stream event. ``/health`` is 200 only when every worker is healthy.
@@ -36,6 +40,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdjax.server.openai_protocol import MAX_BATCH_SIZE, MAX_N, MAX_SAMPLES
+
 logger = logging.getLogger(__name__)
 
 MAX_ROOM = (1 << 63) - 1
@@ -48,6 +54,35 @@ _FORWARD_HEADERS = ("Authorization",)
 def draw_room(rng: random.Random) -> int:
     """A bootstrap room in [1, 2**63): 0 means "unwritten" in the metadata row."""
     return rng.randint(1, MAX_ROOM)
+
+
+def checked_num_samples(path: str, body: dict[str, Any]) -> int:
+    """``num_samples``, refused before any room is drawn when it is over the servers' limits:
+    ``ValueError`` naming the field for ``n`` above ``MAX_N``, a batch above
+    ``MAX_BATCH_SIZE`` or more than ``MAX_SAMPLES`` samples in all (issue 16, item 7)."""
+    if path == "/generate":
+        sp = body.get("sampling_params")
+        sps = sp if isinstance(sp, list) else [sp]
+        ns = [d.get("n", 1) for d in sps[:MAX_BATCH_SIZE + 1] if isinstance(d, dict)]
+        name, prompts = "sampling_params.n", body.get("text", body.get("input_ids"))
+        batch_name = "text" if "text" in body else "input_ids"
+        batch = len(prompts) if isinstance(prompts, list) and prompts and \
+            (batch_name == "text" or isinstance(prompts[0], list)) else 1
+    else:
+        ns, name, batch_name = [body.get("n", 1)], "n", "prompt"
+        prompt = body.get("prompt")
+        batch = len(prompt) if path == "/v1/completions" and isinstance(prompt, list) \
+            and prompt and not isinstance(prompt[0], int) else 1
+    for n in ns:
+        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+            raise ValueError(f"{name}: n = {n} exceeds the limit of {MAX_N}")
+    if batch > MAX_BATCH_SIZE:
+        raise ValueError(f"{batch_name}: a batch of {batch} prompts exceeds the limit of "
+                         f"{MAX_BATCH_SIZE}")
+    total = num_samples(path, body)
+    if total > MAX_SAMPLES:
+        raise ValueError(f"{name}: {total} samples exceed the limit of {MAX_SAMPLES} per request")
+    return total
 
 
 def num_samples(path: str, body: dict[str, Any]) -> int:
@@ -142,8 +177,9 @@ class PDRouter:
 
     def inject(self, path: str, body: dict[str, Any], prefill_url: str,
                bootstrap_port: int | None) -> list[int]:
-        """Add the bootstrap fields to ``body`` (in place); returns the rooms drawn."""
-        n = num_samples(path, body)
+        """Add the bootstrap fields to ``body`` (in place); returns the rooms drawn.
+        ``ValueError`` (naming the field) for a body over the sample limits."""
+        n = checked_num_samples(path, body)
         rooms = [draw_room(self._rng) for _ in range(n)]
         host = urllib.parse.urlparse(prefill_url).hostname
         body["bootstrap_host"] = host if n == 1 else [host] * n
@@ -196,13 +232,17 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     path = request.path
     try:
         body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError) as e:
-        return _error(f"malformed JSON body: {e}", 400)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        return _error(f"malformed JSON body: {type(e).__name__}: {e}", 400)
     if not isinstance(body, dict):
         return _error("the request body must be a JSON object", 400)
     router.num_requests += 1
     p_url, p_port, d_url = router.pick()
-    router.inject(path, body, p_url, p_port)
+    try:
+        router.inject(path, body, p_url, p_port)
+    except ValueError as e:
+        router.num_errors += 1
+        return _error(str(e), 400)
     headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
     merge = path == "/generate" and bool(body.get("return_logprob"))
     session = router.session
@@ -213,18 +253,18 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if p_task in done and not d_task.done():
-            p_status, p_raw, _ = _result(p_task)
+            p_status, p_raw, p_type = _result(p_task)
             if p_status != 200:
                 await _cancel(d_task)
                 router.num_errors += 1
-                return _error(f"prefill server {p_url} failed ({p_status}): "
-                              f"{_error_text(p_raw)}", 502)
-        d_status, d_raw, d_type = await d_task
+                return _worker_error("prefill", p_url, p_status, p_raw, p_type)
+        await asyncio.wait({d_task})
+        d_status, d_raw, d_type = _result(d_task)
         if d_status != 200:
-            await _cancel(p_task)
             router.num_errors += 1
-            return web.Response(status=d_status, body=d_raw,
-                                content_type=d_type.split(";")[0] or "application/json")
+            verdict = await _prefill_verdict(p_task, p_url)
+            await _cancel(p_task)
+            return verdict or _worker_error("decode", d_url, d_status, d_raw, d_type)
         # The prefill answers when its transfer is over, i.e. before the decode's first token:
         # waiting for it here costs nothing and keeps it from being aborted by our cancel.
         await asyncio.wait({p_task}, timeout=5.0)
@@ -237,6 +277,32 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return web.Response(status=200, body=d_raw, content_type="application/json")
     finally:
         await _cancel(p_task, d_task)
+
+
+PREFILL_VERDICT_S = 5.0        # how long a failed decode waits for the prefill's own answer
+
+
+def _worker_error(role: str, url: str, status: int, raw: bytes,
+                  content_type: str) -> web.Response:
+    """A worker's failure as the client sees it: its 4xx as is, anything else 502."""
+    if 400 <= status < 500:
+        return web.Response(status=status, body=raw,
+                            content_type=content_type.split(";")[0] or "application/json")
+    where = f"{role} server {url}" if url else f"{role} server"
+    return _error(f"{where} failed ({status}): {_error_text(raw)}", 502)
+
+
+async def _prefill_verdict(p_task: asyncio.Task, p_url: str) -> web.Response | None:
+    """After a decode failure: the prefill's 4xx if it refused the request (the decode failed
+    because of it), else None. Waits up to ``PREFILL_VERDICT_S`` for the prefill's answer."""
+    if not p_task.done():
+        await asyncio.wait({p_task}, timeout=PREFILL_VERDICT_S)
+    if not p_task.done():
+        return None
+    status, raw, content_type = _result(p_task)
+    if 400 <= status < 500:
+        return _worker_error("prefill", p_url, status, raw, content_type)
+    return None
 
 
 def _result(task: asyncio.Task) -> tuple[int, bytes, str]:
@@ -259,10 +325,10 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
     try:
         done, _ = await asyncio.wait({p_task, d_open}, return_when=asyncio.FIRST_COMPLETED)
         if p_task in done and not d_open.done():
-            p_status, p_raw, _ = _result(p_task)
+            p_status, p_raw, p_type = _result(p_task)
             if p_status != 200:
                 router.num_errors += 1
-                return _error(f"prefill server failed ({p_status}): {_error_text(p_raw)}", 502)
+                return _worker_error("prefill", "", p_status, p_raw, p_type)
         try:
             d_resp = await d_open
         except (aiohttp.ClientError, OSError) as e:
@@ -271,7 +337,9 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
         if d_resp.status != 200:
             router.num_errors += 1
             raw = await d_resp.read()
-            return web.Response(status=d_resp.status, body=raw, content_type="application/json")
+            verdict = await _prefill_verdict(p_task, "")
+            return verdict or _worker_error("decode", d_url, d_resp.status, raw,
+                                            d_resp.headers.get("Content-Type", ""))
         prefill_obj = None
         if merge:
             await asyncio.wait({p_task})

@@ -108,6 +108,9 @@ class Scheduler:
         self._last_forward_mode: str | None = None
         self.num_retractions = 0
         self.num_prompt_tokens_computed = 0
+        # Requests finished inside schedule() (no forward, so no sampled output carries their
+        # finish): the engine drains them every step with ``pop_finished`` and answers them.
+        self._finished_unreported: list[Request] = []
         # PD disaggregation (DESIGN.md §4); see the "PD hooks" section below.
         self.hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
         self.held: dict[str, Request] = {}         # finished, pages kept until release_held
@@ -232,11 +235,8 @@ class Scheduler:
             if len(reqs) == 1 and len(self.running) == 1:
                 # Alone and still no room: the pool cannot hold this request at all.
                 victim = reqs[0]
-                self.running.remove(victim)
-                self._release(victim)
-                self.requests.pop(victim.rid, None)
-                victim.finish_reason = {"type": "length", "length": len(victim.output_ids)}
-                victim.set_state(RequestState.FINISHED)
+                self.finish_request(victim, {"type": "length", "length": len(victim.output_ids)})
+                self._finished_unreported.append(victim)
                 return []
             victim = min(reqs, key=lambda r: (len(r.output_ids), -r.arrival_time))
             reqs.remove(victim)
@@ -315,6 +315,12 @@ class Scheduler:
                 self.finish_request(req, reason)
                 finished.append(req)
         return finished
+
+    def pop_finished(self) -> list[Request]:
+        """Requests finished by ``schedule()`` itself since the last call (a lone decode request
+        the pool cannot grow): the caller must still send their final output."""
+        done, self._finished_unreported = self._finished_unreported, []
+        return done
 
     def finish_request(self, req: Request, reason: dict) -> None:
         if req in self.running:

@@ -46,7 +46,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 DRAIN_ABORT_GRACE_S = 5.0
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"       # PD warm-up/health host: the fake transfer backend
+FAKE_BOOTSTRAP_HOST = proto.FAKE_BOOTSTRAP_HOST   # PD warm-up/health host: fake transfers
 CLIENT_MAX_SIZE = 64 << 20            # request bodies up to 64 MiB (long prompts as token ids)
 # Paths reachable without the API key (probes from load balancers and Prometheus).
 AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
@@ -464,6 +464,30 @@ async def _stream(request: web.Request, group: RequestGroup,
     return resp
 
 
+async def _parse(state: ServerState, parse: Callable, body: Any):
+    """``parse(body, ctx)`` off the event loop. A refused PD request also fails its bootstrap
+    rooms in the engine, so that the peer server hears of it at once (issue 16, item 3)."""
+    try:
+        return await asyncio.to_thread(parse, body, state.ctx)
+    except RequestError as e:
+        rooms = _pd_rooms(body)
+        reject = getattr(state.engine, "pd_reject", None)
+        if rooms and reject is not None and 400 <= e.status < 500:
+            reject(rooms, e.message, e.status)
+        raise
+
+
+def _pd_rooms(body: Any) -> list[int]:
+    """The valid ``bootstrap_room`` values of a body that failed validation (at most
+    ``MAX_SAMPLES``); none when it names the fake warm-up host."""
+    if not isinstance(body, dict) or body.get("bootstrap_host") == FAKE_BOOTSTRAP_HOST:
+        return []
+    room = body.get("bootstrap_room")
+    rooms = room[:proto.MAX_SAMPLES] if isinstance(room, list) else [room]
+    return [r for r in rooms if isinstance(r, int) and not isinstance(r, bool)
+            and 1 <= r <= proto.MAX_ROOM]
+
+
 def _result_error(group: RequestGroup) -> web.Response | None:
     r = group.first_error()
     return None if r is None else error_response(r.error, r.error_status)
@@ -478,8 +502,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     state.check_accepting()
     with state.track():
         # Tokenizing a large prompt takes seconds: never on the event loop.
-        parsed = await asyncio.to_thread(proto.parse_generate_request, await _read_json(request),
-                                         state.ctx)
+        parsed = await _parse(state, proto.parse_generate_request, await _read_json(request))
         group = state.open_group(parsed.requests, parsed.group_rid, parsed.log_metrics)
         texts = state.token_texts if parsed.return_text_in_logprobs else None
         # separate_reasoning: each sample's text split into reasoning_text and text.
@@ -516,8 +539,7 @@ async def _handle_openai(request: web.Request, parse: Callable) -> web.StreamRes
     state = request.app[STATE_KEY]
     state.check_accepting()
     with state.track():
-        parsed: proto.OpenAIRequest = await asyncio.to_thread(parse, await _read_json(request),
-                                                              state.ctx)
+        parsed: proto.OpenAIRequest = await _parse(state, parse, await _read_json(request))
         group = state.open_group(parsed.requests, parsed.group_rid)
         texts = state.token_texts
         results = [s.result for s in group.samples]

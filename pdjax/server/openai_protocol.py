@@ -37,6 +37,11 @@ from pdjax.server.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
 MAX_ROOM = (1 << 63) - 1
+# Limits checked before anything is tokenized or allocated (the PD router checks the same).
+MAX_N = 64                   # sampling_params.n / n (SamplingParams checks it too)
+MAX_BATCH_SIZE = 1024        # prompts in one request
+MAX_SAMPLES = 1024           # prompts x n: one engine request (and one PD room) each
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"   # the servers' own PD warm-up / health probe; never a client's
 LOGPROB_FLOOR = -9999.0      # JSON has no -inf: log(0) is reported as this
 
 
@@ -193,6 +198,18 @@ def _validate_token_ids(name: str, ids: Any, ctx: ServingContext) -> list[int]:
     return list(ids)
 
 
+def _check_batch_size(name: str, batch: int) -> None:
+    if batch > MAX_BATCH_SIZE:
+        raise RequestError(f"{name}: a batch of {batch} prompts exceeds the limit of "
+                           f"{MAX_BATCH_SIZE}", name)
+
+
+def _check_num_samples(batch: int, n: int, name: str = "n") -> None:
+    if batch * n > MAX_SAMPLES:
+        raise RequestError(f"{name}: {batch} prompt(s) x n = {n} is {batch * n} samples, over "
+                           f"the limit of {MAX_SAMPLES} per request", name)
+
+
 def _check_prompt_length(name: str, ids: list[int], ctx: ServingContext) -> None:
     if len(ids) >= ctx.context_length:
         raise RequestError(
@@ -227,11 +244,24 @@ def _sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
         raise RequestError(msg, param or msg.split()[0].rstrip(":")) from None
     except TypeError as e:
         raise RequestError(f"{param}: {e}", param) from None
-    if sp.max_new_tokens is not None and sp.max_new_tokens > ctx.context_length:
+    # Only what the client asked for is refused; the default is clamped per prompt
+    # (``_clamp_default_max_new``).
+    if "max_new_tokens" in d and sp.max_new_tokens is not None \
+            and sp.max_new_tokens > ctx.context_length:
         raise RequestError(
             f"{max_tokens_name} = {sp.max_new_tokens} exceeds the model's context length of "
             f"{ctx.context_length} tokens", max_tokens_name)
     return sp
+
+
+def _clamp_default_max_new(sp: SamplingParams, prompt_len: int,
+                           ctx: ServingContext) -> SamplingParams:
+    """The default ``max_new_tokens`` (the client did not set it) cut to what the context
+    leaves after the prompt, as SGLang does (issue 16, item 6). Returns a copy."""
+    left = max(1, ctx.context_length - prompt_len)
+    if sp.max_new_tokens is None or sp.max_new_tokens <= left:
+        return sp
+    return dataclasses.replace(sp, max_new_tokens=left)
 
 
 def _sample_params(sp: SamplingParams, j: int) -> SamplingParams:
@@ -260,9 +290,17 @@ def _per_sample(name: str, value: Any, num: int, check: Callable[[str, Any], Any
     return [v] * num
 
 
+def _check_bootstrap_host(name: str, v: Any) -> str:
+    _check_str(name, v, allow_empty=False)
+    if v == FAKE_BOOTSTRAP_HOST:
+        # The fake host makes a decode read pages nothing wrote (issue 16, item 8).
+        raise RequestError(f"{name}: {v} is reserved for the server's own warm-up and health "
+                           f"probe", name)
+    return v
+
+
 def _pd_fields(body: dict[str, Any], num: int) -> tuple[list, list, list]:
-    hosts = _per_sample("bootstrap_host", body.get("bootstrap_host"), num,
-                        lambda n, v: _check_str(n, v, allow_empty=False))
+    hosts = _per_sample("bootstrap_host", body.get("bootstrap_host"), num, _check_bootstrap_host)
     ports = _per_sample("bootstrap_port", body.get("bootstrap_port"), num,
                         lambda n, v: _check_int(n, v, 1, 65535))
     rooms = _per_sample("bootstrap_room", body.get("bootstrap_room"), num,
@@ -326,6 +364,7 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
             is_single, texts = True, [text]
         elif isinstance(text, list) and text:
             is_single, texts = False, text
+            _check_batch_size("text", len(texts))
         else:
             raise RequestError("text must be a string or a non-empty list of strings", "text")
         prompts = []
@@ -342,6 +381,7 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
                                "input_ids")
         if all(isinstance(x, list) for x in ids):
             is_single = False
+            _check_batch_size("input_ids", len(ids))
             prompts = [_validate_token_ids(f"input_ids[{i}]", x, ctx) for i, x in enumerate(ids)]
         else:
             is_single = True
@@ -355,20 +395,25 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     sp_raw = body.get("sampling_params", {})
     if isinstance(sp_raw, dict):
         sp_list = [_sampling_params(sp_raw, ctx, "sampling_params")] * batch
+        explicit = ["max_new_tokens" in sp_raw] * batch
     elif isinstance(sp_raw, list) and not is_single:
         if len(sp_raw) != batch or not all(isinstance(d, dict) for d in sp_raw):
             raise RequestError(f"sampling_params must be an object or a list of {batch} objects",
                                "sampling_params")
         sp_list = [_sampling_params(d, ctx, f"sampling_params[{i}]") for i, d in enumerate(sp_raw)]
+        explicit = ["max_new_tokens" in d for d in sp_raw]
     else:
         raise RequestError("sampling_params must be an object (or a list of objects for a batch)",
                            "sampling_params")
+    sp_list = [sp if exp else _clamp_default_max_new(sp, len(p), ctx)
+               for sp, exp, p in zip(sp_list, explicit, prompts)]
     n = sp_list[0].n
     if any(sp.n != n for sp in sp_list):
         raise RequestError("sampling_params: n must be the same for every prompt",
                            "sampling_params")
     if n > 1:
         is_single = False
+    _check_num_samples(batch, n, "sampling_params.n")
     num = batch * n
 
     stream = _check_bool("stream", body.get("stream", False))
@@ -565,6 +610,7 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     else:
         raise RequestError("prompt must be a non-empty string, list of strings, list of token "
                            "ids or list of token-id lists", "prompt")
+    _check_batch_size("prompt", len(raw))
     prompts, texts = [], []
     for i, p in enumerate(raw):
         name = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -589,6 +635,7 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     if echo and logprobs is not None:
         raise RequestError("echo together with logprobs is not supported by pdjax", "echo")
     sp = _openai_sampling(body, ctx, body.get("max_tokens", 16), "max_tokens")
+    _check_num_samples(len(prompts), sp.n)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     base, group_rid = _base_rid(body, response_id)
     return OpenAIRequest(

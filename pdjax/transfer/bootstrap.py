@@ -5,7 +5,8 @@ DESIGN.md §4 plane 1, reference/sglang_pd_notes.md §1. The prefill server runs
 
     PUT /route    a prefill rank registers: rank_ip, rank_port (its ZMQ PULL port), tp_rank,
                   tp_size, page_size, kv_dtype, layout_fingerprint, protocol_version (JSON);
-                  200, or 400 (bad field) / 409 (disagrees with the ranks already registered)
+                  200, or 400 (bad field) / 409 (disagrees with the ranks already registered);
+                  with a shared secret, 401 unless ``Authorization: Bearer <secret>``
     GET /route    the topology (``PrefillServerInfo`` JSON); 503 until all tp_size ranks are
                   registered; ``?tp_rank=N`` returns that rank only (404 if unknown)
     GET /health   200 "OK" (decode's heartbeat)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import threading
@@ -182,14 +184,20 @@ class BootstrapServer:
     """The prefill's bootstrap HTTP server, on its own event loop in a daemon thread.
 
     ``port=0`` binds a free port; ``start()`` returns the bound port. ``stop()`` is idempotent.
-    ``start()`` raises ``OSError`` if the port cannot be bound.
+    ``start()`` raises ``OSError`` if the port cannot be bound. ``secret``: writes (PUT /route)
+    need ``Authorization: Bearer <secret>``; refused ones are counted in ``num_unauthorized``
+    and reported to ``on_unauthorized()``.
     """
 
-    def __init__(self, host: str = "0.0.0.0", port: int = DEFAULT_BOOTSTRAP_PORT):
+    def __init__(self, host: str = "0.0.0.0", port: int = DEFAULT_BOOTSTRAP_PORT,
+                 secret: str | None = None, on_unauthorized=None):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port: expected an int in [0, 65535], got {port!r}")
         self.host = host
         self.port = port
+        self._secret = f"Bearer {secret}".encode() if secret else None
+        self._on_unauthorized = on_unauthorized
+        self.num_unauthorized = 0
         self._ranks: dict[int, PrefillRankInfo] = {}
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,7 +238,23 @@ class BootstrapServer:
 
     # -- HTTP handlers -------------------------------------------------------------------------
 
+    def _authorized(self, request: web.Request) -> bool:
+        if self._secret is None:
+            return True
+        given = request.headers.get("Authorization", "").encode()
+        if hmac.compare_digest(given, self._secret):
+            return True
+        self.num_unauthorized += 1
+        logger.error("bootstrap: refused an unauthenticated %s %s from %s", request.method,
+                     request.path, request.remote)
+        if self._on_unauthorized is not None:
+            self._on_unauthorized()
+        return False
+
     async def _put_route(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return web.Response(status=401, text="unauthorized: a valid disaggregation secret "
+                                                 "is required to register a prefill rank")
         try:
             body = await request.read()
             if len(body) > _MAX_BODY:
@@ -335,10 +359,13 @@ def _url(host: str, port: int, path: str) -> str:
     return f"http://{host}:{port}{path}"
 
 
-def _http(method: str, url: str, body: dict | None, timeout_s: float) -> tuple[int, bytes]:
+def _http(method: str, url: str, body: dict | None, timeout_s: float,
+          secret: str | None = None) -> tuple[int, bytes]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if secret:
+        headers["Authorization"] = f"Bearer {secret}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with _opener.open(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -347,8 +374,9 @@ def _http(method: str, url: str, body: dict | None, timeout_s: float) -> tuple[i
 
 
 def register_prefill_rank(host: str, port: int, info: PrefillRankInfo,
-                          timeout_s: float = 30.0) -> None:
-    """PUT ``info`` to the bootstrap server at ``host:port``, retrying until ``timeout_s``.
+                          timeout_s: float = 30.0, secret: str | None = None) -> None:
+    """PUT ``info`` to the bootstrap server at ``host:port``, retrying until ``timeout_s``;
+    ``secret``: the shared disaggregation secret (sent as a bearer token).
 
     Connection errors and 5xx answers are retried with backoff (0.05 s doubling to 1 s);
     a 4xx answer (bad or conflicting registration) raises ``ValueError`` with the server's
@@ -360,7 +388,8 @@ def register_prefill_rank(host: str, port: int, info: PrefillRankInfo,
     while True:
         remaining = deadline - time.monotonic()
         try:
-            status, text = _http("PUT", url, info.to_json(), max(0.1, min(5.0, remaining)))
+            status, text = _http("PUT", url, info.to_json(), max(0.1, min(5.0, remaining)),
+                                 secret)
             if status == 200:
                 return
             if 400 <= status < 500:

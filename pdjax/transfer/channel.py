@@ -5,15 +5,19 @@ PUSH sockets, one per peer endpoint, created on first use. Every message is one 
 one msgpack map (``pdjax.transfer.protocol``); a receiver thread decodes it and hands the typed
 message to the role's handler. A frame that does not parse (wrong frame count, bad msgpack,
 unknown type, a field out of range) is counted, logged and dropped: the server keeps serving.
+With a shared ``secret`` every frame is sealed on send and authenticated before parsing (HMAC,
+replay counter, time window; ``protocol.FrameAuthenticator``); a frame that fails is counted
+by reason (``hmac``, ``replay``, ``stale``) and dropped.
 
-    peer PUSH --frame--> PULL [recv thread] --decode_message--> handler(msg)
-                                   '--ProtocolError--> rejected += 1, log
+    peer PUSH --frame--> PULL [recv thread] --(auth)--> decode_message --> handler(msg)
+                                   '--AuthError / ProtocolError--> rejected += 1, log
 
 Pure Python (pyzmq); never imports JAX.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import socket
 import threading
@@ -21,7 +25,9 @@ from typing import Callable
 
 import zmq
 
-from pdjax.transfer.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode_message
+from pdjax.transfer.protocol import (AUTH_PREFIX_BYTES, MAX_FRAME_BYTES, AuthError,
+                                     FrameAuthenticator, FrameSealer, Message, ProtocolError,
+                                     decode_message)
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +52,26 @@ class MessageChannel:
     """A bound PULL socket with a receiver thread, plus cached PUSH sockets.
 
     ``handler(msg)`` runs on the receiver thread for every valid message; it must not block
-    for long. ``on_reject(reason)`` is called for every dropped frame. ``send`` is thread-safe
-    and returns False (logging why) when the message could not be queued within
-    ``SEND_TIMEOUT_MS``. Raises ``zmq.ZMQError`` if no port can be bound.
+    for long. ``on_reject(reason, kind)`` is called for every dropped frame (``kind``:
+    ``malformed``, or the ``AuthError`` reason). ``secret``: seal and authenticate every frame
+    (None: plain frames, as before). ``send`` is thread-safe and returns False (logging why)
+    when the message could not be queued within ``SEND_TIMEOUT_MS``. Raises
+    ``zmq.ZMQError`` if no port can be bound.
     """
 
     def __init__(self, host: str, handler: Callable[[Message], None], name: str,
-                 on_reject: Callable[[str], None] | None = None):
+                 on_reject: Callable[[str, str], None] | None = None,
+                 secret: str | bytes | None = None):
         self.name = name
         self._handler = handler
         self._on_reject = on_reject
+        self._sealer = FrameSealer(secret) if secret else None
+        self._auth = FrameAuthenticator(secret) if secret else None
+        self.rejected_by_kind: collections.Counter = collections.Counter()
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + AUTH_PREFIX_BYTES)
         bind_host = "*" if host in ("0.0.0.0", "::", "") else host
         self.port = self._pull.bind_to_random_port(f"tcp://{bind_host}")
         self.host = advertise_host(host)
@@ -91,7 +103,12 @@ class MessageChannel:
                 self._reject(f"expected 1 frame, got {len(frames)}")
                 continue
             try:
-                msg = decode_message(frames[0])
+                body = frames[0] if self._auth is None else self._auth.open(frames[0])
+            except AuthError as e:
+                self._reject(str(e), e.reason)
+                continue
+            try:
+                msg = decode_message(body)
             except ProtocolError as e:
                 self._reject(str(e))
                 continue
@@ -100,20 +117,28 @@ class MessageChannel:
             except Exception:       # a handler bug must not kill the channel
                 logger.exception("%s: handling %s failed", self.name, type(msg).__name__)
 
-    def _reject(self, reason: str) -> None:
+    def _reject(self, reason: str, kind: str = "malformed") -> None:
         self.num_rejected += 1
-        logger.error("%s: rejected a malformed control frame: %s", self.name, reason)
+        self.rejected_by_kind[kind] += 1
+        what = "malformed" if kind == "malformed" else f"unauthenticated ({kind})"
+        logger.error("%s: rejected a %s control frame: %s", self.name, what, reason)
         if self._on_reject is not None:
             try:
-                self._on_reject(reason)
+                self._on_reject(reason, kind)
             except Exception:
                 logger.exception("%s: on_reject failed", self.name)
 
     # -- sending ---------------------------------------------------------------------------
+    def seal(self, msg: Message) -> bytes:
+        """The frame ``send`` puts on the wire for ``msg`` (sealed when a secret is set)."""
+        frame = msg.encode()
+        return frame if self._sealer is None else self._sealer.seal(frame)
+
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue ``msg`` for the peer PULL socket at ``endpoint`` (``tcp://host:port``)."""
-        frame = msg.encode()
         with self._send_lock:
+            # Sealed under the lock: frames leave in counter order.
+            frame = self.seal(msg)
             sock = self._push.get(endpoint)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)

@@ -6,10 +6,11 @@ computing the prompt. One ``DecodeRoom`` per request:
 
     Bootstrapping --(prefill found and paired: GET /route, RegisterDecode -> accepted)-->
     WaitingForInput --(pages + metadata slot reserved, TransferRequest sent)-->
-    Transferring --(prefill's Success status AND the metadata row holds our room)--> Success:
+    Transferring --(prefill's Success status AND the metadata row holds our room and the digest
+                    of our prompt)--> Success:
         the request joins the running batch with its first token (no prompt recompute)
     any state --(timeout, refused pairing, prefill Failed/Abort, lost heartbeat, client abort,
-                 metadata room mismatch)--> Failed: the client gets an error
+                 metadata room or prompt digest mismatch)--> Failed: the client gets an error
 
 Safety rules (SGLang's bug history, reference/sglang_pd_notes.md §12):
 * pages of a failed or aborted transfer never enter the prefix cache;
@@ -19,12 +20,15 @@ Safety rules (SGLang's bug history, reference/sglang_pd_notes.md §12):
   write, so those pages are freed at once;
 * a metadata slot is zeroed before it is handed out again (``MetadataBuffers``);
 * a failed prefill is not failed forever: its peer entry is dropped, and the next request
-  bootstraps again (a restarted prefill has a new ZMQ port).
+  bootstraps again (a restarted prefill has a new ZMQ port);
+* the page list carries the prompt's length and digest, and the metadata row must carry the
+  same digest back: a room reused by another prompt never commits foreign KV (issue 16).
 
 Admission (SGLang's ``pop_preallocated``, simplified): a request is preallocated when the pool
 can free its prompt pages minus the decode-side prefix hit, plus
 ``ceil(min(num_reserved_decode_tokens, tokens still to generate) / page_size)`` pages for it
-and for every running or preallocated request. Requests are preallocated in arrival order.
+and for every running or preallocated request. Requests are preallocated in arrival order. A request that does not fit waits (pages held by
+running requests or quarantined come back) and fails only by ``waiting_timeout_s``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
                                       fetch_prefill_info)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
+                                     RegisterResult, TransferRequest, TransferStatus,
+                                     prompt_digest)
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
@@ -89,7 +94,9 @@ class DecodeRoom:
     sent_s: float = 0.0
     status: KVPoll | None = None
     status_reason: str = ""
+    status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
     fail_reason: str | None = None
+    digest: bytes = b""                # protocol.prompt_digest of the prompt
 
     @property
     def fake(self) -> bool:
@@ -157,7 +164,8 @@ class DecodeManager(RoleManager):
                 self.room_owner[room] = req.rid
                 port = g.bootstrap_port or self.args.disaggregation_bootstrap_port
                 peer_key = (g.bootstrap_host, int(port))
-            self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now)
+            self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
+                                             digest=b"" if fake else prompt_digest(req.prompt_ids))
         if peer_key is not None:
             self._ensure_peer(peer_key)
         self.wake()
@@ -285,7 +293,7 @@ class DecodeManager(RoleManager):
                     if len(self.scheduler.running) < self.args.max_running_requests:
                         out = self._commit(r, now)
                 elif status == KVPoll.Failed:
-                    out = self._fail(r, reason)
+                    out = self._fail(r, reason, status_code=r.status_code or None)
                 elif now - r.state_s > self.args.transfer_timeout_s:
                     out = self._fail(r, f"transfer timeout: no KV from the prefill within "
                                         f"{self.args.transfer_timeout_s:g} s",
@@ -328,6 +336,10 @@ class DecodeManager(RoleManager):
             if s.running or s.prealloc:
                 return False, None
             if not s.reserve_prebuilt(req, 0):
+                if s.quarantined:
+                    # Pages a late write may still hit come back by ack or drain timeout: wait
+                    # like any request that does not fit yet (issue 16, item 11).
+                    return False, None
                 return False, self._fail(r, f"the prompt of {req.num_prompt_tokens} tokens does "
                                             f"not fit the decode KV pool")
         slot = None
@@ -347,7 +359,8 @@ class DecodeManager(RoleManager):
             return True, None
         msg = TransferRequest(bootstrap_room=r.room, dst_pages=tuple(r.dst_pages),
                               dst_metadata_slot=slot, decode_prefix_len=r.decode_prefix_len,
-                              decode_engine_id=peer.engine_id)
+                              decode_engine_id=peer.engine_id, prompt_len=req.num_prompt_tokens,
+                              prompt_digest=r.digest)
         if not self.send(peer.endpoint, msg):
             return True, self._fail(r, f"could not send the page list to {peer.endpoint}")
         return True, None
@@ -372,6 +385,9 @@ class DecodeManager(RoleManager):
                 row = self.meta.read(r.slot)
             except ValueError as e:
                 return self._fail(r, f"metadata row is corrupt: {e}")
+            if row.prompt_digest != r.digest:
+                return self._fail(r, f"metadata gate: slot {r.slot} holds the KV of another "
+                                     f"prompt (digest mismatch for bootstrap_room {r.room})")
             token = row.output_token_id
             if not 0 <= token < self.core.model_cfg.vocab_size:
                 return self._fail(r, f"metadata: first token {token} outside the vocabulary")
@@ -380,6 +396,9 @@ class DecodeManager(RoleManager):
             self.local_kv.stage_in(r.dst_pages)
             self.meta.free(r.slot)
             r.slot = None
+            # What the prefill served from its prefix cache, as colocated reports it; the
+            # decode's own prefix hit only saved transfer bytes (issue 16, item 5).
+            req.reported_cached_tokens = row.cached_tokens
         self.scheduler.add_prebuilt(req, token)
         lps, tops = [], []
         if req.return_logprob:
@@ -406,9 +425,11 @@ class DecodeManager(RoleManager):
         return self.core._output(req, [token], lps, tops)
 
     def _fail(self, r: DecodeRoom, reason: str, quarantine: bool = False,
-              send_abort: bool = False, answer: bool = True) -> GenerateOutput | None:
+              send_abort: bool = False, answer: bool = True,
+              status_code: int | None = None) -> GenerateOutput | None:
         """Fail a room: pages back (never into the prefix cache; quarantined when the prefill
-        may still write), the client answered with an error unless ``answer`` is False."""
+        may still write), the client answered with an error (HTTP ``status_code``, default
+        500) unless ``answer`` is False."""
         self._set_state(r, KVPoll.Failed)
         r.fail_reason = reason
         logger.warning("PD decode: bootstrap_room %s (rid %s) failed: %s", r.room, r.req.rid,
@@ -438,7 +459,7 @@ class DecodeManager(RoleManager):
         if not answer:
             return None
         return error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): {reason}",
-                            req.num_prompt_tokens)
+                            req.num_prompt_tokens, status_code)
 
     def _release_quarantine(self, now: float) -> None:
         if not self.quarantine:
@@ -461,8 +482,9 @@ class DecodeManager(RoleManager):
                                "without an abort ack", key[0])
 
     def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
-        """After a forward: re-check the KV addresses (a move fails the transfers in flight and
-        re-registers with every prefill) and forget rooms of finished requests."""
+        """After a step (``batch`` None: nothing ran, but requests may have finished): re-check
+        the KV addresses (a move fails the transfers in flight and re-registers with every
+        prefill) and forget rooms of finished requests."""
         if self.local_kv.check_addresses():
             with self.lock:
                 moving = [r for r in self.rooms.values()
@@ -487,7 +509,7 @@ class DecodeManager(RoleManager):
     # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, TransferStatus):
-            self._on_status(msg.bootstrap_room, msg.state, msg.reason)
+            self._on_status(msg.bootstrap_room, msg.state, msg.reason, msg.status_code)
         elif isinstance(msg, Abort):
             self._on_status(msg.bootstrap_room, KVPoll.Failed,
                             f"aborted by the prefill server: {msg.reason or 'no reason'}",
@@ -509,14 +531,14 @@ class DecodeManager(RoleManager):
         elif type(msg).__name__ != "Heartbeat":
             self._reject(f"unexpected {type(msg).__name__} on a decode server")
 
-    def _on_status(self, room: int, state: KVPoll, reason: str,
+    def _on_status(self, room: int, state: KVPoll, reason: str, status_code: int = 0,
                    ack_sender: str | None = None) -> None:
         with self.lock:
             rid = self.room_owner.get(room)
             r = self.rooms.get(rid) if rid is not None else None
             ok = r is not None and r.state == KVPoll.Transferring and r.status is None
             if ok:
-                r.status, r.status_reason = state, reason
+                r.status, r.status_reason, r.status_code = state, reason, status_code
             peer = None if r is None or r.fake else self.peers.get(r.peer_key)
         if ack_sender is not None and peer is not None and peer.endpoint:
             self.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
@@ -528,7 +550,7 @@ class DecodeManager(RoleManager):
 
     def _reject(self, reason: str) -> None:
         logger.error("PD decode: rejected a control message: %s", reason)
-        self._count_rejected()
+        self._count_rejected("refused")
 
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:
@@ -552,7 +574,8 @@ class DecodeManager(RoleManager):
         return {"disaggregation_mode": "decode", "num_pd_rooms": len(self.rooms),
                 "num_decode_prealloc_queue_reqs": q["bootstrap"] + q["prealloc"],
                 "num_decode_transfer_queue_reqs": q["transfer"],
-                "num_quarantined_pages": self.scheduler.num_quarantined_pages}
+                "num_quarantined_pages": self.scheduler.num_quarantined_pages,
+                **self.baseline_load()}
 
     def debug_state(self) -> dict[str, Any]:
         state = self.base_state()

@@ -3,8 +3,10 @@
 DESIGN.md §4 step 5, reference/sglang_pd_notes.md §6. Prefill writes one row into its own slot
 after sampling the first token, then copies the row into the decode's slot with the last KV
 chunk. Decode accepts the transfer only if the row's ``bootstrap_room`` equals the request's room
-(the metadata gate); 0 means "not written", so rooms start at 1 and a slot is zeroed before it is
-handed out again (SGLang PR 27374: a stale room caused false corruption aborts).
+and its ``prompt_digest`` the digest of the request's prompt (the metadata gate; the digest binds
+the KV to the prompt, not just to a room a client chose, issue 16); 0 means "not written", so
+rooms start at 1 and a slot is zeroed before it is handed out again (SGLang PR 27374: a stale
+room caused false corruption aborts).
 
 Row layout (little-endian, one numpy structured row, padded to a multiple of 64 bytes, the
 smallest RDMA write)::
@@ -15,9 +17,10 @@ smallest RDMA write)::
     12      cached_tokens          int32    prefill prefix-cache hit tokens
     16      output_token_logprob   float32  logprob of the first token
     20      num_top_logprobs       int32    valid entries below (<= K)
-    24      top_logprob_ids        int32[K]
-    24+4K   top_logprob_vals       float32[K]
-    24+8K   padding to bytes_per_slot
+    24      prompt_digest          uint8[16] ``protocol.prompt_digest`` of the prompt
+    40      top_logprob_ids        int32[K]
+    40+4K   top_logprob_vals       float32[K]
+    40+8K   padding to bytes_per_slot
 
 K is the largest count that fits the padded row, so ``bytes_per_slot`` alone fixes the layout:
 two sides with equal ``bytes_per_slot`` agree on every offset. Pure Python + numpy.
@@ -34,16 +37,18 @@ import numpy as np
 from pdjax.transfer.engine import Copy, TransferEngine
 
 ROW_ALIGN = 64
-_HEADER_BYTES = 24
+DIGEST_BYTES = 16
+_HEADER_BYTES = 24 + DIGEST_BYTES
 
 
 def _row_dtype(bytes_per_slot: int) -> tuple[np.dtype, int]:
     k = (bytes_per_slot - _HEADER_BYTES) // 8
     dtype = np.dtype({
         "names": ["bootstrap_room", "output_token_id", "cached_tokens", "output_token_logprob",
-                  "num_top_logprobs", "top_logprob_ids", "top_logprob_vals"],
-        "formats": ["<u8", "<i4", "<i4", "<f4", "<i4", ("<i4", (k,)), ("<f4", (k,))],
-        "offsets": [0, 8, 12, 16, 20, 24, 24 + 4 * k],
+                  "num_top_logprobs", "prompt_digest", "top_logprob_ids", "top_logprob_vals"],
+        "formats": ["<u8", "<i4", "<i4", "<f4", "<i4", ("u1", (DIGEST_BYTES,)), ("<i4", (k,)),
+                    ("<f4", (k,))],
+        "offsets": [0, 8, 12, 16, 20, 24, _HEADER_BYTES, _HEADER_BYTES + 4 * k],
         "itemsize": bytes_per_slot,
     })
     return dtype, k
@@ -60,6 +65,7 @@ class MetadataRow:
     output_token_logprob: float
     top_logprob_ids: tuple[int, ...] = ()
     top_logprob_vals: tuple[float, ...] = ()
+    prompt_digest: bytes = bytes(DIGEST_BYTES)
 
 
 class MetadataBuffers:
@@ -134,11 +140,13 @@ class MetadataBuffers:
 
     def write(self, slot: int, bootstrap_room: int, output_token_id: int, cached_tokens: int = 0,
               output_token_logprob: float = 0.0, top_logprob_ids: Sequence[int] = (),
-              top_logprob_vals: Sequence[float] = ()) -> None:
+              top_logprob_vals: Sequence[float] = (),
+              prompt_digest: bytes = bytes(DIGEST_BYTES)) -> None:
         """Fill row ``slot`` (prefill side, after the first token is sampled).
 
         ``bootstrap_room`` in [1, 2**64); ``top_logprob_ids``/``vals`` of equal length
-        <= ``max_top_logprobs``. Raises ``ValueError`` naming the field.
+        <= ``max_top_logprobs``; ``prompt_digest``: 16 bytes. Raises ``ValueError`` naming the
+        field.
         """
         slot = self._check_slot(slot)
         if isinstance(bootstrap_room, bool) or not 1 <= int(bootstrap_room) < 1 << 64:
@@ -146,6 +154,9 @@ class MetadataBuffers:
         if len(top_logprob_ids) != len(top_logprob_vals):
             raise ValueError(f"top_logprob_vals: length {len(top_logprob_vals)} != "
                              f"top_logprob_ids length {len(top_logprob_ids)}")
+        if not isinstance(prompt_digest, bytes) or len(prompt_digest) != DIGEST_BYTES:
+            raise ValueError(f"prompt_digest: expected {DIGEST_BYTES} bytes, got "
+                             f"{prompt_digest!r}")
         n = len(top_logprob_ids)
         if n > self.max_top_logprobs:
             raise ValueError(f"top_logprob_ids: {n} entries exceed max_top_logprobs "
@@ -155,6 +166,7 @@ class MetadataBuffers:
         rows["cached_tokens"][slot] = cached_tokens
         rows["output_token_logprob"][slot] = output_token_logprob
         rows["num_top_logprobs"][slot] = n
+        rows["prompt_digest"][slot] = np.frombuffer(prompt_digest, dtype=np.uint8)
         rows["top_logprob_ids"][slot] = 0
         rows["top_logprob_vals"][slot] = 0
         rows["top_logprob_ids"][slot, :n] = np.asarray(top_logprob_ids, dtype=np.int32)
@@ -180,7 +192,8 @@ class MetadataBuffers:
             cached_tokens=int(row["cached_tokens"]),
             output_token_logprob=float(row["output_token_logprob"]),
             top_logprob_ids=tuple(int(x) for x in row["top_logprob_ids"][:n]),
-            top_logprob_vals=tuple(float(x) for x in row["top_logprob_vals"][:n]))
+            top_logprob_vals=tuple(float(x) for x in row["top_logprob_vals"][:n]),
+            prompt_digest=row["prompt_digest"].tobytes())
 
     def slot_addr(self, slot: int) -> int:
         """Address of row ``slot`` (bytes ``[addr, addr + bytes_per_slot)``)."""

@@ -22,6 +22,8 @@ received (it cannot see copy ops: those are the prefill's choice).
                                    prealloc, transfer, held)
     pd_quarantined_pages           decode pages waiting for an abort ack or the drain timeout
     pd_rejected_messages_total     malformed or refused control messages
+    pd_auth_rejected_total         control messages refused by authentication, by ``reason``
+                                   (hmac, replay, stale: ZMQ frames; bootstrap: PUT /route)
     pd_prompt_tokens_computed      prompt tokens the scheduler computed (decode: stays 0)
 
 Pure Python; never imports JAX.
@@ -76,6 +78,9 @@ class PDMetrics:
                                         ("role",))
         self._rejected = m.add_counter("pd_rejected_messages",
                                        "Malformed or refused PD control messages.", ("role",))
+        self._auth = m.add_counter("pd_auth_rejected",
+                                   "PD control messages refused by authentication (reason: hmac, "
+                                   "replay, stale, bootstrap).", ("role", "reason"))
         self._computed = m.add_gauge("pd_prompt_tokens_computed",
                                      "Prompt tokens computed by this server's scheduler.",
                                      ("role",))
@@ -111,6 +116,10 @@ class PDMetrics:
     def on_rejected(self) -> None:
         if self.enabled:
             self._rejected.labels(self.role).inc()
+
+    def on_auth_rejected(self, reason: str) -> None:
+        if self.enabled:
+            self._auth.labels(self.role, reason).inc()
 
     def set_state(self, queues: dict[str, int], largest_batch: int, quarantined_pages: int,
                   prompt_tokens_computed: int) -> None:

@@ -43,9 +43,9 @@ from pdjax.request import Request
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import KVLayout, build_copies
-from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, ProtocolError,
+from pdjax.transfer.protocol import (MAX_ROOM, Abort, AbortAck, KVPoll, Message, ProtocolError,
                                      RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus, validate_pages)
+                                     TransferStatus, prompt_digest, validate_pages)
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,8 @@ class PrefillRoom:
     dst_pages: np.ndarray | None = None
     dst_slot: int = -1
     decode_prefix_len: int = 0
+    prompt_len: int = 0                 # the prompt the decode reserved pages for
+    prompt_digest: bytes = b""
     # Progress.
     src_slot: int | None = None
     next_page: int = 0                  # next prompt page to send
@@ -89,6 +91,7 @@ class PrefillRoom:
     error: str | None = None            # worker: a write failed
     abort_reason: str | None = None     # receiver: the decode aborted
     fail_reason: str | None = None
+    status_code: int = 0                # 4xx: this server refused the request (told the decode)
     notified: bool = False              # the decode was told the outcome
     output: GenerateOutput | None = None
     output_sent: bool = False
@@ -131,7 +134,9 @@ class PrefillManager(RoleManager):
         self._worker = threading.Thread(target=self._work, name="pd-prefill-transfer",
                                         daemon=True)
         self._worker.start()
-        self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port)
+        self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
+                                         secret=self.secret,
+                                         on_unauthorized=lambda: self._count_rejected("bootstrap"))
         self.bootstrap_port = self.bootstrap.start()
         self.bootstrap.add_rank(PrefillRankInfo(
             rank_ip=self.channel.host, rank_port=self.channel.port, tp_rank=0, tp_size=1,
@@ -149,6 +154,7 @@ class PrefillManager(RoleManager):
             return False
         room = check_room(g.bootstrap_room, self.role)
         if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
+            # Raised to the caller, whose ``on_rejected`` tells the decode (issue 16, item 3).
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
                              f"context length {self.scheduler.max_request_tokens}")
         if req.rid in self.rooms_by_rid or req.rid in self.scheduler.requests:
@@ -170,6 +176,25 @@ class PrefillManager(RoleManager):
             self.rooms_by_rid[req.rid] = r
         self.wake()
         return True
+
+    def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
+        """This server refused the request for ``room`` (a bad field, a prompt over the context
+        length): fail the room at once and tell its decode, whose client gets the same status
+        instead of waiting out its transfer timeout (issue 16, item 3). A room that belongs to
+        another request (a duplicate) or already failed is left alone. Engine thread."""
+        if isinstance(room, bool) or not isinstance(room, int) or not 1 <= room <= MAX_ROOM:
+            return
+        now = time.monotonic()
+        with self.lock:
+            r = self.rooms.get(room)
+            if r is not None and (r.req is not None or r.state == KVPoll.Failed):
+                return
+            if r is None:
+                r = PrefillRoom(room=room, created_s=now, state_s=now)
+                self.rooms[room] = r
+        r.status_code = status_code if 400 <= status_code < 500 else 0
+        self._fail(r, f"the prefill server refused the request: {message}")
+        self.wake()
 
     def abort(self, rid: str, message: str) -> GenerateOutput | None:
         """Client abort of a PD request (engine thread); None if ``rid`` is not one."""
@@ -229,6 +254,13 @@ class PrefillManager(RoleManager):
                               f"{timeout:g} s")
             return
         req = r.req
+        if r.prompt_len != req.num_prompt_tokens or r.prompt_digest != prompt_digest(req.prompt_ids):
+            # The room is the only key the two halves share: a room reused by another prompt
+            # must not write its KV into pages reserved for the first (issue 16, item 1).
+            self._fail(r, f"bootstrap_room {r.room} is bound to another prompt: the decode "
+                          f"reserved pages for {r.prompt_len} tokens with another digest, this "
+                          f"request has {req.num_prompt_tokens} tokens (room reused?)")
+            return
         ps = self.page_size
         n_prompt_pages = -(-req.num_prompt_tokens // ps)
         if r.decode_prefix_len % ps or r.decode_prefix_len > req.num_prompt_tokens:
@@ -302,7 +334,8 @@ class PrefillManager(RoleManager):
                 out = r.output
             else:
                 out = error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): "
-                                            f"{r.fail_reason}", req.num_prompt_tokens)
+                                            f"{r.fail_reason}", req.num_prompt_tokens,
+                                   r.status_code or None)
         with self.lock:
             if self.rooms.get(r.room) is r:
                 if r.state == KVPoll.Failed and req is None:
@@ -316,7 +349,8 @@ class PrefillManager(RoleManager):
         return out
 
     def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
-        """After a forward: re-check the KV addresses, queue the pages each PD row completed
+        """After a step (``batch`` None: no forward ran): re-check the KV addresses, queue the
+        pages each PD row completed
         (all the rest plus the metadata row once the first token is sampled), and hold the
         final output of each PD request until its transfer ends."""
         if self.local_kv.check_addresses():
@@ -328,7 +362,7 @@ class PrefillManager(RoleManager):
                               "flight were failed")
         held: dict[str, PrefillRoom] = {}
         synced = False
-        for row in batch.rows:
+        for row in batch.rows if batch is not None else ():
             r = self.rooms_by_rid.get(row.req.rid)
             if r is None or r.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
                 continue
@@ -370,7 +404,8 @@ class PrefillManager(RoleManager):
                 tops = (req.output_top_logprobs[0] or [])[:self.meta.max_top_logprobs]
                 ids, vals = [t for t, _ in tops], [v for _, v in tops]
             self.meta.write(r.src_slot, r.room, req.output_ids[0],
-                            req.num_cached_tokens_reported, lp, ids, vals)
+                            req.num_cached_tokens_reported, lp, ids, vals,
+                            prompt_digest=r.prompt_digest)
         self.local_kv.stage_out(src)
         r.next_page = end
         r.last_queued = last
@@ -461,7 +496,8 @@ class PrefillManager(RoleManager):
         else:
             self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
                                                           state=KVPoll.Failed,
-                                                          reason=reason[:4000]))
+                                                          reason=reason[:4000],
+                                                          status_code=r.status_code))
 
     @property
     def _id(self) -> str:
@@ -482,7 +518,7 @@ class PrefillManager(RoleManager):
 
     def _reject(self, reason: str) -> None:
         logger.error("PD prefill: rejected a control message: %s", reason)
-        self._count_rejected()
+        self._count_rejected("refused")
 
     def _on_register(self, msg: RegisterDecode) -> None:
         problems = []
@@ -542,9 +578,15 @@ class PrefillManager(RoleManager):
             self.wake()
             return
         now = time.monotonic()
+        refused = None
         with self.lock:
             r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+            if r is not None and r.state == KVPoll.Failed and r.peer_id is None:
+                # This server already failed the room (e.g. refused its request): the decode
+                # hears why at once instead of waiting out its transfer timeout.
+                duplicate, refused = False, r
+                r.peer_id, r.notified = msg.decode_engine_id, True
+            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
                 duplicate = True
             else:
                 duplicate = False
@@ -555,6 +597,13 @@ class PrefillManager(RoleManager):
                 r.dst_pages = dst
                 r.dst_slot = msg.dst_metadata_slot
                 r.decode_prefix_len = msg.decode_prefix_len
+                r.prompt_len = msg.prompt_len
+                r.prompt_digest = msg.prompt_digest
+        if refused is not None:
+            self.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
+                reason=(refused.fail_reason or "failed")[:4000], status_code=refused.status_code))
+            return
         if duplicate:
             reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
                       f"(the room already has a destination)")
@@ -602,7 +651,7 @@ class PrefillManager(RoleManager):
         with self.lock:
             live = sum(r.state != KVPoll.Failed for r in self.rooms.values())
         return {"disaggregation_mode": "prefill", "num_pd_rooms": live,
-                "num_held_reqs": len(self.scheduler.held),
+                "num_held_reqs": len(self.scheduler.held), **self.baseline_load(),
                 "num_prefill_bootstrap_queue_reqs": self.queue_sizes()["bootstrap"]}
 
     def debug_state(self) -> dict[str, Any]:
@@ -621,7 +670,7 @@ class PrefillManager(RoleManager):
 
 
 def _reason_class(reason: str) -> str:
-    for key in ("timeout", "aborted", "duplicate", "write", "dst_pages", "moved"):
+    for key in ("timeout", "aborted", "duplicate", "write", "dst_pages", "moved", "refused"):
         if key in reason:
             return key
-    return "other"
+    return "prompt_mismatch" if "another prompt" in reason else "other"

@@ -14,11 +14,18 @@ Message flow (the room is the key everywhere; rooms are in [1, 2**63); 0 means "
     decode                                   prefill
       |-- RegisterDecode (once per peer) ------->|   buffers, page geometry, fingerprint
       |<------------------ RegisterResult -------|   accepted / reason
-      |-- TransferRequest (per room) ----------->|   dst pages, metadata slot, prefix len
+      |-- TransferRequest (per room) ----------->|   dst pages, metadata slot, prefix len,
+      |                                          |   prompt length + digest (binds the room
+      |                                          |   to one prompt)
       |<------------------ TransferStatus -------|   Success / Failed + reason
       |-- Abort ---------------------------------|   either direction
       |<---------------------------- AbortAck ---|   pages may be reused after this
       |<-------------- Heartbeat --------------->|
+
+With a shared secret (``--disaggregation-secret``) every frame is sealed (``seal_frame``): an
+HMAC-SHA256 over a sender id, a per-sender counter, a timestamp and the body, checked before the
+body is parsed; ``FrameAuthenticator`` also refuses a counter it has seen (replay) and a
+timestamp outside the window.
 
 Pure Python (msgpack + numpy); never imports JAX.
 """
@@ -27,13 +34,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import hmac
+import os
 import re
+import struct
+import threading
+import time
 from typing import Any, ClassVar, Iterable, Sequence
 
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2            # 2: TransferRequest binds the room to the prompt (issue 16)
 
 # Bounds on what a peer may send; they keep a hostile or corrupt frame from allocating much.
 MAX_FRAME_BYTES = 64 << 20
@@ -51,6 +64,8 @@ MAX_STR = 256
 MAX_REASON = 4096
 METADATA_ROW_ALIGN = 64
 KV_LAYOUTS = ("layer_major", "page_major")
+PROMPT_DIGEST_BYTES = 16
+MAX_PROMPT_LEN = (1 << 31) - 1
 
 _ENDPOINT_RE = re.compile(r"^tcp://[A-Za-z0-9_.:\[\]-]+:([0-9]{1,5})$")
 
@@ -124,6 +139,14 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _check_digest(name: str, value: Any) -> bytes:
+    if not isinstance(value, bytes) or len(value) != PROMPT_DIGEST_BYTES:
+        raise ProtocolError(f"field {name!r}: expected {PROMPT_DIGEST_BYTES} bytes, got "
+                            f"{type(value).__name__} of length "
+                            f"{len(value) if isinstance(value, (bytes, str)) else '-'}")
+    return value
+
+
 def _check_room(name: str, value: Any) -> int:
     return _check_int(name, value, 1, MAX_ROOM)
 
@@ -134,6 +157,14 @@ def _check_endpoint(name: str, value: Any) -> str:
     if m is None or not 1 <= int(m.group(1)) <= 65535:
         raise ProtocolError(f"field {name!r}: {value!r} is not a 'tcp://host:port' endpoint")
     return value
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """What identifies a prompt across servers: BLAKE2b (16 bytes) of its token ids as
+    little-endian int32. The decode sends it with its page list, the prefill refuses a room whose
+    prompt differs, and the metadata row carries it back (issue 16, item 1)."""
+    arr = np.asarray(token_ids, dtype="<i4")
+    return hashlib.blake2b(arr.tobytes(), digest_size=PROMPT_DIGEST_BYTES).digest()
 
 
 def find_duplicates(values: Iterable[int]) -> list[int]:
@@ -365,7 +396,10 @@ class TransferRequest(Message):
     from ``decode_prefix_len`` on (range-checked by the receiver with ``validate_pages`` against
     the registered ``num_pages``); ``dst_metadata_slot``: the decode MetadataBuffers slot;
     ``decode_prefix_len``: prompt tokens the decode already holds in its prefix cache (tokens);
-    ``decode_engine_id``: the registered decode engine this room belongs to.
+    ``decode_engine_id``: the registered decode engine this room belongs to;
+    ``prompt_len`` (tokens) and ``prompt_digest`` (``prompt_digest`` of the prompt's token ids,
+    16 bytes): the prompt the decode reserved the pages for; the prefill refuses to write a
+    room whose request has another prompt.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_REQUEST
@@ -374,6 +408,8 @@ class TransferRequest(Message):
     dst_metadata_slot: int
     decode_prefix_len: int
     decode_engine_id: str
+    prompt_len: int
+    prompt_digest: bytes
 
     def __post_init__(self):
         _check_room("bootstrap_room", self.bootstrap_room)
@@ -381,6 +417,8 @@ class TransferRequest(Message):
         _check_int("dst_metadata_slot", self.dst_metadata_slot, 0, MAX_SLOTS - 1)
         _check_int("decode_prefix_len", self.decode_prefix_len, 0, MAX_PAGES)
         _check_str("decode_engine_id", self.decode_engine_id)
+        _check_int("prompt_len", self.prompt_len, 1, MAX_PROMPT_LEN)
+        _check_digest("prompt_digest", self.prompt_digest)
 
     def to_wire(self) -> dict:
         d = super().to_wire()
@@ -394,13 +432,18 @@ class TransferRequest(Message):
 
 @dataclasses.dataclass(frozen=True)
 class TransferStatus(Message):
-    """Final state of a room from a prefill rank (prefill -> decode): Success or Failed."""
+    """Final state of a room from a prefill rank (prefill -> decode): Success or Failed.
+
+    ``status_code``: for Failed, the HTTP status the prefill gave its own client (a 4xx when it
+    refused the request: the decode's client gets the same), or 0 (a transfer failure: 500).
+    """
 
     TYPE: ClassVar[MessageType] = MessageType.TRANSFER_STATUS
     bootstrap_room: int
     state: KVPoll
     reason: str = ""
     tp_rank: int = 0
+    status_code: int = 0
 
     def __post_init__(self):
         _check_room("bootstrap_room", self.bootstrap_room)
@@ -411,6 +454,8 @@ class TransferStatus(Message):
         object.__setattr__(self, "state", KVPoll(state))
         _check_str("reason", self.reason, MAX_REASON, allow_empty=True)
         _check_int("tp_rank", self.tp_rank, 0, MAX_SHARDS - 1)
+        if self.status_code != 0:
+            _check_int("status_code", self.status_code, 400, 499)
 
     def to_wire(self) -> dict:
         d = super().to_wire()
@@ -528,3 +573,108 @@ def decode_message(frame: bytes | bytearray | memoryview) -> Message:
         raise
     except (TypeError, ValueError) as e:
         raise ProtocolError(f"{cls.TYPE.value}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Frame authentication (issue 16, item 9). A sealed frame is
+#
+#     offset 0   sender id   16 bytes   random per sending channel
+#            16  counter     uint64 LE  strictly increasing per sender
+#            24  unix time   float64 LE seconds, when sealed
+#            32  tag         32 bytes   HMAC-SHA256(secret, bytes 0..31 + body)
+#            64  body        one msgpack message (``Message.encode``)
+#
+# The receiver checks the tag before it parses anything, then refuses a counter not above the
+# last one it accepted from that sender (a replay) and a time outside the window (an old frame
+# replayed to a receiver that forgot the sender, e.g. after a restart).
+
+SECRET_ENV = "PDJAX_DISAGGREGATION_SECRET"
+AUTH_HEADER = struct.Struct("<16sQd")
+AUTH_TAG_BYTES = 32
+AUTH_PREFIX_BYTES = AUTH_HEADER.size + AUTH_TAG_BYTES
+AUTH_WINDOW_S = 60.0
+_MAX_SENDERS = 4096
+
+
+class AuthError(ProtocolError):
+    """A frame that fails authentication; ``reason`` is ``hmac``, ``replay`` or ``stale``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def resolve_secret(configured: str | None) -> str | None:
+    """The shared secret: ``--disaggregation-secret``, else ``$PDJAX_DISAGGREGATION_SECRET``,
+    else None (unauthenticated control plane)."""
+    return configured or os.environ.get(SECRET_ENV) or None
+
+
+def secret_key(secret: str | bytes) -> bytes:
+    """The HMAC key of a shared secret (UTF-8 bytes). ``ValueError`` for an empty secret."""
+    key = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not key:
+        raise ValueError("disaggregation_secret: must not be empty")
+    return key
+
+
+def _auth_tag(key: bytes, header: bytes, body: bytes) -> bytes:
+    return hmac.new(key, header + body, hashlib.sha256).digest()
+
+
+class FrameSealer:
+    """Seals outgoing frames with one sender id and a counter (thread-safe)."""
+
+    def __init__(self, secret: str | bytes, clock=time.time):
+        self._key = secret_key(secret)
+        self._clock = clock
+        self.sender_id = os.urandom(16)
+        self._counter = 0
+        self._lock = threading.Lock()
+
+    def seal(self, body: bytes) -> bytes:
+        with self._lock:
+            self._counter += 1
+            header = AUTH_HEADER.pack(self.sender_id, self._counter, float(self._clock()))
+        return header + _auth_tag(self._key, header, body) + body
+
+
+class FrameAuthenticator:
+    """Checks sealed frames: tag, then replay and time window. Thread-safe.
+
+    ``open(frame)`` returns the body, or raises ``AuthError`` (``reason`` hmac | replay |
+    stale). ``window_s``: the most a frame's time may differ from this clock (seconds).
+    """
+
+    def __init__(self, secret: str | bytes, window_s: float = AUTH_WINDOW_S, clock=time.time):
+        self._key = secret_key(secret)
+        self.window_s = window_s
+        self._clock = clock
+        self._last: dict[bytes, tuple[int, float]] = {}     # sender -> (counter, time)
+        self._lock = threading.Lock()
+
+    def open(self, frame: bytes) -> bytes:
+        frame = bytes(frame)
+        if len(frame) < AUTH_PREFIX_BYTES:
+            raise AuthError("hmac", f"frame: {len(frame)} bytes, shorter than the "
+                                    f"{AUTH_PREFIX_BYTES}-byte authentication prefix")
+        header, tag = frame[:AUTH_HEADER.size], frame[AUTH_HEADER.size:AUTH_PREFIX_BYTES]
+        body = frame[AUTH_PREFIX_BYTES:]
+        if not hmac.compare_digest(tag, _auth_tag(self._key, header, body)):
+            raise AuthError("hmac", "frame: HMAC mismatch (wrong secret or tampered frame)")
+        sender, counter, sent_s = AUTH_HEADER.unpack(header)
+        now = self._clock()
+        if not abs(now - sent_s) <= self.window_s:
+            raise AuthError("stale", f"frame: sealed {now - sent_s:.1f} s ago, outside the "
+                                     f"{self.window_s:g} s window")
+        with self._lock:
+            last = self._last.get(sender)
+            if last is not None and counter <= last[0]:
+                raise AuthError("replay", f"frame: counter {counter} of sender "
+                                          f"{sender.hex()[:8]} already seen (replay)")
+            if last is None and len(self._last) >= _MAX_SENDERS:
+                # Senders silent for longer than the window can only send fresh frames.
+                self._last = {k: v for k, v in self._last.items()
+                              if now - v[1] <= self.window_s}
+            self._last[sender] = (counter, now)
+        return body

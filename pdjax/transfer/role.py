@@ -27,11 +27,11 @@ from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput
 from pdjax.transfer.channel import MessageChannel, advertise_host
-from pdjax.transfer.engine import DEFAULT_MAX_BATCH, create_transfer_engine
+from pdjax.transfer.engine import DEFAULT_MAX_BATCH, FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.pd_metrics import PDMetrics
-from pdjax.transfer.protocol import MAX_ROOM, Message
+from pdjax.transfer.protocol import MAX_ROOM, Message, resolve_secret
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +60,12 @@ def check_room(room: Any, role: str) -> int:
     return room
 
 
-def error_output(rid: str, message: str, prompt_tokens: int = 0) -> GenerateOutput:
+def error_output(rid: str, message: str, prompt_tokens: int = 0,
+                 status_code: int | None = None) -> GenerateOutput:
+    """The final output of a failed PD request; ``status_code`` None means 500."""
     return GenerateOutput(rid, [], finished=True, error=message, prompt_tokens=prompt_tokens,
-                          finish_reason={"type": "abort", "message": message})
+                          finish_reason={"type": "abort", "message": message},
+                          status_code=status_code)
 
 
 class RoleManager(abc.ABC):
@@ -82,6 +85,13 @@ class RoleManager(abc.ABC):
         self.metrics = PDMetrics(None, self.role)
         self.recent: collections.deque = collections.deque(maxlen=RECENT_ROOMS)
         self.num_rejected_messages = 0
+        self.num_auth_rejected: dict[str, int] = {}
+        # Control-plane authentication (issue 16): the bootstrap writes and every ZMQ frame.
+        self.secret = resolve_secret(self.args.disaggregation_secret)
+        if self.secret is None:
+            logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "
+                           "the bootstrap server and the ZMQ control channel accept anyone who "
+                           "can reach them", self.role)
         seed = env_int("PDJAX_SHUFFLE_FREE_PAGES", None)
         if seed is not None:
             self.scheduler.allocator.shuffle(seed)
@@ -106,7 +116,8 @@ class RoleManager(abc.ABC):
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
         self.meta.register(self.transfer_engine)
         self.channel = MessageChannel(self.args.host, self._on_message, self.role,
-                                      on_reject=lambda reason: self._count_rejected())
+                                      on_reject=lambda reason, kind: self._count_rejected(kind),
+                                      secret=self.secret)
         logger.info("PD %s: transfer backend %s (session %s), KV path %s, %d B per page over "
                     "%d layer buffers, control channel %s", self.role, backend,
                     self.transfer_engine.session_id, self.local_kv.mode,
@@ -127,10 +138,25 @@ class RoleManager(abc.ABC):
         """Register the PD metrics on the server's ``pdjax.metrics.Metrics``."""
         self.metrics = PDMetrics(metrics, self.role)
 
-    def _count_rejected(self) -> None:
+    def _count_rejected(self, kind: str = "malformed") -> None:
+        """One refused control message; ``kind`` other than ``malformed`` / ``refused`` is an
+        authentication failure (``hmac``, ``replay``, ``stale``, ``bootstrap``)."""
         with self.lock:
             self.num_rejected_messages += 1
+            if kind not in ("malformed", "refused"):
+                self.num_auth_rejected[kind] = self.num_auth_rejected.get(kind, 0) + 1
         self.metrics.on_rejected()
+        if kind not in ("malformed", "refused"):
+            self.metrics.on_auth_rejected(kind)
+
+    def slots_in_use(self) -> int:
+        """Metadata slots handed out (a finished server is back at 0)."""
+        return self.meta.num_slots - self.meta.num_free
+
+    def baseline_load(self) -> dict[str, int]:
+        """The counters every fault must leave at their baseline (``/get_load``)."""
+        return {"num_free_pages": self.scheduler.allocator.num_free,
+                "num_metadata_slots_used": self.slots_in_use()}
 
     def has_work(self) -> bool:
         """True when the engine thread has PD work now: an event arrived, or live rooms need
@@ -168,6 +194,8 @@ class RoleManager(abc.ABC):
                            "seconds": c.seconds, "gbps": c.gbps},
                 "num_address_changes": self.local_kv.num_address_changes,
                 "num_rejected_messages": self.num_rejected_messages,
+                "authenticated": self.secret is not None,
+                "num_auth_rejected": dict(self.num_auth_rejected),
                 "queues": self.queue_sizes(),
                 "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
                 "recent": list(self.recent)}
@@ -180,6 +208,16 @@ class RoleManager(abc.ABC):
             pass
         self.local_kv.close()
         self.transfer_engine.close()
+
+    def on_rejected(self, g, message: str, status_code: int = 400) -> None:
+        """This server refused the request ``g`` (a ``GenerateRequest``) before it reached the
+        manager: ``reject_room`` for its room, unless it is the fake warm-up host."""
+        if g.bootstrap_host != FAKE_BOOTSTRAP_HOST:
+            self.reject_room(g.bootstrap_room, message, status_code)
+
+    def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
+        """This server refused the request for ``room`` (any value from a client): nothing to
+        do by default (see ``PrefillManager``)."""
 
     # -- to implement ------------------------------------------------------------------------
     @abc.abstractmethod

@@ -21,11 +21,13 @@ import contextlib
 import ctypes
 import dataclasses
 import logging
+import os
 import signal
 import subprocess
 import sys
 
 from pdjax.config import ServerArgs
+from pdjax.transfer.protocol import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ def _child_argv(args: ServerArgs, role: str, port: int) -> list[str]:
     argv = [sys.executable, "-m", "pdjax.serve"]
     for f in dataclasses.fields(ServerArgs):
         value = getattr(args, f.name)
-        if f.name in ("role", "port") or value is None:
+        # The secret travels in the environment (start_children), never on a command line.
+        if f.name in ("role", "port", "disaggregation_secret") or value is None:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
@@ -82,11 +85,15 @@ def _die_with_parent() -> None:
 def start_children(args: ServerArgs) -> tuple[list[subprocess.Popen], str, str]:
     """Start the prefill and decode servers; returns (processes, prefill URL, decode URL)."""
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    env = dict(os.environ)
+    if args.disaggregation_secret:
+        env[SECRET_ENV] = args.disaggregation_secret
     procs = []
     urls = []
     for offset, role in ((1, "prefill"), (2, "decode")):
         port = args.port + offset
-        procs.append(subprocess.Popen(_child_argv(args, role, port), preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(_child_argv(args, role, port), env=env,
+                                      preexec_fn=_die_with_parent))
         urls.append(f"http://{host}:{port}")
     return procs, urls[0], urls[1]
 

@@ -11,12 +11,12 @@ from pdjax.transfer.metadata import MetadataBuffers, MetadataRow
 
 def test_row_layout_is_padded_and_aligned():
     m = MetadataBuffers(8, max_top_logprobs=3)
-    assert m.bytes_per_slot == 64 and m.max_top_logprobs == 5      # 24 + 8*5 = 64
+    assert m.bytes_per_slot == 64 and m.max_top_logprobs == 3      # 24 + 16 + 8*3 = 64
     assert m.base_addr % 64 == 0
     assert m.slot_addr(3) == m.base_addr + 3 * 64
     assert m.nbytes == 8 * 64
     m20 = MetadataBuffers(2)
-    assert m20.bytes_per_slot == 192 and m20.max_top_logprobs == 21
+    assert m20.bytes_per_slot == 256 and m20.max_top_logprobs == 27  # 40 + 8*27 = 256
     assert MetadataBuffers(1, 0).bytes_per_slot == 64
     # Equal bytes_per_slot means equal offsets, whatever K was asked for.
     assert MetadataBuffers(1, 4).dtype == MetadataBuffers(1, 5).dtype
@@ -25,11 +25,12 @@ def test_row_layout_is_padded_and_aligned():
 def test_write_read_round_trip_and_field_offsets():
     m = MetadataBuffers(4, max_top_logprobs=4)
     slot = m.alloc()
+    digest = bytes(range(100, 116))
     m.write(slot, bootstrap_room=(1 << 63) + 5, output_token_id=31999, cached_tokens=48,
             output_token_logprob=-0.25, top_logprob_ids=[7, 8, 9],
-            top_logprob_vals=[-0.25, -1.5, -3.0])
+            top_logprob_vals=[-0.25, -1.5, -3.0], prompt_digest=digest)
     assert m.read(slot) == MetadataRow((1 << 63) + 5, 31999, 48, -0.25, (7, 8, 9),
-                                       (-0.25, -1.5, -3.0))
+                                       (-0.25, -1.5, -3.0), digest)
     assert m.room(slot) == (1 << 63) + 5
     raw = ctypes.string_at(m.slot_addr(slot), m.bytes_per_slot)
     assert int.from_bytes(raw[0:8], "little") == (1 << 63) + 5
@@ -37,7 +38,8 @@ def test_write_read_round_trip_and_field_offsets():
     assert int.from_bytes(raw[12:16], "little") == 48
     assert np.frombuffer(raw[16:20], "<f4")[0] == -0.25
     assert int.from_bytes(raw[20:24], "little") == 3
-    assert np.frombuffer(raw[24:36], "<i4").tolist() == [7, 8, 9]
+    assert raw[24:40] == digest
+    assert np.frombuffer(raw[40:52], "<i4").tolist() == [7, 8, 9]
 
 
 def test_slots_are_zeroed_before_reuse():
@@ -79,7 +81,7 @@ def test_bad_arguments():
 
 
 def test_copy_to_a_peer_slot():
-    src, dst = MetadataBuffers(4, 4), MetadataBuffers(8, 4)
+    src, dst = MetadataBuffers(4, 3), MetadataBuffers(8, 3)
     s = src.alloc()
     src.write(s, 77, 123, 16, -0.5, [1], [-0.5])
     d = 6

@@ -22,7 +22,8 @@ from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_pre
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
+                                     RegisterResult, TransferRequest, TransferStatus,
+                                     prompt_digest)
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16
@@ -274,9 +275,10 @@ def test_rogue_decode_out_of_pool_pages_write_failure_and_refused_pairing(cluste
             client = pool.submit(post, p2.url + "/generate",
                                  pd_body(list(range(3, 11)), room, p2.bootstrap_port))
             assert wait_until(lambda: load(p2)["num_pd_rooms"] == 1, 5)
+            prompt = dict(prompt_len=8, prompt_digest=prompt_digest(range(3, 11)))
             rogue.channel.send(rogue.prefill, TransferRequest(
                 bootstrap_room=room, dst_pages=(3, 8), dst_metadata_slot=0, decode_prefix_len=0,
-                decode_engine_id=rogue.engine_id))
+                decode_engine_id=rogue.engine_id, **prompt))
             status_msg = rogue.wait(TransferStatus, room)
             assert status_msg.state == KVPoll.Failed and "outside [1, 8)" in status_msg.reason
             status, out = client.result(timeout=5)
@@ -288,7 +290,7 @@ def test_rogue_decode_out_of_pool_pages_write_failure_and_refused_pairing(cluste
                                  pd_body(list(range(3, 11)), room, p2.bootstrap_port))
             assert wait_until(lambda: load(p2)["num_pd_rooms"] == 1, 5)
             req = TransferRequest(bootstrap_room=room, dst_pages=(3, 4), dst_metadata_slot=1,
-                                  decode_prefix_len=0, decode_engine_id=rogue.engine_id)
+                                  decode_prefix_len=0, decode_engine_id=rogue.engine_id, **prompt)
             rogue.channel.send(rogue.prefill, req)
             rogue.channel.send(rogue.prefill, req)
             status, out = client.result(timeout=15)

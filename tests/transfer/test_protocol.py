@@ -30,11 +30,14 @@ ALL_MESSAGES = [
     RegisterResult("decode-1", True),
     RegisterResult("decode-1", False, "page_size: prefill 16 != decode 32"),
     TransferRequest(bootstrap_room=(1 << 63) - 1, dst_pages=(5, 6, 7, 100, 2),
-                    dst_metadata_slot=3, decode_prefix_len=32, decode_engine_id="decode-1"),
+                    dst_metadata_slot=3, decode_prefix_len=32, decode_engine_id="decode-1",
+                    prompt_len=100, prompt_digest=P.prompt_digest(range(100))),
     TransferRequest(bootstrap_room=1, dst_pages=(), dst_metadata_slot=0, decode_prefix_len=0,
-                    decode_engine_id="d"),
+                    decode_engine_id="d", prompt_len=1, prompt_digest=bytes(16)),
     TransferStatus(bootstrap_room=42, state=KVPoll.Success),
     TransferStatus(bootstrap_room=42, state=KVPoll.Failed, reason="peer down", tp_rank=3),
+    TransferStatus(bootstrap_room=42, state=KVPoll.Failed, reason="prompt too long",
+                   status_code=400),
     Abort(bootstrap_room=7, sender_id="prefill-0", reason="client disconnected"),
     AbortAck(bootstrap_room=7, sender_id="decode-1"),
     Heartbeat(sender_id="decode-1", role="decode", seq=12345),
@@ -55,7 +58,7 @@ def test_round_trip(msg):
 
 def test_page_list_is_packed_and_survives_large_lists():
     pages = np.random.default_rng(0).permutation(np.arange(1, 20001))
-    msg = TransferRequest(9, pages, 0, 0, "d")
+    msg = TransferRequest(9, pages, 0, 0, "d", 80000, bytes(16))
     frame = msg.encode()
     assert msgpack.unpackb(frame)["dst_pages"] == pages.astype("<u4").tobytes()
     back = decode_message(frame)
@@ -85,7 +88,8 @@ def _frame(**body):
 def _good_request_body(**over):
     body = dict(v=P.PROTOCOL_VERSION, t="transfer_request", bootstrap_room=5,
                 dst_pages=np.asarray([1, 2], "<u4").tobytes(), dst_metadata_slot=0,
-                decode_prefix_len=0, decode_engine_id="d")
+                decode_prefix_len=0, decode_engine_id="d", prompt_len=8,
+                prompt_digest=bytes(range(16)))
     body.update(over)
     return body
 
@@ -96,7 +100,8 @@ def _good_request_body(**over):
     (msgpack.packb([1, 2, 3]), "frame"),                              # not a map
     (b"\x82\xa1v\x01", "frame"),                                      # truncated map
     (_frame(t="heartbeat", sender_id="a", role="decode", seq=1), "'v'"),
-    (_frame(**_good_request_body(v=2)), "'v'"),
+    (_frame(**_good_request_body(v=P.PROTOCOL_VERSION - 1)), "'v'"),
+    (_frame(**_good_request_body(v=P.PROTOCOL_VERSION + 1)), "'v'"),
     (_frame(**_good_request_body(v=True)), "'v'"),
     (_frame(**_good_request_body(t="pickle")), "'t'"),
     (_frame(**_good_request_body(t=None)), "'t'"),
@@ -114,13 +119,22 @@ def _good_request_body(**over):
     (_frame(**_good_request_body(decode_prefix_len=-1)), "'decode_prefix_len'"),
     (_frame(**_good_request_body(decode_engine_id="")), "'decode_engine_id'"),
     (_frame(**_good_request_body(decode_engine_id=7)), "'decode_engine_id'"),
+    (_frame(**_good_request_body(prompt_len=0)), "'prompt_len'"),
+    (_frame(**_good_request_body(prompt_len=True)), "'prompt_len'"),
+    (_frame(**_good_request_body(prompt_digest=b"short")), "'prompt_digest'"),
+    (_frame(**_good_request_body(prompt_digest="x" * 16)), "'prompt_digest'"),
+    (_frame(**{k: v for k, v in _good_request_body().items() if k != "prompt_digest"}),
+     "'prompt_digest'"),
     (_frame(**_good_request_body(extra=1)), "unknown field"),
     (_frame(**{k: v for k, v in _good_request_body().items() if k != "dst_metadata_slot"}),
      "'dst_metadata_slot'"),
-    (_frame(v=1, t="transfer_status", bootstrap_room=5, state=2), "'state'"),
-    (_frame(v=1, t="transfer_status", bootstrap_room=5, state=9), "'state'"),
-    (_frame(v=1, t="heartbeat", sender_id="a", role="router", seq=0), "'role'"),
-    (_frame(v=1, t="abort", bootstrap_room=5, sender_id="a", reason="x" * 5000), "'reason'"),
+    (_frame(v=P.PROTOCOL_VERSION, t="transfer_status", bootstrap_room=5, state=2), "'state'"),
+    (_frame(v=P.PROTOCOL_VERSION, t="transfer_status", bootstrap_room=5, state=9), "'state'"),
+    (_frame(v=P.PROTOCOL_VERSION, t="transfer_status", bootstrap_room=5, state=0,
+            status_code=500), "'status_code'"),
+    (_frame(v=P.PROTOCOL_VERSION, t="heartbeat", sender_id="a", role="router", seq=0), "'role'"),
+    (_frame(v=P.PROTOCOL_VERSION, t="abort", bootstrap_room=5, sender_id="a",
+            reason="x" * 5000), "'reason'"),
     (msgpack.packb({1: 2, "v": 1, "t": "heartbeat"}), "map key"),
 ])
 def test_malformed_frames_are_rejected_naming_the_field(frame, field):
@@ -170,9 +184,9 @@ def test_bad_registration_is_rejected(over, field):
 
 def test_constructing_an_invalid_message_raises_too():
     with pytest.raises(ProtocolError, match="'bootstrap_room'"):
-        TransferRequest(0, (1,), 0, 0, "d")
+        TransferRequest(0, (1,), 0, 0, "d", 4, bytes(16))
     with pytest.raises(ProtocolError, match="dst_pages"):
-        TransferRequest(5, [1, True], 0, 0, "d")
+        TransferRequest(5, [1, True], 0, 0, "d", 4, bytes(16))
     with pytest.raises(ProtocolError, match="'state'"):
         TransferStatus(5, KVPoll.Transferring)
     with pytest.raises(TypeError):
