@@ -1,0 +1,202 @@
+"""Issue 16 without processes: a lone decode request the scheduler finishes inside schedule()
+is handed back for its final output; sealed control frames (HMAC, replay, time window) over
+real ZMQ sockets; the router's sample limits and its 4xx pass-through against fake workers."""
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.router import PDRouter, checked_num_samples, create_router_app
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.transfer.channel import MessageChannel
+from pdjax.transfer.protocol import (AuthError, FrameAuthenticator, FrameSealer, Heartbeat,
+                                     prompt_digest)
+from pdjax.transfer.pd_metrics import PDMetrics
+
+PS = 4
+
+
+def _req(rid, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return Request(rid, [int(t) for t in rng.integers(3, 400, n)],
+                   SamplingParams(max_new_tokens=100, temperature=0.0, ignore_eos=True))
+
+
+def test_scheduler_hands_back_a_lone_request_it_cannot_grow():
+    # 7 usable pages: A (8 prompt tokens + 1 output) runs; B's reservation takes the other 5.
+    s = Scheduler(SchedulerConfig(num_pages=8, page_size=PS, max_running_requests=4,
+                                  chunked_prefill_size=16))
+    a, b = _req("a", 8), _req("b", 20, seed=1)
+    assert s.reserve_prebuilt(a)
+    s.add_prebuilt(a, 7)
+    assert s.reserve_prebuilt(b)
+    assert s.allocator.num_free == 0
+    assert s.schedule() is None                  # A needs a third page; nothing can give one
+    assert s.pop_finished() == [a] and s.pop_finished() == []
+    assert a.state == RequestState.FINISHED
+    assert a.finish_reason == {"type": "length", "length": 1}
+    assert a.rid not in s.requests and not s.running and a.pages == []
+    assert s.allocator.num_free + s.prefix_cache.num_evictable_pages == 2
+    s.check_invariants()
+
+
+def test_prompt_digest_depends_on_every_token_and_its_position():
+    ids = list(range(40))
+    d = prompt_digest(ids)
+    assert len(d) == 16 and prompt_digest(np.asarray(ids)) == d
+    assert prompt_digest(ids[:-1] + [41]) != d
+    assert prompt_digest(ids[1:] + ids[:1]) != d
+    assert prompt_digest(ids + [0]) != d
+
+
+def test_frame_authenticator_rejects_tamper_replay_stale_and_wrong_secret():
+    now = [1000.0]
+    seal = FrameSealer("s3cret", clock=lambda: now[0])
+    auth = FrameAuthenticator("s3cret", window_s=30, clock=lambda: now[0])
+    body = Heartbeat("x", "decode", 1).encode()
+    f1, f2 = seal.seal(body), seal.seal(body)
+    assert auth.open(f1) == body and auth.open(f2) == body
+    for frame, reason in ((f1, "replay"), (f2, "replay"),
+                          (f1[:-1] + bytes([f1[-1] ^ 1]), "hmac"),
+                          (f1[:20] + bytes([f1[20] ^ 1]) + f1[21:], "hmac"),
+                          (FrameSealer("other").seal(body), "hmac"), (body, "hmac"), (b"", "hmac")):
+        with pytest.raises(AuthError) as e:
+            auth.open(frame)
+        assert e.value.reason == reason, (frame, e.value)
+    old = seal.seal(body)
+    now[0] += 31
+    with pytest.raises(AuthError) as e:
+        auth.open(old)
+    assert e.value.reason == "stale"
+    assert auth.open(seal.seal(body)) == body          # fresh frames still pass
+    with pytest.raises(ValueError, match="disaggregation_secret"):
+        FrameSealer("")
+
+
+def _wait(pred, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pred()
+
+
+def test_channels_with_a_secret_count_each_rejection():
+    import zmq
+
+    got, rejected = [], []
+    rx = MessageChannel("127.0.0.1", got.append, "rx", secret="k1",
+                        on_reject=lambda reason, kind: rejected.append(kind))
+    good = MessageChannel("127.0.0.1", lambda m: None, "good", secret="k1")
+    wrong = MessageChannel("127.0.0.1", lambda m: None, "wrong", secret="k2")
+    plain = MessageChannel("127.0.0.1", lambda m: None, "plain")
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUSH)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(rx.endpoint)
+        hb = Heartbeat("good", "prefill", 7)
+        assert good.send(rx.endpoint, hb)
+        assert _wait(lambda: got == [hb])
+        frame = good.seal(Heartbeat("good", "prefill", 8))
+        raw.send(frame)
+        assert _wait(lambda: len(got) == 2)
+        raw.send(frame)                                         # replayed
+        raw.send(frame[:-2] + b"\x00\x00")                      # tampered
+        wrong.send(rx.endpoint, hb)                             # wrong secret
+        plain.send(rx.endpoint, hb)                             # no secret
+        stale = FrameSealer("k1", clock=lambda: time.time() - 3600).seal(hb.encode())
+        raw.send(stale)
+        assert _wait(lambda: len(rejected) == 5)
+        assert sorted(rejected) == ["hmac", "hmac", "hmac", "replay", "stale"]
+        assert rx.rejected_by_kind == {"hmac": 3, "replay": 1, "stale": 1}
+        assert len(got) == 2
+        # Without a secret on either side frames are plain msgpack, as before.
+        plain_rx = MessageChannel("127.0.0.1", got.append, "plain-rx")
+        try:
+            assert plain.send(plain_rx.endpoint, hb) and _wait(lambda: len(got) == 3)
+        finally:
+            plain_rx.close()
+    finally:
+        raw.close()
+        ctx.term()
+        for c in (rx, good, wrong, plain):
+            c.close()
+
+
+def test_metrics_count_auth_rejections_by_reason():
+    from pdjax.metrics import Metrics
+
+    m = Metrics()
+    pd = PDMetrics(m, "prefill")
+    pd.on_auth_rejected("replay")
+    pd.on_auth_rejected("replay")
+    text = m.render()[0].decode()
+    assert 'pdjax:pd_auth_rejected_total{reason="replay",role="prefill"} 2.0' in text
+
+
+def test_router_refuses_oversized_sample_counts_before_drawing_rooms():
+    assert checked_num_samples("/generate", {"text": ["a", "b"], "sampling_params": {"n": 3}}) == 6
+    for body, field in (({"text": "a", "sampling_params": {"n": 10 ** 20}}, "sampling_params.n"),
+                        ({"input_ids": [[1]] * 1025}, "input_ids"),
+                        ({"text": ["a"] * 40, "sampling_params": {"n": 30}}, "sampling_params.n"),
+                        ({"input_ids": [[1]], "sampling_params": [{"n": 65}]},
+                         "sampling_params.n")):
+        with pytest.raises(ValueError, match=field):
+            checked_num_samples("/generate", body)
+    with pytest.raises(ValueError, match="^n:"):
+        checked_num_samples("/v1/chat/completions", {"n": 2 * 10 ** 6})
+    with pytest.raises(ValueError, match="prompt"):
+        checked_num_samples("/v1/completions", {"prompt": ["a"] * 1025})
+
+
+def _worker(status: int, message: str, delay_s: float = 0.0):
+    async def handle(request):
+        await asyncio.sleep(delay_s)
+        if status == 200:
+            return web.json_response({"text": "ok", "output_ids": [1], "meta_info": {}})
+        return web.json_response({"error": {"message": message, "code": status}}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/generate", handle)
+    return TestServer(app)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("p,d,want,needle", [
+    ((400, "prompt too long", 0.0), (200, "", 0.3), 400, "prompt too long"),
+    ((200, "", 0.3), (400, "temperature must be finite", 0.0), 400, "temperature"),
+    ((400, "bad field", 0.2), (500, "PD transfer failed: refused", 0.0), 400, "bad field"),
+    ((500, "boom", 0.0), (200, "", 0.3), 502, "boom"),
+    ((200, "", 0.0), (500, "decode broke", 0.1), 502, "decode broke"),
+])
+async def test_router_passes_worker_4xx_through_and_502s_failures(p, d, want, needle):
+    pw, dw = _worker(*p), _worker(*d)
+    await pw.start_server()
+    await dw.start_server()
+    router = PDRouter([(str(pw.make_url("")), 8998)], [str(dw.make_url(""))])
+    rs = TestServer(create_router_app(router))
+    await rs.start_server()
+    try:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            for _ in range(2):
+                async with s.post(rs.make_url("/generate"), json={"text": "hi"}) as r:
+                    body = await r.json()
+                    assert r.status == want, body
+                    assert needle in body["error"]["message"]
+            async with s.post(rs.make_url("/generate"), data=b"[" * 100000) as r:
+                assert r.status == 400 and "malformed JSON" in (await r.json())["error"]["message"]
+            async with s.post(rs.make_url("/generate"),
+                              json={"text": "hi", "sampling_params": {"n": 10 ** 20}}) as r:
+                assert r.status == 400
+    finally:
+        await rs.close()
+        await pw.close()
+        await dw.close()
