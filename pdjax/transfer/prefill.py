@@ -339,10 +339,18 @@ class PrefillManager(RoleManager):
         with self.lock:
             if self.rooms.get(r.room) is r:
                 if r.state == KVPoll.Failed and req is None:
-                    # Keep a tombstone so a late request for this room fails at once.
+                    # Keep a tombstone so a late request or page list for this room fails at
+                    # once (with this reason) instead of starting the room again.
                     if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
                         return out
-                del self.rooms[r.room]
+                    del self.rooms[r.room]
+                elif r.state == KVPoll.Failed:
+                    self.rooms[r.room] = PrefillRoom(
+                        room=r.room, created_s=r.state_s, state=KVPoll.Failed,
+                        state_s=r.state_s, peer_id=r.peer_id, fail_reason=r.fail_reason,
+                        status_code=r.status_code, notified=True, output_sent=True)
+                else:
+                    del self.rooms[r.room]
             if req is not None:
                 self.rooms_by_rid.pop(req.rid, None)
         self.recent.append(r.record())
@@ -581,11 +589,12 @@ class PrefillManager(RoleManager):
         refused = None
         with self.lock:
             r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and r.state == KVPoll.Failed and r.peer_id is None:
-                # This server already failed the room (e.g. refused its request): the decode
-                # hears why at once instead of waiting out its transfer timeout.
+            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
+                # This server already failed the room (refused its request, a prompt mismatch,
+                # an abort): the decode hears why at once instead of waiting out a timeout.
                 duplicate, refused = False, r
-                r.peer_id, r.notified = msg.decode_engine_id, True
+                if r.peer_id is None:
+                    r.peer_id, r.notified = msg.decode_engine_id, True
             elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
                 duplicate = True
             else:

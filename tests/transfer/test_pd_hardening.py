@@ -1,0 +1,403 @@
+"""PD hardening (issue 16) on three real processes: prefill HP (context 64, the secret from
+``PDJAX_DISAGGREGATION_SECRET``), decode HD (a 32-page pool, ``--disaggregation-secret``,
+4 s drain timeout) and the pdjax router; the test process also plays a prefill (with the
+secret) that never writes KV, and a client without it.
+
+After every fault both servers answer /health, and on both the free pages, pinned pages, PD
+rooms, metadata slots, quarantined pages and held requests are back at their baseline.
+"""
+
+import concurrent.futures
+import random
+import sys
+import time
+
+import pytest
+import zmq
+from pd_harness import (PAGE_SIZE, Server, child_env, free_port, get, load, metric_value,
+                        pd_body, pd_server, pd_state, post, wait_until)
+
+from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
+                                      fetch_prefill_info)
+from pdjax.transfer.channel import MessageChannel
+from pdjax.transfer.protocol import (Abort, AbortAck, FrameSealer, Heartbeat, RegisterDecode,
+                                     RegisterResult, TransferRequest)
+
+pytestmark = pytest.mark.slow
+SECRET = "issue-16-shared-secret"
+DRAIN_S = 4.0
+D_PAGES = 32                 # HD: --max-total-tokens 128 in pages of 4
+P_CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def hard(tiny_checkpoints, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("pd_hardening"))
+    model = tiny_checkpoints["llama"]
+    bport = free_port()
+    common = ["--heartbeat-interval-s", "0.5", "--drain-timeout-s", str(DRAIN_S),
+              "--waiting-timeout-s", "20", "--transfer-timeout-s", "30",
+              "--bootstrap-timeout-s", "20"]
+    p = pd_server("hp", "prefill", model, logs, bootstrap_port=bport, extra=common,
+                  env=child_env(PDJAX_DISAGGREGATION_SECRET=SECRET), context_length=P_CONTEXT)
+    d = pd_server("hd", "decode", model, logs, extra=common + ["--disaggregation-secret", SECRET],
+                  max_total_tokens=D_PAGES * PAGE_SIZE)
+    rport = free_port()
+    router = Server("hrouter", [sys.executable, "-m", "pdjax.router", "--prefill", p.url,
+                                str(bport), "--decode", d.url, "--port", str(rport)],
+                    rport, logs, child_env())
+    servers = [p, d, router]
+    try:
+        for s in servers:
+            s.wait_healthy()
+        yield dict(p=p, d=d, router=router, bport=bport)
+    except BaseException:
+        for s in servers:
+            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
+        raise
+    finally:
+        for s in servers:
+            s.stop()
+
+
+_rooms = iter(range(70_001, 1 << 40, 104_729))
+_rng = random.Random(16)
+
+
+def _ids(n):
+    return [_rng.randrange(3, 440) for _ in range(n)]
+
+
+def _msg(body) -> str:
+    return body["error"]["message"] if isinstance(body, dict) and "error" in body else str(body)
+
+
+def _dispatch(hard, ids, room=None, timeout_s=60.0, **sampling):
+    """What a PD router does, from the test process: the same body to both, concurrently."""
+    body = pd_body(ids, room or next(_rooms), hard["bport"], **sampling)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(post, hard["p"].url + "/generate", body, timeout_s)
+        fd = pool.submit(post, hard["d"].url + "/generate", body, timeout_s)
+        return fp.result(), fd.result()
+
+
+BASELINE_KEYS = ("num_free_pages", "num_pinned_pages", "num_pd_rooms", "num_running_reqs",
+                 "num_metadata_slots_used")
+
+
+def _snapshot(server) -> dict:
+    ld = load(server)
+    return {k: ld.get(k, 0) for k in BASELINE_KEYS + ("num_quarantined_pages", "num_held_reqs")}
+
+
+def _idle(server) -> bool:
+    ld = load(server)
+    return (ld["num_pinned_pages"] == 0 and ld["num_pd_rooms"] == 0
+            and ld["num_running_reqs"] == 0 and ld["num_metadata_slots_used"] == 0
+            and ld.get("num_quarantined_pages", 0) == 0 and ld.get("num_held_reqs", 0) == 0
+            and ld["num_free_pages"] + ld["num_evictable_pages"] == ld["num_total_pages"])
+
+
+def _assert_baseline(hard, before=None, timeout_s=10.0):
+    """Both servers healthy and idle; with ``before`` (snapshots taken before a fault that
+    served nothing), every counter equal to it, free pages included."""
+    for name in ("p", "d"):
+        server = hard[name]
+        assert wait_until(lambda: _idle(server), timeout_s), (name, load(server))
+        assert get(server.url + "/health")[0] == 200
+        if before is not None:
+            assert _snapshot(server) == before[name], (name, _snapshot(server), before[name])
+
+
+def _before(hard):
+    """Idle, prefix caches flushed (so that a page a failure leaks into the cache shows up as
+    a missing free page), and the snapshot of both servers."""
+    _assert_baseline(hard)
+    for name in ("p", "d"):
+        assert post(hard[name].url + "/flush_cache", {})[0] == 200
+    snap = {name: _snapshot(hard[name]) for name in ("p", "d")}
+    for name in ("p", "d"):
+        assert snap[name]["num_free_pages"] == load(hard[name])["num_total_pages"]
+    return snap
+
+
+class RoguePrefill:
+    """The test process as a prefill with the secret: it pairs, records page lists, writes no
+    KV, and acknowledges aborts only when ``ack_aborts``."""
+
+    def __init__(self, fingerprint: str):
+        self.got: list = []
+        self.ack_aborts = True
+        self.channel = MessageChannel("127.0.0.1", self._on_message, "rogue-prefill",
+                                      secret=SECRET)
+        self.bootstrap = BootstrapServer("127.0.0.1", 0, secret=SECRET)
+        self.port = self.bootstrap.start()
+        self.bootstrap.add_rank(PrefillRankInfo(
+            rank_ip="127.0.0.1", rank_port=self.channel.port, tp_rank=0, tp_size=1,
+            page_size=PAGE_SIZE, kv_dtype="float32", layout_fingerprint=fingerprint))
+        self.decode_endpoint = None
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, RegisterDecode):
+            self.decode_endpoint = msg.reply_endpoint
+            self.channel.send(msg.reply_endpoint, RegisterResult(
+                decode_engine_id=msg.decode_engine_id, accepted=True))
+        elif isinstance(msg, Abort) and self.ack_aborts:
+            self.channel.send(self.decode_endpoint, AbortAck(bootstrap_room=msg.bootstrap_room,
+                                                             sender_id="rogue-prefill"))
+        self.got.append(msg)
+
+    def wait(self, kind, room, timeout_s=10.0):
+        msg = wait_until(lambda: next((m for m in self.got if isinstance(m, kind)
+                                       and m.bootstrap_room == room), None), timeout_s)
+        assert msg is not None, f"no {kind.__name__} for room {room} in {self.got}"
+        return msg
+
+    def close(self) -> None:
+        self.bootstrap.stop()
+        self.channel.close()
+
+
+@pytest.fixture(scope="module")
+def rogue(hard):
+    fingerprint = fetch_prefill_info("127.0.0.1", hard["bport"]).layout_fingerprint
+    r = RoguePrefill(fingerprint)
+    yield r
+    r.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1-4: wrong KV, hangs, lost errors
+
+
+def test_reused_room_never_decodes_another_prompt(hard):
+    """Item 1: a decode-only request holds room R; a pair with another prompt of the same
+    length reuses R. The prefill refuses to write it (the digest differs) and both fail."""
+    p, d = hard["p"], hard["d"]
+    before = _before(hard)
+    room = next(_rooms)
+    first, other = _ids(40), _ids(40)
+    assert first != other
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        lone = pool.submit(post, d.url + "/generate", pd_body(first, room, hard["bport"]))
+        assert wait_until(lambda: any(r["room"] == room and r["state"] == "Transferring"
+                                      for r in pd_state(d)["rooms"]), 10)
+        body = pd_body(other, room, hard["bport"])
+        ds, db = post(d.url + "/generate", body)
+        assert ds == 400 and "duplicate" in _msg(db), db
+        ps, pb = post(p.url + "/generate", body)
+        assert ps == 500 and "another prompt" in _msg(pb), pb
+        status, out = lone.result(timeout=10)
+    assert status == 500 and "another prompt" in _msg(out), out
+    # The room stays failed on the prefill: a late page list for it fails at once, too.
+    t0 = time.monotonic()
+    ds, db = post(d.url + "/generate", body)
+    assert ds == 500 and "another prompt" in _msg(db) and time.monotonic() - t0 < 5, db
+    _assert_baseline(hard, before)
+
+
+def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
+    """Item 2: a decode-only request reserves 15 of the 32 decode pages; a running request
+    then fills the other 17 and cannot get one more. It finishes with reason length and its
+    client gets the answer (it used to wait forever)."""
+    d = hard["d"]
+    _assert_baseline(hard)
+    holder_room = next(_rooms)
+    holder = dict(pd_body(_ids(60), holder_room, rogue.port), rid="holds-15-pages")
+    prompt = _ids(20)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, d.url + "/generate", holder)
+        rogue.wait(TransferRequest, holder_room)
+        assert load(d)["num_pinned_pages"] == 15
+        (ps, pb), (ds, db) = _dispatch(hard, prompt, timeout_s=60, max_new_tokens=60,
+                                       ignore_eos=True)
+        assert ps == 200 and ds == 200, (pb, db)
+        # 17 pages hold 68 tokens: the 69th token is sampled, then no page is left for it.
+        grown = (D_PAGES - 15) * PAGE_SIZE + 1 - len(prompt)
+        assert db["meta_info"]["finish_reason"] == {"type": "length", "length": grown}
+        assert db["meta_info"]["completion_tokens"] == len(db["output_ids"]) == grown
+        assert post(d.url + "/abort_request", {"rid": "holds-15-pages"})[0] == 200
+        status, out = held.result(timeout=10)
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    _assert_baseline(hard)
+
+
+def test_prefill_refusal_reaches_the_decode_at_once(hard):
+    """Item 3: a prompt over the prefill's context (but not the decode's) is refused by the
+    prefill with 400; the decode hears of it through the room and answers the same 400 at
+    once (it used to wait out its 30 s transfer timeout and answer 500)."""
+    before = _before(hard)
+    ids = _ids(80)
+    t0 = time.monotonic()
+    (ps, pb), (ds, db) = _dispatch(hard, ids)
+    assert ps == 400 and "context length" in _msg(pb), pb
+    assert ds == 400 and "context length" in _msg(db) and "refused" in _msg(db), db
+    assert time.monotonic() - t0 < 5
+    # The decode's half may also arrive after the refusal was recorded: same answer.
+    room = next(_rooms)
+    status, _ = post(hard["p"].url + "/generate", pd_body(ids, room, hard["bport"]))
+    assert status == 400
+    status, out = post(hard["d"].url + "/generate", pd_body(ids, room, hard["bport"]))
+    assert status == 400 and "refused" in _msg(out)
+    _assert_baseline(hard, before)
+
+
+def test_router_passes_client_errors_through(hard):
+    """Item 4: through the router a 4xx from either server is that 4xx with its message,
+    whichever answers first; never 502."""
+    router = hard["router"].url
+    before = _before(hard)
+    cases = [({"input_ids": _ids(8), "sampling_params": {"temperature": float("nan")}},
+              "temperature"),
+             ({"input_ids": _ids(80), "sampling_params": {"max_new_tokens": 4}}, "context length"),
+             ({"input_ids": _ids(130)}, "context length"),
+             ({"input_ids": _ids(8), "sampling_params": {"max_new_tokens": 4}, "bogus": 1},
+              "bogus")]
+    for body, needle in cases:
+        for _ in range(2):
+            status, out = post(router + "/generate", body)
+            assert status == 400 and needle in _msg(out), (body.keys(), status, out)
+    _assert_baseline(hard, before)
+    status, out = post(router + "/generate", {"input_ids": _ids(12),
+                                              "sampling_params": {"max_new_tokens": 3}})
+    assert status == 200 and len(out["output_ids"]) == 3
+    _assert_baseline(hard)
+
+
+def test_cached_tokens_report_the_prefill_prefix_hit(hard):
+    """Item 5: ``cached_tokens`` is what the prefill served from its cache, as colocated."""
+    router, p, d = hard["router"].url, hard["p"], hard["d"]
+    ids = _ids(40)
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    hit = (len(ids) - 1) // PAGE_SIZE * PAGE_SIZE       # colocated: 36, one token left to run
+    status, out = post(router + "/generate", body)
+    assert status == 200 and out["meta_info"]["cached_tokens"] == 0
+    _assert_baseline(hard)
+    assert post(d.url + "/flush_cache", {})[0] == 200          # prefill warm, decode cold
+    status, out = post(router + "/generate", body)
+    assert status == 200 and out["meta_info"]["cached_tokens"] == hit
+    _assert_baseline(hard)
+    assert post(p.url + "/flush_cache", {})[0] == 200          # prefill cold, decode warm
+    status, out = post(router + "/generate", body)
+    assert status == 200 and out["meta_info"]["cached_tokens"] == 0
+    _assert_baseline(hard)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7-9, 11: inputs that must be refused
+
+
+def test_router_bounds_samples_and_nesting(hard):
+    """Item 7: n and batch sizes over the limits, and deep nesting, are 400 at once."""
+    router = hard["router"].url
+    before = _before(hard)
+    for body, field in (({"text": "a", "sampling_params": {"n": 10 ** 20}}, "n"),
+                        ({"text": "a", "sampling_params": {"n": 2 * 10 ** 6}}, "n"),
+                        ({"text": ["a"] * 2000}, "text"),
+                        ({"input_ids": [[5]] * 40, "sampling_params": {"n": 30}}, "n")):
+        t0 = time.monotonic()
+        status, out = post(router + "/generate", body)
+        assert status == 400 and field in _msg(out), out
+        assert time.monotonic() - t0 < 2
+    status, out = post(router + "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "hi"}], "n": 10 ** 20})
+    assert status == 400 and "n" in _msg(out)
+    import urllib.request
+
+    for raw in (b"[" * 100000, b'{"a":' * 50000):
+        req = urllib.request.Request(router + "/generate", data=raw, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=10)
+            raise AssertionError("nested JSON was accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and b"malformed JSON" in e.read()
+    assert get(router + "/health")[0] == 200
+    _assert_baseline(hard, before)
+
+
+def test_fake_bootstrap_host_is_refused_from_clients(hard):
+    """Item 8: 2.2.2.2 is the servers' own warm-up host; from a client it is a 400."""
+    before = _before(hard)
+    for server in (hard["d"], hard["p"]):
+        body = dict(pd_body(_ids(10), next(_rooms), hard["bport"]), bootstrap_host="2.2.2.2")
+        status, out = post(server.url + "/generate", body)
+        assert status == 400 and "reserved" in _msg(out), out
+    _assert_baseline(hard, before)
+    for server in (hard["d"], hard["p"]):
+        assert get(server.url + "/health_generate", 60)[0] == 200
+
+
+def test_control_plane_needs_the_secret(hard):
+    """Item 9: bootstrap writes and ZMQ frames without the secret, with a wrong one, replayed,
+    tampered or stale are refused and counted; pairing keeps working."""
+    p, d, bport = hard["p"], hard["d"], hard["bport"]
+    before = _before(hard)
+    topology = fetch_prefill_info("127.0.0.1", bport).to_json()
+    forged = dict(topology["ranks"][0], rank_port=1)
+    for secret in (None, "wrong"):
+        status, text = _http("PUT", _url("127.0.0.1", bport, "/route"), forged, 5, secret)
+        assert status == 401 and b"unauthorized" in text
+    assert fetch_prefill_info("127.0.0.1", bport).to_json() == topology
+
+    endpoint = pd_state(p)["zmq_endpoint"]
+    hb = Heartbeat("intruder", "decode", 1)
+    plain = MessageChannel("127.0.0.1", lambda m: None, "no-secret")
+    wrong = MessageChannel("127.0.0.1", lambda m: None, "wrong-secret", secret="wrong")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        plain.send(endpoint, hb)
+        wrong.send(endpoint, hb)
+        sealed = FrameSealer(SECRET).seal(hb.encode())
+        sock.send(sealed)                                   # accepted (a heartbeat)
+        sock.send(sealed)                                   # replayed
+        sock.send(sealed[:-1] + bytes([sealed[-1] ^ 0xFF]))  # tampered
+        sock.send(FrameSealer(SECRET, clock=lambda: time.time() - 600).seal(hb.encode()))
+        want = {"bootstrap": 2, "hmac": 3, "replay": 1, "stale": 1}
+        assert wait_until(lambda: pd_state(p)["num_auth_rejected"] == want, 5), \
+            pd_state(p)["num_auth_rejected"]
+        wrong.send(pd_state(d)["zmq_endpoint"], hb)
+        assert wait_until(lambda: pd_state(d)["num_auth_rejected"] == {"hmac": 1}, 5)
+    finally:
+        sock.close()
+        ctx.term()
+        plain.close()
+        wrong.close()
+    metrics = get(p.url + "/metrics")[1]
+    for reason, count in want.items():
+        assert metric_value(metrics, "pdjax:pd_auth_rejected_total", role="prefill",
+                            reason=reason) == count
+    assert pd_state(p)["authenticated"] and pd_state(d)["authenticated"]
+    _assert_baseline(hard, before)
+    (ps, pb), (ds, db) = _dispatch(hard, _ids(30), max_new_tokens=4)
+    assert ps == 200 and ds == 200 and len(db["output_ids"]) == 4, (pb, db)
+    _assert_baseline(hard)
+
+
+def test_quarantined_pages_make_a_new_request_wait(hard, rogue):
+    """Item 11: 25 of the 32 decode pages wait out the drain lease of an aborted transfer (the
+    rogue prefill never acks); a new request that needs them waits in the queue and is served
+    when they come back, instead of failing at once with "does not fit"."""
+    d = hard["d"]
+    _assert_baseline(hard)
+    rogue.ack_aborts = False
+    timeouts = pd_state(d)["num_quarantine_released_by_timeout"]
+    room = next(_rooms)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, d.url + "/generate",
+                              dict(pd_body(_ids(100), room, rogue.port), rid="quarantine-me"))
+        rogue.wait(TransferRequest, room)
+        assert post(d.url + "/abort_request", {"rid": "quarantine-me"})[0] == 200
+        status, out = pending.result(timeout=10)
+    t_abort = time.monotonic()
+    assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert load(d)["num_quarantined_pages"] == 25
+    (ps, pb), (ds, db) = _dispatch(hard, _ids(40), max_new_tokens=4)
+    assert ps == 200 and ds == 200 and len(db["output_ids"]) == 4, (pb, db)
+    assert time.monotonic() - t_abort > DRAIN_S - 1          # it waited for the lease
+    assert pd_state(d)["num_quarantine_released_by_timeout"] == timeouts + 1
+    rogue.ack_aborts = True
+    _assert_baseline(hard)
