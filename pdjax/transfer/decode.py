@@ -572,6 +572,7 @@ class DecodeManager(RoleManager):
     def load(self) -> dict[str, Any]:
         q = self.queue_sizes()
         return {"disaggregation_mode": "decode", "num_pd_rooms": len(self.rooms),
+                "num_bound_rooms": len(self.room_owner),      # rooms held until a request ends
                 "num_decode_prealloc_queue_reqs": q["bootstrap"] + q["prealloc"],
                 "num_decode_transfer_queue_reqs": q["transfer"],
                 "num_quarantined_pages": self.scheduler.num_quarantined_pages,
@@ -597,7 +598,7 @@ class DecodeManager(RoleManager):
 
 
 def _reason_class(reason: str) -> str:
-    for key in ("timeout", "aborted", "metadata", "pair", "lost", "moved", "fit"):
+    for key in ("timeout", "aborted", "metadata", "pair", "lost", "moved", "fit", "refused"):
         if key in reason:
             return key
     return "other"

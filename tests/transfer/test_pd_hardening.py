@@ -20,8 +20,9 @@ from pd_harness import (PAGE_SIZE, Server, child_env, free_port, get, load, metr
 from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
                                       fetch_prefill_info)
 from pdjax.transfer.channel import MessageChannel
-from pdjax.transfer.protocol import (Abort, AbortAck, FrameSealer, Heartbeat, RegisterDecode,
-                                     RegisterResult, TransferRequest)
+from pdjax.transfer.metadata import MetadataBuffers
+from pdjax.transfer.protocol import (Abort, AbortAck, FrameSealer, Heartbeat, KVBufferDesc,
+                                     RegisterDecode, RegisterResult, TransferRequest)
 
 pytestmark = pytest.mark.slow
 SECRET = "issue-16-shared-secret"
@@ -95,6 +96,7 @@ def _idle(server) -> bool:
     return (ld["num_pinned_pages"] == 0 and ld["num_pd_rooms"] == 0
             and ld["num_running_reqs"] == 0 and ld["num_metadata_slots_used"] == 0
             and ld.get("num_quarantined_pages", 0) == 0 and ld.get("num_held_reqs", 0) == 0
+            and ld.get("num_bound_rooms", 0) == 0
             and ld["num_free_pages"] + ld["num_evictable_pages"] == ld["num_total_pages"])
 
 
@@ -342,14 +344,22 @@ def test_control_plane_needs_the_secret(hard):
 
     endpoint = pd_state(p)["zmq_endpoint"]
     hb = Heartbeat("intruder", "decode", 1)
-    plain = MessageChannel("127.0.0.1", lambda m: None, "no-secret")
+    answers: list = []
+    plain = MessageChannel("127.0.0.1", answers.append, "no-secret")
+    forged_decode = RegisterDecode(
+        decode_engine_id="intruder", reply_endpoint=plain.endpoint,
+        engine_session_id="127.0.0.1:1", tp_rank=0, tp_size=1,
+        kv_buffers=(KVBufferDesc((1 << 20,), 2, 8, 512),), kv_layout="layer_major",
+        metadata_addr=1 << 30, metadata_bytes_per_slot=MetadataBuffers(1, 20).bytes_per_slot,
+        metadata_num_slots=4, page_size=PAGE_SIZE, kv_dtype="float32",
+        layout_fingerprint=topology["layout_fingerprint"])
     wrong = MessageChannel("127.0.0.1", lambda m: None, "wrong-secret", secret="wrong")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(endpoint)
-        plain.send(endpoint, hb)
+        plain.send(endpoint, forged_decode)                 # a forged registration
         wrong.send(endpoint, hb)
         sealed = FrameSealer(SECRET).seal(hb.encode())
         sock.send(sealed)                                   # accepted (a heartbeat)
@@ -361,6 +371,7 @@ def test_control_plane_needs_the_secret(hard):
             pd_state(p)["num_auth_rejected"]
         wrong.send(pd_state(d)["zmq_endpoint"], hb)
         assert wait_until(lambda: pd_state(d)["num_auth_rejected"] == {"hmac": 1}, 5)
+        assert answers == [] and "intruder" not in pd_state(p)["peers"]
     finally:
         sock.close()
         ctx.term()
@@ -371,6 +382,9 @@ def test_control_plane_needs_the_secret(hard):
         assert metric_value(metrics, "pdjax:pd_auth_rejected_total", role="prefill",
                             reason=reason) == count
     assert pd_state(p)["authenticated"] and pd_state(d)["authenticated"]
+    for server in (p, d):                   # the secret is never shown
+        status, info = get(server.url + "/get_server_info")
+        assert status == 200 and "disaggregation_secret" not in info and SECRET not in str(info)
     _assert_baseline(hard, before)
     (ps, pb), (ds, db) = _dispatch(hard, _ids(30), max_new_tokens=4)
     assert ps == 200 and ds == 200 and len(db["output_ids"]) == 4, (pb, db)
