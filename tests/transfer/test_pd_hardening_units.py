@@ -200,3 +200,27 @@ async def test_router_passes_worker_4xx_through_and_502s_failures(p, d, want, ne
         await rs.close()
         await pw.close()
         await dw.close()
+
+
+def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
+    """Item 5: a decode request whose prompt hit 8 tokens of the decode's own prefix cache
+    reports the prefill's hit from the metadata row; page accounting keeps the decode's."""
+    s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,
+                                  chunked_prefill_size=16))
+    warm = _req("warm", 12)
+    assert s.reserve_prebuilt(warm)
+    s.add_prebuilt(warm, 5)
+    s.finish_request(warm, {"type": "length", "length": 1})   # 3 full prompt pages cached
+    for prefill_hit, want in ((0, 0), (4, 4), (99, 10)):
+        req = Request(f"r{prefill_hit}", warm.prompt_ids[:8] + [9, 9],
+                      SamplingParams(max_new_tokens=4))
+        assert s.reserve_prebuilt(req)
+        assert req.num_cached_tokens == 8                     # the decode's own prefix hit
+        req.reported_cached_tokens = prefill_hit
+        assert req.num_cached_tokens_reported == want          # clamped to the prompt (10)
+        s.add_prebuilt(req, 3)
+        s.check_invariants()
+        s.finish_request(req, {"type": "length", "length": 1})
+        s.check_invariants()
+    colocated = _req("c", 10)
+    assert colocated.num_cached_tokens_reported == 0 and colocated.reported_cached_tokens is None
