@@ -177,7 +177,12 @@ _HELP = {
     "page_size": "tokens per KV page",
     "max_total_tokens": "tokens the KV pool holds",
     "max_running_requests": "requests decoding at once (also the largest decode bucket)",
-    "chunked_prefill_size": "token budget of one forward; longer prompts are chunked",
+    "chunked_prefill_size": "largest prompt chunk of one forward; longer prompts are chunked",
+    "max_num_batched_tokens": "most tokens one forward carries, decode rows included "
+                              "(vLLM's name); default: chunked_prefill_size",
+    "target_itl_ms": "stall-free mixed batches: a mixed step's prefill gets only the tokens a "
+                     "cost model fitted online predicts fit in this inter-token latency next to "
+                     "the decode rows (needs --enable-mixed-chunk)",
     "max_prefill_tokens": "cap on new prefill tokens per forward",
     "enable_mixed_chunk": "put a prefill chunk and the running decode rows in one forward",
     "disable_radix_cache": "turn off the prefix cache",
@@ -230,6 +235,8 @@ class ServerArgs:
     max_total_tokens: int = 16384
     max_running_requests: int = 16
     chunked_prefill_size: int = 256
+    max_num_batched_tokens: int | None = None
+    target_itl_ms: float | None = None
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
@@ -273,6 +280,16 @@ class ServerArgs:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
             if "port" in name and v > 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {v}")
+        if self.max_num_batched_tokens is not None and (
+                not isinstance(self.max_num_batched_tokens, int)
+                or isinstance(self.max_num_batched_tokens, bool) or self.max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got "
+                             f"{self.max_num_batched_tokens!r}")
+        if self.target_itl_ms is not None and not (
+                isinstance(self.target_itl_ms, (int, float)) and not isinstance(self.target_itl_ms, bool)
+                and 0 < self.target_itl_ms < float("inf")):
+            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
+                             f"{self.target_itl_ms!r}")
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")

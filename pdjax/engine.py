@@ -26,6 +26,7 @@ from pdjax.runner.model_runner import ModelRunner
 from pdjax.runner.sampler import log_softmax, sample_token, top_logprobs
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
+from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -64,13 +65,20 @@ class EngineCore:
             max_prefill_tokens=args.max_prefill_tokens,
             enable_mixed_chunk=args.enable_mixed_chunk,
             disable_radix_cache=args.disable_radix_cache, max_context_len=context,
-            page_aligned_chunks=args.role == "prefill")
+            page_aligned_chunks=args.role == "prefill",
+            max_num_batched_tokens=args.max_num_batched_tokens, target_itl_ms=args.target_itl_ms)
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
         self.buckets = Buckets.create(
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
-            max_pages_per_seq=-(-self.context_length // args.page_size))
+            max_pages_per_seq=-(-self.context_length // args.page_size),
+            max_num_batched_tokens=args.max_num_batched_tokens)
+        # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
+        self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
+                                        token_scale=self.buckets.token_buckets[-1],
+                                        cached_scale=self.context_length)
+        self.scheduler.cost_model = self.cost_model
         kv_dtype = kv_cache_dtype(args, resolve_dtype(args.dtype))
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
                                   kv_dtype=kv_dtype, buckets=self.buckets,
@@ -86,6 +94,8 @@ class EngineCore:
         self.forward_time_s = 0.0
         self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
+        if args.target_itl_ms is not None:
+            self.seed_cost_model()
         # PD disaggregation hook (DESIGN.md §4): the role's transfer manager, or None.
         self.disagg = None
         if args.role == "prefill":
@@ -153,9 +163,13 @@ class EngineCore:
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages)
         fb = self.runner.make_batch(key, rows)
         want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
+        compiles = self.runner.compiles_after_warmup
         t1 = time.perf_counter()
         logits, hidden = self.runner.forward(key, fb, want_hidden=want_prompt_lp)
         t2 = time.perf_counter()
+        # forward() returns host logits, so t2 - t1 covers the device work of the forward.
+        if self.runner.compiles_after_warmup == compiles:     # a compile is no step time
+            self.cost_model.observe(key, batch.num_tokens, batch.num_cached_tokens, t2 - t1)
         if want_prompt_lp:
             self._prompt_logprobs(batch, fb, hidden)
         sampled, results, failed = {}, {}, []
@@ -190,6 +204,19 @@ class EngineCore:
         for hook in self.step_hooks:
             hook(batch, outputs)
         return outputs
+
+    def seed_cost_model(self) -> int:
+        """Time one empty forward of every bucket a mixed step may use (already compiled by
+        warm-up), so the cost model has data before the first request. Returns the number of
+        forwards timed."""
+        keys = {self.buckets.pick("mixed", t, 1, p) for t in self.buckets.token_buckets
+                for p in self.buckets.pages_per_seq_buckets}
+        for key in sorted(keys, key=repr):
+            fb = self.runner.make_batch(key, [])
+            t0 = time.perf_counter()
+            self.runner.forward(key, fb)
+            self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
+        return len(keys)
 
     def _stop_check(self, req: Request) -> dict | None:
         sp = req.sampling_params
@@ -501,7 +528,8 @@ class AsyncEngine:
             info.update(num_total_pages=self.core.args.num_pages - 1,
                         max_total_num_tokens=(self.core.args.num_pages - 1) * self.args.page_size,
                         buckets=self.core.buckets.describe(),
-                        warmup_s=round(self.core.warmup_s, 3))
+                        warmup_s=round(self.core.warmup_s, 3),
+                        step_cost_model=self.core.cost_model.describe())
         return info
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:

@@ -34,6 +34,7 @@ ITL_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
                  0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 STEP_BUCKETS_S = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2,
                   0.5, 1.0, 2.0, 5.0)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0,
                  300.0, 600.0, 1200.0)
 
@@ -60,6 +61,11 @@ class Metrics:
       step_host_time_seconds, step_forward_time_seconds
         Histograms, seconds per engine step: host work (scheduling, batch building, sampling)
         and the forward; their ``_sum`` ratio is the host overhead.
+      step_tokens
+        Histogram, tokens per forward (decode rows included): the budget the scheduler chose.
+      step_time_predicted_seconds, step_time_seconds
+        Histograms, seconds: the cost model's forecast of each forward (when it had one) and the
+        measured forward, for the stall-free budget of ``--target-itl-ms`` (issue 13).
     """
 
     def __init__(self) -> None:
@@ -91,6 +97,14 @@ class Metrics:
                            "sampling (everything but the forward), s.", buckets=STEP_BUCKETS_S)
         self.add_histogram("step_forward_time_seconds",
                            "Forward time of one engine step (device work, waited for), s.",
+                           buckets=STEP_BUCKETS_S)
+        self.add_histogram("step_tokens", "Tokens of one forward, decode rows included.",
+                           buckets=STEP_TOKEN_BUCKETS)
+        self.add_histogram("step_time_predicted_seconds",
+                           "The step cost model's forecast of one forward, s.",
+                           buckets=STEP_BUCKETS_S)
+        self.add_histogram("step_time_seconds",
+                           "Measured time of one forward (device work finished), s.",
                            buckets=STEP_BUCKETS_S)
 
     # -- registration --------------------------------------------------------------------
@@ -145,7 +159,8 @@ class Metrics:
 
         After every step (``core.step_hooks``) the load gauges are set from
         ``core.get_load()`` and the step's host and forward times (the increase of
-        ``core.host_time_s`` / ``core.forward_time_s``) are observed; each compile on the request path
+        ``core.host_time_s`` / ``core.forward_time_s``) are observed, with the step's
+        tokens and predicted forward time (``batch.num_tokens``, ``batch.predicted_time_s``); each compile on the request path
         (``core.runner.on_unexpected_compile``) adds the runner's new
         ``compiles_after_warmup`` to ``compile_count``. Idempotent per core.
         """
@@ -162,7 +177,13 @@ class Metrics:
                 self.step_host_time_seconds.observe(max(0.0, host - last[0]))
             if fwd is not None and last[1] is not None:
                 self.step_forward_time_seconds.observe(max(0.0, fwd - last[1]))
+                self.step_time_seconds.observe(max(0.0, fwd - last[1]))
             last[:] = [host, fwd]
+            if batch is not None:
+                self.step_tokens.observe(batch.num_tokens)
+                predicted = getattr(batch, "predicted_time_s", None)
+                if predicted is not None:
+                    self.step_time_predicted_seconds.observe(predicted)
 
         core.step_hooks.append(on_step)
         runner = getattr(core, "runner", None)

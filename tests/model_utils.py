@@ -99,5 +99,6 @@ def set_sched(engine, **changes):
 
     core = engine.core
     assert not core.scheduler.has_work
-    core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes))
+    core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes),
+                               cost_model=core.cost_model)
     return core.scheduler

@@ -46,14 +46,18 @@ class Buckets:
 
     @classmethod
     def create(cls, *, chunked_prefill_size: int, max_running_requests: int,
-               max_pages_per_seq: int, min_tokens: int = 16, pages_growth: int = 4) -> "Buckets":
-        for name, v in (("chunked_prefill_size", chunked_prefill_size),
+               max_pages_per_seq: int, min_tokens: int = 16, pages_growth: int = 4,
+               max_num_batched_tokens: int | None = None) -> "Buckets":
+        """Token buckets run up to ``max_num_batched_tokens`` (the most tokens of one forward;
+        default ``chunked_prefill_size``)."""
+        top = max_num_batched_tokens or chunked_prefill_size
+        for name, v in (("chunked_prefill_size", chunked_prefill_size), ("max_num_batched_tokens", top),
                         ("max_running_requests", max_running_requests),
                         ("max_pages_per_seq", max_pages_per_seq)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         return cls(
-            token_buckets=_geometric(min(min_tokens, chunked_prefill_size), chunked_prefill_size, 2),
+            token_buckets=_geometric(min(min_tokens, top), top, 2),
             request_buckets=_geometric(1, max_running_requests, 2),
             pages_per_seq_buckets=_geometric(min(4, max_pages_per_seq), max_pages_per_seq, pages_growth),
             max_rows=max_running_requests,

@@ -8,13 +8,20 @@ Policy, per step:
    page comes first (``check_decode_mem``); when the pool is exhausted even after evicting the
    prefix cache, the decode request with the least progress is retracted (pages released into
    the prefix cache, requeued at the front, recomputed later).
-2. The rest of the token budget (``chunked_prefill_size``, capped by ``max_prefill_tokens``)
-   goes to prefill: first requests already being prefilled, then waiting ones in arrival order
-   (head of line; no skipping), admitted only when the whole prompt's pages plus one fit.
-   A prompt longer than the budget is split into chunks; one chunked request at a time.
+2. The rest of the token budget (``max_num_batched_tokens``, default ``chunked_prefill_size``;
+   capped by ``max_prefill_tokens``) goes to prefill: first requests already being prefilled,
+   then waiting ones in arrival order (head of line; no skipping), admitted only when the whole
+   prompt's pages plus one fit. A prompt longer than ``chunked_prefill_size`` or the budget is
+   split into chunks; one chunked request at a time.
 3. With ``enable_mixed_chunk`` the decode rows and the prefill chunk share one forward (the
    ``mixed`` entry). Without it a step is either decode or prefill, alternating when both have
    work, so decode rows never wait more than one step (the fairness bound).
+4. With ``target_itl_ms`` and decode rows in a mixed step, the prefill gets only as many tokens
+   as the cost model (``pdjax.sched.cost_model``) predicts fit in the target next to the decode
+   rows (Sarathi-Serve's stall-free batching): the step is filled up to the largest compiled
+   token bucket that fits, never a new shape. The first prefill row still advances by at least
+   one page (no starvation); with nothing decoding, prefill gets the whole chunk. Before any
+   forward is timed, the chunk is unconstrained.
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
@@ -46,17 +53,31 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     max_context_len: int = 4096
     page_aligned_chunks: bool = False   # PD prefill: non-last chunks end on a page boundary
+    max_num_batched_tokens: int | None = None   # tokens per forward, decode rows included
+    target_itl_ms: float | None = None          # stall-free mixed steps (policy 4 above)
 
     def __post_init__(self):
         for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens", "max_context_len"):
+                     "max_prefill_tokens", "max_context_len", "max_num_batched_tokens"):
             v = getattr(self, name)
+            if v is None and name == "max_num_batched_tokens":
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
-        if self.page_aligned_chunks and self.chunked_prefill_size < self.page_size:
-            raise ValueError("chunked_prefill_size must be >= page_size when chunks are page-aligned")
+        if self.page_aligned_chunks and min(self.chunked_prefill_size, self.token_budget) < self.page_size:
+            raise ValueError("chunked_prefill_size and max_num_batched_tokens must be >= page_size "
+                             "when chunks are page-aligned")
+        if self.target_itl_ms is not None and not (isinstance(self.target_itl_ms, (int, float))
+                                                   and 0 < self.target_itl_ms < float("inf")):
+            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
+                             f"{self.target_itl_ms!r}")
+
+    @property
+    def token_budget(self) -> int:
+        """Most tokens one forward carries, decode rows included."""
+        return self.max_num_batched_tokens or self.chunked_prefill_size
 
 
 @dataclasses.dataclass
@@ -86,17 +107,32 @@ class ScheduledBatch:
     forward_mode: str             # "decode" | "prefill_chunk" | "mixed"
     rows: list[ScheduledRow]      # decode rows first
     step: int
+    predicted_time_s: float | None = None     # the cost model's forecast of the forward
 
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.rows)
 
+    @property
+    def num_cached_tokens(self) -> int:
+        """Context tokens the rows read from the cache (the sum of their starts)."""
+        return sum(r.start for r in self.rows)
+
+    def pages_per_seq(self, page_size: int) -> int:
+        """Most pages one row reaches after this step."""
+        return max(-(-(r.start + r.num_tokens) // page_size) for r in self.rows)
+
 
 class Scheduler:
-    """Owns the waiting/running queues, the page allocator and the prefix cache."""
+    """Owns the waiting/running queues, the page allocator and the prefix cache.
 
-    def __init__(self, config: SchedulerConfig):
+    ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets`` and
+    ``predict``), needed for ``target_itl_ms``; each batch carries its prediction.
+    """
+
+    def __init__(self, config: SchedulerConfig, cost_model=None):
         self.config = config
+        self.cost_model = cost_model
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.prefix_cache = RadixCache(config.page_size, self.allocator,
@@ -211,8 +247,8 @@ class Scheduler:
             rows = self._schedule_decode(decode_reqs)
         run_prefill = has_prefill_work and (mixed or not rows)
         if run_prefill:
-            budget = min(self.config.chunked_prefill_size - len(rows), self.config.max_prefill_tokens)
-            rows += self._schedule_prefill(budget)
+            budget = min(self.config.token_budget - len(rows), self.config.max_prefill_tokens)
+            rows += self._schedule_prefill(budget, rows)
         if not rows and decode_reqs and not run_decode:
             rows = self._schedule_decode(decode_reqs)   # prefill could not start: decode now
         if not rows:
@@ -222,7 +258,12 @@ class Scheduler:
         self._last_forward_mode = mode
         for r in rows:
             r.req.last_scheduled_step = self.step_id
-        return ScheduledBatch(mode, rows, self.step_id)
+        batch = ScheduledBatch(mode, rows, self.step_id)
+        if self.cost_model is not None:
+            batch.predicted_time_s = self.cost_model.predict(
+                mode, batch.num_tokens, len(rows), batch.pages_per_seq(self.page_size),
+                batch.num_cached_tokens)
+        return batch
 
     def _schedule_decode(self, decode_reqs: list[Request]) -> list[ScheduledRow]:
         # check_decode_mem: every decode row needs room for one more token; retract the
@@ -266,9 +307,11 @@ class Scheduler:
         self.running.append(req)
         return True
 
-    def _schedule_prefill(self, budget: int) -> list[ScheduledRow]:
+    def _schedule_prefill(self, budget: int, decode_rows: list[ScheduledRow]) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         candidates = [r for r in self.running if r.is_prefilling]
+        targeted = bool(decode_rows) and self.config.target_itl_ms is not None \
+            and self.cost_model is not None
         while budget > 0:
             if candidates:
                 req = candidates.pop(0)
@@ -280,7 +323,9 @@ class Scheduler:
                     break
                 self.waiting.popleft()
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(budget, remaining)
+            n = min(budget, remaining, self.config.chunked_prefill_size)
+            if targeted:
+                n = self._fit_target(decode_rows + rows, req, n, first=not rows)
             if n < remaining and self.config.page_aligned_chunks:
                 n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
@@ -290,6 +335,36 @@ class Scheduler:
             if n < remaining:
                 break          # one chunked request at a time
         return rows
+
+    def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
+        """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
+        next to ``rows``. Candidates fill a compiled token bucket exactly (or take ``n_max``);
+        the largest one predicted to fit wins. None fits: one page for the first prefill row
+        (every step with budget advances the prompt), 0 for a later one. Nothing timed yet:
+        ``n_max``.
+
+            decode rows  | chunk of req ...............|  pad
+            <- tokens0 ->|<- n = bucket - tokens0 ---->|       (bucket = a compiled token count)
+        """
+        ps = self.page_size
+        start = req.num_computed_tokens
+        tokens0 = sum(r.num_tokens for r in rows)
+        cached0 = sum(r.start for r in rows) + start
+        pages0 = max(-(-(r.start + r.num_tokens) // ps) for r in rows)
+        target_s = self.config.target_itl_ms / 1000.0
+        buckets = self.cost_model.token_buckets
+        fills = {b - tokens0 for b in buckets if 0 < b - tokens0 < n_max}
+        for n in sorted(fills | {n_max}, reverse=True):
+            pages = max(pages0, -(-(start + n) // ps))
+            # Padding is priced as real tokens (dense matmuls run on the whole bucket), so a
+            # short last chunk is never under-predicted.
+            padded = next((b for b in buckets if b >= tokens0 + n), tokens0 + n)
+            t = self.cost_model.predict("mixed", padded, len(rows) + 1, pages, cached0)
+            if t is None:
+                return n_max
+            if t <= target_s:
+                return n
+        return min(n_max, ps) if first else 0
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],

@@ -1,0 +1,199 @@
+"""Step cost model: predicts one forward's time from the forwards already timed (issue 13).
+
+Sarathi-Serve (OSDI 2024, §4.3) sizes the token budget of a hybrid step so that the step ends
+inside the time-between-tokens target, choosing the budget by offline profiling (and lists a
+dynamic choice as future work). Here the profile is fitted online, from every timed forward.
+
+For every bucket key (entry point and padded shape, ``pdjax.sched.buckets.BucketKey``) a
+least-squares fit with exponential forgetting (the load of the machine drifts) is kept:
+
+    t(key, n, c) = a_key + b_key * n + g_key * c     n: new tokens of the step
+                                                      c: cached tokens, sum over rows of the
+                                                         row's start (context read, not written)
+
+A key with few samples leans on a pooled fit per entry point, over every bucket of that entry,
+
+    t(entry, T, n, c) = a + a_T * T + b * n + g * c   T: the bucket's padded token count
+
+which is also the key fit's ridge prior, so a bucket never timed still gets a prediction from its
+neighbours, and a bucket timed once is not judged on one sample. Features are scaled
+(``n / token_scale``, ``c / cached_scale``) so the ridge weights mean the same for every term.
+Thread-safe (the HTTP thread reads ``describe()`` while the engine thread observes).
+Pure Python; never imports JAX.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Hashable
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve ``a x = b`` (small, symmetric positive definite) by Gaussian elimination."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[piv] = m[piv], m[col]
+        p = m[col][col]
+        if p == 0.0:
+            continue
+        for r in range(col + 1, n):
+            f = m[r][col] / p
+            if f:
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        s = m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))
+        x[r] = s / m[r][r] if m[r][r] else 0.0
+    return x
+
+
+class _RidgeFit:
+    """Normal equations of a linear fit, each old sample down-weighted by ``forget`` per new
+    one; ``solve(prior, strength)`` minimises ``sum w (x.theta - y)^2 + strength |theta - prior|^2``."""
+
+    def __init__(self, dim: int, forget: float):
+        self.dim, self.forget = dim, forget
+        self.xtx = [[0.0] * dim for _ in range(dim)]
+        self.xty = [0.0] * dim
+        self.num_samples = 0
+
+    def add(self, x: list[float], y: float) -> None:
+        f = self.forget
+        for i in range(self.dim):
+            self.xty[i] = f * self.xty[i] + x[i] * y
+            row = self.xtx[i]
+            for j in range(self.dim):
+                row[j] = f * row[j] + x[i] * x[j]
+        self.num_samples += 1
+
+    def solve(self, prior: list[float], strength: float) -> list[float]:
+        a = [[v + (strength if i == j else 0.0) for j, v in enumerate(row)]
+             for i, row in enumerate(self.xtx)]
+        b = [v + strength * p for v, p in zip(self.xty, prior)]
+        return _solve(a, b)
+
+
+class StepCostModel:
+    """Online forward-time model per bucket key; see the module docstring.
+
+    Args:
+      pick_key: ``(forward_mode, num_tokens, num_rows, pages_per_seq) -> key`` (the engine's
+        ``Buckets.pick``); keys must be hashable and have ``entry`` and ``num_tokens``.
+      token_buckets: the compiled token buckets (ascending), which the scheduler snaps chunks to.
+      token_scale, cached_scale: feature scales in tokens (any positive value works; the
+        defaults suit contexts of a few thousand tokens).
+      key_forget, pool_forget: per-sample forgetting factors in (0, 1].
+      prior_strength: ridge weight pulling a key's fit towards the pooled fit (in samples of
+        scaled features).
+    Raises ``ValueError`` naming the argument for a bad value.
+    """
+
+    def __init__(self, pick_key: Callable[..., Hashable], token_buckets: tuple[int, ...], *,
+                 token_scale: float = 256.0, cached_scale: float = 4096.0,
+                 key_forget: float = 0.97, pool_forget: float = 0.99,
+                 prior_strength: float = 0.05):
+        for name, v in (("token_scale", token_scale), ("cached_scale", cached_scale),
+                        ("prior_strength", prior_strength)):
+            if not v > 0:
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        for name, v in (("key_forget", key_forget), ("pool_forget", pool_forget)):
+            if not 0 < v <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if not token_buckets or list(token_buckets) != sorted(token_buckets):
+            raise ValueError(f"token_buckets must be a non-empty ascending list, got {token_buckets!r}")
+        self.pick_key = pick_key
+        self.token_buckets = tuple(token_buckets)
+        self.token_scale, self.cached_scale = float(token_scale), float(cached_scale)
+        self.key_forget, self.pool_forget = key_forget, pool_forget
+        self.prior_strength = prior_strength
+        self._keys: dict[Hashable, _RidgeFit] = {}
+        self._pools: dict[str, _RidgeFit] = {}
+        self._coef: dict[Hashable, list[float] | None] = {}     # solved fits, cleared on observe
+        self._lock = threading.Lock()
+        self.num_observed = 0
+
+    # ------------------------------------------------------------------ fitting
+    def observe(self, key: Hashable, num_tokens: int, num_cached_tokens: int,
+                seconds: float) -> None:
+        """Add one timed forward of bucket ``key``: ``num_tokens`` new tokens (padding
+        excluded), ``num_cached_tokens`` context tokens read, ``seconds`` wall time of the
+        forward with its device work finished. Non-finite or negative times are ignored."""
+        if not (seconds >= 0 and seconds < float("inf")):
+            return
+        n, c = num_tokens / self.token_scale, num_cached_tokens / self.cached_scale
+        t = key.num_tokens / self.token_scale
+        with self._lock:
+            fit = self._keys.get(key)
+            if fit is None:
+                fit = self._keys[key] = _RidgeFit(3, self.key_forget)
+            fit.add([1.0, n, c], seconds)
+            pool = self._pools.get(key.entry)
+            if pool is None:
+                pool = self._pools[key.entry] = _RidgeFit(4, self.pool_forget)
+            pool.add([1.0, t, n, c], seconds)
+            self._coef.clear()
+            self.num_observed += 1
+
+    def _pool_coef(self, entry: str) -> list[float] | None:
+        if ("pool", entry) not in self._coef:
+            pool = self._pools.get(entry)
+            self._coef[("pool", entry)] = None if pool is None else pool.solve([0.0] * 4, 1e-3)
+        return self._coef[("pool", entry)]
+
+    def _key_coef(self, key: Hashable) -> list[float] | None:
+        """``[a, b, g]`` of ``key`` in scaled units, or None when its entry has no data."""
+        if key in self._coef:
+            return self._coef[key]
+        pool = self._pool_coef(key.entry)
+        if pool is None:
+            coef = None
+        else:
+            prior = [pool[0] + pool[1] * key.num_tokens / self.token_scale, pool[2], pool[3]]
+            fit = self._keys.get(key)
+            coef = prior if fit is None else fit.solve(prior, self.prior_strength)
+        self._coef[key] = coef
+        return coef
+
+    # ------------------------------------------------------------------ prediction
+    def predict_key(self, key: Hashable, num_tokens: int, num_cached_tokens: int) -> float | None:
+        """Predicted seconds of a forward of bucket ``key``; None before any data on its entry
+        point. Never negative."""
+        with self._lock:
+            coef = self._key_coef(key)
+        if coef is None:
+            return None
+        t = coef[0] + coef[1] * num_tokens / self.token_scale \
+            + coef[2] * num_cached_tokens / self.cached_scale
+        return max(0.0, t)
+
+    def predict(self, forward_mode: str, num_tokens: int, num_rows: int, pages_per_seq: int,
+                num_cached_tokens: int) -> float | None:
+        """Predicted seconds of a step the scheduler is planning (``forward_mode`` as in
+        ``ScheduledBatch``); None when nothing is known yet or no bucket holds the step."""
+        try:
+            key = self.pick_key(forward_mode, num_tokens, num_rows, pages_per_seq)
+        except ValueError:
+            return None
+        return self.predict_key(key, num_tokens, num_cached_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        """The current coefficients, for ``/get_server_info``: per entry point the pooled fit,
+        per key its own (seconds, seconds per token, seconds per cached token)."""
+        with self._lock:
+            pools = {e: self._pool_coef(e) for e in sorted(self._pools)}
+            keys = {k: (self._key_coef(k), self._keys[k].num_samples) for k in self._keys}
+        s_n, s_c = self.token_scale, self.cached_scale
+        out: dict[str, Any] = {"num_observed": self.num_observed, "entries": {}, "buckets": []}
+        for e, c in pools.items():
+            out["entries"][e] = {"fixed_s": c[0], "per_bucket_token_s": c[1] / s_n,
+                                 "per_token_s": c[2] / s_n, "per_cached_token_s": c[3] / s_c,
+                                 "num_samples": self._pools[e].num_samples}
+        for k, (c, num) in sorted(keys.items(), key=lambda kv: repr(kv[0])):
+            desc = {f: getattr(k, f) for f in getattr(k, "__dataclass_fields__", {})} or {"key": repr(k)}
+            desc.update(fixed_s=c[0], per_token_s=c[1] / s_n, per_cached_token_s=c[2] / s_c,
+                        num_samples=num)
+            out["buckets"].append(desc)
+        return out
