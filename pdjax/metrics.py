@@ -160,7 +160,8 @@ class Metrics:
         After every step (``core.step_hooks``) the load gauges are set from
         ``core.get_load()`` and the step's host and forward times (the increase of
         ``core.host_time_s`` / ``core.forward_time_s``) are observed, with the step's
-        tokens and predicted forward time (``batch.num_tokens``, ``batch.predicted_time_s``); each compile on the request path
+        tokens and predicted forward time (``batch.num_tokens``, ``batch.predicted_time_s``);
+        each compile on the request path
         (``core.runner.on_unexpected_compile``) adds the runner's new
         ``compiles_after_warmup`` to ``compile_count``. Idempotent per core.
         """

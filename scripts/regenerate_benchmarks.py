@@ -12,7 +12,8 @@ present, so a section can be rerun alone):
   serving    a PD deployment (prefill + decode over Mooncake + router) and a colocated server,
              started once; bench_serving.py against the colocated server and the router
   transfer   bench_transfer.py against the same servers
-  mixed      bench_mixed.py (offline engine, mixed batches on vs off)
+  mixed      bench_mixed.py (offline engine, mixed batches off / on / on with an ITL target,
+             the target sweep, and the gap plot docs/images/bench_mixed_itl.png)
   vs_hf      bench_vs_hf.py (offline engine vs transformers)
   load       bench_load.py (model load: source checkpoint vs its pdjax Orbax conversion)
   notebook   notebooks/bucket_shapes.ipynb executed in place (outputs saved) via nbclient
@@ -34,6 +35,7 @@ from bench_common import ROOT, fmt, machine_info, now_iso  # noqa: E402
 
 STEPS = ("serving", "transfer", "mixed", "vs_hf", "load", "notebook")
 NOTEBOOK = os.path.join("notebooks", "bucket_shapes.ipynb")
+MIXED_PLOT = os.path.join("docs", "images", "bench_mixed_itl.png")   # shown in BENCHMARKS.md
 
 
 def sizes(quick: bool, model_path: str | None) -> dict:
@@ -48,7 +50,8 @@ def sizes(quick: bool, model_path: str | None) -> dict:
                             "--random-output-len", "8", "--max-concurrency", "4"],
                 "transfer": ["--input-lens", "20,100", "--requests-per-len", "2"],
                 "mixed": ["--batch-size", "4", "--decode-prompt-len", "16",
-                          "--long-prompt-len", "100", "--steady-steps", "8", "--repeats", "3"],
+                          "--long-prompt-len", "100", "--steady-steps", "8", "--repeats", "3",
+                          "--plot-file", MIXED_PLOT],
                 "vs_hf": ["--num-prompts", "4", "--input-len", "24", "--output-len", "8"]}
     server = model + ["--page-size", "16", "--max-total-tokens", "16384",
                       "--max-running-requests", "16", "--chunked-prefill-size", "256",
@@ -57,8 +60,9 @@ def sizes(quick: bool, model_path: str | None) -> dict:
             "serving": ["--num-prompts", "16", "--random-input-len", "128",
                         "--random-output-len", "32", "--max-concurrency", "16"],
             "transfer": ["--input-lens", "64,256,960", "--requests-per-len", "2"],
-            "mixed": ["--batch-size", "8", "--decode-prompt-len", "32", "--long-prompt-len", "512",
-                      "--steady-steps", "16", "--repeats", "3"],
+            "mixed": ["--batch-size", "8", "--decode-prompt-len", "32", "--long-prompt-len", "2000",
+                      "--steady-steps", "16", "--repeats", "2", "--context-length", "2016",
+                      "--target-factors", "2,1.5,3,5", "--plot-file", MIXED_PLOT],
             "vs_hf": ["--num-prompts", "8", "--input-len", "128", "--output-len", "32"]}
 
 
@@ -183,6 +187,64 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
     return lines + [""]
 
 
+def _mixed_section(mx: dict) -> list[str]:
+    lines = ["## Mixed batches during a long-prompt arrival (bench_mixed.py)", "",
+             f"Date: {mx['date']}. Model: `{model_name(mx)}`. {mx['batch_size']} requests decode "
+             f"steadily; a {mx['long_prompt_len']}-token prompt arrives (chunked prefill "
+             f"{mx['chunked_prefill_size']}); {mx['repeats']} rounds per setting, all settings "
+             "interleaved in one process. Settings: mixed batches off, on, and on with "
+             f"`--target-itl-ms {fmt(mx['target_itl_ms'])}` ({fmt(mx['target_factor'])} x the "
+             f"steady decode step of {fmt(mx['steady_decode_step_ms'])} ms, measured first), "
+             "then the target sweep. Decode ITL in ms: steady state (a window before the "
+             "arrival), and during the arrival (every gap of every decoding request that "
+             "overlaps the interval from the arrival to the long prompt's first token). Window "
+             "throughput: decode tokens plus the long prompt's tokens over that interval.", ""]
+    names = ["mixed_off", "mixed_on", "mixed_on_target"] + [
+        r["setting"] for r in mx.get("target_sweep", []) if r["setting"] != "mixed_on_target"]
+    rows = []
+    for name in names:
+        r = mx[name]
+        rows.append([name.replace("_", " "), r["steady_itl_ms"]["p50"], r["steady_itl_ms"]["p99"],
+                     r["arrival_itl_ms"]["p50"], r["arrival_itl_ms"]["p99"],
+                     r["arrival_itl_ms"]["max"], r["ratio_p99_to_steady_p99"],
+                     r["long_prompt_ttft_ms"], r.get("window_throughput_tok_s"),
+                     ", ".join(f"{k} {v}" for k, v in sorted(r["window_forward_modes"].items())),
+                     r["window_host_overhead"]["host_overhead_fraction"]])
+    lines += _table(["setting", "steady ITL p50", "steady ITL p99", "arrival ITL p50",
+                     "arrival ITL p99", "arrival ITL max", "arrival p99 / steady p99",
+                     "long prompt TTFT", "window tok/s", "forwards in window", "host overhead"],
+                    rows)
+    lines += [f"With the target, arrival ITL p99 / mixed off: "
+              f"**{fmt(mx['arrival_p99_target_over_off'])}**; long-prompt TTFT / mixed off: "
+              f"{fmt(mx['ttft_target_over_off'])}; window throughput / mixed off: "
+              f"{fmt(mx['throughput_target_over_off'])}. Mixed on without a target: arrival ITL "
+              f"p99 / off {fmt(mx['arrival_p99_on_over_off'])}, TTFT / off "
+              f"{fmt(mx['ttft_on_over_off'])}. Compiles after warm-up: "
+              f"{mx['compiles_after_warmup']}.", ""]
+    if mx.get("target_sweep"):
+        lines += ["Target sweep (the trade-off curve: a tighter target smooths decoding and "
+                  "delays the long prompt):", ""]
+        lines += _table(["target ITL ms", "arrival ITL p99", "arrival p99 / steady p99",
+                         "long prompt TTFT", "window tok/s"],
+                        [[r["target_itl_ms"], r["arrival_itl_p99_ms"], r["ratio_p99_to_steady_p99"],
+                          r["long_prompt_ttft_ms"], r["window_throughput_tok_s"]]
+                         for r in mx["target_sweep"]])
+    if mx.get("plot_file"):
+        path = os.path.relpath(os.path.join(ROOT, mx["plot_file"]), ROOT)
+        lines += [f"![inter-token gaps of every decoding request]({path})", "",
+                  "Each line is one decoding request's inter-token gaps (log scale) against the "
+                  "time since the long prompt arrived (first round of each setting); the dashed "
+                  "line is the long prompt's first token.", ""]
+    cm = mx.get("cost_model", {}).get("mixed")
+    if cm:
+        lines += [f"Cost model of the `mixed` entry at the end of the run (pooled over buckets): "
+                  f"{fmt(1000 * cm['fixed_s'])} ms fixed, {fmt(1e6 * cm['per_bucket_token_s'])} us "
+                  f"per padded token, {fmt(1e6 * cm['per_token_s'])} us per real token, "
+                  f"{fmt(1e6 * cm['per_cached_token_s'])} us per cached token "
+                  f"({cm['num_samples']} forwards).", ""]
+    return lines + _commands(mx)
+
+
 def render(results_dir: str, quick: bool) -> str:
     lines = ["# pdjax benchmarks", "",
              "Figures from this machine, produced by `python scripts/regenerate_benchmarks.py"
@@ -227,29 +289,7 @@ def render(results_dir: str, quick: bool) -> str:
         lines += _commands(s_c) + (_commands(s_pd) if s_pd else [])
     mx = _load(results_dir, "mixed")
     if mx:
-        lines += ["## Mixed batches during a long-prompt arrival (bench_mixed.py)", "",
-                  f"Date: {mx['date']}. Model: `{model_name(mx)}`. {mx['batch_size']} requests decode "
-                  f"steadily; a {mx['long_prompt_len']}-token prompt arrives "
-                  f"(chunked prefill {mx['chunked_prefill_size']}); {mx['repeats']} rounds per "
-                  "setting, alternating, in one process. Decode ITL in ms: steady state, and "
-                  "during the arrival (every gap that overlaps the interval from the arrival "
-                  "to the long prompt's first token; without mixed batches the last gap spans the final "
-                  "chunk).", ""]
-        rows = []
-        for name in ("mixed_off", "mixed_on"):
-            r = mx[name]
-            rows.append([name.replace("_", " "), r["steady_itl_ms"]["p50"], r["arrival_itl_ms"]["p50"],
-                         r["arrival_itl_ms"]["p99"], r["arrival_itl_ms"]["max"],
-                         r["ratio_p99_to_steady_p99"], r["long_prompt_ttft_ms"],
-                         ", ".join(f"{k} {v}" for k, v in sorted(r["window_forward_modes"].items())),
-                         r["window_host_overhead"]["host_overhead_fraction"]])
-        lines += _table(["setting", "steady ITL p50", "arrival ITL p50", "arrival ITL p99",
-                         "arrival ITL max", "arrival p99 / steady p99", "long prompt TTFT",
-                         "forwards in window", "host overhead"], rows)
-        lines += [f"Arrival ITL p99, mixed on / off: **{fmt(mx['arrival_p99_on_over_off'])}**; "
-                  f"long-prompt TTFT on / off: {fmt(mx['ttft_on_over_off'])}. Compiles after "
-                  f"warm-up: {mx['compiles_after_warmup']}.", ""]
-        lines += _commands(mx)
+        lines += _mixed_section(mx)
     tr = _load(results_dir, "transfer")
     if tr:
         lines += ["## PD KV transfer (bench_transfer.py)", "",

@@ -1,16 +1,20 @@
-"""scripts/bench_mixed.py (offline EngineCore, mixed on vs off in one process): every JSON field,
-the forward kinds of the arrival window, and an XLA trace per setting. The ITL figures are
-printed, not asserted (CPU timing on a shared machine)."""
+"""scripts/bench_mixed.py (offline EngineCore; mixed off, on, and on with an ITL target, in one
+process): every JSON field, the forward kinds of the arrival window, the gap plot, the step
+trace, and an XLA trace per setting. The ITL figures are printed, not asserted (CPU timing on
+a shared machine)."""
 
 import json
+import struct
 
 import bench_mixed
+import pytest
 
 from bench_settings import TINY_FLAGS
 
 SETTING_FIELDS = ("steady_itl_ms", "arrival_itl_ms", "ratio_p50_to_steady_p50",
                   "ratio_p99_to_steady_p99", "ratio_max_to_steady_p50", "long_prompt_ttft_ms",
-                  "arrival_p99_per_round_ms", "window_forward_modes", "window_host_overhead")
+                  "arrival_p99_per_round_ms", "window_forward_modes", "window_host_overhead",
+                  "window_throughput_tok_s")
 
 
 def test_bench_mixed_small(tiny_checkpoints, tmp_path):
@@ -19,15 +23,26 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
         "--model-path", tiny_checkpoints["llama"], *TINY_FLAGS,
         "--batch-size", "4", "--decode-prompt-len", "16", "--long-prompt-len", "100",
         "--steady-steps", "8", "--repeats", "4", "--output-file", str(out),
-        "--profile-dir", str(tmp_path / "trace"), "--profile-steps", "2"])
+        "--profile-dir", str(tmp_path / "trace"), "--profile-steps", "2",
+        "--target-factors", "2,4", "--plot-file", str(tmp_path / "gaps.png"),
+        "--step-trace-file", str(tmp_path / "steps.json")])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     for f in ("date", "model", "batch_size", "long_prompt_len", "chunked_prefill_size",
               "compiles_after_warmup", "arrival_p99_on_over_off", "arrival_p50_on_over_off",
-              "ttft_on_over_off", "profile_traces", "machine", "mixed_off", "mixed_on"):
+              "ttft_on_over_off", "profile_traces", "machine", "mixed_off", "mixed_on",
+              "mixed_on_target", "steady_decode_step_ms", "target_itl_ms", "target_sweep",
+              "arrival_p99_target_over_off", "ttft_target_over_off", "throughput_target_over_off",
+              "cost_model"):
         assert f in result, f
     assert result["compiles_after_warmup"] == 0
-    off, on = result["mixed_off"], result["mixed_on"]
-    for r in (off, on):
+    # 3 token buckets (16, 32, 64) x 2 pages-per-seq buckets (4, 16) of the mixed entry
+    assert result["cost_model_seed_forwards"] == 6
+    assert result["target_factor"] == 2.0
+    assert [r["target_itl_ms"] for r in result["target_sweep"]] == pytest.approx(
+        [2 * result["steady_decode_step_ms"], 4 * result["steady_decode_step_ms"]])
+    assert result["cost_model"]["mixed"]["num_samples"] > 6
+    off, on, tgt = result["mixed_off"], result["mixed_on"], result["mixed_on_target"]
+    for r in (off, on, tgt):
         for f in SETTING_FIELDS:
             assert f in r, f
         for k in ("p50", "p99", "max"):
@@ -44,6 +59,14 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
     assert off["arrival_itl_ms"]["num_samples"] == 4 * 4 * 2
     assert on["arrival_itl_ms"]["num_samples"] == 4 * 4 * 2
     assert len(result["profile_traces"]) == 2                          # mixed_off, mixed_on
+    # Under a target the window holds only mixed forwards (decode rows ride in every one).
+    assert set(tgt["window_forward_modes"]) == {"mixed"}
+    assert sum(tgt["window_forward_modes"].values()) >= 2 * 4
+    png = (tmp_path / "gaps.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 400
+    steps = json.loads((tmp_path / "steps.json").read_text())["steps"]
+    assert {s["key"]["entry"] for s in steps} == {"decode", "prefill_chunk", "mixed"}
+    assert all(s["measured_s"] > 0 and s["num_tokens"] <= s["key"]["num_tokens"] for s in steps)
     print("\nbench_mixed figures (ms):",
           {name: {k: round(result[name]["arrival_itl_ms"][k], 3) for k in ("p50", "p99", "max")}
            for name in ("mixed_off", "mixed_on")},

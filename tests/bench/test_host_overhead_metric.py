@@ -36,3 +36,24 @@ def test_step_time_histograms_and_server_step_times():
     assert st["forward_time_per_step_ms"] == pytest.approx(20.0 / 3)
     assert st["host_overhead_fraction"] == pytest.approx(6 / 26)
     assert server_step_times(None, after)["host_time_per_step_ms"] is None
+
+
+def test_step_tokens_and_predicted_and_measured_step_time():
+    from pdjax.request import Request, SamplingParams
+    from pdjax.sched.scheduler import ScheduledBatch, ScheduledRow
+
+    m, core = Metrics(), _Core()
+    m.attach_engine(core)
+    req = Request("r", list(range(3, 40)), SamplingParams(max_new_tokens=2))
+    for rows, predicted, fwd in (([ScheduledRow(req, 0, 24)], 0.005, 0.006),
+                                 ([ScheduledRow(req, 24, 13)], None, 0.003)):
+        core.forward_time_s += fwd
+        for hook in core.step_hooks:
+            hook(ScheduledBatch("prefill_chunk", rows, 1, predicted_time_s=predicted), [])
+    s = parse_metrics(m.render()[0].decode())
+    assert s[("pdjax:step_tokens_count", ())] == 2 and s[("pdjax:step_tokens_sum", ())] == 37
+    assert s[("pdjax:step_tokens_bucket", (("le", "16.0"),))] == 1      # the 13-token step
+    assert s[("pdjax:step_time_predicted_seconds_count", ())] == 1      # only one had a forecast
+    assert s[("pdjax:step_time_predicted_seconds_sum", ())] == pytest.approx(0.005)
+    assert s[("pdjax:step_time_seconds_count", ())] == 2
+    assert s[("pdjax:step_time_seconds_sum", ())] == pytest.approx(0.009)

@@ -168,5 +168,18 @@ async def test_validation_then_valid_and_metrics_move(served):
     assert (metric(after, "pdjax:prompt_tokens_total") - metric(before, "pdjax:prompt_tokens_total")
             == chat.usage.prompt_tokens)
     assert metric(after, "pdjax:compile_count_total") == 0
+    # One prefill forward and 4 decode forwards, each timed, each forecast by the cost model
+    # (earlier tests of this module gave it data on both entry points).
+    steps = {k: metric(after, f"pdjax:{k}") - metric(before, f"pdjax:{k}")
+             for k in ("step_tokens_count", "step_tokens_sum", "step_time_seconds_count",
+                       "step_time_predicted_seconds_count")}
+    assert steps == {"step_tokens_count": 5, "step_tokens_sum": chat.usage.prompt_tokens + 4,
+                     "step_time_seconds_count": 5, "step_time_predicted_seconds_count": 5}
+    info = await (await client.get("/get_server_info")).json()
+    cost = info["step_cost_model"]
+    assert cost["num_observed"] >= 5 and {"decode", "prefill_chunk"} <= set(cost["entries"])
+    for bucket in cost["buckets"]:
+        assert bucket["num_samples"] >= 1 and bucket["fixed_s"] == bucket["fixed_s"]  # not NaN
+    assert info["target_itl_ms"] is None and info["max_num_batched_tokens"] is None
     assert (await client.get("/health")).status == 200
     assert (await client.get("/health_generate")).status == 200
