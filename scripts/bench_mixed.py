@@ -288,6 +288,8 @@ def main(argv=None) -> dict[str, Any]:
     compiles0 = core.runner.compiles_after_warmup
     num_seeded = core.seed_cost_model()
     decode_step_ms = measure_decode_step(core, args)
+    print(f"warm-up {core.warmup_s:.0f} s, {num_seeded} seed forwards; steady decode step "
+          f"{decode_step_ms:.1f} ms", file=sys.stderr, flush=True)
     targets_ms = ([float(t) for t in args.target_itl_ms] if args.target_itl_ms
                   else [f * decode_step_ms for f in args.target_factors])
     plan = settings(targets_ms)
@@ -297,6 +299,10 @@ def main(argv=None) -> dict[str, Any]:
         for name, mixed, target in plan:
             rounds[name].append(run_round(core, args, mixed, seed=args.seed + i,
                                           target_itl_ms=target, trace=trace))
+            r = rounds[name][-1]
+            print(f"round {i + 1}/{args.repeats} {name}: arrival ITL p99 "
+                  f"{_stats(r['arrival_itl_s'])['p99']:.1f} ms, TTFT {1000 * r['ttft_s']:.0f} ms",
+                  file=sys.stderr, flush=True)
     if args.profile_dir:
         # Extra, unmeasured rounds: tracing slows the steps it records.
         for name, mixed, target in plan[:2]:
