@@ -56,7 +56,9 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 class _RidgeFit:
     """Normal equations of a linear fit, each old sample down-weighted by ``forget`` per new
-    one; ``solve(prior, strength)`` minimises ``sum w (x.theta - y)^2 + strength |theta - prior|^2``."""
+    one; ``solve(prior, strength)`` minimises ``sum w (x.theta - y)^2 + strength |theta - prior|^2``
+    with every coefficient >= 0 (a cost term is never negative, so a fit on noisy or collinear
+    samples cannot extrapolate to a negative or shrinking cost)."""
 
     def __init__(self, dim: int, forget: float):
         self.dim, self.forget = dim, forget
@@ -74,10 +76,19 @@ class _RidgeFit:
         self.num_samples += 1
 
     def solve(self, prior: list[float], strength: float) -> list[float]:
-        a = [[v + (strength if i == j else 0.0) for j, v in enumerate(row)]
-             for i, row in enumerate(self.xtx)]
-        b = [v + strength * p for v, p in zip(self.xty, prior)]
-        return _solve(a, b)
+        # Clamp and refit: negative coefficients are pinned at 0 and the rest solved again.
+        free = list(range(self.dim))
+        theta = [0.0] * self.dim
+        while free:
+            a = [[self.xtx[i][j] + (strength if i == j else 0.0) for j in free] for i in free]
+            b = [self.xty[i] + strength * prior[i] for i in free]
+            x = _solve(a, b)
+            if all(v >= 0 for v in x):
+                for i, v in zip(free, x):
+                    theta[i] = v
+                break
+            free = [i for i, v in zip(free, x) if v >= 0]
+        return theta
 
 
 class StepCostModel:

@@ -90,3 +90,17 @@ def test_replayed_smollm2_step_timings_are_predicted_online():
     assert len(errors["mixed"]) > 100
     # The machine is shared: its load swings a step by up to 2x, which the load factor tracks.
     assert medians["mixed"] < 0.15 and medians["decode"] < 0.2
+
+
+def test_coefficients_stay_non_negative_on_collinear_noisy_samples():
+    # Full buckets only (tokens = bucket size) and a cost that rises faster than linearly: an
+    # unconstrained fit has a negative fixed cost and predicts a small step to cost nothing.
+    model = _model()
+    for t, secs in ((64, 0.010), (128, 0.030), (256, 0.090)) * 5:
+        model.observe(BUCKETS.pick("mixed", t, 9, 16), t, 0, secs)
+    desc = model.describe()
+    for c in (desc["entries"]["mixed"], *desc["buckets"]):
+        assert all(c[k] >= 0 for k in c if k.endswith("_s")), c
+    small = model.predict("mixed", 16, 9, 16, 0)
+    assert small > 0.001                     # never 0 or negative for an untimed small bucket
+    assert small <= model.predict("mixed", 64, 9, 16, 0) <= model.predict("mixed", 256, 9, 16, 0)
