@@ -61,9 +61,22 @@ def sizes(quick: bool, model_path: str | None) -> dict:
                         "--random-output-len", "32", "--max-concurrency", "16"],
             "transfer": ["--input-lens", "64,256,960", "--requests-per-len", "2"],
             "mixed": ["--batch-size", "8", "--decode-prompt-len", "32", "--long-prompt-len", "2000",
-                      "--steady-steps", "16", "--repeats", "2", "--context-length", "2016",
-                      "--target-factors", "2,1.5,3,5", "--plot-file", MIXED_PLOT],
+                      "--steady-steps", "16", "--repeats", "1", "--context-length", "2016",
+                      "--target-factors", "2,3", "--plot-file", MIXED_PLOT],
             "vs_hf": ["--num-prompts", "8", "--input-len", "128", "--output-len", "32"]}
+
+
+def _without(flags: list[str], overrides: list[str]) -> list[str]:
+    """``flags`` minus every ``--name value`` pair that ``overrides`` sets again."""
+    names = {f for f in overrides if f.startswith("--")}
+    out, i = [], 0
+    while i < len(flags):
+        if flags[i] in names:
+            i += 2
+            continue
+        out.append(flags[i])
+        i += 1
+    return out
 
 
 def run_cmd(cmd: list[str], log_path: str) -> float:
@@ -390,7 +403,7 @@ def main(argv=None) -> None:
         if {"serving", "transfer"} & set(args.only):
             step_servers(args, cfg, args.results_dir, logs)
         if "mixed" in args.only:
-            step_offline("mixed", "bench_mixed.py", [*cfg["server"], *cfg["mixed"]],
+            step_offline("mixed", "bench_mixed.py", [*_without(cfg["server"], cfg["mixed"]), *cfg["mixed"]],
                          args.results_dir, logs)
         if "vs_hf" in args.only:
             flags = list(cfg["server"])
