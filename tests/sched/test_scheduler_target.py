@@ -219,3 +219,39 @@ def test_real_cost_model_learns_the_clock_and_then_keeps_the_target():
     # A few exploratory steps while the model has no data, then never over the target.
     assert sum(over[:8]) <= 4 and not any(over[8:]), over
     assert len(over) > 40
+
+
+def test_max_num_batched_tokens_counts_decode_rows_and_chunk_size_caps_a_prompt():
+    sched = Scheduler(SchedulerConfig(num_pages=400, page_size=PAGE, max_running_requests=8,
+                                      chunked_prefill_size=16, max_num_batched_tokens=24,
+                                      enable_mixed_chunk=True))
+    _start_decoders(sched, None, n=4)
+    sched.add_request(_req("long", 40, 1))
+    batch, _ = _step(sched)
+    assert [r.num_tokens for r in batch.rows] == [1, 1, 1, 1, 16]     # the chunk cap
+    sched.add_request(_req("s1", 6, 1))
+    batch, _ = _step(sched)
+    # 4 decode rows + 16 of "long" leave 4 of the 24-token budget; "long" is chunked, so the
+    # short prompt waits behind it (one chunked request at a time).
+    assert [r.num_tokens for r in batch.rows] == [1, 1, 1, 1, 16]
+    batch, _ = _step(sched)
+    assert [r.num_tokens for r in batch.rows] == [1, 1, 1, 1, 8, 6]   # long's rest, then s1
+    b = Buckets.create(chunked_prefill_size=16, max_running_requests=8, max_pages_per_seq=16,
+                       max_num_batched_tokens=24)
+    assert b.token_buckets == (16, 24)
+    for kw, name in (({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+                     ({"target_itl_ms": -1.0}, "target_itl_ms"),
+                     ({"max_num_batched_tokens": 2, "page_aligned_chunks": True}, "page_size")):
+        with pytest.raises(ValueError, match=name):
+            SchedulerConfig(num_pages=10, page_size=PAGE, **kw)
+
+
+def test_server_args_name_the_bad_field():
+    from pdjax.config import ServerArgs
+
+    for kw, name in (({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+                     ({"target_itl_ms": 0}, "target_itl_ms"),
+                     ({"target_itl_ms": True}, "target_itl_ms")):
+        with pytest.raises(ValueError, match=name):
+            ServerArgs(**kw)
+    assert ServerArgs(max_num_batched_tokens=300, target_itl_ms=25.5).target_itl_ms == 25.5
