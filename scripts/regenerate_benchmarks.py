@@ -204,7 +204,7 @@ def _mixed_section(mx: dict) -> list[str]:
     lines = ["## Mixed batches during a long-prompt arrival (bench_mixed.py)", "",
              f"Date: {mx['date']}. Model: `{model_name(mx)}`. {mx['batch_size']} requests decode "
              f"steadily; a {mx['long_prompt_len']}-token prompt arrives (chunked prefill "
-             f"{mx['chunked_prefill_size']}); {mx['repeats']} rounds per setting, all settings "
+             f"{mx['chunked_prefill_size']}); {mx['repeats']} round(s) per setting, all settings "
              "interleaved in one process. Settings: mixed batches off, on, and on with "
              f"`--target-itl-ms {fmt(mx['target_itl_ms'])}` ({fmt(mx['target_factor'])} x the "
              f"steady decode step of {fmt(mx['steady_decode_step_ms'])} ms, measured first), "
