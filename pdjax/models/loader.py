@@ -81,6 +81,17 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
     return run_cfg, place_params(make, restore_params(path, targets), specs, mesh)
 
 
+def checkpoint_config(path: str):
+    """The config of the checkpoint at ``path`` (already resolved) as written, before
+    ``run_config`` adapts it to a TP size. GGUF files are read in full (slow); folders read
+    their config only."""
+    if is_orbax_checkpoint(path):
+        return model_family(read_marker(path)["architecture"]).read_config(path)
+    if is_gguf(path):
+        return read_gguf(path, progress=False)[0]
+    return model_family(checkpoint_architecture(path)).read_config(path)
+
+
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
                progress: bool = True, **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.

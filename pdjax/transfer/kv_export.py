@@ -23,8 +23,22 @@ Only ``export_kv_layout``, ``shard_addresses``, ``kv_layout_fingerprint`` and
 array's methods), so the grouping and copy building can be used by pure-Python code.
 
 A sharded array has one buffer per addressable device; shards are ordered by the global index
-they hold (then device id), so shard i of the prefill pairs with shard i of the decode when both
-use the same mesh. Only the trailing (head) dimensions may be sharded.
+they hold (then device id). Only the head dimension (dim 3) may be sharded.
+
+Different TP sizes (DESIGN.md §4): every shard says which logical KV heads it holds
+(``KVBufferDesc.shard_heads``), and ``plan_head_slices`` maps each destination shard's heads
+onto source shards as head slices. A slice that is a whole shard on both sides copies page
+runs as above; any other slice is strided inside a page (``[page_size, heads, head_bytes]``)
+and costs one copy per (page, layer, token slot)::
+
+    prefill TP 2 (1 head/shard)        decode TP 1 (2 heads)
+    shard 0: t0[h0] t1[h0] ...   --->   shard 0: t0[h0 h1] t1[h0 h1] ...
+    shard 1: t0[h1] t1[h1] ...   --->            ^ one copy of head_bytes per token and slice
+
+Replicated heads (``tp_model_config`` when TP > KV heads, and MLA/indexer buffers, which are
+one head on every shard) are read from one source shard and written to every destination
+shard that holds them, so bytes moved = pages x bytes_per_page summed over the destination
+shards.
 """
 
 from __future__ import annotations
@@ -93,21 +107,81 @@ class KVLayout:
     def check_compatible(self, other: "KVLayout") -> None:
         """Raise ``ValueError`` naming the field if pages of ``self`` cannot be copied to ``other``.
 
-        The layout kind, number of buffers, and per buffer the shard count, num_layers and
-        bytes_per_page must be equal; num_pages may differ (each side sizes its own pool).
+        The layout kind, number of buffers, and per buffer num_layers, num_heads and the bytes
+        of one page of one head must be equal, and every head a shard of ``other`` holds must be
+        held by some shard of ``self`` (``plan_head_slices``); num_pages may differ (each side
+        sizes its own pool) and so may the TP size.
         """
-        if self.kind != other.kind:
-            raise ValueError(f"kv_layout: {self.kind!r} != {other.kind!r}")
-        if len(self.buffers) != len(other.buffers):
-            raise ValueError(f"kv_buffers: {len(self.buffers)} buffers != {len(other.buffers)}")
-        for i, (a, b) in enumerate(zip(self.buffers, other.buffers)):
-            for name in ("num_layers", "bytes_per_page"):
-                if getattr(a, name) != getattr(b, name):
-                    raise ValueError(f"kv_buffers[{i}].{name}: {getattr(a, name)} != "
-                                     f"{getattr(b, name)}")
-            if len(a.shard_addrs) != len(b.shard_addrs):
-                raise ValueError(f"kv_buffers[{i}].shard_addrs: {len(a.shard_addrs)} shards != "
-                                 f"{len(b.shard_addrs)}")
+        plan_head_slices(self, other)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSlice:
+    """``num_heads`` consecutive heads copied from one source shard into one destination shard.
+
+    ``src_head``/``dst_head``: the first head's slot inside its shard (0-based, local).
+    ``whole``: the slice is the entire page on both sides (a plain page-run copy).
+    """
+
+    src_shard: int
+    dst_shard: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+    whole: bool
+
+
+def plan_head_slices(src: KVLayout, dst: KVLayout) -> list[list[HeadSlice]]:
+    """Per buffer, the head slices that fill every destination shard from the source shards.
+
+    For each destination shard and each logical head it holds, the source is the shard
+    ``dst_shard % n`` among the ``n`` source shards holding that head (spreads reads over
+    replicas); consecutive heads from one source shard at consecutive slots merge into one
+    slice. Raises ``ValueError`` naming the field when the layouts cannot be mapped: a
+    different kind, buffer count, num_layers, num_heads, bytes per head-page, or a head no
+    source shard holds.
+    """
+    if src.kind != dst.kind:
+        raise ValueError(f"kv_layout: {src.kind!r} != {dst.kind!r}")
+    if len(src.buffers) != len(dst.buffers):
+        raise ValueError(f"kv_buffers: {len(src.buffers)} buffers != {len(dst.buffers)}")
+    plan = []
+    for i, (a, b) in enumerate(zip(src.buffers, dst.buffers)):
+        names = ["num_layers", "num_heads", "head_bytes", "tokens_per_page"]
+        if a.heads_per_shard == b.heads_per_shard:
+            names.insert(2, "bytes_per_page")
+        for name in names:
+            if getattr(a, name) != getattr(b, name):
+                raise ValueError(f"kv_buffers[{i}].{name}: {getattr(a, name)} != "
+                                 f"{getattr(b, name)}")
+        holders: dict[int, list[int]] = {}
+        for s, (start, count) in enumerate(a.shard_heads):
+            for h in range(start, start + count):
+                holders.setdefault(h, []).append(s)
+        slices: list[HeadSlice] = []
+        for d, (start, count) in enumerate(b.shard_heads):
+            cur = None
+            for j, h in enumerate(range(start, start + count)):
+                if h not in holders:
+                    raise ValueError(f"kv_buffers[{i}].shard_heads: destination shard {d} "
+                                     f"holds head {h}, which no source shard holds")
+                s = holders[h][d % len(holders[h])]
+                slot = h - a.shard_heads[s][0]
+                if cur is not None and cur[0] == s and cur[1] + cur[3] == slot:
+                    cur[3] += 1
+                    continue
+                if cur is not None:
+                    slices.append(_slice(cur, d, a, b))
+                cur = [s, slot, j, 1]
+            slices.append(_slice(cur, d, a, b))
+        plan.append(slices)
+    return plan
+
+
+def _slice(cur: list[int], d: int, a: KVBufferDesc, b: KVBufferDesc) -> HeadSlice:
+    s, src_head, dst_head, n = cur
+    whole = n == a.heads_per_shard == b.heads_per_shard
+    return HeadSlice(s, d, src_head, dst_head, n, whole)
 
 
 def register_kv_layout(engine: TransferEngine, layout: KVLayout, label: str = "kv") -> None:
@@ -163,15 +237,17 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                  dst_pages: Sequence[int] | np.ndarray) -> list[Copy]:
     """Copies ``(src_addr, dst_addr, length)`` that move ``src_pages`` into ``dst_pages``.
 
-    One copy per contiguous run per layer per shard per buffer (layer_major), or per run per
-    shard per buffer (page_major, the run covers all layers). Order: buffer, shard, layer, run.
-    Total bytes = pages x bytes_per_page x layers x shards, summed over buffers.
+    Per buffer and head slice (``plan_head_slices``): a whole-shard slice is one copy per
+    contiguous run per layer (layer_major) or per run (page_major, the run covers all
+    layers); any other slice is one copy of ``num_heads * head_bytes`` per page, layer and
+    token slot. Order: buffer, slice, then layer, run/page, token. Total bytes = pages x
+    bytes_per_page x layers summed over the destination shards, per buffer.
 
     Raises ``ProtocolError`` (a ``ValueError``) when a page is outside ``[1, num_pages)`` of its
     side (dst pages are checked against the registered decode pool) or repeats, and
-    ``ValueError`` for unequal list lengths or incompatible layouts.
+    ``ValueError`` for unequal list lengths or layouts that cannot be mapped.
     """
-    src_layout.check_compatible(dst_layout)
+    plan = plan_head_slices(src_layout, dst_layout)
     src = validate_pages(src_pages, src_layout.num_pages, "src_pages")
     dst = validate_pages(dst_pages, dst_layout.num_pages, "dst_pages")
     runs = group_contiguous_runs(src, dst)
@@ -182,24 +258,46 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
     lens: list[np.ndarray] = []
-    for sb, db in zip(src_layout.buffers, dst_layout.buffers):
+    for sb, db, slices in zip(src_layout.buffers, dst_layout.buffers, plan):
         bpp = sb.bytes_per_page
-        if src_layout.kind == "layer_major":
-            layers = np.arange(sb.num_layers, dtype=np.int64)[:, None]          # [L, 1]
-            src_off = (layers * sb.num_pages + src_start[None, :]) * bpp        # [L, R]
-            dst_off = (layers * db.num_pages + dst_start[None, :]) * bpp
-            length = np.broadcast_to(run_len[None, :] * bpp, src_off.shape)
-        else:
-            page_bytes = sb.num_layers * bpp
-            src_off, dst_off = src_start * page_bytes, dst_start * page_bytes    # [R]
-            length = run_len * page_bytes
-        for s_addr, d_addr in zip(sb.shard_addrs, db.shard_addrs):
-            srcs.append((src_off + s_addr).reshape(-1))
-            dsts.append((dst_off + d_addr).reshape(-1))
-            lens.append(np.asarray(length).reshape(-1))
+        for sl in slices:
+            s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
+            if sl.whole:
+                s_off, d_off, length = _run_offsets(src_layout.kind, sb, db, src_start,
+                                                    dst_start, run_len)
+            else:
+                s_off, d_off, length = _token_offsets(src_layout.kind, sb, db, src, dst, sl)
+            srcs.append((s_off + s_addr).reshape(-1))
+            dsts.append((d_off + d_addr).reshape(-1))
+            lens.append(np.broadcast_to(length, s_off.shape).reshape(-1))
     # uint64 arithmetic would be exact too, but int64 covers user-space addresses (< 2**63).
     return list(zip(np.concatenate(srcs).tolist(), np.concatenate(dsts).tolist(),
                     np.concatenate(lens).tolist()))
+
+
+def _run_offsets(kind, sb, db, src_start, dst_start, run_len):
+    """Byte offsets inside the shards of whole-page runs: ``[L, R]`` or ``[R]``."""
+    bpp = sb.bytes_per_page
+    if kind == "layer_major":
+        layers = np.arange(sb.num_layers, dtype=np.int64)[:, None]          # [L, 1]
+        return ((layers * sb.num_pages + src_start[None, :]) * bpp,          # [L, R]
+                (layers * db.num_pages + dst_start[None, :]) * bpp, run_len[None, :] * bpp)
+    page_bytes = sb.num_layers * bpp
+    return src_start * page_bytes, dst_start * page_bytes, run_len * page_bytes   # [R]
+
+
+def _token_offsets(kind, sb, db, src, dst, sl):
+    """Byte offsets of a strided head slice: ``[L, pages, tokens]`` (see the module diagram)."""
+    layers = np.arange(sb.num_layers, dtype=np.int64)[:, None, None]       # [L, 1, 1]
+    tokens = np.arange(sb.tokens_per_page, dtype=np.int64)[None, None, :]  # [1, 1, T]
+    offs = []
+    for desc, pages, head in ((sb, src, sl.src_head), (db, dst, sl.dst_head)):
+        p = np.asarray(pages, np.int64)[None, :, None]                       # [1, N, 1]
+        index = layers * desc.num_pages + p if kind == "layer_major" \
+            else p * desc.num_layers + layers
+        token_bytes = desc.heads_per_shard * desc.head_bytes
+        offs.append(index * desc.bytes_per_page + tokens * token_bytes + head * desc.head_bytes)
+    return offs[0], offs[1], np.int64(sl.num_heads * sb.head_bytes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,15 +334,56 @@ def shard_addresses(array: Any) -> tuple[int, ...]:
         raise ValueError(f"array: cannot read its buffer address ({e})") from e
 
 
-def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major") -> KVLayout:
+HEAD_DIM = 3     # [layers, pages, page_size, heads, head_dim]: the only dimension TP shards
+
+
+def _logical_heads(arr: Any, head_repeat: int, name: str) -> int:
+    """KV heads of the checkpoint behind ``arr``: 1 for a buffer without a head dimension."""
+    if arr.ndim <= HEAD_DIM + 1:
+        return 1
+    if isinstance(head_repeat, bool) or not isinstance(head_repeat, int) or head_repeat < 1 \
+            or arr.shape[HEAD_DIM] % head_repeat:
+        raise ValueError(f"head_repeat: {head_repeat!r} does not divide the {arr.shape[HEAD_DIM]} "
+                         f"KV heads of {name}")
+    return arr.shape[HEAD_DIM] // head_repeat
+
+
+def _shard_heads(arr: Any, shard: Any, head_repeat: int, name: str) -> tuple[int, int]:
+    """``(start, count)`` of the logical heads one shard holds (``tp_model_config`` replicates
+    each head ``head_repeat`` times, so physical head ``j`` is logical head
+    ``j // head_repeat``). Raises ``ValueError`` for a split a head range cannot describe."""
+    for dim in range(2, arr.ndim):
+        whole = shard.data.shape[dim] == arr.shape[dim]
+        if not whole and (dim != HEAD_DIM or arr.ndim <= HEAD_DIM + 1):
+            raise ValueError(f"{name}: sharded over dimension {dim} (shard {shard.data.shape} "
+                             f"of {arr.shape}); only KV heads (dimension {HEAD_DIM} of "
+                             f"[layers, pages, page_size, heads, head_dim]) may be sharded; "
+                             f"replicate buffers without heads")
+    if arr.ndim <= HEAD_DIM + 1:
+        return 0, 1
+    sl = shard.index[HEAD_DIM]
+    lo = 0 if sl.start is None else sl.start
+    hi = arr.shape[HEAD_DIM] if sl.stop is None else sl.stop
+    count = hi - lo
+    if head_repeat > 1:
+        if count != 1:
+            raise ValueError(f"{name}: a shard with {count} replicated heads "
+                             f"(head_repeat {head_repeat}) has no head range")
+        return lo // head_repeat, 1
+    return lo, count
+
+
+def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
+                     head_repeat: int = 1) -> KVLayout:
     """Describe JAX KV arrays by address: ``KVLayout`` with one ``KVBufferDesc`` per array.
 
-    ``arrays[i]``: a JAX array shaped ``[num_layers, num_pages, page_size, ...]``
-    (``layer_major``) or ``[num_pages, num_layers, ...]`` (``page_major``), any dtype, row-major
-    on its device, sharded (if at all) only over dimensions 2 and up. Register
-    ``layout.regions()`` with the transfer engine afterwards. Raises ``ValueError`` naming the
-    array for a bad rank, a page/layer-sharded array, a non-row-major device layout, or a
-    deleted/donated array.
+    ``arrays[i]``: a JAX array shaped ``[num_layers, num_pages, page_size, heads, head_dim]``
+    or ``[num_layers, num_pages, page_size, row]`` (``layer_major``; ``page_major`` swaps the
+    first two), any dtype, row-major on its device, sharded (if at all) only over the heads
+    (dimension 3); a buffer without heads is one head on every shard. ``head_repeat``: how
+    often ``tp_model_config`` repeated each KV head (1 = none). Register ``layout.regions()``
+    with the transfer engine afterwards. Raises ``ValueError`` naming the array for a bad rank,
+    a split other than over heads, a non-row-major device layout, or a deleted/donated array.
     """
     if kind not in KV_LAYOUTS:
         raise ValueError(f"kind: {kind!r} not in {KV_LAYOUTS}")
@@ -262,31 +401,39 @@ def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major") -> KVLayo
             if tuple(s.data.shape[:2]) != tuple(arr.shape[:2]):
                 raise ValueError(f"{name}: sharded over its layer/page dimensions "
                                  f"(shard {s.data.shape} of {arr.shape}); shard heads only")
+        num_heads = _logical_heads(arr, head_repeat, name)
+        heads = tuple(_shard_heads(arr, s, head_repeat, name) for s in shards)
         _check_row_major(shards[0].data, name)
         num_layers, num_pages = (arr.shape[0], arr.shape[1]) if kind == "layer_major" \
             else (arr.shape[1], arr.shape[0])
         bytes_per_page = math.prod(shards[0].data.shape[2:]) * arr.dtype.itemsize
+        head_bytes = bytes_per_page // (arr.shape[2] * heads[0][1])
         buffers.append(KVBufferDesc(shard_addrs=addrs, num_layers=num_layers,
-                                    num_pages=num_pages, bytes_per_page=bytes_per_page))
+                                    num_pages=num_pages, bytes_per_page=bytes_per_page,
+                                    num_heads=num_heads, shard_heads=heads,
+                                    head_bytes=head_bytes))
     return KVLayout(kind=kind, buffers=tuple(buffers))
 
 
-def kv_layout_fingerprint(arrays: Sequence[Any], kind: str = "layer_major") -> str:
-    """A short hex digest of everything two sides must share to copy pages byte for byte.
+def kv_layout_fingerprint(arrays: Sequence[Any], kind: str = "layer_major",
+                          head_repeat: int = 1) -> str:
+    """A short hex digest of the KV cache two sides must share to pair, whatever their TP.
 
-    Covers the layout kind and, per array, the shape without the page dimension, the dtype and
-    the per-shard shapes (so different head splits differ). Pool sizes (num_pages) are left
-    out: prefill and decode size their pools independently.
+    Covers the layout kind and, per array, the shape without the page dimension with the
+    *logical* KV head count (before ``tp_model_config``'s replication), and the dtype. Pool
+    sizes (num_pages) and the head split over shards are left out: each side sizes its own
+    pool, and ``plan_head_slices`` maps the head ranges at pairing time (issue 14).
     """
     if kind not in KV_LAYOUTS:
         raise ValueError(f"kind: {kind!r} not in {KV_LAYOUTS}")
     page_dim = 1 if kind == "layer_major" else 0
     parts = [kind]
-    for arr in arrays:
-        shape = [d for j, d in enumerate(arr.shape) if j != page_dim]
-        shard_shapes = [[d for j, d in enumerate(s.data.shape) if j != page_dim]
-                        for s in _sorted_shards(arr)]
-        parts.append(f"{shape}|{np.dtype(arr.dtype).name}|{shard_shapes}")
+    for i, arr in enumerate(arrays):
+        shape = list(arr.shape)
+        if arr.ndim > HEAD_DIM + 1:
+            shape[HEAD_DIM] = _logical_heads(arr, head_repeat, f"arrays[{i}]")
+        shape = [d for j, d in enumerate(shape) if j != page_dim]
+        parts.append(f"{shape}|{np.dtype(arr.dtype).name}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

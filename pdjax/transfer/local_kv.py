@@ -59,23 +59,35 @@ def _aligned_zeros(shape, dtype) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
+def _mirror_desc(m: np.ndarray) -> KVBufferDesc:
+    """One unsharded host mirror ``[L, pages, page_size, (heads, head_dim | row)]``."""
+    bytes_per_page = math.prod(m.shape[2:]) * m.dtype.itemsize
+    heads = m.shape[3] if m.ndim >= 5 else 1
+    return KVBufferDesc(shard_addrs=(int(m.ctypes.data),), num_layers=m.shape[0],
+                        num_pages=m.shape[1], bytes_per_page=bytes_per_page, num_heads=heads,
+                        head_bytes=bytes_per_page // (m.shape[2] * heads))
+
+
 class LocalKV:
     """The runner's KV cache registered with ``engine`` (see the module docstring).
 
-    ``layout``: the ``KVLayout`` peers address (the runner's buffers in order). ``fingerprint`` and
+    ``layout``: the ``KVLayout`` peers address (the runner's buffers in order, each shard with
+    the KV head range it holds; ``head_repeat`` is how often ``tp_model_config`` repeated each
+    KV head, 1 = none). ``fingerprint`` and
     ``kv_dtype`` are what the peer must match. ``bytes_per_page``: bytes of one page over all
     buffers and layers. Raises ``ValueError`` for an unknown ``mode``, or when ``direct`` is
     forced and the arrays cannot be exported.
     """
 
     def __init__(self, runner, engine: TransferEngine, mode: str = "auto",
-                 max_pages_per_seq: int = 64):
+                 max_pages_per_seq: int = 64, head_repeat: int = 1):
         if mode not in TRANSFER_PATHS:
             raise ValueError(f"transfer path must be one of {TRANSFER_PATHS}, got {mode!r}")
         self.runner = runner
         self.engine = engine
         arrays = self._arrays()
-        self.fingerprint = kv_layout_fingerprint(arrays)
+        self.head_repeat = head_repeat
+        self.fingerprint = kv_layout_fingerprint(arrays, head_repeat=head_repeat)
         self.kv_dtype = np.dtype(arrays[0].dtype).name
         self.num_pages = int(arrays[0].shape[1])
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
@@ -83,7 +95,7 @@ class LocalKV:
         self.mode = "staging"
         if mode != "staging":
             try:
-                self.layout = export_kv_layout(arrays)
+                self.layout = export_kv_layout(arrays, head_repeat=head_repeat)
                 self.mode = "direct"
             except ValueError as e:
                 if mode == "direct":
@@ -94,11 +106,7 @@ class LocalKV:
             if len(arrays[0].addressable_shards) != 1:
                 raise ValueError("the staging path supports one shard per KV array (tp_size 1)")
             self.mirrors = [_aligned_zeros(a.shape, a.dtype) for a in arrays]
-            self.layout = KVLayout("layer_major", tuple(
-                KVBufferDesc(shard_addrs=(int(m.ctypes.data),), num_layers=m.shape[0],
-                             num_pages=m.shape[1],
-                             bytes_per_page=math.prod(m.shape[2:]) * m.dtype.itemsize)
-                for m in self.mirrors))
+            self.layout = KVLayout("layer_major", tuple(_mirror_desc(m) for m in self.mirrors))
         register_kv_layout(engine, self.layout)
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
                                   for b in self.layout.buffers)
@@ -124,7 +132,7 @@ class LocalKV:
         if not changed_addresses(arrays, self.layout):
             return False
         unregister_kv_layout(self.engine, self.layout)
-        self.layout = export_kv_layout(arrays)
+        self.layout = export_kv_layout(arrays, head_repeat=self.head_repeat)
         register_kv_layout(self.engine, self.layout)
         self.num_address_changes += 1
         logger.warning("KV cache moved after a donated step: re-registered (%d so far)",

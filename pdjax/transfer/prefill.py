@@ -15,8 +15,9 @@ Rules kept here:
 * non-last chunks send full pages only (the scheduler ends them on page boundaries), the last
   chunk sends the rest plus the metadata row; pages the decode already holds
   (``decode_prefix_len``) are skipped;
-* copies are contiguous runs x layer buffers (``kv_export.build_copies``), written by one worker
-  thread in engine batches of at most ``max_batch`` copies;
+* copies are contiguous runs x layer buffers x head slices (``kv_export.build_copies``; head
+  slices when the two sides have different TP sizes, planned and checked at registration),
+  written by one worker thread in engine batches of at most ``max_batch`` copies;
 * the request's pages stay held (``Scheduler.hold_on_finish``) until Success or Failed and no
   chunk of the room is in flight; the HTTP answer is held until then too, so a failed transfer
   reaches the prefill client as an error;
@@ -462,6 +463,8 @@ class PrefillManager(RoleManager):
         try:
             copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
             n_kv = len(copies)
+            # What the decode's shards receive: pages x its bytes per page, over its shards.
+            nbytes = sum(length for _, _, length in copies)
             if last:
                 copies.append(self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
                                                 peer.metadata_num_slots,
@@ -477,7 +480,6 @@ class PrefillManager(RoleManager):
             self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
                                                           state=KVPoll.Failed, reason=reason))
             return
-        nbytes = len(src) * self.local_kv.bytes_per_page
         with self.lock:
             r.bytes += nbytes
             r.pages += len(src)

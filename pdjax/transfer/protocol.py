@@ -46,7 +46,9 @@ from typing import Any, ClassVar, Iterable, Sequence
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2            # 2: TransferRequest binds the room to the prompt (issue 16)
+# 2: TransferRequest binds the room to the prompt (issue 16); 3: KV buffers carry their
+# shards' KV head ranges (PD between different TP sizes, issue 14).
+PROTOCOL_VERSION = 3
 
 # Bounds on what a peer may send; they keep a hostile or corrupt frame from allocating much.
 MAX_FRAME_BYTES = 64 << 20
@@ -55,6 +57,7 @@ MAX_ADDR = (1 << 64) - 1
 MAX_PAGES = (1 << 31) - 1
 MAX_LAYERS = 4096
 MAX_SHARDS = 1024
+MAX_HEADS = 1 << 16
 MAX_BUFFERS = 4096
 MAX_BYTES_PER_PAGE = 1 << 40
 MAX_SLOTS = 1 << 24
@@ -244,12 +247,27 @@ class KVBufferDesc:
     contiguously, so page ``p`` of layer ``l`` starts at
     ``base + (l * num_pages + p) * bytes_per_page``. Page-major layout swaps the two leading
     dimensions. Units: bytes; addresses are uint64.
+
+    Heads (PD between different TP sizes, DESIGN.md §4): the buffer holds ``num_heads`` logical
+    KV heads (the checkpoint's, before any replication); shard ``i`` holds heads
+    ``[start, start + count)`` for ``(start, count) = shard_heads[i]``, and one page of one
+    layer of a shard is ``[page_size, count, head_bytes]`` row-major::
+
+        token t, local head j  ->  offset (t * count + j) * head_bytes
+
+    A buffer that is not head-sharded (an MLA latent, an indexer key cache) is one head
+    (``num_heads = 1``) held by every shard. Defaults (also for fields left out on the wire):
+    one head held by every shard, one piece per page (``head_bytes = bytes_per_page``). Every
+    shard holds the same head count.
     """
 
     shard_addrs: tuple[int, ...]
     num_layers: int
     num_pages: int
     bytes_per_page: int
+    num_heads: int = 1
+    shard_heads: tuple[tuple[int, int], ...] = ()
+    head_bytes: int = 0
 
     def __post_init__(self):
         addrs = self.shard_addrs
@@ -263,18 +281,60 @@ class KVBufferDesc:
         _check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
         _check_int("num_pages", self.num_pages, 2, MAX_PAGES)
         _check_int("bytes_per_page", self.bytes_per_page, 1, MAX_BYTES_PER_PAGE)
+        _check_int("num_heads", self.num_heads, 1, MAX_HEADS)
+        heads = self.shard_heads
+        if not heads:
+            heads = ((0, self.num_heads),) * len(addrs)
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple)) \
+                or len(heads) != len(addrs):
+            raise ProtocolError(f"field 'shard_heads': expected one [start, count] per shard "
+                                f"({len(addrs)})")
+        checked = []
+        for i, h in enumerate(heads):
+            if not isinstance(h, (list, tuple)) or len(h) != 2:
+                raise ProtocolError(f"field 'shard_heads[{i}]': expected [start, count]")
+            start = _check_int(f"shard_heads[{i}].start", h[0], 0, self.num_heads - 1)
+            count = _check_int(f"shard_heads[{i}].count", h[1], 1, self.num_heads - start)
+            checked.append((start, count))
+        if len({c for _, c in checked}) != 1:
+            raise ProtocolError(f"field 'shard_heads': shards hold different head counts "
+                                f"{[c for _, c in checked]}")
+        object.__setattr__(self, "shard_heads", tuple(checked))
+        count = checked[0][1]
+        head_bytes = self.head_bytes or self.bytes_per_page // count
+        _check_int("head_bytes", head_bytes, 1, self.bytes_per_page)
+        if self.bytes_per_page % (count * head_bytes):
+            raise ProtocolError(f"field 'head_bytes': bytes_per_page {self.bytes_per_page} is "
+                                f"not a whole number of tokens of {count} heads x {head_bytes} B")
+        object.__setattr__(self, "head_bytes", head_bytes)
+
+    @property
+    def heads_per_shard(self) -> int:
+        return self.shard_heads[0][1]
+
+    @property
+    def tokens_per_page(self) -> int:
+        """Token slots in one page (the page size, when ``head_bytes`` is one head's row)."""
+        return self.bytes_per_page // (self.heads_per_shard * self.head_bytes)
 
     def to_wire(self) -> dict:
         return {"shard_addrs": list(self.shard_addrs), "num_layers": self.num_layers,
-                "num_pages": self.num_pages, "bytes_per_page": self.bytes_per_page}
+                "num_pages": self.num_pages, "bytes_per_page": self.bytes_per_page,
+                "num_heads": self.num_heads, "shard_heads": [list(h) for h in self.shard_heads],
+                "head_bytes": self.head_bytes}
 
     @classmethod
     def from_wire(cls, name: str, d: Any) -> "KVBufferDesc":
         if not isinstance(d, dict):
             raise ProtocolError(f"field {name!r}: expected a map")
-        _check_keys(name, d, {"shard_addrs", "num_layers", "num_pages", "bytes_per_page"})
+        _check_keys(name, d, {"shard_addrs", "num_layers", "num_pages", "bytes_per_page"},
+                    optional={"num_heads", "shard_heads", "head_bytes"})
+        heads = d.get("shard_heads", [])
+        if not isinstance(heads, list):
+            raise ProtocolError(f"{name}: field 'shard_heads': expected a list")
         try:
-            return cls(**d)
+            return cls(**dict(d, shard_heads=tuple(
+                tuple(h) if isinstance(h, list) else h for h in heads)))
         except ProtocolError as e:
             raise ProtocolError(f"{name}: {e}") from None
 

@@ -68,6 +68,22 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0,
                           status_code=status_code)
 
 
+def kv_head_repeat(core) -> int:
+    """How often ``tp_model_config`` repeated each KV head of the checkpoint (1 = none).
+
+    It replicates only when TP exceeds the checkpoint's KV heads, and then up to exactly
+    ``tp_size`` heads, so the checkpoint is read only when the run has ``tp_size`` KV heads.
+    """
+    run_kvh = getattr(core.model_cfg, "num_kv_heads", None)
+    tp = core.args.tp_size
+    if not run_kvh or tp <= 1 or run_kvh != tp:
+        return 1
+    from pdjax.models.loader import checkpoint_config
+
+    kvh = getattr(checkpoint_config(core.model_path), "num_kv_heads", run_kvh)
+    return run_kvh // kvh if kvh and run_kvh % kvh == 0 else 1
+
+
 class RoleManager(abc.ABC):
     """Base of ``PrefillManager`` and ``DecodeManager`` (see the module docstring)."""
 
@@ -110,7 +126,8 @@ class RoleManager(abc.ABC):
                            "are meaningless (control-plane testing only)", self.role)
         max_pages = -(-core.context_length // self.page_size)
         self.local_kv = LocalKV(core.runner, self.transfer_engine,
-                                os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages)
+                                os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages,
+                                head_repeat=kv_head_repeat(core))
         self.local_kv.warmup()
         num_slots = max(32, 8 * self.args.max_running_requests)
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)

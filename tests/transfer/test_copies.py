@@ -137,8 +137,10 @@ def test_incompatible_layouts_are_refused():
         build_copies(a, KVLayout("layer_major", (KVBufferDesc((4096,), 3, 10, 64),)), [1], [1])
     with pytest.raises(ValueError, match="kv_layout"):
         build_copies(a, KVLayout("page_major", (KVBufferDesc((4096,), 2, 10, 64),)), [1], [1])
-    with pytest.raises(ValueError, match="shards"):
-        build_copies(a, KVLayout("layer_major", (KVBufferDesc((4096, 8192), 2, 10, 64),)),
+    with pytest.raises(ValueError, match="num_heads"):
+        build_copies(a, KVLayout("layer_major", (KVBufferDesc((4096, 8192), 2, 10, 64,
+                                                              num_heads=2,
+                                                              shard_heads=((0, 1), (1, 1))),)),
                      [1], [1])
     with pytest.raises(ValueError, match="num_pages differs"):
         KVLayout("layer_major", (KVBufferDesc((4096,), 2, 10, 64),

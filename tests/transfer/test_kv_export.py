@@ -101,7 +101,12 @@ def test_fingerprint_ignores_pool_size_only():
         != base
     assert kv_layout_fingerprint([jnp.zeros((L + 1,) + SHAPE[1:], jnp.bfloat16)]) != base
     assert kv_layout_fingerprint([_kv(0), _kv(1)]) != base
-    assert kv_layout_fingerprint([_head_sharded(_kv(0))]) != base
+    # TP-independent (issue 14): a head split pairs, the head mapping is checked by the plan;
+    # tp_model_config's replicated heads count as the checkpoint's.
+    assert kv_layout_fingerprint([_head_sharded(_kv(0))]) == base
+    four = jnp.zeros((L, PAGES, PAGE_SIZE, 2 * HEADS, HEAD_DIM), jnp.bfloat16)
+    assert kv_layout_fingerprint([four]) != base
+    assert kv_layout_fingerprint([four], head_repeat=2) == base
     assert len(base) == 16
 
 
@@ -166,3 +171,58 @@ def test_shard_addresses_order_follows_the_global_index():
     by_index = {(s.index[3].start or 0): s.data.unsafe_buffer_pointer()
                 for s in x.addressable_shards}
     assert addrs == (by_index[0], by_index[1])
+
+
+def test_export_head_ranges_replication_and_unsharded_rows():
+    """Shard head ranges from the sharding; tp_model_config's replicas (head_repeat) name the
+    checkpoint's head; a buffer without heads (an MLA latent) is one head on every shard."""
+    x = _head_sharded(_kv(13))
+    desc = export_kv_layout([x]).buffers[0]
+    assert (desc.num_heads, desc.shard_heads, desc.head_bytes) == (2, ((0, 1), (1, 1)),
+                                                                    HEAD_DIM * 2)
+    assert export_kv_layout([_kv(13)]).buffers[0].shard_heads == ((0, 2),)
+    # One checkpoint head repeated twice (KV heads 1 at TP 2): both shards hold head 0.
+    rep = _head_sharded(jnp.zeros((L, PAGES, PAGE_SIZE, 2, HEAD_DIM), jnp.bfloat16))
+    desc = export_kv_layout([rep], head_repeat=2).buffers[0]
+    assert (desc.num_heads, desc.shard_heads) == (1, ((0, 1), (0, 1)))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    latent = jax.device_put(jnp.zeros((L, PAGES, PAGE_SIZE, 40), jnp.bfloat16),
+                            NamedSharding(mesh, P()))
+    desc = export_kv_layout([latent]).buffers[0]
+    assert (desc.num_heads, desc.shard_heads, desc.head_bytes) == (1, ((0, 1), (0, 1)), 80)
+    by_row = jax.device_put(latent, NamedSharding(mesh, P(None, None, None, "tp")))
+    with pytest.raises(ValueError, match=r"arrays\[0\]: sharded over dimension 3"):
+        export_kv_layout([by_row])
+    by_dim = jax.device_put(_kv(14), NamedSharding(mesh, P(None, None, None, None, "tp")))
+    with pytest.raises(ValueError, match=r"arrays\[0\]: sharded over dimension 4"):
+        export_kv_layout([by_dim])
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
+def test_mooncake_moves_head_slices_between_tp_sizes(engines, src_tp, dst_tp):
+    """Prefill TP ``src_tp`` -> decode TP ``dst_tp`` by Mooncake: the decode's arrays, read
+    through JAX, equal the prefill's pages; one copy per page, layer, token and head slice."""
+    a, b = engines
+    place = {1: lambda x: x, 2: _head_sharded}
+    src_k, src_v = place[src_tp](_kv(20)), place[src_tp](_kv(21))
+    dst_k = place[dst_tp](jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
+    dst_v = place[dst_tp](jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
+    src_layout, dst_layout = export_kv_layout([src_k, src_v]), export_kv_layout([dst_k, dst_v])
+    register_kv_layout(a, src_layout)
+    register_kv_layout(b, dst_layout)
+    try:
+        src_pages, dst_pages = np.array([3, 4, 5, 9]), np.array([30, 31, 2, 3])
+        copies = build_copies(src_layout, dst_layout, src_pages, dst_pages)
+        # 2 buffers x 2 head slices (one per head) x pages x layers x token slots.
+        assert len(copies) == 2 * HEADS * len(src_pages) * L * PAGE_SIZE
+        assert sum(c[2] for c in copies) == 2 * len(src_pages) * L * BPP
+        a.batch_write(b.session_id, copies)
+        gather = jax.jit(lambda c, idx: c[:, idx])
+        for s, d in ((src_k, dst_k), (src_v, dst_v)):
+            np.testing.assert_array_equal(np.asarray(gather(d, dst_pages)),
+                                          np.asarray(gather(s, src_pages)))
+        untouched = np.setdiff1d(np.arange(40), dst_pages)
+        assert float(jnp.abs(dst_v[:, untouched].astype(jnp.float32)).sum()) == 0.0
+    finally:
+        unregister_kv_layout(a, src_layout)
+        unregister_kv_layout(b, dst_layout)
