@@ -5,7 +5,9 @@
 
 The same arguments as sglang-router's PD mode. For every generation request
 (``/generate``, ``/v1/completions``, ``/v1/chat/completions``) it picks a prefill and a decode
-server (round robin), adds ``bootstrap_host`` (the prefill URL's host), ``bootstrap_port``
+server (``--policy load_aware``, the default: the one with the fewest requests this router has
+outstanding on it, ties broken by the lowest ``kv_usage`` its ``/get_load`` reported in the
+last poll, then round robin; ``--policy round_robin``: round robin), adds ``bootstrap_host`` (the prefill URL's host), ``bootstrap_port``
 (the prefill's bootstrap port, or null: the server's default) and ``bootstrap_room`` (a
 random room in [1, 2**63); a list of one room per sample for batches and ``n > 1``), POSTs
 the same body to both at once, and returns the decode server's answer, streaming included:
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import random
@@ -134,15 +135,76 @@ def _first_sse_json(raw: bytes) -> Any:
     return None
 
 
-class PDRouter:
-    """Round-robin pairing of prefill and decode workers.
+POLICIES = ("load_aware", "round_robin")
 
-    ``prefills``: ``[(url, bootstrap_port or None)]``; ``decodes``: ``[url]``. Raises
-    ``ValueError`` for an empty list or a URL without host.
+
+class WorkerPool:
+    """The workers of one role and the router's view of their load (pure Python).
+
+    ``outstanding[i]``: requests this router sent to worker ``i`` that have not finished
+    (``acquire``/``release``); ``kv_usage[i]``: the share of its KV pool in use, from its last
+    ``/get_load`` (``set_kv_usage``; 0 until the first poll). ``choose()`` returns the index
+    to use: ``load_aware`` takes the fewest outstanding, then the lowest ``kv_usage``, then
+    the first in round-robin order; ``round_robin`` ignores load. Raises ``ValueError`` for an
+    unknown policy or no workers.
+    """
+
+    def __init__(self, urls: list[str], policy: str = "load_aware"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} not in {POLICIES}")
+        if not urls:
+            raise ValueError("urls: at least one worker is required")
+        self.urls = list(urls)
+        self.policy = policy
+        self.outstanding = [0] * len(urls)
+        self.kv_usage = [0.0] * len(urls)
+        self.num_chosen = [0] * len(urls)
+        self._next = 0
+
+    def choose(self) -> int:
+        n = len(self.urls)
+        order = [(self._next + k) % n for k in range(n)]
+        if self.policy == "load_aware":
+            i = min(order, key=lambda j: (self.outstanding[j], self.kv_usage[j]))
+        else:
+            i = order[0]
+        self._next = (i + 1) % n
+        self.num_chosen[i] += 1
+        return i
+
+    def acquire(self) -> int:
+        """``choose()`` and count the request as outstanding on it."""
+        i = self.choose()
+        self.outstanding[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        self.outstanding[i] = max(0, self.outstanding[i] - 1)
+
+    def set_kv_usage(self, i: int, load: object) -> None:
+        """Take ``kv_usage`` from a ``/get_load`` body; anything else leaves it unchanged."""
+        value = load.get("kv_usage") if isinstance(load, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+            self.kv_usage[i] = float(value)
+
+    def state(self) -> list[dict[str, Any]]:
+        return [{"url": u, "outstanding": o, "kv_usage": k, "num_chosen": c}
+                for u, o, k, c in zip(self.urls, self.outstanding, self.kv_usage,
+                                      self.num_chosen)]
+
+
+class PDRouter:
+    """Pairing of prefill and decode workers (``policy``: see ``WorkerPool``).
+
+    ``prefills``: ``[(url, bootstrap_port or None)]``; ``decodes``: ``[url]``.
+    ``load_poll_interval_s``: how often every worker's ``/get_load`` is read for
+    ``kv_usage`` (load_aware only). Raises ``ValueError`` for an empty list, a URL without
+    host or an unknown policy.
     """
 
     def __init__(self, prefills: list[tuple[str, int | None]], decodes: list[str],
-                 request_timeout_s: float = 3600.0, seed: int | None = None):
+                 request_timeout_s: float = 3600.0, seed: int | None = None,
+                 policy: str = "load_aware", load_poll_interval_s: float = 1.0):
         if not prefills or not decodes:
             raise ValueError("at least one --prefill and one --decode server are required")
         for url in [p[0] for p in prefills] + decodes:
@@ -152,8 +214,12 @@ class PDRouter:
         self.decodes = [u.rstrip("/") for u in decodes]
         self.request_timeout_s = request_timeout_s
         self._rng = random.Random(seed)
-        self._p_cycle = itertools.cycle(range(len(self.prefills)))
-        self._d_cycle = itertools.cycle(range(len(self.decodes)))
+        self.prefill_pool = WorkerPool([u for u, _ in self.prefills], policy)
+        self.decode_pool = WorkerPool(self.decodes, policy)
+        if not load_poll_interval_s > 0:
+            raise ValueError(f"load_poll_interval_s: {load_poll_interval_s!r} must be > 0")
+        self.load_poll_interval_s = load_poll_interval_s
+        self._poller: asyncio.Task | None = None
         self.session: aiohttp.ClientSession | None = None
         self.num_requests = 0
         self.num_errors = 0
@@ -161,19 +227,42 @@ class PDRouter:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10)
         self.session = aiohttp.ClientSession(timeout=timeout, trust_env=False)
+        if self.prefill_pool.policy == "load_aware":
+            self._poller = asyncio.create_task(self._poll_loads())
 
     async def close(self) -> None:
+        if self._poller is not None:
+            await _cancel(self._poller)
+            self._poller = None
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+    async def poll_loads_once(self) -> None:
+        """Read every worker's ``/get_load`` once into the pools' ``kv_usage``."""
+        pools = [(self.prefill_pool, i) for i in range(len(self.prefills))] + \
+            [(self.decode_pool, i) for i in range(len(self.decodes))]
+        results = await asyncio.gather(*(_get_json(self, pool.urls[i] + "/get_load",
+                                                   timeout_s=self.load_poll_interval_s * 2)
+                                         for pool, i in pools))
+        for (pool, i), (status, body) in zip(pools, results):
+            if status == 200:
+                pool.set_kv_usage(i, body)
+
+    async def _poll_loads(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await self.poll_loads_once()
+            await asyncio.sleep(self.load_poll_interval_s)
 
     @property
     def workers(self) -> list[str]:
         return [u for u, _ in self.prefills] + self.decodes
 
-    def pick(self) -> tuple[str, int | None, str]:
-        url, port = self.prefills[next(self._p_cycle)]
-        return url, port, self.decodes[next(self._d_cycle)]
+    def pick(self) -> tuple[int, int]:
+        """Indices of the prefill and decode for the next request, counted outstanding until
+        ``prefill_pool.release`` / ``decode_pool.release``."""
+        return self.prefill_pool.acquire(), self.decode_pool.acquire()
 
     def inject(self, path: str, body: dict[str, Any], prefill_url: str,
                bootstrap_port: int | None) -> list[int]:
@@ -237,16 +326,33 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         return _error("the request body must be a JSON object", 400)
     router.num_requests += 1
-    p_url, p_port, d_url = router.pick()
     try:
-        router.inject(path, body, p_url, p_port)
+        checked_num_samples(path, body)
     except ValueError as e:
         router.num_errors += 1
         return _error(str(e), 400)
+    p_i, d_i = router.pick()
+    try:
+        return await _generate(request, router, body, p_i, d_i)
+    finally:
+        router.decode_pool.release(d_i)
+
+
+async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int,
+                    d_i: int) -> web.StreamResponse:
+    path = request.path
+    (p_url, p_port), d_url = router.prefills[p_i], router.decodes[d_i]
+    try:
+        router.inject(path, body, p_url, p_port)
+    except BaseException:
+        router.prefill_pool.release(p_i)
+        raise
     headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
     merge = path == "/generate" and bool(body.get("return_logprob"))
     session = router.session
     p_task = asyncio.create_task(_post(session, p_url + path, body, headers))
+    # The prefill's work is over when it answers (its KV is sent); the decode's at the end.
+    p_task.add_done_callback(lambda _t: router.prefill_pool.release(p_i))
     if body.get("stream"):
         return await _stream(request, router, p_task, d_url + path, body, headers, merge)
     d_task = asyncio.create_task(_post(session, d_url + path, body, headers))
@@ -410,7 +516,15 @@ async def handle_server_info(request: web.Request) -> web.Response:
 
 
 async def handle_get_load(request: web.Request) -> web.Response:
-    return await _fan_out(request, "/get_load")
+    """Every worker's ``/get_load``, plus the router's own view (``router``: per pool, each
+    worker's outstanding requests, last ``kv_usage`` and how often it was chosen)."""
+    router = request.app[ROUTER_KEY]
+    p = await asyncio.gather(*(_get_json(router, u + "/get_load") for u, _ in router.prefills))
+    d = await asyncio.gather(*(_get_json(router, u + "/get_load") for u in router.decodes))
+    return web.json_response({"prefill": [x for _, x in p], "decode": [x for _, x in d],
+                              "router": {"policy": router.prefill_pool.policy,
+                                         "prefill": router.prefill_pool.state(),
+                                         "decode": router.decode_pool.state()}})
 
 
 async def _first_prefill(request: web.Request, path: str) -> web.Response:
@@ -534,6 +648,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pd-disaggregation", action="store_true",
                    help="accepted for sglang-router compatibility (always on)")
     p.add_argument("--request-timeout-secs", type=float, default=3600.0)
+    p.add_argument("--policy", choices=POLICIES, default="load_aware",
+                   help="worker choice: fewest outstanding requests, ties by KV usage from "
+                        "/get_load (load_aware), or round_robin")
+    p.add_argument("--load-poll-interval-secs", type=float, default=1.0,
+                   help="how often /get_load of every worker is read (load_aware)")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -542,7 +661,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        router = PDRouter(parse_prefill_args(ns.prefill), ns.decode, ns.request_timeout_secs)
+        router = PDRouter(parse_prefill_args(ns.prefill), ns.decode, ns.request_timeout_secs,
+                          policy=ns.policy, load_poll_interval_s=ns.load_poll_interval_secs)
     except ValueError as e:
         parser.error(str(e))
     logging.basicConfig(level=ns.log_level.upper(),

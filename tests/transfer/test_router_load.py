@@ -1,0 +1,98 @@
+"""The pdjax router's load-aware worker choice: the pure pool, then the router against fake
+workers (aiohttp test servers) that answer slowly and report a KV usage."""
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from pdjax.router import PDRouter, WorkerPool, create_router_app
+
+
+def test_pool_prefers_fewest_outstanding_then_kv_usage_then_round_robin():
+    pool = WorkerPool(["a", "b", "c"])
+    assert [pool.acquire() for _ in range(3)] == [0, 1, 2]       # all idle: round robin
+    pool.release(1)
+    assert pool.acquire() == 1                                   # the only one with 0
+    pool.release(0)
+    pool.release(2)
+    pool.set_kv_usage(0, {"kv_usage": 0.5})
+    pool.set_kv_usage(2, {"kv_usage": 0.25})
+    assert pool.acquire() == 2                                   # tie on 0: lower KV usage
+    assert pool.acquire() == 0
+    assert pool.outstanding == [1, 1, 1] and pool.num_chosen == [2, 2, 2]
+    # Bad /get_load bodies leave the last value.
+    for bad in ({"kv_usage": 2.0}, {"kv_usage": True}, {"kv_usage": "x"}, "oops", None, {}):
+        pool.set_kv_usage(2, bad)
+    assert pool.kv_usage == [0.5, 0.0, 0.25]
+    pool.release(0)
+    pool.release(0)                                              # never below zero
+    assert pool.outstanding[0] == 0
+    rr = WorkerPool(["a", "b"], policy="round_robin")
+    rr.outstanding = [9, 0]
+    assert [rr.choose() for _ in range(4)] == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="policy"):
+        WorkerPool(["a"], policy="random")
+    with pytest.raises(ValueError, match="urls"):
+        WorkerPool([])
+
+
+def _worker(kv_usage: float, delay_s: float, served: list):
+    async def generate(request):
+        served.append(await request.json())
+        await asyncio.sleep(delay_s)
+        return web.json_response({"text": "ok", "output_ids": [1], "meta_info": {}})
+
+    async def get_load(request):
+        return web.json_response({"kv_usage": kv_usage, "num_running_reqs": 0})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/get_load", get_load)
+    return TestServer(app)
+
+
+@pytest.mark.asyncio
+async def test_router_spreads_concurrent_requests_and_breaks_ties_by_kv_usage():
+    served = {name: [] for name in ("p0", "p1", "d0", "d1")}
+    usage = {"p0": 0.9, "p1": 0.1, "d0": 0.2, "d1": 0.7}
+    workers = {n: _worker(usage[n], 0.3 if n.startswith("d") else 0.05, served[n])
+               for n in served}
+    for w in workers.values():
+        await w.start_server()
+    url = {n: str(w.make_url("")).rstrip("/") for n, w in workers.items()}
+    router = PDRouter([(url["p0"], 8998), (url["p1"], 8999)], [url["d0"], url["d1"]],
+                      load_poll_interval_s=0.05)
+    rs = TestServer(create_router_app(router))
+    await rs.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                async with s.post(rs.make_url("/generate"), json={"text": "hi"}) as r:
+                    assert r.status == 200, await r.text()
+
+            for _ in range(100):                       # the poller has read every worker
+                if router.decode_pool.kv_usage == [0.2, 0.7] and \
+                        router.prefill_pool.kv_usage == [0.9, 0.1]:
+                    break
+                await asyncio.sleep(0.02)
+            # Idle: a single request goes where the KV usage is lowest, on both sides.
+            await one()
+            assert (len(served["p1"]), len(served["d0"])) == (1, 1)
+            assert served["p1"][0]["bootstrap_port"] == 8999
+            # 8 at once: each new one goes to the decode with fewer in flight, so 4 and 4.
+            await asyncio.gather(*(one() for _ in range(8)))
+            assert len(served["d0"]) + len(served["d1"]) == 9
+            assert len(served["d1"]) == 4 and len(served["d0"]) == 5
+            assert len(served["p0"]) >= 1 and len(served["p1"]) >= 1
+            async with s.get(rs.make_url("/get_load")) as r:
+                state = (await r.json())["router"]
+            assert state["policy"] == "load_aware"
+            assert [w["outstanding"] for w in state["decode"] + state["prefill"]] == [0] * 4
+            assert [w["num_chosen"] for w in state["decode"]] == [5, 4]
+    finally:
+        await rs.close()
+        for w in workers.values():
+            await w.close()
