@@ -204,6 +204,8 @@ class RoleManager(abc.ABC):
                 "transfer_path": self.local_kv.mode,
                 "kv_bytes_per_page": self.local_kv.bytes_per_page,
                 "num_layer_buffers": self.local_kv.num_layer_buffers,
+                "kv_shard_heads": [[list(h) for h in b.shard_heads]
+                                   for b in self.local_kv.layout.buffers],
                 "page_size": self.page_size, "num_pages": self.local_kv.num_pages,
                 "max_batch": self.transfer_engine.max_batch,
                 "engine": {"bytes": c.bytes, "copies": c.copies, "batches": c.batches,
