@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from pdjax.transfer.engine import create_transfer_engine
 from pdjax.transfer.kv_export import (AddressChange, build_copies, changed_addresses,
-                                      export_kv_layout, kv_layout_fingerprint,
+                                      export_kv_layout, kv_layout_fingerprint, plan_head_slices,
                                       register_kv_layout, shard_addresses,
                                       unregister_kv_layout)
 
@@ -190,6 +190,13 @@ def test_export_head_ranges_replication_and_unsharded_rows():
                             NamedSharding(mesh, P()))
     desc = export_kv_layout([latent]).buffers[0]
     assert (desc.num_heads, desc.shard_heads, desc.head_bytes) == (1, ((0, 1), (0, 1)), 80)
+    # MLA rule: a replicated latent pairs across TP sizes as whole pages from one replica.
+    single = export_kv_layout([jnp.zeros((L, PAGES, PAGE_SIZE, 40), jnp.bfloat16)])
+    assert [[(h.src_shard, h.whole) for h in b] for b in
+            plan_head_slices(export_kv_layout([latent]), single)] == [[(0, True)]]
+    assert [[(h.src_shard, h.dst_shard, h.whole) for h in b] for b in
+            plan_head_slices(single, export_kv_layout([latent]))] == [[(0, 0, True),
+                                                                      (0, 1, True)]]
     by_row = jax.device_put(latent, NamedSharding(mesh, P(None, None, None, "tp")))
     with pytest.raises(ValueError, match=r"arrays\[0\]: sharded over dimension 3"):
         export_kv_layout([by_row])
