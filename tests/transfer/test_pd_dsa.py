@@ -7,8 +7,8 @@ import os
 import sys
 
 import pytest
-from pd_harness import (Server, at_baseline, child_env, free_port, greedy_agrees, pd_server,
-                        pd_state, post, wait_until)
+from pd_harness import (Server, at_baseline, child_env, count_runs, free_port, greedy_agrees,
+                        pd_body, pd_server, pd_state, post, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -28,20 +28,28 @@ def dsa_pd(tiny_checkpoints, tmp_path_factory):
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, **ARGS)
     decode = pd_server("decode", "decode", model, logs, **ARGS)
+    # A TP 2 prefill for the same decode (issue 14): the latent and indexer caches are not
+    # head-sharded, so each of its 2 devices holds a full replica.
+    bport2 = free_port()
+    prefill_tp2 = pd_server("prefill_tp2", "prefill", model, logs, bootstrap_port=bport2,
+                            tp_size=2, env=child_env(
+                                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
+                                          "--xla_force_host_platform_device_count=2"), **ARGS)
     router_port = free_port()
     router = Server("router", [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
                                str(bport), "--decode", decode.url, "--port", str(router_port)],
                     router_port, logs, child_env())
     try:
-        for s in (prefill, decode, router):
+        for s in (prefill, decode, router, prefill_tp2):
             s.wait_healthy()
-        yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated, model=model)
+        yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated, model=model,
+                   prefill_tp2=prefill_tp2, bport_tp2=bport2)
     except BaseException:
-        for s in (prefill, decode, router):
+        for s in (prefill, decode, router, prefill_tp2):
             print(f"==== {s.name} log ====\n{s.log_tail(80)}")
         raise
     finally:
-        for s in (router, prefill, decode):
+        for s in (router, prefill, decode, prefill_tp2):
             s.stop()
         colocated.shutdown()
 
@@ -83,3 +91,38 @@ def test_dsa_pd_matches_colocated_and_moves_latent_plus_indexer_bytes(dsa_pd):
         pages = -(-n // ps) - rec["decode_prefix_len"] // ps
         assert rec["pages"] == pages and rec["bytes"] == pages * (latent + indexer)
     assert wait_until(lambda: at_baseline(dsa_pd["prefill"]) and at_baseline(dsa_pd["decode"]), 10)
+
+
+def test_dsa_tp2_prefill_to_tp1_decode_moves_whole_replica_pages(dsa_pd):
+    """MLA rule (issue 14): a replicated latent/indexer cache pairs across TP sizes; each page
+    is read from one replica as whole-page runs, so bytes and copies equal the TP 1 pair's."""
+    import concurrent.futures
+
+    p2, decode = dsa_pd["prefill_tp2"], dsa_pd["decode"]
+    state = pd_state(p2)
+    assert all(heads == [[0, 1], [0, 1]] for heads in state["kv_shard_heads"])
+    lengths = [17, 33]
+    prompts = [[(5 * i + 7 * n) % 500 + 3 for i in range(n)] for n in lengths]
+    ref = dsa_pd["colocated"].generate(
+        input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+        sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    for k, (p, r) in enumerate(zip(prompts, ref)):
+        body = pd_body(p, 7000 + k, dsa_pd["bport_tp2"], max_new_tokens=6, ignore_eos=True)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(post, p2.url + "/generate", body)
+            status, out = post(decode.url + "/generate", body)
+            assert status == 200 and fut.result()[0] == 200, (out, fut.result())
+        greedy_agrees(r["output_ids"], r["meta_info"]["output_top_logprobs"], out["output_ids"])
+    d_bpp = pd_state(decode)["kv_bytes_per_page"]
+    buffers = pd_state(decode)["num_layer_buffers"]            # one shard: layers per buffer
+    assert state["kv_bytes_per_page"] == 2 * d_bpp             # two replicas on the prefill
+    recs = {r["room"]: r for r in pd_state(p2)["recent"]}
+    ps = ARGS["page_size"]
+    for k, n in enumerate(lengths):
+        rec = recs[7000 + k]
+        assert rec["state"] == "Success", rec
+        pages = -(-n // ps) - rec["decode_prefix_len"] // ps
+        runs = sum(count_runs(c["src"], c["dst"]) for c in rec["chunks"])
+        assert rec["pages"] == pages and rec["bytes"] == pages * d_bpp
+        assert rec["copies"] == runs * buffers
+    assert wait_until(lambda: at_baseline(p2) and at_baseline(decode), 10)
