@@ -238,9 +238,13 @@ class RogueDecode:
         self.prefill = f"tcp://{rank.rank_ip}:{rank.rank_port}"
         self.engine_id = f"rogue-{time.monotonic_ns()}"
 
-    def register(self, page_size=PAGE_SIZE, num_pages=8) -> RegisterResult:
-        bufs = tuple(KVBufferDesc(shard_addrs=(1 << 20 + i,), num_layers=2, num_pages=num_pages,
-                                  bytes_per_page=PAGE_SIZE * 2 * 16 * 4) for i in range(2))
+    def register(self, page_size=PAGE_SIZE, num_pages=8, bufs=None) -> RegisterResult:
+        # A TP 1 decode of the tiny llama: K and V, 2 layers, 2 KV heads of 16 float32.
+        bufs = bufs or tuple(KVBufferDesc(shard_addrs=(1 << 20 + i,), num_layers=2,
+                                          num_pages=num_pages,
+                                          bytes_per_page=PAGE_SIZE * 2 * 16 * 4, num_heads=2,
+                                          head_bytes=16 * 4)
+                             for i in range(2))
         msg = RegisterDecode(
             decode_engine_id=self.engine_id, reply_endpoint=self.channel.endpoint,
             engine_session_id="127.0.0.1:1", tp_rank=0, tp_size=1, kv_buffers=bufs,
@@ -267,6 +271,14 @@ def test_rogue_decode_out_of_pool_pages_write_failure_and_refused_pairing(cluste
     try:
         refused = rogue.register(page_size=8)
         assert not refused.accepted and "page_size" in refused.reason
+        # TP 2 shards (one of the 2 KV heads each) whose heads are half as wide as the
+        # prefill's: the head-slice plan cannot map them, so the pairing is refused (issue 14).
+        narrow = tuple(KVBufferDesc(shard_addrs=((1 << 20) + 4096 * i, (1 << 21) + 4096 * i),
+                                    num_layers=2, num_pages=8, bytes_per_page=PAGE_SIZE * 8 * 4,
+                                    num_heads=2, shard_heads=((0, 1), (1, 1)), head_bytes=32)
+                       for i in range(2))
+        refused = rogue.register(bufs=narrow)
+        assert not refused.accepted and "kv_buffers[0].head_bytes: 64 != 32" in refused.reason
         assert rogue.register().accepted
         rejected = pd_state(p2)["num_rejected_messages"]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
