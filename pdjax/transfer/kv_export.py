@@ -259,7 +259,6 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     dsts: list[np.ndarray] = []
     lens: list[np.ndarray] = []
     for sb, db, slices in zip(src_layout.buffers, dst_layout.buffers, plan):
-        bpp = sb.bytes_per_page
         for sl in slices:
             s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
             if sl.whole:
