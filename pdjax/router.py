@@ -9,8 +9,9 @@ server (``--policy load_aware``, the default: the one with the fewest requests t
 outstanding on it, ties broken by the lowest ``kv_usage`` its ``/get_load`` reported in the
 last poll, then round robin; ``--policy round_robin``: round robin), adds ``bootstrap_host``
 (the prefill URL's host), ``bootstrap_port`` (the prefill's bootstrap port, or null: the
-server's default) and ``bootstrap_room`` (a random room in [1, 2**63); a list of one room per sample for batches and ``n > 1``), POSTs
-the same body to both at once, and returns the decode server's answer, streaming included:
+server's default) and ``bootstrap_room`` (a random room in [1, 2**63); a list of one room per
+sample for batches and ``n > 1``), POSTs the same body to both at once, and returns the
+decode server's answer, streaming included:
 
     client --> router --body + bootstrap fields--> prefill  (computes the prompt, sends the KV)
                       '-------- same body ------->  decode  (receives the KV, generates) --> client
