@@ -199,7 +199,7 @@ class PDRouter:
 
     ``prefills``: ``[(url, bootstrap_port or None)]``; ``decodes``: ``[url]``.
     ``load_poll_interval_s``: how often every worker's ``/get_load`` is read for
-    ``kv_usage`` (load_aware only). Raises ``ValueError`` for an empty list, a URL without
+    ``kv_usage`` (load_aware with more than one worker of a role only). Raises ``ValueError`` for an empty list, a URL without
     host or an unknown policy.
     """
 
@@ -228,7 +228,8 @@ class PDRouter:
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=10)
         self.session = aiohttp.ClientSession(timeout=timeout, trust_env=False)
-        if self.prefill_pool.policy == "load_aware":
+        if self.prefill_pool.policy == "load_aware" and \
+                max(len(self.prefills), len(self.decodes)) > 1:   # a choice to make
             self._poller = asyncio.create_task(self._poll_loads())
 
     async def close(self) -> None:
