@@ -4,7 +4,7 @@ Names follow SGLang's ``sglang:*`` metrics with a ``pdjax:`` prefix. Each ``Metr
 own ``CollectorRegistry``, so several servers (or tests) in one process never share counters.
 
 Who updates what:
-  * the HTTP server (``pdjax.server.http``): per-request histograms (TTFT, ITL, end-to-end
+  * the HTTP server (``pdjax.server.results``): per-request histograms (TTFT, ITL, end-to-end
     latency) and counters (prompt, generation and cached tokens, finished requests by reason),
     through ``RequestTimer``; it also refreshes the load gauges from ``get_load()`` on a scrape;
   * the engine: the gauges (``num_running_reqs``, ``num_queue_reqs``, ``kv_usage``,

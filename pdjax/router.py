@@ -42,73 +42,21 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from pdjax.server.openai_protocol import MAX_BATCH_SIZE, MAX_N, MAX_SAMPLES
+from pdjax.server.app import listening
+from pdjax.server.errors import RequestError
+from pdjax.server.http_json import (CLIENT_MAX_SIZE, SSE_HEADERS, error_response,
+                                    read_json_object)
+from pdjax.server.validation import MAX_ROOM, checked_num_samples
 
 logger = logging.getLogger(__name__)
 
-MAX_ROOM = (1 << 63) - 1
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
 _FORWARD_HEADERS = ("Authorization",)
 
 
 def draw_room(rng: random.Random) -> int:
     """A bootstrap room in [1, 2**63): 0 means "unwritten" in the metadata row."""
     return rng.randint(1, MAX_ROOM)
-
-
-def checked_num_samples(path: str, body: dict[str, Any]) -> int:
-    """``num_samples``, refused before any room is drawn when it is over the servers' limits:
-    ``ValueError`` naming the field for ``n`` above ``MAX_N``, a batch above
-    ``MAX_BATCH_SIZE`` or more than ``MAX_SAMPLES`` samples in all (issue 16, item 7)."""
-    if path == "/generate":
-        sp = body.get("sampling_params")
-        sps = sp if isinstance(sp, list) else [sp]
-        ns = [d.get("n", 1) for d in sps[:MAX_BATCH_SIZE + 1] if isinstance(d, dict)]
-        name, prompts = "sampling_params.n", body.get("text", body.get("input_ids"))
-        batch_name = "text" if "text" in body else "input_ids"
-        batch = len(prompts) if isinstance(prompts, list) and prompts and \
-            (batch_name == "text" or isinstance(prompts[0], list)) else 1
-    else:
-        ns, name, batch_name = [body.get("n", 1)], "n", "prompt"
-        prompt = body.get("prompt")
-        batch = len(prompt) if path == "/v1/completions" and isinstance(prompt, list) \
-            and prompt and not isinstance(prompt[0], int) else 1
-    for n in ns:
-        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
-            raise ValueError(f"{name}: n = {n} exceeds the limit of {MAX_N}")
-    if batch > MAX_BATCH_SIZE:
-        raise ValueError(f"{batch_name}: a batch of {batch} prompts exceeds the limit of "
-                         f"{MAX_BATCH_SIZE}")
-    total = num_samples(path, body)
-    if total > MAX_SAMPLES:
-        raise ValueError(f"{name}: {total} samples exceed the limit of {MAX_SAMPLES} per request")
-    return total
-
-
-def num_samples(path: str, body: dict[str, Any]) -> int:
-    """How many samples (rooms) a request body asks for: prompts in the batch x ``n``."""
-    if path == "/generate":
-        sp = body.get("sampling_params") or {}
-        n = sp.get("n", 1) if isinstance(sp, dict) else 1
-        text, ids = body.get("text"), body.get("input_ids")
-        if isinstance(text, list):
-            batch = len(text)
-        elif isinstance(ids, list) and ids and isinstance(ids[0], list):
-            batch = len(ids)
-        else:
-            batch = 1
-    else:
-        n = body.get("n", 1)
-        prompt = body.get("prompt")
-        if path == "/v1/completions" and isinstance(prompt, list) and prompt \
-                and not isinstance(prompt[0], int):
-            batch = len(prompt)
-        else:
-            batch = 1
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    return max(1, batch) * n
 
 
 def _merge_input_logprobs(decode_obj: Any, prefill_obj: Any) -> Any:
@@ -286,9 +234,8 @@ class PDRouter:
 ROUTER_KEY = web.AppKey("pdjax_router", PDRouter)
 
 
-def _error(message: str, status: int) -> web.Response:
-    return web.json_response({"error": {"message": message, "code": status,
-                                        "type": "router_error"}}, status=status)
+def _error(message: str, status: int, param: str | None = None) -> web.Response:
+    return error_response(message, status, param, "router_error")
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict,
@@ -322,17 +269,15 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     path = request.path
     try:
-        body = json.loads(await request.read())
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        return _error(f"malformed JSON body: {type(e).__name__}: {e}", 400)
-    if not isinstance(body, dict):
-        return _error("the request body must be a JSON object", 400)
+        body = await read_json_object(request)
+    except RequestError as e:
+        return _error(e.message, e.status, e.param)
     router.num_requests += 1
     try:
         checked_num_samples(path, body)
-    except ValueError as e:
+    except RequestError as e:
         router.num_errors += 1
-        return _error(str(e), 400)
+        return _error(e.message, e.status, e.param)
     p_i, d_i = router.pick()
     try:
         return await _generate(request, router, body, p_i, d_i)
@@ -571,7 +516,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def create_router_app(router: PDRouter) -> web.Application:
     """The router's aiohttp application (routes listed in the module docstring)."""
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=CLIENT_MAX_SIZE)
     app[ROUTER_KEY] = router
 
     async def on_startup(_app):
@@ -597,23 +542,12 @@ def create_router_app(router: PDRouter) -> web.Application:
 
 async def serve_router(router: PDRouter, host: str, port: int,
                        stop_event: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT or ``stop_event``."""
-    import signal
-
+    """Serve until SIGTERM/SIGINT or ``stop_event`` (the server's ``listening`` loop)."""
     stop = stop_event or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_router_app(router), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    async with listening(create_router_app(router), host, port, stop):
         logger.info("pdjax router on %s:%d: prefill %s, decode %s", host, port, router.prefills,
                     router.decodes)
         await stop.wait()
-    finally:
-        await runner.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------

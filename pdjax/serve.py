@@ -29,7 +29,7 @@ def parse_args(argv=None) -> ServerArgs:
 def run_colocated(args: ServerArgs) -> int:
     """One engine behind the HTTP API; the prefill and decode roles build on the same pieces."""
     from pdjax.engine import AsyncEngine
-    from pdjax.server.http import create_app, run_server
+    from pdjax.server.app import create_app, run_server
 
     engine = AsyncEngine(args, progress=not args.skip_warmup_progress)
     app = create_app(engine, served_model_name=engine.served_model_name, api_key=args.api_key)

@@ -1,2 +1,5 @@
-"""HTTP serving: the aiohttp app (``http``), request/response schemas (``openai_protocol``) and
-incremental detokenization (``detokenizer``). DESIGN.md §1, issue 4."""
+"""HTTP serving (DESIGN.md §1, §4, issue 4): the app and its run loop (``app``), the handlers
+(``handlers``), the live requests (``registry``), what one sample produced (``results``), the
+request parsers and renderers (``native_api``, ``openai_api``, ``openai_render``) over shared
+field checks (``validation``), the engine as the server sees it (``engine_client``) and
+incremental detokenization (``detokenizer``)."""

@@ -9,7 +9,7 @@ the model continues inside a call. That steers but does not enforce; enforcement
 grammar-constrained decoding in the engine (structured outputs): ``ChatTools.grammar_spec``
 is the grammar of the calls the choice allows, ready for ``pdjax.constrained``.
 
-Every bad field raises ``RequestError`` (HTTP 400) naming it, as in ``openai_protocol``.
+Every bad field raises ``RequestError`` (HTTP 400) naming it, as in ``validation``.
 """
 
 from __future__ import annotations

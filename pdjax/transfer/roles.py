@@ -41,7 +41,7 @@ def run_single_role(args: ServerArgs) -> int:
     from aiohttp import web
 
     from pdjax.engine import AsyncEngine
-    from pdjax.server.http import create_app, run_server
+    from pdjax.server.app import create_app, run_server
 
     engine = AsyncEngine(args, progress=not args.skip_warmup_progress)
     app = create_app(engine, served_model_name=engine.served_model_name, api_key=args.api_key)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from server_fakes import FakeEngine, build_tokenizer  # noqa: E402
 
-from pdjax.server.http import create_app  # noqa: E402
+from pdjax.server.app import create_app  # noqa: E402
 
 
 @pytest.fixture

@@ -308,7 +308,7 @@ def parse_sse(raw: str) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve a FakeEngine with ``run_server`` (used by the SIGTERM drain tests)."""
-    from pdjax.server.http import create_app, run_server
+    from pdjax.server.app import create_app, run_server
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)

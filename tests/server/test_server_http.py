@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_fakes import FakeEngine, build_tokenizer, parse_sse, pieces_to_ids
 
-from pdjax.server.http import STATE_KEY
+from pdjax.server.registry import STATE_KEY
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,7 +6,7 @@ import json
 import pytest
 from server_fakes import FakeEngine
 
-from pdjax.server import openai_protocol as proto
+from pdjax.server import validation as limits
 
 pytestmark = pytest.mark.asyncio
 
@@ -72,12 +72,12 @@ async def test_fake_bootstrap_host_is_refused_from_clients(make_client):
 
 async def test_batch_and_sample_limits(make_client):
     client, engine = await make_client()
-    too_many = [[7]] * (proto.MAX_BATCH_SIZE + 1)
+    too_many = [[7]] * (limits.MAX_BATCH_SIZE + 1)
     cases = [(GEN, {"input_ids": too_many}, "input_ids"),
-             (GEN, {"text": ["a"] * (proto.MAX_BATCH_SIZE + 1)}, "text"),
+             (GEN, {"text": ["a"] * (limits.MAX_BATCH_SIZE + 1)}, "text"),
              (GEN, {"input_ids": [[7]] * 20, "sampling_params": {"n": 64}}, "sampling_params.n"),
-             (GEN, {"text": "a", "sampling_params": {"n": proto.MAX_N + 1}}, "n"),
-             (CMPL, {"model": "fake-model", "prompt": [[7]] * (proto.MAX_BATCH_SIZE + 1)},
+             (GEN, {"text": "a", "sampling_params": {"n": limits.MAX_N + 1}}, "n"),
+             (CMPL, {"model": "fake-model", "prompt": [[7]] * (limits.MAX_BATCH_SIZE + 1)},
               "prompt"),
              (CMPL, {"model": "fake-model", "prompt": [[7]] * 17, "n": 64}, "n")]
     for path, body, field in cases:
@@ -89,7 +89,7 @@ async def test_batch_and_sample_limits(make_client):
     # At the limit it is served: 16 prompts x n = 64 is exactly MAX_SAMPLES.
     resp = await client.post(GEN, json={"input_ids": [[7]] * 16,
                                         "sampling_params": {"n": 64, "max_new_tokens": 1}})
-    assert resp.status == 200 and len(await resp.json()) == proto.MAX_SAMPLES
+    assert resp.status == 200 and len(await resp.json()) == limits.MAX_SAMPLES
 
 
 class _PrefillEngine(FakeEngine):

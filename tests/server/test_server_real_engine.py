@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdjax.config import ServerArgs
 from pdjax.engine import AsyncEngine
-from pdjax.server.http import create_app
+from pdjax.server.app import create_app
 
 pytestmark = pytest.mark.asyncio
 

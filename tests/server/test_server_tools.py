@@ -357,5 +357,5 @@ async def test_parsers_come_from_the_engine_args(make_client):
     assert msg["reasoning_content"] == "a"
     assert [c["function"]["name"] for c in msg["tool_calls"]] == ["get_weather", "add"]
     with pytest.raises(ValueError, match="tool_call_parser"):
-        from pdjax.server.http import create_app
+        from pdjax.server.app import create_app
         create_app(engine, tool_call_parser="mistral")

@@ -12,7 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdjax.request import Request, RequestState, SamplingParams
-from pdjax.router import PDRouter, checked_num_samples, create_router_app
+from pdjax.router import PDRouter, create_router_app
+from pdjax.server.validation import checked_num_samples
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.protocol import (AuthError, FrameAuthenticator, FrameSealer, Heartbeat,

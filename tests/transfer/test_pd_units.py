@@ -9,7 +9,8 @@ import pytest
 
 from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.request import Request, RequestState, SamplingParams
-from pdjax.router import _merge_input_logprobs, num_samples, parse_prefill_args
+from pdjax.router import _merge_input_logprobs, parse_prefill_args
+from pdjax.server.validation import num_samples
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.fake import FakeTransferEngine

@@ -1,0 +1,56 @@
+"""JSON over HTTP for the servers and the PD router: bodies in, JSON and SSE answers out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from pdjax.server.errors import RequestError, error_body
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+CLIENT_MAX_SIZE = 64 << 20            # request bodies up to 64 MiB (long prompts as token ids)
+
+
+def json_dumps(obj: Any) -> str:
+    """Strict JSON text (no NaN / Infinity), UTF-8 kept as is."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json_dumps(obj), status=status, content_type="application/json")
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   err_type: str | None = None) -> web.Response:
+    """``errors.error_body`` as a response with that status."""
+    return json_response(error_body(message, status, param, err_type), status)
+
+
+async def read_json(request: web.Request, allow_empty: bool = False) -> Any:
+    """The parsed body; ``RequestError`` (400) for an empty body (``{}`` with
+    ``allow_empty``) or one that is not JSON or nested deeper than the parser allows."""
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("the request body is empty; a JSON object is required")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise RequestError(f"malformed JSON body: {type(e).__name__}: {e}") from None
+
+
+async def read_json_object(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
+    """``read_json``, and ``RequestError`` unless the body is a JSON object."""
+    body = await read_json(request, allow_empty)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+async def write_sse(resp: web.StreamResponse, obj: Any) -> None:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    await resp.write(b"data: " + json_dumps(obj).encode("utf-8") + b"\n\n")
