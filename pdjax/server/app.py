@@ -128,6 +128,7 @@ async def listening(app: web.Application, host: str, port: int,
         for sig in installed:
             loop.remove_signal_handler(sig)
 
+
 async def serve(app: web.Application, host: str, port: int, *,
                 on_shutdown: Callable[[], Any] | None = None, drain_timeout_s: float = 30.0,
                 stop_event: asyncio.Event | None = None,

@@ -31,7 +31,7 @@ from pdjax.server.openai_api import OpenAIRequest
 from pdjax.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pdjax.server.registry import STATE_KEY, RequestGroup, ServerState
 from pdjax.server.results import SampleAccumulator, SampleDelta
-from pdjax.server.validation import FAKE_BOOTSTRAP_HOST, MAX_ROOM, MAX_SAMPLES
+from pdjax.server.validation import FAKE_BOOTSTRAP_HOST, MAX_ROOM, MAX_SAMPLES, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,7 @@ def _pd_rooms(body: Any) -> list[int]:
         return []
     room = body.get("bootstrap_room")
     rooms = room[:MAX_SAMPLES] if isinstance(room, list) else [room]
-    return [r for r in rooms if isinstance(r, int) and not isinstance(r, bool)
-            and 1 <= r <= MAX_ROOM]
+    return [r for r in rooms if is_int(r) and 1 <= r <= MAX_ROOM]
 
 
 def _result_error(group: RequestGroup) -> web.Response | None:
@@ -164,8 +163,8 @@ async def _handle_openai(request: web.Request, parse: Callable) -> web.StreamRes
                 token_chars = [0] * len(group.samples)
 
                 def on_delta(d: SampleDelta) -> list[dict]:
-                    chunks = openai_render.stream_delta_chunks(parsed, d, results[d.index], texts,
-                                                       token_chars[d.index])
+                    chunks = openai_render.stream_delta_chunks(parsed, d, results[d.index],
+                                                               texts, token_chars[d.index])
                     if parsed.logprobs is not None:
                         token_chars[d.index] += sum(len(texts.text(t)) for t in d.token_ids)
                     return chunks
@@ -175,13 +174,15 @@ async def _handle_openai(request: web.Request, parse: Callable) -> web.StreamRes
                         return []
                     return [openai_render.stream_usage_chunk(parsed, results)]
 
-                return await _stream(request, group, lambda: openai_render.stream_start_chunks(parsed),
+                return await _stream(request, group,
+                                     lambda: openai_render.stream_start_chunks(parsed),
                                      on_delta, on_end)
             await group.wait()
             err = _result_error(group)
             if err is not None:
                 return err
-            build = openai_render.chat_response if parsed.kind == "chat" else openai_render.completion_response
+            build = (openai_render.chat_response if parsed.kind == "chat"
+                     else openai_render.completion_response)
             return json_response(build(parsed, results, texts))
         finally:
             group.close()

@@ -19,10 +19,10 @@ from pdjax.server.detokenizer import TokenTexts
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
-                                     check_bool, check_fields, check_int, check_num_samples,
+                                     check_bool, check_int, check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
-                                     clamp_default_max_new, encode_prompt, parse_sampling_params,
-                                     pd_fields, present_fields, sample_params)
+                                     checked_body, clamp_default_max_new, encode_prompt,
+                                     parse_sampling_params, pd_fields, sample_params)
 
 
 @dataclasses.dataclass
@@ -37,7 +37,6 @@ class NativeRequest:
     group_rid: str | None = None
     log_metrics: bool = True
     reasoning_parser: str | None = None     # set by ``separate_reasoning: true``
-
 
 
 _NATIVE_FIELDS = {"text", "input_ids", "sampling_params", "stream", "return_logprob",
@@ -74,10 +73,7 @@ def _per_prompt(name: str, value: Any, batch: int, n: int, default: Any,
 def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     """Validate a ``/generate`` body (SGLang's ``GenerateReqInput`` fields) and expand it into
     one ``GenerateRequest`` per sample. Raises ``RequestError``."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    body = present_fields(body)
-    check_fields(body, _NATIVE_FIELDS, _NATIVE_DEFAULT_ONLY, "/generate")
+    body = checked_body(body, _NATIVE_FIELDS, _NATIVE_DEFAULT_ONLY, "/generate")
     if ("text" in body) == ("input_ids" in body):
         raise RequestError("exactly one of text or input_ids must be given", "text")
 
@@ -125,7 +121,8 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
         if len(sp_raw) != batch or not all(isinstance(d, dict) for d in sp_raw):
             raise RequestError(f"sampling_params must be an object or a list of {batch} objects",
                                "sampling_params")
-        sp_list = [parse_sampling_params(d, ctx, f"sampling_params[{i}]") for i, d in enumerate(sp_raw)]
+        sp_list = [parse_sampling_params(d, ctx, f"sampling_params[{i}]")
+                   for i, d in enumerate(sp_raw)]
         explicit = ["max_new_tokens" in d for d in sp_raw]
     else:
         raise RequestError("sampling_params must be an object (or a list of objects for a batch)",
@@ -192,11 +189,10 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     return NativeRequest(
         requests=reqs, is_single=is_single, stream=stream,
         return_text_in_logprobs=check_bool("return_text_in_logprobs",
-                                            body.get("return_text_in_logprobs", False)),
+                                           body.get("return_text_in_logprobs", False)),
         group_rid=group_rid,
         log_metrics=check_bool("log_metrics", body.get("log_metrics", True)),
         reasoning_parser=reasoning_parser)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,7 +213,8 @@ def _native_top_entries(tops, texts: TokenTexts | None):
         if top is None:
             out.append(None)
         else:
-            out.append([[json_logprob(lp), int(t), texts.text(t) if texts else None] for t, lp in top])
+            out.append([[json_logprob(lp), int(t), texts.text(t) if texts else None]
+                        for t, lp in top])
     return out
 
 

@@ -23,10 +23,11 @@ from pdjax.server import tools as tool_api
 from pdjax.server.chat_output import ChatOutputConfig, ChoiceOutput
 from pdjax.server.errors import RequestError
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
-                                     check_bool, check_fields, check_int, check_num_samples,
+                                     check_bool, check_int, check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
-                                     encode_prompt, is_int, is_num, parse_sampling_params,
-                                     pd_fields, present_fields, sample_params)
+                                     checked_body, encode_prompt, is_int, is_num,
+                                     parse_sampling_params, pd_fields, present_fields,
+                                     sample_params)
 
 
 @dataclasses.dataclass
@@ -63,7 +64,6 @@ class OpenAIRequest:
         if k not in self._choice_outputs:
             self._choice_outputs[k] = self.chat_output.new_choice()
         return self._choice_outputs[k]
-
 
 
 # Sampling fields shared by both OpenAI endpoints; the extras (top_k ... skip_special_tokens)
@@ -182,10 +182,7 @@ def _base_rid(body: dict[str, Any], response_id: str) -> tuple[str, str | None]:
 
 def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/completions`` body. Raises ``RequestError``."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    body = present_fields(body)
-    check_fields(body, _COMPLETION_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/completions")
+    body = checked_body(body, _COMPLETION_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/completions")
     model = _check_model(body, ctx)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt")
@@ -279,7 +276,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
                 raise RequestError(f"{name}.reasoning_content is only allowed in assistant "
                                    "messages", "messages")
             msg["reasoning_content"] = check_str(f"{name}.reasoning_content",
-                                                  m["reasoning_content"])
+                                                 m["reasoning_content"])
         out.append(msg)
     return out
 
@@ -287,10 +284,7 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
 def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/chat/completions`` body and apply the chat template
     (``apply_chat_template(add_generation_prompt=True)``). Raises ``RequestError``."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    body = present_fields(body)
-    check_fields(body, _CHAT_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/chat/completions")
+    body = checked_body(body, _CHAT_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/chat/completions")
     model = _check_model(body, ctx)
     if "messages" not in body:
         raise RequestError("messages is required", "messages")
@@ -348,4 +342,3 @@ def _chat_output(body: dict[str, Any], ctx: ServingContext,
         return None
     return ChatOutputConfig(tools=chat_tools, reasoning_parser=reasoning,
                             prompt_text=prompt_text[-256:], stream_reasoning=stream_reasoning)
-

@@ -6,7 +6,7 @@ or from its ``SampleDelta`` increments (streams).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pdjax.server.detokenizer import TokenTexts
 from pdjax.server.openai_api import OpenAIRequest
@@ -18,7 +18,6 @@ def openai_finish_reason(finish_reason: dict[str, Any] | None) -> str | None:
     if not finish_reason:
         return None
     return {"stop": "stop", "length": "length"}.get(finish_reason.get("type"), "abort")
-
 
 
 def usage(req: OpenAIRequest, results: Sequence[SampleResult]) -> dict[str, Any]:
@@ -49,8 +48,8 @@ def completion_logprobs(token_ids: Sequence[int], lps: Sequence[float],
             for t, lp in list(top)[:top_n]:
                 d.setdefault(texts.text(t), json_logprob(lp))
             top_list.append(d)
-    return {"tokens": tokens, "token_logprobs": [json_logprob(v) for v in lps], "top_logprobs": top_list,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [json_logprob(v) for v in lps],
+            "top_logprobs": top_list, "text_offset": offsets}
 
 
 def chat_logprobs(token_ids: Sequence[int], lps: Sequence[float],
@@ -73,45 +72,45 @@ def _choice_text(req: OpenAIRequest, r: SampleResult) -> str:
     return r.text
 
 
+def _response(req: OpenAIRequest, results: Sequence[SampleResult], obj: str,
+              logprobs: Callable[..., dict[str, Any]],
+              choice: Callable[[SampleResult], tuple[dict[str, Any], str | None]]
+              ) -> dict[str, Any]:
+    """A non-streamed answer. Per result: ``choice(r)`` gives its content entry (``text`` or
+    ``message``) and finish reason; ``logprobs(ids, lps, tops, top_n)`` its logprobs."""
+    choices = []
+    for r in results:
+        content, finish = choice(r)
+        lp = None
+        if req.logprobs is not None:
+            lp = logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs, req.logprobs)
+        choices.append({"index": r.index, **content, "logprobs": lp, "finish_reason": finish,
+                        "matched_stop": (r.finish_reason or {}).get("matched")})
+    return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
+            "choices": choices, "usage": usage(req, results), "system_fingerprint": None}
+
+
 def completion_response(req: OpenAIRequest, results: Sequence[SampleResult],
                         texts: TokenTexts) -> dict[str, Any]:
     """The non-streamed ``text_completion`` object."""
-    choices = []
-    for r in results:
-        lp = None
-        if req.logprobs is not None:
-            lp = completion_logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs,
-                                     req.logprobs, texts, 0)
-        choices.append({"index": r.index, "text": _choice_text(req, r), "logprobs": lp,
-                        "finish_reason": openai_finish_reason(r.finish_reason),
-                        "matched_stop": (r.finish_reason or {}).get("matched")})
-    return {"id": req.response_id, "object": "text_completion", "created": req.created,
-            "model": req.model, "choices": choices, "usage": usage(req, results),
-            "system_fingerprint": None}
+    return _response(req, results, "text_completion",
+                     lambda *lp: completion_logprobs(*lp, texts, 0),
+                     lambda r: ({"text": _choice_text(req, r)},
+                                openai_finish_reason(r.finish_reason)))
 
 
 def chat_response(req: OpenAIRequest, results: Sequence[SampleResult],
                   texts: TokenTexts) -> dict[str, Any]:
     """The non-streamed ``chat.completion`` object."""
-    choices = []
-    for r in results:
-        lp = None
-        if req.logprobs is not None:
-            lp = chat_logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs,
-                               req.logprobs, texts)
+    def choice(r: SampleResult) -> tuple[dict[str, Any], str | None]:
         finish = openai_finish_reason(r.finish_reason)
         out = req.chat_output.new_choice() if req.chat_output is not None else None
         if out is None:
-            message = {"role": "assistant", "content": r.text, "tool_calls": None}
-        else:
-            message = out.message(r.text)
-            finish = out.finish_reason(finish)
-        choices.append({"index": r.index, "message": message, "logprobs": lp,
-                        "finish_reason": finish,
-                        "matched_stop": (r.finish_reason or {}).get("matched")})
-    return {"id": req.response_id, "object": "chat.completion", "created": req.created,
-            "model": req.model, "choices": choices, "usage": usage(req, results),
-            "system_fingerprint": None}
+            return {"message": {"role": "assistant", "content": r.text, "tool_calls": None}}, finish
+        return {"message": out.message(r.text)}, out.finish_reason(finish)
+
+    return _response(req, results, "chat.completion", lambda *lp: chat_logprobs(*lp, texts),
+                     choice)
 
 
 def _chunk(req: OpenAIRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -63,13 +63,12 @@ class SampleDelta:
     first_token_offset: int = 0       # index in output_ids of token_ids[0]
 
 
-
 def json_logprob(v: float | None) -> float | None:
+    """A logprob as JSON can carry it: None stays None, log(0) = -inf is ``LOGPROB_FLOOR``."""
     if v is None:
         return None
     v = float(v)
     return v if math.isfinite(v) else LOGPROB_FLOOR
-
 
 
 class SampleAccumulator:

@@ -44,22 +44,25 @@ class ServingContext:
         return {self.served_model_name, self.model_path}
 
 
-
 def is_int(v: Any) -> bool:
+    """An integer, not a bool (JSON ``true`` is no count)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def is_num(v: Any) -> bool:
+    """An int or float, not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def check_bool(name: str, v: Any) -> bool:
+    """``v`` if a boolean, else ``RequestError`` naming ``name``."""
     if not isinstance(v, bool):
         raise RequestError(f"{name} must be a boolean, got {v!r}", name)
     return v
 
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """``v`` if an integer in ``[lo, hi]`` (None: unbounded), else ``RequestError``."""
     if not is_int(v):
         raise RequestError(f"{name} must be an integer, got {v!r}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -70,6 +73,7 @@ def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -
 
 
 def check_str(name: str, v: Any, allow_empty: bool = True) -> str:
+    """``v`` if a string (non-empty unless ``allow_empty``), else ``RequestError``."""
     if not isinstance(v, str):
         raise RequestError(f"{name} must be a string, got {type(v).__name__}", name)
     if not allow_empty and not v:
@@ -82,8 +86,18 @@ def present_fields(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
+def checked_body(body: Any, allowed: set[str], default_only: dict[str, Callable[[Any], bool]],
+                 what: str) -> dict[str, Any]:
+    """A request body: a JSON object, without its null fields, every field ``check_fields``'d."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    body = present_fields(body)
+    check_fields(body, allowed, default_only, what)
+    return body
+
+
 def check_fields(body: dict[str, Any], allowed: set[str],
-                  default_only: dict[str, Callable[[Any], bool]], what: str) -> None:
+                 default_only: dict[str, Callable[[Any], bool]], what: str) -> None:
     """Reject unknown fields and known-but-unsupported ones whose value is not the default."""
     for key, value in body.items():
         if key in allowed:
@@ -96,6 +110,7 @@ def check_fields(body: dict[str, Any], allowed: set[str],
 
 
 def check_token_ids(name: str, ids: Any, ctx: ServingContext) -> list[int]:
+    """A non-empty list of token ids in ``[0, ctx.vocab_size)``, else ``RequestError``."""
     if not isinstance(ids, list):
         raise RequestError(f"{name} must be a list of token ids", name)
     if not ids:
@@ -110,18 +125,21 @@ def check_token_ids(name: str, ids: Any, ctx: ServingContext) -> list[int]:
 
 
 def check_batch_size(name: str, batch: int) -> None:
+    """``RequestError`` for more than ``MAX_BATCH_SIZE`` prompts."""
     if batch > MAX_BATCH_SIZE:
         raise RequestError(f"{name}: a batch of {batch} prompts exceeds the limit of "
                            f"{MAX_BATCH_SIZE}", name)
 
 
 def check_num_samples(batch: int, n: int, name: str = "n") -> None:
+    """``RequestError`` for more than ``MAX_SAMPLES`` samples (prompts x ``n``)."""
     if batch * n > MAX_SAMPLES:
         raise RequestError(f"{name}: {batch} prompt(s) x n = {n} is {batch * n} samples, over "
                            f"the limit of {MAX_SAMPLES} per request", name)
 
 
 def check_prompt_length(name: str, ids: list[int], ctx: ServingContext) -> None:
+    """``RequestError`` for a prompt of ``ctx.context_length`` tokens or more."""
     if len(ids) >= ctx.context_length:
         raise RequestError(
             f"{name}: the prompt has {len(ids)} tokens, at or over the model's context length "
@@ -129,7 +147,7 @@ def check_prompt_length(name: str, ids: list[int], ctx: ServingContext) -> None:
 
 
 def encode_prompt(ctx: ServingContext, text: str, add_special_tokens: bool = True,
-            param: str = "prompt") -> list[int]:
+                  param: str = "prompt") -> list[int]:
     """Token ids of ``text``; text the tokenizer refuses (e.g. a lone UTF-16 surrogate from
     a JSON ``\\ud800`` escape) is the client's error: ``RequestError`` naming ``param``."""
     try:
@@ -140,7 +158,10 @@ def encode_prompt(ctx: ServingContext, text: str, add_special_tokens: bool = Tru
 
 
 def parse_sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
-                     max_tokens_name: str = "max_new_tokens") -> SamplingParams:
+                          max_tokens_name: str = "max_new_tokens") -> SamplingParams:
+    """``SamplingParams`` from a JSON object; ``RequestError`` naming the field (prefixed by
+    ``param``; ``max_new_tokens`` called ``max_tokens_name``), also for a ``max_new_tokens``
+    over the context length."""
     # null means "default" for every field but max_new_tokens (null: up to the context length)
     d = {k: v for k, v in d.items() if v is not None or k == "max_new_tokens"}
     try:
@@ -166,7 +187,7 @@ def parse_sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
 
 
 def clamp_default_max_new(sp: SamplingParams, prompt_len: int,
-                           ctx: ServingContext) -> SamplingParams:
+                          ctx: ServingContext) -> SamplingParams:
     """The default ``max_new_tokens`` (the client did not set it) cut to what the context
     leaves after the prompt, as SGLang does (issue 16, item 6). Returns a copy."""
     left = max(1, ctx.context_length - prompt_len)
@@ -211,6 +232,12 @@ def _check_bootstrap_host(name: str, v: Any) -> str:
 
 
 def pd_fields(body: dict[str, Any], num: int) -> tuple[list, list, list]:
+    """The PD fields (SGLang names) per sample: ``(hosts, ports, rooms)``, each ``num`` long.
+
+    ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` are a scalar or one value per
+    sample (a list in the sample order of the request kind). A scalar room ``r`` gives sample
+    ``k`` room ``r + k`` (as SGLang does); a list must hold one distinct room per sample.
+    """
     hosts = _per_sample("bootstrap_host", body.get("bootstrap_host"), num, _check_bootstrap_host)
     ports = _per_sample("bootstrap_port", body.get("bootstrap_port"), num,
                         lambda n, v: check_int(n, v, 1, 65535))
@@ -220,7 +247,6 @@ def pd_fields(body: dict[str, Any], num: int) -> tuple[list, list, list]:
     if len(set(given)) != len(given):
         raise RequestError("bootstrap_room must hold a distinct room per sample", "bootstrap_room")
     return hosts, ports, rooms
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +271,7 @@ def checked_num_samples(path: str, body: dict[str, Any]) -> int:
         batch = len(prompt) if path == "/v1/completions" and isinstance(prompt, list) \
             and prompt and not isinstance(prompt[0], int) else 1
     for n in ns:
-        if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        if is_int(n) and n > MAX_N:
             raise RequestError(f"{name}: n = {n} exceeds the limit of {MAX_N}", name)
     if batch > MAX_BATCH_SIZE:
         raise RequestError(f"{batch_name}: a batch of {batch} prompts exceeds the limit of "
@@ -277,6 +303,5 @@ def num_samples(path: str, body: dict[str, Any]) -> int:
             batch = len(prompt)
         else:
             batch = 1
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    n = n if is_int(n) and n > 0 else 1
     return max(1, batch) * n
-
