@@ -186,6 +186,8 @@ _HELP = {
     "max_prefill_tokens": "cap on new prefill tokens per forward",
     "enable_mixed_chunk": "put a prefill chunk and the running decode rows in one forward",
     "disable_radix_cache": "turn off the prefix cache",
+    "disable_overlap_schedule": "schedule the next step only after the forward has finished "
+                                "(default: overlap it with the forward on the device)",
     "context_length": "longest sequence served; default: the model's",
     "random_seed": "seed of requests without their own seed",
     "attention_backend": "auto: the platform's (cpu: jnp reference, tpu/gpu: Pallas kernels)",
@@ -240,6 +242,7 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
     context_length: int | None = None
     random_seed: int = 0
     attention_backend: str | None = None      # None/auto, reference, tpu, gpu

@@ -1,4 +1,5 @@
-"""The engine every role runs: ``EngineCore`` (one step = schedule, forward, sample, update),
+"""The engine every role runs: ``EngineCore`` (one step = schedule, launch the forward, which
+samples on the device, then read a step's results and update; overlapped by default),
 the offline ``Engine`` in the style of ``sglang.Engine`` / ``vllm.LLM``, and ``AsyncEngine``,
 which runs the core on its own thread for the HTTP server (DESIGN.md §3).
 """
@@ -15,17 +16,20 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pdjax.config import ServerArgs
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
-from pdjax.request import Request, SamplingParams
+from pdjax.request import PENDING_TOKEN, Request, SamplingParams
+from pdjax.runner.device_sampler import (MAX_TOP_LOGPROBS, SamplingRow, StepOutputs,
+                                         build_sampling_inputs, uses_penalties)
 from pdjax.runner.model_runner import ModelRunner
-from pdjax.runner.sampler import log_softmax, sample_token, top_logprobs
 from pdjax.sched.batch import BatchRow
-from pdjax.sched.buckets import Buckets
+from pdjax.sched.buckets import BucketKey, Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -39,11 +43,30 @@ def kv_cache_dtype(args: ServerArgs, model_dtype):
             "fp8_e4m3": jnp.float8_e4m3fn}[args.kv_cache_dtype]
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step whose forward is dispatched and whose results are not read yet."""
+
+    batch: ScheduledBatch
+    key: BucketKey
+    out: StepOutputs                             # on the device
+    pending: list[tuple[int, Request, int]]      # (logits row, request, output index)
+    row_of: dict[str, int]                       # rid -> logits row of its pending token
+    prompt_lp: tuple | None                      # (wanted, device arrays) for prompt logprobs
+    t_dispatch: float = 0.0                      # perf_counter when the dispatch returned
+    num_placeholders: int = 0                    # input tokens read from the previous step
+    t_start: float = 0.0                         # perf_counter when the dispatch began
+    compiled: bool = False                       # a compile happened in the dispatch
+
+
 class EngineCore:
     """Model, scheduler and runner of one server; single-threaded (call from one thread).
 
     ``step()`` returns the ``GenerateOutput`` increments of every request that got a token or
-    finished in that step.
+    finished in the step whose results it read. Overlapped scheduling (default; off with
+    ``disable_overlap_schedule``, and for the prefill role, whose requests all end after one
+    token): ``step()`` schedules and launches step N+1 while step N still runs on the device,
+    then reads step N's tokens (DESIGN.md §3).
     """
 
     def __init__(self, args: ServerArgs, *, progress: bool = True):
@@ -93,6 +116,13 @@ class EngineCore:
         self.host_time_s = 0.0        # scheduling + batch building + sampling
         self.forward_time_s = 0.0
         self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
+        # callables(batch, key, tokens device array, t_dispatch) after each dispatch (device
+        # timelines, benchmarks).
+        self.dispatch_hooks: list = []
+        self.overlap = not args.disable_overlap_schedule and args.role != "prefill"
+        self._inflight: _Launched | None = None
+        self._last_forward_end_s = 0.0
+        self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
         if args.target_itl_ms is not None:
             self.seed_cost_model()
@@ -114,6 +144,9 @@ class EngineCore:
         bad = [t for t in g.input_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids: token id {bad[0]!r} is outside [0, {vocab})")
+        if not 0 <= g.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {g.top_logprobs_num}")
         req = Request(rid=g.rid, prompt_ids=list(g.input_ids), sampling_params=g.sampling_params,
                       return_logprob=g.return_logprob, top_logprobs_num=g.top_logprobs_num,
                       logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
@@ -128,8 +161,10 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """Whether ``step()`` has something to do (scheduled requests or PD events)."""
-        return self.scheduler.has_work or (self.disagg is not None and self.disagg.has_work())
+        """Whether ``step()`` has something to do (scheduled requests, a step in flight, or PD
+        events)."""
+        return (self.scheduler.has_work or self._inflight is not None
+                or (self.disagg is not None and self.disagg.has_work()))
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
         if self.disagg is not None:
@@ -139,71 +174,181 @@ class EngineCore:
         req = self.scheduler.abort_request(rid, message)
         return None if req is None else self._output(req, [], [], [])
 
+    def wait_for_device(self) -> None:
+        """Block until the step in flight (if any) has run: afterwards no forward still writes
+        pages a finish or abort released (PD decode calls this before handing pages to a
+        transfer)."""
+        if self._inflight is not None:
+            jax.block_until_ready(self.runner.caches)
+
+    def drain(self) -> list[GenerateOutput]:
+        """Read the step in flight, if any, without launching another; returns its outputs."""
+        done, self._inflight = self._inflight, None
+        if done is None:
+            return []
+        outputs, fetch_s = self._complete(done)
+        if self.disagg is not None:
+            outputs = self.disagg.after_step(done.batch, outputs)
+        self.forward_time_s += fetch_s
+        for hook in self.step_hooks:
+            hook(done.batch, outputs)
+        return outputs
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[GenerateOutput]:
         t0 = time.perf_counter()
-        outputs: list[GenerateOutput] = []
-        if self.disagg is not None:
-            outputs += self.disagg.poll()
-        while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
-            req = self._zero_token_reqs.pop()
-            if self.scheduler.abort_request(req.rid) is not None:
-                req.finish_reason = {"type": "length", "length": 0}
-                outputs.append(self._output(req, [], [], []))
-        batch = self.scheduler.schedule()
-        # Requests the scheduler finished without a forward (a lone decode request the pool
-        # cannot grow) still owe their client a final output.
-        outputs += [self._output(req, [], [], []) for req in self.scheduler.pop_finished()]
-        if batch is None:
-            if self.disagg is not None and outputs:
-                outputs = self.disagg.after_step(None, outputs)
-            return outputs
+        waited = 0.0
+        try:
+            outputs: list[GenerateOutput] = []
+            if self.disagg is not None:
+                outputs += self.disagg.poll()
+            while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
+                req = self._zero_token_reqs.pop()
+                if self.scheduler.abort_request(req.rid) is not None:
+                    req.finish_reason = {"type": "length", "length": 0}
+                    outputs.append(self._output(req, [], [], []))
+            batch = self.scheduler.schedule()
+            # Requests the scheduler finished without a forward (a lone decode request the pool
+            # cannot grow) still owe their client a final output.
+            outputs += [self._output(req, [], [], []) for req in self.scheduler.pop_finished()]
+            launched = None
+            if batch is not None:
+                launched, dispatch_s = self._launch(batch, outputs)
+                waited += dispatch_s
+            if self.overlap:
+                done, self._inflight = self._inflight, launched
+            else:
+                done = launched
+            if done is not None:
+                done_outputs, fetch_s = self._complete(done)
+                outputs += done_outputs
+                waited += fetch_s
+            if self.disagg is not None and (done is not None or outputs):
+                # batch None: no forward's results were read, but requests may have finished.
+                outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
+        except BaseException:
+            self._inflight = None
+            raise
+        # Forward time: dispatching and waiting for the device; host time: the rest.
+        self.forward_time_s += waited
+        self.host_time_s += max(0.0, time.perf_counter() - t0 - waited)
+        if done is not None:
+            for hook in self.step_hooks:
+                hook(done.batch, outputs)
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, outputs: list[GenerateOutput]):
+        """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
+        waited for); count its tokens in the scheduler. Returns ``(_Launched, dispatch s)``."""
+        prev = self._inflight
         rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages)
         fb = self.runner.make_batch(key, rows)
-        want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
-        compiles = self.runner.compiles_after_warmup
-        t1 = time.perf_counter()
-        logits, hidden = self.runner.forward(key, fb, want_hidden=want_prompt_lp)
-        t2 = time.perf_counter()
-        # forward() returns host logits, so t2 - t1 covers the device work of the forward.
-        if self.runner.compiles_after_warmup == compiles:     # a compile is no step time
-            self.cost_model.observe(key, batch.num_tokens, batch.num_cached_tokens, t2 - t1)
-        if want_prompt_lp:
-            self._prompt_logprobs(batch, fb, hidden)
-        sampled, results, failed = {}, {}, []
+        prev_idx = np.full(key.num_tokens, -1, np.int32)
+        samp_rows, failed = [], []
         for i, row in enumerate(batch.rows):
-            if row.samples:
-                try:
-                    res = sample_token(logits[i], row.req)
-                except Exception as e:    # one request's bad state never fails the batch
-                    logger.exception("sampling failed for request %s", row.req.rid)
-                    failed.append((row.req, e))
-                    continue
-                sampled[i], results[i] = res.token_id, res
+            req = row.req
+            for j, tok in enumerate(rows[i].input_ids):
+                if tok == PENDING_TOKEN:     # sampled by the step in flight: resolved on device
+                    prev_idx[int(fb.cu_q_lens[i]) + j] = prev.row_of[req.rid]
+            if not row.samples:
+                samp_rows.append(None)
+                continue
+            try:
+                slot = self._penalty_slot(req) if uses_penalties(req.sampling_params) else 0
+                samp_rows.append(SamplingRow.from_request(req, slot))
+            except Exception as e:    # one request's bad state never fails the batch
+                logger.exception("sampling failed for request %s", req.rid)
+                failed.append((req, e))
+                samp_rows.append(None)
         for req, e in failed:
             out = self.abort_request(req.rid, f"sampling failed: {e}")
             if out is not None:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
-        self.scheduler.process_results(batch, sampled, self._stop_check)
-        for i, res in results.items():
-            req = batch.rows[i].req
+        sampling = build_sampling_inputs(samp_rows, key.num_rows)
+        want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
+        compiles = self.runner.compiles_after_warmup
+        t1 = time.perf_counter()
+        out, hidden = self.runner.forward(
+            key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
+            want_hidden=want_prompt_lp)
+        prompt_lp = self._prompt_logprobs(batch, fb, hidden) if want_prompt_lp else None
+        t2 = time.perf_counter()
+        pending = self.scheduler.advance(batch)
+        launched = _Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
+                             prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
+                             self.runner.compiles_after_warmup != compiles)
+        for hook in self.dispatch_hooks:
+            hook(batch, key, out.tokens, t2)
+        return launched, t2 - t1
+
+    def _complete(self, done: _Launched) -> tuple[list[GenerateOutput], float]:
+        """Read a launched step's results (blocks until its forward has run) and update and
+        stream its requests; the one place tokens reach clients. Returns the outputs and the
+        seconds spent waiting for the device."""
+        t = time.perf_counter()
+        was_running = not done.out.tokens.is_ready()
+        tokens = np.asarray(done.out.tokens)
+        self._observe_step_cost(done, was_running, time.perf_counter())
+        reqs = [req for _, req, _ in done.pending]
+        lps = tops = None
+        if any(r.return_logprob for r in reqs):
+            lps = np.asarray(done.out.token_logprob)
+            if any(r.top_logprobs_num > 0 for r in reqs):
+                tops = (np.asarray(done.out.top_ids), np.asarray(done.out.top_logprobs))
+        if done.prompt_lp is not None:
+            self._apply_prompt_logprobs(*done.prompt_lp)
+        fetch_s = time.perf_counter() - t
+        outputs: list[GenerateOutput] = []
+        for i, req, index in done.pending:
+            token = int(tokens[i])
+            if not self.scheduler.resolve(req, index, token, self._stop_check):
+                if req.is_finished or req.rid not in self.scheduler.requests:
+                    continue              # aborted (or finished) while the step ran
+            lp, top = [], []
             if req.return_logprob:
-                req.output_logprobs.append(res.logprob)
-                req.output_top_logprobs.append(res.top_logprobs)
-            lp = [res.logprob] if req.return_logprob else []
-            top = [res.top_logprobs] if req.return_logprob else []
-            outputs.append(self._output(req, [res.token_id], lp, top))
-        if self.disagg is not None:
-            outputs = self.disagg.after_step(batch, outputs)
+                lp = [float(lps[i])]
+                k = req.top_logprobs_num
+                top = [[(int(a), float(b)) for a, b in zip(tops[0][i, :k], tops[1][i, :k])]
+                       if k > 0 else []]
+                req.output_logprobs.append(lp[0])
+                req.output_top_logprobs.append(top[0])
+            outputs.append(self._output(req, [token], lp, top, num_output=index + 1))
         self.num_steps += 1
-        self.forward_time_s += t2 - t1
-        self.host_time_s += (t1 - t0) + (time.perf_counter() - t2)
-        for hook in self.step_hooks:
-            hook(batch, outputs)
-        return outputs
+        return outputs, fetch_s
+
+    def _observe_step_cost(self, done: _Launched, was_running: bool, t_done: float) -> None:
+        """Feed the cost model the device time of ``done``'s forward: from when the device could
+        start it (its dispatch, or the previous forward's end) to when its tokens came back.
+        The end is exact when the read had to wait; with overlap, a forward already finished
+        when read has no known end and is not observed. A compile is no step time."""
+        start = max(done.t_start, self._last_forward_end_s)
+        self._last_forward_end_s = t_done
+        if done.compiled or (self.overlap and not was_running):
+            return
+        self.cost_model.observe(done.key, done.batch.num_tokens, done.batch.num_cached_tokens,
+                                t_done - start)
+
+    def _penalty_slot(self, req: Request) -> int:
+        """``req``'s penalty slot; a new one (set from its known tokens) if it has none. A slot
+        whose request is not running is reused: at most ``max_running_requests`` requests run,
+        so one is always there."""
+        for slot, owner in self._penalty_slots.items():
+            if owner is req:
+                return slot
+        running = set(map(id, self.scheduler.running))
+        slot = next((s for s in range(1, self.runner.num_penalty_slots)
+                     if s not in self._penalty_slots or id(self._penalty_slots[s]) not in running),
+                    None)
+        if slot is None:
+            raise RuntimeError("no free penalty slot")
+        if PENDING_TOKEN in req.output_ids:
+            raise RuntimeError(f"request {req.rid}: penalty slot needed while a token is pending")
+        self._penalty_slots[slot] = req
+        self.runner.init_penalty_slot(slot, req.prompt_ids, req.output_ids)
+        return slot
 
     def seed_cost_model(self) -> int:
         """Time one empty forward of every bucket a mixed step may use (already compiled by
@@ -214,7 +359,8 @@ class EngineCore:
         for key in sorted(keys, key=repr):
             fb = self.runner.make_batch(key, [])
             t0 = time.perf_counter()
-            self.runner.forward(key, fb)
+            out, _ = self.runner.forward(key, fb)
+            jax.block_until_ready(out.tokens)
             self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
         return len(keys)
 
@@ -235,9 +381,11 @@ class EngineCore:
         return (req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
                 and row.start + row.num_tokens >= req.logprob_start_len)
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden) -> None:
-        """Logprob of prompt token p from the logits at p - 1, for p >= logprob_start_len."""
-        wanted = []      # (req, position p, flat row of position p-1)
+    def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden):
+        """Dispatch the logprobs of prompt tokens p >= logprob_start_len (from the logits at
+        p - 1) on the device; returns ``(wanted, device arrays)`` for ``_apply_prompt_logprobs``.
+        ``wanted``: (req, position p or None for position 0's empty entry)."""
+        wanted, rows = [], []     # rows: flat row of position p - 1
         for i, row in enumerate(batch.rows):
             if not self._wants_prompt_logprobs(row):
                 continue
@@ -245,27 +393,45 @@ class EngineCore:
             lo = max(req.logprob_start_len, s)
             for p in range(lo, min(s + n, req.num_prompt_tokens)):
                 if p == 0:
-                    req.prompt_logprobs.append(None)
-                    req.prompt_top_logprobs.append(None)
+                    wanted.append((req, None))
                 elif p - 1 >= s:
-                    wanted.append((req, p, int(fb.cu_q_lens[i]) + p - 1 - s))
+                    wanted.append((req, p))
+                    rows.append(int(fb.cu_q_lens[i]) + p - 1 - s)
                 else:
                     # p - 1 lies in the previous chunk: its logits were taken then.
                     pass
             # The next chunk's first token is predicted by this chunk's last position.
             p = s + n
             if p < req.num_prompt_tokens and p >= req.logprob_start_len:
-                wanted.append((req, p, int(fb.cu_q_lens[i]) + n - 1))
-        if not wanted:
-            return
-        logits = self.runner.logits_at(hidden, [w[2] for w in wanted])
-        lps = log_softmax(logits)
-        for (req, p, _), lp in zip(wanted, lps):
-            req.prompt_logprobs.append(float(lp[req.prompt_ids[p]]))
-            req.prompt_top_logprobs.append(top_logprobs(lp, req.top_logprobs_num))
+                wanted.append((req, p))
+                rows.append(int(fb.cu_q_lens[i]) + n - 1)
+        if not rows:
+            return wanted, None
+        targets = [req.prompt_ids[p] for req, p in wanted if p is not None]
+        want_top = any(req.top_logprobs_num > 0 for req, _ in wanted)
+        return wanted, self.runner.prompt_logprobs_at(hidden, rows, targets, want_top)
 
-    def _output(self, req: Request, tokens, lps, tops) -> GenerateOutput:
-        first = len(req.output_ids) <= len(tokens)
+    @staticmethod
+    def _apply_prompt_logprobs(wanted, arrays) -> None:
+        if arrays is not None:
+            lp, ids, vals = (np.asarray(a) for a in arrays)
+        j = 0
+        for req, p in wanted:
+            if p is None:
+                req.prompt_logprobs.append(None)
+                req.prompt_top_logprobs.append(None)
+                continue
+            k = min(req.top_logprobs_num, ids.shape[1])
+            req.prompt_logprobs.append(float(lp[j]))
+            req.prompt_top_logprobs.append([(int(a), float(b)) for a, b in zip(ids[j, :k], vals[j, :k])])
+            j += 1
+
+    def _output(self, req: Request, tokens, lps, tops, num_output: int | None = None) -> GenerateOutput:
+        """``num_output``: the request's output tokens up to this increment (default: all of
+        ``output_ids``; a placeholder of a later step in flight is not one)."""
+        if num_output is None:
+            num_output = len(req.output_ids)
+        first = num_output <= len(tokens)
         send_prompt_lp = req.return_logprob and req.logprob_start_len >= 0 and first
         return GenerateOutput(
             rid=req.rid, new_token_ids=list(tokens), new_logprobs=list(lps),
@@ -273,7 +439,7 @@ class EngineCore:
             prompt_logprobs=list(req.prompt_logprobs) if send_prompt_lp else None,
             prompt_top_logprobs=list(req.prompt_top_logprobs) if send_prompt_lp else None,
             finished=req.is_finished, finish_reason=req.finish_reason if req.is_finished else None,
-            prompt_tokens=req.num_prompt_tokens, completion_tokens=len(req.output_ids),
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=num_output,
             cached_tokens=req.num_cached_tokens_reported, error=req.error)
 
     # ------------------------------------------------------------------ control
@@ -391,6 +557,7 @@ class Engine:
                     st["text"] += st["detok"].finish().text
                     st["finish"] = out.finish_reason
                     pending.discard(out.rid)
+        core.drain()      # the step in flight holds only rows of finished requests
         results = [self._result(rid, state[rid], return_logprob) for rid in order]
         return results[0] if single and len(results) == 1 else results
 

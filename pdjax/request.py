@@ -126,6 +126,12 @@ class SamplingParams:
         return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
 
 
+# An output token sampled on the device but not yet known on the host (overlapped scheduling,
+# DESIGN.md §3): it sits at the end of ``Request.output_ids`` from launch until the step's results
+# are read, and it never has KV computed, reaches a client, or enters the prefix cache.
+PENDING_TOKEN = -1
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"          # queued; may hold no pages
     RUNNING = "running"          # prefill chunks or decode steps in flight

@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from pdjax.models.attention import AttentionMetadata
+from pdjax.runner import device_sampler
+from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.sched.batch import FlatBatch, build_flat_batch
 from pdjax.sched.buckets import BucketKey, Buckets
 
@@ -47,29 +49,35 @@ def compile_count() -> int:
     return _compile_count
 
 
-def _forward(graphdef, state, caches, input_ids, md, logits_indices):
+def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
+             prev_tokens, md, logits_indices, sp, max_rows):
+    # Placeholders: a decode row whose input token the previous step sampled (overlap, not yet
+    # known on the host) names that token's row in the previous step's ``tokens``.
+    input_ids = jnp.where(prev_idx >= 0, prev_tokens[jnp.maximum(prev_idx, 0)], input_ids)
     model = nnx.merge(graphdef, state)
     hidden, caches = model.paged_forward(input_ids, caches, md)
     logits = model.compute_logits(hidden[logits_indices])
-    return logits, hidden, caches
+    out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
+    return out, hidden, caches, penalty_counts
 
 
 # Three entry points over the same model, each its own jit (its own executables per bucket).
-def _decode(graphdef, state, caches, input_ids, md, logits_indices):
-    logits, _, caches = _forward(graphdef, state, caches, input_ids, md, logits_indices)
-    return logits, None, caches
+def _decode(graphdef, max_rows, *args):
+    out, _, caches, counts = _forward(graphdef, *args, max_rows)
+    return out, None, caches, counts
 
 
-def _prefill_chunk(graphdef, state, caches, input_ids, md, logits_indices):
-    return _forward(graphdef, state, caches, input_ids, md, logits_indices)
+def _prefill_chunk(graphdef, max_rows, *args):
+    return _forward(graphdef, *args, max_rows)
 
 
-def _mixed(graphdef, state, caches, input_ids, md, logits_indices):
-    return _forward(graphdef, state, caches, input_ids, md, logits_indices)
+def _mixed(graphdef, max_rows, *args):
+    return _forward(graphdef, *args, max_rows)
 
 
-def _all_logits(graphdef, state, hidden, indices):
-    return nnx.merge(graphdef, state).compute_logits(hidden[indices])
+def _prompt_logprobs(graphdef, state, hidden, indices, target_ids, want_top):
+    logits = nnx.merge(graphdef, state).compute_logits(hidden[indices])
+    return device_sampler.prompt_logprobs(logits, target_ids, want_top)
 
 
 class ModelRunner:
@@ -77,7 +85,10 @@ class ModelRunner:
 
     KV cache: ``caches``, one layer-major array per buffer of ``model.cache_spec`` (GQA:
     ``k_cache``/``v_cache`` ``[layers, num_pages, page_size, KVH, D]``, KV heads over ``tp``),
-    donated to every forward. ``forward`` returns logits ``[rows, V]`` float32 on the host.
+    donated to every forward. Sampling runs inside the forward (``device_sampler``): ``forward``
+    returns ``StepOutputs`` on the device, of which the host fetches the sampled ids (and the
+    logprob rows asked for). Penalty tables: ``prompt_seen`` ``[S, V]`` bool and
+    ``penalty_counts`` ``[S, V]`` int32, ``S = num_penalty_slots`` (slot 0 is the null slot).
     """
 
     def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
@@ -98,11 +109,22 @@ class ModelRunner:
             self.caches[spec.name] = zeros()
         self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
         replicated = NamedSharding(mesh, P())
+        self.max_rows = buckets.max_rows
+        # One penalty slot per request that can run at once, plus the null slot 0.
+        self.num_penalty_slots = buckets.max_rows + 1
+        vocab = self.cfg.vocab_size
+        self.prompt_seen = jax.device_put(np.zeros((self.num_penalty_slots, vocab), bool), replicated)
+        self.penalty_counts = jax.device_put(np.zeros((self.num_penalty_slots, vocab), np.int32),
+                                             replicated)
+        # The previous step's sampled ids when no step came before (placeholders unused).
+        self.no_prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), replicated)
         self._entries = {
-            name: jax.jit(fn, static_argnums=0, donate_argnums=(2,),
-                          out_shardings=(replicated, None, self.cache_shardings))
+            name: jax.jit(fn, static_argnums=(0, 1), donate_argnums=(3, 4),
+                          out_shardings=(replicated, None, self.cache_shardings, replicated))
             for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
-        self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
+        self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
+        self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
+                                  out_shardings=(replicated, replicated))
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -115,32 +137,77 @@ class ModelRunner:
                                 num_rows_pad=key.num_rows, pages_per_seq_pad=key.pages_per_seq,
                                 num_logits_pad=n_logits, chunk_size=self.chunk_size)
 
-    def forward(self, key: BucketKey, fb: FlatBatch, want_hidden: bool = False):
-        """Run one forward; returns ``(logits [num_rows, V] np.float32, hidden or None)``.
+    def forward(self, key: BucketKey, fb: FlatBatch, sampling: SamplingInputs | None = None,
+                prev_idx: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
+                want_hidden: bool = False):
+        """Dispatch one forward with sampling; returns ``(StepOutputs, hidden or None)`` on the
+        device without waiting (JAX dispatch is asynchronous).
 
-        ``hidden`` (``[T, H]`` on device) is returned for prompt logprobs when asked.
+        ``sampling``: per logits row (``build_sampling_inputs``; default: all greedy).
+        ``prev_idx [T]`` int32: for a token whose id is not known on the host, its row in
+        ``prev_tokens`` (the previous step's ``StepOutputs.tokens``), else -1.
+        ``hidden`` (``[T, H]``) is returned for prompt logprobs when asked.
         """
         before = compile_count()
+        if sampling is None:
+            sampling = device_sampler.build_sampling_inputs([], key.num_rows)
+        if prev_idx is None:
+            prev_idx = np.full(key.num_tokens, -1, np.int32)
         md = AttentionMetadata(*(jnp.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        logits, hidden, self.caches = self._entries[key.entry](
-            self.graphdef, self.state, self.caches, jnp.asarray(fb.input_ids), md,
-            jnp.asarray(fb.logits_indices))
-        logits = np.asarray(logits)[:fb.num_rows]
+        out, hidden, self.caches, self.penalty_counts = self._entries[key.entry](
+            self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
+            self.prompt_seen, jnp.asarray(fb.input_ids), jnp.asarray(prev_idx),
+            self.no_prev_tokens if prev_tokens is None else prev_tokens, md,
+            jnp.asarray(fb.logits_indices), SamplingInputs(*(jnp.asarray(a) for a in sampling)))
+        self._check_compiles(before, key)
+        return out, (hidden if want_hidden else None)
+
+    def lower(self, key: BucketKey):
+        """The lowered forward of bucket ``key`` (``jax.stages.Lowered``; tests read its text)."""
+        fb = self.make_batch(key, [])
+        md = AttentionMetadata(*(jnp.asarray(a) for a in (
+            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
+        sampling = device_sampler.build_sampling_inputs([], key.num_rows)
+        return self._entries[key.entry].trace(
+            self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
+            self.prompt_seen, jnp.asarray(fb.input_ids), jnp.full(key.num_tokens, -1, jnp.int32),
+            self.no_prev_tokens, md, jnp.asarray(fb.logits_indices),
+            SamplingInputs(*(jnp.asarray(a) for a in sampling))).lower()
+
+    def _check_compiles(self, before: int, key) -> None:
         if self.warmup_done and compile_count() != before:
             self.compiles_after_warmup += compile_count() - before
             logger.warning("compile on the request path for bucket %s", key)
             if self.on_unexpected_compile is not None:
                 self.on_unexpected_compile(key)
-        return logits, (hidden if want_hidden else None)
 
-    def logits_at(self, hidden, indices: list[int]) -> np.ndarray:
-        """Logits ``[len(indices), V]`` of chosen token rows of ``hidden`` (prompt logprobs)."""
-        n = hidden.shape[0]                      # the token bucket: one executable per bucket
+    def prompt_logprobs_at(self, hidden, indices: list[int], target_ids: list[int], want_top: bool):
+        """Logprobs of prompt tokens ``target_ids`` predicted at token rows ``indices`` of
+        ``hidden``, on the device: ``(logprob [n], top_ids [n, K], top_logprobs [n, K])`` padded
+        to the token bucket ``n`` (one executable per bucket); the caller fetches them."""
+        before = compile_count()
+        n = hidden.shape[0]
         idx = np.zeros(n, np.int32)
         idx[:len(indices)] = indices
-        out = self._all_logits(self.graphdef, self.state, hidden, jnp.asarray(idx))
-        return np.asarray(out)[:len(indices)]
+        tgt = np.zeros(n, np.int32)
+        tgt[:len(target_ids)] = target_ids
+        out = self._prompt_lp(self.graphdef, self.state, hidden, jnp.asarray(idx), jnp.asarray(tgt),
+                              jnp.asarray(bool(want_top)))
+        self._check_compiles(before, ("prompt_logprobs", n))
+        return out
+
+    def init_penalty_slot(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Set penalty slot ``slot`` (>= 1) from a request's prompt and (known) output ids."""
+        vocab = self.cfg.vocab_size
+        seen = np.zeros(vocab, bool)
+        seen[np.asarray(prompt_ids, np.int64)] = True
+        counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
+        before = compile_count()
+        self.prompt_seen, self.penalty_counts = self._init_slot(
+            self.prompt_seen, self.penalty_counts, jnp.int32(slot), jnp.asarray(seen),
+            jnp.asarray(counts[:vocab]))
+        self._check_compiles(before, "init_penalty_slot")
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, progress: bool = True) -> float:
@@ -153,7 +220,8 @@ class ModelRunner:
             fb = self.make_batch(key, [])
             _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
             if key.entry == "prefill_chunk" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
-                self.logits_at(hidden, [0])
+                self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
+        self.init_penalty_slot(0, [], [])
         jax.block_until_ready(self.caches)
         self.warmup_done = True
         return time.monotonic() - t0

@@ -1,11 +1,15 @@
-"""Token sampling on the host (numpy) from the logits of the sampled rows.
+"""The numpy sampler: the test oracle of the device sampler (``device_sampler.py``).
 
-Greedy, temperature, top-k, top-p, min-p, frequency/presence/repetition penalties (as in
-SGLang/vLLM: penalties see the output tokens; repetition also the prompt), output logprobs
-(raw log-softmax of the model's logits, before any penalty or temperature) and top-k logprobs.
+The engine samples on the device; this module computes the same definitions on the host in
+float64, one row at a time, so tests can check the device sampler against it: greedy,
+temperature, top-k, top-p, min-p, frequency/presence/repetition penalties (as in SGLang/vLLM:
+penalties see the output tokens; repetition also the prompt), output logprobs (raw log-softmax of
+the model's logits, before any penalty or temperature) and top-k logprobs. The definitions are
+written out in ``device_sampler``'s module docstring.
 
-Reproducibility: a request's n-th token is drawn from ``np.random.default_rng((seed, n))``,
-so the same seed gives the same tokens whatever else shares the batch.
+Reproducibility: a request's n-th token is drawn from ``u = device_sampler.uniform_for(seed,
+n)``, the very uniform the device sampler uses, so the same seed gives the same tokens whatever
+else shares the batch, and both samplers agree draw for draw.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import numpy as np
 
 from pdjax.request import Request
+from pdjax.runner.device_sampler import uniform_for
 
 
 @dataclasses.dataclass
@@ -22,6 +27,9 @@ class SampleResult:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]]
+    # Distance of the draw from the nearest CDF boundary, relative to the total mass (inf for
+    # greedy): below ~1e-5 float32 and float64 may pick neighbouring tokens (a numeric tie).
+    margin: float = float("inf")
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -53,36 +61,36 @@ def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
     return logits
 
 
+def keep_threshold(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> float:
+    """Smallest probability kept by top-k, min-p and top-p (ties at it are all kept)."""
+    s = -np.sort(-probs)
+    k = top_k if 0 < top_k < s.size else s.size
+    thr = max(s[k - 1], min_p * s[0])
+    pre = np.where(s >= thr, s, 0.0)
+    excl = np.cumsum(pre) - pre
+    m = max(int(((pre > 0) & (excl < top_p * pre.sum())).sum()), 1)
+    return max(thr, s[m - 1])
+
+
 def sample_token(logits: np.ndarray, req: Request) -> SampleResult:
     """Sample the next token of ``req`` from its logits row ``[V]`` float32."""
     sp = req.sampling_params
     lp = log_softmax(logits) if req.return_logprob else None
     x = apply_penalties(logits.astype(np.float64).copy(), req)
+    margin = float("inf")
     if sp.is_greedy:
         token = int(np.argmax(x))
     else:
         x = x / sp.temperature
         probs = np.exp(x - x.max())
-        if sp.top_k > 0 and sp.top_k < probs.size:
-            kth = np.partition(probs, -sp.top_k)[-sp.top_k]
-            probs = np.where(probs >= kth, probs, 0.0)
         probs /= probs.sum()
-        if sp.min_p > 0:
-            probs = np.where(probs >= sp.min_p * probs.max(), probs, 0.0)
-            probs /= probs.sum()
-        if sp.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cum = np.cumsum(probs[order])
-            keep = cum - probs[order] < sp.top_p          # always keeps the top token
-            mask = np.zeros_like(probs, dtype=bool)
-            mask[order[keep]] = True
-            probs = np.where(mask, probs, 0.0)
-            probs /= probs.sum()
-        rng = np.random.default_rng((req.seed_for_sampling, len(req.output_ids)))
-        u = rng.random()
-        token = int(min(np.searchsorted(np.cumsum(probs), u, side="right"), probs.size - 1))
-        while probs[token] == 0.0:      # rounding at the top end of the cumulative sum
-            token -= 1
+        q = np.where(probs >= keep_threshold(probs, sp.top_k, sp.top_p, sp.min_p), probs, 0.0)
+        cdf = np.cumsum(q)
+        target = uniform_for(req.seed_for_sampling, len(req.output_ids)) * cdf[-1]
+        raw = int(min(np.searchsorted(cdf, target, side="right"), q.size - 1))
+        kept = np.nonzero(q[:raw + 1])[0]
+        token = int(kept[-1])
+        margin = float(np.abs(cdf[q > 0] - target).min() / cdf[-1])
     if lp is None:
-        return SampleResult(token, 0.0, [])
-    return SampleResult(token, float(lp[token]), top_logprobs(lp, req.top_logprobs_num))
+        return SampleResult(token, 0.0, [], margin)
+    return SampleResult(token, float(lp[token]), top_logprobs(lp, req.top_logprobs_num), margin)

@@ -1,6 +1,9 @@
 """Continuous batching with chunked prefill, mixed batches and retraction (DESIGN.md §3).
 
-One step: ``schedule() -> (caller runs the forward and samples) -> process_results()``.
+One step: ``schedule() -> (caller launches the forward, which samples) -> advance() -> ...
+-> resolve()`` per sampled token (``process_results`` does both at once). Between ``advance``
+and ``resolve`` the sampled token is a ``PENDING_TOKEN`` placeholder at the end of
+``output_ids``: with overlapped scheduling the next step is scheduled before it is known.
 Pure Python; never imports JAX.
 
 Policy, per step:
@@ -37,7 +40,7 @@ import time
 
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
-from pdjax.request import Request, RequestState
+from pdjax.request import PENDING_TOKEN, Request, RequestState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +155,9 @@ class Scheduler:
         self.held: dict[str, Request] = {}         # finished, pages kept until release_held
         self.prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
         self.quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
+        # Requests whose pending token is certainly their last (length limits): not scheduled
+        # again while it is pending (overlap).
+        self.finishing: set[str] = set()
 
     # ------------------------------------------------------------------ queue operations
     @property
@@ -174,8 +180,10 @@ class Scheduler:
         """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
         req = self.requests.pop(rid, None)
         self.hold_on_finish.discard(rid)
+        self.finishing.discard(rid)
         if req is None:
             return None
+        self.drop_pending(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
@@ -236,7 +244,8 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's rows; None when there is nothing to run."""
         self.step_id += 1
-        decode_reqs = [r for r in self.running if not r.is_prefilling]
+        decode_reqs = [r for r in self.running
+                       if not r.is_prefilling and r.rid not in self.finishing]
         has_prefill_work = any(r.is_prefilling for r in self.running) or any(
             r.last_scheduled_step != self.step_id for r in self.waiting)
         mixed = self.config.enable_mixed_chunk
@@ -276,6 +285,8 @@ class Scheduler:
             if len(reqs) == 1 and len(self.running) == 1:
                 # Alone and still no room: the pool cannot hold this request at all.
                 victim = reqs[0]
+                if victim.output_ids[-1] == PENDING_TOKEN:
+                    return []      # its last token first reaches the client (overlap)
                 self.finish_request(victim, {"type": "length", "length": len(victim.output_ids)})
                 self._finished_unreported.append(victim)
                 return []
@@ -373,6 +384,16 @@ class Scheduler:
         each row with ``samples``; ``stop_check(req)`` returns a finish reason or None after a
         token is appended. Returns the requests that finished this step (pages released)."""
         finished = []
+        for i, req, index in self.advance(batch):
+            if self.resolve(req, index, sampled[i], stop_check):
+                finished.append(req)
+        return finished
+
+    def advance(self, batch: ScheduledBatch) -> list[tuple[int, Request, int]]:
+        """Count the batch's tokens as computed once its forward is launched, and append a
+        ``PENDING_TOKEN`` for each row with ``samples``. Returns ``(row_index, req, index)``
+        per pending token: ``req.output_ids[index]`` is the placeholder."""
+        pending = []
         for i, row in enumerate(batch.rows):
             req = row.req
             if req.is_finished or req.rid not in self.requests:
@@ -382,14 +403,47 @@ class Scheduler:
             req.num_computed_tokens = row.start + row.num_tokens
             if not row.samples:
                 continue
-            req.output_ids.append(sampled[i])
-            reason = stop_check(req)
-            if reason is None and req.num_tokens >= self.max_request_tokens:
-                reason = {"type": "length", "length": len(req.output_ids)}
-            if reason is not None:
-                self.finish_request(req, reason)
-                finished.append(req)
-        return finished
+            pending.append((i, req, len(req.output_ids)))
+            req.output_ids.append(PENDING_TOKEN)
+            mnt = req.sampling_params.max_new_tokens
+            if (mnt is not None and len(req.output_ids) >= mnt) or \
+                    req.num_tokens >= self.max_request_tokens:
+                self.finishing.add(req.rid)
+        return pending
+
+    def resolve(self, req: Request, index: int, token: int, stop_check) -> bool:
+        """Put the sampled ``token`` in place of the placeholder ``req.output_ids[index]`` and
+        check the stop conditions (``stop_check(req)`` sees ``output_ids`` up to ``index``).
+        On a finish, placeholders after ``index`` are dropped, the KV counter is set back to
+        what a step without overlap would have (the token has no KV yet) and the pages are
+        released. Returns True if ``req`` finished."""
+        if req.is_finished or req.rid not in self.requests:
+            return False
+        req.output_ids[index] = int(token)
+        tail = req.output_ids[index + 1:]
+        del req.output_ids[index + 1:]
+        reason = stop_check(req)
+        if reason is None and req.num_tokens >= self.max_request_tokens:
+            reason = {"type": "length", "length": len(req.output_ids)}
+        if reason is None:
+            req.output_ids.extend(tail)
+            return False
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        if req in self.waiting:                   # retracted while its last token was pending
+            self.waiting.remove(req)
+        self.finish_request(req, reason)
+        return True
+
+    def drop_pending(self, req: Request) -> int:
+        """Drop trailing placeholders of ``req`` (an abort while a step is in flight) and set
+        the KV counter back to the tokens a step without overlap would have computed."""
+        n = 0
+        while req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
+            req.output_ids.pop()
+            n += 1
+        if n:
+            req.num_computed_tokens = min(req.num_computed_tokens, max(req.num_tokens - 1, 0))
+        return n
 
     def pop_finished(self) -> list[Request]:
         """Requests finished by ``schedule()`` itself since the last call (a lone decode request
@@ -398,6 +452,7 @@ class Scheduler:
         return done
 
     def finish_request(self, req: Request, reason: dict) -> None:
+        self.finishing.discard(req.rid)
         if req in self.running:
             self.running.remove(req)
             if req.rid in self.hold_on_finish:

@@ -342,6 +342,9 @@ class DecodeManager(RoleManager):
                     return False, None
                 return False, self._fail(r, f"the prompt of {req.num_prompt_tokens} tokens does "
                                             f"not fit the decode KV pool")
+        # Pages a finish or abort just released may still be written by the step in flight
+        # (overlapped scheduling): let it land before a transfer may write them.
+        self.core.wait_for_device()
         slot = None
         if not r.fake:
             slot = self.meta.alloc()

@@ -30,16 +30,7 @@ def test_forced_kernel_gives_same_greedy_tokens(tiny_checkpoints, reference_toke
     try:
         # The kernel really is in the compiled forward.
         key = eng.core.buckets.all_keys()[0]
-        fb = eng.core.runner.make_batch(key, [])
-        import jax.numpy as jnp
-        from pdjax.models.attention import AttentionMetadata
-
-        md = AttentionMetadata(*(jnp.asarray(a) for a in (
-            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        runner = eng.core.runner
-        text = runner._entries[key.entry].trace(
-            runner.graphdef, runner.state, runner.caches, jnp.asarray(fb.input_ids), md,
-            jnp.asarray(fb.logits_indices)).lower().as_text(debug_info=True)
+        text = eng.core.runner.lower(key).as_text(debug_info=True)
         assert f"ragged_paged_attention_{impl}_decode/pallas_call" in text
         outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 6, "temperature": 0,
                                                                 "ignore_eos": True})

@@ -1,0 +1,262 @@
+"""Token sampling inside the jitted step (DESIGN.md §3, "Sampling").
+
+Per forward the host passes ``SamplingInputs``: small arrays padded to the logits rows ``[R]``
+(static shapes, so a new mix of requests never compiles). The device returns only the sampled
+ids ``[max_rows]`` int32 (padded to a fixed length so the next step can refer to them), and
+``token_logprob [R]`` / ``top_ids, top_logprobs [R, MAX_TOP_LOGPROBS]`` that the host fetches
+only when a row asked for them. Costly parts run under ``lax.cond`` on flags (any sampled row,
+any top-k/top-p row, any penalty, any logprob), so a greedy batch pays for an argmax only.
+
+Definitions (the numpy oracle ``pdjax.runner.sampler.sample_token`` follows them exactly, in
+float64; the device computes in float32):
+
+- penalties (SGLang/vLLM): repetition on every token seen in prompt or output (positive logits
+  divided, negative multiplied), then ``frequency * count + presence * (count > 0)`` over output
+  counts subtracted. Greedy rows take the argmax of the penalized logits.
+- ``p = softmax(x / temperature)``; with ``s`` = ``p`` sorted descending, the kept tokens are
+  ``p >= threshold``, ``threshold = max(s[top_k - 1], min_p * s[0], s[m - 1])`` where ``m``
+  counts the ``s[i]`` (among those passing top-k and min-p) whose exclusive prefix sum is below
+  ``top_p`` times their sum. Ties at the threshold are all kept.
+- the draw is inverse-CDF in vocabulary order from one uniform ``u`` per token:
+  ``token = #{v : cumsum(q)[v] <= u * sum(q)}`` with ``q = p * kept`` (then moved back to the
+  last kept token at or before it). ``u = uniform(fold_in(key(seed), position))`` with JAX's
+  threefry key built from the 64-bit seed's two 32-bit words and ``position`` the index of the
+  output token being drawn: the same seed gives the same draw whatever shares the batch.
+- logprobs are the raw log-softmax of the model's logits (before penalties and temperature).
+
+Penalty counts live on the device (``PenaltyTables``): one row per penalty slot, ``[S, V]``
+output-token counts updated inside the step from the sampled ids, and ``[S, V]`` prompt-token
+marks set once per request (``init_penalty_slot``). Slot 0 is the null slot of rows without
+penalties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+MAX_TOP_LOGPROBS = 20            # fixed top-logprobs width (OpenAI's limit of top_logprobs)
+SEED_LIMIT = 2 ** 63
+
+
+class SamplingInputs(NamedTuple):
+    """Per logits row ``[R]`` (padding rows: greedy, no penalty, slot 0) plus scalar flags."""
+
+    temperature: jax.Array     # [R] f32; < GREEDY_TEMPERATURE means greedy
+    top_k: jax.Array           # [R] i32; <= 0 means no limit
+    top_p: jax.Array           # [R] f32 in (0, 1]
+    min_p: jax.Array           # [R] f32 in [0, 1]
+    repetition_penalty: jax.Array   # [R] f32
+    frequency_penalty: jax.Array    # [R] f32
+    presence_penalty: jax.Array     # [R] f32
+    seed_words: jax.Array      # [R, 2] u32: (seed >> 32, seed & 0xffffffff)
+    positions: jax.Array       # [R] i32: index of the output token being drawn
+    penalty_slot: jax.Array    # [R] i32: row of the penalty tables; 0 = none
+    samples: jax.Array         # [R] bool: the row's token is kept (counts are updated)
+    any_random: jax.Array      # [] bool: some row samples with a temperature
+    any_filter: jax.Array      # [] bool: some row has top-k or top-p (needs a sort)
+    any_penalty: jax.Array     # [] bool
+    any_logprob: jax.Array     # [] bool
+    any_top: jax.Array         # [] bool
+
+
+class StepOutputs(NamedTuple):
+    """Device results of one step; the host fetches what it needs."""
+
+    tokens: jax.Array          # [max_rows] i32 (rows past R are 0)
+    token_logprob: jax.Array   # [R] f32 (0 unless any_logprob)
+    top_ids: jax.Array         # [R, MAX_TOP_LOGPROBS] i32 (0 unless any_top)
+    top_logprobs: jax.Array    # [R, MAX_TOP_LOGPROBS] f32
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """Host-side parameters of one logits row (what ``build_sampling_inputs`` packs)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seed: int
+    position: int
+    penalty_slot: int
+    return_logprob: bool
+    top_logprobs_num: int
+
+    @classmethod
+    def from_request(cls, req, penalty_slot: int = 0, position: int | None = None) -> "SamplingRow":
+        """Parameters of ``req``'s next draw (``position`` defaults to ``len(output_ids)``).
+        Raises ``ValueError`` naming the field for a seed or top-logprobs width out of range."""
+        sp = req.sampling_params
+        seed = req.seed_for_sampling
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+        top = req.top_logprobs_num if req.return_logprob else 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        greedy = sp.is_greedy
+        return cls(temperature=0.0 if greedy else float(sp.temperature),
+                   top_k=int(sp.top_k), top_p=float(sp.top_p), min_p=float(sp.min_p),
+                   repetition_penalty=float(sp.repetition_penalty),
+                   frequency_penalty=float(sp.frequency_penalty),
+                   presence_penalty=float(sp.presence_penalty), seed=seed,
+                   position=len(req.output_ids) if position is None else position,
+                   penalty_slot=penalty_slot, return_logprob=bool(req.return_logprob),
+                   top_logprobs_num=top)
+
+
+def uses_penalties(sp) -> bool:
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
+
+
+def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int) -> SamplingInputs:
+    """Pack ``rows`` (None: a row whose token is not kept) into numpy arrays ``[num_rows_pad]``."""
+    R = num_rows_pad
+    temperature = np.zeros(R, np.float32)
+    top_k = np.zeros(R, np.int32)
+    top_p = np.ones(R, np.float32)
+    min_p = np.zeros(R, np.float32)
+    rep = np.ones(R, np.float32)
+    freq = np.zeros(R, np.float32)
+    pres = np.zeros(R, np.float32)
+    seed_words = np.zeros((R, 2), np.uint32)
+    positions = np.zeros(R, np.int32)
+    slot = np.zeros(R, np.int32)
+    samples = np.zeros(R, bool)
+    any_logprob = any_top = False
+    for i, r in enumerate(rows):
+        if r is None:
+            continue
+        samples[i] = True
+        temperature[i], top_k[i], top_p[i], min_p[i] = r.temperature, r.top_k, r.top_p, r.min_p
+        rep[i], freq[i], pres[i] = r.repetition_penalty, r.frequency_penalty, r.presence_penalty
+        seed_words[i] = (r.seed >> 32, r.seed & 0xFFFFFFFF)
+        positions[i], slot[i] = r.position, r.penalty_slot
+        any_logprob |= r.return_logprob
+        any_top |= r.top_logprobs_num > 0
+    random = temperature > 0
+    filt = random & (((top_k > 0) & (top_k < 1 << 30)) | (top_p < 1.0))
+    pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    return SamplingInputs(temperature, top_k, top_p, min_p, rep, freq, pres, seed_words, positions,
+                          slot, samples, np.bool_(random.any()), np.bool_(filt.any()),
+                          np.bool_(pen.any() and slot.any()), np.bool_(any_logprob), np.bool_(any_top))
+
+
+# ---------------------------------------------------------------------------- the draw
+def draw_uniforms(seed_words: jax.Array, positions: jax.Array) -> jax.Array:
+    """``u [R]`` f32 in [0, 1): ``uniform(fold_in(threefry_key(seed_words[r]), positions[r]))``."""
+    def one(words, pos):
+        key = jax.random.wrap_key_data(words, impl="threefry2x32")
+        return jax.random.uniform(jax.random.fold_in(key, pos), (), jnp.float32)
+    return jax.vmap(one)(seed_words, positions)
+
+
+_uniform_jit = jax.jit(draw_uniforms)
+
+
+def uniform_for(seed: int, position: int) -> float:
+    """The uniform of draw ``position`` of ``seed`` (the numpy oracle uses this, so both
+    samplers share one definition of the draw)."""
+    words = np.asarray([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
+    return float(np.asarray(_uniform_jit(words, np.asarray([position], np.int32)))[0])
+
+
+# ---------------------------------------------------------------------------- device sampler
+def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
+    c = counts[sp.penalty_slot]                       # [R, V] i32
+    seen = prompt_seen[sp.penalty_slot] | (c > 0)
+    rep = sp.repetition_penalty[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - sp.frequency_penalty[:, None] * c - sp.presence_penalty[:, None] * (c > 0)
+
+
+def _thresholds_sorted(p, sp: SamplingInputs):
+    V = p.shape[-1]
+    s = -jnp.sort(-p, axis=-1)                        # [R, V] descending
+    k = jnp.where((sp.top_k > 0) & (sp.top_k < V), sp.top_k, V)
+    kth = jnp.take_along_axis(s, (k - 1)[:, None], axis=-1)[:, 0]
+    thr = jnp.maximum(kth, sp.min_p * s[:, 0])
+    pre = jnp.where(s >= thr[:, None], s, 0.0)
+    excl = jnp.cumsum(pre, axis=-1) - pre
+    keep = (pre > 0) & (excl < sp.top_p[:, None] * pre.sum(-1, keepdims=True))
+    m = jnp.maximum(keep.sum(-1), 1)
+    return jnp.maximum(thr, jnp.take_along_axis(s, (m - 1)[:, None], axis=-1)[:, 0])
+
+
+def _draw(x, sp: SamplingInputs):
+    """Sampled ids ``[R]`` of rows with a temperature (others: argmax, replaced later)."""
+    V = x.shape[-1]
+    t = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
+    p = jax.nn.softmax(x / t[:, None], axis=-1)
+    thr = lax.cond(sp.any_filter, _thresholds_sorted, lambda p, sp: sp.min_p * p.max(-1), p, sp)
+    q = jnp.where(p >= thr[:, None], p, 0.0)
+    cdf = jnp.cumsum(q, axis=-1)
+    u = draw_uniforms(sp.seed_words, sp.positions)
+    raw = jnp.minimum((cdf <= (u * cdf[:, -1])[:, None]).sum(-1), V - 1)
+    iota = lax.broadcasted_iota(jnp.int32, q.shape, 1)
+    last_kept = lax.cummax(jnp.where(q > 0, iota, -1), axis=1)
+    return jnp.take_along_axis(last_kept, raw[:, None], axis=-1)[:, 0]
+
+
+def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
+    """Sample one token per row of ``logits [R, V]`` (f32).
+
+    Returns ``(StepOutputs, counts)``: ``counts [S, V]`` with each kept row's token counted in its
+    penalty slot (slot 0 never counts).
+    """
+    R, V = logits.shape
+    logits = logits.astype(jnp.float32)
+    x = lax.cond(sp.any_penalty, _apply_penalties, lambda x, sp, a, b: x, logits, sp,
+                 prompt_seen, counts)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    drawn = lax.cond(sp.any_random, _draw, lambda x, sp: greedy, x, sp)
+    tokens = jnp.where(sp.temperature > 0, drawn, greedy)
+    counted = sp.samples & (sp.penalty_slot > 0)
+    counts = counts.at[sp.penalty_slot, tokens].add(counted.astype(counts.dtype))
+
+    def logprobs(logits):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        tok_lp = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]
+        return lp, tok_lp
+
+    lp, tok_lp = lax.cond(sp.any_logprob, logprobs,
+                          lambda l: (jnp.zeros_like(l), jnp.zeros((R,), jnp.float32)), logits)
+    k = min(MAX_TOP_LOGPROBS, V)
+
+    def top(lp):
+        vals, ids = lax.top_k(lp, k)
+        return ids.astype(jnp.int32), vals
+
+    top_ids, top_vals = lax.cond(sp.any_top, top, lambda lp: (jnp.zeros((R, k), jnp.int32),
+                                                              jnp.zeros((R, k), jnp.float32)), lp)
+    padded = jnp.zeros((max_rows,), jnp.int32).at[:R].set(tokens)
+    return StepOutputs(padded, tok_lp, top_ids, top_vals), counts
+
+
+def prompt_logprobs(logits, target_ids, want_top):
+    """Logprob of ``target_ids [N]`` under ``logits [N, V]`` and the top-k rows (under ``cond``)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(lp, target_ids[:, None], axis=-1)[:, 0]
+    N, V = lp.shape
+    k = min(MAX_TOP_LOGPROBS, V)
+
+    def top(lp):
+        vals, ids = lax.top_k(lp, k)
+        return ids.astype(jnp.int32), vals
+
+    ids, vals = lax.cond(want_top, top, lambda lp: (jnp.zeros((N, k), jnp.int32),
+                                                    jnp.zeros((N, k), jnp.float32)), lp)
+    return tok, ids, vals
+
+
+def init_penalty_slot(prompt_seen, counts, slot, seen_row, counts_row):
+    """Set penalty slot ``slot`` from host rows ``seen_row [V]`` bool, ``counts_row [V]`` i32."""
+    return prompt_seen.at[slot].set(seen_row), counts.at[slot].set(counts_row)

@@ -1,0 +1,203 @@
+"""The device sampler against its numpy oracle (``pdjax.runner.sampler``): greedy exactly,
+seeded draws exactly for the same seed and position, the top-k/top-p/min-p support sets,
+penalties (with the device-side count tables), logprobs within 1e-5."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdjax.request import Request, SamplingParams
+from pdjax.runner import device_sampler as ds
+from pdjax.runner.sampler import keep_threshold, log_softmax, sample_token
+
+V = 64
+MAX_ROWS = 16
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _sample(logits, sp, seen, counts, max_rows):
+    return ds.sample(logits, sp, seen, counts, max_rows)
+
+
+def _req(prompt=(1, 2), outputs=(), seed=7, logprob=False, top=0, **sp):
+    r = Request("r", list(prompt), SamplingParams(**sp), return_logprob=logprob, top_logprobs_num=top)
+    r.output_ids = list(outputs)
+    r.seed_for_sampling = seed
+    return r
+
+
+def _tables(reqs_slots):
+    """Penalty tables with each (req, slot) set from its prompt and outputs."""
+    seen = np.zeros((MAX_ROWS + 1, V), bool)
+    counts = np.zeros((MAX_ROWS + 1, V), np.int32)
+    for req, slot in reqs_slots:
+        if slot:
+            seen[slot, req.prompt_ids] = True
+            counts[slot] = np.bincount(req.output_ids, minlength=V)
+    return jnp.asarray(seen), jnp.asarray(counts)
+
+
+def _device(logits, reqs, penalties=False):
+    """Sample every row of ``logits [R, V]`` for ``reqs`` on the device."""
+    slots = [(r, i + 1 if penalties else 0) for i, r in enumerate(reqs)]
+    seen, counts = _tables(slots)
+    rows = [ds.SamplingRow.from_request(r, s) for r, s in slots]
+    sp = ds.build_sampling_inputs(rows, len(reqs))
+    out, counts = _sample(jnp.asarray(logits, jnp.float32), ds.SamplingInputs(*map(jnp.asarray, sp)),
+                          seen, counts, MAX_ROWS)
+    return jax.tree.map(np.asarray, out), np.asarray(counts)
+
+
+def _logits(rng, n, scale=2.0):
+    return (rng.standard_normal((n, V)) * scale).astype(np.float32)
+
+
+def test_greedy_equals_oracle_exactly():
+    rng = np.random.default_rng(0)
+    logits = _logits(rng, MAX_ROWS)
+    reqs = [_req(temperature=0.0) for _ in range(MAX_ROWS)]
+    out, _ = _device(logits, reqs)
+    assert out.tokens.tolist() == [sample_token(l.copy(), r).token_id for l, r in zip(logits, reqs)]
+    assert out.tokens.tolist() == np.argmax(logits, -1).tolist()
+
+
+def _random_params(rng):
+    kind = rng.integers(0, 5)
+    sp = {"temperature": float(rng.choice([0.5, 0.8, 1.0, 1.5]))}
+    if kind == 1:
+        sp["top_k"] = int(rng.integers(1, 20))
+    elif kind == 2:
+        sp["top_p"] = float(rng.uniform(0.3, 0.99))
+    elif kind == 3:
+        sp["min_p"] = float(rng.uniform(0.01, 0.3))
+    elif kind == 4:
+        sp.update(top_k=int(rng.integers(2, 40)), top_p=float(rng.uniform(0.5, 0.95)),
+                  min_p=float(rng.uniform(0.0, 0.1)))
+    return sp
+
+
+def test_seeded_draws_equal_oracle_for_same_seed_and_position():
+    rng = np.random.default_rng(1)
+    compared = ties = 0
+    for batch in range(40):
+        logits = _logits(rng, MAX_ROWS)
+        reqs = [_req(seed=int(rng.integers(0, 2 ** 63)), outputs=[3] * int(rng.integers(0, 50)),
+                     **_random_params(rng)) for _ in range(MAX_ROWS)]
+        out, _ = _device(logits, reqs)
+        for i, r in enumerate(reqs):
+            ref = sample_token(logits[i].copy(), r)
+            if ref.margin < 1e-5:        # a float32-vs-float64 tie at a CDF boundary
+                ties += 1
+                continue
+            compared += 1
+            assert out.tokens[i] == ref.token_id, (batch, i, r.sampling_params)
+    assert compared >= 0.99 * 40 * MAX_ROWS and ties <= 0.01 * 40 * MAX_ROWS
+
+
+def test_draw_depends_on_seed_and_position_only():
+    """The same (seed, position) gives the same token in any row of any batch; another seed or
+    position another draw."""
+    rng = np.random.default_rng(2)
+    row = _logits(rng, 1, scale=0.3)[0]            # flat: many tokens are likely
+    me = _req(seed=123456789012345, outputs=[5] * 9)
+    alone, _ = _device(row[None], [me])
+    others = _logits(rng, MAX_ROWS)
+    others[11] = row
+    busy_reqs = [_req(seed=s, temperature=0.7) for s in range(MAX_ROWS)]
+    busy_reqs[11] = me
+    busy, _ = _device(others, busy_reqs)
+    assert busy.tokens[11] == alone.tokens[0]
+    draws = {int(_device(row[None], [_req(seed=123456789012345, outputs=[5] * n)])[0].tokens[0])
+             for n in range(30)}
+    assert len(draws) > 5
+    u = [ds.uniform_for(7, n) for n in range(3)] + [ds.uniform_for(8, 0), ds.uniform_for(2 ** 40 + 7, 0)]
+    assert len(set(u)) == 5 and all(0 <= x < 1 for x in u)
+
+
+@pytest.mark.parametrize("params", [{"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2},
+                                    {"top_k": 10, "top_p": 0.8, "min_p": 0.05}, {}])
+def test_support_sets_match_oracle(params):
+    rng = np.random.default_rng(3)
+    row = _logits(rng, 1, scale=1.0)[0]
+    probs = np.exp(log_softmax(row))
+    sp = SamplingParams(**params)
+    keep = set(np.nonzero(probs >= keep_threshold(probs, sp.top_k, sp.top_p, sp.min_p))[0].tolist())
+    seen = set()
+    for start in range(0, 480, MAX_ROWS):
+        reqs = [_req(seed=start + i, outputs=[0] * (start + i), **params) for i in range(MAX_ROWS)]
+        out, _ = _device(np.tile(row, (MAX_ROWS, 1)), reqs)
+        seen |= set(out.tokens.tolist())
+    if params.get("top_k") == 3:
+        assert keep == set(np.argsort(-probs)[:3].tolist())
+    if not params:
+        assert len(keep) == V
+    assert seen <= keep
+    assert len(seen) >= min(len(keep), 10)        # and the draws do spread over the support
+
+
+def test_penalties_match_oracle_and_counts_update():
+    rng = np.random.default_rng(4)
+    logits = _logits(rng, 8)
+    top2 = np.argsort(-logits, axis=-1)[:, :2]
+    reqs = []
+    for i in range(8):
+        best = int(top2[i, 0])
+        kind = i % 4
+        if kind == 0:
+            reqs.append(_req(prompt=[best], temperature=0, repetition_penalty=1.9))
+        elif kind == 1:
+            reqs.append(_req(prompt=[1], outputs=[best] * 5, temperature=0, frequency_penalty=2.0))
+        elif kind == 2:
+            reqs.append(_req(prompt=[1], outputs=[best], temperature=0, presence_penalty=2.0))
+        else:
+            reqs.append(_req(prompt=[best], outputs=[best, 7], temperature=0.9, seed=i,
+                             repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5))
+    out, counts = _device(logits, reqs, penalties=True)
+    ref = [sample_token(l.copy(), r).token_id for l, r in zip(logits, reqs)]
+    assert out.tokens[:8].tolist() == ref
+    # The penalties changed some greedy choices away from the raw argmax.
+    assert sum(out.tokens[i] != top2[i, 0] for i in range(8) if i % 4 != 3) >= 3
+    for i, r in enumerate(reqs):        # the sampled token was counted in the request's slot
+        expect = np.bincount(r.output_ids + [ref[i]], minlength=V)
+        assert counts[i + 1].tolist() == expect.tolist()
+    assert not counts[0].any() and not counts[9:].any()
+
+
+def test_logprobs_and_top_logprobs_within_1e_5():
+    rng = np.random.default_rng(5)
+    logits = _logits(rng, MAX_ROWS, scale=4.0)
+    reqs = [_req(logprob=True, top=int(k), temperature=float(t), seed=int(s))
+            for k, t, s in zip(rng.integers(0, ds.MAX_TOP_LOGPROBS + 1, MAX_ROWS),
+                               rng.choice([0.0, 1.0], MAX_ROWS), rng.integers(0, 1000, MAX_ROWS))]
+    out, _ = _device(logits, reqs)
+    for i, r in enumerate(reqs):
+        ref = sample_token(logits[i].copy(), r)
+        assert out.tokens[i] == ref.token_id or ref.margin < 1e-5
+        lp = log_softmax(logits[i])
+        assert abs(out.token_logprob[i] - lp[out.tokens[i]]) < 1e-5
+        k = r.top_logprobs_num
+        assert out.top_ids[i, :k].tolist() == [t for t, _ in ref.top_logprobs]
+        assert np.abs(out.top_logprobs[i, :k] - [v for _, v in ref.top_logprobs]).max(initial=0) < 1e-5
+
+
+def test_prompt_logprobs_on_device():
+    rng = np.random.default_rng(6)
+    logits = _logits(rng, 10, scale=3.0)
+    targets = rng.integers(0, V, 10)
+    tok, ids, vals = jax.jit(ds.prompt_logprobs)(jnp.asarray(logits), jnp.asarray(targets, jnp.int32),
+                                                 jnp.asarray(True))
+    lp = log_softmax(logits)
+    assert np.abs(np.asarray(tok) - lp[np.arange(10), targets]).max() < 1e-5
+    assert np.asarray(ids)[:, :5].tolist() == np.argsort(-lp, axis=-1, kind="stable")[:, :5].tolist()
+    assert np.abs(np.asarray(vals) - -np.sort(-lp, axis=-1)[:, :ds.MAX_TOP_LOGPROBS]).max() < 1e-5
+
+
+@pytest.mark.parametrize("seed", [-5, 2 ** 63, 1.5])
+def test_bad_seed_is_refused_naming_the_field(seed):
+    r = _req(temperature=1.0)
+    r.seed_for_sampling = seed
+    with pytest.raises(ValueError, match="seed"):
+        ds.SamplingRow.from_request(r)
