@@ -153,13 +153,15 @@ class ModelRunner:
             sampling = device_sampler.build_sampling_inputs([], key.num_rows)
         if prev_idx is None:
             prev_idx = np.full(key.num_tokens, -1, np.int32)
-        md = AttentionMetadata(*(jnp.asarray(a) for a in (
-            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
+        # Host arrays go to the jitted call as numpy: its C++ fast path copies them, far cheaper
+        # than a jnp.asarray each.
+        md = AttentionMetadata(fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens,
+                               fb.page_indices, fb.distribution)
         out, hidden, self.caches, self.penalty_counts = self._entries[key.entry](
             self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
-            self.prompt_seen, jnp.asarray(fb.input_ids), jnp.asarray(prev_idx),
+            self.prompt_seen, fb.input_ids, prev_idx,
             self.no_prev_tokens if prev_tokens is None else prev_tokens, md,
-            jnp.asarray(fb.logits_indices), SamplingInputs(*(jnp.asarray(a) for a in sampling)))
+            fb.logits_indices, sampling)
         self._check_compiles(before, key)
         return out, (hidden if want_hidden else None)
 
