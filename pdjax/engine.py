@@ -122,6 +122,11 @@ class EngineCore:
         self.overlap = not args.disable_overlap_schedule and args.role != "prefill"
         self._inflight: _Launched | None = None
         self._last_forward_end_s = 0.0
+        self.last_forward_device_s: float | None = None    # device time of the last forward read
+        # Forwards dispatched while the previous one still ran on the device (the host's work
+        # for the step was hidden behind it), and those dispatched after it had finished.
+        self.num_overlapped_dispatches = 0
+        self.num_exposed_dispatches = 0
         self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
         if args.target_itl_ms is not None:
@@ -271,6 +276,11 @@ class EngineCore:
         want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
         compiles = self.runner.compiles_after_warmup
         t1 = time.perf_counter()
+        if prev is not None:
+            if prev.out.tokens.is_ready():
+                self.num_exposed_dispatches += 1
+            else:
+                self.num_overlapped_dispatches += 1
         out, hidden = self.runner.forward(
             key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
             want_hidden=want_prompt_lp)
@@ -326,8 +336,10 @@ class EngineCore:
         when read has no known end and is not observed. A compile is no step time."""
         start = max(done.t_start, self._last_forward_end_s)
         self._last_forward_end_s = t_done
+        self.last_forward_device_s = None
         if done.compiled or (self.overlap and not was_running):
             return
+        self.last_forward_device_s = t_done - start
         self.cost_model.observe(done.key, done.batch.num_tokens, done.batch.num_cached_tokens,
                                 t_done - start)
 

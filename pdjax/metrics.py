@@ -59,13 +59,20 @@ class Metrics:
       kv_usage
         Gauge, fraction of KV pages in use, 0..1.
       step_host_time_seconds, step_forward_time_seconds
-        Histograms, seconds per engine step: host work (scheduling, batch building, sampling)
-        and the forward; their ``_sum`` ratio is the host overhead.
+        Histograms, seconds per engine step: host work (scheduling, batch building, reading
+        results) and the forward (dispatch plus waiting for the device); their ``_sum`` ratio
+        is the host overhead. With overlapped scheduling the host work runs while the device
+        computes, so the forward time is only the wait.
+      overlapped_dispatches_total, exposed_dispatches_total
+        Counters: forwards dispatched while the previous forward still ran (the device had its
+        next step queued) and forwards dispatched after it had finished (the device may have
+        waited for the host). Only steps dispatched with a step in flight count.
       step_tokens
         Histogram, tokens per forward (decode rows included): the budget the scheduler chose.
       step_time_predicted_seconds, step_time_seconds
         Histograms, seconds: the cost model's forecast of each forward (when it had one) and the
-        measured forward, for the stall-free budget of ``--target-itl-ms`` (issue 13).
+        measured forward (with overlap: the device time the engine attributes to it, when
+        known), for the stall-free budget of ``--target-itl-ms`` (issue 13).
     """
 
     def __init__(self) -> None:
@@ -96,8 +103,12 @@ class Metrics:
                            "Host time of one engine step: scheduling, batch building and "
                            "sampling (everything but the forward), s.", buckets=STEP_BUCKETS_S)
         self.add_histogram("step_forward_time_seconds",
-                           "Forward time of one engine step (device work, waited for), s.",
-                           buckets=STEP_BUCKETS_S)
+                           "Forward time of one engine step (dispatch and waiting for the "
+                           "device), s.", buckets=STEP_BUCKETS_S)
+        self.add_counter("overlapped_dispatches", "Forwards dispatched while the previous one "
+                         "still ran on the device (overlapped scheduling).")
+        self.add_counter("exposed_dispatches", "Forwards dispatched, with overlap on, after the "
+                         "previous one had finished (the device may have waited for the host).")
         self.add_histogram("step_tokens", "Tokens of one forward, decode rows included.",
                            buckets=STEP_TOKEN_BUCKETS)
         self.add_histogram("step_time_predicted_seconds",
@@ -169,17 +180,28 @@ class Metrics:
             if any(c is core for c in self._attached):
                 return
             self._attached.append(core)
-        last = [getattr(core, "host_time_s", None), getattr(core, "forward_time_s", None)]
+        names = ("host_time_s", "forward_time_s", "num_overlapped_dispatches",
+                 "num_exposed_dispatches")
+        last = [getattr(core, n, None) for n in names]
 
         def on_step(batch, outputs):
             self.set_load(core.get_load())
-            host, fwd = getattr(core, "host_time_s", None), getattr(core, "forward_time_s", None)
-            if host is not None and last[0] is not None:
-                self.step_host_time_seconds.observe(max(0.0, host - last[0]))
-            if fwd is not None and last[1] is not None:
-                self.step_forward_time_seconds.observe(max(0.0, fwd - last[1]))
-                self.step_time_seconds.observe(max(0.0, fwd - last[1]))
-            last[:] = [host, fwd]
+            now = [getattr(core, n, None) for n in names]
+            delta = [None if a is None or b is None else max(0, a - b) for a, b in zip(now, last)]
+            if delta[0] is not None:
+                self.step_host_time_seconds.observe(delta[0])
+            if delta[1] is not None:
+                self.step_forward_time_seconds.observe(delta[1])
+                # With overlap the wait is not the forward: the engine's device-time estimate is.
+                device_s = getattr(core, "last_forward_device_s", delta[1]) if \
+                    getattr(core, "overlap", False) else delta[1]
+                if device_s is not None:
+                    self.step_time_seconds.observe(device_s)
+            if delta[2]:
+                self.overlapped_dispatches.inc(delta[2])
+            if delta[3]:
+                self.exposed_dispatches.inc(delta[3])
+            last[:] = now
             if batch is not None:
                 self.step_tokens.observe(batch.num_tokens)
                 predicted = getattr(batch, "predicted_time_s", None)

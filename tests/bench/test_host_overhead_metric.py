@@ -11,6 +11,7 @@ class _Core:
     def __init__(self):
         self.step_hooks, self.runner = [], None
         self.host_time_s = self.forward_time_s = 0.0
+        self.num_overlapped_dispatches = self.num_exposed_dispatches = 0
 
     def get_load(self):
         return {}
@@ -21,15 +22,19 @@ def test_step_time_histograms_and_server_step_times():
     m.attach_engine(core)
     assert len(core.step_hooks) == 1
     before = parse_metrics(m.render()[0].decode())
-    for host, fwd in ((0.001, 0.004), (0.002, 0.006), (0.003, 0.010)):
+    for host, fwd, busy in ((0.001, 0.004, 0), (0.002, 0.006, 1), (0.003, 0.010, 1)):
         core.host_time_s += host
         core.forward_time_s += fwd
+        core.num_overlapped_dispatches += busy
+        core.num_exposed_dispatches += 1 - busy
         for hook in core.step_hooks:
             hook(None, [])
     after = parse_metrics(m.render()[0].decode())
     assert after[("pdjax:step_host_time_seconds_count", ())] == 3
     assert after[("pdjax:step_host_time_seconds_sum", ())] == pytest.approx(0.006)
     assert after[("pdjax:step_forward_time_seconds_sum", ())] == pytest.approx(0.020)
+    assert after[("pdjax:overlapped_dispatches_total", ())] == 2
+    assert after[("pdjax:exposed_dispatches_total", ())] == 1
     st = server_step_times(before, after)
     assert st["num_steps"] == 3
     assert st["host_time_per_step_ms"] == pytest.approx(2.0)

@@ -1,0 +1,133 @@
+"""Host share of an engine step, and with overlapped scheduling the time the device waits for
+the host between forwards (issue 12, "What must be shown").
+
+One offline ``Engine``; the same ``--batch`` greedy requests run twice, first with
+``--disable-overlap-schedule`` semantics (``core.overlap = False``), then overlapped. The window
+is the decode steps where all ``--batch`` rows decode together.
+
+- Without overlap: host share = host time / (host + forward) per step, from the engine's
+  ``host_time_s`` / ``forward_time_s`` (forward = dispatch + waiting for the results).
+- With overlap: device idle share = idle / (busy + idle) from ``pdjax.runner.timeline``: the
+  completion of each forward is timestamped by a watcher thread; a forward dispatched while the
+  previous one still ran (``is_ready()`` False) had no gap at all.
+
+Prints one JSON object and a short table. Example (CPU, SmolLM2, batch 32):
+
+    python scripts/bench_step_overlap.py --batch 32 --new-tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
+    from pdjax.engine_io import GenerateRequest
+    from pdjax.request import SamplingParams
+    from pdjax.runner.timeline import DeviceTimeline
+
+    core = engine.core
+    core.overlap = overlap
+    timeline = DeviceTimeline()
+    core.dispatch_hooks.append(timeline.on_dispatch)
+    steps = []
+    last = [core.host_time_s, core.forward_time_s]
+
+    def on_step(batch, outputs):
+        steps.append(dict(mode=batch.forward_mode, rows=len(batch.rows),
+                          host_s=core.host_time_s - last[0], forward_s=core.forward_time_s - last[1]))
+        last[:] = [core.host_time_s, core.forward_time_s]
+
+    core.step_hooks.append(on_step)
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    tag = "ov" if overlap else "sync"
+    for i, p in enumerate(prompts):
+        core.add_request(GenerateRequest(f"{tag}{i}", p, sp))
+    tokens = {}
+    t0 = time.perf_counter()
+    try:
+        while core.has_work:
+            for out in core.step():
+                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+    finally:
+        core.step_hooks.remove(on_step)
+        core.dispatch_hooks.remove(timeline.on_dispatch)
+        timeline.close()
+    wall = time.perf_counter() - t0
+    n = len(prompts)
+    # Window: full-batch decode steps, dropping the first two (bucket change, first fetch).
+    win = [s for s in steps if s["mode"] == "decode" and s["rows"] == n][2:]
+    recs = [r for r in timeline.records if r["entry"] == "decode" and r["rows"] == n][2:]
+    host = sum(s["host_s"] for s in win)
+    fwd = sum(s["forward_s"] for s in win)
+    tl = timeline.summary(recs)
+    return {"overlap": overlap, "wall_s": wall, "num_window_steps": len(win),
+            "host_ms_per_step": 1000 * host / len(win) if win else None,
+            "forward_ms_per_step": 1000 * fwd / len(win) if win else None,
+            "host_share": host / (host + fwd) if win else None,
+            "device_step_ms": tl["step_ms"], "device_idle_ms_per_step":
+                1000 * tl["device_idle_s"] / tl["num_steps"] if tl["num_steps"] else None,
+            "device_idle_share": tl["idle_fraction"], "exposed_steps": tl["exposed_steps"],
+            "output_ids": [tokens[f"{tag}{i}"] for i in range(n)]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
+    p.add_argument("--output", default=None, help="also write the JSON here")
+    args = p.parse_args(argv)
+
+    from pdjax.engine import Engine
+
+    context = 1 << (args.prompt_len + args.new_tokens + 16).bit_length()
+    engine = Engine(args.model_path, dtype="float32", max_running_requests=args.batch,
+                    chunked_prefill_size=256, context_length=context,
+                    max_total_tokens=args.batch * context + 256, progress=False)
+    rng = np.random.default_rng(0)
+    vocab = engine.core.model_cfg.vocab_size
+    prompts = [[int(x) for x in rng.integers(3, min(vocab, 20000), args.prompt_len)]
+               for _ in range(args.batch)]
+    # Alternate the modes (the machine may be shared: its load drifts); keep the median run.
+    runs = {False: [], True: []}
+    for _ in range(args.repeats):
+        for overlap in (False, True):
+            runs[overlap].append(_run(engine, prompts, args.new_tokens, overlap=overlap))
+    ids = {r.pop("output_ids").__repr__() for rs in runs.values() for r in rs}
+    same = len(ids) == 1
+
+    def median(rs):
+        return sorted(rs, key=lambda r: r["wall_s"])[len(rs) // 2]
+
+    sync, over = median(runs[False]), median(runs[True])
+    sync["wall_s_all"] = [r["wall_s"] for r in runs[False]]
+    over["wall_s_all"] = [r["wall_s"] for r in runs[True]]
+    result = {"model": engine.core.model_path, "batch": args.batch, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "backend": __import__("jax").default_backend(),
+              "tokens_equal": same, "compiles_after_warmup": engine.core.runner.compiles_after_warmup,
+              "sync": sync, "overlap": over}
+    print(json.dumps(result, indent=2))
+    print(f"\nbatch {args.batch}: without overlap host share {sync['host_share']:.2%} "
+          f"({sync['host_ms_per_step']:.2f} ms host / {sync['forward_ms_per_step']:.1f} ms forward "
+          f"per step); with overlap device idle {over['device_idle_share']:.2%} of the step "
+          f"({over['device_idle_ms_per_step']:.3f} ms of {over['device_step_ms']:.1f} ms; "
+          f"{over['exposed_steps']}/{over['num_window_steps']} steps dispatched after the previous "
+          f"one had finished); wall {sync['wall_s']:.1f} s -> {over['wall_s']:.1f} s; "
+          f"tokens equal: {same}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    engine.shutdown()
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()
