@@ -13,17 +13,22 @@ is the decode steps where all ``--batch`` rows decode together.
 
 Prints one JSON object and a short table. Example (CPU, SmolLM2, batch 32):
 
-    python scripts/bench_step_overlap.py --batch 32 --new-tokens 48
+    python scripts/bench_step_overlap.py --batch 32 --new-tokens 40
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import machine_info, now_iso  # noqa: E402
 
 
 def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
@@ -81,9 +86,9 @@ def main(argv=None) -> None:
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
-    p.add_argument("--output", default=None, help="also write the JSON here")
+    p.add_argument("--output-file", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
     from pdjax.engine import Engine
@@ -110,7 +115,8 @@ def main(argv=None) -> None:
     sync, over = median(runs[False]), median(runs[True])
     sync["wall_s_all"] = [r["wall_s"] for r in runs[False]]
     over["wall_s_all"] = [r["wall_s"] for r in runs[True]]
-    result = {"model": engine.core.model_path, "batch": args.batch, "prompt_len": args.prompt_len,
+    result = {"date": now_iso(), "model": args.model_path or "SmolLM2-135M-Instruct (default)",
+              "machine": machine_info(), "batch": args.batch, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "backend": __import__("jax").default_backend(),
               "tokens_equal": same, "compiles_after_warmup": engine.core.runner.compiles_after_warmup,
               "sync": sync, "overlap": over}
@@ -122,8 +128,8 @@ def main(argv=None) -> None:
           f"{over['exposed_steps']}/{over['num_window_steps']} steps dispatched after the previous "
           f"one had finished); wall {sync['wall_s']:.1f} s -> {over['wall_s']:.1f} s; "
           f"tokens equal: {same}")
-    if args.output:
-        with open(args.output, "w") as f:
+    if args.output_file:
+        with open(args.output_file, "w") as f:
             json.dump(result, f, indent=2)
     engine.shutdown()
     sys.exit(0 if same else 1)
