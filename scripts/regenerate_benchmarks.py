@@ -16,6 +16,8 @@ present, so a section can be rerun alone):
              the target sweep, and the gap plot docs/images/bench_mixed_itl.png)
   vs_hf      bench_vs_hf.py (offline engine vs transformers)
   load       bench_load.py (model load: source checkpoint vs its pdjax Orbax conversion)
+  overlap    bench_step_overlap.py (host share of a step at batch 32, and the device's idle time
+             between forwards with overlapped scheduling)
   notebook   notebooks/bucket_shapes.ipynb executed in place (outputs saved) via nbclient
 """
 
@@ -33,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import ROOT, fmt, machine_info, now_iso  # noqa: E402
 
-STEPS = ("serving", "transfer", "mixed", "vs_hf", "load", "notebook")
+STEPS = ("serving", "transfer", "mixed", "vs_hf", "load", "overlap", "notebook")
 NOTEBOOK = os.path.join("notebooks", "bucket_shapes.ipynb")
 MIXED_PLOT = os.path.join("docs", "images", "bench_mixed_itl.png")   # shown in BENCHMARKS.md
 
@@ -361,6 +363,44 @@ def render(results_dir: str, quick: bool) -> str:
                           ", ".join(fmt(v) for v in ld["orbax_load_s"])]])
         lines += [f"Orbax loads **{fmt(ld['speedup_orbax_over_source'])}x** faster.", ""]
         lines += _commands(ld)
+    ov = _load(results_dir, "overlap")
+    if ov:
+        s, o = ov["sync"], ov["overlap"]
+        lines += ["## Host share and overlapped scheduling (bench_step_overlap.py)", "",
+                  f"Date: {ov['date']}. Model: `{model_name(ov)}`, float32, {ov['backend']}. "
+                  f"{ov['batch']} greedy requests ({ov['prompt_len']} prompt tokens, "
+                  f"{ov['new_tokens']} new each), run without and with overlapped scheduling, "
+                  "alternating, median run shown; the window is the full-batch decode steps. "
+                  "Host share: the engine's host time (scheduling, batch and sampling inputs, "
+                  "reading results) over host + forward (dispatch + waiting for the device). "
+                  "Device idle: from the completion timestamp of every forward "
+                  "(`pdjax.runner.timeline`) to the dispatch of the next one; a forward "
+                  "dispatched while the previous one still ran had no gap at all.", ""]
+        lines += _table(["", "host ms/step", "forward ms/step", "host share", "device step ms",
+                         "device idle ms/step", "device idle share", "steps dispatched after the "
+                         "previous finished", "wall s (all runs)"],
+                        [[label, r["host_ms_per_step"], r["forward_ms_per_step"],
+                          r["host_share"], r["device_step_ms"], r["device_idle_ms_per_step"],
+                          r["device_idle_share"], f"{r['exposed_steps']}/{r['num_window_steps']}",
+                          ", ".join(fmt(v) for v in r["wall_s_all"])]
+                         for label, r in (("--disable-overlap-schedule", s), ("overlap (default)", o))])
+        lines += [f"Host share without overlap: **{fmt(100 * s['host_share'])}%** (target <= 5%); "
+                  f"device idle between forwards with overlap: **{fmt(100 * o['device_idle_share'])}%** "
+                  f"of the step (target <= 2%). Tokens equal in every run: {ov['tokens_equal']}; "
+                  f"compiles after warm-up: {ov['compiles_after_warmup']}.", ""]
+        lines += _commands(ov)
+        tiny = _load(results_dir, "overlap_tiny")
+        if tiny:
+            ts, to = tiny["sync"], tiny["overlap"]
+            lines += [f"The same on the tiny random Llama (`{model_name(tiny)}`), whose forward "
+                      f"is far shorter than the host work of a step (the regime of a small model "
+                      f"on a GPU): host share without overlap {fmt(100 * ts['host_share'])}% "
+                      f"({fmt(ts['host_ms_per_step'])} ms host, {fmt(ts['forward_ms_per_step'])} ms "
+                      f"forward); with overlap the device is idle "
+                      f"{fmt(100 * to['device_idle_share'])}% of the step "
+                      f"({fmt(to['device_idle_ms_per_step'])} of {fmt(to['device_step_ms'])} ms): "
+                      "overlap hides the host work only up to the length of a forward.", ""]
+            lines += _commands(tiny)
     nbr = _load(results_dir, "notebook")
     if nbr:
         lines += ["## Bucket shapes: padding waste vs compile count (notebooks/bucket_shapes.ipynb)", "",
@@ -410,6 +450,19 @@ def main(argv=None) -> None:
         if "load" in args.only:
             step_offline("load", "bench_load.py", [*(["--model-path", model] if model else []),
                                                    "--repeats", "3"], args.results_dir, logs)
+        if "overlap" in args.only:
+            step_offline("overlap", "bench_step_overlap.py",
+                         [*(["--model-path", model] if model else []),
+                          *(["--batch", "8", "--new-tokens", "16"] if args.quick else
+                            ["--batch", "32", "--new-tokens", "40"]), "--repeats", "2"],
+                         args.results_dir, logs)
+            if not args.quick:       # and a model whose forward is far shorter than the host work
+                import make_tiny_checkpoint
+
+                tiny = make_tiny_checkpoint.make_checkpoint("llama", os.path.join(ROOT, "tests", ".checkpoints"))
+                step_offline("overlap_tiny", "bench_step_overlap.py",
+                             ["--model-path", tiny, "--batch", "32", "--new-tokens", "64",
+                              "--repeats", "3"], args.results_dir, logs)
         if "notebook" in args.only:
             step_notebook(args.results_dir)
         print(f"benchmarks done in {time.perf_counter() - t0:.0f} s", flush=True)
