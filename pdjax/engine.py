@@ -299,9 +299,8 @@ class EngineCore:
         stream its requests; the one place tokens reach clients. Returns the outputs and the
         seconds spent waiting for the device."""
         t = time.perf_counter()
-        was_running = not done.out.tokens.is_ready()
         tokens = np.asarray(done.out.tokens)
-        self._observe_step_cost(done, was_running, time.perf_counter())
+        self._observe_step_cost(done, time.perf_counter())
         reqs = [req for _, req, _ in done.pending]
         lps = tops = None
         if any(r.return_logprob for r in reqs):
@@ -329,15 +328,16 @@ class EngineCore:
         self.num_steps += 1
         return outputs, fetch_s
 
-    def _observe_step_cost(self, done: _Launched, was_running: bool, t_done: float) -> None:
+    def _observe_step_cost(self, done: _Launched, t_done: float) -> None:
         """Feed the cost model the device time of ``done``'s forward: from when the device could
         start it (its dispatch, or the previous forward's end) to when its tokens came back.
-        The end is exact when the read had to wait; with overlap, a forward already finished
-        when read has no known end and is not observed. A compile is no step time."""
+        The end is exact when the read had to wait; a forward that had
+        already finished when read gets the read time, an upper bound (the cost model then errs
+        on the slow side). A compile is no step time."""
         start = max(done.t_start, self._last_forward_end_s)
         self._last_forward_end_s = t_done
         self.last_forward_device_s = None
-        if done.compiled or (self.overlap and not was_running):
+        if done.compiled:
             return
         self.last_forward_device_s = t_done - start
         self.cost_model.observe(done.key, done.batch.num_tokens, done.batch.num_cached_tokens,
