@@ -1,5 +1,5 @@
 """The only owner of device state: parameters, the KV cache, and one jitted function per entry
-point, compiled once per bucket at warm-up (DESIGN.md §2).
+point (``decode``, ``extend``), compiled once per bucket at warm-up (DESIGN.md §2).
 
 The NNX model is split into ``graphdef`` and ``state`` once; each entry point is a
 ``jax.jit`` of a pure function that merges them, with the KV cache donated so XLA updates it in
@@ -54,17 +54,14 @@ def _forward(graphdef, state, caches, input_ids, md, logits_indices):
     return logits, hidden, caches
 
 
-# Three entry points over the same model, each its own jit (its own executables per bucket).
+# Two entry points over the same model, each its own jit (its own executables per bucket):
+# decode, and extend (prefill_chunk and mixed batches: the same function of the same shapes).
 def _decode(graphdef, state, caches, input_ids, md, logits_indices):
     logits, _, caches = _forward(graphdef, state, caches, input_ids, md, logits_indices)
     return logits, None, caches
 
 
-def _prefill_chunk(graphdef, state, caches, input_ids, md, logits_indices):
-    return _forward(graphdef, state, caches, input_ids, md, logits_indices)
-
-
-def _mixed(graphdef, state, caches, input_ids, md, logits_indices):
+def _extend(graphdef, state, caches, input_ids, md, logits_indices):
     return _forward(graphdef, state, caches, input_ids, md, logits_indices)
 
 
@@ -101,7 +98,7 @@ class ModelRunner:
         self._entries = {
             name: jax.jit(fn, static_argnums=0, donate_argnums=(2,),
                           out_shardings=(replicated, None, self.cache_shardings))
-            for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
+            for name, fn in (("decode", _decode), ("extend", _extend))}
         self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
@@ -152,7 +149,7 @@ class ModelRunner:
         for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="bucket"):
             fb = self.make_batch(key, [])
             _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
-            if key.entry == "prefill_chunk" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
+            if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
                 self.logits_at(hidden, [0])
         jax.block_until_ready(self.caches)
         self.warmup_done = True
