@@ -1,5 +1,5 @@
 """The only owner of device state: parameters, the KV cache, and one jitted function per entry
-point (``decode``, ``extend``), compiled once per bucket at warm-up (DESIGN.md §2).
+point (``decode``, ``extend``), compiled ahead of time once per bucket at warm-up (DESIGN.md §2).
 
 The NNX model is split into ``graphdef`` and ``state`` once; each entry point is a
 ``jax.jit`` of a pure function that merges them, with the KV cache donated so XLA updates it in
@@ -9,7 +9,10 @@ every new executable, whether or not the persistent cache then serves the binary
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -57,6 +60,7 @@ def _forward(graphdef, state, caches, input_ids, md, logits_indices):
 # Two entry points over the same model, each its own jit (its own executables per bucket):
 # decode, and extend (prefill_chunk and mixed batches: the same function of the same shapes).
 def _decode(graphdef, state, caches, input_ids, md, logits_indices):
+    md = dataclasses.replace(md, decode_only=True)      # static: no code for longer rows
     logits, _, caches = _forward(graphdef, state, caches, input_ids, md, logits_indices)
     return logits, None, caches
 
@@ -100,6 +104,7 @@ class ModelRunner:
                           out_shardings=(replicated, None, self.cache_shardings))
             for name, fn in (("decode", _decode), ("extend", _extend))}
         self._all_logits = jax.jit(_all_logits, static_argnums=0, out_shardings=replicated)
+        self._compiled = {}                   # BucketKey -> AOT executable (warm-up)
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -120,7 +125,7 @@ class ModelRunner:
         before = compile_count()
         md = AttentionMetadata(*(jnp.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        logits, hidden, self.caches = self._entries[key.entry](
+        logits, hidden, self.caches = self._executable(key)(
             self.graphdef, self.state, self.caches, jnp.asarray(fb.input_ids), md,
             jnp.asarray(fb.logits_indices))
         logits = np.asarray(logits)[:fb.num_rows]
@@ -140,13 +145,43 @@ class ModelRunner:
         return np.asarray(out)[:len(indices)]
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (the list is printed); returns seconds spent."""
+    def _executable(self, key: BucketKey):
+        """``key``'s AOT executable from warm-up, called like the jit (graphdef first, and
+        dropped: it is static); the jit itself for a key warm-up did not compile."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return self._entries[key.entry]
+        return lambda graphdef, *args: compiled(*args)
+
+    def _lower(self, key: BucketKey):
+        fb = self.make_batch(key, [])
+        md = AttentionMetadata(*(jnp.asarray(a) for a in (
+            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
+        return self._entries[key.entry].trace(
+            self.graphdef, self.state, self.caches, jnp.asarray(fb.input_ids), md,
+            jnp.asarray(fb.logits_indices)).lower()
+
+    def warmup(self, progress: bool = True, compile_threads: int | None = None) -> float:
+        """Compile every bucket (the list is printed), then run each once; returns seconds.
+
+        Shapes are traced and lowered one by one, then compiled ahead of time on
+        ``compile_threads`` threads (default: the CPU count, at most 4; XLA compiles release
+        the GIL) and kept: ``forward`` calls these executables, so no request compiles.
+        """
         keys = self.buckets.all_keys()
         logger.info("warm-up: %s", self.buckets.describe())
         print(f"pdjax warm-up: {self.buckets.describe()}", flush=True)
         t0 = time.monotonic()
-        for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="bucket"):
+        threads = compile_threads or min(4, os.cpu_count() or 1)
+        lowered = [self._lower(key) for key in keys]
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(keys), desc="compiling buckets", disable=not progress,
+                     unit="bucket") as bar:
+            futures = {pool.submit(low.compile): key for key, low in zip(keys, lowered)}
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
+                bar.update()
+        for key in keys:
             fb = self.make_batch(key, [])
             _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
             if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:

@@ -61,6 +61,7 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     impl: str | None = None,
     interpret=False,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Attention of every query row of the flat token stream over its request's paged KV.
 
@@ -77,6 +78,8 @@ def ragged_paged_attention(
       impl: one of ``ATTENTION_IMPLS`` or None (auto).
       interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
         kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
+      decode_only: static promise that every row has q_len 1 (the decode entry point); the
+        xla path then compiles its decode part alone. The other paths ignore it.
 
     Returns:
       ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
@@ -91,7 +94,7 @@ def ragged_paged_attention(
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
     if impl == "xla":
-        return ragged_paged_attention_xla(*args, **kwargs)
+        return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only)
     if impl == "tpu":
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
             ragged_paged_attention_tpu)

@@ -53,6 +53,7 @@ def ragged_paged_attention_xla(
     v_scale: float | None = None,
     q_block: int | None = None,
     kv_pages_per_block: int | None = None,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Attention of every query row over its request's paged KV, per-request blocks.
 
@@ -66,6 +67,8 @@ def ragged_paged_attention_xla(
       sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
       q_block: query rows per tile (static; default ``min(T, 128)``).
       kv_pages_per_block: pages per KV block (static; default 512 tokens' worth, at most P).
+      decode_only: static promise that every row has q_len 1: only the decode part is built
+        (the reference, half the compile time of both parts).
 
     Returns:
       ``[T, QH, D]`` in ``q.dtype``; padding rows are 0.
@@ -74,6 +77,11 @@ def ragged_paged_attention_xla(
       ValueError: inputs outside the contract (named field), or a non-positive block size.
     """
     validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                k_scale=k_scale, v_scale=v_scale)
+    if decode_only:
+        return ragged_paged_attention_reference(q, k_cache, v_cache, layer, kv_lens,
+                                                page_indices, cu_q_lens, distribution, **opts)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_pad, max_pages = page_indices.shape
@@ -166,8 +174,7 @@ def ragged_paged_attention_xla(
     decode_cu = jnp.minimum(cu_q_lens, cu_q_lens[decode_end])
     out_decode = ragged_paged_attention_reference(
         q[:num_decode], k_cache, v_cache, layer, decode_kv_lens, page_indices, decode_cu,
-        distribution, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        k_scale=k_scale, v_scale=v_scale)
+        distribution, **opts)
     own = (jnp.arange(num_decode) < cu_q_lens[decode_end])[:, None, None]
     out = out.at[:num_decode].set(jnp.where(own, out_decode.astype(jnp.float32),
                                             out[:num_decode]))
