@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (ServerProcess, free_port, machine_info, now_iso, print_table,  # noqa: E402
+from bench_common import (ROOT, ServerProcess, free_port, machine_info, now_iso, print_table,  # noqa: E402
                           write_json)
 
 
@@ -34,8 +34,9 @@ def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | N
     server log tail) when the server exits or is not healthy within ``timeout_s``."""
     port = free_port()
     server = ServerProcess([*server_args, "--port", str(port), "--skip-warmup-progress"], port,
-                           timeout_s=timeout_s, env={"JAX_COMPILATION_CACHE_DIR": cache_dir})
-    if code_root:
+                           timeout_s=timeout_s, env={"JAX_COMPILATION_CACHE_DIR": cache_dir},
+                           cwd=os.path.abspath(code_root) if code_root else ROOT)
+    if code_root:           # `python -m` puts the cwd first on sys.path, then PYTHONPATH
         server.env["PYTHONPATH"] = os.path.abspath(code_root)
     t0 = time.monotonic()
     server.start()
