@@ -155,7 +155,7 @@ _CHOICES = {
     "role": ROLES,
     "dtype": ("auto", "float32", "bfloat16"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "fp8_e4m3"),
-    "attention_backend": ("auto", "reference", "tpu", "gpu"),
+    "attention_backend": ("auto", "reference", "xla", "tpu", "gpu"),
     "disaggregation_transfer_backend": ("mooncake", "fake", "mooncake-corrupt"),
     "log_level": ("debug", "info", "warning", "error"),
     "tool_call_parser": TOOL_CALL_PARSERS,
@@ -190,7 +190,8 @@ _HELP = {
                                 "(default: overlap it with the forward on the device)",
     "context_length": "longest sequence served; default: the model's",
     "random_seed": "seed of requests without their own seed",
-    "attention_backend": "auto: the platform's (cpu: jnp reference, tpu/gpu: Pallas kernels)",
+    "attention_backend": "auto: the platform's (cpu: xla, the per-request jnp path; tpu/gpu: "
+                         "Pallas kernels); reference: the per-token jnp oracle",
     "pallas_interpret": "run forced Pallas kernels in interpret mode (CPU testing)",
     "profile_dir": "default folder of /start_profile traces",
     "skip_warmup_progress": "no progress bars during load and warm-up",
@@ -245,7 +246,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     context_length: int | None = None
     random_seed: int = 0
-    attention_backend: str | None = None      # None/auto, reference, tpu, gpu
+    attention_backend: str | None = None      # None/auto, reference, xla, tpu, gpu
     pallas_interpret: bool = False
     profile_dir: str | None = None
     log_level: str = "info"
@@ -298,8 +299,8 @@ class ServerArgs:
                              f"pages of page_size {self.page_size}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        if self.attention_backend not in (None, "auto", "reference", "tpu", "gpu"):
-            raise ValueError("attention_backend must be one of auto, reference, tpu, gpu; "
+        if self.attention_backend not in (None, "auto", "reference", "xla", "tpu", "gpu"):
+            raise ValueError("attention_backend must be one of auto, reference, xla, tpu, gpu; "
                              f"got {self.attention_backend!r}")
         if self.disaggregation_transfer_backend not in ("mooncake", "fake", "mooncake-corrupt"):
             raise ValueError("disaggregation_transfer_backend must be mooncake or fake, got "

@@ -24,6 +24,7 @@ from pdjax.config import ServerArgs
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 from pdjax.request import PENDING_TOKEN, Request, SamplingParams
 from pdjax.runner.device_sampler import (MAX_TOP_LOGPROBS, SamplingRow, StepOutputs,
                                          build_sampling_inputs, uses_penalties)
@@ -96,7 +97,9 @@ class EngineCore:
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
             max_pages_per_seq=-(-self.context_length // args.page_size),
-            max_num_batched_tokens=args.max_num_batched_tokens)
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            traced_pages_bound=resolve_impl(args.attention_backend)
+            in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],

@@ -178,20 +178,21 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str], port: int, *, module: str = "pdjax.serve",
                  host: str = "127.0.0.1", log_path: str | None = None, timeout_s: float = 600.0,
-                 env: dict | None = None, health_path: str = "/health"):
+                 env: dict | None = None, health_path: str = "/health", cwd: str = ROOT):
         self.args, self.port, self.module, self.host = list(args), port, module, host
         self.url = f"http://{host}:{port}"
         self.timeout_s, self.health_path = timeout_s, health_path
         self.log_path = log_path or f"/tmp/pdjax_bench_{module.replace('.', '_')}_{port}.log"
         self.env = {**os.environ, **(env or {})}
         self.env["PYTHONPATH"] = ROOT + os.pathsep + self.env.get("PYTHONPATH", "")
+        self.cwd = cwd
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     cwd=ROOT)
+                                     cwd=self.cwd)
         return self
 
     def wait_healthy(self) -> "ServerProcess":

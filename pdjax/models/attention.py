@@ -19,7 +19,11 @@ from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
 class AttentionMetadata:
     """Shapes (padded to a bucket): ``positions``/``slot_mapping`` ``[T]``, ``cu_q_lens``
     ``[R+1]``, ``kv_lens`` ``[R]``, ``page_indices`` ``[R, P]``, ``distribution`` ``[3]``; all
-    int32. Padding tokens write slot 0 (the null page) and padding requests have kv_len 0."""
+    int32. Padding tokens write slot 0 (the null page) and padding requests have kv_len 0.
+
+    ``decode_only`` (static): every row has q_len 1 (the decode entry point), so attention
+    paths may leave out the code for longer rows (the xla path then compiles to its decode
+    part alone)."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -27,6 +31,7 @@ class AttentionMetadata:
     kv_lens: jax.Array
     page_indices: jax.Array
     distribution: jax.Array
+    decode_only: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer, k: jax.Array, v: jax.Array,
@@ -48,5 +53,5 @@ def paged_attention(q, k, v, k_cache, v_cache, layer, md: AttentionMetadata, *, 
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
     out = ragged_paged_attention(q, k_cache, v_cache, layer, md.kv_lens, md.page_indices,
                                  md.cu_q_lens, md.distribution, sm_scale=sm_scale, impl=impl,
-                                 interpret=interpret)
+                                 interpret=interpret, decode_only=md.decode_only)
     return out, k_cache, v_cache

@@ -244,6 +244,10 @@ class DeepseekForCausalLM(nnx.Module):
         MLA attention and indexer scoring. interpret: run Pallas kernels interpreted (CPU).
     """
 
+    # The indexer scores every position of the page table (cost grows with P): no
+    # implementation lets one pages-per-sequence bucket serve every batch.
+    TRACED_PAGES_BOUND_IMPLS = ()
+
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False):
         self.cfg = cfg

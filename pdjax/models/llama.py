@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from pdjax.config import ModelConfig
 from pdjax.models.attention import AttentionMetadata, paged_attention
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], P]]:
@@ -99,6 +100,10 @@ class LlamaForCausalLM(nnx.Module):
     ``(logits [N, V] float32, k_cache, v_cache)``; caches are
     ``[L, num_pages, page_size, KVH, D]`` and come back updated (donate them).
     """
+
+    # Attention implementations whose cost follows kv_lens, not the page-table width P, so
+    # that one pages-per-sequence bucket serves every batch (sched/buckets.py).
+    TRACED_PAGES_BOUND_IMPLS = TRACED_BOUND_IMPLS
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False):

@@ -1,5 +1,5 @@
 """The only owner of device state: parameters, the KV cache, and one jitted function per entry
-point, compiled once per bucket at warm-up (DESIGN.md §2).
+point (``decode``, ``extend``), compiled ahead of time once per bucket at warm-up (DESIGN.md §2).
 
 The NNX model is split into ``graphdef`` and ``state`` once; each entry point is a
 ``jax.jit`` of a pure function that merges them, with the KV cache donated so XLA updates it in
@@ -9,7 +9,10 @@ every new executable, whether or not the persistent cache then serves the binary
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -61,17 +64,18 @@ def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, pr
     return out, hidden, caches, penalty_counts
 
 
-# Three entry points over the same model, each its own jit (its own executables per bucket).
-def _decode(graphdef, max_rows, *args):
-    out, _, caches, counts = _forward(graphdef, *args, max_rows)
+# Two entry points over the same model, each its own jit (its own executables per bucket):
+# decode, and extend (prefill_chunk and mixed batches: the same function of the same shapes).
+def _decode(graphdef, max_rows, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
+            prev_tokens, md, logits_indices, sp):
+    md = dataclasses.replace(md, decode_only=True)      # static: no code for longer rows
+    out, _, caches, counts = _forward(graphdef, state, caches, penalty_counts, prompt_seen,
+                                      input_ids, prev_idx, prev_tokens, md, logits_indices, sp,
+                                      max_rows)
     return out, None, caches, counts
 
 
-def _prefill_chunk(graphdef, max_rows, *args):
-    return _forward(graphdef, *args, max_rows)
-
-
-def _mixed(graphdef, max_rows, *args):
+def _extend(graphdef, max_rows, *args):
     return _forward(graphdef, *args, max_rows)
 
 
@@ -121,10 +125,11 @@ class ModelRunner:
         self._entries = {
             name: jax.jit(fn, static_argnums=(0, 1), donate_argnums=(3, 4),
                           out_shardings=(replicated, None, self.cache_shardings, replicated))
-            for name, fn in (("decode", _decode), ("prefill_chunk", _prefill_chunk), ("mixed", _mixed))}
+            for name, fn in (("decode", _decode), ("extend", _extend))}
         self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
         self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
                                   out_shardings=(replicated, replicated))
+        self._compiled = {}                   # BucketKey -> AOT executable (warm-up)
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -157,7 +162,7 @@ class ModelRunner:
         # than a jnp.asarray each.
         md = AttentionMetadata(fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens,
                                fb.page_indices, fb.distribution)
-        out, hidden, self.caches, self.penalty_counts = self._entries[key.entry](
+        out, hidden, self.caches, self.penalty_counts = self._executable(key)(
             self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
             self.prompt_seen, fb.input_ids, prev_idx,
             self.no_prev_tokens if prev_tokens is None else prev_tokens, md,
@@ -212,16 +217,41 @@ class ModelRunner:
         self._check_compiles(before, "init_penalty_slot")
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket (the list is printed); returns seconds spent."""
+    def _executable(self, key: BucketKey):
+        """``key``'s AOT executable from warm-up, called like the jit (graphdef and max_rows
+        first, and dropped: they are static); the jit itself for a key warm-up did not compile."""
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return self._entries[key.entry]
+        return lambda graphdef, max_rows, *args: compiled(*args)
+
+    def _lower(self, key: BucketKey):
+        return self.lower(key)
+
+    def warmup(self, progress: bool = True, compile_threads: int | None = None) -> float:
+        """Compile every bucket (the list is printed), then run each once; returns seconds.
+
+        Shapes are traced and lowered one by one, then compiled ahead of time on
+        ``compile_threads`` threads (default: the CPU count, at most 4; XLA compiles release
+        the GIL) and kept: ``forward`` calls these executables, so no request compiles.
+        """
         keys = self.buckets.all_keys()
         logger.info("warm-up: %s", self.buckets.describe())
         print(f"pdjax warm-up: {self.buckets.describe()}", flush=True)
         t0 = time.monotonic()
-        for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="bucket"):
+        threads = compile_threads or min(4, os.cpu_count() or 1)
+        lowered = [self._lower(key) for key in keys]
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(keys), desc="compiling buckets", disable=not progress,
+                     unit="bucket") as bar:
+            futures = {pool.submit(low.compile): key for key, low in zip(keys, lowered)}
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
+                bar.update()
+        for key in keys:
             fb = self.make_batch(key, [])
             _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
-            if key.entry == "prefill_chunk" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
+            if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
                 self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
         self.init_penalty_slot(0, [], [])
         jax.block_until_ready(self.caches)

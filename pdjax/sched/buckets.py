@@ -1,21 +1,29 @@
 """Shape buckets: the whole, bounded list of shapes the engine compiles (DESIGN.md §2).
 
-Three entry points share the model:
+Three forward modes (``ScheduledBatch.forward_mode``) run on two executables:
 
-    decode          (R, P)      R = T: one token per row          R in request buckets
-    prefill_chunk   (T, R, P)   prefill rows only                  R = max_running_requests
-    mixed           (T, R, P)   decode rows first, then a chunk    R = max_running_requests
+    forward mode    executable  shape       rows
+    decode          decode      (R, P)      R = T: one token per row        R in request buckets
+    prefill_chunk   extend      (T, R, P)   prefill rows only               R = max_running_requests
+    mixed           extend      (T, R, P)   decode rows first, then chunks  R = max_running_requests
 
-Padded rows cost nothing in attention (kv_len 0), so prefill and mixed use one row count.
-Pages-per-sequence buckets grow by ``pages_growth`` (x4 by default) because every extra
-bucket is another compile per token bucket. Never imports JAX.
+Prefill and mixed are the same function of the same shapes (``distribution`` tells the
+attention which rows are which), so they share one executable per ``(T, P)``. Padded rows cost
+nothing in attention (kv_len 0), so extend uses one row count.
+
+Pages-per-sequence buckets: the Pallas kernels' grids depend on ``P``, so their buckets grow by
+``pages_growth`` (x4 by default; every extra bucket is another compile per token bucket). The
+jnp paths (``traced_pages_bound=True``) loop only over the pages some row reaches, with a
+traced bound, so one bucket, ``max_pages_per_seq``, serves every batch. Never imports JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-ENTRY_POINTS = ("decode", "prefill_chunk", "mixed")
+FORWARD_MODES = ("decode", "prefill_chunk", "mixed")
+ENTRY_POINTS = ("decode", "extend")
+_ENTRY_OF_MODE = {"decode": "decode", "prefill_chunk": "extend", "mixed": "extend"}
 
 
 def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
@@ -29,6 +37,9 @@ def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class BucketKey:
+    """One executable's shape: ``entry`` in ``ENTRY_POINTS``, ``num_tokens`` T, ``num_rows``
+    R and ``pages_per_seq`` P (decode: T = R)."""
+
     entry: str
     num_tokens: int
     num_rows: int
@@ -47,19 +58,26 @@ class Buckets:
     @classmethod
     def create(cls, *, chunked_prefill_size: int, max_running_requests: int,
                max_pages_per_seq: int, min_tokens: int = 16, pages_growth: int = 4,
-               max_num_batched_tokens: int | None = None) -> "Buckets":
+               max_num_batched_tokens: int | None = None,
+               traced_pages_bound: bool = False) -> "Buckets":
         """Token buckets run up to ``max_num_batched_tokens`` (the most tokens of one forward;
-        default ``chunked_prefill_size``)."""
+        default ``chunked_prefill_size``). ``traced_pages_bound``: the attention's cost does not
+        grow with ``P`` (the jnp paths), so one pages-per-sequence bucket; otherwise geometric
+        by ``pages_growth``."""
         top = max_num_batched_tokens or chunked_prefill_size
         for name, v in (("chunked_prefill_size", chunked_prefill_size), ("max_num_batched_tokens", top),
                         ("max_running_requests", max_running_requests),
                         ("max_pages_per_seq", max_pages_per_seq)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if pages_growth < 2:         # 1 would never reach max_pages_per_seq
+            raise ValueError(f"pages_growth must be >= 2, got {pages_growth}")
+        pages = ((max_pages_per_seq,) if traced_pages_bound else
+                 _geometric(min(4, max_pages_per_seq), max_pages_per_seq, pages_growth))
         return cls(
             token_buckets=_geometric(min(min_tokens, top), top, 2),
             request_buckets=_geometric(1, max_running_requests, 2),
-            pages_per_seq_buckets=_geometric(min(4, max_pages_per_seq), max_pages_per_seq, pages_growth),
+            pages_per_seq_buckets=pages,
             max_rows=max_running_requests,
         )
 
@@ -70,25 +88,26 @@ class Buckets:
                 return b
         raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
-    def pick(self, entry: str, num_tokens: int, num_rows: int, pages_per_seq: int) -> BucketKey:
-        """Smallest bucket holding the batch; raises ``ValueError`` if none does."""
+    def pick(self, mode: str, num_tokens: int, num_rows: int, pages_per_seq: int) -> BucketKey:
+        """Smallest bucket holding a batch of forward ``mode`` (one of ``FORWARD_MODES``);
+        raises ``ValueError`` if none does or the mode is unknown."""
+        if mode not in FORWARD_MODES:
+            raise ValueError(f"mode must be one of {FORWARD_MODES}, got {mode!r}")
         p = self._fit(self.pages_per_seq_buckets, max(pages_per_seq, 1), "pages per sequence")
-        if entry == "decode":
+        if mode == "decode":
             r = self._fit(self.request_buckets, num_rows, "decode rows")
-            return BucketKey(entry, r, r, p)
-        if entry not in ENTRY_POINTS:
-            raise ValueError(f"entry must be one of {ENTRY_POINTS}, got {entry!r}")
+            return BucketKey("decode", r, r, p)
         if num_rows > self.max_rows:
             raise ValueError(f"{num_rows} rows exceed max_running_requests {self.max_rows}")
-        return BucketKey(entry, self._fit(self.token_buckets, num_tokens, "tokens"), self.max_rows, p)
+        return BucketKey(_ENTRY_OF_MODE[mode], self._fit(self.token_buckets, num_tokens, "tokens"),
+                         self.max_rows, p)
 
     def all_keys(self) -> list[BucketKey]:
-        """Every shape warm-up compiles, in a stable order."""
+        """Every shape warm-up compiles (one executable each), in a stable order."""
         keys = [BucketKey("decode", r, r, p) for r in self.request_buckets
                 for p in self.pages_per_seq_buckets]
-        for entry in ("prefill_chunk", "mixed"):
-            keys += [BucketKey(entry, t, self.max_rows, p) for t in self.token_buckets
-                     for p in self.pages_per_seq_buckets]
+        keys += [BucketKey("extend", t, self.max_rows, p) for t in self.token_buckets
+                 for p in self.pages_per_seq_buckets]
         return keys
 
     def describe(self) -> str:

@@ -35,12 +35,13 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
               "cost_model"):
         assert f in result, f
     assert result["compiles_after_warmup"] == 0
-    # 3 token buckets (16, 32, 64) x 2 pages-per-seq buckets (4, 16) of the mixed entry
-    assert result["cost_model_seed_forwards"] == 6
+    # 3 token buckets (16, 32, 64) x 1 pages-per-seq bucket (the CPU attention's traced
+    # bound: the context's 16 pages) of the extend entry (prefill_chunk and mixed batches)
+    assert result["cost_model_seed_forwards"] == 3
     assert result["target_factor"] == 2.0
     assert [r["target_itl_ms"] for r in result["target_sweep"]] == pytest.approx(
         [2 * result["steady_decode_step_ms"], 4 * result["steady_decode_step_ms"]])
-    assert result["cost_model"]["mixed"]["num_samples"] > 6
+    assert result["cost_model"]["extend"]["num_samples"] > 6
     off, on, tgt = result["mixed_off"], result["mixed_on"], result["mixed_on_target"]
     for r in (off, on, tgt):
         for f in SETTING_FIELDS:
@@ -65,7 +66,7 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
     png = (tmp_path / "gaps.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 400
     steps = json.loads((tmp_path / "steps.json").read_text())["steps"]
-    assert {s["key"]["entry"] for s in steps} == {"decode", "prefill_chunk", "mixed"}
+    assert {s["key"]["entry"] for s in steps} == {"decode", "extend"}
     assert all(s["measured_s"] > 0 and s["num_tokens"] <= s["key"]["num_tokens"] for s in steps)
     print("\nbench_mixed figures (ms):",
           {name: {k: round(result[name]["arrival_itl_ms"][k], 3) for k in ("p50", "p99", "max")}

@@ -29,6 +29,7 @@ from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
     PATHS, BlockSizes, fallback_block_sizes, get_block_sizes, gpu_group_pad)
+from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -208,6 +209,83 @@ def _check_against_reference(impl: str, cfg: Config):
         assert np.abs(out[:real_tokens]).max() > 0.01
 
 
+@functools.lru_cache(maxsize=None)
+def xla_fn(cfg: Config, q_block=None, kv_pages_per_block=None):
+    return jax.jit(functools.partial(
+        ragged_paged_attention_xla, sm_scale=cfg.head_dim ** -0.5,
+        sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap, k_scale=cfg.k_scale,
+        v_scale=cfg.v_scale, q_block=q_block, kv_pages_per_block=kv_pages_per_block))
+
+
+def _check_xla(cfg: Config, fn, name, seqs, distribution, seed):
+    shapes = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
+                  k_scale=cfg.k_scale, v_scale=cfg.v_scale)
+    args = make_batch(seqs, distribution, seed=seed, **shapes)
+    out = np.asarray(fn(*args).astype(jnp.float32))
+    want = np.asarray(reference_fn(cfg)(*args).astype(jnp.float32))
+    real_tokens = int(args[6][distribution[2]])
+    assert np.isfinite(out).all(), f"{name}: NaN/Inf in the xla path"
+    err = float(np.abs(out - want).max())
+    assert err <= cfg.tol, f"{name}: max abs err {err:.3g} > {cfg.tol}"
+    assert not out[real_tokens:].any()
+    assert np.abs(out[:real_tokens]).max() > 0.01
+
+
+# (q_block, kv_pages_per_block): the defaults (one tile, one KV block here), and small blocks
+# so that tiles split requests, slide back at the end of the stream and KV blocks split pages.
+XLA_BLOCKS = [(None, None), (8, 1), (16, 2)]
+
+
+@pytest.mark.parametrize("blocks", XLA_BLOCKS, ids=str)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_xla_path_matches_reference(config, blocks):
+    """The per-request path equals the per-token oracle on every batch kind (GQA 1/3/4/8,
+    bf16 and fp8 KV, sliding window and soft cap), NaN in every unused slot."""
+    cfg = CONFIGS[config]
+    fn = xla_fn(cfg, *blocks)
+    for seed, (name, (seqs, distribution)) in enumerate(BATCHES.items()):
+        _check_xla(cfg, fn, name, seqs, distribution, seed)
+
+
+# One prefill row swept over q_len x cached prefix around the page (16) and tile (8, 16)
+# boundaries, behind two decode rows; the tail (0 padding tokens) is also covered at q_len 46.
+SWEEP = [(q, q + prefix) for q in (1, 7, 8, 9, 15, 16, 17, 31, 33, 46)
+         for prefix in (0, 1, 15, 16, 17, 50)]
+
+
+@pytest.mark.parametrize("config", ["gqa3_d64_f32", "gqa4_d64_bf16_window_softcap"])
+def test_xla_path_sweeps_q_and_kv_lens(config):
+    cfg = CONFIGS[config]
+    fn = xla_fn(cfg, 8, 1)
+    for seed, (q_len, kv_len) in enumerate(SWEEP):
+        seqs = [(1, 33), (1, 16), (q_len, kv_len)]
+        _check_xla(cfg, fn, f"q_len {q_len} kv_len {kv_len}", seqs, (2, 2, 3), seed)
+        # The same row as a full-chunk prefill row (distribution j) behind no decode rows.
+        _check_xla(cfg, fn, f"prefill q_len {q_len} kv_len {kv_len}", [(q_len, kv_len)],
+                   (0, 1, 1), seed)
+
+
+def test_xla_path_is_the_cpu_default():
+    """On CPU ``impl=None`` runs the xla path: no per-token gather of ``[T, pages, ...]``."""
+    cfg = CONFIGS["gqa3_d64_f32"]
+    args = make_batch(*BATCHES["mixed"], num_q_heads=9, num_kv_heads=3, head_dim=64,
+                      dtype=jnp.float32, kv_dtype=jnp.float32)
+    auto = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125))
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(auto(*args)),
+                                      np.asarray(xla_fn(cfg)(*args)))
+    # The per-token oracle gathers [T=48, pages_per_block, ...]; the xla path never does
+    # outside its decode rows (at most min(T, R) = 8 of them).
+    def gather_rows(fn):
+        text = jax.jit(fn).lower(*args).as_text()
+        return {int(m) for m in re.findall(r"tensor<(\d+)x\d+x16x3x64xf32>", text)}
+    assert NUM_TOKENS in gather_rows(functools.partial(ragged_paged_attention_reference,
+                                                       sm_scale=0.125))
+    assert NUM_TOKENS not in gather_rows(functools.partial(ragged_paged_attention_xla,
+                                                           sm_scale=0.125))
+
+
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 def test_layer_selects_cache_slice(impl):
     """The stacked pool is indexed by ``layer``: layer 0 and 1 give the reference's answers."""
@@ -329,10 +407,10 @@ def test_merge_paths_picks_owner_and_zeroes_padding():
 
 
 def test_resolve_impl():
-    assert ATTENTION_IMPLS == ("auto", "reference", "tpu", "gpu")
-    platform_impl = {"cpu": "reference", "tpu": "tpu", "gpu": "gpu"}[jax.default_backend()]
+    assert ATTENTION_IMPLS == ("auto", "reference", "xla", "tpu", "gpu")
+    platform_impl = {"cpu": "xla", "tpu": "tpu", "gpu": "gpu"}[jax.default_backend()]
     assert resolve_impl(None) == resolve_impl("auto") == platform_impl
-    for impl in ("reference", "tpu", "gpu"):
+    for impl in ("reference", "xla", "tpu", "gpu"):
         assert resolve_impl(impl) == impl
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_impl("triton")
@@ -396,7 +474,7 @@ def _engine_attention_shapes():
                           max_running_requests=args.max_running_requests,
                           max_pages_per_seq=-(-8192 // args.page_size)).all_keys()
     shapes = sorted({(k.num_tokens, k.num_rows, k.pages_per_seq) for k in keys})
-    assert {k.entry for k in keys} == {"decode", "prefill_chunk", "mixed"}
+    assert {k.entry for k in keys} == {"decode", "extend"}
     return shapes, args
 
 

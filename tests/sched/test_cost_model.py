@@ -46,9 +46,10 @@ def test_recovers_a_known_cost_law_and_predicts_an_untimed_bucket():
     assert statistics.median(unseen) < 0.05 and max(unseen) < 0.12
     desc = model.describe()
     assert desc["num_observed"] == 400 and len(desc["buckets"]) == 4
-    assert desc["entries"]["mixed"]["per_cached_token_s"] == pytest.approx(2e-6, rel=0.1)
+    # mixed batches run on the extend executable (shared with prefill_chunk batches)
+    assert desc["entries"]["extend"]["per_cached_token_s"] == pytest.approx(2e-6, rel=0.1)
     for b in desc["buckets"]:
-        assert b["entry"] == "mixed" and b["num_samples"] > 50
+        assert b["entry"] == "extend" and b["num_samples"] > 50
         assert b["per_cached_token_s"] == pytest.approx(2e-6, rel=0.15)
         assert b["fixed_s"] == pytest.approx(1e-3 + 4e-5 * b["num_tokens"], rel=0.15)
 
@@ -99,7 +100,7 @@ def test_coefficients_stay_non_negative_on_collinear_noisy_samples():
     for t, secs in ((64, 0.010), (128, 0.030), (256, 0.090)) * 5:
         model.observe(BUCKETS.pick("mixed", t, 9, 16), t, 0, secs)
     desc = model.describe()
-    for c in (desc["entries"]["mixed"], *desc["buckets"]):
+    for c in (desc["entries"]["extend"], *desc["buckets"]):
         assert all(c[k] >= 0 for k in c if k.endswith("_s")), c
     small = model.predict("mixed", 16, 9, 16, 0)
     assert small > 0.001                     # never 0 or negative for an untimed small bucket

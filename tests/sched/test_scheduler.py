@@ -7,7 +7,7 @@ import pytest
 
 from pdjax.request import Request, RequestState, SamplingParams
 from pdjax.sched.batch import BatchRow, build_flat_batch
-from pdjax.sched.buckets import Buckets
+from pdjax.sched.buckets import BucketKey, Buckets
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 
 
@@ -202,15 +202,36 @@ def test_flat_batch_layout():
     assert fb.logits_indices.tolist() == [0, 5, 0, 0]
 
 
+def test_buckets_traced_pages_bound():
+    """The jnp attention paths need one pages-per-sequence bucket: 5 + 5 shapes, not 50."""
+    b = Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=512,
+                       traced_pages_bound=True)
+    assert b.pages_per_seq_buckets == (512,)
+    assert len(b.all_keys()) == 5 + 5
+    assert b.pick("decode", 3, 3, 1) == BucketKey("decode", 4, 4, 512)
+    assert b.pick("mixed", 17, 2, 512) == BucketKey("extend", 32, 16, 512)
+    with pytest.raises(ValueError, match="pages per sequence 513"):
+        b.pick("decode", 1, 1, 513)
+    with pytest.raises(ValueError, match="pages_growth must be >= 2, got 1"):
+        Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=512,
+                       pages_growth=1)
+
+
 def test_buckets_bounded_and_pick():
     b = Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=512)
     assert b.token_buckets == (16, 32, 64, 128, 256)
     assert b.request_buckets == (1, 2, 4, 8, 16)
     assert b.pages_per_seq_buckets == (4, 16, 64, 256, 512)
-    assert len(b.all_keys()) == 5 * 5 + 2 * 5 * 5
+    # decode x pages + one extend executable (prefill_chunk and mixed) x tokens x pages
+    assert len(b.all_keys()) == 5 * 5 + 5 * 5
+    assert len(set(b.all_keys())) == len(b.all_keys())
     k = b.pick("decode", 3, 3, 17)
-    assert (k.num_tokens, k.num_rows, k.pages_per_seq) == (4, 4, 64)
+    assert (k.entry, k.num_tokens, k.num_rows, k.pages_per_seq) == ("decode", 4, 4, 64)
     k = b.pick("mixed", 100, 5, 3)
-    assert (k.num_tokens, k.num_rows, k.pages_per_seq) == (128, 16, 4)
+    assert (k.entry, k.num_tokens, k.num_rows, k.pages_per_seq) == ("extend", 128, 16, 4)
+    assert b.pick("prefill_chunk", 100, 5, 3) == k
+    assert set(b.all_keys()) >= {b.pick("decode", 3, 3, 17), k}
+    with pytest.raises(ValueError, match="mode must be one of"):
+        b.pick("extend", 100, 5, 3)
     with pytest.raises(ValueError, match="tokens"):
         b.pick("prefill_chunk", 257, 1, 1)

@@ -177,7 +177,7 @@ async def test_validation_then_valid_and_metrics_move(served):
                      "step_time_seconds_count": 5, "step_time_predicted_seconds_count": 5}
     info = await (await client.get("/get_server_info")).json()
     cost = info["step_cost_model"]
-    assert cost["num_observed"] >= 5 and {"decode", "prefill_chunk"} <= set(cost["entries"])
+    assert cost["num_observed"] >= 5 and {"decode", "extend"} <= set(cost["entries"])
     for bucket in cost["buckets"]:
         assert bucket["num_samples"] >= 1 and bucket["fixed_s"] == bucket["fixed_s"]  # not NaN
     assert info["target_itl_ms"] is None and info["max_num_batched_tokens"] is None

@@ -1,10 +1,11 @@
-"""Ragged paged attention: one dispatch over the reference, the Pallas TPU and GPU kernels.
+"""Ragged paged attention: one dispatch over the jnp paths and the Pallas TPU and GPU kernels.
 
 All implementations share the batch contract of DESIGN.md §2 (documented in ``reference.py``).
-``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu ->
-reference, tpu -> tpu, gpu -> gpu); the others force a path, e.g. a kernel in interpret mode
-on CPU (``impl="tpu", interpret=True``). The kernel modules are imported on first use, so
-importing this package only needs jax.
+``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu -> xla,
+tpu -> tpu, gpu -> gpu); the others force a path, e.g. a kernel in interpret mode on CPU
+(``impl="tpu", interpret=True``). ``"xla"`` (``xla.py``, per-request blocks) is the CPU path
+and the fallback on any backend; ``"reference"`` (per-token gathers) is the kernels' oracle.
+The kernel modules are imported on first use, so importing this package only needs jax.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import jax
 
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
+from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-ATTENTION_IMPLS = ("auto", "reference", "tpu", "gpu")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "tpu", "gpu")
+# Implementations whose cost follows the traced kv_lens, not the pages-per-sequence shape.
+TRACED_BOUND_IMPLS = ("reference", "xla")
 
-_PLATFORM_IMPL = {"cpu": "reference", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+_PLATFORM_IMPL = {"cpu": "xla", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
 def resolve_impl(impl: str | None) -> str:
-    """Concrete implementation name for ``impl``: ``"reference"``, ``"tpu"`` or ``"gpu"``.
+    """Concrete implementation name for ``impl``: ``"reference"``, ``"xla"``, ``"tpu"`` or ``"gpu"``.
 
     ``None`` and ``"auto"`` map the default backend's platform (``jax.default_backend()``).
 
@@ -57,6 +61,7 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     impl: str | None = None,
     interpret=False,
+    decode_only: bool = False,
 ) -> jax.Array:
     """Attention of every query row of the flat token stream over its request's paged KV.
 
@@ -73,6 +78,8 @@ def ragged_paged_attention(
       impl: one of ``ATTENTION_IMPLS`` or None (auto).
       interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
         kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
+      decode_only: static promise that every row has q_len 1 (the decode entry point); the
+        xla path then compiles its decode part alone. The other paths ignore it.
 
     Returns:
       ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
@@ -86,6 +93,8 @@ def ragged_paged_attention(
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
+    if impl == "xla":
+        return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only)
     if impl == "tpu":
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
             ragged_paged_attention_tpu)
@@ -95,5 +104,5 @@ def ragged_paged_attention(
     return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
 
 
-__all__ = ["ATTENTION_IMPLS", "ragged_paged_attention", "ragged_paged_attention_reference",
-           "resolve_impl"]
+__all__ = ["ATTENTION_IMPLS", "TRACED_BOUND_IMPLS", "ragged_paged_attention",
+           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "resolve_impl"]

@@ -1,0 +1,181 @@
+"""Ragged paged attention in plain jnp/XLA over per-request blocks: the CPU path and the
+fallback on every backend (``impl="xla"``).
+
+Same contract as ``reference.py`` (DESIGN.md §2), different cost. The reference gathers a
+request's pages once per query token, so a prefill chunk of ``q`` tokens at context ``S`` costs
+``q`` gathers of ``S`` keys and ``q`` tiny ``[G, D] x [D, S]`` matmuls. Here the rows split by
+``distribution = (i, j, k)``:
+
+    requests   [0 ...... i)               [i ........................ k)        [k .. R)
+    path        decode (q_len 1)           prefill chunks and other rows          padding
+    how         the reference on the       query tiles of `q_block` tokens of     nothing
+                first min(T, R) tokens     one request, each against its pages
+
+    flat tokens | d0 d1 d2 | c0 ....................... c255 | e0 ... e40 | pad ...
+    tiles                  |  tile 0       |  tile 1         | tile 0     |
+
+Each tile reads its request's pages in KV blocks of ``kv_pages_per_block`` pages (one gather
+per block, shared by the tile's rows) and does one ``[q_block * G, D] x [D, kv_block]`` matmul
+per KV head with an online softmax. All three loops (requests, tiles of a request, KV blocks
+up to the tile's last position) are ``fori_loop``s with traced bounds, so the cost is about
+``q_len x kv_len`` per request (half of it skipped by causality) and neither the token bucket
+nor the pages-per-sequence bucket adds work. For a decode row one tile would waste
+``q_block - 1`` rows, so decode rows keep the reference, where a gather per token is a gather
+per request.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.pallas_kernels.ragged_paged_attention.reference import (
+    _MASK_VALUE, ragged_paged_attention_reference, validate_inputs)
+
+DEFAULT_Q_BLOCK = 128        # query rows per tile (a 256-token chunk is two tiles)
+DEFAULT_KV_BLOCK_TOKENS = 512
+
+
+def ragged_paged_attention_xla(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    distribution: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    q_block: int | None = None,
+    kv_pages_per_block: int | None = None,
+    decode_only: bool = False,
+) -> jax.Array:
+    """Attention of every query row over its request's paged KV, per-request blocks.
+
+    Args:
+      q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens: as in
+        ``ragged_paged_attention_reference`` (shapes ``[T, QH, D]``, ``[layers, num_pages,
+        page_size, KVH, D]`` twice, int32 scalar, ``[R]``, ``[R, P]``, ``[R+1]``).
+      distribution: ``[3]`` int32 ``(decode_end, prefill_end, num_seqs)``: rows
+        ``[0:decode_end)`` must have q_len 1; rows ``[decode_end:num_seqs)`` may have any q_len;
+        rows from ``num_seqs`` on are padding and give 0.
+      sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
+      q_block: query rows per tile (static; default ``min(T, 128)``).
+      kv_pages_per_block: pages per KV block (static; default 512 tokens' worth, at most P).
+      decode_only: static promise that every row has q_len 1: only the decode part is built
+        (the reference, half the compile time of both parts).
+
+    Returns:
+      ``[T, QH, D]`` in ``q.dtype``; padding rows are 0.
+
+    Raises:
+      ValueError: inputs outside the contract (named field), or a non-positive block size.
+    """
+    validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                k_scale=k_scale, v_scale=v_scale)
+    if decode_only:
+        return ragged_paged_attention_reference(q, k_cache, v_cache, layer, kv_lens,
+                                                page_indices, cu_q_lens, distribution, **opts)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs_pad, max_pages = page_indices.shape
+    group = num_q_heads // num_kv_heads
+    q_block = min(num_tokens, DEFAULT_Q_BLOCK if q_block is None else q_block)
+    if kv_pages_per_block is None:
+        kv_pages_per_block = max(1, min(max_pages, DEFAULT_KV_BLOCK_TOKENS // page_size))
+    if q_block < 1 or kv_pages_per_block < 1:
+        raise ValueError(f"q_block ({q_block}) and kv_pages_per_block ({kv_pages_per_block}) "
+                         "must be >= 1")
+    num_kv_blocks = -(-max_pages // kv_pages_per_block)
+    pad = num_kv_blocks * kv_pages_per_block - max_pages
+    if pad:
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))
+    kv_block = kv_pages_per_block * page_size
+
+    decode_end = jnp.clip(distribution[0], 0, num_seqs_pad)
+    num_seqs = jnp.clip(distribution[2], decode_end, num_seqs_pad)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    qf = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+
+    def kv_step(r, q_tile, pos, row_ok):
+        """Online-softmax step over KV block ``b`` of request ``r`` for one tile."""
+        def body(b, carry):
+            m, l, acc = carry
+            pages = jax.lax.dynamic_slice_in_dim(page_indices[r], b * kv_pages_per_block,
+                                                 kv_pages_per_block)
+            k = k_cache[layer, pages].astype(jnp.float32).reshape(kv_block, num_kv_heads,
+                                                                   head_dim)
+            v = v_cache[layer, pages].astype(jnp.float32).reshape(kv_block, num_kv_heads,
+                                                                   head_dim)
+            if k_scale is not None:
+                k = k * k_scale
+            if v_scale is not None:
+                v = v * v_scale
+            kv_pos = b * kv_block + jnp.arange(kv_block, dtype=jnp.int32)        # [S]
+            # Slots past kv_len (NaN allowed there) must not leak through 0 * NaN.
+            v = jnp.where((kv_pos < kv_lens[r])[:, None, None], v, 0.0)
+            mask = (kv_pos[None, :] <= pos[:, None]) & row_ok[:, None]            # [Bq, S]
+            if sliding_window is not None:
+                mask &= kv_pos[None, :] > pos[:, None] - sliding_window
+            s = jnp.einsum("qhgd,shd->hgqs", q_tile, k)                          # [KVH, G, Bq, S]
+            if soft_cap is not None:
+                s = soft_cap * jnp.tanh(s / soft_cap)
+            s = jnp.where(mask, s, _MASK_VALUE)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l_new = alpha * l + p.sum(axis=-1)
+            acc_new = alpha[..., None] * acc + jnp.einsum("hgqs,shd->hgqd", p, v)
+            return m_new, l_new, acc_new
+        return body
+
+    def tile_step(r, out, u):
+        """Tile ``u`` of request ``r``: rows ``[t0, t0 + q_block)`` clipped to the request."""
+        start, q_len, kv_len = cu_q_lens[r], q_lens[r], kv_lens[r]
+        t0 = start + u * q_block
+        t1 = jnp.minimum(t0 + q_block, start + q_len)
+        # A tile near the end of the stream slides back to fit; rows before t0 are left alone.
+        ws = jnp.clip(t0, 0, num_tokens - q_block)
+        t = ws + jnp.arange(q_block, dtype=jnp.int32)
+        row_ok = (t >= t0) & (t < t1)
+        pos = kv_len - q_len + (t - start)                                         # [Bq]
+        q_tile = jax.lax.dynamic_slice_in_dim(qf, ws, q_block)                   # [Bq, KVH, G, D]
+        first_pos = kv_len - q_len + (t0 - start)
+        last_pos = kv_len - q_len + (t1 - 1 - start)
+        lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
+        hi = jnp.clip(last_pos // kv_block + 1, 0, num_kv_blocks)
+        init = (jnp.full((num_kv_heads, group, q_block), _MASK_VALUE, jnp.float32),
+                jnp.zeros((num_kv_heads, group, q_block), jnp.float32),
+                jnp.zeros((num_kv_heads, group, q_block, head_dim), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(lo // kv_block, hi, kv_step(r, q_tile, pos, row_ok), init)
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]                             # [KVH, G, Bq, D]
+        o = o.transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
+        old = jax.lax.dynamic_slice_in_dim(out, ws, q_block)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, jnp.where(row_ok[:, None, None], o, old), ws, axis=0)
+
+    def request_step(r, out):
+        num_tiles = (q_lens[r] + q_block - 1) // q_block
+        return jax.lax.fori_loop(0, num_tiles, lambda u, o: tile_step(r, o, u), out)
+
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    out = jax.lax.fori_loop(decode_end, num_seqs, request_step, out)
+
+    # Decode rows: requests [0, decode_end) own tokens [0, decode_end) (q_len 1 each).
+    num_decode = min(num_tokens, num_seqs_pad)
+    rows = jnp.arange(num_seqs_pad, dtype=jnp.int32)
+    decode_kv_lens = jnp.where(rows < decode_end, kv_lens, 0)
+    decode_cu = jnp.minimum(cu_q_lens, cu_q_lens[decode_end])
+    out_decode = ragged_paged_attention_reference(
+        q[:num_decode], k_cache, v_cache, layer, decode_kv_lens, page_indices, decode_cu,
+        distribution, **opts)
+    own = (jnp.arange(num_decode) < cu_q_lens[decode_end])[:, None, None]
+    out = out.at[:num_decode].set(jnp.where(own, out_decode.astype(jnp.float32),
+                                            out[:num_decode]))
+    return out.astype(q.dtype)

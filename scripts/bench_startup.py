@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Server start-up: seconds from launching ``python -m pdjax.serve`` to ``/health`` 200,
+with an empty JAX compilation cache (cold) and then with the cache that run left (warm).
+
+Each run gets a fresh cache folder under ``--cache-root`` (deleted afterwards unless
+``--keep-cache``); the warm runs reuse the cold run's folder. The server's own warm-up line
+(``pdjax warm-up: ... N forward shapes``) is copied from its log, so the figure comes with the
+shape count. Targets (issue 12): cold <= 60 s, warm <= 20 s for the default server.
+
+    python scripts/bench_startup.py                      # default server: SmolLM2, 8k context
+    python scripts/bench_startup.py --warm-runs 2 -- --context-length 1024
+    python scripts/bench_startup.py --code-root /work/main   # another checkout, same script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_common import (ROOT, ServerProcess, free_port, machine_info, now_iso, print_table,  # noqa: E402
+                          write_json)
+
+
+def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | None,
+                      timeout_s: float) -> dict:
+    """One launch; returns ``{"health_s", "warmup_line"}``. Raises ``RuntimeError`` (with the
+    server log tail) when the server exits or is not healthy within ``timeout_s``."""
+    port = free_port()
+    server = ServerProcess([*server_args, "--port", str(port), "--skip-warmup-progress"], port,
+                           timeout_s=timeout_s, env={"JAX_COMPILATION_CACHE_DIR": cache_dir},
+                           cwd=os.path.abspath(code_root) if code_root else ROOT)
+    if code_root:           # `python -m` puts the cwd first on sys.path, then PYTHONPATH
+        server.env["PYTHONPATH"] = os.path.abspath(code_root)
+    t0 = time.monotonic()
+    server.start()
+    try:
+        server.wait_healthy()
+        health_s = time.monotonic() - t0
+    finally:
+        server.stop()
+    found = re.findall(r"pdjax warm-up: .*", server.log_tail(1 << 20))
+    return {"health_s": health_s, "warmup_line": found[-1] if found else None}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--warm-runs", type=int, default=1, help="launches with the warm cache")
+    p.add_argument("--cache-root", default=None, help="parent of the fresh cache folders")
+    p.add_argument("--keep-cache", action="store_true")
+    p.add_argument("--code-root", default=None,
+                   help="run the server from this checkout (PYTHONPATH) instead of this one")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("server_args", nargs="*", help="extra pdjax.serve arguments (after --)")
+    args = p.parse_args(argv)
+    if args.warm_runs < 0:
+        p.error("--warm-runs must be >= 0")
+
+    cache_dir = tempfile.mkdtemp(prefix="pdjax_startup_cache_", dir=args.cache_root)
+    try:
+        cold = launch_to_healthy(args.server_args, cache_dir, args.code_root, args.timeout_s)
+        warm = [launch_to_healthy(args.server_args, cache_dir, args.code_root, args.timeout_s)
+                for _ in range(args.warm_runs)]
+    finally:
+        if not args.keep_cache:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    result = {"date": now_iso(), "machine": machine_info(), "server_args": args.server_args,
+              "code_root": args.code_root, "cold_health_s": cold["health_s"],
+              "warm_health_s": [w["health_s"] for w in warm], "warmup_line": cold["warmup_line"]}
+    rows = [("launch -> /health 200, empty cache (s)", round(cold["health_s"], 1))]
+    rows += [(f"launch -> /health 200, warm cache #{i + 1} (s)", round(w["health_s"], 1))
+             for i, w in enumerate(warm)]
+    print_table("pdjax server start-up", rows, width=60)
+    if cold["warmup_line"]:
+        print(cold["warmup_line"])
+    write_json(args.output_json, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
