@@ -22,7 +22,12 @@ float64; the device computes in float32):
   last kept token at or before it). ``u = uniform(fold_in(key(seed), position))`` with JAX's
   threefry key built from the 64-bit seed's two 32-bit words and ``position`` the index of the
   output token being drawn: the same seed gives the same draw whatever shares the batch.
-- logprobs are the raw log-softmax of the model's logits (before penalties and temperature).
+- grammars (structured outputs): a row's token bitmask ``[ceil(V/32)]`` int32 (bit ``t % 32``
+  of word ``t // 32`` allows token ``t``, ``pdjax.constrained.grammar``) sets the logits of
+  disallowed tokens to ``-inf`` first, before penalties, temperature and filters; rows without
+  a grammar have all-ones masks, and the masking runs only when ``any_grammar``.
+- logprobs are the raw log-softmax of the model's logits (before the grammar mask, penalties
+  and temperature).
 
 Penalty counts live on the device (``PenaltyTables``): one row per penalty slot, ``[S, V]``
 output-token counts updated inside the step from the sampled ids, and ``[S, V]`` prompt-token
@@ -58,11 +63,13 @@ class SamplingInputs(NamedTuple):
     positions: jax.Array       # [R] i32: index of the output token being drawn
     penalty_slot: jax.Array    # [R] i32: row of the penalty tables; 0 = none
     samples: jax.Array         # [R] bool: the row's token is kept (counts are updated)
+    bitmask: jax.Array         # [R, W] i32 allowed-token bits (W = ceil(V/32)); all ones = any
     any_random: jax.Array      # [] bool: some row samples with a temperature
     any_filter: jax.Array      # [] bool: some row has top-k or top-p (needs a sort)
     any_penalty: jax.Array     # [] bool
     any_logprob: jax.Array     # [] bool
     any_top: jax.Array         # [] bool
+    any_grammar: jax.Array     # [] bool: some row's bitmask restricts it
 
 
 class StepOutputs(NamedTuple):
@@ -117,8 +124,28 @@ def uses_penalties(sp) -> bool:
     return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
-def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int) -> SamplingInputs:
-    """Pack ``rows`` (None: a row whose token is not kept) into numpy arrays ``[num_rows_pad]``."""
+_ALL_ALLOWED: dict[tuple[int, int], np.ndarray] = {}
+
+
+def all_allowed_bitmask(num_rows: int, words: int) -> np.ndarray:
+    """A read-only all-ones ``[num_rows, words]`` int32 mask (shared; rows without a grammar)."""
+    key = (num_rows, words)
+    if key not in _ALL_ALLOWED:
+        a = np.full(key, -1, np.int32)
+        a.flags.writeable = False
+        _ALL_ALLOWED[key] = a
+    return _ALL_ALLOWED[key]
+
+
+def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
+                          bitmask: np.ndarray | None = None,
+                          vocab_size: int | None = None) -> SamplingInputs:
+    """Pack ``rows`` (None: a row whose token is not kept) into numpy arrays ``[num_rows_pad]``.
+
+    ``bitmask``: ``[num_rows_pad, ceil(V/32)]`` int32 grammar masks (all-ones rows allow every
+    token), or None for none (then ``vocab_size`` sets the width of the all-ones mask; without
+    it the width is 1, which the device widens to all-ones).
+    """
     R = num_rows_pad
     temperature = np.zeros(R, np.float32)
     top_k = np.zeros(R, np.int32)
@@ -145,9 +172,17 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int) -> 
     random = temperature > 0
     filt = random & (((top_k > 0) & (top_k < 1 << 30)) | (top_p < 1.0))
     pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
+    if bitmask is None:
+        words = 1 if vocab_size is None else (vocab_size + 31) // 32
+        bitmask, any_grammar = all_allowed_bitmask(R, words), False
+    else:
+        if bitmask.shape[0] != R or bitmask.dtype != np.int32:
+            raise ValueError(f"bitmask must be [{R}, W] int32, got {bitmask.shape} {bitmask.dtype}")
+        any_grammar = bool((bitmask != -1).any())
     return SamplingInputs(temperature, top_k, top_p, min_p, rep, freq, pres, seed_words, positions,
-                          slot, samples, np.bool_(random.any()), np.bool_(filt.any()),
-                          np.bool_(pen.any() and slot.any()), np.bool_(any_logprob), np.bool_(any_top))
+                          slot, samples, bitmask, np.bool_(random.any()), np.bool_(filt.any()),
+                          np.bool_(pen.any() and slot.any()), np.bool_(any_logprob), np.bool_(any_top),
+                          np.bool_(any_grammar))
 
 
 # ---------------------------------------------------------------------------- the draw
@@ -170,6 +205,18 @@ def uniform_for(seed: int, position: int) -> float:
 
 
 # ---------------------------------------------------------------------------- device sampler
+def apply_bitmask(x, bitmask):
+    """``x [R, V]`` with the tokens ``bitmask [R, W]`` int32 disallows set to ``-inf`` (the
+    device twin of ``pdjax.constrained.grammar.apply_bitmask``)."""
+    R, V = x.shape
+    shifts = jnp.arange(32, dtype=jnp.uint32)
+    bits = jnp.right_shift(bitmask[:, :, None].view(jnp.uint32), shifts) & 1     # [R, W, 32]
+    bits = bits.reshape(R, -1)
+    if bits.shape[1] < V:            # a narrow all-ones placeholder: the rest allowed
+        bits = jnp.pad(bits, ((0, 0), (0, V - bits.shape[1])), constant_values=1)
+    return jnp.where(bits[:, :V] != 0, x, -jnp.inf)
+
+
 def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
     c = counts[sp.penalty_slot]                       # [R, V] i32
     seen = prompt_seen[sp.penalty_slot] | (c > 0)
@@ -214,7 +261,8 @@ def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
     """
     R, V = logits.shape
     logits = logits.astype(jnp.float32)
-    x = lax.cond(sp.any_penalty, _apply_penalties, lambda x, sp, a, b: x, logits, sp,
+    x = lax.cond(sp.any_grammar, apply_bitmask, lambda x, m: x, logits, sp.bitmask)
+    x = lax.cond(sp.any_penalty, _apply_penalties, lambda x, sp, a, b: x, x, sp,
                  prompt_seen, counts)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     drawn = lax.cond(sp.any_random, _draw, lambda x, sp: greedy, x, sp)

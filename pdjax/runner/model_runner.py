@@ -148,14 +148,16 @@ class ModelRunner:
         """Dispatch one forward with sampling; returns ``(StepOutputs, hidden or None)`` on the
         device without waiting (JAX dispatch is asynchronous).
 
-        ``sampling``: per logits row (``build_sampling_inputs``; default: all greedy).
+        ``sampling``: per logits row (``build_sampling_inputs`` with ``vocab_size`` or a
+        ``[R, ceil(V/32)]`` grammar bitmask; default: all greedy, no grammar).
         ``prev_idx [T]`` int32: for a token whose id is not known on the host, its row in
         ``prev_tokens`` (the previous step's ``StepOutputs.tokens``), else -1.
         ``hidden`` (``[T, H]``) is returned for prompt logprobs when asked.
         """
         before = compile_count()
         if sampling is None:
-            sampling = device_sampler.build_sampling_inputs([], key.num_rows)
+            sampling = device_sampler.build_sampling_inputs([], key.num_rows,
+                                                            vocab_size=self.cfg.vocab_size)
         if prev_idx is None:
             prev_idx = np.full(key.num_tokens, -1, np.int32)
         # Host arrays go to the jitted call as numpy: its C++ fast path copies them, far cheaper
@@ -175,7 +177,8 @@ class ModelRunner:
         fb = self.make_batch(key, [])
         md = AttentionMetadata(*(jnp.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        sampling = device_sampler.build_sampling_inputs([], key.num_rows)
+        sampling = device_sampler.build_sampling_inputs([], key.num_rows,
+                                                        vocab_size=self.cfg.vocab_size)
         return self._entries[key.entry].trace(
             self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
             self.prompt_seen, jnp.asarray(fb.input_ids), jnp.full(key.num_tokens, -1, jnp.int32),

@@ -72,11 +72,18 @@ def keep_threshold(probs: np.ndarray, top_k: int, top_p: float, min_p: float) ->
     return max(thr, s[m - 1])
 
 
-def sample_token(logits: np.ndarray, req: Request) -> SampleResult:
-    """Sample the next token of ``req`` from its logits row ``[V]`` float32."""
+def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = None) -> SampleResult:
+    """Sample the next token of ``req`` from its logits row ``[V]`` float32. ``bitmask``: the
+    row's grammar mask ``[ceil(V/32)]`` int32 (``pdjax.constrained.grammar.apply_bitmask``),
+    applied before the penalties; logprobs stay those of the unmasked logits."""
     sp = req.sampling_params
     lp = log_softmax(logits) if req.return_logprob else None
-    x = apply_penalties(logits.astype(np.float64).copy(), req)
+    x = logits.astype(np.float64)
+    if bitmask is not None:
+        from pdjax.constrained.grammar import apply_bitmask
+
+        x = apply_bitmask(x, bitmask)
+    x = apply_penalties(x.copy(), req)
     margin = float("inf")
     if sp.is_greedy:
         token = int(np.argmax(x))

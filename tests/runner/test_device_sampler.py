@@ -201,3 +201,75 @@ def test_bad_seed_is_refused_naming_the_field(seed):
     r.seed_for_sampling = seed
     with pytest.raises(ValueError, match="seed"):
         ds.SamplingRow.from_request(r)
+
+
+# ---------------------------------------------------------------------------- grammar bitmasks
+def _random_bitmask(rng, rows, vocab, density):
+    """``[rows, ceil(vocab/32)]`` int32 masks with about ``density`` of the tokens allowed (at
+    least one per row); the row's allowed set."""
+    allowed = rng.random((rows, vocab)) < density
+    allowed[np.arange(rows), rng.integers(0, vocab, rows)] = True
+    words = (vocab + 31) // 32
+    mask = np.zeros((rows, words), np.int64)
+    for t in range(vocab):
+        mask[:, t // 32] |= allowed[:, t].astype(np.int64) << (t % 32)
+    return mask.astype(np.uint32).view(np.int32), allowed
+
+
+@pytest.mark.parametrize("vocab", [64, 70, 100])
+def test_device_bitmask_equals_numpy_oracle(vocab):
+    from pdjax.constrained.grammar import apply_bitmask as np_apply
+
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((8, vocab)).astype(np.float32) * 3
+    mask, allowed = _random_bitmask(rng, 8, vocab, 0.3)
+    got = np.asarray(jax.jit(ds.apply_bitmask)(jnp.asarray(logits), jnp.asarray(mask)))
+    want = np_apply(logits, mask)
+    assert np.array_equal(np.isinf(got), ~allowed)
+    assert np.array_equal(got, want)
+
+
+def test_masked_sampling_equals_oracle_and_logprobs_stay_raw():
+    """Greedy and seeded rows (with filters and penalties) under random masks draw the
+    oracle's token, always an allowed one; the reported logprob is the unmasked one."""
+    rng = np.random.default_rng(11)
+    compared = 0
+    for batch in range(12):
+        logits = _logits(rng, MAX_ROWS)
+        mask, allowed = _random_bitmask(rng, MAX_ROWS, V, float(rng.choice([0.05, 0.2, 0.6])))
+        reqs = []
+        for i in range(MAX_ROWS):
+            sp = {"temperature": 0.0} if i % 3 == 0 else _random_params(rng)
+            if i % 4 == 1:
+                sp.update(repetition_penalty=1.3, frequency_penalty=0.5)
+            reqs.append(_req(seed=int(rng.integers(0, 2 ** 63)), outputs=[3, 5, 3],
+                             logprob=True, **sp))
+        slots = [(r, i + 1) for i, r in enumerate(reqs)]
+        seen, counts = _tables(slots)
+        rows = [ds.SamplingRow.from_request(r, s) for r, s in slots]
+        sp = ds.build_sampling_inputs(rows, MAX_ROWS, bitmask=mask)
+        assert bool(sp.any_grammar)
+        out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)),
+                         seen, counts, MAX_ROWS)
+        out = jax.tree.map(np.asarray, out)
+        for i, r in enumerate(reqs):
+            tok = int(out.tokens[i])
+            assert allowed[i, tok], (batch, i)
+            ref = sample_token(logits[i].copy(), r, bitmask=mask[i])
+            assert ref.token_id == tok or ref.margin < 1e-5, (batch, i, r.sampling_params)
+            compared += ref.token_id == tok
+            assert out.token_logprob[i] == pytest.approx(log_softmax(logits[i])[tok], abs=1e-5)
+    assert compared >= 0.99 * 12 * MAX_ROWS
+
+
+def test_all_ones_mask_changes_nothing():
+    rng = np.random.default_rng(12)
+    logits = _logits(rng, MAX_ROWS)
+    reqs = [_req(temperature=0.0) for _ in range(MAX_ROWS)]
+    rows = [ds.SamplingRow.from_request(r, 0) for r in reqs]
+    sp = ds.build_sampling_inputs(rows, MAX_ROWS, vocab_size=V)
+    assert sp.bitmask.shape == (MAX_ROWS, 2) and not sp.any_grammar
+    seen, counts = _tables([])
+    out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)), seen, counts,
+                     MAX_ROWS)
+    assert np.asarray(out.tokens)[:MAX_ROWS].tolist() == np.argmax(logits, -1).tolist()
