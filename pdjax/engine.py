@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ServerArgs
+from pdjax.constrained.grammar import bitmask_words
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
@@ -58,6 +59,7 @@ class _Launched:
     num_placeholders: int = 0                    # input tokens read from the previous step
     t_start: float = 0.0                         # perf_counter when the dispatch began
     compiled: bool = False                       # a compile happened in the dispatch
+    has_grammar: bool = False                    # a pending token belongs to a grammar request
 
 
 class EngineCore:
@@ -131,6 +133,9 @@ class EngineCore:
         self.num_overlapped_dispatches = 0
         self.num_exposed_dispatches = 0
         self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
+        self._grammar_backend = None                     # built on first use (grammar_backend)
+        self._grammar_lock = threading.Lock()
+        self.num_grammar_syncs = 0    # steps that read the step in flight first (grammar rows)
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
         if args.target_itl_ms is not None:
             self.seed_cost_model()
@@ -142,6 +147,24 @@ class EngineCore:
         elif args.role == "decode":
             from pdjax.transfer.decode import DecodeManager
             self.disagg = DecodeManager(self)
+
+    # ------------------------------------------------------------------ grammars
+    @property
+    def grammar_backend(self):
+        """The ``GrammarBackend`` of this model's tokenizer, vocabulary and EOS ids, built on
+        first use (converting the tokenizer takes about 1 s for 50k tokens). Thread-safe: the
+        server compiles grammars from worker threads (``compile_grammar``)."""
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                from pdjax.constrained.grammar import GrammarBackend
+
+                self._grammar_backend = GrammarBackend(
+                    self.tokenizer, self.model_cfg.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_backend
+
+    def compile_grammar(self, spec) -> None:
+        """Compile ``spec`` into the backend's cache; ``ValueError`` naming its field."""
+        self.grammar_backend.compile(spec)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest) -> Request:
@@ -160,6 +183,8 @@ class EngineCore:
                       logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
         sp = g.sampling_params
         req.seed_for_sampling = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        if sp.grammar is not None:
+            req.grammar = self.grammar_backend.matcher(sp.grammar)
         if self.disagg is not None and self.disagg.add_request(g, req):
             return req                # PD: the role's manager schedules it later
         self.scheduler.add_request(req)
@@ -208,6 +233,15 @@ class EngineCore:
         waited = 0.0
         try:
             outputs: list[GenerateOutput] = []
+            done = None
+            if self._inflight is not None and self._inflight.has_grammar:
+                # The masks of the next step need the tokens of the step in flight: read it
+                # before scheduling (DESIGN.md §3, "Grammars").
+                done, self._inflight = self._inflight, None
+                self.num_grammar_syncs += 1
+                done_outputs, fetch_s = self._complete(done)
+                outputs += done_outputs
+                waited += fetch_s
             if self.disagg is not None:
                 outputs += self.disagg.poll()
             while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
@@ -223,14 +257,17 @@ class EngineCore:
             if batch is not None:
                 launched, dispatch_s = self._launch(batch, outputs)
                 waited += dispatch_s
-            if self.overlap:
-                done, self._inflight = self._inflight, launched
+            if done is not None:          # read already; the new step stays in flight
+                self._inflight = launched
             else:
-                done = launched
-            if done is not None:
-                done_outputs, fetch_s = self._complete(done)
-                outputs += done_outputs
-                waited += fetch_s
+                if self.overlap:
+                    done, self._inflight = self._inflight, launched
+                else:
+                    done = launched
+                if done is not None:
+                    done_outputs, fetch_s = self._complete(done)
+                    outputs += done_outputs
+                    waited += fetch_s
             if self.disagg is not None and (done is not None or outputs):
                 # batch None: no forward's results were read, but requests may have finished.
                 outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
@@ -255,6 +292,10 @@ class EngineCore:
         fb = self.runner.make_batch(key, rows)
         prev_idx = np.full(key.num_tokens, -1, np.int32)
         samp_rows, failed = [], []
+        bitmask = None
+        if any(row.samples and row.req.grammar is not None for row in batch.rows):
+            bitmask = np.full((key.num_rows, bitmask_words(self.model_cfg.vocab_size)), -1,
+                              np.int32)
         for i, row in enumerate(batch.rows):
             req = row.req
             for j, tok in enumerate(rows[i].input_ids):
@@ -265,6 +306,10 @@ class EngineCore:
                 continue
             try:
                 slot = self._penalty_slot(req) if uses_penalties(req.sampling_params) else 0
+                if req.grammar is not None:
+                    if PENDING_TOKEN in req.output_ids:
+                        raise RuntimeError("grammar row scheduled while a token is pending")
+                    req.grammar.fill_bitmask(bitmask[i])
                 samp_rows.append(SamplingRow.from_request(req, slot))
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
@@ -275,7 +320,8 @@ class EngineCore:
             if out is not None:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
-        sampling = build_sampling_inputs(samp_rows, key.num_rows)
+        sampling = build_sampling_inputs(samp_rows, key.num_rows, bitmask=bitmask,
+                                         vocab_size=self.model_cfg.vocab_size)
         want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
         compiles = self.runner.compiles_after_warmup
         t1 = time.perf_counter()
@@ -292,7 +338,8 @@ class EngineCore:
         pending = self.scheduler.advance(batch)
         launched = _Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
                              prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
-                             self.runner.compiles_after_warmup != compiles)
+                             self.runner.compiles_after_warmup != compiles,
+                             any(req.grammar is not None for _, req, _ in pending))
         for hook in self.dispatch_hooks:
             hook(batch, key, out.tokens, t2)
         return launched, t2 - t1
@@ -380,10 +427,18 @@ class EngineCore:
         return len(keys)
 
     def _stop_check(self, req: Request) -> dict | None:
+        """The finish reason after ``req``'s newest token, or None; a grammar request's matcher
+        takes the token here (once per token): a grammar that admits nothing more stops the
+        request (``matched`` None: the token is part of the answer)."""
         sp = req.sampling_params
         tok = req.output_ids[-1]
+        if req.grammar is not None and not req.grammar.accept(tok):
+            req.error = f"grammar: token {tok} was not allowed ({req.grammar.error})"
+            return {"type": "abort", "message": req.error}
         if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
             return {"type": "stop", "matched": tok}
+        if req.grammar is not None and req.grammar.is_terminated:
+            return {"type": "stop", "matched": None}
         if sp.max_new_tokens is not None and len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         return None
@@ -651,6 +706,13 @@ class AsyncEngine:
     @property
     def context_length(self) -> int:
         return self.core.context_length if self.core is not None else 0
+
+    def compile_grammar(self, spec) -> None:
+        """Compile ``spec`` (cached) from the calling thread, never the engine's: the server
+        calls it while parsing, off the event loop. ``ValueError`` naming the field."""
+        if self.core is None:
+            raise RuntimeError("engine is not running")
+        self.core.compile_grammar(spec)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop = True

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import math
 from typing import Any
+
+from pdjax.constrained.grammar import GrammarSpec
+
+# SGLang's constrained-decoding sampling params (at most one per request) -> grammar kind.
+GRAMMAR_PARAMS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 
 
 @dataclasses.dataclass
@@ -19,7 +25,9 @@ class SamplingParams:
 
     ``top_k = -1`` means no top-k limit (0 is rejected, as SGLang does).
     ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
-    reproducible whatever else shares the batch. Raises ``ValueError`` naming the field.
+    reproducible whatever else shares the batch. ``grammar``: the structured-output constraint
+    (``from_dict`` builds it from SGLang's ``json_schema`` / ``regex`` / ``ebnf``; the OpenAI
+    layer from ``response_format`` or ``tool_choice``). Raises ``ValueError`` naming the field.
     """
 
     max_new_tokens: int | None = 128
@@ -36,6 +44,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     seed: int | None = None
     n: int = 1
+    grammar: GrammarSpec | None = None
 
     MAX_NEW_TOKENS_LIMIT = 1 << 20
 
@@ -53,12 +62,26 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        """Build from a JSON dict; unknown keys raise ``ValueError`` naming them."""
+        """Build from a JSON dict; unknown keys raise ``ValueError`` naming them. ``json_schema``
+        (a JSON string or object), ``regex`` and ``ebnf`` (strings; at most one of them) become
+        ``grammar``, compiled later (``pdjax.constrained``)."""
         d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = ({f.name for f in dataclasses.fields(cls)} - {"grammar"}) | set(GRAMMAR_PARAMS)
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"sampling_params: unsupported field(s) {unknown}")
+        constraints = {k: d.pop(k) for k in GRAMMAR_PARAMS if d.get(k) is not None}
+        for k in GRAMMAR_PARAMS:
+            d.pop(k, None)
+        if len(constraints) > 1:
+            raise ValueError(f"sampling_params: at most one of json_schema, regex and ebnf may be "
+                             f"set, got {sorted(constraints)}")
+        for key, text in constraints.items():
+            if key == "json_schema" and isinstance(text, (dict, bool)):
+                text = json.dumps(text)
+            if not isinstance(text, str):
+                raise ValueError(f"{key} must be a string, got {type(text).__name__}")
+            d["grammar"] = GrammarSpec(GRAMMAR_PARAMS[key], text, field=f"sampling_params.{key}")
         if d.get("stop") is None:
             d.pop("stop", None)
         if d.get("stop_token_ids") is None:
@@ -113,6 +136,8 @@ class SamplingParams:
             raise ValueError(f"n must be in [1, 64], got {self.n}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a boolean, got "
                              f"{self.skip_special_tokens!r}")
@@ -178,6 +203,7 @@ class Request:
     last_scheduled_step: int = 0
     seed_for_sampling: int = 0    # sampling_params.seed, or a random one drawn at arrival
     reported_cached_tokens: int | None = None   # PD decode: the prefill's prefix-cache hit
+    grammar: Any = None           # GrammarMatcher of sampling_params.grammar (engine thread)
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -45,9 +45,11 @@ class ChoiceOutput:
     def __init__(self, cfg: ChatOutputConfig) -> None:
         self.cfg = cfg
         prefix = cfg.tools.forced_prefix() if cfg.tools is not None else ""
-        # A forced call opening leaves no room for thinking first.
+        # A forced call (opening in the prompt, or a grammar of calls only) leaves no room for
+        # thinking first.
+        forced = cfg.tools is not None and cfg.tools.choice != "auto"
         self.reasoning = (create_reasoning_parser(cfg.reasoning_parser, cfg.prompt_text)
-                          if cfg.reasoning_parser and not prefix else None)
+                          if cfg.reasoning_parser and not forced else None)
         self.tool_parser = cfg.tools.new_parser() if cfg.tools is not None else None
         self.reasoning_text: list[str] = []
         self.content_text: list[str] = []

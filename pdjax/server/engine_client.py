@@ -4,7 +4,8 @@
 test fake (``tests/server/server_fakes.FakeEngine``) is another. The other capabilities are
 optional and checked with ``isinstance``: ``StartupReporter`` (the server exits when the engine
 fails to start), ``PDRejecter`` (a refused PD request fails its bootstrap rooms at once),
-``ArgsOwner`` (the parsers default to its flags) and ``CoreOwner`` (the core's gauges).
+``ArgsOwner`` (the parsers default to its flags), ``CoreOwner`` (the core's gauges) and
+``GrammarCompiler`` (structured outputs are compiled, and checked, while parsing).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ class ArgsOwner(Protocol):
     ``--reasoning-parser``."""
 
     args: ServerArgs
+
+
+@runtime_checkable
+class GrammarCompiler(Protocol):
+    """An engine that compiles structured-output grammars: ``compile_grammar(spec)`` (a
+    ``pdjax.constrained.grammar.GrammarSpec``) compiles it into the engine's cache from the
+    calling thread, ``ValueError`` naming ``spec.field`` when it is invalid."""
+
+    def compile_grammar(self, spec: Any) -> None: ...
 
 
 @runtime_checkable

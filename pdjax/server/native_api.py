@@ -21,7 +21,7 @@ from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
                                      check_bool, check_int, check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
-                                     checked_body, clamp_default_max_new, encode_prompt,
+                                     check_grammar, checked_body, clamp_default_max_new, encode_prompt,
                                      parse_sampling_params, pd_fields, sample_params)
 
 
@@ -129,6 +129,8 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
                            "sampling_params")
     sp_list = [sp if exp else clamp_default_max_new(sp, len(p), ctx)
                for sp, exp, p in zip(sp_list, explicit, prompts)]
+    for sp in sp_list:         # json_schema / regex / ebnf: a bad one is a 400 now
+        check_grammar(sp.grammar, ctx)
     n = sp_list[0].n
     if any(sp.n != n for sp in sp_list):
         raise RequestError("sampling_params: n must be the same for every prompt",

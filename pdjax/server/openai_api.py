@@ -4,26 +4,32 @@
 ``/v1/completions``: ``prompt`` (string, list of strings, token ids, or lists of them); choice
 ``k = i * n + j``. ``/v1/chat/completions``: ``messages`` through the tokenizer's chat template;
 choice ``k = j``. Every bad input raises ``RequestError`` naming the field; fields that ask for
-behaviour pdjax does not have (``response_format``, ``logit_bias``, ...) are rejected, never
-ignored; a field set to ``null`` counts as absent. Tool calling and reasoning output
-(``tools.py``, ``chat_output.py``, ``parsers/``) hook in at the chat request and the answer.
+behaviour pdjax does not have (``logit_bias``, ...) are rejected, never ignored; a field set to
+``null`` counts as absent. Tool calling and reasoning output (``tools.py``, ``chat_output.py``,
+``parsers/``) hook in at the chat request and the answer.
+
+Structured outputs: ``response_format`` (``text``, ``json_object``, ``json_schema``) on both
+endpoints, and ``tool_choice`` ``required`` / a named function (``ChatTools.grammar_spec``),
+become the request's ``SamplingParams.grammar``, compiled while parsing (``check_grammar``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
 from typing import Any, Callable
 
+from pdjax.constrained.grammar import GrammarSpec
 from pdjax.engine_io import GenerateRequest
 from pdjax.request import SamplingParams
 from pdjax.server import tools as tool_api
 from pdjax.server.chat_output import ChatOutputConfig, ChoiceOutput
 from pdjax.server.errors import RequestError
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
-                                     check_bool, check_int, check_num_samples,
+                                     check_bool, check_grammar, check_int, check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
                                      checked_body, encode_prompt, is_int, is_num,
                                      parse_sampling_params, pd_fields, present_fields,
@@ -74,7 +80,7 @@ _OPENAI_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "n", "stop", "seed
 _OPENAI_COMMON = _OPENAI_SAMPLING | {
     "model", "max_tokens", "stream", "stream_options", "logprobs", "user", "rid",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "metadata", "service_tier",
-    "prompt_cache_key", "safety_identifier"}
+    "prompt_cache_key", "safety_identifier", "response_format"}
 _COMPLETION_FIELDS = _OPENAI_COMMON | {"prompt", "echo"}
 _CHAT_FIELDS = _OPENAI_COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                                  "chat_template_kwargs", "tools", "tool_choice",
@@ -88,7 +94,7 @@ def _empty(v: Any) -> bool:
 _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "tools": _empty, "tool_choice": lambda v: v == "none", "functions": _empty,
     "function_call": lambda v: v == "none", "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "response_format": lambda v: v == {"type": "text"}, "logit_bias": _empty,
+    "logit_bias": _empty,
     "suffix": _empty, "best_of": lambda v: v == 1, "store": lambda v: v is False,
     "modalities": lambda v: v == ["text"], "audio": lambda v: False,
     "prediction": lambda v: False, "reasoning_effort": lambda v: False,
@@ -101,6 +107,52 @@ _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "separate_reasoning": lambda v: isinstance(v, bool),
     "stream_reasoning": lambda v: isinstance(v, bool),
 }
+
+
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+
+
+def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
+    """OpenAI's ``response_format``: None for ``text``, else the grammar it asks for.
+    ``json_schema.strict`` is accepted either way: the schema is always enforced."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict):
+        raise RequestError("response_format must be an object", "response_format")
+    kind = rf.get("type")
+    if kind not in _RESPONSE_FORMAT_TYPES:
+        raise RequestError(f"response_format.type must be one of {list(_RESPONSE_FORMAT_TYPES)}, "
+                           f"got {kind!r}", "response_format")
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    extra = sorted(k for k in rf if k not in allowed and rf[k] is not None)
+    if extra:
+        raise RequestError(f"response_format.{extra[0]} is not supported with type {kind!r}",
+                           "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", field="response_format")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise RequestError("response_format.json_schema must be an object with name and schema",
+                           "response_format")
+    bad = sorted(k for k in js if k not in _JSON_SCHEMA_KEYS)
+    if bad:
+        raise RequestError(f"response_format.json_schema.{bad[0]} is not supported",
+                           "response_format")
+    name = js.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("response_format.json_schema.name must be a non-empty string",
+                           "response_format")
+    if js.get("strict") is not None:
+        check_bool("response_format.json_schema.strict", js["strict"])
+    schema = js.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                           "response_format")
+    return GrammarSpec("json_schema", json.dumps(schema), field="response_format")
 
 
 def _check_model(body: dict[str, Any], ctx: ServingContext) -> str:
@@ -222,6 +274,8 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
         raise RequestError("echo together with logprobs is not supported by pdjax", "echo")
     sp = _openai_sampling(body, ctx, body.get("max_tokens", 16), "max_tokens")
     check_num_samples(len(prompts), sp.n)
+    sp = dataclasses.replace(sp, grammar=_response_format(body))
+    check_grammar(sp.grammar, ctx)
     response_id = f"cmpl-{uuid.uuid4().hex}"
     base, group_rid = _base_rid(body, response_id)
     return OpenAIRequest(
@@ -321,6 +375,16 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     else:
         max_tokens, mt_name = body.get("max_tokens"), "max_tokens"
     sp = _openai_sampling(body, ctx, max_tokens, mt_name)
+    grammar = _response_format(body)
+    tool_grammar = chat_tools.grammar_spec() if chat_tools is not None else None
+    if tool_grammar is not None:
+        if grammar is not None:
+            raise RequestError(f"response_format {body['response_format']['type']!r} cannot be "
+                               f"combined with tool_choice {body.get('tool_choice')!r}: the "
+                               "answer must be a tool call", "response_format")
+        grammar = tool_grammar
+    sp = dataclasses.replace(sp, grammar=grammar)
+    check_grammar(sp.grammar, ctx)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     base, group_rid = _base_rid(body, response_id)
     return OpenAIRequest(

@@ -23,7 +23,7 @@ from aiohttp import web
 from pdjax.engine_io import GenerateRequest
 from pdjax.metrics import Metrics
 from pdjax.server.detokenizer import TokenTexts
-from pdjax.server.engine_client import ArgsOwner, CoreOwner, EngineClient
+from pdjax.server.engine_client import ArgsOwner, CoreOwner, EngineClient, GrammarCompiler
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleAccumulator, SampleDelta, SampleResult
 from pdjax.server.validation import ServingContext
@@ -179,7 +179,9 @@ class ServerState:
                               context_length=int(engine.context_length),
                               vocab_size=len(engine.tokenizer),
                               tool_call_parser=self.tool_call_parser,
-                              reasoning_parser=self.reasoning_parser)
+                              reasoning_parser=self.reasoning_parser,
+                              compile_grammar=engine.compile_grammar
+                              if isinstance(engine, GrammarCompiler) else None)
 
     # -- request bookkeeping -------------------------------------------------------------------
     def open_group(self, reqs: list[GenerateRequest], group_rid: str | None = None,

@@ -4,10 +4,11 @@
 The chat template renders the tools (``apply_chat_template(..., tools=...)``). A template that
 ignores them (its prompt is the same with and without) gets the parser's instructions as a
 system message instead, so the model still sees the functions. ``tool_choice="required"`` or a
-named function appends the start of a call to the prompt (``ToolCallParser.forced_prefix``):
-the model continues inside a call. That steers but does not enforce; enforcement needs
-grammar-constrained decoding in the engine (structured outputs): ``ChatTools.grammar_spec``
-is the grammar of the calls the choice allows, ready for ``pdjax.constrained``.
+named function is enforced: ``ChatTools.grammar_spec`` is the grammar of exactly the calls the
+choice allows, and the engine decodes under it (structured outputs, ``pdjax.constrained``), so
+the answer is always a parseable call whose arguments validate. Without enforcement
+(``enforced=False``, parser tests) the start of a call is appended to the prompt instead
+(``ToolCallParser.forced_prefix``): the model continues inside a call, which steers only.
 
 Every bad field raises ``RequestError`` (HTTP 400) naming it, as in ``validation``.
 """
@@ -33,20 +34,23 @@ TOOL_CHOICES = ("none", "auto", "required")
 class ChatTools:
     """A request's validated tools. ``choice``: ``auto``, ``required`` or ``function``
     (``function_name`` set); ``none`` never builds one. ``max_calls``: 1 when
-    ``parallel_tool_calls`` is false, else None."""
+    ``parallel_tool_calls`` is false, else None. ``enforced``: ``required`` / a named function
+    is decoded under ``grammar_spec()`` (the server's way), so no call opening goes into the
+    prompt."""
 
     tools: list[dict[str, Any]]
     choice: str
     function_name: str | None
     max_calls: int | None
     parser_name: str
+    enforced: bool = False
 
     def new_parser(self) -> ToolCallParser:
         return create_tool_call_parser(self.parser_name, self.tools, self.max_calls)
 
     def forced_prefix(self) -> str:
-        """The call opening appended to the prompt ("" for ``auto``)."""
-        if self.choice == "auto":
+        """The call opening appended to the prompt ("" for ``auto`` and when enforced)."""
+        if self.choice == "auto" or self.enforced:
             return ""
         name = self.function_name
         if name is None and len(self.tools) == 1:
@@ -142,7 +146,8 @@ def parse_tools(body: dict[str, Any], tool_call_parser: str | None) -> ChatTools
         raise RequestError("tools need a tool-call parser: start the server with "
                            "--tool-call-parser (hermes, qwen25 or llama3)", "tools")
     return ChatTools(tools=tools, choice=choice, function_name=function_name,
-                     max_calls=None if parallel else 1, parser_name=tool_call_parser)
+                     max_calls=None if parallel else 1, parser_name=tool_call_parser,
+                     enforced=choice != "auto")
 
 
 def message_tool_fields(m: dict[str, Any], role: str, name: str) -> dict[str, Any]:

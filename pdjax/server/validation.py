@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from pdjax.constrained.grammar import GrammarSpec
 from pdjax.request import SamplingParams
 from pdjax.server.errors import RequestError
 
@@ -29,7 +30,9 @@ class ServingContext:
 
     ``context_length``: maximum tokens per sequence. ``vocab_size``: token ids must lie in
     ``[0, vocab_size)``. ``tool_call_parser`` / ``reasoning_parser``: the server's
-    ``--tool-call-parser`` / ``--reasoning-parser`` (None: off).
+    ``--tool-call-parser`` / ``--reasoning-parser`` (None: off). ``compile_grammar``: compiles
+    (and caches) a ``GrammarSpec``, ``ValueError`` naming its field when invalid (None: the
+    engine checks it when the request arrives).
     """
 
     tokenizer: Any
@@ -39,6 +42,7 @@ class ServingContext:
     vocab_size: int
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    compile_grammar: Callable[[GrammarSpec], Any] | None = None
 
     def model_names(self) -> set[str]:
         return {self.served_model_name, self.model_path}
@@ -184,6 +188,20 @@ def parse_sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
             f"{max_tokens_name} = {sp.max_new_tokens} exceeds the model's context length of "
             f"{ctx.context_length} tokens", max_tokens_name)
     return sp
+
+
+def check_grammar(spec: GrammarSpec | None, ctx: ServingContext) -> None:
+    """Compile ``spec`` now (the parsers run off the event loop; the backend caches it), so
+    that a bad schema, regex or grammar is a 400 naming its field before anything reaches the
+    engine."""
+    if spec is None or ctx.compile_grammar is None:
+        return
+    try:
+        ctx.compile_grammar(spec)
+    except ValueError as e:
+        msg = str(e)
+        raise RequestError(msg if msg.startswith(spec.field) else f"{spec.field}: {msg}",
+                           spec.field.split(".")[0]) from None
 
 
 def clamp_default_max_new(sp: SamplingParams, prompt_len: int,

@@ -108,8 +108,18 @@ class FakeEngine:
     ``script``: a scripted model, the texts the successive requests answer (``script[k]`` for
     the ``k``-th request, the last one repeated), each then EOS, cut into the byte-level tokens
     the tokenizer gives it (tool calls, ``<think>`` blocks, ...). ``prompts`` decodes the
-    prompts the engine received.
+    prompts the engine received. Grammars are compiled (so a bad one is a 400, as with the real
+    engine) but not enforced: the fake answers what it was told to.
     """
+
+    def compile_grammar(self, spec) -> None:
+        from pdjax.constrained.grammar import GrammarBackend
+
+        with self._lock:
+            if self._grammar_backend is None:
+                self._grammar_backend = GrammarBackend(self.tokenizer, len(self.tokenizer),
+                                                       [self.tokenizer.eos_token_id])
+        self._grammar_backend.compile(spec)
 
     def __init__(self, tokenizer=None, *, reply: str = "Hello world, the quick brown fox.",
                  reply_ids: Callable[[GenerateRequest], list[int]] | None = None,
@@ -136,6 +146,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.profile_dir: str | None = None
         self._lock = threading.Lock()
+        self._grammar_backend = None
         self._live: dict[str, _Live] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fake-engine", daemon=True)

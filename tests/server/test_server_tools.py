@@ -7,6 +7,7 @@ import openai
 import pytest
 import pytest_asyncio
 from server_fakes import TOOLS_CHAT_TEMPLATE, FakeEngine, build_tokenizer, parse_sse
+from pdjax.server.tools import ChatTools
 
 pytestmark = pytest.mark.asyncio
 
@@ -149,25 +150,41 @@ async def test_history_with_tool_calls_and_results_renders(make_openai):
     assert "<tool_response>3.5</tool_response>" in prompt
 
 
-async def test_named_and_required_choice_force_the_call_opening(make_openai):
-    # The model continues after the forced opening, so its text starts mid-call.
+async def test_named_and_required_choice_are_decoded_under_the_call_grammar(make_openai):
+    # The engine decodes under the grammar of the allowed calls (the fake only compiles it), so
+    # the prompt carries no forced opening and the answer is the whole call.
     oa, _, engine = await make_openai(
-        tools_engine('{"city": "Lima"}}\n</tool_call>', 'add", "arguments": {"a": 2}}'),
+        tools_engine('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n'
+                     '</tool_call>',
+                     '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>'),
         tool_call_parser="hermes")
     chat = await oa.chat.completions.create(
         model="fake-model", messages=MSG, tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert engine.prompts[-1].endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    assert engine.prompts[-1].endswith("<|im_start|>assistant\n")
+    spec = engine.submitted[-1].sampling_params.grammar
+    named = ChatTools(TOOLS, "function", "get_weather", None, "hermes").grammar_spec()
+    assert (spec.kind, spec.field, spec.text) == ("lark", "tool_choice", named.text)
+    assert '"get_weather"' in spec.text and '"add"' not in spec.text
     call, = chat.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather",
                                                                          {"city": "Lima"})
     assert chat.choices[0].finish_reason == "tool_calls"
     stream = await oa.chat.completions.create(model="fake-model", messages=MSG, tools=TOOLS,
                                               tool_choice="required", stream=True)
-    assert engine.prompts[-1].endswith('<|im_start|>assistant\n<tool_call>\n{"name": "')
+    assert engine.prompts[-1].endswith("<|im_start|>assistant\n")
+    required = ChatTools(TOOLS, "required", None, None, "hermes").grammar_spec()
+    assert engine.submitted[-1].sampling_params.grammar.text == required.text
     got = (await collect(stream))[0]
     assert [(n, json.loads(a)) for _, n, a in got["calls"].values()] == [("add", {"a": 2})]
+
+
+async def test_tool_choice_with_response_format_is_refused(make_openai):
+    oa, _, _ = await make_openai(tools_engine("x"), tool_call_parser="hermes")
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        await oa.chat.completions.create(model="fake-model", messages=MSG, tools=TOOLS,
+                                         tool_choice="required",
+                                         response_format={"type": "json_object"})
 
 
 async def test_tool_choice_none_and_template_without_tools(make_openai):

@@ -1,0 +1,115 @@
+"""Structured outputs in the engine (tiny random Llama): grammar-constrained requests, greedy
+and seeded, produce text that parses and validates for 20 schema shapes, regexes match in
+full, a finished grammar stops the request with no extra token, unconstrained requests in the
+same batch keep their greedy tokens, overlap on and off agree, and no compile follows warm-up."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from grammar_cases import MODEL_SCHEMAS
+from model_utils import assert_tokens_match, top2_gaps_from_top_logprobs
+from pdjax.runner.model_runner import compile_count
+
+PROMPT = "Give me JSON:"
+
+
+@pytest.fixture
+def overlap(llama_engine):
+    """Set ``core.overlap`` for a run; restored afterwards."""
+    core = llama_engine.core
+    before = core.overlap
+
+    def set_overlap(on: bool):
+        assert core._inflight is None
+        core.overlap = on
+        return llama_engine
+
+    yield set_overlap
+    core.overlap = before
+
+
+def _schema_params(i, schema):
+    return {"max_new_tokens": 100, "temperature": 0 if i % 2 == 0 else 0.8, "seed": 100 + i,
+            "json_schema": json.dumps(schema)}
+
+
+def test_twenty_schemas_validate_and_nothing_compiles(llama_engine):
+    core = llama_engine.core
+    before, before_runner = compile_count(), core.runner.compiles_after_warmup
+    syncs = core.num_grammar_syncs
+    params = [_schema_params(i, s) for i, s in enumerate(MODEL_SCHEMAS)]
+    outs = llama_engine.generate([PROMPT] * len(params), params)
+    assert len(MODEL_SCHEMAS) == 20
+    for i, (schema, out) in enumerate(zip(MODEL_SCHEMAS, outs)):
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}, (i, out)
+        jsonschema.validate(json.loads(out["text"]), schema)
+        # The grammar's last token ends the request: nothing after it, no EOS in the output.
+        assert llama_engine.tokenizer.decode(out["output_ids"]) == out["text"]
+        assert not set(out["output_ids"]) & core.eos_token_ids
+    assert compile_count() == before and core.runner.compiles_after_warmup == before_runner
+    assert core.num_grammar_syncs > syncs
+
+
+@pytest.mark.parametrize("regex", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no|maybe)!", r"\([A-C]\) [a-z ]{1,12}\."])
+def test_regex_outputs_match_in_full(llama_engine, regex):
+    params = [{"max_new_tokens": 60, "temperature": t, "seed": s, "regex": regex}
+              for t, s in ((0, 1), (1.0, 2), (1.0, 3))]
+    for out in llama_engine.generate([PROMPT] * 3, params):
+        assert re.fullmatch(regex, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+
+
+def test_unconstrained_greedy_unchanged_beside_constrained(llama_engine):
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 400, n)] for n in (5, 17, 9)]
+    plain = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = llama_engine.generate(input_ids=prompts, sampling_params=plain, return_logprob=True,
+                                  top_logprobs_num=2)
+    constrained = [_schema_params(i, s) for i, s in enumerate(MODEL_SCHEMAS[:6])]
+    ids = [llama_engine.tokenizer.encode(PROMPT)] * 6
+    mixed = llama_engine.generate(input_ids=prompts + ids,
+                                  sampling_params=[plain] * 3 + constrained)
+    for a, b in zip(alone, mixed[:3]):
+        gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
+        assert_tokens_match(b["output_ids"], a["output_ids"], gaps, what="beside grammars")
+        assert len(b["output_ids"]) == 12
+    for schema, out in zip(MODEL_SCHEMAS[:6], mixed[3:]):
+        jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_overlap_on_and_off_agree_with_logprobs_and_n(llama_engine, overlap):
+    params = [dict(_schema_params(i, s), n=2) for i, s in enumerate(MODEL_SCHEMAS[:4])]
+
+    def run(eng):
+        return eng.generate([PROMPT] * len(params), params, return_logprob=True,
+                            top_logprobs_num=2)
+    off, on = run(overlap(False)), run(overlap(True))
+    assert len(on) == 8
+    for a, b in zip(off, on):
+        assert b["text"] == a["text"] and b["output_ids"] == a["output_ids"]
+        lps = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert len(lps) == len(b["output_ids"])
+        assert np.allclose(lps, [x[0] for x in a["meta_info"]["output_token_logprobs"]], atol=1e-5)
+        # Logprobs are the model's own (unmasked), so a forced token may be far from the top.
+        top1 = [t[0][0] for t in b["meta_info"]["output_top_logprobs"]]
+        assert all(lp <= t + 1e-6 for lp, t in zip(lps, top1))
+
+
+def test_stop_string_inside_constrained_output(llama_engine):
+    regex = r"abc[0-9]{2}xyz"
+    out = llama_engine.generate(PROMPT, {"max_new_tokens": 40, "temperature": 0, "regex": regex,
+                                         "stop": ["xy"]})
+    assert re.fullmatch(r"abc[0-9]{2}", out["text"]), out["text"]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": "xy"}
+
+
+def test_invalid_grammar_is_a_value_error_naming_the_field(llama_engine):
+    with pytest.raises(ValueError, match=r"sampling_params\.regex"):
+        llama_engine.generate(PROMPT, {"max_new_tokens": 4, "regex": "(unclosed"})
+    with pytest.raises(ValueError, match=r"sampling_params\.json_schema"):
+        llama_engine.generate(PROMPT, {"max_new_tokens": 4, "json_schema": "{not json"})
+    assert not llama_engine.core.scheduler.has_work

@@ -1,0 +1,71 @@
+"""JSON schemas of many shapes for structured-output tests (host walks, engine, server)."""
+
+# Random walks need bounded languages: objects close their keys (additionalProperties false)
+# and strings have a maxLength or a pattern, else a walk may never end.
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["x"], "additionalProperties": False},
+    {"type": "object", "properties": {"inner": {"type": "object", "properties": {
+        "deep": {"type": "object", "properties": {"v": {"type": "boolean"}}, "required": ["v"],
+                 "additionalProperties": False}},
+        "required": ["deep"], "additionalProperties": False}}, "required": ["inner"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                               "maxItems": 3}}, "required": ["tags"],
+     "additionalProperties": False},
+    {"type": "string", "maxLength": 12},
+    {"type": "integer", "minimum": 100, "maximum": 999},
+    {"type": "boolean"},
+    {"enum": ["yes", "no", 3, None]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}},
+     "required": ["id"], "additionalProperties": False},
+    {"type": "object", "properties": {"points": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+        "required": ["x", "y"], "additionalProperties": False}}}, "required": ["points"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"opt": {"type": ["string", "null"], "maxLength": 5}},
+     "required": ["opt"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+               {"type": "string", "enum": ["none"]}]},
+    {"type": "object", "properties": {"price": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 1000}}, "required": ["price"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"a": {"const": "fixed"}, "b": {"type": "integer"}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 4}, {"type": "integer"}],
+     "items": False},
+    {"type": "object", "properties": {"m": {"type": "array", "maxItems": 2, "items": {
+        "type": "array", "maxItems": 2, "items": {"type": "integer"}}}}, "required": ["m"],
+     "additionalProperties": False},
+    {"$defs": {"leaf": {"type": "object", "properties": {"n": {"type": "integer"}},
+                        "required": ["n"], "additionalProperties": False}},
+     "type": "object", "properties": {"l": {"$ref": "#/$defs/leaf"}}, "required": ["l"],
+     "additionalProperties": False},
+]
+
+
+def bounded_integers(schema, lo=-99, hi=999):
+    """A copy of ``schema`` whose integers without bounds get ``[lo, hi]``: a model (unlike the
+    nudged walks of test_grammar) may repeat digits until ``max_tokens``."""
+    if isinstance(schema, list):
+        return [bounded_integers(s, lo, hi) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_integers(v, lo, hi) for k, v in schema.items()}
+    if out.get("type") == "integer":
+        out.setdefault("minimum", lo)
+        out.setdefault("maximum", hi)
+    return out
+
+
+# What a model's outputs are checked against (engine and server tests).
+MODEL_SCHEMAS = [bounded_integers(s) for s in SCHEMAS]
