@@ -94,8 +94,11 @@ class CallFormat:
     def lark_grammar(self, schemas: Sequence[dict[str, Any]], max_calls: int | None) -> str:
         """A Lark grammar (llguidance's dialect, ``%json`` for the call object) of an output
         that is only calls: one call matching one of ``schemas`` (``max_calls=1``) or several
-        joined by ``separator``."""
-        body = schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+        joined by ``separator``. The call object is JSON as ``json.dumps`` writes it (``", "``
+        and ``": "``, no other whitespace), so a model cannot pad a call until ``max_tokens``."""
+        body = dict(schemas[0]) if len(schemas) == 1 else {"anyOf": list(schemas)}
+        body["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ",
+                              "key_separator": ": "}
         call = " ".join(p for p in (json.dumps(self.begin) if self.begin else "", "body",
                                     json.dumps(self.end) if self.end else "") if p)
         start = "call" if max_calls == 1 else f"call ({json.dumps(self.separator)} call)*"

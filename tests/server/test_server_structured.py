@@ -1,0 +1,213 @@
+"""Structured outputs through the HTTP server over the real engine (tiny random Llama, CPU),
+with the ``openai`` client: ``response_format`` JSON schemas of 20 shapes parse and validate,
+streamed and not; ``json_object``; a regex-constrained ``/generate`` matches in full;
+``tool_choice`` required / named always gives a parseable call whose arguments validate; bad
+schemas and regexes are 400s naming the field; no compile after warm-up."""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+
+from grammar_cases import MODEL_SCHEMAS
+from pdjax.config import ServerArgs
+from pdjax.constrained.grammar import GrammarSpec
+from pdjax.engine import AsyncEngine
+from pdjax.runner.model_runner import compile_count
+from pdjax.server.http import create_app
+
+pytestmark = pytest.mark.asyncio
+
+MSG = [{"role": "user", "content": "Reply in JSON."}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny_checkpoints):
+    # The settings of test_server_real_engine: the same executables (compilation cache).
+    args = ServerArgs(model_path=tiny_checkpoints["llama"], dtype="float32", page_size=8,
+                      max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
+                      context_length=128, skip_warmup_progress=True)
+    engine = AsyncEngine(args, progress=False)
+    create_app(engine)
+    engine.start()
+    assert engine.wait_ready(900)
+    yield engine
+    engine.shutdown()
+
+
+@pytest_asyncio.fixture
+async def served(make_client, real_engine):
+    client, engine = await make_client(real_engine, tool_call_parser="hermes")
+    oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
+                            max_retries=0)
+    yield client, oa, engine
+    await oa.close()
+
+
+# ChatML that renders the tools by name only: the instructions the server would add for a
+# template without tools take ~640 tokens of the tiny BPE, over the 128-token context.
+SHORT_TOOLS_TEMPLATE = (
+    "{% if tools %}{% for t in tools %}{{ t.function.name }} {% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m.content }}\n{% endfor %}")
+
+
+@pytest.fixture
+def short_tools_template(real_engine):
+    tok = real_engine.tokenizer
+    before, tok.chat_template = tok.chat_template, SHORT_TOOLS_TEMPLATE
+    yield
+    tok.chat_template = before
+
+
+def _format(i, schema):
+    return {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
+                                                   "strict": True}}
+
+
+async def test_twenty_schemas_parse_and_validate_streamed_and_not(served):
+    client, oa, engine = served
+    before, runner_before = compile_count(), engine.core.runner.compiles_after_warmup
+    for i, schema in enumerate(MODEL_SCHEMAS):
+        kw = dict(model=engine.served_model_name, messages=MSG, max_tokens=100,
+                  response_format=_format(i, schema), seed=i,
+                  temperature=0 if i % 2 == 0 else 0.9)
+        chat = await oa.chat.completions.create(**kw)
+        text = chat.choices[0].message.content
+        assert chat.choices[0].finish_reason == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
+        stream = await oa.chat.completions.create(stream=True, **kw)
+        pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        assert "".join(pieces) == text, i        # same seed, same draws, streamed or not
+        # Completions take response_format too.
+        comp = await oa.completions.create(model=engine.served_model_name, prompt="JSON:",
+                                           max_tokens=100, seed=i, temperature=0.9,
+                                           extra_body={"response_format": _format(i, schema)})
+        jsonschema.validate(json.loads(comp.choices[0].text), schema)
+    assert compile_count() == before
+    assert engine.core.runner.compiles_after_warmup == runner_before
+
+
+async def test_n2_logprobs_and_json_object(served):
+    _, oa, engine = served
+    schema = MODEL_SCHEMAS[1]
+    chat = await oa.chat.completions.create(
+        model=engine.served_model_name, messages=MSG, max_tokens=100, n=2, seed=3,
+        temperature=0.9, logprobs=True, top_logprobs=2, response_format=_format(1, schema))
+    assert len(chat.choices) == 2
+    for c in chat.choices:
+        jsonschema.validate(json.loads(c.message.content), schema)
+        # Logprobs are the model's own (before the mask): never above the top entry.
+        assert c.logprobs.content
+        assert all(t.logprob <= t.top_logprobs[0].logprob + 1e-6 for t in c.logprobs.content)
+    assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    # Any JSON object has no bounded language: a random model may not close it in max_tokens,
+    # but every token it emits keeps the text a prefix of an object.
+    chat = await oa.chat.completions.create(
+        model=engine.served_model_name, messages=MSG, max_tokens=40, seed=4, temperature=0,
+        response_format={"type": "json_object"})
+    text = chat.choices[0].message.content
+    assert text.startswith("{")
+    backend = engine.core.grammar_backend
+    m = backend.matcher(GrammarSpec("json_object"))
+    assert all(m.accept(t) for t in engine.tokenizer.encode(text, add_special_tokens=False))
+    if chat.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_regex_generate_matches_in_full(served, stream):
+    client, _, _ = served
+    regex = r"[A-Z][a-z]{2,6} (is|was) [0-9]{1,3}\."
+    for seed in range(3):
+        body = {"text": "Fact:", "stream": stream,
+                "sampling_params": {"max_new_tokens": 60, "temperature": 1.0, "seed": seed,
+                                    "regex": regex}}
+        resp = await client.post("/generate", json=body)
+        assert resp.status == 200
+        if stream:
+            chunks = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                      if line.startswith("data: {")]
+            out = chunks[-1]
+        else:
+            out = await resp.json()
+        assert re.fullmatch(regex, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+@pytest.mark.parametrize("choice,parallel", [
+    ("required", False), ("required", True),
+    ({"type": "function", "function": {"name": "add"}}, True)])
+async def test_tool_choice_required_and_named_always_give_a_valid_call(served, short_tools_template,
+                                                                      choice, parallel):
+    _, oa, engine = served
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for seed in range(4):
+        for stream in (False, True):
+            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
+                      tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
+                      temperature=0 if seed == 0 else 1.0)
+            if stream:
+                calls: dict[int, list] = {}
+                finish = None
+                async for chunk in await oa.chat.completions.create(stream=True, **kw):
+                    for c in chunk.choices:
+                        for tc in c.delta.tool_calls or []:
+                            if tc.id is not None:
+                                calls[tc.index] = [tc.function.name, tc.function.arguments]
+                            else:
+                                calls[tc.index][1] += tc.function.arguments
+                        finish = c.finish_reason or finish
+                got = list(calls.values())
+            else:
+                chat = await oa.chat.completions.create(**kw)
+                finish = chat.choices[0].finish_reason
+                got = [[c.function.name, c.function.arguments]
+                       for c in chat.choices[0].message.tool_calls or []]
+            assert got, (seed, stream)
+            if not parallel or isinstance(choice, dict):     # one call, then the grammar ends
+                assert finish == "tool_calls" and len(got) == 1, (seed, stream, got)
+            else:       # a random model may go on calling until max_tokens
+                assert finish in ("tool_calls", "length"), (seed, stream, finish)
+            for name, args in got:
+                if isinstance(choice, dict):
+                    assert name == "add"
+                jsonschema.validate(json.loads(args), params[name])
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 5}}}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                 "schema": {"$ref": "#/nope"}}}},
+     "response_format"),
+])
+async def test_invalid_schema_is_a_400_naming_the_field(served, body, field):
+    client, _, engine = served
+    resp = await client.post("/v1/chat/completions", json={
+        "model": engine.served_model_name, "messages": MSG, "max_tokens": 4, **body})
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["param"] == field and err["message"].startswith(field), err
+    resp = await client.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 4, "regex": "[a-"}})
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert "sampling_params.regex" in err["message"] and err["param"] == "sampling_params", err
+    # The server keeps serving.
+    resp = await client.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 4, "regex": "[a-c]{4}"}})
+    assert re.fullmatch("[a-c]{4}", (await resp.json())["text"])
