@@ -211,6 +211,44 @@ def test_logprobs_are_merged_from_prefill(pd):
         assert len(meta["output_top_logprobs"][0]) == 2
 
 
+def test_constrained_requests_equal_colocated(pd):
+    """The prefill's first token is drawn under the grammar; the decode builds its own matcher
+    from the request, takes the first token and goes on: the same tokens as colocated."""
+    import json
+    import re
+
+    import jsonschema
+
+    router, colocated = pd["router"].url, pd["colocated"]
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0,
+                                                         "maximum": 99}},
+        "required": ["name", "n"], "additionalProperties": False}
+    ids = list(range(60, 80))
+    cases = [{"temperature": 0, "json_schema": json.dumps(schema)},
+             {"temperature": 1.0, "seed": 9, "json_schema": json.dumps(schema)},
+             {"temperature": 1.0, "seed": 4, "regex": r"[a-z]{1,5}@[0-9]{2}"}]
+    for sp in cases:
+        sp = dict(sp, max_new_tokens=60)
+        ref = colocated.generate(input_ids=ids, sampling_params=sp)
+        for stream in (False, True):
+            body = {"input_ids": ids, "sampling_params": sp}
+            if stream:
+                status, events = post_stream(router + "/generate", dict(body, stream=True))
+                out = events[-1]
+            else:
+                status, out = post(router + "/generate", body)
+            assert status == 200, out
+            assert out["output_ids"] == ref["output_ids"] and out["text"] == ref["text"], sp
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": None}
+        if "regex" in sp:
+            assert re.fullmatch(sp["regex"], ref["text"])
+        else:
+            jsonschema.validate(json.loads(ref["text"]), schema)
+    for s in ("prefill", "decode"):
+        assert wait_until(lambda: at_baseline(pd[s]), 10), s
+
+
 def test_health_generate_uses_the_fake_transfer(pd):
     for server in (pd["prefill"], pd["decode"]):
         status, body = get(server.url + "/health_generate")
