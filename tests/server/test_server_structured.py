@@ -17,7 +17,7 @@ from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import GrammarSpec
 from pdjax.engine import AsyncEngine
 from pdjax.runner.model_runner import compile_count
-from pdjax.server.http import create_app
+from pdjax.server.app import create_app
 
 pytestmark = pytest.mark.asyncio
 
