@@ -113,3 +113,20 @@ def test_invalid_grammar_is_a_value_error_naming_the_field(llama_engine):
     with pytest.raises(ValueError, match=r"sampling_params\.json_schema"):
         llama_engine.generate(PROMPT, {"max_new_tokens": 4, "json_schema": "{not json"})
     assert not llama_engine.core.scheduler.has_work
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine):
+    from pdjax.constrained.grammar import GrammarSpec
+    from pdjax.request import Request, SamplingParams
+
+    core = llama_engine.core
+    sp = SamplingParams(grammar=GrammarSpec("regex", "[0-9]+"))
+    req = Request("refused", [5, 6], sp)
+    req.grammar = core.grammar_backend.matcher(sp.grammar)
+    digit, = llama_engine.tokenizer.encode("7", add_special_tokens=False)
+    letter, = llama_engine.tokenizer.encode("x", add_special_tokens=False)
+    req.output_ids = [digit]
+    assert core._stop_check(req) is None
+    req.output_ids.append(letter)
+    reason = core._stop_check(req)
+    assert reason["type"] == "abort" and f"token {letter} was not allowed" in req.error
