@@ -94,12 +94,11 @@ def load_hf(model_path: str | None, dtype: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
 
 
-def run_hf(args, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
+def greedy_generate_inputs(prompts: list[list[int]], pad_id: int):
+    """``(input_ids [N, n], attention_mask [N, n], generate kwargs)`` for one left-padded
+    batch of greedy ``generate`` (EOS ignored, logits returned)."""
     import torch
 
-    t0 = time.perf_counter()
-    model = load_hf(args.model_path, args.dtype)
-    load_s = time.perf_counter() - t0
     n = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), n), dtype=torch.long)
@@ -108,6 +107,17 @@ def run_hf(args, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
         mask[i, n - len(p):] = 1
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=pad_id,
               return_dict_in_generate=True, output_logits=True)
+    return ids, mask, kw
+
+
+def run_hf(args, prompts: list[list[int]], pad_id: int) -> dict[str, Any]:
+    import torch
+
+    t0 = time.perf_counter()
+    model = load_hf(args.model_path, args.dtype)
+    load_s = time.perf_counter() - t0
+    ids, mask, kw = greedy_generate_inputs(prompts, pad_id)
+    n = ids.shape[1]
     with torch.inference_mode():
         model.generate(ids[:, -max(1, n // 2):], attention_mask=mask[:, -max(1, n // 2):],
                        max_new_tokens=min(4, args.output_len), **kw)

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import machine_info, now_iso, write_json  # noqa: E402
-from bench_vs_hf import compare, load_hf  # noqa: E402
+from bench_vs_hf import compare, greedy_generate_inputs, load_hf  # noqa: E402
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the committee reviews the annual "
           "budget, the weather report promises rain in the northern hills, and a student asks "
@@ -120,14 +120,8 @@ def run_transformers(args, prompts: list[list[int]], single: list[int],
 
     torch.set_num_threads(args.torch_threads)
     model = load_hf(args.model_path, args.dtype)
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), n), dtype=torch.long)
-    for i, p in enumerate(prompts):           # left padding, as batched generation needs
-        ids[i, n - len(p):] = torch.tensor(p)
-        mask[i, n - len(p):] = 1
-    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=pad_id,
-              return_dict_in_generate=True, output_logits=True)
+    ids, mask, kw = greedy_generate_inputs(prompts, pad_id)
+    n = ids.shape[1]
     with torch.inference_mode():
         model.generate(ids[:, -16:], attention_mask=mask[:, -16:], max_new_tokens=2, **kw)
         t0 = time.perf_counter()
