@@ -205,7 +205,7 @@ class EngineCore:
             if out is not None:
                 return out
         req = self.scheduler.abort_request(rid, message)
-        return None if req is None else self._output(req, [], [], [])
+        return None if req is None else self.make_output(req, [], [], [])
 
     def wait_for_device(self) -> None:
         """Block until the step in flight (if any) has run: afterwards no forward still writes
@@ -248,11 +248,11 @@ class EngineCore:
                 req = self._zero_token_reqs.pop()
                 if self.scheduler.abort_request(req.rid) is not None:
                     req.finish_reason = {"type": "length", "length": 0}
-                    outputs.append(self._output(req, [], [], []))
+                    outputs.append(self.make_output(req, [], [], []))
             batch = self.scheduler.schedule()
             # Requests the scheduler finished without a forward (a lone decode request the pool
             # cannot grow) still owe their client a final output.
-            outputs += [self._output(req, [], [], []) for req in self.scheduler.pop_finished()]
+            outputs += [self.make_output(req, [], [], []) for req in self.scheduler.pop_finished()]
             launched = None
             if batch is not None:
                 launched, dispatch_s = self._launch(batch, outputs)
@@ -363,7 +363,7 @@ class EngineCore:
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
             token = int(tokens[i])
-            if not self.scheduler.resolve(req, index, token, self._stop_check):
+            if not self.scheduler.resolve(req, index, token, self.stop_check):
                 if req.is_finished or req.rid not in self.scheduler.requests:
                     continue              # aborted (or finished) while the step ran
             lp, top = [], []
@@ -374,7 +374,7 @@ class EngineCore:
                        if k > 0 else []]
                 req.output_logprobs.append(lp[0])
                 req.output_top_logprobs.append(top[0])
-            outputs.append(self._output(req, [token], lp, top, num_output=index + 1))
+            outputs.append(self.make_output(req, [token], lp, top, num_output=index + 1))
         self.num_steps += 1
         return outputs, fetch_s
 
@@ -426,7 +426,7 @@ class EngineCore:
             self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
         return len(keys)
 
-    def _stop_check(self, req: Request) -> dict | None:
+    def stop_check(self, req: Request) -> dict | None:
         """The finish reason after ``req``'s newest token, or None; a grammar request's matcher
         takes the token here (once per token): a grammar that admits nothing more stops the
         request (``matched`` None: the token is part of the answer)."""
@@ -496,8 +496,11 @@ class EngineCore:
             req.prompt_top_logprobs.append([(int(a), float(b)) for a, b in zip(ids[j, :k], vals[j, :k])])
             j += 1
 
-    def _output(self, req: Request, tokens, lps, tops, num_output: int | None = None) -> GenerateOutput:
-        """``num_output``: the request's output tokens up to this increment (default: all of
+    def make_output(self, req: Request, tokens, lps, tops,
+                    num_output: int | None = None) -> GenerateOutput:
+        """The ``GenerateOutput`` increment of ``req`` carrying ``tokens`` (and their logprobs
+        ``lps`` / top logprobs ``tops``); the PD decode role builds its outputs with it too.
+        ``num_output``: the request's output tokens up to this increment (default: all of
         ``output_ids``; a placeholder of a later step in flight is not one)."""
         if num_output is None:
             num_output = len(req.output_ids)

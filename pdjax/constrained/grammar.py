@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import threading
 from typing import Any
 
 import numpy as np
@@ -154,7 +153,6 @@ class GrammarBackend:
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos and len(eos) == 1 else eos)
         self.vocab_size = vocab_size
-        self._lock = threading.Lock()
         self._compile = functools.lru_cache(maxsize=cache_size)(self._compile_uncached)
 
     def _compile_uncached(self, spec: GrammarSpec) -> str:

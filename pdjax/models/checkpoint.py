@@ -176,16 +176,27 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, d // n_heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Config and HF-named float32 tensors of a GGUF file (dequantized)."""
+def _open_gguf(path: str):
     import gguf
 
     if not os.path.isfile(path):
         raise ValueError(f"{path}: file not found")
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)      # memory-mapped: tensors are read when touched
     except Exception as e:  # the gguf package raises several kinds for a bad file
         raise ValueError(f"{path}: cannot read GGUF ({e})") from None
+
+
+def read_gguf_config(path: str) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file from its metadata alone (no tensor is read)."""
+    return gguf_model_config(_open_gguf(path), path)
+
+
+def read_gguf(path: str, progress: bool = True) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Config and HF-named float32 tensors of a GGUF file (dequantized)."""
+    import gguf
+
+    reader = _open_gguf(path)
     cfg = gguf_model_config(reader, path)
     tensors: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="loading GGUF", disable=not progress, unit="tensor"):

@@ -19,10 +19,9 @@ import os
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from pdjax.models.checkpoint import (DEFAULT_GGUF_FILE, DEFAULT_GGUF_PACKAGE,  # noqa: F401
-                                     checkpoint_architecture, default_model_path, is_gguf,
-                                     make_mesh, read_gguf, read_hf_tensors, resolve_dtype,
-                                     resolve_model_path)
+from pdjax.models.checkpoint import (  # noqa: F401 (path, mesh and dtype helpers re-exported)
+    checkpoint_architecture, default_model_path, is_gguf, make_mesh, read_gguf, read_gguf_config,
+    read_hf_tensors, resolve_dtype, resolve_model_path)
 from pdjax.models.orbax_checkpoint import is_orbax_checkpoint, read_marker, restore_params
 from pdjax.models.params import abstract_params, place_params
 from pdjax.models.registry import ModelFamily, Params, model_family
@@ -83,12 +82,10 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
 
 def checkpoint_config(path: str):
     """The config of the checkpoint at ``path`` (already resolved) as written, before
-    ``run_config`` adapts it to a TP size. GGUF files are read in full (slow); folders read
-    their config only."""
-    if is_orbax_checkpoint(path):
-        return model_family(read_marker(path)["architecture"]).read_config(path)
+    ``run_config`` adapts it to a TP size; read from metadata only (GGUF header, or the
+    config.json of an HF folder or an Orbax checkpoint), no tensor is loaded."""
     if is_gguf(path):
-        return read_gguf(path, progress=False)[0]
+        return read_gguf_config(path)
     return model_family(checkpoint_architecture(path)).read_config(path)
 
 

@@ -408,7 +408,7 @@ class DecodeManager(RoleManager):
             lps, tops = [float(lp or 0.0)], [top or []]
             req.output_logprobs.append(lps[0])
             req.output_top_logprobs.append(tops[0])
-        reason = self.core._stop_check(req)
+        reason = self.core.stop_check(req)
         if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is not None:
@@ -425,7 +425,7 @@ class DecodeManager(RoleManager):
         rec = r.record()
         rec.update(bytes=nbytes, latency_s=now - r.sent_s)
         self.recent.append(rec)
-        return self.core._output(req, [token], lps, tops)
+        return self.core.make_output(req, [token], lps, tops)
 
     def _fail(self, r: DecodeRoom, reason: str, quarantine: bool = False,
               send_abort: bool = False, answer: bool = True,

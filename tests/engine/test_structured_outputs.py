@@ -126,7 +126,7 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine
     digit, = llama_engine.tokenizer.encode("7", add_special_tokens=False)
     letter, = llama_engine.tokenizer.encode("x", add_special_tokens=False)
     req.output_ids = [digit]
-    assert core._stop_check(req) is None
+    assert core.stop_check(req) is None
     req.output_ids.append(letter)
-    reason = core._stop_check(req)
+    reason = core.stop_check(req)
     assert reason["type"] == "abort" and f"token {letter} was not allowed" in req.error

@@ -13,7 +13,7 @@ from pdjax.config import ModelConfig
 from pdjax.convert import convert, main
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import allocate_caches
-from pdjax.models.checkpoint import default_model_path, read_gguf
+from pdjax.models.checkpoint import default_model_path, read_gguf, read_gguf_config
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh
 from pdjax.models.orbax_checkpoint import MARKER_FILE
 from pdjax.sched.batch import BatchRow, build_flat_batch
@@ -69,6 +69,7 @@ def test_default_gguf_round_trip(tmp_path):
     assert main(["--default", dst]) == 0
     gguf_cfg, _ = read_gguf(default_model_path(), progress=False)
     assert ModelConfig.from_hf_dir(dst) == gguf_cfg
+    assert read_gguf_config(default_model_path()) == gguf_cfg     # metadata alone, same config
     _, model_src = load_model(None, dtype="float32", progress=False)
     _, model_dst = load_model(dst, dtype="float32", progress=False)
     prompt = load_tokenizer(dst).encode("The capital of France is")
