@@ -325,9 +325,12 @@ def _check_row_major(array: Any, name: str) -> None:
 def shard_addresses(array: Any) -> tuple[int, ...]:
     """Base address of each addressable shard's buffer, in shard order (see module docstring).
 
-    Raises ``ValueError`` if the array was deleted or donated.
+    Waits for the array first: an asynchronous dispatch may hand out a buffer whose bytes are not
+    written yet, and a raw reader (the transfer engine) would copy whatever the allocator left
+    there. Raises ``ValueError`` if the array was deleted or donated.
     """
     try:
+        array.block_until_ready()
         return tuple(int(s.data.unsafe_buffer_pointer()) for s in _sorted_shards(array))
     except RuntimeError as e:  # JaxRuntimeError: "Buffer has been deleted or donated"
         raise ValueError(f"array: cannot read its buffer address ({e})") from e

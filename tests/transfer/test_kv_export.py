@@ -78,6 +78,23 @@ def test_export_head_sharded_array_has_one_address_per_shard():
     assert got == np.asarray(x)[1, 4, :, 1:2, :].tobytes()
 
 
+def test_export_waits_for_a_buffer_still_being_computed():
+    # A jitted result is handed out before the device has written it; an address taken then
+    # and read raw (as the transfer engine reads it) saw allocator garbage (CI, stop 17).
+    @jax.jit
+    def make(a):
+        for _ in range(20):
+            a = jnp.tanh(a @ a)
+        return a[:128].reshape(L, 16, 16, 2, 64) + 1.0
+
+    a = jnp.full((768, 768), 1e-3, jnp.float32)
+    for i in range(8):
+        x = make(a + i)
+        layout = export_kv_layout([x])
+        got = ctypes.string_at(layout.page_addr(0, 0, 1, 4), 16 * 2 * 64 * 4)
+        assert got == np.asarray(x)[1, 4].tobytes(), f"iteration {i}"
+
+
 def test_export_rejects_page_sharding_and_donated_arrays():
     mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
     by_pages = jax.device_put(_kv(4), NamedSharding(mesh, P(None, "tp")))
