@@ -232,7 +232,9 @@ def main(argv=None) -> dict[str, Any]:
     if args.vllm_python:
         model = args.vllm_model or path
         vjob = {**job, "model": model, "tokenizer": args.vllm_tokenizer if is_gguf(model) else None}
-        env = {"VLLM_CPU_OMP_THREADS_BIND": "all", "OMP_NUM_THREADS": str(args.vllm_threads),
+        # vLLM 0.32 binds its OpenMP threads to a CPU id list ("0-1"); "all" no longer parses.
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{args.vllm_threads - 1}",
+               "OMP_NUM_THREADS": str(args.vllm_threads),
                "VLLM_CPU_KVCACHE_SPACE": "2"}
         systems[f"vLLM CPU ({args.vllm_threads} threads)"] = run_peer(
             args.vllm_python, VLLM_WORKER, vjob, env, args.peer_timeout_s)
