@@ -113,14 +113,14 @@ class DecodeRoom:
 class DecodeManager(RoleManager):
     """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
 
-    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
     ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "decode"
 
-    def __init__(self, core):
-        super().__init__(core)
+    def __init__(self, host):
+        super().__init__(host)
         self._uid = uuid.uuid4().hex[:12]
         self._peer_ids = itertools.count()
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
@@ -315,28 +315,17 @@ class DecodeManager(RoleManager):
             self.metrics.on_state(r.state.name, now - r.state_s)
         r.state, r.state_s = new, now
 
-    def _reserve_pages(self, req: Request) -> int:
-        ps = self.page_size
-        reserved = self.args.num_reserved_decode_tokens
-
-        def need(r: Request) -> int:
-            mnt = r.sampling_params.max_new_tokens
-            left = reserved if mnt is None else max(0, min(reserved, mnt - max(1, len(r.output_ids))))
-            return -(-left // ps)
-
-        s = self.scheduler
-        return need(req) + sum(need(r) for r in s.running) + sum(need(r) for r in s.prealloc.values())
-
     def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
                   now: float) -> tuple[bool, GenerateOutput | None]:
         """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
         s = self.scheduler
         req = r.req
-        if not s.reserve_prebuilt(req, self._reserve_pages(req)):
+        reserve = s.decode_reserve_pages(req, self.args.num_reserved_decode_tokens)
+        if not s.reserve_prebuilt(req, reserve):
             if s.running or s.prealloc:
                 return False, None
             if not s.reserve_prebuilt(req, 0):
-                if s.quarantined:
+                if s.has_quarantine:
                     # Pages a late write may still hit come back by ack or drain timeout: wait
                     # like any request that does not fit yet (issue 16, item 11).
                     return False, None
@@ -344,7 +333,7 @@ class DecodeManager(RoleManager):
                                             f"not fit the decode KV pool")
         # Pages a finish or abort just released may still be written by the step in flight
         # (overlapped scheduling): let it land before a transfer may write them.
-        self.core.wait_for_device()
+        self.host.wait_for_device()
         slot = None
         if not r.fake:
             slot = self.meta.alloc()
@@ -392,7 +381,7 @@ class DecodeManager(RoleManager):
                 return self._fail(r, f"metadata gate: slot {r.slot} holds the KV of another "
                                      f"prompt (digest mismatch for bootstrap_room {r.room})")
             token = row.output_token_id
-            if not 0 <= token < self.core.model_cfg.vocab_size:
+            if not 0 <= token < self.host.model_cfg.vocab_size:
                 return self._fail(r, f"metadata: first token {token} outside the vocabulary")
             lp = row.output_token_logprob
             top = list(zip(row.top_logprob_ids, row.top_logprob_vals))[:req.top_logprobs_num]
@@ -408,7 +397,7 @@ class DecodeManager(RoleManager):
             lps, tops = [float(lp or 0.0)], [top or []]
             req.output_logprobs.append(lps[0])
             req.output_top_logprobs.append(tops[0])
-        reason = self.core.stop_check(req)
+        reason = self.host.stop_check(req)
         if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is not None:
@@ -425,7 +414,7 @@ class DecodeManager(RoleManager):
         rec = r.record()
         rec.update(bytes=nbytes, latency_s=now - r.sent_s)
         self.recent.append(rec)
-        return self.core.make_output(req, [token], lps, tops)
+        return self.host.make_output(req, [token], lps, tops)
 
     def _fail(self, r: DecodeRoom, reason: str, quarantine: bool = False,
               send_abort: bool = False, answer: bool = True,
@@ -446,7 +435,7 @@ class DecodeManager(RoleManager):
         if req.rid in self.scheduler.prealloc:
             if quarantine and r.room is not None:
                 key = (r.room, next(self._quarantine_seq))
-                self.scheduler.release_prebuilt(req, key)
+                self.scheduler.quarantine_prebuilt(req, key)
                 self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot)
                 r.slot = None
             else:

@@ -25,7 +25,8 @@ Rules kept here:
   worker queue as its chunks, so it is sent only after the room's last write has finished:
   a decode that gets Failed, Abort or AbortAck may reuse its pages at once.
 
-Pure Python on top of the engine (JAX only through ``LocalKV`` and one ``block_until_ready``).
+Pure Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``);
+JAX only through ``LocalKV``.
 """
 
 from __future__ import annotations
@@ -119,14 +120,14 @@ class PrefillRoom:
 class PrefillManager(RoleManager):
     """``--role prefill``: bootstrap server, ZMQ control, transfer worker, room table.
 
-    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
     ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "prefill"
 
-    def __init__(self, core):
-        super().__init__(core)
+    def __init__(self, host):
+        super().__init__(host)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
         self.peers: dict[str, DecodePeer] = {}
@@ -278,11 +279,11 @@ class PrefillManager(RoleManager):
         if slot is None:
             return                       # all metadata slots busy: try again next poll
         r.src_slot = slot
-        self.scheduler.hold_on_finish.add(req.rid)
+        self.scheduler.hold_on_finish(req.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
-            self.scheduler.hold_on_finish.discard(req.rid)
+            self.scheduler.cancel_hold(req.rid)
             self._fail(r, str(e))
             return
         self.metrics.on_bootstrap(now - r.created_s)
@@ -323,7 +324,7 @@ class PrefillManager(RoleManager):
                 return None
         req = r.req
         if req is not None:
-            self.scheduler.hold_on_finish.discard(req.rid)
+            self.scheduler.cancel_hold(req.rid)
             self.scheduler.release_held(req.rid)
         if r.src_slot is not None:
             self.meta.free(r.src_slot)
@@ -382,9 +383,7 @@ class PrefillManager(RoleManager):
             if end <= r.next_page and not last:
                 continue
             if not synced:
-                import jax
-
-                jax.block_until_ready(self.core.runner.caches)
+                self.host.wait_for_kv()
                 synced = True
             self._queue_chunk(r, end, last)
             if last:

@@ -1,7 +1,8 @@
 """What the prefill and decode managers share: the data plane of one server and its plumbing.
 
-A ``RoleManager`` is created by ``EngineCore`` for ``--role prefill|decode`` and lives on the
-engine thread; its helper threads (ZMQ receiver, transfer worker, bootstrap, heartbeat) only
+A ``RoleManager`` (an ``EngineRole``, ``pdjax/engine_roles.py``) is created by
+``transfer.factory.create_engine_role`` for ``--role prefill|decode`` and lives on the engine
+thread; it sees the engine only as a ``RoleHost``; its helper threads (ZMQ receiver, transfer worker, bootstrap, heartbeat) only
 record events and wake the engine, which applies every change to the scheduler itself:
 
     engine thread: step() = disagg.poll() -> schedule -> forward -> sample -> disagg.after_step()
@@ -26,6 +27,7 @@ import time
 from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput
+from pdjax.engine_roles import RoleHost
 from pdjax.transfer.channel import MessageChannel, advertise_host
 from pdjax.transfer.engine import DEFAULT_MAX_BATCH, FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
@@ -68,19 +70,19 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0,
                           status_code=status_code)
 
 
-def kv_head_repeat(core) -> int:
+def kv_head_repeat(host: RoleHost) -> int:
     """How often ``tp_model_config`` repeated each KV head of the checkpoint (1 = none).
 
     It replicates only when TP exceeds the checkpoint's KV heads, and then up to exactly
     ``tp_size`` heads, so the checkpoint is read only when the run has ``tp_size`` KV heads.
     """
-    run_kvh = getattr(core.model_cfg, "num_kv_heads", None)
-    tp = core.args.tp_size
+    run_kvh = getattr(host.model_cfg, "num_kv_heads", None)
+    tp = host.args.tp_size
     if not run_kvh or tp <= 1 or run_kvh != tp:
         return 1
     from pdjax.models.loader import checkpoint_config
 
-    kvh = getattr(checkpoint_config(core.model_path), "num_kv_heads", run_kvh)
+    kvh = getattr(checkpoint_config(host.model_path), "num_kv_heads", run_kvh)
     return run_kvh // kvh if kvh and run_kvh % kvh == 0 else 1
 
 
@@ -89,11 +91,11 @@ class RoleManager(abc.ABC):
 
     role = ""
 
-    def __init__(self, core):
-        self.core = core
-        self.args = core.args
-        self.scheduler = core.scheduler
-        self.page_size = core.args.page_size
+    def __init__(self, host: RoleHost):
+        self.host = host
+        self.args = host.args
+        self.scheduler = host.scheduler
+        self.page_size = host.args.page_size
         self.lock = threading.RLock()
         self._wake_cb: Callable[[], None] | None = None
         self._event = threading.Event()
@@ -111,23 +113,23 @@ class RoleManager(abc.ABC):
         seed = env_int("PDJAX_SHUFFLE_FREE_PAGES", None)
         if seed is not None:
             self.scheduler.allocator.shuffle(seed)
-        host = advertise_host(self.args.host)
+        address = advertise_host(self.args.host)
         kwargs: dict[str, Any] = {"max_batch": env_int("PDJAX_TRANSFER_MAX_BATCH",
                                                        DEFAULT_MAX_BATCH)}
         backend = self.args.disaggregation_transfer_backend
         if backend == "mooncake-corrupt":
             # Flip the top exponent bit of one element: the high byte of a little-endian value.
-            kwargs["corrupt_offset"] = core.runner.kv_buffers()[0].dtype.itemsize - 1
+            kwargs["corrupt_offset"] = host.runner.kv_buffers()[0].dtype.itemsize - 1
         if backend != "fake" and self.args.disaggregation_ib_device:
             kwargs["device_name"] = self.args.disaggregation_ib_device
-        self.transfer_engine = create_transfer_engine(backend, host, **kwargs)
+        self.transfer_engine = create_transfer_engine(backend, address, **kwargs)
         if backend == "fake":
             logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
                            "are meaningless (control-plane testing only)", self.role)
-        max_pages = -(-core.context_length // self.page_size)
-        self.local_kv = LocalKV(core.runner, self.transfer_engine,
+        max_pages = -(-host.context_length // self.page_size)
+        self.local_kv = LocalKV(host.runner, self.transfer_engine,
                                 os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages,
-                                head_repeat=kv_head_repeat(core))
+                                head_repeat=kv_head_repeat(host))
         self.local_kv.warmup()
         num_slots = max(32, 8 * self.args.max_running_requests)
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
