@@ -45,6 +45,8 @@ from pdjax.request import Request
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
+                                      Refused, RoomFailure, Timeout, WriteFailed)
 from pdjax.transfer.protocol import (MAX_ROOM, Abort, AbortAck, KVPoll, Message, ProtocolError,
                                      RegisterDecode, RegisterResult, TransferRequest,
                                      TransferStatus, prompt_digest, validate_pages)
@@ -90,9 +92,10 @@ class PrefillRoom:
     last_queued: bool = False
     first_send_s: float = 0.0
     done: bool = False                  # worker: last chunk + metadata written
-    error: str | None = None            # worker: a write failed
-    abort_reason: str | None = None     # receiver: the decode aborted
-    fail_reason: str | None = None
+    # A failure a helper thread saw (a write error, a bad page list, the decode's abort),
+    # applied by the engine thread at its next poll; ``failure``: why the room is Failed.
+    reported: RoomFailure | None = None
+    failure: RoomFailure | None = None
     status_code: int = 0                # 4xx: this server refused the request (told the decode)
     notified: bool = False              # the decode was told the outcome
     output: GenerateOutput | None = None
@@ -107,6 +110,17 @@ class PrefillRoom:
     @property
     def rid(self) -> str | None:
         return None if self.req is None else self.req.rid
+
+    @property
+    def fail_reason(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
+
+    def report(self, failure: RoomFailure) -> None:
+        """Record a helper thread's failure (under the manager's lock). The first one is
+        kept, except that the decode's abort wins over a write error."""
+        if self.reported is None or (isinstance(failure, Aborted)
+                                     and not isinstance(self.reported, Aborted)):
+            self.reported = failure
 
     def record(self) -> dict[str, Any]:
         return {"room": self.room, "rid": self.rid, "state": self.state.name,
@@ -195,7 +209,7 @@ class PrefillManager(RoleManager):
                 r = PrefillRoom(room=room, created_s=now, state_s=now)
                 self.rooms[room] = r
         r.status_code = status_code if 400 <= status_code < 500 else 0
-        self._fail(r, f"the prefill server refused the request: {message}")
+        self._fail(r, Refused(f"the prefill server refused the request: {message}"))
         self.wake()
 
     def abort(self, rid: str, message: str) -> GenerateOutput | None:
@@ -203,7 +217,7 @@ class PrefillManager(RoleManager):
         r = self.rooms_by_rid.get(rid)
         if r is None:
             return None
-        self._fail(r, f"aborted on the prefill server: {message}", notify="abort")
+        self._fail(r, Aborted(f"aborted on the prefill server: {message}"), notify="abort")
         r.output_sent = True           # the client is gone; nothing more to say
         out = GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
                              finish_reason={"type": "abort", "message": message})
@@ -220,12 +234,10 @@ class PrefillManager(RoleManager):
             rooms = list(self.rooms.values())
         for r in rooms:
             with self.lock:
-                abort_reason, error, done = r.abort_reason, r.error, r.done
+                reported, done = r.reported, r.done
             if r.state != KVPoll.Failed:
-                if abort_reason is not None:
-                    self._fail(r, abort_reason, notify=None)
-                elif error is not None:
-                    self._fail(r, error, notify=None)
+                if reported is not None:
+                    self._fail(r, reported, notify=None)
                 elif done and r.state != KVPoll.Success:
                     self._set_state(r, KVPoll.Success, now)
                     self.metrics.on_success(r.bytes, now - r.first_send_s)
@@ -241,9 +253,8 @@ class PrefillManager(RoleManager):
 
     def _set_state(self, r: PrefillRoom, state: KVPoll, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        new = KVPoll.advance(r.state, state)
-        if new != r.state:
-            self.metrics.on_state(r.state.name, now - r.state_s)
+        new = KVPoll.transition(r.state, state)
+        self.metrics.on_state(r.state.name, now - r.state_s)
         r.state, r.state_s = new, now
 
     def _try_start(self, r: PrefillRoom, now: float) -> None:
@@ -252,28 +263,31 @@ class PrefillManager(RoleManager):
         if r.req is None or r.dst_pages is None:
             if now - r.created_s > timeout:
                 what = "the request" if r.req is None else "a page list from the decode server"
-                self._fail(r, f"bootstrap timeout: no {what} for bootstrap_room {r.room} within "
-                              f"{timeout:g} s")
+                self._fail(r, Timeout(f"bootstrap timeout: no {what} for bootstrap_room "
+                                      f"{r.room} within {timeout:g} s"))
             return
         req = r.req
         if r.prompt_len != req.num_prompt_tokens or r.prompt_digest != prompt_digest(req.prompt_ids):
             # The room is the only key the two halves share: a room reused by another prompt
             # must not write its KV into pages reserved for the first (issue 16, item 1).
-            self._fail(r, f"bootstrap_room {r.room} is bound to another prompt: the decode "
-                          f"reserved pages for {r.prompt_len} tokens with another digest, this "
-                          f"request has {req.num_prompt_tokens} tokens (room reused?)")
+            self._fail(r, PromptMismatch(
+                f"bootstrap_room {r.room} is bound to another prompt: the decode reserved "
+                f"pages for {r.prompt_len} tokens with another digest, this request has "
+                f"{req.num_prompt_tokens} tokens (room reused?)"))
             return
         ps = self.page_size
         n_prompt_pages = -(-req.num_prompt_tokens // ps)
         if r.decode_prefix_len % ps or r.decode_prefix_len > req.num_prompt_tokens:
-            self._fail(r, f"decode_prefix_len {r.decode_prefix_len} is not a multiple of "
-                          f"page_size {ps} within the prompt of {req.num_prompt_tokens} tokens")
+            self._fail(r, RoomFailure(
+                f"decode_prefix_len {r.decode_prefix_len} is not a multiple of page_size {ps} "
+                f"within the prompt of {req.num_prompt_tokens} tokens"))
             return
         r.next_page = r.decode_prefix_len // ps
         if len(r.dst_pages) != n_prompt_pages - r.next_page:
-            self._fail(r, f"dst_pages: {len(r.dst_pages)} pages for a prompt of "
-                          f"{req.num_prompt_tokens} tokens needing {n_prompt_pages - r.next_page}"
-                          f" (page_size {ps}, decode_prefix_len {r.decode_prefix_len})")
+            self._fail(r, BadDestination(
+                f"dst_pages: {len(r.dst_pages)} pages for a prompt of {req.num_prompt_tokens} "
+                f"tokens needing {n_prompt_pages - r.next_page} (page_size {ps}, "
+                f"decode_prefix_len {r.decode_prefix_len})"))
             return
         slot = self.meta.alloc()
         if slot is None:
@@ -284,29 +298,30 @@ class PrefillManager(RoleManager):
             self.scheduler.add_request(req)
         except ValueError as e:
             self.scheduler.cancel_hold(req.rid)
-            self._fail(r, str(e))
+            self._fail(r, RoomFailure(str(e)))
             return
         self.metrics.on_bootstrap(now - r.created_s)
         self._set_state(r, KVPoll.WaitingForInput, now)
 
     def _check_timeouts(self, r: PrefillRoom, now: float) -> None:
         if r.state == KVPoll.WaitingForInput and now - r.state_s > self.args.waiting_timeout_s:
-            self._fail(r, f"waiting timeout: bootstrap_room {r.room} not computed within "
-                          f"{self.args.waiting_timeout_s:g} s")
+            self._fail(r, Timeout(f"waiting timeout: bootstrap_room {r.room} not computed "
+                                  f"within {self.args.waiting_timeout_s:g} s"))
         elif r.state == KVPoll.Transferring and now - r.state_s > self.args.transfer_timeout_s:
-            self._fail(r, f"transfer timeout: bootstrap_room {r.room} not transferred within "
-                          f"{self.args.transfer_timeout_s:g} s")
+            self._fail(r, Timeout(f"transfer timeout: bootstrap_room {r.room} not transferred "
+                                  f"within {self.args.transfer_timeout_s:g} s"))
 
-    def _fail(self, r: PrefillRoom, reason: str, notify: str | None = "status") -> None:
+    def _fail(self, r: PrefillRoom, failure: RoomFailure, notify: str | None = "status") -> None:
         """Mark ``r`` Failed (engine thread). ``notify``: tell the decode with a Failed status
         or an Abort (through the worker queue, after the room's chunks), or not (None: the
         decode already knows)."""
         if r.state == KVPoll.Failed:
             return
         self._set_state(r, KVPoll.Failed)
-        r.fail_reason = reason
+        r.failure = failure
+        reason = str(failure)
         logger.warning("PD prefill: bootstrap_room %d failed: %s", r.room, reason)
-        self.metrics.on_failure(_reason_class(reason))
+        self.metrics.on_failure(failure.label)
         if r.req is not None and r.req.rid in self.scheduler.requests:
             self.scheduler.abort_request(r.req.rid, reason)
         if notify is not None and r.peer_id is not None and not r.notified:
@@ -349,7 +364,7 @@ class PrefillManager(RoleManager):
                 elif r.state == KVPoll.Failed:
                     self.rooms[r.room] = PrefillRoom(
                         room=r.room, created_s=r.state_s, state=KVPoll.Failed,
-                        state_s=r.state_s, peer_id=r.peer_id, fail_reason=r.fail_reason,
+                        state_s=r.state_s, peer_id=r.peer_id, failure=r.failure,
                         status_code=r.status_code, notified=True, output_sent=True)
                 else:
                     del self.rooms[r.room]
@@ -368,8 +383,8 @@ class PrefillManager(RoleManager):
                 moving = [r for r in self.rooms.values()
                           if r.state == KVPoll.Transferring or r.jobs_inflight]
             for r in moving:
-                self._fail(r, "the prefill KV cache moved after a donated step; transfers in "
-                              "flight were failed")
+                self._fail(r, CacheMoved("the prefill KV cache moved after a donated step; "
+                                         "transfers in flight were failed"))
         held: dict[str, PrefillRoom] = {}
         synced = False
         for row in batch.rows if batch is not None else ():
@@ -443,7 +458,7 @@ class PrefillManager(RoleManager):
                 logger.exception("PD prefill worker: %s job failed", kind)
                 if kind == "chunk":
                     with self.lock:
-                        r.error = r.error or f"internal error in the transfer worker: {e}"
+                        r.report(WriteFailed(f"internal error in the transfer worker: {e}"))
             finally:
                 if kind in ("chunk", "notice"):
                     with self.lock:
@@ -452,12 +467,12 @@ class PrefillManager(RoleManager):
 
     def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool) -> None:
         with self.lock:
-            if r.abort_reason is not None or r.error is not None or r.state == KVPoll.Failed:
+            if r.reported is not None or r.state == KVPoll.Failed:
                 return
             peer = self.peers.get(r.peer_id)
         if peer is None:
             with self.lock:
-                r.error = f"decode engine {r.peer_id!r} is no longer registered"
+                r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
             return
         try:
             copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
@@ -474,7 +489,7 @@ class PrefillManager(RoleManager):
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
             with self.lock:
-                r.error = reason
+                r.report(WriteFailed(reason))
                 r.notified = True
             self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
                                                           state=KVPoll.Failed, reason=reason))
@@ -582,7 +597,7 @@ class PrefillManager(RoleManager):
             with self.lock:
                 r = self.rooms.get(msg.bootstrap_room)
                 if r is not None and r.peer_id is None:
-                    r.error = reason     # the prefill client hears of it too
+                    r.report(BadDestination(reason))     # the prefill client hears of it too
                     r.notified = True
             self.wake()
             return
@@ -629,7 +644,7 @@ class PrefillManager(RoleManager):
             peer = self.peers.get(msg.sender_id)
             r = self.rooms.get(msg.bootstrap_room)
             if r is not None and r.peer_id == msg.sender_id:
-                r.abort_reason = f"aborted by the decode server: {msg.reason or 'no reason'}"
+                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
                 r.notified = True
         if peer is None:
             self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
@@ -678,9 +693,3 @@ class PrefillManager(RoleManager):
         self.bootstrap.stop()
         self.close_base()
 
-
-def _reason_class(reason: str) -> str:
-    for key in ("timeout", "aborted", "duplicate", "write", "dst_pages", "moved", "refused"):
-        if key in reason:
-            return key
-    return "prompt_mismatch" if "another prompt" in reason else "other"

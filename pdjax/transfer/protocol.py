@@ -77,6 +77,11 @@ class ProtocolError(ValueError):
     """A frame or field that breaks the protocol; the message names the offending field."""
 
 
+class IllegalTransition(RuntimeError):
+    """A state change a transition table does not allow (a bug in the caller, never a peer's
+    input)."""
+
+
 class KVPoll(enum.IntEnum):
     """Transfer state of one room, on either side (SGLang's order and values).
 
@@ -91,14 +96,28 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
     @staticmethod
-    def advance(old: "KVPoll", new: "KVPoll") -> "KVPoll":
-        """Update rule for a room's state: it only moves up, except that ``Failed`` always wins.
+    def transition(old: "KVPoll", new: "KVPoll") -> "KVPoll":
+        """``new`` if a room may move ``old -> new``; ``IllegalTransition`` otherwise. The table::
 
-        A room that already failed stays failed (a late Success must not revive it).
+            Bootstrapping -> WaitingForInput -> Transferring -> Success
+                  '---------------'------------------'------------'--> Failed (final)
+
+        ``Success -> Failed``: on the prefill a room whose Success reached the decode still
+        fails until its last job ended (a client abort, a moved cache); only its own client
+        hears of that.
         """
-        if old == KVPoll.Failed or new == KVPoll.Failed:
-            return KVPoll.Failed
-        return KVPoll(max(int(old), int(new)))
+        if new not in _KVPOLL_TRANSITIONS[old]:
+            raise IllegalTransition(f"room state {old.name} -> {new.name} is not allowed")
+        return new
+
+
+_KVPOLL_TRANSITIONS = {
+    KVPoll.Bootstrapping: frozenset({KVPoll.WaitingForInput, KVPoll.Failed}),
+    KVPoll.WaitingForInput: frozenset({KVPoll.Transferring, KVPoll.Failed}),
+    KVPoll.Transferring: frozenset({KVPoll.Success, KVPoll.Failed}),
+    KVPoll.Success: frozenset({KVPoll.Failed}),
+    KVPoll.Failed: frozenset(),
+}
 
 
 class MessageType(str, enum.Enum):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from pdjax.transfer import protocol as P
-from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, KVPoll,
-                                     ProtocolError, RegisterDecode, RegisterResult,
-                                     TransferRequest, TransferStatus, decode_message,
+from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, IllegalTransition,
+                                     KVBufferDesc, KVPoll, ProtocolError, RegisterDecode,
+                                     RegisterResult, TransferRequest, TransferStatus, decode_message,
                                      encode_message, find_duplicates, validate_pages)
 
 
@@ -71,13 +71,21 @@ def test_status_state_is_an_enum_after_decode():
     assert back.state is KVPoll.Success
 
 
-def test_kvpoll_order_and_advance():
+def test_kvpoll_order_and_checked_transitions():
     assert [int(s) for s in (KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput,
                              KVPoll.Transferring, KVPoll.Success)] == [0, 1, 2, 3, 4]
-    assert KVPoll.advance(KVPoll.Bootstrapping, KVPoll.Transferring) == KVPoll.Transferring
-    assert KVPoll.advance(KVPoll.Transferring, KVPoll.WaitingForInput) == KVPoll.Transferring
-    assert KVPoll.advance(KVPoll.Success, KVPoll.Failed) == KVPoll.Failed
-    assert KVPoll.advance(KVPoll.Failed, KVPoll.Success) == KVPoll.Failed
+    order = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
+    legal = {(a, b) for a, b in zip(order, order[1:])} | {(a, KVPoll.Failed) for a in order}
+    for old in KVPoll:
+        for new in KVPoll:
+            if (old, new) in legal:
+                assert KVPoll.transition(old, new) is new
+            else:
+                # No skipping, no going back, no staying, nothing after Failed (a late Success
+                # must not revive a failed room).
+                with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
+                    KVPoll.transition(old, new)
+    assert len(legal) == 7
     assert min(KVPoll.Success, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
 
 
