@@ -10,10 +10,9 @@ record events and wake the engine, which applies every change to the scheduler i
 
 It owns the transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
 the engine sees it (``LocalKV``: direct or staging), the ``MetadataBuffers`` pool, the control
-channel and the PD metrics. Test knobs (environment): ``PDJAX_KV_TRANSFER_PATH``
-(auto|direct|staging), ``PDJAX_TRANSFER_MAX_BATCH`` (copies per engine batch, default 1024,
-the Mooncake per-peer queue limit), ``PDJAX_SHUFFLE_FREE_PAGES`` (a seed: fragment the free
-list for good, as tests of copy counts need).
+channel and the PD metrics. ``--disaggregation-transfer-path`` picks the KV path
+(auto|direct|staging), ``--disaggregation-transfer-max-batch`` the most copies per engine
+batch (default 1024, the Mooncake per-peer queue limit).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import abc
 import collections
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
@@ -29,7 +27,7 @@ from typing import Any, Callable
 from pdjax.engine_io import GenerateOutput
 from pdjax.engine_roles import RoleHost
 from pdjax.transfer.channel import MessageChannel, advertise_host
-from pdjax.transfer.engine import DEFAULT_MAX_BATCH, FAKE_BOOTSTRAP_HOST, create_transfer_engine
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.pd_metrics import PDMetrics
@@ -40,16 +38,6 @@ logger = logging.getLogger(__name__)
 MAX_TOP_LOGPROBS = 20           # the HTTP API's limit; both roles must use the same row size
 RECENT_ROOMS = 512              # concluded rooms kept for /pd_state
 POLL_INTERVAL_S = 0.1           # timeouts are checked at least this often while rooms live
-
-
-def env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def check_room(room: Any, role: str) -> int:
@@ -110,16 +98,9 @@ class RoleManager(abc.ABC):
             logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "
                            "the bootstrap server and the ZMQ control channel accept anyone who "
                            "can reach them", self.role)
-        seed = env_int("PDJAX_SHUFFLE_FREE_PAGES", None)
-        if seed is not None:
-            self.scheduler.allocator.shuffle(seed)
         address = advertise_host(self.args.host)
-        kwargs: dict[str, Any] = {"max_batch": env_int("PDJAX_TRANSFER_MAX_BATCH",
-                                                       DEFAULT_MAX_BATCH)}
+        kwargs: dict[str, Any] = {"max_batch": self.args.disaggregation_transfer_max_batch}
         backend = self.args.disaggregation_transfer_backend
-        if backend == "mooncake-corrupt":
-            # Flip the top exponent bit of one element: the high byte of a little-endian value.
-            kwargs["corrupt_offset"] = host.runner.kv_buffers()[0].dtype.itemsize - 1
         if backend != "fake" and self.args.disaggregation_ib_device:
             kwargs["device_name"] = self.args.disaggregation_ib_device
         self.transfer_engine = create_transfer_engine(backend, address, **kwargs)
@@ -128,7 +109,7 @@ class RoleManager(abc.ABC):
                            "are meaningless (control-plane testing only)", self.role)
         max_pages = -(-host.context_length // self.page_size)
         self.local_kv = LocalKV(host.runner, self.transfer_engine,
-                                os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages,
+                                self.args.disaggregation_transfer_path, max_pages,
                                 head_repeat=kv_head_repeat(host))
         self.local_kv.warmup()
         num_slots = max(32, 8 * self.args.max_running_requests)
