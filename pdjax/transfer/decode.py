@@ -51,8 +51,8 @@ from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataG
                                       PairingFailed, PeerLost, PeerState, Refused,
                                       RemoteFailure, RoomFailure, Timeout, peer_transition)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus,
-                                     prompt_digest)
+                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.wire import prompt_digest
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class DecodeRoom:
     status_failure: RoomFailure | None = None
     status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
     failure: RoomFailure | None = None
-    digest: bytes = b""                # protocol.prompt_digest of the prompt
+    digest: bytes = b""                # wire.prompt_digest of the prompt
 
     @property
     def fake(self) -> bool:

@@ -51,7 +51,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdjax.transfer.engine import Copy, TransferEngine
-from pdjax.transfer.protocol import KV_LAYOUTS, KVBufferDesc, validate_pages
+from pdjax.transfer.protocol import KVBufferDesc
+from pdjax.transfer.wire import KV_LAYOUTS, validate_pages
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,9 +47,9 @@ from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
                                       Refused, RoomFailure, Timeout, WriteFailed)
-from pdjax.transfer.protocol import (MAX_ROOM, Abort, AbortAck, KVPoll, Message, ProtocolError,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus, prompt_digest, validate_pages)
+from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
+                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)

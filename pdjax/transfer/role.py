@@ -31,7 +31,9 @@ from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.pd_metrics import PDMetrics
-from pdjax.transfer.protocol import MAX_ROOM, Message, resolve_secret
+from pdjax.transfer.frame_auth import resolve_secret
+from pdjax.transfer.protocol import Message
+from pdjax.transfer.wire import MAX_ROOM
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_pre
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus,
-                                     prompt_digest)
+                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.wire import prompt_digest
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16
