@@ -10,7 +10,7 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
     server       server (the HTTP API; sees the engine as an EngineClient)
-    entrypoints  entrypoints, serve, router, convert, the package root (re-exports)
+    entrypoints  entrypoints, serve, router (+ router_pool), convert, the package root
 
 Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows, and are skipped.
 """
@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transfer", ("pdjax.transfer",)),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),
-    ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router", "pdjax.convert",
-                     "pdjax")),
+    ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router", "pdjax.router_pool",
+                     "pdjax.convert", "pdjax")),
 ]
 
 

@@ -33,7 +33,6 @@ running requests or quarantined come back) and fails only by ``waiting_timeout_s
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -49,85 +48,17 @@ from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
                                       PairingFailed, PeerLost, PeerState, Refused,
-                                      RemoteFailure, RoomFailure, Timeout, peer_transition)
+                                      RemoteFailure, RoomFailure, Timeout)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
                                      RegisterResult, TransferRequest, TransferStatus)
-from pdjax.transfer.wire import prompt_digest
 from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.rooms import DecodeRoom, PrefillPeer
+from pdjax.transfer.wire import prompt_digest
 
 logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
 HEARTBEAT_MAX_FAILURES = 2
-
-
-@dataclasses.dataclass
-class PrefillPeer:
-    """One prefill server, keyed by its bootstrap ``host:port``."""
-
-    host: str
-    port: int
-    engine_id: str                     # this decode's id towards that prefill
-    state: PeerState = PeerState.CONNECTING
-    failure: RoomFailure | None = None  # why it is FAILED (PairingFailed, PeerLost)
-    register_reason: str = ""          # the prefill's answer to the registration
-    endpoint: str | None = None        # the prefill rank's ZMQ PULL socket
-    accepted: bool | None = None
-    health_failures: int = 0
-    registered: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.host, self.port
-
-    @property
-    def reason(self) -> str:
-        return str(self.failure) if self.failure is not None else self.register_reason
-
-    def set_ready(self) -> None:
-        self.state = peer_transition(self.state, PeerState.READY)
-
-    def fail(self, failure: RoomFailure) -> None:
-        self.state = peer_transition(self.state, PeerState.FAILED)
-        self.failure = failure
-
-
-@dataclasses.dataclass
-class DecodeRoom:
-    """One PD request on the decode. ``status`` (the prefill's Success or Failed),
-    ``status_failure`` (why, when Failed) and ``status_code`` are set by the receiver thread;
-    the rest belongs to the engine thread."""
-
-    room: int | None                   # None for a fake (warm-up) request
-    req: Request
-    peer_key: tuple[str, int] | None   # None for a fake request
-    created_s: float
-    state: KVPoll = KVPoll.Bootstrapping
-    state_s: float = 0.0
-    slot: int | None = None
-    dst_pages: list[int] = dataclasses.field(default_factory=list)
-    decode_prefix_len: int = 0
-    sent_s: float = 0.0
-    status: KVPoll | None = None
-    status_failure: RoomFailure | None = None
-    status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
-    failure: RoomFailure | None = None
-    digest: bytes = b""                # wire.prompt_digest of the prompt
-
-    @property
-    def fake(self) -> bool:
-        return self.peer_key is None
-
-    @property
-    def fail_reason(self) -> str | None:
-        return None if self.failure is None else str(self.failure)
-
-    def record(self) -> dict[str, Any]:
-        return {"room": self.room, "rid": self.req.rid, "state": self.state.name,
-                "reason": self.fail_reason, "prompt_len": self.req.num_prompt_tokens,
-                "decode_prefix_len": self.decode_prefix_len, "dst_pages": list(self.dst_pages),
-                "slot": self.slot,
-                "peer": None if self.peer_key is None else f"{self.peer_key[0]}:{self.peer_key[1]}"}
 
 
 class DecodeManager(RoleManager):

@@ -31,7 +31,6 @@ JAX only through ``LocalKV``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -44,91 +43,16 @@ from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.request import Request
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
-from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.kv_export import build_copies
 from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
                                       Refused, RoomFailure, Timeout, WriteFailed)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
                                      RegisterResult, TransferRequest, TransferStatus)
-from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.rooms import DecodePeer, PrefillRoom
+from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DecodePeer:
-    """A registered decode engine: where its KV pool and metadata slots are."""
-
-    engine_id: str
-    reply_endpoint: str
-    session_id: str
-    layout: KVLayout
-    metadata_addr: int
-    metadata_num_slots: int
-    metadata_bytes_per_slot: int
-
-
-@dataclasses.dataclass
-class PrefillRoom:
-    """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are
-    marked; everything else belongs to the engine thread."""
-
-    room: int
-    created_s: float
-    state: KVPoll = KVPoll.Bootstrapping
-    state_s: float = 0.0
-    req: Request | None = None
-    # From the decode's TransferRequest (receiver thread).
-    peer_id: str | None = None
-    dst_pages: np.ndarray | None = None
-    dst_slot: int = -1
-    decode_prefix_len: int = 0
-    prompt_len: int = 0                 # the prompt the decode reserved pages for
-    prompt_digest: bytes = b""
-    # Progress.
-    src_slot: int | None = None
-    next_page: int = 0                  # next prompt page to send
-    jobs_inflight: int = 0              # chunk/notice jobs queued or running (worker)
-    last_queued: bool = False
-    first_send_s: float = 0.0
-    done: bool = False                  # worker: last chunk + metadata written
-    # A failure a helper thread saw (a write error, a bad page list, the decode's abort),
-    # applied by the engine thread at its next poll; ``failure``: why the room is Failed.
-    reported: RoomFailure | None = None
-    failure: RoomFailure | None = None
-    status_code: int = 0                # 4xx: this server refused the request (told the decode)
-    notified: bool = False              # the decode was told the outcome
-    output: GenerateOutput | None = None
-    output_sent: bool = False
-    # Accounting (worker).
-    bytes: int = 0
-    pages: int = 0
-    copies: int = 0
-    write_s: float = 0.0          # time inside the transfer engine's batch writes
-    chunks: list = dataclasses.field(default_factory=list)
-
-    @property
-    def rid(self) -> str | None:
-        return None if self.req is None else self.req.rid
-
-    @property
-    def fail_reason(self) -> str | None:
-        return None if self.failure is None else str(self.failure)
-
-    def report(self, failure: RoomFailure) -> None:
-        """Record a helper thread's failure (under the manager's lock). The first one is
-        kept, except that the decode's abort wins over a write error."""
-        if self.reported is None or (isinstance(failure, Aborted)
-                                     and not isinstance(self.reported, Aborted)):
-            self.reported = failure
-
-    def record(self) -> dict[str, Any]:
-        return {"room": self.room, "rid": self.rid, "state": self.state.name,
-                "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
-                "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
-                "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
-                "chunks": self.chunks, "write_s": self.write_s,
-                "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
 
 
 class PrefillManager(RoleManager):
@@ -184,9 +108,7 @@ class PrefillManager(RoleManager):
             if r is not None and r.state == KVPoll.Failed:
                 raise ValueError(f"bootstrap_room {room} already failed on this prefill "
                                  f"server: {r.fail_reason}")
-            if r is None:
-                r = PrefillRoom(room=room, created_s=now, state_s=now)
-                self.rooms[room] = r
+            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
             r.req = req
             r.created_s = now
             self.rooms_by_rid[req.rid] = r
@@ -205,9 +127,7 @@ class PrefillManager(RoleManager):
             r = self.rooms.get(room)
             if r is not None and (r.req is not None or r.state == KVPoll.Failed):
                 return
-            if r is None:
-                r = PrefillRoom(room=room, created_s=now, state_s=now)
-                self.rooms[room] = r
+            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
         r.status_code = status_code if 400 <= status_code < 500 else 0
         self._fail(r, Refused(f"the prefill server refused the request: {message}"))
         self.wake()
@@ -362,10 +282,7 @@ class PrefillManager(RoleManager):
                         return out
                     del self.rooms[r.room]
                 elif r.state == KVPoll.Failed:
-                    self.rooms[r.room] = PrefillRoom(
-                        room=r.room, created_s=r.state_s, state=KVPoll.Failed,
-                        state_s=r.state_s, peer_id=r.peer_id, failure=r.failure,
-                        status_code=r.status_code, notified=True, output_sent=True)
+                    self.rooms[r.room] = r.tombstone()
                 else:
                     del self.rooms[r.room]
             if req is not None:
@@ -545,30 +462,16 @@ class PrefillManager(RoleManager):
         self._count_rejected("refused")
 
     def _on_register(self, msg: RegisterDecode) -> None:
-        problems = []
-        ours = {"page_size": self.page_size, "kv_dtype": self.local_kv.kv_dtype,
-                "layout_fingerprint": self.local_kv.fingerprint,
-                "kv_layout": self.local_kv.layout.kind,
-                "metadata_bytes_per_slot": self.meta.bytes_per_slot}
-        for name, value in ours.items():
-            if getattr(msg, name) != value:
-                problems.append(f"{name}: prefill {value!r} != decode {getattr(msg, name)!r}")
-        layout = None
-        if not problems:
-            try:
-                layout = KVLayout(msg.kv_layout, msg.kv_buffers)
-                self.local_kv.layout.check_compatible(layout)
-            except ValueError as e:
-                problems.append(str(e))
-        if problems:
-            reason = "prefill refuses to pair: " + "; ".join(problems)
+        try:
+            peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
+                                                self.meta.bytes_per_slot)
+        except ValueError as e:
+            reason = str(e)
             self._reject(f"registration of {msg.decode_engine_id}: {reason}")
             self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
                                                          accepted=False, reason=reason))
             return
-        peer = DecodePeer(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id,
-                          layout, msg.metadata_addr, msg.metadata_num_slots,
-                          msg.metadata_bytes_per_slot)
+        layout = peer.layout
         with self.lock:
             self.peers[msg.decode_engine_id] = peer
         logger.info("PD prefill: decode %s registered (session %s, %d pages)",
@@ -615,9 +518,8 @@ class PrefillManager(RoleManager):
                 duplicate = True
             else:
                 duplicate = False
-                if r is None:
-                    r = PrefillRoom(room=msg.bootstrap_room, created_s=now, state_s=now)
-                    self.rooms[msg.bootstrap_room] = r
+                r = r or self.rooms.setdefault(msg.bootstrap_room,
+                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
                 r.peer_id = msg.decode_engine_id
                 r.dst_pages = dst
                 r.dst_slot = msg.dst_metadata_slot
