@@ -2,8 +2,9 @@
 
 A ``RoleManager`` (an ``EngineRole``, ``pdjax/engine_roles.py``) is created by
 ``transfer.factory.create_engine_role`` for ``--role prefill|decode`` and lives on the engine
-thread; it sees the engine only as a ``RoleHost``; its helper threads (ZMQ receiver, transfer worker, bootstrap, heartbeat) only
-record events and wake the engine, which applies every change to the scheduler itself:
+thread; it sees the engine only as a ``RoleHost``. Its helper threads (ZMQ receiver, transfer
+worker, bootstrap, heartbeat) only record events and wake the engine, which applies every
+change to the scheduler itself (through the scheduler's PD methods):
 
     engine thread: step() = disagg.poll() -> schedule -> forward -> sample -> disagg.after_step()
     helper threads: record under ``lock`` -> wake()

@@ -40,8 +40,8 @@ class DecodePeer:
     def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,
                           metadata_bytes_per_slot: int) -> "DecodePeer":
         """The peer a ``RegisterDecode`` describes, if it pairs with this prefill's KV
-        (``local_kv``, ``page_size``) and metadata rows; ``ValueError`` ("prefill refuses to pair: ...",
-        every mismatch named) otherwise."""
+        (``local_kv``, ``page_size``) and metadata rows; ``ValueError`` ("prefill refuses to
+        pair: ...", every mismatch named) otherwise."""
         problems = []
         ours = {"page_size": page_size, "kv_dtype": local_kv.kv_dtype,
                 "layout_fingerprint": local_kv.fingerprint, "kv_layout": local_kv.layout.kind,

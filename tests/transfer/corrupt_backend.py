@@ -28,7 +28,8 @@ def register(corrupt_offset: int = 1) -> None:
 
 
 class CorruptingMooncakeTransferEngine(MooncakeTransferEngine):
-    """Mooncake, then one flipped byte in the destination of the first KV copy of every ``batch_write``.
+    """Mooncake, then one flipped byte in the destination of the first KV copy of every
+    ``batch_write``.
 
     It exists to prove that the decode side really uses the transferred KV (issue 5: "a test
     transfer backend that flips one byte of the KV changes the output"). After the real write

@@ -8,8 +8,8 @@ from pdjax.transfer import protocol as P
 from pdjax.transfer import wire as W
 from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, IllegalTransition,
                                      KVBufferDesc, KVPoll, ProtocolError, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus, decode_message,
-                                     encode_message)
+                                     RegisterResult, TransferRequest, TransferStatus,
+                                     decode_message, encode_message)
 from pdjax.transfer.wire import find_duplicates, validate_pages
 
 
