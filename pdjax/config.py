@@ -11,6 +11,8 @@ import json
 import os
 from typing import Any
 
+from pdjax.transfer.engine import available_backends
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -156,7 +158,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "bfloat16"),
     "kv_cache_dtype": ("auto", "float32", "bfloat16", "fp8_e4m3"),
     "attention_backend": ("auto", "reference", "xla", "tpu", "gpu"),
-    "disaggregation_transfer_backend": ("mooncake", "fake", "mooncake-corrupt"),
+    "disaggregation_transfer_path": ("auto", "direct", "staging"),
     "log_level": ("debug", "info", "warning", "error"),
     "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_parser": REASONING_PARSERS,
@@ -199,6 +201,10 @@ _HELP = {
     "disaggregation_bootstrap_port": "prefill role: port of the bootstrap server",
     "disaggregation_transfer_backend": "PD data plane; fake moves no bytes (warm-up, tests)",
     "disaggregation_ib_device": "RDMA device for Mooncake (TCP when unset)",
+    "disaggregation_transfer_path": "PD KV path: direct (the cache's own buffers registered), "
+                                    "staging (pages gathered into a registered buffer), auto",
+    "disaggregation_transfer_max_batch": "PD: most copies per transfer-engine batch (Mooncake's "
+                                         "per-peer queue limit)",
     "disaggregation_secret": "PD: shared secret for the bootstrap and ZMQ control plane "
                              "(or env PDJAX_DISAGGREGATION_SECRET); unset: unauthenticated",
     "num_reserved_decode_tokens": "decode admission: free tokens kept per request beyond its prompt",
@@ -257,6 +263,8 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_ib_device: str | None = None
+    disaggregation_transfer_path: str = "auto"
+    disaggregation_transfer_max_batch: int = 1024
     disaggregation_secret: str | None = None
     num_reserved_decode_tokens: int = 512
     bootstrap_timeout_s: float = 300.0
@@ -302,9 +310,18 @@ class ServerArgs:
         if self.attention_backend not in (None, "auto", "reference", "xla", "tpu", "gpu"):
             raise ValueError("attention_backend must be one of auto, reference, xla, tpu, gpu; "
                              f"got {self.attention_backend!r}")
-        if self.disaggregation_transfer_backend not in ("mooncake", "fake", "mooncake-corrupt"):
-            raise ValueError("disaggregation_transfer_backend must be mooncake or fake, got "
+        if self.disaggregation_transfer_backend not in available_backends():
+            raise ValueError(f"disaggregation_transfer_backend must be one of "
+                             f"{', '.join(available_backends())}; got "
                              f"{self.disaggregation_transfer_backend!r}")
+        if self.disaggregation_transfer_path not in _CHOICES["disaggregation_transfer_path"]:
+            raise ValueError(f"disaggregation_transfer_path must be auto, direct or staging; "
+                             f"got {self.disaggregation_transfer_path!r}")
+        if isinstance(self.disaggregation_transfer_max_batch, bool) or \
+                not isinstance(self.disaggregation_transfer_max_batch, int) or \
+                self.disaggregation_transfer_max_batch < 1:
+            raise ValueError(f"disaggregation_transfer_max_batch must be an int >= 1, got "
+                             f"{self.disaggregation_transfer_max_batch!r}")
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
                      "heartbeat_interval_s", "drain_timeout_s", "watchdog_timeout_s"):
             if not getattr(self, name) > 0:
@@ -326,7 +343,10 @@ class ServerArgs:
                 continue
             typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                 str(f.type), str)
-            parser.add_argument(flag, type=typ, default=default, choices=_CHOICES.get(f.name),
+            choices = _CHOICES.get(f.name)
+            if f.name == "disaggregation_transfer_backend":
+                choices = available_backends()     # the registry: tests add their own
+            parser.add_argument(flag, type=typ, default=default, choices=choices,
                                 help=f"{help_text} (default: {default})".strip())
         parser.add_argument("--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE),
                             default=None, help="SGLang's alias of --role")

@@ -23,6 +23,7 @@ import numpy as np
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import bitmask_words
 from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
@@ -34,6 +35,7 @@ from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import BucketKey, Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdjax.transfer.factory import create_engine_role
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +141,9 @@ class EngineCore:
         self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
         if args.target_itl_ms is not None:
             self.seed_cost_model()
-        # PD disaggregation hook (DESIGN.md §4): the role's transfer manager, or None.
-        self.disagg = None
-        if args.role == "prefill":
-            from pdjax.transfer.prefill import PrefillManager
-            self.disagg = PrefillManager(self)
-        elif args.role == "decode":
-            from pdjax.transfer.decode import DecodeManager
-            self.disagg = DecodeManager(self)
+        # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
+        # (pdjax/engine_roles.py); this core is its RoleHost.
+        self.disagg: EngineRole | None = create_engine_role(self)
 
     # ------------------------------------------------------------------ grammars
     @property
@@ -212,7 +209,12 @@ class EngineCore:
         pages a finish or abort released (PD decode calls this before handing pages to a
         transfer)."""
         if self._inflight is not None:
-            jax.block_until_ready(self.runner.caches)
+            self.wait_for_kv()
+
+    def wait_for_kv(self) -> None:
+        """Block until every KV write dispatched so far has landed in the cache (PD prefill,
+        before a transfer reads the pages from outside the device stream)."""
+        jax.block_until_ready(self.runner.caches)
 
     def drain(self) -> list[GenerateOutput]:
         """Read the step in flight, if any, without launching another; returns its outputs."""
@@ -569,7 +571,7 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int = 0):
-        from pdjax.server.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
+        from pdjax.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
 
         single = isinstance(prompt, str) or (input_ids is not None and input_ids
                                              and isinstance(input_ids[0], int))

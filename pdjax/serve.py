@@ -41,9 +41,9 @@ def run_colocated(args: ServerArgs) -> int:
 def _role_runner(role: str):
     if role == "colocated":
         return run_colocated
-    from pdjax.transfer import roles     # PD roles: prefill, decode, pd
+    from pdjax.entrypoints import pd_roles     # PD roles: prefill, decode, pd
 
-    return roles.RUNNERS[role]
+    return pd_roles.RUNNERS[role]
 
 
 def main(argv=None) -> int:

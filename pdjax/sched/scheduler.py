@@ -37,6 +37,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from types import MappingProxyType
+from typing import Hashable, Mapping
 
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
@@ -151,10 +153,11 @@ class Scheduler:
         # finish): the engine drains them every step with ``pop_finished`` and answers them.
         self._finished_unreported: list[Request] = []
         # PD disaggregation (DESIGN.md §4); see the "PD hooks" section below.
-        self.hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
-        self.held: dict[str, Request] = {}         # finished, pages kept until release_held
-        self.prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
-        self.quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
+        # Changed only through the PD methods; read-only views: ``held``, ``prealloc``.
+        self._hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
+        self._held: dict[str, Request] = {}         # finished, pages kept until release_held
+        self._prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
+        self._quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
         # Requests whose pending token is certainly their last (length limits): not scheduled
         # again while it is pending (overlap).
         self.finishing: set[str] = set()
@@ -179,7 +182,7 @@ class Scheduler:
     def abort_request(self, rid: str, message: str = "aborted") -> Request | None:
         """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
         req = self.requests.pop(rid, None)
-        self.hold_on_finish.discard(rid)
+        self._hold_on_finish.discard(rid)
         self.finishing.discard(rid)
         if req is None:
             return None
@@ -455,31 +458,55 @@ class Scheduler:
         self.finishing.discard(req.rid)
         if req in self.running:
             self.running.remove(req)
-            if req.rid in self.hold_on_finish:
-                self.hold_on_finish.discard(req.rid)
-                self.held[req.rid] = req           # pages stay until release_held
+            if req.rid in self._hold_on_finish:
+                self._hold_on_finish.discard(req.rid)
+                self._held[req.rid] = req          # pages stay until release_held
             else:
                 self._release(req)
         self.requests.pop(req.rid, None)
         req.finish_reason = reason
         req.set_state(RequestState.FINISHED)
 
-    # ------------------------------------------------------------------ PD hooks
+    # ------------------------------------------------------------------ PD page sets
+    # The transfer roles change these sets only through the methods below (DESIGN.md §4);
+    # ``check_invariants`` counts every one of them.
     # Prefill: a request whose KV is being copied to a decode server finishes after its first
     # token, but its pages must not be evicted or reused until the copy ends (DESIGN.md §4
-    # step 7): ``hold_on_finish`` -> ``held`` -> ``release_held``.
+    # step 7): ``hold_on_finish`` -> held -> ``release_held`` (``cancel_hold`` before it
+    # finished).
     # Decode: pages are reserved before the KV arrives (``reserve_prebuilt``), then the request
-    # joins the running batch with its first token and no prompt recompute (``add_prebuilt``),
-    # or gives the pages back without caching them (``release_prebuilt``); pages a late write
-    # may still hit wait in ``quarantined`` until ``release_quarantine``.
+    # joins the running batch with its first token and no prompt recompute (``add_prebuilt``,
+    # the commit), or gives the pages back without caching them (``release_prebuilt``), or
+    # parks them where a late write may still land (``quarantine_prebuilt``) until
+    # ``release_quarantine``.
     #
     #     waiting/none --reserve_prebuilt--> prealloc --add_prebuilt--> running
-    #                                           '--release_prebuilt--> free | quarantined
+    #                                           |--release_prebuilt--> free
+    #                                           '--quarantine_prebuilt--> quarantined --> free
+
+    @property
+    def held(self) -> Mapping[str, Request]:
+        """Finished requests whose pages are kept (read-only view, rid -> request)."""
+        return MappingProxyType(self._held)
+
+    @property
+    def prealloc(self) -> Mapping[str, Request]:
+        """Decode requests with reserved pages whose KV is arriving (read-only view)."""
+        return MappingProxyType(self._prealloc)
+
+    def hold_on_finish(self, rid: str) -> None:
+        """Keep ``rid``'s pages when it finishes (it becomes held until ``release_held``).
+        Call before the request is added; an abort drops the mark."""
+        self._hold_on_finish.add(rid)
+
+    def cancel_hold(self, rid: str) -> None:
+        """Undo ``hold_on_finish`` for a request that never finished (e.g. refused on add)."""
+        self._hold_on_finish.discard(rid)
 
     def release_held(self, rid: str) -> bool:
         """Give back the pages of a held finished request (full pages into the prefix cache).
         Returns False if ``rid`` is not held."""
-        req = self.held.pop(rid, None)
+        req = self._held.pop(rid, None)
         if req is None:
             return False
         self._release(req)
@@ -492,7 +519,7 @@ class Scheduler:
         Afterwards ``req.num_cached_tokens`` = matched prefix tokens (a multiple of page_size)
         and ``req.pages`` covers the whole prompt; the request is in ``prealloc``.
         Raises ``ValueError`` if ``req`` is already known or its prompt is too long."""
-        if req.rid in self.requests or req.rid in self.prealloc or req.rid in self.held:
+        if req.rid in self.requests or req.rid in self._prealloc or req.rid in self._held:
             raise ValueError(f"rid {req.rid!r} is already in use")
         if req.num_prompt_tokens >= self.max_request_tokens:
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
@@ -509,17 +536,32 @@ class Scheduler:
         req.pages = list(pages) + self.allocator.alloc(new)
         req.num_cached_tokens = len(pages) * ps
         req.num_computed_tokens = 0
-        self.prealloc[req.rid] = req
+        self._prealloc[req.rid] = req
         return True
 
+    def decode_reserve_pages(self, req: Request, num_reserved_decode_tokens: int) -> int:
+        """Pages to keep free for decode tokens when ``req`` is admitted: for ``req`` and every
+        running or reserved request, ``ceil(min(num_reserved_decode_tokens, tokens it may still
+        generate) / page_size)`` (SGLang's ``pop_preallocated``, simplified; a request that has
+        no output yet counts its first token as generated)."""
+        ps = self.page_size
+
+        def need(r: Request) -> int:
+            mnt = r.sampling_params.max_new_tokens
+            left = (num_reserved_decode_tokens if mnt is None else
+                    max(0, min(num_reserved_decode_tokens, mnt - max(1, len(r.output_ids)))))
+            return -(-left // ps)
+
+        return need(req) + sum(map(need, self.running)) + sum(map(need, self._prealloc.values()))
+
     def add_prebuilt(self, req: Request, first_token_id: int) -> None:
-        """Move a reserved request into the running batch: its prompt KV is in its pages, its
+        """Commit a reserved request into the running batch: its prompt KV is in its pages, its
         first output token is ``first_token_id`` (sampled by the prefill server). The next
         decode step computes that token's KV; the prompt is never recomputed.
         Raises ``ValueError`` if ``req`` is not in ``prealloc``."""
-        if self.prealloc.get(req.rid) is not req:
+        if self._prealloc.get(req.rid) is not req:
             raise ValueError(f"rid {req.rid!r} has no reserved pages")
-        del self.prealloc[req.rid]
+        del self._prealloc[req.rid]
         req.num_computed_tokens = req.num_prompt_tokens
         req.output_ids.append(int(first_token_id))
         req.arrival_time = req.arrival_time or time.monotonic()
@@ -528,39 +570,54 @@ class Scheduler:
         self.requests[req.rid] = req
         self.running.append(req)
 
-    def release_prebuilt(self, req: Request, quarantine_key: object = None) -> list[int]:
-        """Give back a reserved request's pages without caching them (failed or aborted
-        transfer): the matched prefix is unlocked; the request's own pages are freed, or kept
-        in ``quarantined[quarantine_key]`` when a key is given. Returns the own pages.
-        Raises ``ValueError`` if ``req`` is not in ``prealloc``."""
-        if self.prealloc.get(req.rid) is not req:
+    def release_prebuilt(self, req: Request) -> list[int]:
+        """Give back a reserved request's pages without caching them (failed transfer that
+        nothing writes any more): the matched prefix is unlocked, the request's own pages are
+        freed. Returns the own pages. ``ValueError`` if ``req`` is not in ``prealloc``."""
+        return self._drop_prebuilt(req, None)
+
+    def quarantine_prebuilt(self, req: Request, quarantine_key: Hashable) -> list[int]:
+        """Like ``release_prebuilt``, but the own pages wait under ``quarantine_key`` until
+        ``release_quarantine`` (a late write may still land in them). Returns them.
+        ``ValueError`` if ``req`` is not in ``prealloc`` or the key is in use."""
+        if quarantine_key is None:
+            raise ValueError("quarantine_key: required")
+        return self._drop_prebuilt(req, quarantine_key)
+
+    def _drop_prebuilt(self, req: Request, quarantine_key: Hashable | None) -> list[int]:
+        if self._prealloc.get(req.rid) is not req:
             raise ValueError(f"rid {req.rid!r} has no reserved pages")
-        del self.prealloc[req.rid]
+        if quarantine_key is not None and quarantine_key in self._quarantined:
+            raise ValueError(f"quarantine key {quarantine_key!r} is already in use")
+        del self._prealloc[req.rid]
         k = req.num_cached_tokens // self.page_size
         own = req.pages[k:]
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
             req.prefix_node = None
         if quarantine_key is not None:
-            if quarantine_key in self.quarantined:
-                raise ValueError(f"quarantine key {quarantine_key!r} is already in use")
-            self.quarantined[quarantine_key] = list(own)
+            self._quarantined[quarantine_key] = list(own)
         elif own:
             self.allocator.free(own)
         req.pages = []
         return own
 
-    def release_quarantine(self, quarantine_key: object) -> int:
+    def release_quarantine(self, quarantine_key: Hashable) -> int:
         """Free quarantined pages; returns how many (0 for an unknown key)."""
-        pages = self.quarantined.pop(quarantine_key, None)
+        pages = self._quarantined.pop(quarantine_key, None)
         if not pages:
             return 0
         self.allocator.free(pages)
         return len(pages)
 
     @property
+    def has_quarantine(self) -> bool:
+        """Whether any quarantine key is open (even one holding no page)."""
+        return bool(self._quarantined)
+
+    @property
     def num_quarantined_pages(self) -> int:
-        return sum(len(p) for p in self.quarantined.values())
+        return sum(len(p) for p in self._quarantined.values())
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -572,13 +629,16 @@ class Scheduler:
         pool (counted from each side independently) and requests' pages are disjoint."""
         free = set(self.allocator.free_pages())
         cached = set(self.prefix_cache.cached_pages())
-        owned: list[int] = [p for pages in self.quarantined.values() for p in pages]
-        for r in [*self.running, *self.held.values(), *self.prealloc.values()]:
+        owned: list[int] = [p for pages in self._quarantined.values() for p in pages]
+        for r in [*self.running, *self._held.values(), *self._prealloc.values()]:
             k = r.num_cached_tokens // self.page_size
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]
         owned_set = set(owned)
         assert len(owned_set) == len(owned), "a page is owned by two requests"
+        assert self._hold_on_finish <= self.requests.keys(), "a hold mark outlived its request"
+        assert not (self._held.keys() | self._prealloc.keys()) & self.requests.keys(), \
+            "a held or reserved request is also scheduled"
         assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
             "page sets overlap"
         assert 0 not in owned_set | cached | free, "the null page escaped"

@@ -15,7 +15,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from pdjax.engine_io import GenerateRequest
-from pdjax.server.detokenizer import TokenTexts
+from pdjax.detokenizer import TokenTexts
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,

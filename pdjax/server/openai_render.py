@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from pdjax.server.detokenizer import TokenTexts
+from pdjax.detokenizer import TokenTexts
 from pdjax.server.openai_api import OpenAIRequest
 from pdjax.server.results import SampleDelta, SampleResult, json_logprob
 

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from pdjax.engine_io import GenerateRequest
 from pdjax.metrics import Metrics
-from pdjax.server.detokenizer import TokenTexts
+from pdjax.detokenizer import TokenTexts
 from pdjax.server.engine_client import ArgsOwner, CoreOwner, EngineClient, GrammarCompiler
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleAccumulator, SampleDelta, SampleResult

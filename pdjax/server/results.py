@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.metrics import Metrics, RequestTimer
-from pdjax.server.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
+from pdjax.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
 
 LOGPROB_FLOOR = -9999.0      # JSON has no -inf: log(0) is reported as this
 

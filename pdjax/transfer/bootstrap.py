@@ -33,7 +33,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdjax.transfer.protocol import MAX_PAGE_SIZE, PROTOCOL_VERSION
+from pdjax.transfer.protocol import PROTOCOL_VERSION
+from pdjax.transfer.wire import MAX_PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ one msgpack map (``pdjax.transfer.protocol``); a receiver thread decodes it and 
 message to the role's handler. A frame that does not parse (wrong frame count, bad msgpack,
 unknown type, a field out of range) is counted, logged and dropped: the server keeps serving.
 With a shared ``secret`` every frame is sealed on send and authenticated before parsing (HMAC,
-replay counter, time window; ``protocol.FrameAuthenticator``); a frame that fails is counted
+replay counter, time window; ``frame_auth.FrameAuthenticator``); a frame that fails is counted
 by reason (``hmac``, ``replay``, ``stale``) and dropped.
 
     peer PUSH --frame--> PULL [recv thread] --(auth)--> decode_message --> handler(msg)
@@ -25,9 +25,10 @@ from typing import Callable
 
 import zmq
 
-from pdjax.transfer.protocol import (AUTH_PREFIX_BYTES, MAX_FRAME_BYTES, AuthError,
-                                     FrameAuthenticator, FrameSealer, Message, ProtocolError,
-                                     decode_message)
+from pdjax.transfer.frame_auth import (AUTH_PREFIX_BYTES, AuthError, FrameAuthenticator,
+                                       FrameSealer)
+from pdjax.transfer.protocol import Message, decode_message
+from pdjax.transfer.wire import MAX_FRAME_BYTES, ProtocolError
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,6 @@ running requests or quarantined come back) and fails only by ``waiting_timeout_s
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import threading
@@ -47,10 +46,14 @@ from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
                                       check_bootstrap_health, check_compatible,
                                       fetch_prefill_info)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
+from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
+                                      PairingFailed, PeerLost, PeerState, Refused,
+                                      RemoteFailure, RoomFailure, Timeout)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus,
-                                     prompt_digest)
+                                     RegisterResult, TransferRequest, TransferStatus)
 from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.rooms import DecodeRoom, PrefillPeer
+from pdjax.transfer.wire import prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -58,69 +61,17 @@ REGISTER_TIMEOUT_S = 10.0
 HEARTBEAT_MAX_FAILURES = 2
 
 
-@dataclasses.dataclass
-class PrefillPeer:
-    """One prefill server, keyed by its bootstrap ``host:port``."""
-
-    host: str
-    port: int
-    engine_id: str                     # this decode's id towards that prefill
-    state: str = "connecting"          # connecting | ready | failed
-    reason: str = ""
-    endpoint: str | None = None        # the prefill rank's ZMQ PULL socket
-    accepted: bool | None = None
-    health_failures: int = 0
-    registered: threading.Event = dataclasses.field(default_factory=threading.Event)
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return self.host, self.port
-
-
-@dataclasses.dataclass
-class DecodeRoom:
-    """One PD request on the decode. ``status``/``status_reason`` are set by the receiver
-    thread; the rest belongs to the engine thread."""
-
-    room: int | None                   # None for a fake (warm-up) request
-    req: Request
-    peer_key: tuple[str, int] | None   # None for a fake request
-    created_s: float
-    state: KVPoll = KVPoll.Bootstrapping
-    state_s: float = 0.0
-    slot: int | None = None
-    dst_pages: list[int] = dataclasses.field(default_factory=list)
-    decode_prefix_len: int = 0
-    sent_s: float = 0.0
-    status: KVPoll | None = None
-    status_reason: str = ""
-    status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
-    fail_reason: str | None = None
-    digest: bytes = b""                # protocol.prompt_digest of the prompt
-
-    @property
-    def fake(self) -> bool:
-        return self.peer_key is None
-
-    def record(self) -> dict[str, Any]:
-        return {"room": self.room, "rid": self.req.rid, "state": self.state.name,
-                "reason": self.fail_reason, "prompt_len": self.req.num_prompt_tokens,
-                "decode_prefix_len": self.decode_prefix_len, "dst_pages": list(self.dst_pages),
-                "slot": self.slot,
-                "peer": None if self.peer_key is None else f"{self.peer_key[0]}:{self.peer_key[1]}"}
-
-
 class DecodeManager(RoleManager):
     """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
 
-    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
     ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "decode"
 
-    def __init__(self, core):
-        super().__init__(core)
+    def __init__(self, host):
+        super().__init__(host)
         self._uid = uuid.uuid4().hex[:12]
         self._peer_ids = itertools.count()
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
@@ -183,7 +134,7 @@ class DecodeManager(RoleManager):
                         del self.room_owner[room]
             return None
         in_flight = r.state == KVPoll.Transferring and not r.fake
-        self._fail(r, f"aborted by client: {message}", quarantine=in_flight,
+        self._fail(r, Aborted(f"aborted by client: {message}"), quarantine=in_flight,
                    send_abort=in_flight, answer=False)
         return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
                               finish_reason={"type": "abort", "message": message})
@@ -225,12 +176,11 @@ class DecodeManager(RoleManager):
                 raise BootstrapError(f"no answer to the registration from {peer.endpoint} "
                                      f"within {REGISTER_TIMEOUT_S:g} s")
             if not peer.accepted:
-                raise IncompatiblePeerError(peer.reason)
-            peer.state = "ready"
+                raise IncompatiblePeerError(peer.register_reason)
+            peer.set_ready()
             logger.info("PD decode: paired with prefill %s (%s)", where, peer.endpoint)
         except (BootstrapError, IncompatiblePeerError, ValueError, OSError) as e:
-            peer.reason = f"cannot pair with prefill {where}: {e}"
-            peer.state = "failed"
+            peer.fail(PairingFailed(f"cannot pair with prefill {where}: {e}"))
             logger.error("PD decode: %s", peer.reason)
         self.wake()
 
@@ -238,16 +188,15 @@ class DecodeManager(RoleManager):
         interval = max(0.1, self.args.heartbeat_interval_s)
         while not self._stop.wait(interval):
             with self.lock:
-                peers = [p for p in self.peers.values() if p.state == "ready"]
+                peers = [p for p in self.peers.values() if p.state == PeerState.READY]
             for p in peers:
                 if check_bootstrap_health(p.host, p.port, timeout_s=min(2.0, interval * 2)):
                     p.health_failures = 0
                     continue
                 p.health_failures += 1
-                if p.health_failures >= HEARTBEAT_MAX_FAILURES and p.state == "ready":
-                    p.reason = (f"lost connection with prefill {p.host}:{p.port} "
-                                f"({p.health_failures} failed heartbeats)")
-                    p.state = "failed"
+                if p.health_failures >= HEARTBEAT_MAX_FAILURES and p.state == PeerState.READY:
+                    p.fail(PeerLost(f"lost connection with prefill {p.host}:{p.port} "
+                                    f"({p.health_failures} failed heartbeats)"))
                     logger.error("PD decode: %s", p.reason)
                     if p.endpoint:
                         self.channel.drop_peer(p.endpoint)
@@ -265,17 +214,17 @@ class DecodeManager(RoleManager):
         admit = True
         for r in rooms:
             peer = None if r.fake else self.peers.get(r.peer_key)
-            if not r.fake and (peer is None or peer.state == "failed"):
-                reason = peer.reason if peer is not None else "prefill peer dropped"
+            if not r.fake and (peer is None or peer.state == PeerState.FAILED):
+                failure = peer.failure if peer is not None else RoomFailure("prefill peer dropped")
                 in_flight = r.state == KVPoll.Transferring
-                out = self._fail(r, reason, quarantine=in_flight, send_abort=False)
+                out = self._fail(r, failure, quarantine=in_flight, send_abort=False)
             elif r.state == KVPoll.Bootstrapping:
                 out = None
-                if r.fake or peer.state == "ready":
+                if r.fake or peer.state == PeerState.READY:
                     self._set_state(r, KVPoll.WaitingForInput, now)
                 elif now - r.created_s > self.args.bootstrap_timeout_s:
-                    out = self._fail(r, f"bootstrap timeout: no pairing with the prefill within "
-                                        f"{self.args.bootstrap_timeout_s:g} s")
+                    out = self._fail(r, Timeout(f"bootstrap timeout: no pairing with the prefill "
+                                                f"within {self.args.bootstrap_timeout_s:g} s"))
             else:
                 out = None
             if out is None and r.state == KVPoll.WaitingForInput:
@@ -283,68 +232,56 @@ class DecodeManager(RoleManager):
                     admit, out = self._prealloc(r, peer, now)
                 if r.state == KVPoll.WaitingForInput and \
                         now - r.state_s > self.args.waiting_timeout_s:
-                    out = self._fail(r, f"waiting timeout: no KV pages free within "
-                                        f"{self.args.waiting_timeout_s:g} s")
+                    out = self._fail(r, Timeout(f"waiting timeout: no KV pages free within "
+                                                f"{self.args.waiting_timeout_s:g} s"))
             if out is None and r.state == KVPoll.Transferring:
                 with self.lock:
-                    status, reason = r.status, r.status_reason
+                    status, failure = r.status, r.status_failure
                 if status == KVPoll.Success or r.fake:
                     # The KV is in; the request joins the running batch when it has a row.
                     if len(self.scheduler.running) < self.args.max_running_requests:
                         out = self._commit(r, now)
                 elif status == KVPoll.Failed:
-                    out = self._fail(r, reason, status_code=r.status_code or None)
+                    out = self._fail(r, failure, status_code=r.status_code or None)
                 elif now - r.state_s > self.args.transfer_timeout_s:
-                    out = self._fail(r, f"transfer timeout: no KV from the prefill within "
-                                        f"{self.args.transfer_timeout_s:g} s",
+                    out = self._fail(r, Timeout(f"transfer timeout: no KV from the prefill "
+                                                f"within {self.args.transfer_timeout_s:g} s"),
                                      quarantine=True, send_abort=True)
             if out is not None:
                 outputs.append(out)
         with self.lock:
             used = {r.peer_key for r in self.rooms.values()}
             for key, p in list(self.peers.items()):
-                if p.state == "failed" and key not in used:
+                if p.state == PeerState.FAILED and key not in used:
                     del self.peers[key]      # the next request bootstraps again
         self.update_gauges()
         return outputs
 
     def _set_state(self, r: DecodeRoom, state: KVPoll, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        new = KVPoll.advance(r.state, state)
-        if new != r.state:
-            self.metrics.on_state(r.state.name, now - r.state_s)
+        new = KVPoll.transition(r.state, state)
+        self.metrics.on_state(r.state.name, now - r.state_s)
         r.state, r.state_s = new, now
-
-    def _reserve_pages(self, req: Request) -> int:
-        ps = self.page_size
-        reserved = self.args.num_reserved_decode_tokens
-
-        def need(r: Request) -> int:
-            mnt = r.sampling_params.max_new_tokens
-            left = reserved if mnt is None else max(0, min(reserved, mnt - max(1, len(r.output_ids))))
-            return -(-left // ps)
-
-        s = self.scheduler
-        return need(req) + sum(need(r) for r in s.running) + sum(need(r) for r in s.prealloc.values())
 
     def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
                   now: float) -> tuple[bool, GenerateOutput | None]:
         """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
         s = self.scheduler
         req = r.req
-        if not s.reserve_prebuilt(req, self._reserve_pages(req)):
+        reserve = s.decode_reserve_pages(req, self.args.num_reserved_decode_tokens)
+        if not s.reserve_prebuilt(req, reserve):
             if s.running or s.prealloc:
                 return False, None
             if not s.reserve_prebuilt(req, 0):
-                if s.quarantined:
+                if s.has_quarantine:
                     # Pages a late write may still hit come back by ack or drain timeout: wait
                     # like any request that does not fit yet (issue 16, item 11).
                     return False, None
-                return False, self._fail(r, f"the prompt of {req.num_prompt_tokens} tokens does "
-                                            f"not fit the decode KV pool")
+                return False, self._fail(r, DoesNotFit(f"the prompt of {req.num_prompt_tokens} "
+                                                       f"tokens does not fit the decode KV pool"))
         # Pages a finish or abort just released may still be written by the step in flight
         # (overlapped scheduling): let it land before a transfer may write them.
-        self.core.wait_for_device()
+        self.host.wait_for_device()
         slot = None
         if not r.fake:
             slot = self.meta.alloc()
@@ -365,7 +302,8 @@ class DecodeManager(RoleManager):
                               decode_engine_id=peer.engine_id, prompt_len=req.num_prompt_tokens,
                               prompt_digest=r.digest)
         if not self.send(peer.endpoint, msg):
-            return True, self._fail(r, f"could not send the page list to {peer.endpoint}")
+            return True, self._fail(r, RoomFailure(f"could not send the page list to "
+                                                   f"{peer.endpoint}"))
         return True, None
 
     def _commit(self, r: DecodeRoom, now: float) -> GenerateOutput | None:
@@ -382,18 +320,21 @@ class DecodeManager(RoleManager):
             got = self.meta.room(r.slot)
             if got != r.room:
                 what = "was never written" if got == 0 else f"holds room {got}"
-                return self._fail(r, f"metadata gate: slot {r.slot} {what}, expected "
-                                     f"bootstrap_room {r.room} (metadata not ready or corrupt)")
+                return self._fail(r, MetadataGate(
+                    f"metadata gate: slot {r.slot} {what}, expected bootstrap_room {r.room} "
+                    f"(metadata not ready or corrupt)"))
             try:
                 row = self.meta.read(r.slot)
             except ValueError as e:
-                return self._fail(r, f"metadata row is corrupt: {e}")
+                return self._fail(r, MetadataGate(f"metadata row is corrupt: {e}"))
             if row.prompt_digest != r.digest:
-                return self._fail(r, f"metadata gate: slot {r.slot} holds the KV of another "
-                                     f"prompt (digest mismatch for bootstrap_room {r.room})")
+                return self._fail(r, MetadataGate(
+                    f"metadata gate: slot {r.slot} holds the KV of another prompt (digest "
+                    f"mismatch for bootstrap_room {r.room})"))
             token = row.output_token_id
-            if not 0 <= token < self.core.model_cfg.vocab_size:
-                return self._fail(r, f"metadata: first token {token} outside the vocabulary")
+            if not 0 <= token < self.host.model_cfg.vocab_size:
+                return self._fail(r, MetadataGate(f"metadata: first token {token} outside the "
+                                                  f"vocabulary"))
             lp = row.output_token_logprob
             top = list(zip(row.top_logprob_ids, row.top_logprob_vals))[:req.top_logprobs_num]
             self.local_kv.stage_in(r.dst_pages)
@@ -408,7 +349,7 @@ class DecodeManager(RoleManager):
             lps, tops = [float(lp or 0.0)], [top or []]
             req.output_logprobs.append(lps[0])
             req.output_top_logprobs.append(tops[0])
-        reason = self.core.stop_check(req)
+        reason = self.host.stop_check(req)
         if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
             reason = {"type": "length", "length": len(req.output_ids)}
         if reason is not None:
@@ -425,19 +366,20 @@ class DecodeManager(RoleManager):
         rec = r.record()
         rec.update(bytes=nbytes, latency_s=now - r.sent_s)
         self.recent.append(rec)
-        return self.core.make_output(req, [token], lps, tops)
+        return self.host.make_output(req, [token], lps, tops)
 
-    def _fail(self, r: DecodeRoom, reason: str, quarantine: bool = False,
+    def _fail(self, r: DecodeRoom, failure: RoomFailure, quarantine: bool = False,
               send_abort: bool = False, answer: bool = True,
               status_code: int | None = None) -> GenerateOutput | None:
         """Fail a room: pages back (never into the prefix cache; quarantined when the prefill
         may still write), the client answered with an error (HTTP ``status_code``, default
         500) unless ``answer`` is False."""
         self._set_state(r, KVPoll.Failed)
-        r.fail_reason = reason
+        r.failure = failure
+        reason = str(failure)
         logger.warning("PD decode: bootstrap_room %s (rid %s) failed: %s", r.room, r.req.rid,
                        reason)
-        self.metrics.on_failure(_reason_class(reason))
+        self.metrics.on_failure(failure.label)
         peer = None if r.fake else self.peers.get(r.peer_key)
         if send_abort and peer is not None and peer.endpoint:
             self.send(peer.endpoint, Abort(bootstrap_room=r.room, sender_id=peer.engine_id,
@@ -446,7 +388,7 @@ class DecodeManager(RoleManager):
         if req.rid in self.scheduler.prealloc:
             if quarantine and r.room is not None:
                 key = (r.room, next(self._quarantine_seq))
-                self.scheduler.release_prebuilt(req, key)
+                self.scheduler.quarantine_prebuilt(req, key)
                 self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot)
                 r.slot = None
             else:
@@ -492,9 +434,9 @@ class DecodeManager(RoleManager):
             with self.lock:
                 moving = [r for r in self.rooms.values()
                           if r.state == KVPoll.Transferring and not r.fake]
-                peers = [p for p in self.peers.values() if p.state == "ready"]
+                peers = [p for p in self.peers.values() if p.state == PeerState.READY]
             for r in moving:
-                out = self._fail(r, "the decode KV cache moved after a donated step",
+                out = self._fail(r, CacheMoved("the decode KV cache moved after a donated step"),
                                  quarantine=True, send_abort=True)
                 if out is not None:
                     outputs.append(out)
@@ -512,10 +454,14 @@ class DecodeManager(RoleManager):
     # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
         if isinstance(msg, TransferStatus):
-            self._on_status(msg.bootstrap_room, msg.state, msg.reason, msg.status_code)
+            failure = None
+            if msg.state == KVPoll.Failed:
+                failure = (Refused(msg.reason) if 400 <= msg.status_code < 500
+                           else RemoteFailure(msg.reason))
+            self._on_status(msg.bootstrap_room, msg.state, failure, msg.status_code)
         elif isinstance(msg, Abort):
             self._on_status(msg.bootstrap_room, KVPoll.Failed,
-                            f"aborted by the prefill server: {msg.reason or 'no reason'}",
+                            Aborted(f"aborted by the prefill server: {msg.reason or 'no reason'}"),
                             ack_sender=msg.sender_id)
         elif isinstance(msg, AbortAck):
             with self.lock:
@@ -529,19 +475,20 @@ class DecodeManager(RoleManager):
             if peer is None:
                 self._reject(f"RegisterResult for unknown engine id {msg.decode_engine_id!r}")
                 return
-            peer.accepted, peer.reason = msg.accepted, msg.reason
+            peer.accepted, peer.register_reason = msg.accepted, msg.reason
             peer.registered.set()
         elif type(msg).__name__ != "Heartbeat":
             self._reject(f"unexpected {type(msg).__name__} on a decode server")
 
-    def _on_status(self, room: int, state: KVPoll, reason: str, status_code: int = 0,
+    def _on_status(self, room: int, state: KVPoll, failure: RoomFailure | None,
+                   status_code: int = 0,
                    ack_sender: str | None = None) -> None:
         with self.lock:
             rid = self.room_owner.get(room)
             r = self.rooms.get(rid) if rid is not None else None
             ok = r is not None and r.state == KVPoll.Transferring and r.status is None
             if ok:
-                r.status, r.status_reason, r.status_code = state, reason, status_code
+                r.status, r.status_failure, r.status_code = state, failure, status_code
             peer = None if r is None or r.fake else self.peers.get(r.peer_key)
         if ack_sender is not None and peer is not None and peer.endpoint:
             self.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
@@ -585,7 +532,7 @@ class DecodeManager(RoleManager):
         state = self.base_state()
         with self.lock:
             state["rooms"] = [r.record() for r in self.rooms.values()]
-            state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state,
+            state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state.value,
                                "reason": p.reason, "endpoint": p.endpoint,
                                "engine_id": p.engine_id} for p in self.peers.values()]
         state.update(num_quarantined_pages=self.scheduler.num_quarantined_pages,
@@ -599,9 +546,3 @@ class DecodeManager(RoleManager):
         self._heartbeat.join(5.0)
         self.close_base()
 
-
-def _reason_class(reason: str) -> str:
-    for key in ("timeout", "aborted", "metadata", "pair", "lost", "moved", "fit", "refused"):
-        if key in reason:
-            return key
-    return "other"

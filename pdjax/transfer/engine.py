@@ -12,8 +12,10 @@ Backends are created by name through ``create_transfer_engine``:
     ================== =====================================================================
     ``fake``           copies nothing, counts; warm-up requests (bootstrap host 2.2.2.2)
     ``mooncake``       Mooncake Transfer Engine, P2PHANDSHAKE (no etcd), TCP or RDMA
-    ``mooncake-corrupt`` TEST ONLY: mooncake, then flips one byte of the first KV copy
     ================== =====================================================================
+
+``register_backend`` adds one (the tests register a corrupting backend that way); the CLI's
+``--disaggregation-transfer-backend`` accepts every registered name.
 
 Pure Python; never imports JAX.
 """
@@ -286,7 +288,6 @@ def _check_u64(name: str, value, lo: int = 0) -> int:
 _BACKENDS: dict[str, str | Callable[..., TransferEngine]] = {
     "fake": "pdjax.transfer.fake:FakeTransferEngine",
     "mooncake": "pdjax.transfer.mooncake:MooncakeTransferEngine",
-    "mooncake-corrupt": "pdjax.transfer.mooncake:CorruptingMooncakeTransferEngine",
 }
 
 

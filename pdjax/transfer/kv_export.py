@@ -51,7 +51,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdjax.transfer.engine import Copy, TransferEngine
-from pdjax.transfer.protocol import KV_LAYOUTS, KVBufferDesc, validate_pages
+from pdjax.transfer.protocol import KVBufferDesc
+from pdjax.transfer.wire import KV_LAYOUTS, validate_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +188,9 @@ def _slice(cur: list[int], d: int, a: KVBufferDesc, b: KVBufferDesc) -> HeadSlic
 def register_kv_layout(engine: TransferEngine, layout: KVLayout, label: str = "kv") -> None:
     """Register every shard buffer of ``layout`` with ``engine`` under ``label``.
 
-    The label ``kv`` is what the test-only ``mooncake-corrupt`` backend looks for. On an error
-    the regions registered so far are unregistered again before the error propagates.
+    The label ``kv`` tells KV regions from others (the tests' corrupting backend looks for
+    it). On an error the regions registered so far are unregistered again before the error
+    propagates.
     """
     done = []
     try:

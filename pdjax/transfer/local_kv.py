@@ -17,8 +17,8 @@ model's ``cache_spec``, each layer-major ``[layers, num_pages, page_size, ...]``
 Both ways give the peer the same ``KVLayout`` shape (layer-major, same bytes per page), so a
 direct prefill pairs with a staging decode and vice versa; only the addresses differ.
 
-``mode`` comes from ``--disaggregation-transfer-path``-like env ``PDJAX_KV_TRANSFER_PATH``
-(``auto`` | ``direct`` | ``staging``; ``auto`` = direct when the export works). JAX is imported
+``mode`` comes from ``--disaggregation-transfer-path`` (``auto`` | ``direct`` | ``staging``;
+``auto`` = direct when the export works). JAX is imported
 lazily; the runner's staging gather/scatter are compiled once per page bucket in ``warmup``.
 """
 

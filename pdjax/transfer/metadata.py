@@ -17,7 +17,7 @@ smallest RDMA write)::
     12      cached_tokens          int32    prefill prefix-cache hit tokens
     16      output_token_logprob   float32  logprob of the first token
     20      num_top_logprobs       int32    valid entries below (<= K)
-    24      prompt_digest          uint8[16] ``protocol.prompt_digest`` of the prompt
+    24      prompt_digest          uint8[16] ``wire.prompt_digest`` of the prompt
     40      top_logprob_ids        int32[K]
     40+4K   top_logprob_vals       float32[K]
     40+8K   padding to bytes_per_slot

@@ -10,17 +10,12 @@ outside its registered memory, so a bad destination fails the write instead of c
 CPU install: ``pip install mooncake-transfer-engine-non-cuda`` and
 ``apt-get install -y libibverbs1`` (the wheel links libibverbs/libnl even when no NIC is used).
 
-``CorruptingMooncakeTransferEngine`` (``mooncake-corrupt``) is TEST ONLY; see its docstring.
 Pure Python; never imports JAX.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import threading
-
-import numpy as np
 
 from pdjax.transfer.engine import DEFAULT_MAX_BATCH, TransferEngine, TransferError
 
@@ -97,53 +92,3 @@ class MooncakeTransferEngine(TransferEngine):
 
     def _shutdown(self) -> None:
         self._engine = None  # the binding has no explicit close; dropping it stops the engine
-
-
-class CorruptingMooncakeTransferEngine(MooncakeTransferEngine):
-    """TEST ONLY (``--disaggregation-transfer-backend mooncake-corrupt``): Mooncake, then one
-    flipped byte in the destination of the first KV copy of every ``batch_write``.
-
-    It exists to prove that the decode side really uses the transferred KV (issue 5: "a test
-    transfer backend that flips one byte of the KV changes the output"). After the real write
-    has landed, it reads byte ``corrupt_offset`` (clamped to the copy) of the first copy whose
-    *source* lies in a region registered with label ``corrupt_label`` (default ``"kv"``, so the
-    metadata row is never touched), XORs it with ``corrupt_xor`` and writes that one byte over
-    the destination through Mooncake from a private scratch buffer, so it works across
-    processes. With the defaults (offset 1, mask 0x40) the byte is the high byte of the first
-    bf16/fp16 element, and the flip toggles the top exponent bit: the value is scaled by
-    2**64 or 2**-64. ``corruptions`` counts the flipped bytes.
-    """
-
-    backend = "mooncake-corrupt"
-
-    def __init__(self, hostname: str = "127.0.0.1", *, corrupt_label: str = "kv",
-                 corrupt_offset: int = 1, corrupt_xor: int = 0x40, **kwargs):
-        super().__init__(hostname, **kwargs)
-        if not isinstance(corrupt_offset, int) or corrupt_offset < 0:
-            raise ValueError(f"corrupt_offset: expected an int >= 0, got {corrupt_offset!r}")
-        if not isinstance(corrupt_xor, int) or not 1 <= corrupt_xor <= 0xFF:
-            raise ValueError(f"corrupt_xor: expected an int in [1, 255], got {corrupt_xor!r}")
-        self.corrupt_label = corrupt_label
-        self.corrupt_offset = corrupt_offset
-        self.corrupt_xor = corrupt_xor
-        self.corruptions = 0
-        self._scratch = np.zeros(64, dtype=np.uint8)
-        self._scratch_lock = threading.Lock()
-        self.register_memory(self._scratch.ctypes.data, self._scratch.nbytes, label="scratch")
-        logger.warning("transfer backend %s is TEST ONLY: it corrupts one KV byte per write",
-                       self.backend)
-
-    def batch_write(self, peer_session_id, copies) -> None:
-        super().batch_write(peer_session_id, copies)
-        for src, dst, length in copies:
-            region = self.find_region(int(src), int(length))
-            if region is not None and region.label == self.corrupt_label:
-                offset = min(self.corrupt_offset, int(length) - 1)
-                with self._scratch_lock:
-                    # The source is local memory registered here, so reading it is safe.
-                    original = ctypes.string_at(int(src) + offset, 1)[0]
-                    self._scratch[0] = original ^ self.corrupt_xor
-                    self._write_batch(peer_session_id, [self._scratch.ctypes.data],
-                                      [int(dst) + offset], [1])
-                    self.corruptions += 1
-                return

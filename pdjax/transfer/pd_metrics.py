@@ -16,7 +16,7 @@ received (it cannot see copy ops: those are the prefill's choice).
     kv_transfer_bootstrap_seconds  request arrival -> destination known (histogram)
     kv_transfer_state_seconds      time a room spent in each KVPoll ``state`` (queue times:
                                    Bootstrapping, WaitingForInput, Transferring)
-    kv_transfer_failed_total       failed transfers, by ``reason`` class
+    kv_transfer_failed_total       failed transfers, by ``reason`` (``RoomFailure.label``)
     kv_transfer_largest_batch      most copies in one engine batch (<= the per-peer limit)
     pd_queue_reqs                  requests per PD ``queue`` (bootstrap, waiting, inflight,
                                    prealloc, transfer, held)

@@ -25,12 +25,12 @@ Rules kept here:
   worker queue as its chunks, so it is sent only after the room's last write has finished:
   a decode that gets Failed, Abort or AbortAck may reuse its pages at once.
 
-Pure Python on top of the engine (JAX only through ``LocalKV`` and one ``block_until_ready``).
+Pure Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``);
+JAX only through ``LocalKV``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -43,90 +43,29 @@ from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.request import Request
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
-from pdjax.transfer.kv_export import KVLayout, build_copies
-from pdjax.transfer.protocol import (MAX_ROOM, Abort, AbortAck, KVPoll, Message, ProtocolError,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus, prompt_digest, validate_pages)
+from pdjax.transfer.kv_export import build_copies
+from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
+                                      Refused, RoomFailure, Timeout, WriteFailed)
+from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
+                                     RegisterResult, TransferRequest, TransferStatus)
 from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.rooms import DecodePeer, PrefillRoom
+from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DecodePeer:
-    """A registered decode engine: where its KV pool and metadata slots are."""
-
-    engine_id: str
-    reply_endpoint: str
-    session_id: str
-    layout: KVLayout
-    metadata_addr: int
-    metadata_num_slots: int
-    metadata_bytes_per_slot: int
-
-
-@dataclasses.dataclass
-class PrefillRoom:
-    """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are
-    marked; everything else belongs to the engine thread."""
-
-    room: int
-    created_s: float
-    state: KVPoll = KVPoll.Bootstrapping
-    state_s: float = 0.0
-    req: Request | None = None
-    # From the decode's TransferRequest (receiver thread).
-    peer_id: str | None = None
-    dst_pages: np.ndarray | None = None
-    dst_slot: int = -1
-    decode_prefix_len: int = 0
-    prompt_len: int = 0                 # the prompt the decode reserved pages for
-    prompt_digest: bytes = b""
-    # Progress.
-    src_slot: int | None = None
-    next_page: int = 0                  # next prompt page to send
-    jobs_inflight: int = 0              # chunk/notice jobs queued or running (worker)
-    last_queued: bool = False
-    first_send_s: float = 0.0
-    done: bool = False                  # worker: last chunk + metadata written
-    error: str | None = None            # worker: a write failed
-    abort_reason: str | None = None     # receiver: the decode aborted
-    fail_reason: str | None = None
-    status_code: int = 0                # 4xx: this server refused the request (told the decode)
-    notified: bool = False              # the decode was told the outcome
-    output: GenerateOutput | None = None
-    output_sent: bool = False
-    # Accounting (worker).
-    bytes: int = 0
-    pages: int = 0
-    copies: int = 0
-    write_s: float = 0.0          # time inside the transfer engine's batch writes
-    chunks: list = dataclasses.field(default_factory=list)
-
-    @property
-    def rid(self) -> str | None:
-        return None if self.req is None else self.req.rid
-
-    def record(self) -> dict[str, Any]:
-        return {"room": self.room, "rid": self.rid, "state": self.state.name,
-                "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
-                "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
-                "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
-                "chunks": self.chunks, "write_s": self.write_s,
-                "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
 
 
 class PrefillManager(RoleManager):
     """``--role prefill``: bootstrap server, ZMQ control, transfer worker, room table.
 
-    Engine-thread API (called by ``EngineCore``): ``add_request``, ``poll``, ``after_step``,
+    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
     ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "prefill"
 
-    def __init__(self, core):
-        super().__init__(core)
+    def __init__(self, host):
+        super().__init__(host)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
         self.peers: dict[str, DecodePeer] = {}
@@ -169,9 +108,7 @@ class PrefillManager(RoleManager):
             if r is not None and r.state == KVPoll.Failed:
                 raise ValueError(f"bootstrap_room {room} already failed on this prefill "
                                  f"server: {r.fail_reason}")
-            if r is None:
-                r = PrefillRoom(room=room, created_s=now, state_s=now)
-                self.rooms[room] = r
+            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
             r.req = req
             r.created_s = now
             self.rooms_by_rid[req.rid] = r
@@ -190,11 +127,9 @@ class PrefillManager(RoleManager):
             r = self.rooms.get(room)
             if r is not None and (r.req is not None or r.state == KVPoll.Failed):
                 return
-            if r is None:
-                r = PrefillRoom(room=room, created_s=now, state_s=now)
-                self.rooms[room] = r
+            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
         r.status_code = status_code if 400 <= status_code < 500 else 0
-        self._fail(r, f"the prefill server refused the request: {message}")
+        self._fail(r, Refused(f"the prefill server refused the request: {message}"))
         self.wake()
 
     def abort(self, rid: str, message: str) -> GenerateOutput | None:
@@ -202,7 +137,7 @@ class PrefillManager(RoleManager):
         r = self.rooms_by_rid.get(rid)
         if r is None:
             return None
-        self._fail(r, f"aborted on the prefill server: {message}", notify="abort")
+        self._fail(r, Aborted(f"aborted on the prefill server: {message}"), notify="abort")
         r.output_sent = True           # the client is gone; nothing more to say
         out = GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
                              finish_reason={"type": "abort", "message": message})
@@ -219,12 +154,10 @@ class PrefillManager(RoleManager):
             rooms = list(self.rooms.values())
         for r in rooms:
             with self.lock:
-                abort_reason, error, done = r.abort_reason, r.error, r.done
+                reported, done = r.reported, r.done
             if r.state != KVPoll.Failed:
-                if abort_reason is not None:
-                    self._fail(r, abort_reason, notify=None)
-                elif error is not None:
-                    self._fail(r, error, notify=None)
+                if reported is not None:
+                    self._fail(r, reported, notify=None)
                 elif done and r.state != KVPoll.Success:
                     self._set_state(r, KVPoll.Success, now)
                     self.metrics.on_success(r.bytes, now - r.first_send_s)
@@ -240,9 +173,8 @@ class PrefillManager(RoleManager):
 
     def _set_state(self, r: PrefillRoom, state: KVPoll, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        new = KVPoll.advance(r.state, state)
-        if new != r.state:
-            self.metrics.on_state(r.state.name, now - r.state_s)
+        new = KVPoll.transition(r.state, state)
+        self.metrics.on_state(r.state.name, now - r.state_s)
         r.state, r.state_s = new, now
 
     def _try_start(self, r: PrefillRoom, now: float) -> None:
@@ -251,61 +183,65 @@ class PrefillManager(RoleManager):
         if r.req is None or r.dst_pages is None:
             if now - r.created_s > timeout:
                 what = "the request" if r.req is None else "a page list from the decode server"
-                self._fail(r, f"bootstrap timeout: no {what} for bootstrap_room {r.room} within "
-                              f"{timeout:g} s")
+                self._fail(r, Timeout(f"bootstrap timeout: no {what} for bootstrap_room "
+                                      f"{r.room} within {timeout:g} s"))
             return
         req = r.req
         if r.prompt_len != req.num_prompt_tokens or r.prompt_digest != prompt_digest(req.prompt_ids):
             # The room is the only key the two halves share: a room reused by another prompt
             # must not write its KV into pages reserved for the first (issue 16, item 1).
-            self._fail(r, f"bootstrap_room {r.room} is bound to another prompt: the decode "
-                          f"reserved pages for {r.prompt_len} tokens with another digest, this "
-                          f"request has {req.num_prompt_tokens} tokens (room reused?)")
+            self._fail(r, PromptMismatch(
+                f"bootstrap_room {r.room} is bound to another prompt: the decode reserved "
+                f"pages for {r.prompt_len} tokens with another digest, this request has "
+                f"{req.num_prompt_tokens} tokens (room reused?)"))
             return
         ps = self.page_size
         n_prompt_pages = -(-req.num_prompt_tokens // ps)
         if r.decode_prefix_len % ps or r.decode_prefix_len > req.num_prompt_tokens:
-            self._fail(r, f"decode_prefix_len {r.decode_prefix_len} is not a multiple of "
-                          f"page_size {ps} within the prompt of {req.num_prompt_tokens} tokens")
+            self._fail(r, RoomFailure(
+                f"decode_prefix_len {r.decode_prefix_len} is not a multiple of page_size {ps} "
+                f"within the prompt of {req.num_prompt_tokens} tokens"))
             return
         r.next_page = r.decode_prefix_len // ps
         if len(r.dst_pages) != n_prompt_pages - r.next_page:
-            self._fail(r, f"dst_pages: {len(r.dst_pages)} pages for a prompt of "
-                          f"{req.num_prompt_tokens} tokens needing {n_prompt_pages - r.next_page}"
-                          f" (page_size {ps}, decode_prefix_len {r.decode_prefix_len})")
+            self._fail(r, BadDestination(
+                f"dst_pages: {len(r.dst_pages)} pages for a prompt of {req.num_prompt_tokens} "
+                f"tokens needing {n_prompt_pages - r.next_page} (page_size {ps}, "
+                f"decode_prefix_len {r.decode_prefix_len})"))
             return
         slot = self.meta.alloc()
         if slot is None:
             return                       # all metadata slots busy: try again next poll
         r.src_slot = slot
-        self.scheduler.hold_on_finish.add(req.rid)
+        self.scheduler.hold_on_finish(req.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
-            self.scheduler.hold_on_finish.discard(req.rid)
-            self._fail(r, str(e))
+            self.scheduler.cancel_hold(req.rid)
+            self._fail(r, RoomFailure(str(e)))
             return
         self.metrics.on_bootstrap(now - r.created_s)
         self._set_state(r, KVPoll.WaitingForInput, now)
 
     def _check_timeouts(self, r: PrefillRoom, now: float) -> None:
         if r.state == KVPoll.WaitingForInput and now - r.state_s > self.args.waiting_timeout_s:
-            self._fail(r, f"waiting timeout: bootstrap_room {r.room} not computed within "
-                          f"{self.args.waiting_timeout_s:g} s")
+            self._fail(r, Timeout(f"waiting timeout: bootstrap_room {r.room} not computed "
+                                  f"within {self.args.waiting_timeout_s:g} s"))
         elif r.state == KVPoll.Transferring and now - r.state_s > self.args.transfer_timeout_s:
-            self._fail(r, f"transfer timeout: bootstrap_room {r.room} not transferred within "
-                          f"{self.args.transfer_timeout_s:g} s")
+            self._fail(r, Timeout(f"transfer timeout: bootstrap_room {r.room} not transferred "
+                                  f"within {self.args.transfer_timeout_s:g} s"))
 
-    def _fail(self, r: PrefillRoom, reason: str, notify: str | None = "status") -> None:
+    def _fail(self, r: PrefillRoom, failure: RoomFailure, notify: str | None = "status") -> None:
         """Mark ``r`` Failed (engine thread). ``notify``: tell the decode with a Failed status
         or an Abort (through the worker queue, after the room's chunks), or not (None: the
         decode already knows)."""
         if r.state == KVPoll.Failed:
             return
         self._set_state(r, KVPoll.Failed)
-        r.fail_reason = reason
+        r.failure = failure
+        reason = str(failure)
         logger.warning("PD prefill: bootstrap_room %d failed: %s", r.room, reason)
-        self.metrics.on_failure(_reason_class(reason))
+        self.metrics.on_failure(failure.label)
         if r.req is not None and r.req.rid in self.scheduler.requests:
             self.scheduler.abort_request(r.req.rid, reason)
         if notify is not None and r.peer_id is not None and not r.notified:
@@ -323,7 +259,7 @@ class PrefillManager(RoleManager):
                 return None
         req = r.req
         if req is not None:
-            self.scheduler.hold_on_finish.discard(req.rid)
+            self.scheduler.cancel_hold(req.rid)
             self.scheduler.release_held(req.rid)
         if r.src_slot is not None:
             self.meta.free(r.src_slot)
@@ -346,10 +282,7 @@ class PrefillManager(RoleManager):
                         return out
                     del self.rooms[r.room]
                 elif r.state == KVPoll.Failed:
-                    self.rooms[r.room] = PrefillRoom(
-                        room=r.room, created_s=r.state_s, state=KVPoll.Failed,
-                        state_s=r.state_s, peer_id=r.peer_id, fail_reason=r.fail_reason,
-                        status_code=r.status_code, notified=True, output_sent=True)
+                    self.rooms[r.room] = r.tombstone()
                 else:
                     del self.rooms[r.room]
             if req is not None:
@@ -367,8 +300,8 @@ class PrefillManager(RoleManager):
                 moving = [r for r in self.rooms.values()
                           if r.state == KVPoll.Transferring or r.jobs_inflight]
             for r in moving:
-                self._fail(r, "the prefill KV cache moved after a donated step; transfers in "
-                              "flight were failed")
+                self._fail(r, CacheMoved("the prefill KV cache moved after a donated step; "
+                                         "transfers in flight were failed"))
         held: dict[str, PrefillRoom] = {}
         synced = False
         for row in batch.rows if batch is not None else ():
@@ -382,9 +315,7 @@ class PrefillManager(RoleManager):
             if end <= r.next_page and not last:
                 continue
             if not synced:
-                import jax
-
-                jax.block_until_ready(self.core.runner.caches)
+                self.host.wait_for_kv()
                 synced = True
             self._queue_chunk(r, end, last)
             if last:
@@ -444,7 +375,7 @@ class PrefillManager(RoleManager):
                 logger.exception("PD prefill worker: %s job failed", kind)
                 if kind == "chunk":
                     with self.lock:
-                        r.error = r.error or f"internal error in the transfer worker: {e}"
+                        r.report(WriteFailed(f"internal error in the transfer worker: {e}"))
             finally:
                 if kind in ("chunk", "notice"):
                     with self.lock:
@@ -453,12 +384,12 @@ class PrefillManager(RoleManager):
 
     def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool) -> None:
         with self.lock:
-            if r.abort_reason is not None or r.error is not None or r.state == KVPoll.Failed:
+            if r.reported is not None or r.state == KVPoll.Failed:
                 return
             peer = self.peers.get(r.peer_id)
         if peer is None:
             with self.lock:
-                r.error = f"decode engine {r.peer_id!r} is no longer registered"
+                r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
             return
         try:
             copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
@@ -475,7 +406,7 @@ class PrefillManager(RoleManager):
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
             with self.lock:
-                r.error = reason
+                r.report(WriteFailed(reason))
                 r.notified = True
             self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
                                                           state=KVPoll.Failed, reason=reason))
@@ -531,30 +462,16 @@ class PrefillManager(RoleManager):
         self._count_rejected("refused")
 
     def _on_register(self, msg: RegisterDecode) -> None:
-        problems = []
-        ours = {"page_size": self.page_size, "kv_dtype": self.local_kv.kv_dtype,
-                "layout_fingerprint": self.local_kv.fingerprint,
-                "kv_layout": self.local_kv.layout.kind,
-                "metadata_bytes_per_slot": self.meta.bytes_per_slot}
-        for name, value in ours.items():
-            if getattr(msg, name) != value:
-                problems.append(f"{name}: prefill {value!r} != decode {getattr(msg, name)!r}")
-        layout = None
-        if not problems:
-            try:
-                layout = KVLayout(msg.kv_layout, msg.kv_buffers)
-                self.local_kv.layout.check_compatible(layout)
-            except ValueError as e:
-                problems.append(str(e))
-        if problems:
-            reason = "prefill refuses to pair: " + "; ".join(problems)
+        try:
+            peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
+                                                self.meta.bytes_per_slot)
+        except ValueError as e:
+            reason = str(e)
             self._reject(f"registration of {msg.decode_engine_id}: {reason}")
             self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
                                                          accepted=False, reason=reason))
             return
-        peer = DecodePeer(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id,
-                          layout, msg.metadata_addr, msg.metadata_num_slots,
-                          msg.metadata_bytes_per_slot)
+        layout = peer.layout
         with self.lock:
             self.peers[msg.decode_engine_id] = peer
         logger.info("PD prefill: decode %s registered (session %s, %d pages)",
@@ -583,7 +500,7 @@ class PrefillManager(RoleManager):
             with self.lock:
                 r = self.rooms.get(msg.bootstrap_room)
                 if r is not None and r.peer_id is None:
-                    r.error = reason     # the prefill client hears of it too
+                    r.report(BadDestination(reason))     # the prefill client hears of it too
                     r.notified = True
             self.wake()
             return
@@ -601,9 +518,8 @@ class PrefillManager(RoleManager):
                 duplicate = True
             else:
                 duplicate = False
-                if r is None:
-                    r = PrefillRoom(room=msg.bootstrap_room, created_s=now, state_s=now)
-                    self.rooms[msg.bootstrap_room] = r
+                r = r or self.rooms.setdefault(msg.bootstrap_room,
+                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
                 r.peer_id = msg.decode_engine_id
                 r.dst_pages = dst
                 r.dst_slot = msg.dst_metadata_slot
@@ -630,7 +546,7 @@ class PrefillManager(RoleManager):
             peer = self.peers.get(msg.sender_id)
             r = self.rooms.get(msg.bootstrap_room)
             if r is not None and r.peer_id == msg.sender_id:
-                r.abort_reason = f"aborted by the decode server: {msg.reason or 'no reason'}"
+                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
                 r.notified = True
         if peer is None:
             self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
@@ -679,9 +595,3 @@ class PrefillManager(RoleManager):
         self.bootstrap.stop()
         self.close_base()
 
-
-def _reason_class(reason: str) -> str:
-    for key in ("timeout", "aborted", "duplicate", "write", "dst_pages", "moved", "refused"):
-        if key in reason:
-            return key
-    return "prompt_mismatch" if "another prompt" in reason else "other"

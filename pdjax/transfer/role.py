@@ -1,18 +1,19 @@
 """What the prefill and decode managers share: the data plane of one server and its plumbing.
 
-A ``RoleManager`` is created by ``EngineCore`` for ``--role prefill|decode`` and lives on the
-engine thread; its helper threads (ZMQ receiver, transfer worker, bootstrap, heartbeat) only
-record events and wake the engine, which applies every change to the scheduler itself:
+A ``RoleManager`` (an ``EngineRole``, ``pdjax/engine_roles.py``) is created by
+``transfer.factory.create_engine_role`` for ``--role prefill|decode`` and lives on the engine
+thread; it sees the engine only as a ``RoleHost``. Its helper threads (ZMQ receiver, transfer
+worker, bootstrap, heartbeat) only record events and wake the engine, which applies every
+change to the scheduler itself (through the scheduler's PD methods):
 
     engine thread: step() = disagg.poll() -> schedule -> forward -> sample -> disagg.after_step()
     helper threads: record under ``lock`` -> wake()
 
 It owns the transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
 the engine sees it (``LocalKV``: direct or staging), the ``MetadataBuffers`` pool, the control
-channel and the PD metrics. Test knobs (environment): ``PDJAX_KV_TRANSFER_PATH``
-(auto|direct|staging), ``PDJAX_TRANSFER_MAX_BATCH`` (copies per engine batch, default 1024,
-the Mooncake per-peer queue limit), ``PDJAX_SHUFFLE_FREE_PAGES`` (a seed: fragment the free
-list for good, as tests of copy counts need).
+channel and the PD metrics. ``--disaggregation-transfer-path`` picks the KV path
+(auto|direct|staging), ``--disaggregation-transfer-max-batch`` the most copies per engine
+batch (default 1024, the Mooncake per-peer queue limit).
 """
 
 from __future__ import annotations
@@ -20,34 +21,26 @@ from __future__ import annotations
 import abc
 import collections
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput
+from pdjax.engine_roles import RoleHost
 from pdjax.transfer.channel import MessageChannel, advertise_host
-from pdjax.transfer.engine import DEFAULT_MAX_BATCH, FAKE_BOOTSTRAP_HOST, create_transfer_engine
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.pd_metrics import PDMetrics
-from pdjax.transfer.protocol import MAX_ROOM, Message, resolve_secret
+from pdjax.transfer.frame_auth import resolve_secret
+from pdjax.transfer.protocol import Message
+from pdjax.transfer.wire import MAX_ROOM
 
 logger = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20           # the HTTP API's limit; both roles must use the same row size
 RECENT_ROOMS = 512              # concluded rooms kept for /pd_state
 POLL_INTERVAL_S = 0.1           # timeouts are checked at least this often while rooms live
-
-
-def env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def check_room(room: Any, role: str) -> int:
@@ -68,19 +61,19 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0,
                           status_code=status_code)
 
 
-def kv_head_repeat(core) -> int:
+def kv_head_repeat(host: RoleHost) -> int:
     """How often ``tp_model_config`` repeated each KV head of the checkpoint (1 = none).
 
     It replicates only when TP exceeds the checkpoint's KV heads, and then up to exactly
     ``tp_size`` heads, so the checkpoint is read only when the run has ``tp_size`` KV heads.
     """
-    run_kvh = getattr(core.model_cfg, "num_kv_heads", None)
-    tp = core.args.tp_size
+    run_kvh = getattr(host.model_cfg, "num_kv_heads", None)
+    tp = host.args.tp_size
     if not run_kvh or tp <= 1 or run_kvh != tp:
         return 1
     from pdjax.models.loader import checkpoint_config
 
-    kvh = getattr(checkpoint_config(core.model_path), "num_kv_heads", run_kvh)
+    kvh = getattr(checkpoint_config(host.model_path), "num_kv_heads", run_kvh)
     return run_kvh // kvh if kvh and run_kvh % kvh == 0 else 1
 
 
@@ -89,11 +82,11 @@ class RoleManager(abc.ABC):
 
     role = ""
 
-    def __init__(self, core):
-        self.core = core
-        self.args = core.args
-        self.scheduler = core.scheduler
-        self.page_size = core.args.page_size
+    def __init__(self, host: RoleHost):
+        self.host = host
+        self.args = host.args
+        self.scheduler = host.scheduler
+        self.page_size = host.args.page_size
         self.lock = threading.RLock()
         self._wake_cb: Callable[[], None] | None = None
         self._event = threading.Event()
@@ -108,26 +101,19 @@ class RoleManager(abc.ABC):
             logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "
                            "the bootstrap server and the ZMQ control channel accept anyone who "
                            "can reach them", self.role)
-        seed = env_int("PDJAX_SHUFFLE_FREE_PAGES", None)
-        if seed is not None:
-            self.scheduler.allocator.shuffle(seed)
-        host = advertise_host(self.args.host)
-        kwargs: dict[str, Any] = {"max_batch": env_int("PDJAX_TRANSFER_MAX_BATCH",
-                                                       DEFAULT_MAX_BATCH)}
+        address = advertise_host(self.args.host)
+        kwargs: dict[str, Any] = {"max_batch": self.args.disaggregation_transfer_max_batch}
         backend = self.args.disaggregation_transfer_backend
-        if backend == "mooncake-corrupt":
-            # Flip the top exponent bit of one element: the high byte of a little-endian value.
-            kwargs["corrupt_offset"] = core.runner.kv_buffers()[0].dtype.itemsize - 1
         if backend != "fake" and self.args.disaggregation_ib_device:
             kwargs["device_name"] = self.args.disaggregation_ib_device
-        self.transfer_engine = create_transfer_engine(backend, host, **kwargs)
+        self.transfer_engine = create_transfer_engine(backend, address, **kwargs)
         if backend == "fake":
             logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
                            "are meaningless (control-plane testing only)", self.role)
-        max_pages = -(-core.context_length // self.page_size)
-        self.local_kv = LocalKV(core.runner, self.transfer_engine,
-                                os.environ.get("PDJAX_KV_TRANSFER_PATH", "auto"), max_pages,
-                                head_repeat=kv_head_repeat(core))
+        max_pages = -(-host.context_length // self.page_size)
+        self.local_kv = LocalKV(host.runner, self.transfer_engine,
+                                self.args.disaggregation_transfer_path, max_pages,
+                                head_repeat=kv_head_repeat(host))
         self.local_kv.warmup()
         num_slots = max(32, 8 * self.args.max_running_requests)
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)

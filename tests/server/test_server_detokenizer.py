@@ -5,7 +5,7 @@ from server_fakes import build_tokenizer, pieces_to_ids
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from pdjax.server.detokenizer import (IncrementalDetokenizer, TokenTexts,
+from pdjax.detokenizer import (IncrementalDetokenizer, TokenTexts,
                                       trim_matched_stop_token)
 
 

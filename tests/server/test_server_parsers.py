@@ -296,11 +296,11 @@ def test_random_outputs_never_lose_text(name):
 
 def test_cli_flags_reach_the_server_and_the_pd_children():
     from pdjax.serve import parse_args
-    from pdjax.transfer.roles import _child_argv
+    from pdjax.entrypoints.pd_roles import child_argv
 
     args = parse_args(["--tool-call-parser", "llama3", "--reasoning-parser", "qwen3"])
     assert (args.tool_call_parser, args.reasoning_parser) == ("llama3", "qwen3")
-    argv = _child_argv(args, "decode", 30002)
+    argv = child_argv(args, "decode", 30002)
     assert argv[argv.index("--tool-call-parser") + 1] == "llama3"
     assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
     assert parse_args([]).tool_call_parser is None

@@ -39,8 +39,6 @@ def child_env(**extra: str) -> dict[str, str]:
     env.update(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", OMP_NUM_THREADS="1",
                JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1")
-    for key in ("PDJAX_KV_TRANSFER_PATH", "PDJAX_TRANSFER_MAX_BATCH", "PDJAX_SHUFFLE_FREE_PAGES"):
-        env.pop(key, None)
     env.update(extra)
     return env
 
@@ -100,10 +98,16 @@ class Server:
 
 def pd_server(name: str, role: str, model_path: str, log_dir: str, *, port: int | None = None,
               bootstrap_port: int | None = None, extra: list[str] = (),
-              env: dict[str, str] | None = None, **overrides) -> Server:
+              env: dict[str, str] | None = None, hooks: list[str] = (), **overrides) -> Server:
+    """A PD server child; ``hooks``: ``pd_child.py`` test hooks (``--shuffle-free-pages N``,
+    ``--corrupt-backend``), which run the server through that launcher."""
     port = port or free_port()
     args = dict(TINY_ARGS, **overrides)
-    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model_path,
+    launcher = ["-m", "pdjax.serve"]
+    if hooks:
+        launcher = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "pd_child.py"),
+                    *hooks, "--"]
+    argv = [sys.executable, *launcher, "--role", role, "--model-path", model_path,
             "--port", str(port), "--skip-warmup-progress", "--num-reserved-decode-tokens", "16"]
     for k, v in args.items():
         argv += ["--" + k.replace("_", "-"), str(v)]

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import corrupt_backend
 from pdjax.transfer.engine import (FAKE_BOOTSTRAP_HOST, TransferError, available_backends,
                                    backend_for_bootstrap_host, create_transfer_engine)
 from pdjax.transfer.fake import FakeTransferEngine
@@ -34,6 +35,12 @@ def _aligned(nbytes, fill=None, seed=0):
 
 
 def test_registry():
+    # The package registers only real backends; the tests add their corrupting one.
+    code = "from pdjax.transfer.engine import available_backends as a; print(a())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.strip() == "['fake', 'mooncake']"
+    corrupt_backend.register()
     assert {"fake", "mooncake", "mooncake-corrupt"} <= set(available_backends())
     with pytest.raises(ValueError, match="backend: 'nixl'"):
         create_transfer_engine("nixl")
@@ -163,6 +170,7 @@ def test_mooncake_write_outside_registered_memory_fails(mooncake_pair):
 
 def test_corrupting_backend_flips_exactly_one_kv_byte(mooncake_pair):
     _, target = mooncake_pair
+    corrupt_backend.register()
     bad = create_transfer_engine("mooncake-corrupt", HOST)
     try:
         kv_src, kv_dst = _aligned(8192, "random", seed=9), _aligned(8192)
@@ -257,3 +265,28 @@ def test_transfer_package_never_imports_jax():
                          env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
+    from pdjax.config import ServerArgs
+    from pdjax.serve import parse_args
+
+    with pytest.raises(ValueError, match="disaggregation_transfer_backend must be one of "
+                                         "fake, mooncake"):
+        ServerArgs(disaggregation_transfer_backend="nixl")
+    corrupt_backend.register()
+    assert ServerArgs(disaggregation_transfer_backend="mooncake-corrupt") \
+        .disaggregation_transfer_backend == "mooncake-corrupt"
+    args = parse_args(["--disaggregation-transfer-backend", "mooncake-corrupt",
+                       "--disaggregation-transfer-path", "staging",
+                       "--disaggregation-transfer-max-batch", "7"])
+    assert (args.disaggregation_transfer_backend, args.disaggregation_transfer_path,
+            args.disaggregation_transfer_max_batch) == ("mooncake-corrupt", "staging", 7)
+    assert (ServerArgs().disaggregation_transfer_path,
+            ServerArgs().disaggregation_transfer_max_batch) == ("auto", 1024)
+    with pytest.raises(ValueError, match="disaggregation_transfer_path must be auto, direct or "
+                                         "staging; got 'dma'"):
+        ServerArgs(disaggregation_transfer_path="dma")
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="disaggregation_transfer_max_batch must be an int"):
+            ServerArgs(disaggregation_transfer_max_batch=bad)

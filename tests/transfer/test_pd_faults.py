@@ -22,8 +22,8 @@ from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_pre
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus,
-                                     prompt_digest)
+                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.wire import prompt_digest
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16
@@ -32,8 +32,6 @@ DRAIN_S = 4.0
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoints, tmp_path_factory):
-    from pd_harness import child_env
-
     logs = str(tmp_path_factory.mktemp("pd_faults"))
     model = tiny_checkpoints["llama"]
     b2, b3 = free_port(), free_port()
@@ -41,13 +39,15 @@ def cluster(tiny_checkpoints, tmp_path_factory):
               "--waiting-timeout-s", "30", "--transfer-timeout-s", "30"]
     p2 = pd_server("p2", "prefill", model, logs, bootstrap_port=b2,
                    extra=common + ["--bootstrap-timeout-s", "6"],
-                   env=child_env(PDJAX_SHUFFLE_FREE_PAGES="1",
-                                 PDJAX_TRANSFER_MAX_BATCH=str(MAX_BATCH)))
+                   hooks=["--shuffle-free-pages", "1"],
+                   disaggregation_transfer_max_batch=MAX_BATCH)
     d2 = pd_server("d2", "decode", model, logs, extra=common + ["--bootstrap-timeout-s", "10"],
-                   env=child_env(PDJAX_SHUFFLE_FREE_PAGES="2", PDJAX_KV_TRANSFER_PATH="staging"))
+                   hooks=["--shuffle-free-pages", "2"],
+                   disaggregation_transfer_path="staging")
     p3 = pd_server("p3", "prefill", model, logs, bootstrap_port=b3, extra=common,
+                   hooks=["--corrupt-backend"],
                    disaggregation_transfer_backend="mooncake-corrupt",
-                   env=child_env(PDJAX_KV_TRANSFER_PATH="staging"))
+                   disaggregation_transfer_path="staging")
     from pdjax.engine import Engine
 
     colocated = Engine(model_path=model, progress=False, **TINY_ARGS)

@@ -21,8 +21,9 @@ from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _
                                       fetch_prefill_info)
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.protocol import (Abort, AbortAck, FrameSealer, Heartbeat, KVBufferDesc,
-                                     RegisterDecode, RegisterResult, TransferRequest)
+from pdjax.transfer.frame_auth import FrameSealer
+from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, RegisterDecode,
+                                     RegisterResult, TransferRequest)
 
 pytestmark = pytest.mark.slow
 SECRET = "issue-16-shared-secret"

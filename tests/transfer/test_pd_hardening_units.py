@@ -16,8 +16,9 @@ from pdjax.router import PDRouter, create_router_app
 from pdjax.server.validation import checked_num_samples
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.channel import MessageChannel
-from pdjax.transfer.protocol import (AuthError, FrameAuthenticator, FrameSealer, Heartbeat,
-                                     prompt_digest)
+from pdjax.transfer.frame_auth import AuthError, FrameAuthenticator, FrameSealer
+from pdjax.transfer.protocol import Heartbeat
+from pdjax.transfer.wire import prompt_digest
 from pdjax.transfer.pd_metrics import PDMetrics
 
 PS = 4

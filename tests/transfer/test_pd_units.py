@@ -33,7 +33,7 @@ def _sched(num_pages=33, **kw):
 def test_held_pages_outlive_the_finish_until_released():
     s = _sched(page_aligned_chunks=True)
     req = _req("p", 10, max_new=1)
-    s.hold_on_finish.add("p")
+    s.hold_on_finish("p")
     s.add_request(req)
     batch = s.schedule()
     assert [(r.start, r.num_tokens) for r in batch.rows] == [(0, 10)]
@@ -75,7 +75,7 @@ def test_failed_prebuilt_pages_are_freed_or_quarantined_never_cached():
     a, b = _req("a", 13), _req("b", 6, seed=1)
     assert s.reserve_prebuilt(a) and s.reserve_prebuilt(b)
     used = s.num_used_pages
-    own_a = s.release_prebuilt(a, quarantine_key=(77, 0))
+    own_a = s.quarantine_prebuilt(a, (77, 0))
     assert len(own_a) == 4 and s.num_quarantined_pages == 4 and s.num_used_pages == used
     s.check_invariants()
     assert s.release_prebuilt(b) and s.num_used_pages == used - 2

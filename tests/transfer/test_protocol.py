@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from pdjax.transfer import protocol as P
-from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, KVPoll,
-                                     ProtocolError, RegisterDecode, RegisterResult,
-                                     TransferRequest, TransferStatus, decode_message,
-                                     encode_message, find_duplicates, validate_pages)
+from pdjax.transfer import wire as W
+from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, IllegalTransition,
+                                     KVBufferDesc, KVPoll, ProtocolError, RegisterDecode,
+                                     RegisterResult, TransferRequest, TransferStatus,
+                                     decode_message, encode_message)
+from pdjax.transfer.wire import find_duplicates, validate_pages
 
 
 def _register(**over):
@@ -31,7 +33,7 @@ ALL_MESSAGES = [
     RegisterResult("decode-1", False, "page_size: prefill 16 != decode 32"),
     TransferRequest(bootstrap_room=(1 << 63) - 1, dst_pages=(5, 6, 7, 100, 2),
                     dst_metadata_slot=3, decode_prefix_len=32, decode_engine_id="decode-1",
-                    prompt_len=100, prompt_digest=P.prompt_digest(range(100))),
+                    prompt_len=100, prompt_digest=W.prompt_digest(range(100))),
     TransferRequest(bootstrap_room=1, dst_pages=(), dst_metadata_slot=0, decode_prefix_len=0,
                     decode_engine_id="d", prompt_len=1, prompt_digest=bytes(16)),
     TransferStatus(bootstrap_room=42, state=KVPoll.Success),
@@ -71,13 +73,21 @@ def test_status_state_is_an_enum_after_decode():
     assert back.state is KVPoll.Success
 
 
-def test_kvpoll_order_and_advance():
+def test_kvpoll_order_and_checked_transitions():
     assert [int(s) for s in (KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.WaitingForInput,
                              KVPoll.Transferring, KVPoll.Success)] == [0, 1, 2, 3, 4]
-    assert KVPoll.advance(KVPoll.Bootstrapping, KVPoll.Transferring) == KVPoll.Transferring
-    assert KVPoll.advance(KVPoll.Transferring, KVPoll.WaitingForInput) == KVPoll.Transferring
-    assert KVPoll.advance(KVPoll.Success, KVPoll.Failed) == KVPoll.Failed
-    assert KVPoll.advance(KVPoll.Failed, KVPoll.Success) == KVPoll.Failed
+    order = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
+    legal = {(a, b) for a, b in zip(order, order[1:])} | {(a, KVPoll.Failed) for a in order}
+    for old in KVPoll:
+        for new in KVPoll:
+            if (old, new) in legal:
+                assert KVPoll.transition(old, new) is new
+            else:
+                # No skipping, no going back, no staying, nothing after Failed (a late Success
+                # must not revive a failed room).
+                with pytest.raises(IllegalTransition, match=f"{old.name} -> {new.name}"):
+                    KVPoll.transition(old, new)
+    assert len(legal) == 7
     assert min(KVPoll.Success, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
 
 
@@ -195,7 +205,7 @@ def test_constructing_an_invalid_message_raises_too():
 
 def test_oversized_frame_is_rejected_before_parsing():
     with pytest.raises(ProtocolError, match="exceeds"):
-        decode_message(b"\x00" * (P.MAX_FRAME_BYTES + 1))
+        decode_message(b"\x00" * (W.MAX_FRAME_BYTES + 1))
 
 
 def test_validate_pages_ranges_and_duplicates():

@@ -8,7 +8,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdjax.router import PDRouter, WorkerPool, create_router_app
+from pdjax.router import PDRouter, create_router_app
+from pdjax.router_pool import WorkerPool
 
 
 def test_pool_prefers_fewest_outstanding_then_kv_usage_then_round_robin():

@@ -19,7 +19,7 @@ full decode:
     new text = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
 
 Pure Python over a ``transformers`` tokenizer (``decode``, ``convert_ids_to_tokens``); the
-offline engine uses it too.
+server and the offline engine both use it, so it sits below both (DESIGN.md §1 "Layers").
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 from pdjax.config import ServerArgs
-from pdjax.transfer.protocol import SECRET_ENV
+from pdjax.transfer.frame_auth import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def run_single_role(args: ServerArgs) -> int:
                       drain_timeout_s=args.drain_timeout_s)
 
 
-def _child_argv(args: ServerArgs, role: str, port: int) -> list[str]:
+def child_argv(args: ServerArgs, role: str, port: int) -> list[str]:
     """``python -m pdjax.serve`` arguments that rebuild ``args`` with another role and port."""
     argv = [sys.executable, "-m", "pdjax.serve"]
     for f in dataclasses.fields(ServerArgs):
@@ -92,7 +92,7 @@ def start_children(args: ServerArgs) -> tuple[list[subprocess.Popen], str, str]:
     urls = []
     for offset, role in ((1, "prefill"), (2, "decode")):
         port = args.port + offset
-        procs.append(subprocess.Popen(_child_argv(args, role, port), env=env,
+        procs.append(subprocess.Popen(child_argv(args, role, port), env=env,
                                       preexec_fn=_die_with_parent))
         urls.append(f"http://{host}:{port}")
     return procs, urls[0], urls[1]

@@ -1,0 +1,106 @@
+"""The seam between the engine and a PD role (DESIGN.md §1 "Layers", §4).
+
+``EngineCore`` runs the same step for every role; a PD role (``--role prefill|decode``) plugs
+in through ``EngineRole``, which the engine calls at fixed points, and sees the engine only
+through ``RoleHost``, which ``EngineCore`` implements. Neither side reaches into the other's
+privates; the role changes the scheduler's PD page sets only through the scheduler's methods
+(``hold_on_finish``, ``reserve_prebuilt``, ``add_prebuilt``, ``release_prebuilt``,
+``quarantine_prebuilt``, ``release_held``, ``release_quarantine``).
+
+One engine step and where the role is called (engine thread)::
+
+    step():  [read a grammar step in flight]
+             role.poll()                      -> outputs   (admit, commit, fail, time out)
+             scheduler.schedule() -> launch -> read a step's tokens
+             role.after_step(batch, outputs)  -> outputs   (queue KV chunks, hold answers)
+    add_request(g): role.add_request(g, req)  -> True: the role schedules it later
+    abort_request:  role.abort(rid, message)  -> an output, or None: the scheduler's
+    a request refused before it reached the role: role.on_rejected / role.reject_room
+    has_work:       role.has_work()           (events from its helper threads, timeouts)
+    get_load / /pd_state: role.load(), role.debug_state()
+    AsyncEngine:    role.set_wake(wake), role.attach_metrics(metrics), role.close() at the end
+
+Pure Python (typing only): both sides import it, the engine from above, the roles from below.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:      # annotations only: no import at run time
+    from pdjax.config import ServerArgs
+    from pdjax.engine_io import GenerateOutput, GenerateRequest
+    from pdjax.request import Request
+    from pdjax.runner.model_runner import ModelRunner
+    from pdjax.sched.scheduler import ScheduledBatch, Scheduler
+
+
+@runtime_checkable
+class EngineRole(Protocol):
+    """A PD role as the engine sees it (``PrefillManager``, ``DecodeManager``). Every method
+    runs on the engine thread; a role's own threads only record events and call the wake
+    callback."""
+
+    def add_request(self, g: GenerateRequest, req: Request) -> bool:
+        """Take ``req`` (True: the role schedules it later) or leave it to the scheduler
+        (False). ``ValueError`` naming the field for a bad PD request."""
+
+    def has_work(self) -> bool:
+        """Whether the engine should step now for the role's sake."""
+
+    def poll(self) -> list[GenerateOutput]:
+        """Before scheduling: apply the helper threads' events, admit, commit, time out."""
+
+    def after_step(self, batch: ScheduledBatch | None,
+                   outputs: list[GenerateOutput]) -> list[GenerateOutput]:
+        """After a step's results were read (``batch`` None: no forward was read): returns the
+        outputs to stream (a role may hold some back, e.g. until a transfer ends)."""
+
+    def abort(self, rid: str, message: str) -> GenerateOutput | None:
+        """A client abort; None when ``rid`` is not the role's (the scheduler's then)."""
+
+    def on_rejected(self, g: GenerateRequest, message: str, status_code: int = 400) -> None:
+        """``add_request`` refused ``g``: tell the peer at once."""
+
+    def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
+        """The HTTP server refused the request for ``room`` (any client value)."""
+
+    def load(self) -> dict[str, Any]:
+        """The role's fields of ``/get_load``."""
+
+    def debug_state(self) -> dict[str, Any]:
+        """``/pd_state``: rooms, peers, transfer records."""
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """``wake()`` makes the engine thread step soon."""
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Register the role's metrics on the server's ``pdjax.metrics.Metrics``."""
+
+    def close(self) -> None:
+        """Stop the role's threads and sockets (engine shutdown)."""
+
+
+class RoleHost(Protocol):
+    """What a role may use of the engine (``EngineCore`` implements it)."""
+
+    args: ServerArgs
+    model_path: str
+    model_cfg: Any                 # the model's config: vocab_size, num_kv_heads, ...
+    scheduler: Scheduler           # PD page sets through its methods only
+    runner: ModelRunner            # kv_buffers / gather_pages / scatter_pages (LocalKV)
+    context_length: int
+
+    def stop_check(self, req: Request) -> dict | None:
+        """The finish reason after ``req``'s newest token (the decode's first token)."""
+
+    def make_output(self, req: Request, tokens, lps, tops,
+                    num_output: int | None = None) -> GenerateOutput:
+        """The ``GenerateOutput`` increment of ``req`` carrying ``tokens``."""
+
+    def wait_for_device(self) -> None:
+        """Block until the step in flight has run (pages a finish released are not written
+        any more)."""
+
+    def wait_for_kv(self) -> None:
+        """Block until every KV write dispatched so far has landed in the cache."""

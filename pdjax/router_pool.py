@@ -1,0 +1,74 @@
+"""How ``pdjax.router`` picks its workers: one ``WorkerPool`` per role and the room draw.
+
+Pure Python (no I/O): the router feeds it outstanding counts and ``/get_load`` answers.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from pdjax.server.validation import MAX_ROOM
+
+
+def draw_room(rng: random.Random) -> int:
+    """A bootstrap room in [1, 2**63): 0 means "unwritten" in the metadata row."""
+    return rng.randint(1, MAX_ROOM)
+
+
+POLICIES = ("load_aware", "round_robin")
+
+
+class WorkerPool:
+    """The workers of one role and the router's view of their load (pure Python).
+
+    ``outstanding[i]``: requests this router sent to worker ``i`` that have not finished
+    (``acquire``/``release``); ``kv_usage[i]``: the share of its KV pool in use, from its last
+    ``/get_load`` (``set_kv_usage``; 0 until the first poll). ``choose()`` returns the index
+    to use: ``load_aware`` takes the fewest outstanding, then the lowest ``kv_usage``, then
+    the first in round-robin order; ``round_robin`` ignores load. Raises ``ValueError`` for an
+    unknown policy or no workers.
+    """
+
+    def __init__(self, urls: list[str], policy: str = "load_aware"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy: {policy!r} not in {POLICIES}")
+        if not urls:
+            raise ValueError("urls: at least one worker is required")
+        self.urls = list(urls)
+        self.policy = policy
+        self.outstanding = [0] * len(urls)
+        self.kv_usage = [0.0] * len(urls)
+        self.num_chosen = [0] * len(urls)
+        self._next = 0
+
+    def choose(self) -> int:
+        n = len(self.urls)
+        order = [(self._next + k) % n for k in range(n)]
+        if self.policy == "load_aware":
+            i = min(order, key=lambda j: (self.outstanding[j], self.kv_usage[j]))
+        else:
+            i = order[0]
+        self._next = (i + 1) % n
+        self.num_chosen[i] += 1
+        return i
+
+    def acquire(self) -> int:
+        """``choose()`` and count the request as outstanding on it."""
+        i = self.choose()
+        self.outstanding[i] += 1
+        return i
+
+    def release(self, i: int) -> None:
+        self.outstanding[i] = max(0, self.outstanding[i] - 1)
+
+    def set_kv_usage(self, i: int, load: object) -> None:
+        """Take ``kv_usage`` from a ``/get_load`` body; anything else leaves it unchanged."""
+        value = load.get("kv_usage") if isinstance(load, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+            self.kv_usage[i] = float(value)
+
+    def state(self) -> list[dict[str, Any]]:
+        return [{"url": u, "outstanding": o, "kv_usage": k, "num_chosen": c}
+                for u, o, k, c in zip(self.urls, self.outstanding, self.kv_usage,
+                                      self.num_chosen)]

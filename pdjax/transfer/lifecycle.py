@@ -1,0 +1,125 @@
+"""Lifecycle of PD rooms and peers: checked state machines and typed failures (DESIGN.md §4).
+
+A room's transfer state is ``protocol.KVPoll`` (its values travel on the wire) and moves only
+along ``KVPoll.transition``'s table. A decode's view of one prefill server is a ``PeerState``:
+
+    CONNECTING --(topology read, registration accepted)--> READY
+         '------(no pairing: unreachable, refused)-------> FAILED <--(heartbeats lost)-- READY
+
+A failed peer is dropped once no room uses it, and the next request bootstraps a fresh one.
+
+Why a room failed is one ``RoomFailure`` subclass, never a message to search: its ``label`` is
+the ``reason`` of ``kv_transfer_failed_total``. A failure reported by the other side carries
+that side's text; the class says only what this side knows (an abort, a refusal with a 4xx
+status, or ``RemoteFailure``).
+
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+from pdjax.transfer.protocol import IllegalTransition
+
+
+class PeerState(str, enum.Enum):
+    """A prefill server as a decode server sees it (``/pd_state`` shows the value)."""
+
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+_PEER_TRANSITIONS = {
+    PeerState.CONNECTING: frozenset({PeerState.READY, PeerState.FAILED}),
+    PeerState.READY: frozenset({PeerState.FAILED}),
+    PeerState.FAILED: frozenset(),
+}
+
+
+def peer_transition(old: PeerState, new: PeerState) -> PeerState:
+    """``new`` if the peer table allows ``old -> new``; ``IllegalTransition`` otherwise."""
+    if new not in _PEER_TRANSITIONS[old]:
+        raise IllegalTransition(f"peer state {old.value} -> {new.value} is not allowed")
+    return new
+
+
+class RoomFailure(Exception):
+    """Why a room failed; ``str()`` is the message for logs and clients. The base class is
+    the ``other`` label."""
+
+    label: ClassVar[str] = "other"
+
+
+class Timeout(RoomFailure):
+    """A bootstrap, waiting or transfer timeout ran out."""
+
+    label = "timeout"
+
+
+class Aborted(RoomFailure):
+    """A client or the other server aborted the room."""
+
+    label = "aborted"
+
+
+class Refused(RoomFailure):
+    """A server refused the request (a bad field, a prompt over the context): a 4xx."""
+
+    label = "refused"
+
+
+class BadDestination(RoomFailure):
+    """The decode's page list or metadata slot does not fit the prompt or its pool."""
+
+    label = "dst_pages"
+
+
+class WriteFailed(RoomFailure):
+    """The transfer engine failed a KV or metadata write."""
+
+    label = "write"
+
+
+class CacheMoved(RoomFailure):
+    """A donated step moved the KV buffers while a transfer used their addresses."""
+
+    label = "moved"
+
+
+class PromptMismatch(RoomFailure):
+    """The room is bound to another prompt (its length or digest differ)."""
+
+    label = "prompt_mismatch"
+
+
+class MetadataGate(RoomFailure):
+    """The metadata row does not hold this room and prompt, or is corrupt."""
+
+    label = "metadata"
+
+
+class PairingFailed(RoomFailure):
+    """The decode could not pair with the prefill (unreachable, incompatible, refused)."""
+
+    label = "pair"
+
+
+class PeerLost(RoomFailure):
+    """The prefill stopped answering its heartbeats."""
+
+    label = "lost"
+
+
+class DoesNotFit(RoomFailure):
+    """The prompt does not fit the decode's KV pool even when it is empty."""
+
+    label = "fit"
+
+
+class RemoteFailure(RoomFailure):
+    """The prefill reported Failed (its reason is the message)."""
+
+    label = "remote"

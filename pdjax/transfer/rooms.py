@@ -1,0 +1,203 @@
+"""The records the PD roles keep per room and per peer (DESIGN.md §4).
+
+Prefill: ``PrefillRoom`` (one ``bootstrap_room``) and ``DecodePeer`` (a registered decode).
+Decode: ``DecodeRoom`` (one PD request) and ``PrefillPeer`` (one prefill server, with its
+``PeerState``). Each record notes which fields helper threads write (under the manager's
+lock); the rest belongs to the engine thread. States move along checked tables
+(``KVPoll.transition``, ``lifecycle.peer_transition``); failures are ``RoomFailure``s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+from pdjax.engine_io import GenerateOutput
+from pdjax.request import Request
+from pdjax.transfer.kv_export import KVLayout
+from pdjax.transfer.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
+from pdjax.transfer.local_kv import LocalKV
+from pdjax.transfer.protocol import KVPoll, RegisterDecode
+
+
+# ------------------------------------------------------------------------------ prefill side
+@dataclasses.dataclass
+class DecodePeer:
+    """A registered decode engine: where its KV pool and metadata slots are."""
+
+    engine_id: str
+    reply_endpoint: str
+    session_id: str
+    layout: KVLayout
+    metadata_addr: int
+    metadata_num_slots: int
+    metadata_bytes_per_slot: int
+
+    @classmethod
+    def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,
+                          metadata_bytes_per_slot: int) -> "DecodePeer":
+        """The peer a ``RegisterDecode`` describes, if it pairs with this prefill's KV
+        (``local_kv``, ``page_size``) and metadata rows; ``ValueError`` ("prefill refuses to
+        pair: ...", every mismatch named) otherwise."""
+        problems = []
+        ours = {"page_size": page_size, "kv_dtype": local_kv.kv_dtype,
+                "layout_fingerprint": local_kv.fingerprint, "kv_layout": local_kv.layout.kind,
+                "metadata_bytes_per_slot": metadata_bytes_per_slot}
+        for name, value in ours.items():
+            if getattr(msg, name) != value:
+                problems.append(f"{name}: prefill {value!r} != decode {getattr(msg, name)!r}")
+        layout = None
+        if not problems:
+            try:
+                layout = KVLayout(msg.kv_layout, msg.kv_buffers)
+                local_kv.layout.check_compatible(layout)
+            except ValueError as e:
+                problems.append(str(e))
+        if problems:
+            raise ValueError("prefill refuses to pair: " + "; ".join(problems))
+        return cls(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id, layout,
+                   msg.metadata_addr, msg.metadata_num_slots, msg.metadata_bytes_per_slot)
+
+
+@dataclasses.dataclass
+class PrefillRoom:
+    """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are
+    marked; everything else belongs to the engine thread."""
+
+    room: int
+    created_s: float
+    state: KVPoll = KVPoll.Bootstrapping
+    state_s: float = 0.0
+    req: Request | None = None
+    # From the decode's TransferRequest (receiver thread).
+    peer_id: str | None = None
+    dst_pages: np.ndarray | None = None
+    dst_slot: int = -1
+    decode_prefix_len: int = 0
+    prompt_len: int = 0                 # the prompt the decode reserved pages for
+    prompt_digest: bytes = b""
+    # Progress.
+    src_slot: int | None = None
+    next_page: int = 0                  # next prompt page to send
+    jobs_inflight: int = 0              # chunk/notice jobs queued or running (worker)
+    last_queued: bool = False
+    first_send_s: float = 0.0
+    done: bool = False                  # worker: last chunk + metadata written
+    # A failure a helper thread saw (a write error, a bad page list, the decode's abort),
+    # applied by the engine thread at its next poll; ``failure``: why the room is Failed.
+    reported: RoomFailure | None = None
+    failure: RoomFailure | None = None
+    status_code: int = 0                # 4xx: this server refused the request (told the decode)
+    notified: bool = False              # the decode was told the outcome
+    output: GenerateOutput | None = None
+    output_sent: bool = False
+    # Accounting (worker).
+    bytes: int = 0
+    pages: int = 0
+    copies: int = 0
+    write_s: float = 0.0          # time inside the transfer engine's batch writes
+    chunks: list = dataclasses.field(default_factory=list)
+
+    @property
+    def rid(self) -> str | None:
+        return None if self.req is None else self.req.rid
+
+    @property
+    def fail_reason(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
+
+    def report(self, failure: RoomFailure) -> None:
+        """Record a helper thread's failure (under the manager's lock). The first one is
+        kept, except that the decode's abort wins over a write error."""
+        if self.reported is None or (isinstance(failure, Aborted)
+                                     and not isinstance(self.reported, Aborted)):
+            self.reported = failure
+
+    def tombstone(self) -> "PrefillRoom":
+        """What stays of a failed room after its request was answered: a late request or page
+        list for the room fails at once, with this reason."""
+        assert self.state == KVPoll.Failed, self.state
+        return PrefillRoom(room=self.room, created_s=self.state_s, state=KVPoll.Failed,
+                           state_s=self.state_s, peer_id=self.peer_id, failure=self.failure,
+                           status_code=self.status_code, notified=True, output_sent=True)
+
+    def record(self) -> dict[str, Any]:
+        return {"room": self.room, "rid": self.rid, "state": self.state.name,
+                "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
+                "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
+                "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
+                "chunks": self.chunks, "write_s": self.write_s,
+                "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
+
+
+# ------------------------------------------------------------------------------- decode side
+@dataclasses.dataclass
+class PrefillPeer:
+    """One prefill server, keyed by its bootstrap ``host:port``."""
+
+    host: str
+    port: int
+    engine_id: str                     # this decode's id towards that prefill
+    state: PeerState = PeerState.CONNECTING
+    failure: RoomFailure | None = None  # why it is FAILED (PairingFailed, PeerLost)
+    register_reason: str = ""          # the prefill's answer to the registration
+    endpoint: str | None = None        # the prefill rank's ZMQ PULL socket
+    accepted: bool | None = None
+    health_failures: int = 0
+    registered: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @property
+    def reason(self) -> str:
+        return str(self.failure) if self.failure is not None else self.register_reason
+
+    def set_ready(self) -> None:
+        self.state = peer_transition(self.state, PeerState.READY)
+
+    def fail(self, failure: RoomFailure) -> None:
+        self.state = peer_transition(self.state, PeerState.FAILED)
+        self.failure = failure
+
+
+@dataclasses.dataclass
+class DecodeRoom:
+    """One PD request on the decode. ``status`` (the prefill's Success or Failed),
+    ``status_failure`` (why, when Failed) and ``status_code`` are set by the receiver thread;
+    the rest belongs to the engine thread."""
+
+    room: int | None                   # None for a fake (warm-up) request
+    req: Request
+    peer_key: tuple[str, int] | None   # None for a fake request
+    created_s: float
+    state: KVPoll = KVPoll.Bootstrapping
+    state_s: float = 0.0
+    slot: int | None = None
+    dst_pages: list[int] = dataclasses.field(default_factory=list)
+    decode_prefix_len: int = 0
+    sent_s: float = 0.0
+    status: KVPoll | None = None
+    status_failure: RoomFailure | None = None
+    status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
+    failure: RoomFailure | None = None
+    digest: bytes = b""                # wire.prompt_digest of the prompt
+
+    @property
+    def fake(self) -> bool:
+        return self.peer_key is None
+
+    @property
+    def fail_reason(self) -> str | None:
+        return None if self.failure is None else str(self.failure)
+
+    def record(self) -> dict[str, Any]:
+        return {"room": self.room, "rid": self.req.rid, "state": self.state.name,
+                "reason": self.fail_reason, "prompt_len": self.req.num_prompt_tokens,
+                "decode_prefix_len": self.decode_prefix_len, "dst_pages": list(self.dst_pages),
+                "slot": self.slot,
+                "peer": None if self.peer_key is None else f"{self.peer_key[0]}:{self.peer_key[1]}"}

@@ -1,0 +1,213 @@
+"""The package's layers (DESIGN.md §1 "Layers"): imports point down only, the control plane
+never loads JAX, and no module reaches into another package's privates.
+
+Layers, lowest first; a module may import its own layer and the ones below, never above:
+
+    control      config, request, engine_io, engine_roles, detokenizer, metrics, constrained,
+                 sched, kv, transfer.protocol / wire / frame_auth (the control protocol),
+                 transfer.engine (the transfer-engine interface)   (pure Python: no JAX)
+    device       jax_setup, models, pallas_kernels, runner
+    transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
+    engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
+    server       server (the HTTP API; sees the engine as an EngineClient)
+    entrypoints  entrypoints, serve, router (+ router_pool), convert, the package root
+
+Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows, and are skipped.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "pdjax"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("control", ("pdjax.config", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
+                 "pdjax.detokenizer", "pdjax.metrics", "pdjax.constrained", "pdjax.sched",
+                 "pdjax.kv", "pdjax.transfer.protocol", "pdjax.transfer.wire",
+                 "pdjax.transfer.frame_auth", "pdjax.transfer.engine")),
+    ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner")),
+    ("transfer", ("pdjax.transfer",)),
+    ("engine", ("pdjax.engine",)),
+    ("server", ("pdjax.server",)),
+    ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router", "pdjax.router_pool",
+                     "pdjax.convert", "pdjax")),
+]
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    """Index in ``LAYERS`` of the longest prefix that names ``module``'s package."""
+    best, best_len = None, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS and DESIGN.md §1")
+    return best
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def run_time_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every ``pdjax`` / ``jax`` import in ``source``, at any depth
+    (lazy imports in functions count), except under ``if TYPE_CHECKING:``."""
+    found: list[tuple[int, str]] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+            found.extend((node.lineno, f"{node.module}.{a.name}") for a in node.names
+                         if f"{node.module}.{a.name}" in MODULES)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return [(line, m) for line, m in found if m.split(".")[0] in ("pdjax", "jax")]
+
+
+def upward_imports(module: str, source: str) -> list[str]:
+    low = layer_of(module)
+    bad = []
+    for line, target in run_time_imports(source):
+        if target.split(".")[0] == "jax":
+            if low == 0:
+                bad.append(f"{module}:{line} imports {target} (the control plane is JAX-free)")
+            continue
+        if target not in MODULES:
+            continue
+        high = layer_of(target)
+        if high > low:
+            bad.append(f"{module}:{line} ({LAYERS[low][0]}) imports {target} "
+                       f"({LAYERS[high][0]})")
+    return bad
+
+
+def test_every_module_has_a_layer_and_imports():
+    for name in MODULES:
+        layer_of(name)
+        importlib.import_module(name)
+
+
+def test_no_import_points_up():
+    bad = [b for name, path in MODULES.items() for b in upward_imports(name, path.read_text())]
+    assert not bad, "imports from a higher layer:\n" + "\n".join(bad)
+
+
+def test_the_checker_sees_an_upward_import():
+    lazy = "def f():\n    from pdjax.engine import EngineCore\n"
+    assert upward_imports("pdjax.transfer.prefill", lazy) == [
+        "pdjax.transfer.prefill:2 (transfer) imports pdjax.engine (engine)"]
+    assert upward_imports("pdjax.sched.scheduler", "import jax.numpy as jnp\n") == [
+        "pdjax.sched.scheduler:1 imports jax.numpy (the control plane is JAX-free)"]
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pdjax.engine\n"
+    assert upward_imports("pdjax.engine_roles", typing_only) == []
+    assert upward_imports("pdjax.engine", "from pdjax.transfer.factory import x\n") == []
+
+
+def test_control_plane_loads_no_jax():
+    control = sorted(n for n in MODULES if layer_of(n) == 0)
+    assert "pdjax.transfer.protocol" in control and "pdjax.sched.scheduler" in control
+    code = ("import sys\n" + "".join(f"import {n}\n" for n in control)
+            + "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
+            + "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---------------------------------------------------------------------- private access
+def _unit(path: pathlib.Path) -> str:
+    """The owner of a private name: the subpackage (``pdjax.transfer``), or the module itself
+    for top-level modules and scripts."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:2]) if len(parts) > 2 else ".".join(parts)
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+            names.add(n.attr)
+        elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            names.add(n.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def foreign_private_access(sources: dict[pathlib.Path, str]) -> list[str]:
+    """``obj._name`` where ``obj`` is not ``self``/``cls`` and ``_name`` is not defined in the
+    accessing unit: a reach into another package's (or library's) privates."""
+    trees = {p: ast.parse(s) for p, s in sources.items()}
+    owned: dict[str, set[str]] = collections.defaultdict(set)
+    for p, t in trees.items():
+        owned[_unit(p)] |= _private_names(t)
+    hits = []
+    for p, t in trees.items():
+        for n in ast.walk(t):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_")
+                    and not n.attr.startswith("__")):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                continue
+            if n.attr not in owned[_unit(p)]:
+                hits.append(f"{p.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}")
+    return sorted(hits)
+
+
+def test_no_cross_package_private_access():
+    files = sorted(PKG.rglob("*.py")) + sorted((ROOT / "scripts").glob("*.py"))
+    hits = foreign_private_access({p: p.read_text() for p in files})
+    assert not hits, "private access across packages:\n" + "\n".join(hits)
+
+
+def test_the_private_checker_sees_a_reach():
+    engine = PKG / "engine.py"
+    role = PKG / "transfer" / "decode.py"
+    sources = {engine: "class EngineCore:\n    def _stop_check(self, req):\n        pass\n",
+               role: "def commit(core, req):\n    return core._stop_check(req), core.runner._fn\n"}
+    assert foreign_private_access(sources) == ["pdjax/transfer/decode.py:2: core._stop_check",
+                                               "pdjax/transfer/decode.py:2: core.runner._fn"]
+
+    # The same name defined in the accessing package is its own business.
+    sources[role] += "class Room:\n    _stop_check = None\n"
+    assert foreign_private_access(sources) == ["pdjax/transfer/decode.py:2: core.runner._fn"]
+
+
+@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillManager",
+                                  "pdjax.transfer.decode:DecodeManager"])
+def test_role_managers_implement_the_engine_role(role):
+    from pdjax.engine_roles import EngineRole
+
+    module, name = role.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    members = [m for m in vars(EngineRole) if not m.startswith("_")]
+    assert len(members) == 12
+    missing = [m for m in members if not callable(getattr(cls, m, None))]
+    assert not missing, f"{name} lacks {missing}"

@@ -1,0 +1,70 @@
+"""Peer states and typed room failures (``pdjax/transfer/lifecycle.py``); pure Python."""
+
+import pytest
+
+from pdjax.transfer import lifecycle
+from pdjax.transfer.lifecycle import (IllegalTransition, PeerState, RoomFailure,
+                                      peer_transition)
+
+
+def test_peer_transitions_are_checked():
+    legal = {(PeerState.CONNECTING, PeerState.READY), (PeerState.CONNECTING, PeerState.FAILED),
+             (PeerState.READY, PeerState.FAILED)}
+    for old in PeerState:
+        for new in PeerState:
+            if (old, new) in legal:
+                assert peer_transition(old, new) is new
+            else:     # a failed peer is replaced, never revived; no self-loops
+                with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+                    peer_transition(old, new)
+    assert [s.value for s in PeerState] == ["connecting", "ready", "failed"]   # /pd_state
+
+
+def test_failure_labels_are_distinct_and_the_message_is_the_text():
+    classes = [c for c in vars(lifecycle).values()
+               if isinstance(c, type) and issubclass(c, RoomFailure)]
+    labels = [c.label for c in classes]
+    assert len(classes) == 13 and len(set(labels)) == 13 and "other" in labels
+    assert sorted(labels) == ["aborted", "dst_pages", "fit", "lost", "metadata", "moved",
+                              "other", "pair", "prompt_mismatch", "refused", "remote",
+                              "timeout", "write"]
+    f = lifecycle.Timeout("transfer timeout: bootstrap_room 5 not transferred within 3 s")
+    assert str(f) == "transfer timeout: bootstrap_room 5 not transferred within 3 s"
+    assert f.label == "timeout" and isinstance(f, RoomFailure)
+    # The class decides, not the words: an abort whose text says "timeout" is an abort.
+    assert lifecycle.Aborted("aborted by client: timeout in the UI").label == "aborted"
+
+
+def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
+    from pdjax.transfer.protocol import KVPoll
+    from pdjax.transfer.rooms import PrefillRoom
+
+    r = PrefillRoom(room=9, created_s=0.0)
+    r.report(lifecycle.WriteFailed("KV write to decode s failed: rc=-1"))
+    r.report(lifecycle.RoomFailure("decode engine 'd' is no longer registered"))
+    assert isinstance(r.reported, lifecycle.WriteFailed)
+    r.report(lifecycle.Aborted("aborted by the decode server: client gone"))
+    r.report(lifecycle.WriteFailed("a later write error"))
+    assert str(r.reported) == "aborted by the decode server: client gone"
+    assert r.fail_reason is None                      # reported, not applied yet
+    with pytest.raises(AssertionError):
+        r.tombstone()                                 # only a failed room leaves one
+    r.state, r.failure, r.status_code, r.peer_id = KVPoll.Failed, r.reported, 0, "d"
+    t = r.tombstone()
+    assert (t.room, t.state, t.fail_reason, t.peer_id, t.notified, t.output_sent, t.req) == \
+        (9, KVPoll.Failed, "aborted by the decode server: client gone", "d", True, True, None)
+
+
+def test_prefill_peer_moves_along_its_table():
+    from pdjax.transfer.rooms import PrefillPeer
+
+    p = PrefillPeer("10.0.0.1", 8998, "decode-x-0")
+    assert p.state is PeerState.CONNECTING and p.reason == ""
+    p.register_reason = "accepted"
+    p.set_ready()
+    assert p.state is PeerState.READY and p.reason == "accepted"
+    p.fail(lifecycle.PeerLost("lost connection with prefill 10.0.0.1:8998 (2 failed heartbeats)"))
+    assert p.state is PeerState.FAILED and p.failure.label == "lost"
+    assert p.reason.startswith("lost connection")
+    with pytest.raises(IllegalTransition, match="failed -> ready"):
+        p.set_ready()                                # a failed peer is replaced, never revived
