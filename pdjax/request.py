@@ -27,7 +27,11 @@ class SamplingParams:
     ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
     reproducible whatever else shares the batch. ``grammar``: the structured-output constraint
     (``from_dict`` builds it from SGLang's ``json_schema`` / ``regex`` / ``ebnf``; the OpenAI
-    layer from ``response_format`` or ``tool_choice``). Raises ``ValueError`` naming the field.
+    layer from ``response_format`` or ``tool_choice``). ``logit_bias``: ``{token_id: bias}``
+    (OpenAI's field; JSON object keys are decimal strings), each bias in [-100, 100] added to
+    the token's logit before sampling, at most ``MAX_LOGIT_BIAS`` entries (OpenAI's limit);
+    the ids are checked against the vocabulary by the server and the engine. Raises
+    ``ValueError`` naming the field.
     """
 
     max_new_tokens: int | None = 128
@@ -45,8 +49,11 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     grammar: GrammarSpec | None = None
+    logit_bias: dict[int, float] | None = None
 
     MAX_NEW_TOKENS_LIMIT = 1 << 20
+    MAX_LOGIT_BIAS = 300          # entries per request (OpenAI's limit; a fixed device width)
+    LOGIT_BIAS_LIMIT = 100.0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -58,6 +65,7 @@ class SamplingParams:
                              f"{self.stop_token_ids!r}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _parse_logit_bias(self.logit_bias)
         self.validate()
 
     @classmethod
@@ -142,6 +150,13 @@ class SamplingParams:
             raise ValueError(f"skip_special_tokens must be a boolean, got "
                              f"{self.skip_special_tokens!r}")
 
+    def check_logit_bias_ids(self, vocab_size: int) -> None:
+        """``ValueError`` naming ``logit_bias`` for a token id outside ``[0, vocab_size)``."""
+        for t in self.logit_bias or {}:
+            if not t < vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary "
+                                 f"[0, {vocab_size})")
+
     # Below this temperature sampling is greedy: dividing logits by a subnormal temperature
     # overflows to inf (and then NaN), as SGLang also guards.
     GREEDY_TEMPERATURE = 1e-5
@@ -149,6 +164,36 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _parse_logit_bias(raw: Any) -> dict[int, float] | None:
+    """``{token_id: bias}`` from a dict with int or decimal-string keys; None or {} -> None.
+    ``ValueError`` naming ``logit_bias`` for a bad key, a bias that is not a finite number in
+    [-100, 100], a repeated id, or more than ``MAX_LOGIT_BIAS`` entries."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"logit_bias must be an object {{token_id: bias}}, got {raw!r}")
+    if len(raw) > SamplingParams.MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {SamplingParams.MAX_LOGIT_BIAS} tokens, "
+                         f"got {len(raw)}")
+    out: dict[int, float] = {}
+    limit = SamplingParams.LOGIT_BIAS_LIMIT
+    for key, bias in raw.items():
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            tok = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            tok = key
+        else:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (a non-negative integer)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not math.isfinite(bias) or not -limit <= bias <= limit:
+            raise ValueError(f"logit_bias: the bias of token {key!r} must be a number in "
+                             f"[-100, 100], got {bias!r}")
+        if tok in out:
+            raise ValueError(f"logit_bias: token id {tok} is given twice")
+        out[tok] = float(bias)
+    return out or None
 
 
 # An output token sampled on the device but not yet known on the host (overlapped scheduling,

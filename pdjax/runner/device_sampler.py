@@ -26,8 +26,12 @@ float64; the device computes in float32):
   of word ``t // 32`` allows token ``t``, ``pdjax.constrained.grammar``) sets the logits of
   disallowed tokens to ``-inf`` first, before penalties, temperature and filters; rows without
   a grammar have all-ones masks, and the masking runs only when ``any_grammar``.
-- logprobs are the raw log-softmax of the model's logits (before the grammar mask, penalties
-  and temperature).
+- logit bias (OpenAI's ``logit_bias``): after the grammar mask and before the penalties,
+  ``x[t] += bias[t]`` for the row's at most ``MAX_LOGIT_BIAS`` biased tokens (fixed-width
+  ``[R, MAX_LOGIT_BIAS]`` id and value arrays; padding entries add 0 to token 0), only when
+  ``any_logit_bias``.
+- logprobs are the raw log-softmax of the model's logits (before the grammar mask, logit
+  bias, penalties and temperature).
 
 Penalty counts live on the device (``PenaltyTables``): one row per penalty slot, ``[S, V]``
 output-token counts updated inside the step from the sampled ids, and ``[S, V]`` prompt-token
@@ -45,7 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pdjax.request import SamplingParams
+
 MAX_TOP_LOGPROBS = 20            # fixed top-logprobs width (OpenAI's limit of top_logprobs)
+MAX_LOGIT_BIAS = SamplingParams.MAX_LOGIT_BIAS   # fixed logit-bias width per row (OpenAI: 300)
 SEED_LIMIT = 2 ** 63
 
 
@@ -64,12 +71,15 @@ class SamplingInputs(NamedTuple):
     penalty_slot: jax.Array    # [R] i32: row of the penalty tables; 0 = none
     samples: jax.Array         # [R] bool: the row's token is kept (counts are updated)
     bitmask: jax.Array         # [R, W] i32 allowed-token bits (W = ceil(V/32)); all ones = any
+    logit_bias_ids: jax.Array  # [R, MAX_LOGIT_BIAS] i32 biased token ids (padding: 0)
+    logit_bias: jax.Array      # [R, MAX_LOGIT_BIAS] f32 biases added to them (padding: 0)
     any_random: jax.Array      # [] bool: some row samples with a temperature
     any_filter: jax.Array      # [] bool: some row has top-k or top-p (needs a sort)
     any_penalty: jax.Array     # [] bool
     any_logprob: jax.Array     # [] bool
     any_top: jax.Array         # [] bool
     any_grammar: jax.Array     # [] bool: some row's bitmask restricts it
+    any_logit_bias: jax.Array  # [] bool: some row has a logit bias
 
 
 class StepOutputs(NamedTuple):
@@ -97,6 +107,7 @@ class SamplingRow:
     penalty_slot: int
     return_logprob: bool
     top_logprobs_num: int
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_request(cls, req, penalty_slot: int = 0, position: int | None = None) -> "SamplingRow":
@@ -117,7 +128,7 @@ class SamplingRow:
                    presence_penalty=float(sp.presence_penalty), seed=seed,
                    position=len(req.output_ids) if position is None else position,
                    penalty_slot=penalty_slot, return_logprob=bool(req.return_logprob),
-                   top_logprobs_num=top)
+                   top_logprobs_num=top, logit_bias=sp.logit_bias)
 
 
 def uses_penalties(sp) -> bool:
@@ -135,6 +146,19 @@ def all_allowed_bitmask(num_rows: int, words: int) -> np.ndarray:
         a.flags.writeable = False
         _ALL_ALLOWED[key] = a
     return _ALL_ALLOWED[key]
+
+
+_NO_BIAS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def no_logit_bias(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read-only zero ``[num_rows, MAX_LOGIT_BIAS]`` id (int32) and bias (float32) arrays."""
+    if num_rows not in _NO_BIAS:
+        ids = np.zeros((num_rows, MAX_LOGIT_BIAS), np.int32)
+        vals = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+        ids.flags.writeable = vals.flags.writeable = False
+        _NO_BIAS[num_rows] = (ids, vals)
+    return _NO_BIAS[num_rows]
 
 
 def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
@@ -159,6 +183,9 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
     slot = np.zeros(R, np.int32)
     samples = np.zeros(R, bool)
     any_logprob = any_top = False
+    bias_ids, bias = no_logit_bias(R)
+    if any(r is not None and r.logit_bias for r in rows):
+        bias_ids, bias = bias_ids.copy(), bias.copy()
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -169,6 +196,13 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
         positions[i], slot[i] = r.position, r.penalty_slot
         any_logprob |= r.return_logprob
         any_top |= r.top_logprobs_num > 0
+        if r.logit_bias:
+            if len(r.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
+                                 f"got {len(r.logit_bias)}")
+            n = len(r.logit_bias)
+            bias_ids[i, :n] = list(r.logit_bias)
+            bias[i, :n] = list(r.logit_bias.values())
     random = temperature > 0
     filt = random & (((top_k > 0) & (top_k < 1 << 30)) | (top_p < 1.0))
     pen = (rep != 1.0) | (freq != 0.0) | (pres != 0.0)
@@ -180,9 +214,10 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
             raise ValueError(f"bitmask must be [{R}, W] int32, got {bitmask.shape} {bitmask.dtype}")
         any_grammar = bool((bitmask != -1).any())
     return SamplingInputs(temperature, top_k, top_p, min_p, rep, freq, pres, seed_words, positions,
-                          slot, samples, bitmask, np.bool_(random.any()), np.bool_(filt.any()),
-                          np.bool_(pen.any() and slot.any()), np.bool_(any_logprob), np.bool_(any_top),
-                          np.bool_(any_grammar))
+                          slot, samples, bitmask, bias_ids, bias, np.bool_(random.any()),
+                          np.bool_(filt.any()), np.bool_(pen.any() and slot.any()),
+                          np.bool_(any_logprob), np.bool_(any_top), np.bool_(any_grammar),
+                          np.bool_(bias.any()))
 
 
 # ---------------------------------------------------------------------------- the draw
@@ -215,6 +250,13 @@ def apply_bitmask(x, bitmask):
     if bits.shape[1] < V:            # a narrow all-ones placeholder: the rest allowed
         bits = jnp.pad(bits, ((0, 0), (0, V - bits.shape[1])), constant_values=1)
     return jnp.where(bits[:, :V] != 0, x, -jnp.inf)
+
+
+def apply_logit_bias(x, ids, bias):
+    """``x [R, V]`` with ``bias [R, B]`` f32 added at token ids ``ids [R, B]`` i32 of each row
+    (padding entries add 0 to token 0)."""
+    rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    return x.at[rows, ids].add(bias)
 
 
 def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
@@ -262,6 +304,8 @@ def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
     R, V = logits.shape
     logits = logits.astype(jnp.float32)
     x = lax.cond(sp.any_grammar, apply_bitmask, lambda x, m: x, logits, sp.bitmask)
+    x = lax.cond(sp.any_logit_bias, apply_logit_bias, lambda x, i, b: x, x, sp.logit_bias_ids,
+                 sp.logit_bias)
     x = lax.cond(sp.any_penalty, _apply_penalties, lambda x, sp, a, b: x, x, sp,
                  prompt_seen, counts)
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -61,6 +61,13 @@ def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
     return logits
 
 
+def apply_logit_bias(logits: np.ndarray, logit_bias: dict[int, float] | None) -> np.ndarray:
+    """``logits [V]`` with ``logit_bias`` (``{token_id: bias}``) added in place."""
+    for tok, bias in (logit_bias or {}).items():
+        logits[tok] += bias
+    return logits
+
+
 def keep_threshold(probs: np.ndarray, top_k: int, top_p: float, min_p: float) -> float:
     """Smallest probability kept by top-k, min-p and top-p (ties at it are all kept)."""
     s = -np.sort(-probs)
@@ -75,7 +82,8 @@ def keep_threshold(probs: np.ndarray, top_k: int, top_p: float, min_p: float) ->
 def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = None) -> SampleResult:
     """Sample the next token of ``req`` from its logits row ``[V]`` float32. ``bitmask``: the
     row's grammar mask ``[ceil(V/32)]`` int32 (``pdjax.constrained.grammar.apply_bitmask``),
-    applied before the penalties; logprobs stay those of the unmasked logits."""
+    applied first, then ``sampling_params.logit_bias``, then the penalties; logprobs stay those
+    of the raw logits."""
     sp = req.sampling_params
     lp = log_softmax(logits) if req.return_logprob else None
     x = logits.astype(np.float64)
@@ -83,7 +91,8 @@ def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = 
         from pdjax.constrained.grammar import apply_bitmask
 
         x = apply_bitmask(x, bitmask)
-    x = apply_penalties(x.copy(), req)
+    x = apply_logit_bias(x.copy(), sp.logit_bias)
+    x = apply_penalties(x, req)
     margin = float("inf")
     if sp.is_greedy:
         token = int(np.argmax(x))

@@ -4,7 +4,7 @@
 ``/v1/completions``: ``prompt`` (string, list of strings, token ids, or lists of them); choice
 ``k = i * n + j``. ``/v1/chat/completions``: ``messages`` through the tokenizer's chat template;
 choice ``k = j``. Every bad input raises ``RequestError`` naming the field; fields that ask for
-behaviour pdjax does not have (``logit_bias``, ...) are rejected, never ignored; a field set to
+behaviour pdjax does not have (``suffix``, ``best_of``, ...) are rejected, never ignored; a field set to
 ``null`` counts as absent. Tool calling and reasoning output (``tools.py``, ``chat_output.py``,
 ``parsers/``) hook in at the chat request and the answer.
 
@@ -76,7 +76,7 @@ class OpenAIRequest:
 # are SGLang/vLLM extensions sent through the openai client's ``extra_body``.
 _OPENAI_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                    "stop_token_ids", "skip_special_tokens"}
+                    "stop_token_ids", "skip_special_tokens", "logit_bias"}
 _OPENAI_COMMON = _OPENAI_SAMPLING | {
     "model", "max_tokens", "stream", "stream_options", "logprobs", "user", "rid",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "metadata", "service_tier",
@@ -94,7 +94,6 @@ def _empty(v: Any) -> bool:
 _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "tools": _empty, "tool_choice": lambda v: v == "none", "functions": _empty,
     "function_call": lambda v: v == "none", "parallel_tool_calls": lambda v: isinstance(v, bool),
-    "logit_bias": _empty,
     "suffix": _empty, "best_of": lambda v: v == 1, "store": lambda v: v is False,
     "modalities": lambda v: v == ["text"], "audio": lambda v: False,
     "prediction": lambda v: False, "reasoning_effort": lambda v: False,

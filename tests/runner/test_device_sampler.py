@@ -273,3 +273,71 @@ def test_all_ones_mask_changes_nothing():
     out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)), seen, counts,
                      MAX_ROWS)
     assert np.asarray(out.tokens)[:MAX_ROWS].tolist() == np.argmax(logits, -1).tolist()
+
+
+def test_logit_bias_equals_oracle_with_masks_and_penalties():
+    """Rows with random logit biases (some of the full width, some with a grammar mask and
+    penalties) draw the oracle's token; a +100 bias wins greedy and a -100 bias never wins;
+    logprobs stay those of the raw logits."""
+    rng = np.random.default_rng(13)
+    logits = _logits(rng, MAX_ROWS)
+    mask, allowed = _random_bitmask(rng, MAX_ROWS, V, 0.5)
+    reqs = []
+    for i in range(MAX_ROWS):
+        sp = {"temperature": 0.0} if i % 2 == 0 else _random_params(rng)
+        if i % 4 == 1:
+            sp.update(repetition_penalty=1.2, presence_penalty=0.3)
+        if i % 4 != 3:          # rows 3, 7, ...: no bias in a batch that has some
+            ids = rng.choice(V, size=int(rng.integers(1, V)), replace=False)
+            sp["logit_bias"] = {int(t): float(rng.uniform(-100, 100)) for t in ids}
+        reqs.append(_req(seed=int(rng.integers(0, 2 ** 63)), outputs=[4, 9], logprob=True, **sp))
+    # Greedy rows without a grammar mask (i % 2 == 0, i % 3 != 0): 2, 4, 8.
+    winner = int(np.argmin(logits[2]))                 # the least likely token, pushed up
+    reqs[2].sampling_params.logit_bias = {winner: 100.0}
+    top = int(np.argmax(logits[8]))
+    reqs[8].sampling_params.logit_bias = {top: -100.0}
+    reqs[4].sampling_params.logit_bias = {int(t): 0.5 for t in range(V)}    # a flat shift
+    slots = [(r, i + 1) for i, r in enumerate(reqs)]
+    seen, counts = _tables(slots)
+    rows = [ds.SamplingRow.from_request(r, s) for r, s in slots]
+    grammar_rows = np.arange(MAX_ROWS) % 3 == 0
+    rowmask = np.where(grammar_rows[:, None], mask, -1).astype(np.int32)
+    sp = ds.build_sampling_inputs(rows, MAX_ROWS, bitmask=rowmask)
+    assert bool(sp.any_logit_bias) and sp.logit_bias_ids.shape == (MAX_ROWS, ds.MAX_LOGIT_BIAS)
+    out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)), seen, counts,
+                     MAX_ROWS)
+    out = jax.tree.map(np.asarray, out)
+    compared = 0
+    for i, r in enumerate(reqs):
+        tok = int(out.tokens[i])
+        ref = sample_token(logits[i].copy(), r, bitmask=rowmask[i])
+        assert ref.token_id == tok or ref.margin < 1e-5, (i, r.sampling_params)
+        compared += ref.token_id == tok
+        if grammar_rows[i]:
+            assert allowed[i, tok]
+        assert out.token_logprob[i] == pytest.approx(log_softmax(logits[i])[tok], abs=1e-5)
+    assert compared >= MAX_ROWS - 1
+    assert out.tokens[2] == winner
+    assert out.tokens[8] == np.argsort(logits[8])[-2]
+    assert out.tokens[4] == np.argmax(logits[4])
+
+
+def test_no_logit_bias_is_the_shared_zero_arrays():
+    rows = [ds.SamplingRow.from_request(_req(temperature=0.0), 0)] * 3
+    sp = ds.build_sampling_inputs(rows, 4, vocab_size=V)
+    assert not sp.any_logit_bias and not sp.logit_bias.any()
+    assert sp.logit_bias_ids is ds.no_logit_bias(4)[0]
+    biased = ds.SamplingRow.from_request(_req(temperature=0.0, logit_bias={"7": 3, 9: -2.5}), 0)
+    sp = ds.build_sampling_inputs([None, biased], 4, vocab_size=V)
+    assert sp.logit_bias_ids[1, :2].tolist() == [7, 9] and sp.logit_bias[1, :3].tolist() == [3, -2.5, 0]
+    assert not ds.no_logit_bias(4)[1].any()            # the shared zeros were not written
+
+
+@pytest.mark.parametrize("bias,needle", [({"x": 1}, "logit_bias"), ({"1": 101}, "logit_bias"),
+                                         ({1: float("inf")}, "logit_bias"), ([1], "logit_bias"),
+                                         ({str(i): 0 for i in range(301)}, "at most 300")])
+def test_bad_logit_bias_names_the_field(bias, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(logit_bias=bias)
+    with pytest.raises(ValueError, match="logit_bias: token id 64 is outside"):
+        SamplingParams(logit_bias={"64": 1}).check_logit_bias_ids(V)

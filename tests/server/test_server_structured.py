@@ -211,3 +211,61 @@ async def test_invalid_schema_is_a_400_naming_the_field(served, body, field):
     resp = await client.post("/generate", json={"text": "x", "sampling_params": {
         "max_new_tokens": 4, "regex": "[a-c]{4}"}})
     assert re.fullmatch("[a-c]{4}", (await resp.json())["text"])
+
+
+# One token of the tiny model's vocabulary (its tokenizer has 448 of the model's 512) holds a
+# whole Hermes call; a +100 logit bias makes the random model write it, again and again.
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 35}}\n</tool_call>\n'
+
+
+@pytest.fixture
+def call_token(real_engine, short_tools_template):
+    """The server's tokenizer with ``CALL_TEXT`` added as one token (before the server is
+    made: it keeps the tokenizer's token texts); returns its id."""
+    import copy
+
+    before = real_engine.tokenizer
+    tok = copy.deepcopy(before)
+    tok.add_tokens([CALL_TEXT])
+    real_engine.tokenizer = tok
+    token_id = tok.convert_tokens_to_ids(CALL_TEXT)
+    assert len(before) <= token_id < real_engine.core.model_cfg.vocab_size
+    yield token_id
+    real_engine.tokenizer = before
+
+
+async def test_auto_tool_choice_with_a_biased_call_gives_tool_calls(call_token, served):
+    """``tool_choice="auto"`` (the default with tools): the model's output holds a call, driven
+    on the real tiny model by ``logit_bias``, so the answer carries it as ``tool_calls``; the
+    stop string ends the output after the first call. Without the bias: no call."""
+    _, oa, engine = served
+    before = engine.core.runner.compiles_after_warmup
+    kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=4,
+              temperature=0, logit_bias={str(call_token): 100}, stop=["\n<tool_call>"])
+    for auto in (None, "auto"):
+        extra = {} if auto is None else {"tool_choice": auto}
+        chat = await oa.chat.completions.create(**kw, **extra)
+        choice = chat.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add" and call.id.startswith("call_")
+        assert json.loads(call.function.arguments) == {"a": 7, "b": 35}
+        calls, finish = {}, None
+        async for chunk in await oa.chat.completions.create(stream=True, **kw, **extra):
+            for c in chunk.choices:
+                for tc in c.delta.tool_calls or []:
+                    if tc.id is not None:
+                        calls[tc.index] = [tc.function.name, tc.function.arguments]
+                    else:
+                        calls[tc.index][1] += tc.function.arguments
+                finish = c.finish_reason or finish
+        assert finish == "tool_calls"
+        assert [(n, json.loads(a)) for n, a in calls.values()] == [("add", {"a": 7, "b": 35})]
+    # No stop string: the biased token repeats, and each copy is one more call.
+    chat = await oa.chat.completions.create(**dict(kw, stop=None, max_tokens=3))
+    assert [c.function.name for c in chat.choices[0].message.tool_calls] == ["add"] * 3
+    # Without the bias the random model writes no call.
+    chat = await oa.chat.completions.create(**dict(kw, logit_bias=None, max_tokens=8))
+    assert not chat.choices[0].message.tool_calls
+    assert engine.core.runner.compiles_after_warmup == before

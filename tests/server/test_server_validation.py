@@ -76,7 +76,16 @@ CASES = [
     (CMPL, with_(CMPL, echo=True, logprobs=1), "echo"),
     (CMPL, with_(CMPL, suffix="tail"), "suffix"),
     (CMPL, with_(CMPL, best_of=2), "best_of"),
-    (CMPL, with_(CMPL, logit_bias={"5": 10}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={str(VOCAB): 10}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={"5": 100.5}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={"5": "up"}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={"-5": 1}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={"five": 1}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={"5": 1, "05": 2}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias={str(i): 1 for i in range(301)}), "logit_bias"),
+    (CMPL, with_(CMPL, logit_bias=[5, 10]), "logit_bias"),
+    (CHAT, with_(CHAT, logit_bias={"5": NAN}), "logit_bias"),
+    (GEN, {"text": "Hi", "sampling_params": {"logit_bias": {str(VOCAB + 3): 1}}}, "logit_bias"),
     (CMPL, with_(CMPL, frobnicate=1), "frobnicate"),
     (CMPL, with_(CMPL, bootstrap_room=-1), "bootstrap_room"),
     (CMPL, with_(CMPL, bootstrap_room=2 ** 63), "bootstrap_room"),
@@ -242,13 +251,24 @@ async def test_null_fields_and_defaults_are_accepted(make_client):
     assert body["choices"][0]["text"].startswith("Hello")
 
 
+async def test_logit_bias_reaches_the_engine_from_every_endpoint(make_client):
+    client, engine = await make_client()
+    for path, body in ((CMPL, with_(CMPL, logit_bias={"5": 10, "399": -100})),
+                       (CHAT, with_(CHAT, logit_bias={"5": 10, "399": -100})),
+                       (GEN, {"text": "Hi", "sampling_params": {"logit_bias": {"5": 10,
+                                                                               "399": -100}}})):
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, (path, await resp.text())
+        assert engine.submitted[-1].sampling_params.logit_bias == {5: 10.0, 399: -100.0}
+
+
 async def test_garbage_never_breaks_the_server(make_client):
     client, engine = await make_client()
     rng = random.Random(0)
     atoms = [None, True, 0, -1, 2 ** 70, 1.5, NAN, "", "x", [], {}, [[]], [None], {"a": {}}]
     fields = ["prompt", "messages", "text", "input_ids", "sampling_params", "n", "max_tokens",
               "temperature", "stop", "logprobs", "top_logprobs", "stream", "rid",
-              "bootstrap_room", "stream_options", "model", "echo"]
+              "bootstrap_room", "logit_bias", "stream_options", "model", "echo"]
     for _ in range(150):
         path = rng.choice([CMPL, CHAT, GEN])
         body = {f: rng.choice(atoms) for f in rng.sample(fields, rng.randint(1, 5))}

@@ -3,6 +3,7 @@ processes on 127.0.0.1 with the Mooncake backend (issue 5), checked against the 
 engine; then sglang-router (PyPI) in front of the same two servers."""
 
 import collections
+import json
 import concurrent.futures
 import random
 import sys
@@ -245,6 +246,37 @@ def test_constrained_requests_equal_colocated(pd):
             assert re.fullmatch(sp["regex"], ref["text"])
         else:
             jsonschema.validate(json.loads(ref["text"]), schema)
+    for s in ("prefill", "decode"):
+        assert wait_until(lambda: at_baseline(pd[s]), 10), s
+
+
+def test_logit_bias_applies_to_the_prefills_first_token(pd):
+    """The prefill draws the first token with the bias, the decode the rest: the same tokens as
+    colocated, through /generate and /v1/completions; a bad bias is a 400 from the router."""
+    router, colocated = pd["router"].url, pd["colocated"]
+    ids = list(range(90, 111))
+    plain = colocated.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                               "max_new_tokens": 5})
+    first = plain["output_ids"][0]
+    cases = [{"temperature": 0, "logit_bias": {str(first): -100, "33": 4.5}},
+             {"temperature": 0, "logit_bias": {"77" if first != 77 else "78": 100}},
+             {"temperature": 1.0, "seed": 5, "logit_bias": {str(first): -100, "40": 3}}]
+    for sp in cases:
+        sp = dict(sp, max_new_tokens=5)
+        ref = colocated.generate(input_ids=ids, sampling_params=sp)
+        assert ref["output_ids"][0] != first
+        for stream in (False, True):
+            out = _generate(router, ids, 5, stream=stream, sampling_params=sp)
+            assert out["output_ids"] == ref["output_ids"], (sp, stream)
+        status, comp = post(router + "/v1/completions", {
+            "prompt": ids, "max_tokens": 5, "temperature": sp["temperature"],
+            "seed": sp.get("seed"), "logit_bias": sp["logit_bias"]})
+        assert status == 200, comp
+        assert comp["choices"][0]["text"] == ref["text"]
+    assert ref["output_ids"]
+    status, err = post(router + "/v1/completions", {"prompt": ids, "max_tokens": 2,
+                                                     "logit_bias": {"100000": 1}})
+    assert status == 400 and "logit_bias" in json.dumps(err), err
     for s in ("prefill", "decode"):
         assert wait_until(lambda: at_baseline(pd[s]), 10), s
 
