@@ -152,6 +152,8 @@ ROLES = ("colocated", "prefill", "decode", "pd")
 # Output parsers of the chat API (SGLang's names; pdjax.server.parsers registers them).
 TOOL_CALL_PARSERS = ("hermes", "llama3", "qwen25")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
+# Structured outputs (SGLang's --grammar-backend; pdjax has llguidance, or none).
+GRAMMAR_BACKENDS = ("llguidance", "none")
 
 _CHOICES = {
     "role": ROLES,
@@ -162,6 +164,7 @@ _CHOICES = {
     "log_level": ("debug", "info", "warning", "error"),
     "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_parser": REASONING_PARSERS,
+    "grammar_backend": GRAMMAR_BACKENDS,
 }
 
 _HELP = {
@@ -214,6 +217,9 @@ _HELP = {
     "drain_timeout_s": "SIGTERM: seconds running requests may finish",
     "tool_call_parser": "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
     "reasoning_parser": "put <think> reasoning in reasoning_content: deepseek-r1, qwen3",
+    "grammar_backend": "structured outputs (response_format, json_schema/regex/ebnf, forced "
+                       "tool_choice): llguidance, or none to refuse them and compile no "
+                       "grammar sampler at warm-up",
 }
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
@@ -239,6 +245,7 @@ class ServerArgs:
     api_key: str | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    grammar_backend: str = "llguidance"
     tp_size: int = 1
     page_size: int = 16
     max_total_tokens: int = 16384
@@ -276,6 +283,9 @@ class ServerArgs:
     def __post_init__(self):
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got "
+                             f"{self.grammar_backend!r}")
         for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
                             ("reasoning_parser", REASONING_PARSERS)):
             if getattr(self, name) not in (None,) + known:

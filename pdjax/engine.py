@@ -61,6 +61,10 @@ class _Launched:
     num_placeholders: int = 0                    # input tokens read from the previous step
     t_start: float = 0.0                         # perf_counter when the dispatch began
     compiled: bool = False                       # a compile happened in the dispatch
+    # Split grammar rows (overlap): their masks need the tokens of the step before, so they
+    # are sampled again by ``_sample_deferred`` from ``logits`` once that step is read.
+    deferred: list[tuple[int, Request, SamplingRow]] = dataclasses.field(default_factory=list)
+    logits: Any = None                           # [R, V] on the device while deferred rows wait
     has_grammar: bool = False                    # a pending token belongs to a grammar request
 
 
@@ -123,8 +127,9 @@ class EngineCore:
         self.host_time_s = 0.0        # scheduling + batch building + sampling
         self.forward_time_s = 0.0
         self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
-        # callables(batch, key, tokens device array, t_dispatch) after each dispatch (device
-        # timelines, benchmarks).
+        # callables(batch, key, device array, t_dispatch) after each dispatch (device timelines,
+        # benchmarks): the sampled tokens; for a split grammar step, the forward's logits and
+        # then the resample's tokens (key.entry "resample").
         self.dispatch_hooks: list = []
         self.overlap = not args.disable_overlap_schedule and args.role != "prefill"
         self._inflight: _Launched | None = None
@@ -137,8 +142,14 @@ class EngineCore:
         self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
         self._grammar_backend = None                     # built on first use (grammar_backend)
         self._grammar_lock = threading.Lock()
-        self.num_grammar_syncs = 0    # steps that read the step in flight first (grammar rows)
-        self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress)
+        # Steps whose grammar rows were sampled in a second dispatch after the step before was
+        # read (overlap kept), and grammar rows so sampled.
+        self.num_grammar_split_steps = 0
+        self.num_grammar_split_rows = 0
+        self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
+        self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress,
+                                           split_sampling=self.overlap
+                                           and args.grammar_backend != "none")
         if args.target_itl_ms is not None:
             self.seed_cost_model()
         # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
@@ -146,6 +157,13 @@ class EngineCore:
         self.disagg: EngineRole | None = create_engine_role(self)
 
     # ------------------------------------------------------------------ grammars
+    @property
+    def split_grammar_sampling(self) -> bool:
+        """Whether grammar rows whose input token is still on the device are sampled in a
+        second dispatch (overlap, with the resample executables warm-up compiled when the
+        engine started with overlap and a grammar backend; DESIGN.md §3, "Grammars")."""
+        return self.overlap and bool(self.runner.resample_rows)
+
     @property
     def grammar_backend(self):
         """The ``GrammarBackend`` of this model's tokenizer, vocabulary and EOS ids, built on
@@ -160,8 +178,15 @@ class EngineCore:
             return self._grammar_backend
 
     def compile_grammar(self, spec) -> None:
-        """Compile ``spec`` into the backend's cache; ``ValueError`` naming its field."""
+        """Compile ``spec`` into the backend's cache; ``ValueError`` naming its field (also
+        when ``grammar_backend`` is ``none``)."""
+        self._check_grammar_enabled(spec)
         self.grammar_backend.compile(spec)
+
+    def _check_grammar_enabled(self, spec) -> None:
+        if self.args.grammar_backend == "none":
+            raise ValueError(f"{spec.field}: structured outputs are disabled on this server "
+                             f"(--grammar-backend none)")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest) -> Request:
@@ -182,6 +207,7 @@ class EngineCore:
         sp = g.sampling_params
         req.seed_for_sampling = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
         if sp.grammar is not None:
+            self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
         if self.disagg is not None and self.disagg.add_request(g, req):
             return req                # PD: the role's manager schedules it later
@@ -237,9 +263,10 @@ class EngineCore:
         try:
             outputs: list[GenerateOutput] = []
             done = None
-            if self._inflight is not None and self._inflight.has_grammar:
-                # The masks of the next step need the tokens of the step in flight: read it
-                # before scheduling (DESIGN.md §3, "Grammars").
+            if self._inflight is not None and self._inflight.has_grammar \
+                    and not self.split_grammar_sampling:
+                # No resample executables (overlap turned on after start-up): the masks of the
+                # next step need the tokens of the step in flight, so read it first.
                 done, self._inflight = self._inflight, None
                 self.num_grammar_syncs += 1
                 done_outputs, fetch_s = self._complete(done)
@@ -271,6 +298,10 @@ class EngineCore:
                     done_outputs, fetch_s = self._complete(done)
                     outputs += done_outputs
                     waited += fetch_s
+            if launched is not None and launched.deferred:
+                # The step before is read and its tokens taken by the matchers: fill the masks
+                # while the new forward runs, then sample its grammar rows.
+                waited += self._sample_deferred(launched, outputs)
             if self.disagg is not None and (done is not None or outputs):
                 # batch None: no forward's results were read, but requests may have finished.
                 outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
@@ -294,7 +325,7 @@ class EngineCore:
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages)
         fb = self.runner.make_batch(key, rows)
         prev_idx = np.full(key.num_tokens, -1, np.int32)
-        samp_rows, failed = [], []
+        samp_rows, failed, deferred = [], [], []
         bitmask = None
         if any(row.samples and row.req.grammar is not None for row in batch.rows):
             bitmask = np.full((key.num_rows, bitmask_words(self.model_cfg.vocab_size)), -1,
@@ -309,11 +340,17 @@ class EngineCore:
                 continue
             try:
                 slot = self._penalty_slot(req) if uses_penalties(req.sampling_params) else 0
-                if req.grammar is not None:
-                    if PENDING_TOKEN in req.output_ids:
+                row_params = SamplingRow.from_request(req, slot)
+                if req.grammar is not None and PENDING_TOKEN in req.output_ids:
+                    if not self.split_grammar_sampling:
                         raise RuntimeError("grammar row scheduled while a token is pending")
+                    # Its mask needs the token in flight: drawn by ``_sample_deferred``.
+                    deferred.append((i, req, row_params))
+                    samp_rows.append(None)
+                    continue
+                if req.grammar is not None:
                     req.grammar.fill_bitmask(bitmask[i])
-                samp_rows.append(SamplingRow.from_request(req, slot))
+                samp_rows.append(row_params)
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
                 failed.append((req, e))
@@ -333,19 +370,59 @@ class EngineCore:
                 self.num_exposed_dispatches += 1
             else:
                 self.num_overlapped_dispatches += 1
-        out, hidden = self.runner.forward(
+        out, hidden, logits = self.runner.forward(
             key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
-            want_hidden=want_prompt_lp)
+            want_hidden=want_prompt_lp, want_logits=True)
         prompt_lp = self._prompt_logprobs(batch, fb, hidden) if want_prompt_lp else None
         t2 = time.perf_counter()
         pending = self.scheduler.advance(batch)
         launched = _Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
                              prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
-                             self.runner.compiles_after_warmup != compiles,
+                             self.runner.compiles_after_warmup != compiles, deferred,
+                             logits if deferred else None,
                              any(req.grammar is not None for _, req, _ in pending))
-        for hook in self.dispatch_hooks:
-            hook(batch, key, out.tokens, t2)
+        for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
+            hook(batch, key, logits if deferred else out.tokens, t2)
         return launched, t2 - t1
+
+    def _sample_deferred(self, launched: _Launched, outputs: list[GenerateOutput]) -> float:
+        """Fill the masks of ``launched``'s deferred grammar rows from their matchers (which
+        took the previous step's tokens) and dispatch their draw from the forward's logits
+        (``ModelRunner.resample``); rows of requests that ended meanwhile are not drawn (their
+        token is dropped when read). Returns the dispatch seconds."""
+        R = launched.key.num_rows
+        bitmask = np.full((R, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
+        rows: list[SamplingRow | None] = [None] * R
+        redo = np.zeros(R, bool)
+        failed = []
+        for i, req, row_params in launched.deferred:
+            if req.is_finished or req.rid not in self.scheduler.requests:
+                continue
+            try:
+                req.grammar.fill_bitmask(bitmask[i])
+            except Exception as e:    # one request's bad state never fails the batch
+                logger.exception("grammar mask failed for request %s", req.rid)
+                failed.append((req, e))
+                continue
+            rows[i], redo[i] = row_params, True
+        for req, e in failed:
+            out = self.abort_request(req.rid, f"sampling failed: {e}")
+            if out is not None:
+                out.error = f"sampling failed: {e}"
+                outputs.append(out)
+        t1 = time.perf_counter()
+        if redo.any():
+            sampling = build_sampling_inputs(rows, R, bitmask=bitmask,
+                                             vocab_size=self.model_cfg.vocab_size)
+            launched.out = self.runner.resample(launched.logits, sampling, launched.out, redo)
+            self.num_grammar_split_steps += 1
+            self.num_grammar_split_rows += int(redo.sum())
+            t2 = time.perf_counter()
+            key = dataclasses.replace(launched.key, entry="resample")
+            for hook in self.dispatch_hooks:
+                hook(launched.batch, key, launched.out.tokens, t2)
+        launched.logits = None
+        return time.perf_counter() - t1
 
     def _complete(self, done: _Launched) -> tuple[list[GenerateOutput], float]:
         """Read a launched step's results (blocks until its forward has run) and update and

@@ -61,7 +61,7 @@ def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, pr
     hidden, caches = model.paged_forward(input_ids, caches, md)
     logits = model.compute_logits(hidden[logits_indices])
     out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
-    return out, hidden, caches, penalty_counts
+    return out, hidden, caches, penalty_counts, logits
 
 
 # Two entry points over the same model, each its own jit (its own executables per bucket):
@@ -69,14 +69,27 @@ def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, pr
 def _decode(graphdef, max_rows, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
             prev_tokens, md, logits_indices, sp):
     md = dataclasses.replace(md, decode_only=True)      # static: no code for longer rows
-    out, _, caches, counts = _forward(graphdef, state, caches, penalty_counts, prompt_seen,
-                                      input_ids, prev_idx, prev_tokens, md, logits_indices, sp,
-                                      max_rows)
-    return out, None, caches, counts
+    out, _, caches, counts, logits = _forward(graphdef, state, caches, penalty_counts,
+                                              prompt_seen, input_ids, prev_idx, prev_tokens, md,
+                                              logits_indices, sp, max_rows)
+    return out, None, caches, counts, logits
 
 
 def _extend(graphdef, max_rows, *args):
     return _forward(graphdef, *args, max_rows)
+
+
+def _resample(max_rows, logits, sp, prompt_seen, penalty_counts, first: StepOutputs, redo):
+    """Sample rows ``redo [R]`` bool of a forward's ``logits [R, V]`` again with ``sp`` (the
+    split grammar path, DESIGN.md §3); the other rows keep ``first``'s results."""
+    out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
+    R = logits.shape[0]
+    redo_padded = jnp.zeros((max_rows,), bool).at[:R].set(redo)
+    merged = StepOutputs(jnp.where(redo_padded, out.tokens, first.tokens),
+                         jnp.where(redo, out.token_logprob, first.token_logprob),
+                         jnp.where(redo[:, None], out.top_ids, first.top_ids),
+                         jnp.where(redo[:, None], out.top_logprobs, first.top_logprobs))
+    return merged, penalty_counts
 
 
 def _prompt_logprobs(graphdef, state, hidden, indices, target_ids, want_top):
@@ -91,7 +104,8 @@ class ModelRunner:
     ``k_cache``/``v_cache`` ``[layers, num_pages, page_size, KVH, D]``, KV heads over ``tp``),
     donated to every forward. Sampling runs inside the forward (``device_sampler``): ``forward``
     returns ``StepOutputs`` on the device, of which the host fetches the sampled ids (and the
-    logprob rows asked for). Penalty tables: ``prompt_seen`` ``[S, V]`` bool and
+    logprob rows asked for), and the logits, which ``resample`` draws some rows of again (the
+    grammar rows of an overlapped step, whose masks are filled after the forward's dispatch). Penalty tables: ``prompt_seen`` ``[S, V]`` bool and
     ``penalty_counts`` ``[S, V]`` int32, ``S = num_penalty_slots`` (slot 0 is the null slot).
     """
 
@@ -124,8 +138,12 @@ class ModelRunner:
         self.no_prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), replicated)
         self._entries = {
             name: jax.jit(fn, static_argnums=(0, 1), donate_argnums=(3, 4),
-                          out_shardings=(replicated, None, self.cache_shardings, replicated))
+                          out_shardings=(replicated, None, self.cache_shardings, replicated,
+                                         replicated))
             for name, fn in (("decode", _decode), ("extend", _extend))}
+        self._resample = jax.jit(_resample, static_argnums=0, donate_argnums=4,
+                                 out_shardings=(replicated, replicated))
+        self.resample_rows: tuple[int, ...] = ()     # logits rows warm-up compiled resample for
         self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
         self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
                                   out_shardings=(replicated, replicated))
@@ -144,9 +162,10 @@ class ModelRunner:
 
     def forward(self, key: BucketKey, fb: FlatBatch, sampling: SamplingInputs | None = None,
                 prev_idx: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
-                want_hidden: bool = False):
+                want_hidden: bool = False, want_logits: bool = False):
         """Dispatch one forward with sampling; returns ``(StepOutputs, hidden or None)`` on the
-        device without waiting (JAX dispatch is asynchronous).
+        device without waiting (JAX dispatch is asynchronous), and the logits ``[R, V]`` as a
+        third element when ``want_logits`` (for ``resample``).
 
         ``sampling``: per logits row (``build_sampling_inputs`` with ``vocab_size`` or a
         ``[R, ceil(V/32)]`` grammar bitmask; default: all greedy, no grammar).
@@ -164,13 +183,28 @@ class ModelRunner:
         # than a jnp.asarray each.
         md = AttentionMetadata(fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens,
                                fb.page_indices, fb.distribution)
-        out, hidden, self.caches, self.penalty_counts = self._executable(key)(
+        out, hidden, self.caches, self.penalty_counts, logits = self._executable(key)(
             self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
             self.prompt_seen, fb.input_ids, prev_idx,
             self.no_prev_tokens if prev_tokens is None else prev_tokens, md,
             fb.logits_indices, sampling)
         self._check_compiles(before, key)
+        if want_logits:
+            return out, (hidden if want_hidden else None), logits
         return out, (hidden if want_hidden else None)
+
+    def resample(self, logits, sampling: SamplingInputs, first: StepOutputs,
+                 redo: np.ndarray) -> StepOutputs:
+        """Draw rows ``redo [R]`` bool of ``logits [R, V]`` (a forward's, on the device) again
+        with ``sampling`` (built for those rows; penalty counts are updated for them); the other
+        rows keep ``first``'s tokens and logprobs. Dispatched without waiting. One executable
+        per logits row count, compiled by ``warmup(split_sampling=True)``."""
+        before = compile_count()
+        out, self.penalty_counts = self._resample(self.max_rows, logits, sampling,
+                                                  self.prompt_seen, self.penalty_counts, first,
+                                                  redo)
+        self._check_compiles(before, ("resample", logits.shape[0]))
+        return out
 
     def lower(self, key: BucketKey):
         """The lowered forward of bucket ``key`` (``jax.stages.Lowered``; tests read its text)."""
@@ -231,12 +265,15 @@ class ModelRunner:
     def _lower(self, key: BucketKey):
         return self.lower(key)
 
-    def warmup(self, progress: bool = True, compile_threads: int | None = None) -> float:
+    def warmup(self, progress: bool = True, compile_threads: int | None = None,
+               split_sampling: bool = False) -> float:
         """Compile every bucket (the list is printed), then run each once; returns seconds.
 
         Shapes are traced and lowered one by one, then compiled ahead of time on
         ``compile_threads`` threads (default: the CPU count, at most 4; XLA compiles release
         the GIL) and kept: ``forward`` calls these executables, so no request compiles.
+        ``split_sampling``: also compile ``resample`` for every logits row count (one small
+        executable each; the overlapped grammar path).
         """
         keys = self.buckets.all_keys()
         logger.info("warm-up: %s", self.buckets.describe())
@@ -251,11 +288,19 @@ class ModelRunner:
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 bar.update()
+        resampled = set()
         for key in keys:
             fb = self.make_batch(key, [])
-            _, hidden = self.forward(key, fb, want_hidden=key.entry != "decode")
+            out, hidden, logits = self.forward(key, fb, want_hidden=key.entry != "decode",
+                                               want_logits=True)
             if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
                 self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
+            if split_sampling and key.num_rows not in resampled:
+                resampled.add(key.num_rows)
+                sampling = device_sampler.build_sampling_inputs(
+                    [], key.num_rows, vocab_size=self.cfg.vocab_size)
+                self.resample(logits, sampling, out, np.zeros(key.num_rows, bool))
+        self.resample_rows = tuple(sorted(resampled))
         self.init_penalty_slot(0, [], [])
         jax.block_until_ready(self.caches)
         self.warmup_done = True

@@ -40,7 +40,7 @@ def _schema_params(i, schema):
 def test_twenty_schemas_validate_and_nothing_compiles(llama_engine):
     core = llama_engine.core
     before, before_runner = compile_count(), core.runner.compiles_after_warmup
-    syncs = core.num_grammar_syncs
+    syncs, splits = core.num_grammar_syncs, core.num_grammar_split_steps
     params = [_schema_params(i, s) for i, s in enumerate(MODEL_SCHEMAS)]
     outs = llama_engine.generate([PROMPT] * len(params), params)
     assert len(MODEL_SCHEMAS) == 20
@@ -51,7 +51,8 @@ def test_twenty_schemas_validate_and_nothing_compiles(llama_engine):
         assert llama_engine.tokenizer.decode(out["output_ids"]) == out["text"]
         assert not set(out["output_ids"]) & core.eos_token_ids
     assert compile_count() == before and core.runner.compiles_after_warmup == before_runner
-    assert core.num_grammar_syncs > syncs
+    # Overlap kept: grammar rows were drawn in the split dispatch, no step was read early.
+    assert core.num_grammar_split_steps > splits and core.num_grammar_syncs == syncs
 
 
 @pytest.mark.parametrize("regex", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no|maybe)!", r"\([A-C]\) [a-z ]{1,12}\."])
@@ -81,13 +82,39 @@ def test_unconstrained_greedy_unchanged_beside_constrained(llama_engine):
         jsonschema.validate(json.loads(out["text"]), schema)
 
 
-def test_overlap_on_and_off_agree_with_logprobs_and_n(llama_engine, overlap):
+@pytest.fixture
+def no_split(llama_engine):
+    """``no_split()``: the engine as if started without the resample executables (grammar
+    steps then read the step in flight first); restored afterwards."""
+    runner = llama_engine.core.runner
+    before = runner.resample_rows
+
+    def disable():
+        runner.resample_rows = ()
+
+    yield disable
+    runner.resample_rows = before
+
+
+def test_overlap_on_and_off_agree_with_logprobs_and_n(llama_engine, overlap, no_split):
+    """Overlap off, overlap with the split grammar sampling, and overlap reading the step in
+    flight first: the same tokens (greedy and seeded), logprobs within 1e-5."""
+    core = llama_engine.core
     params = [dict(_schema_params(i, s), n=2) for i, s in enumerate(MODEL_SCHEMAS[:4])]
 
     def run(eng):
         return eng.generate([PROMPT] * len(params), params, return_logprob=True,
                             top_logprobs_num=2)
-    off, on = run(overlap(False)), run(overlap(True))
+    off = run(overlap(False))
+    splits, overlapped = core.num_grammar_split_steps, core.num_overlapped_dispatches
+    on = run(overlap(True))
+    assert core.num_grammar_split_steps > splits
+    assert core.num_overlapped_dispatches > overlapped
+    syncs = core.num_grammar_syncs
+    no_split()
+    synced = run(overlap(True))
+    assert core.num_grammar_syncs > syncs
+    assert [o["output_ids"] for o in synced] == [o["output_ids"] for o in on]
     assert len(on) == 8
     for a, b in zip(off, on):
         assert b["text"] == a["text"] and b["output_ids"] == a["output_ids"]
@@ -130,3 +157,26 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine
     req.output_ids.append(letter)
     reason = core.stop_check(req)
     assert reason["type"] == "abort" and f"token {letter} was not allowed" in req.error
+
+
+def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(llama_engine):
+    import dataclasses
+
+    from pdjax.config import ServerArgs
+    from pdjax.constrained.grammar import GrammarSpec
+
+    core = llama_engine.core
+    assert core.runner.resample_rows == tuple(sorted({k.num_rows for k in
+                                                      core.buckets.all_keys()}))
+    with pytest.raises(ValueError, match="grammar_backend must be one of"):
+        ServerArgs(grammar_backend="xgrammar")
+    before = core.args
+    core.args = dataclasses.replace(before, grammar_backend="none")
+    try:
+        with pytest.raises(ValueError, match=r"^response_format: structured outputs are disabled"):
+            core.compile_grammar(GrammarSpec("json_object", field="response_format"))
+        with pytest.raises(ValueError, match=r"^sampling_params\.regex: structured outputs"):
+            llama_engine.generate(PROMPT, {"max_new_tokens": 4, "regex": "[0-9]+"})
+    finally:
+        core.args = before
+    assert not core.scheduler.has_work
