@@ -180,3 +180,31 @@ def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(lla
     finally:
         core.args = before
     assert not core.scheduler.has_work
+
+
+def test_split_grammar_rows_keep_penalties_and_logit_bias(llama_engine, overlap):
+    """The second dispatch of a split step counts its grammar rows' tokens for the penalties
+    and applies their logit bias: overlap on = off, token for token."""
+    core = llama_engine.core
+    letter = llama_engine.tokenizer.encode("e", add_special_tokens=False)[0]
+    base = {"max_new_tokens": 24, "regex": "[a-z ]{200}"}      # no row ends by its grammar
+    params = [dict(base, temperature=0, repetition_penalty=1.5, frequency_penalty=0.7),
+              dict(base, temperature=0.9, seed=11, presence_penalty=1.0),
+              dict(base, temperature=0, logit_bias={letter: 6.0}, frequency_penalty=1.5),
+              {"max_new_tokens": 24, "temperature": 0, "frequency_penalty": 0.5}]
+
+    def run(eng):
+        return eng.generate([PROMPT] * len(params), params, return_logprob=True)
+    off = run(overlap(False))
+    splits = core.num_grammar_split_rows
+    on = run(overlap(True))
+    # Every grammar token but the first (drawn by the prompt's step, nothing in flight).
+    assert core.num_grammar_split_rows - splits == 3 * 23
+    for a, b in zip(off, on):
+        assert b["output_ids"] == a["output_ids"]
+        assert np.allclose([x[0] for x in b["meta_info"]["output_token_logprobs"]],
+                           [x[0] for x in a["meta_info"]["output_token_logprobs"]], atol=1e-5)
+    for out in on[:3]:
+        assert re.fullmatch("[a-z ]*", out["text"]) and len(out["output_ids"]) == 24
+    # The penalties bite: greedy without them repeats a token more often than with them.
+    assert on[2]["output_ids"].count(letter) < 24
