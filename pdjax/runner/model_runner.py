@@ -147,7 +147,7 @@ class ModelRunner:
         self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
         self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
                                   out_shardings=(replicated, replicated))
-        self._compiled = {}                   # BucketKey -> AOT executable (warm-up)
+        self._compiled = {}    # BucketKey (or ("resample", rows)) -> AOT executable (warm-up)
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -200,9 +200,10 @@ class ModelRunner:
         rows keep ``first``'s tokens and logprobs. Dispatched without waiting. One executable
         per logits row count, compiled by ``warmup(split_sampling=True)``."""
         before = compile_count()
-        out, self.penalty_counts = self._resample(self.max_rows, logits, sampling,
-                                                  self.prompt_seen, self.penalty_counts, first,
-                                                  redo)
+        compiled = self._compiled.get(("resample", logits.shape[0]))
+        args = (logits, sampling, self.prompt_seen, self.penalty_counts, first, redo)
+        out, self.penalty_counts = (compiled(*args) if compiled is not None
+                                    else self._resample(self.max_rows, *args))
         self._check_compiles(before, ("resample", logits.shape[0]))
         return out
 
@@ -265,6 +266,16 @@ class ModelRunner:
     def _lower(self, key: BucketKey):
         return self.lower(key)
 
+    def _lower_resample(self, num_rows: int, forward_out_info):
+        """The lowered ``resample`` for ``num_rows`` logits rows, from the output avals of a
+        forward with that many rows (its ``StepOutputs`` and logits)."""
+        first, logits = forward_out_info[0], forward_out_info[4]
+        sampling = device_sampler.build_sampling_inputs([], num_rows,
+                                                        vocab_size=self.cfg.vocab_size)
+        return self._resample.trace(
+            self.max_rows, logits, SamplingInputs(*(jnp.asarray(a) for a in sampling)),
+            self.prompt_seen, self.penalty_counts, first, jnp.zeros(num_rows, bool)).lower()
+
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
                split_sampling: bool = False) -> float:
         """Compile every bucket (the list is printed), then run each once; returns seconds.
@@ -281,10 +292,17 @@ class ModelRunner:
         t0 = time.monotonic()
         threads = compile_threads or min(4, os.cpu_count() or 1)
         lowered = [self._lower(key) for key in keys]
+        jobs = list(zip(keys, lowered))
+        if split_sampling:          # one resample per logits row count, on the same pool
+            first_of_rows = {}
+            for key, low in jobs:
+                first_of_rows.setdefault(key.num_rows, low)
+            jobs += [(("resample", rows), self._lower_resample(rows, low.out_info))
+                     for rows, low in sorted(first_of_rows.items())]
         with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(keys), desc="compiling buckets", disable=not progress,
+                tqdm(total=len(jobs), desc="compiling buckets", disable=not progress,
                      unit="bucket") as bar:
-            futures = {pool.submit(low.compile): key for key, low in zip(keys, lowered)}
+            futures = {pool.submit(low.compile): key for key, low in jobs}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 bar.update()
