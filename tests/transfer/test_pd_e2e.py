@@ -3,8 +3,8 @@ processes on 127.0.0.1 with the Mooncake backend (issue 5), checked against the 
 engine; then sglang-router (PyPI) in front of the same two servers."""
 
 import collections
-import json
 import concurrent.futures
+import json
 import random
 import sys
 import time
@@ -17,14 +17,36 @@ from pd_harness import (CHUNK, EOS, PAGE_SIZE, TINY_ARGS, Server, at_baseline, c
 pytestmark = pytest.mark.slow
 
 
+# One added token of the servers' tokenizer (the model has 512 rows, the tokenizer 448) holds a
+# whole Hermes call, so a logit bias makes the random model write one (tool_choice "auto").
+CALL_TEXT = '<tool_call>\n{"name": "add", "arguments": {"a": 7, "b": 35}}\n</tool_call>\n'
+
+
+def _tool_tokenizer(model: str, out_dir: str):
+    """The model's tokenizer plus ``CALL_TEXT`` as one token, with a chat template that also
+    names the tools (the same prompt as before without tools); saved to ``out_dir``. Returns
+    ``(out_dir, the call token's id)``."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_tokens([CALL_TEXT])
+    tok.chat_template = ("{% if tools %}{% for t in tools %}{{ t.function.name }} {% endfor %}"
+                         "{% endif %}" + tok.chat_template)
+    tok.save_pretrained(out_dir)
+    return out_dir, tok.convert_tokens_to_ids(CALL_TEXT)
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_checkpoints, tmp_path_factory):
-    """Prefill P1, decode D1 and the pdjax router, plus the colocated reference engine."""
+    """Prefill P1, decode D1 and the pdjax router, plus the colocated reference engine. The
+    servers parse Hermes tool calls and use ``_tool_tokenizer``'s tokenizer."""
     logs = str(tmp_path_factory.mktemp("pd_e2e"))
     model = tiny_checkpoints["llama"]
+    tok_dir, call_id = _tool_tokenizer(model, str(tmp_path_factory.mktemp("pd_e2e_tokenizer")))
+    extra = ["--tokenizer-path", tok_dir, "--tool-call-parser", "hermes"]
     bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport)
-    decode = pd_server("decode", "decode", model, logs)
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=extra)
+    decode = pd_server("decode", "decode", model, logs, extra=extra)
     router_port = free_port()
     router = Server("router", [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
                                str(bport), "--decode", decode.url, "--port", str(router_port)],
@@ -36,7 +58,7 @@ def pd(tiny_checkpoints, tmp_path_factory):
         for s in (prefill, decode, router):
             s.wait_healthy()
         yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated,
-                   model=model, bport=bport, logs=logs)
+                   model=model, bport=bport, logs=logs, call_id=call_id)
     except BaseException:
         for s in (prefill, decode, router):
             print(f"==== {s.name} log ====\n{s.log_tail(80)}")
@@ -277,6 +299,39 @@ def test_logit_bias_applies_to_the_prefills_first_token(pd):
     status, err = post(router + "/v1/completions", {"prompt": ids, "max_tokens": 2,
                                                      "logit_bias": {"100000": 1}})
     assert status == 400 and "logit_bias" in json.dumps(err), err
+    for s in ("prefill", "decode"):
+        assert wait_until(lambda: at_baseline(pd[s]), 10), s
+
+
+def test_auto_tool_choice_through_the_router_gives_tool_calls(pd):
+    """A logit bias makes the prefill's first token and every decode token the call token: the
+    decode's answer carries the call as ``tool_calls`` (tool_choice "auto"), whole and
+    streamed; without the bias, no call."""
+    router = pd["router"].url
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    body = {"messages": [{"role": "user", "content": "Add 7 and 35."}], "tools": tools,
+            "tool_choice": "auto", "max_tokens": 3, "temperature": 0,
+            "logit_bias": {str(pd["call_id"]): 100}, "stop": ["\n<tool_call>"]}
+    status, chat = post(router + "/v1/chat/completions", body)
+    assert status == 200, chat
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and call["id"].startswith("call_")
+    assert json.loads(call["function"]["arguments"]) == {"a": 7, "b": 35}
+    status, events = post_stream(router + "/v1/chat/completions", body)
+    assert status == 200, events
+    deltas = [tc for e in events for c in e.get("choices", [])
+              for tc in (c.get("delta") or {}).get("tool_calls") or []]
+    assert deltas[0]["function"]["name"] == "add"
+    args = "".join(tc["function"].get("arguments") or "" for tc in deltas)
+    assert json.loads(args) == {"a": 7, "b": 35}
+    assert [c["finish_reason"] for e in events for c in e.get("choices", [])
+            if c.get("finish_reason")] == ["tool_calls"]
+    status, chat = post(router + "/v1/chat/completions",
+                        dict(body, logit_bias=None, max_tokens=6, stop=None))
+    assert status == 200 and not chat["choices"][0]["message"].get("tool_calls"), chat
     for s in ("prefill", "decode"):
         assert wait_until(lambda: at_baseline(pd[s]), 10), s
 
