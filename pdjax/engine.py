@@ -414,7 +414,8 @@ class EngineCore:
         if redo.any():
             sampling = build_sampling_inputs(rows, R, bitmask=bitmask,
                                              vocab_size=self.model_cfg.vocab_size)
-            launched.out = self.runner.resample(launched.logits, sampling, launched.out, redo)
+            launched.out = self.runner.resample(launched.key.entry, launched.logits, sampling,
+                                                launched.out, redo)
             self.num_grammar_split_steps += 1
             self.num_grammar_split_rows += int(redo.sum())
             t2 = time.perf_counter()

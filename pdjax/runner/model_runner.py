@@ -105,8 +105,10 @@ class ModelRunner:
     donated to every forward. Sampling runs inside the forward (``device_sampler``): ``forward``
     returns ``StepOutputs`` on the device, of which the host fetches the sampled ids (and the
     logprob rows asked for), and the logits, which ``resample`` draws some rows of again (the
-    grammar rows of an overlapped step, whose masks are filled after the forward's dispatch). Penalty tables: ``prompt_seen`` ``[S, V]`` bool and
-    ``penalty_counts`` ``[S, V]`` int32, ``S = num_penalty_slots`` (slot 0 is the null slot).
+    grammar rows of an overlapped step, whose masks are filled after the forward's dispatch;
+    under TP they keep the lm head's vocabulary split). Penalty tables: ``prompt_seen``
+    ``[S, V]`` bool and ``penalty_counts`` ``[S, V]`` int32, ``S = num_penalty_slots`` (slot 0
+    is the null slot).
     """
 
     def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
@@ -139,7 +141,7 @@ class ModelRunner:
         self._entries = {
             name: jax.jit(fn, static_argnums=(0, 1), donate_argnums=(3, 4),
                           out_shardings=(replicated, None, self.cache_shardings, replicated,
-                                         replicated))
+                                         None))
             for name, fn in (("decode", _decode), ("extend", _extend))}
         self._resample = jax.jit(_resample, static_argnums=0, donate_argnums=4,
                                  out_shardings=(replicated, replicated))
@@ -147,7 +149,8 @@ class ModelRunner:
         self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
         self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
                                   out_shardings=(replicated, replicated))
-        self._compiled = {}    # BucketKey (or ("resample", rows)) -> AOT executable (warm-up)
+        # BucketKey, or ("resample", entry, rows) -> AOT executable (warm-up)
+        self._compiled = {}
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -193,18 +196,19 @@ class ModelRunner:
             return out, (hidden if want_hidden else None), logits
         return out, (hidden if want_hidden else None)
 
-    def resample(self, logits, sampling: SamplingInputs, first: StepOutputs,
+    def resample(self, entry: str, logits, sampling: SamplingInputs, first: StepOutputs,
                  redo: np.ndarray) -> StepOutputs:
-        """Draw rows ``redo [R]`` bool of ``logits [R, V]`` (a forward's, on the device) again
-        with ``sampling`` (built for those rows; penalty counts are updated for them); the other
-        rows keep ``first``'s tokens and logprobs. Dispatched without waiting. One executable
-        per logits row count, compiled by ``warmup(split_sampling=True)``."""
+        """Draw rows ``redo [R]`` bool of ``logits [R, V]`` (a forward's of entry point
+        ``entry``, on the device) again with ``sampling`` (built for those rows; penalty counts
+        are updated for them); the other rows keep ``first``'s tokens and logprobs. Dispatched
+        without waiting. One executable per entry point and logits row count, compiled by
+        ``warmup(split_sampling=True)``."""
         before = compile_count()
-        compiled = self._compiled.get(("resample", logits.shape[0]))
+        compiled = self._compiled.get(("resample", entry, logits.shape[0]))
         args = (logits, sampling, self.prompt_seen, self.penalty_counts, first, redo)
         out, self.penalty_counts = (compiled(*args) if compiled is not None
                                     else self._resample(self.max_rows, *args))
-        self._check_compiles(before, ("resample", logits.shape[0]))
+        self._check_compiles(before, ("resample", entry, logits.shape[0]))
         return out
 
     def lower(self, key: BucketKey):
@@ -266,15 +270,23 @@ class ModelRunner:
     def _lower(self, key: BucketKey):
         return self.lower(key)
 
-    def _lower_resample(self, num_rows: int, forward_out_info):
-        """The lowered ``resample`` for ``num_rows`` logits rows, from the output avals of a
-        forward with that many rows (its ``StepOutputs`` and logits)."""
-        first, logits = forward_out_info[0], forward_out_info[4]
+    def _lower_resample(self, first: StepOutputs, logits):
+        """The lowered ``resample`` for a forward's outputs ``first`` and ``logits [R, V]``."""
+        num_rows = logits.shape[0]
         sampling = device_sampler.build_sampling_inputs([], num_rows,
                                                         vocab_size=self.cfg.vocab_size)
         return self._resample.trace(
             self.max_rows, logits, SamplingInputs(*(jnp.asarray(a) for a in sampling)),
             self.prompt_seen, self.penalty_counts, first, jnp.zeros(num_rows, bool)).lower()
+
+    def _compile_all(self, jobs, threads: int, progress: bool, desc: str) -> None:
+        """Compile ``(key, lowered)`` jobs on ``threads`` threads into ``_compiled``."""
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+                tqdm(total=len(jobs), desc=desc, disable=not progress, unit="shape") as bar:
+            futures = {pool.submit(low.compile): key for key, low in jobs}
+            for future in concurrent.futures.as_completed(futures):
+                self._compiled[futures[future]] = future.result()
+                bar.update()
 
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
                split_sampling: bool = False) -> float:
@@ -292,33 +304,26 @@ class ModelRunner:
         t0 = time.monotonic()
         threads = compile_threads or min(4, os.cpu_count() or 1)
         lowered = [self._lower(key) for key in keys]
-        jobs = list(zip(keys, lowered))
-        if split_sampling:          # one resample per logits row count, on the same pool
-            first_of_rows = {}
-            for key, low in jobs:
-                first_of_rows.setdefault(key.num_rows, low)
-            jobs += [(("resample", rows), self._lower_resample(rows, low.out_info))
-                     for rows, low in sorted(first_of_rows.items())]
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
-                tqdm(total=len(jobs), desc="compiling buckets", disable=not progress,
-                     unit="bucket") as bar:
-            futures = {pool.submit(low.compile): key for key, low in jobs}
-            for future in concurrent.futures.as_completed(futures):
-                self._compiled[futures[future]] = future.result()
-                bar.update()
-        resampled = set()
+        self._compile_all(list(zip(keys, lowered)), threads, progress, "compiling buckets")
+        first_of = {}        # (entry, logits rows) -> a forward's (StepOutputs, logits)
         for key in keys:
             fb = self.make_batch(key, [])
             out, hidden, logits = self.forward(key, fb, want_hidden=key.entry != "decode",
                                                want_logits=True)
             if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
                 self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
-            if split_sampling and key.num_rows not in resampled:
-                resampled.add(key.num_rows)
-                sampling = device_sampler.build_sampling_inputs(
-                    [], key.num_rows, vocab_size=self.cfg.vocab_size)
-                self.resample(logits, sampling, out, np.zeros(key.num_rows, bool))
-        self.resample_rows = tuple(sorted(resampled))
+            first_of.setdefault((key.entry, key.num_rows), (out, logits))
+        if split_sampling:
+            # One resample per logits row count, lowered from real forward outputs (their
+            # shardings: under TP the logits stay split over the vocabulary).
+            jobs = [(("resample", entry, rows), self._lower_resample(out, logits))
+                    for (entry, rows), (out, logits) in sorted(first_of.items())]
+            self._compile_all(jobs, threads, progress, "compiling resample")
+            for (entry, rows), (out, logits) in sorted(first_of.items()):
+                sampling = device_sampler.build_sampling_inputs([], rows,
+                                                                vocab_size=self.cfg.vocab_size)
+                self.resample(entry, logits, sampling, out, np.zeros(rows, bool))
+            self.resample_rows = tuple(sorted({rows for _, rows in first_of}))
         self.init_penalty_slot(0, [], [])
         jax.block_until_ready(self.caches)
         self.warmup_done = True
