@@ -76,17 +76,35 @@ class EngineCore:
     ``disable_overlap_schedule``, and for the prefill role, whose requests all end after one
     token): ``step()`` schedules and launches step N+1 while step N still runs on the device,
     then reads step N's tokens (DESIGN.md §3).
+
+    ``background_compile`` (the server's ``AsyncEngine``): warm-up compiles the core shapes
+    (``Buckets.core_keys``) and returns; the other shapes compile on a background thread and
+    each batch runs on the smallest shape compiled so far (``ModelRunner.warmup(core_only)``).
+    Off (the offline ``Engine``): every shape is compiled before the constructor returns.
     """
 
-    def __init__(self, args: ServerArgs, *, progress: bool = True):
+    def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False):
+        # Seconds of each start-up phase, in order (printed as one line; bench_startup reads it).
+        self.startup_phases_s: dict[str, float] = {}
+        t_phase = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal t_phase
+            now = time.monotonic()
+            self.startup_phases_s[name] = round(now - t_phase, 2)
+            t_phase = now
+
         enable_compilation_cache()
         self.args = args
         self.model_path = resolve_model_path(args.model_path, args.revision)
         mesh = make_mesh(args.tp_size)
+        phase("backend")
         self.model_cfg, model = load_model(
             self.model_path, dtype=args.dtype, mesh=mesh, progress=progress,
             attention_impl=args.attention_backend, interpret=args.pallas_interpret)
+        phase("model")
         self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        phase("tokenizer")
         context = min(args.context_length or self.model_cfg.max_position_embeddings,
                       self.model_cfg.max_position_embeddings if args.context_length is None
                       else args.context_length)
@@ -117,6 +135,7 @@ class EngineCore:
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
                                   kv_dtype=kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size)
+        phase("kv_cache")
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -147,11 +166,20 @@ class EngineCore:
         self.num_grammar_split_steps = 0
         self.num_grammar_split_rows = 0
         self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
-        self.warmup_s = self.runner.warmup(progress=progress and not args.skip_warmup_progress,
-                                           split_sampling=self.overlap
-                                           and args.grammar_backend != "none")
+        # background_compile (the server): only the core shapes before ready, the rest on a
+        # background thread; requests meanwhile pad to a compiled shape (never compile). The
+        # ITL target plans with every token bucket's timing, so it waits for all of them.
+        self.warmup_s = self.runner.warmup(
+            progress=progress and not args.skip_warmup_progress,
+            split_sampling=self.overlap and args.grammar_backend != "none",
+            core_only=background_compile and args.target_itl_ms is None)
+        phase("warmup")
         if args.target_itl_ms is not None:
             self.seed_cost_model()
+            phase("seed_cost_model")
+        line = ", ".join(f"{k} {v:.1f}" for k, v in self.startup_phases_s.items())
+        logger.info("start-up phases (s): %s", line)
+        print(f"pdjax start-up phases (s): {line}", flush=True)
         # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
         # (pdjax/engine_roles.py); this core is its RoleHost.
         self.disagg: EngineRole | None = create_engine_role(self)
@@ -322,7 +350,8 @@ class EngineCore:
         prev = self._inflight
         rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
-        key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages)
+        key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
+                                ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
         prev_idx = np.full(key.num_tokens, -1, np.int32)
         samp_rows, failed, deferred = [], [], []
@@ -633,7 +662,9 @@ def _sampling_params(sp) -> SamplingParams:
 
 class Engine:
     """Offline engine in the style of ``sglang.Engine``: ``Engine(model_path=None,
-    dtype="auto", **server_args)``; no path serves the default SmolLM2 model.
+    dtype="auto", **server_args)``; no path serves the default SmolLM2 model. Besides the
+    ``ServerArgs`` fields: ``progress`` (warm-up progress bar) and ``background_compile``
+    (``EngineCore``; default False: every shape compiled before the constructor returns).
 
     ``generate(prompt | list of prompts, sampling_params, input_ids=...)`` returns a dict (one
     prompt) or a list of dicts with ``text``, ``output_ids`` and ``meta_info``
@@ -643,8 +674,9 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, dtype: str = "auto", **server_args):
         progress = server_args.pop("progress", True)
+        background_compile = server_args.pop("background_compile", False)
         self.args = ServerArgs(model_path=model_path, dtype=dtype, **server_args)
-        self.core = EngineCore(self.args, progress=progress)
+        self.core = EngineCore(self.args, progress=progress, background_compile=background_compile)
         self.tokenizer = self.core.tokenizer
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
@@ -800,6 +832,8 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop = True
+        if self.core is not None:
+            self.core.runner.stop_background()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
@@ -857,6 +891,7 @@ class AsyncEngine:
                         max_total_num_tokens=(self.core.args.num_pages - 1) * self.args.page_size,
                         buckets=self.core.buckets.describe(),
                         warmup_s=round(self.core.warmup_s, 3),
+                        compiled_shapes=len(self.core.runner.ready_keys),
                         step_cost_model=self.core.cost_model.describe())
         return info
 
@@ -949,7 +984,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.core = EngineCore(self.args, progress=self._progress)
+            self.core = EngineCore(self.args, progress=self._progress, background_compile=True)
             if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
                 self.metrics.attach_engine(self.core)
             if self.core.disagg is not None:

@@ -35,21 +35,38 @@ logger = logging.getLogger(__name__)
 _COMPILE_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 _compile_lock = threading.Lock()
 _compile_count = 0
+_background_compile_count = 0
+_thread_state = threading.local()      # .background: this thread is a background warm-up
 
 
 def _on_event(event: str, duration_s: float, **kwargs) -> None:
-    global _compile_count
-    if event == _COMPILE_EVENT:
+    global _compile_count, _background_compile_count
+    if event == _COMPILE_EVENT:        # reported on the thread that lowers
         with _compile_lock:
-            _compile_count += 1
+            if getattr(_thread_state, "background", False):
+                _background_compile_count += 1
+            else:
+                _compile_count += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def compile_count() -> int:
-    """Executables lowered in this process so far (JAX monitoring events)."""
+    """Executables lowered in this process so far (JAX monitoring events), outside the
+    background warm-up threads (``background_compile_count`` counts those)."""
     return _compile_count
+
+
+def background_compile_count() -> int:
+    """Executables lowered by background warm-up threads (``ModelRunner.warmup(core_only=True)``)."""
+    return _background_compile_count
+
+
+def _abstract(tree):
+    """``jax.ShapeDtypeStruct`` (shape, dtype, sharding) of every array in ``tree``: what a
+    lowering needs, readable while another thread donates the arrays themselves."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
 def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
@@ -151,6 +168,11 @@ class ModelRunner:
                                   out_shardings=(replicated, replicated))
         # BucketKey, or ("resample", entry, rows) -> AOT executable (warm-up)
         self._compiled = {}
+        # Keys the request path may use: compiled, with their prompt-logprobs (and resample)
+        # executables. Replaced whole (never mutated) when the background warm-up adds one.
+        self.ready_keys: frozenset = frozenset()
+        self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()
         self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
@@ -212,16 +234,20 @@ class ModelRunner:
         return out
 
     def lower(self, key: BucketKey):
-        """The lowered forward of bucket ``key`` (``jax.stages.Lowered``; tests read its text)."""
+        """The lowered forward of bucket ``key`` (``jax.stages.Lowered``; tests read its text).
+        Device state enters as its shapes and shardings only (``_abstract``), so a background
+        thread may lower while the engine thread runs forwards."""
         fb = self.make_batch(key, [])
         md = AttentionMetadata(*(jnp.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
         sampling = device_sampler.build_sampling_inputs([], key.num_rows,
                                                         vocab_size=self.cfg.vocab_size)
+        state, caches, counts, seen, no_prev = _abstract(
+            (self.state, self.caches, self.penalty_counts, self.prompt_seen, self.no_prev_tokens))
         return self._entries[key.entry].trace(
-            self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
-            self.prompt_seen, jnp.asarray(fb.input_ids), jnp.full(key.num_tokens, -1, jnp.int32),
-            self.no_prev_tokens, md, jnp.asarray(fb.logits_indices),
+            self.graphdef, self.max_rows, state, caches, counts, seen,
+            jnp.asarray(fb.input_ids), jnp.full(key.num_tokens, -1, jnp.int32),
+            no_prev, md, jnp.asarray(fb.logits_indices),
             SamplingInputs(*(jnp.asarray(a) for a in sampling))).lower()
 
     def _check_compiles(self, before: int, key) -> None:
@@ -275,9 +301,10 @@ class ModelRunner:
         num_rows = logits.shape[0]
         sampling = device_sampler.build_sampling_inputs([], num_rows,
                                                         vocab_size=self.cfg.vocab_size)
+        seen, counts = _abstract((self.prompt_seen, self.penalty_counts))
         return self._resample.trace(
             self.max_rows, logits, SamplingInputs(*(jnp.asarray(a) for a in sampling)),
-            self.prompt_seen, self.penalty_counts, first, jnp.zeros(num_rows, bool)).lower()
+            seen, counts, first, jnp.zeros(num_rows, bool)).lower()
 
     def _compile_all(self, jobs, threads: int, progress: bool, desc: str) -> None:
         """Compile ``(key, lowered)`` jobs on ``threads`` threads into ``_compiled``."""
@@ -289,28 +316,43 @@ class ModelRunner:
                 bar.update()
 
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
-               split_sampling: bool = False) -> float:
-        """Compile every bucket (the list is printed), then run each once; returns seconds.
+               split_sampling: bool = False, core_only: bool = False) -> float:
+        """Compile the buckets (the list is printed), then run each once; returns seconds.
 
         Shapes are traced and lowered one by one, then compiled ahead of time on
         ``compile_threads`` threads (default: the CPU count, at most 4; XLA compiles release
         the GIL) and kept: ``forward`` calls these executables, so no request compiles.
         ``split_sampling``: also compile ``resample`` for every logits row count (one small
         executable each; the overlapped grammar path).
+
+        ``core_only``: compile only ``Buckets.core_keys`` (the largest shape of each entry,
+        which hold every batch) before returning, and the other shapes on one background
+        thread, each joining ``ready_keys`` once compiled with its prompt-logprobs (and
+        resample) executable; the engine picks among ``ready_keys``
+        (``Buckets.pick(ready=...)``), so a request arriving meanwhile runs padded to a larger
+        shape and still never compiles. ``wait_background`` joins it.
         """
         keys = self.buckets.all_keys()
+        core = self.buckets.core_keys() if core_only else keys
+        rest = [k for k in keys if k not in core]
         logger.info("warm-up: %s", self.buckets.describe())
-        print(f"pdjax warm-up: {self.buckets.describe()}", flush=True)
+        print(f"pdjax warm-up: {self.buckets.describe()}"
+              + (f"; {len(core)} before ready, {len(rest)} in the background" if core_only else ""),
+              flush=True)
         t0 = time.monotonic()
         threads = compile_threads or min(4, os.cpu_count() or 1)
-        lowered = [self._lower(key) for key in keys]
-        self._compile_all(list(zip(keys, lowered)), threads, progress, "compiling buckets")
+        lowered = [self._lower(key) for key in core]
+        t_lowered = time.monotonic()
+        self._compile_all(list(zip(core, lowered)), threads, progress, "compiling buckets")
+        t_compiled = time.monotonic()
         first_of = {}        # (entry, logits rows) -> a forward's (StepOutputs, logits)
-        for key in keys:
+        logprob_tokens = set()         # one prompt-logprobs executable per token count
+        for key in core:
             fb = self.make_batch(key, [])
             out, hidden, logits = self.forward(key, fb, want_hidden=key.entry != "decode",
                                                want_logits=True)
-            if key.entry == "extend" and key.pages_per_seq == self.buckets.pages_per_seq_buckets[0]:
+            if key.entry == "extend" and key.num_tokens not in logprob_tokens:
+                logprob_tokens.add(key.num_tokens)
                 self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
             first_of.setdefault((key.entry, key.num_rows), (out, logits))
         if split_sampling:
@@ -326,8 +368,65 @@ class ModelRunner:
             self.resample_rows = tuple(sorted({rows for _, rows in first_of}))
         self.init_penalty_slot(0, [], [])
         jax.block_until_ready(self.caches)
+        self.ready_keys = frozenset(core)
         self.warmup_done = True
-        return time.monotonic() - t0
+        t_end = time.monotonic()
+        self.warmup_phases_s = {"lower": round(t_lowered - t0, 2),
+                                "compile": round(t_compiled - t_lowered, 2),
+                                "first_runs": round(t_end - t_compiled, 2)}
+        print(f"pdjax warm-up phases (s): {self.warmup_phases_s}", flush=True)
+        if rest:
+            self._background = threading.Thread(
+                target=self._compile_in_background, args=(rest, split_sampling),
+                name="pdjax-background-compile", daemon=True)
+            self._background.start()
+        return t_end - t0
+
+    def _compile_in_background(self, keys: list[BucketKey], split_sampling: bool) -> None:
+        """Compile ``keys`` one by one (one thread: the other cores serve requests); each joins
+        ``ready_keys`` with its prompt-logprobs executable (and, with ``split_sampling``, the
+        resample of its logits row count). Lowerings here are counted by
+        ``background_compile_count``, not as compiles on the request path."""
+        _thread_state.background = True
+        t0 = time.monotonic()
+        try:
+            for key in keys:
+                if self._stop_background.is_set():
+                    return
+                compiled = self._lower(key).compile()
+                # The forward's outputs as shapes with the executable's own output shardings.
+                outs = jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(
+                    info.shape, info.dtype, sharding=sharding),
+                    compiled.out_info, compiled.output_shardings)
+                if key.entry == "extend":
+                    # The prompt-logprobs jit for this token count, called once on a hidden of
+                    # the forward's own output sharding so the request path hits its cache.
+                    info = outs[1]
+                    hidden = jax.device_put(jnp.zeros(info.shape, info.dtype), info.sharding)
+                    jax.block_until_ready(self._prompt_lp(
+                        self.graphdef, self.state, hidden, jnp.zeros(key.num_tokens, jnp.int32),
+                        jnp.zeros(key.num_tokens, jnp.int32), jnp.asarray(True)))
+                resample_key = ("resample", key.entry, key.num_rows)
+                if split_sampling and resample_key not in self._compiled:
+                    self._compiled[resample_key] = self._lower_resample(outs[0], outs[4]).compile()
+                    self.resample_rows = tuple(sorted({*self.resample_rows, key.num_rows}))
+                self._compiled[key] = compiled
+                self.ready_keys = self.ready_keys | {key}
+            logger.info("background warm-up: %d shapes in %.1f s", len(keys), time.monotonic() - t0)
+            print(f"pdjax background warm-up: {len(keys)} shapes in {time.monotonic() - t0:.1f} s",
+                  flush=True)
+        except Exception:       # the core set still serves every batch
+            logger.exception("background warm-up failed; larger shapes keep serving")
+
+    def wait_background(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background warm-up (if any); True when every shape is ready."""
+        if self._background is not None:
+            self._background.join(timeout_s)
+        return len(self.ready_keys) == len(self.buckets.all_keys())
+
+    def stop_background(self) -> None:
+        """Stop the background warm-up after the shape it is compiling (shutdown)."""
+        self._stop_background.set()
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, output_dir: str) -> None:

@@ -88,19 +88,34 @@ class Buckets:
                 return b
         raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
-    def pick(self, mode: str, num_tokens: int, num_rows: int, pages_per_seq: int) -> BucketKey:
+    def pick(self, mode: str, num_tokens: int, num_rows: int, pages_per_seq: int,
+             ready=None) -> BucketKey:
         """Smallest bucket holding a batch of forward ``mode`` (one of ``FORWARD_MODES``);
-        raises ``ValueError`` if none does or the mode is unknown."""
+        raises ``ValueError`` if none does or the mode is unknown.
+
+        ``ready``: the keys compiled so far (a container of ``BucketKey``; None: all). The
+        smallest *ready* bucket holding the batch is picked, a larger one standing in for a
+        shape still compiling in the background; ``core_keys`` hold every batch, so with them
+        ready a key is always found (``ValueError`` otherwise).
+        """
         if mode not in FORWARD_MODES:
             raise ValueError(f"mode must be one of {FORWARD_MODES}, got {mode!r}")
         p = self._fit(self.pages_per_seq_buckets, max(pages_per_seq, 1), "pages per sequence")
         if mode == "decode":
             r = self._fit(self.request_buckets, num_rows, "decode rows")
-            return BucketKey("decode", r, r, p)
-        if num_rows > self.max_rows:
-            raise ValueError(f"{num_rows} rows exceed max_running_requests {self.max_rows}")
-        return BucketKey(_ENTRY_OF_MODE[mode], self._fit(self.token_buckets, num_tokens, "tokens"),
-                         self.max_rows, p)
+            key = BucketKey("decode", r, r, p)
+        else:
+            if num_rows > self.max_rows:
+                raise ValueError(f"{num_rows} rows exceed max_running_requests {self.max_rows}")
+            key = BucketKey(_ENTRY_OF_MODE[mode], self._fit(self.token_buckets, num_tokens, "tokens"),
+                            self.max_rows, p)
+        if ready is None or key in ready:
+            return key
+        for other in self.all_keys():        # ascending tokens, then pages, per entry
+            if (other.entry == key.entry and other.num_tokens >= key.num_tokens
+                    and other.pages_per_seq >= key.pages_per_seq and other in ready):
+                return other
+        raise ValueError(f"no compiled bucket holds {key} yet")
 
     def all_keys(self) -> list[BucketKey]:
         """Every shape warm-up compiles (one executable each), in a stable order."""
@@ -109,6 +124,15 @@ class Buckets:
         keys += [BucketKey("extend", t, self.max_rows, p) for t in self.token_buckets
                  for p in self.pages_per_seq_buckets]
         return keys
+
+    def core_keys(self) -> list[BucketKey]:
+        """The largest shape of each entry point: together they hold every batch ``pick``
+        accepts (the warm core set compiled before the server is ready; the rest may follow
+        in the background)."""
+        p = self.pages_per_seq_buckets[-1]
+        r = self.request_buckets[-1]
+        return [BucketKey("decode", r, r, p),
+                BucketKey("extend", self.token_buckets[-1], self.max_rows, p)]
 
     def describe(self) -> str:
         return (f"token buckets {list(self.token_buckets)}, decode request buckets "

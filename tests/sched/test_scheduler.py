@@ -235,3 +235,27 @@ def test_buckets_bounded_and_pick():
         b.pick("extend", 100, 5, 3)
     with pytest.raises(ValueError, match="tokens"):
         b.pick("prefill_chunk", 257, 1, 1)
+
+
+def test_buckets_pick_among_ready_keys():
+    """While the background warm-up runs, a batch takes the smallest *compiled* bucket that
+    holds it; the core keys alone hold every batch."""
+    b = Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=512)
+    core = b.core_keys()
+    assert core == [BucketKey("decode", 16, 16, 512), BucketKey("extend", 256, 16, 512)]
+    ready = set(core)
+    assert b.pick("decode", 3, 3, 17, ready=ready) == BucketKey("decode", 16, 16, 512)
+    assert b.pick("mixed", 17, 2, 3, ready=ready) == BucketKey("extend", 256, 16, 512)
+    ready |= {BucketKey("decode", 8, 8, 64), BucketKey("decode", 4, 4, 16),
+              BucketKey("extend", 64, 16, 256), BucketKey("extend", 32, 16, 4)}
+    # 4 rows at 17 pages: (4, 16) is too few pages, (8, 64) is the smallest that holds it.
+    assert b.pick("decode", 3, 3, 17, ready=ready) == BucketKey("decode", 8, 8, 64)
+    assert b.pick("decode", 3, 3, 9, ready=ready) == BucketKey("decode", 4, 4, 16)
+    assert b.pick("prefill_chunk", 20, 1, 5, ready=ready) == BucketKey("extend", 64, 16, 256)
+    assert b.pick("mixed", 20, 1, 4, ready=ready) == BucketKey("extend", 32, 16, 4)
+    assert b.pick("mixed", 20, 1, 4) == BucketKey("extend", 32, 16, 4)       # None: all ready
+    for mode, t, r, p in [("decode", 1, 1, 1), ("decode", 16, 16, 512), ("mixed", 256, 16, 512),
+                          ("prefill_chunk", 1, 1, 1)]:
+        assert b.pick(mode, t, r, p, ready=set(core)) in core
+    with pytest.raises(ValueError, match="no compiled bucket holds"):
+        b.pick("decode", 3, 3, 17, ready={BucketKey("extend", 256, 16, 512)})

@@ -1,0 +1,84 @@
+"""Lazy warm-up (issue 12): the server compiles the core shapes before it is ready and the
+rest on a background thread. A request arriving before the background set is done runs on a
+larger compiled shape: same tokens as a fully warmed engine, and no compile on the request
+path, then or after the background set completes."""
+
+import threading
+
+from conftest import CHUNK_BIG, PAGE
+from model_utils import assert_tokens_match, boundary_prompts, top2_gaps_from_top_logprobs
+from pdjax.engine import Engine
+from pdjax.runner.model_runner import ModelRunner, background_compile_count, compile_count
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+def _lazy_engine(tiny_checkpoints):
+    return Engine(tiny_checkpoints["llama"], dtype="float32", page_size=PAGE, max_total_tokens=4096,
+                  max_running_requests=16, chunked_prefill_size=CHUNK_BIG, context_length=128,
+                  progress=False, background_compile=True)
+
+
+def _generate(engine, prompts, keys):
+    hook = lambda batch, key, tokens, t: keys.append(key)     # noqa: E731
+    engine.core.dispatch_hooks.append(hook)
+    try:
+        return engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                               top_logprobs_num=2, logprob_start_len=0)
+    finally:
+        engine.core.dispatch_hooks.remove(hook)
+
+
+def _assert_same(ref, outs, what):
+    for i, (a, b) in enumerate(zip(ref, outs)):
+        gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
+        assert_tokens_match(b["output_ids"], a["output_ids"], gaps, what=f"{what} prompt {i}")
+        pa = a["meta_info"]["input_token_logprobs"][1:]
+        pb = b["meta_info"]["input_token_logprobs"][1:]
+        assert len(pa) == len(pb) > 0 and max(abs(x - y) for x, y in zip(pa, pb)) < 1e-4, what
+
+
+def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_engine, monkeypatch):
+    prompts = boundary_prompts(6, seed=11)
+    ref = _generate(llama_engine, prompts, [])
+
+    # Hold the background thread at its start: requests arrive before any of its shapes.
+    gate = threading.Event()
+    compile_rest = ModelRunner._compile_in_background
+
+    def gated(self, keys):
+        gate.wait(600)
+        compile_rest(self, keys)
+
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
+    eng = _lazy_engine(tiny_checkpoints)
+    runner, buckets = eng.core.runner, eng.core.buckets
+    try:
+        assert len(buckets.all_keys()) == 8
+        assert runner.ready_keys == set(buckets.core_keys())
+        before, before_bg = compile_count(), background_compile_count()
+        keys = []
+        outs = _generate(eng, prompts, keys)
+        _assert_same(ref, outs, "before the background warm-up")
+        assert compile_count() == before and background_compile_count() == before_bg
+        assert runner.compiles_after_warmup == 0
+        # Every batch ran on a core shape: decode padded to 16 rows, extend to 64 tokens.
+        assert set(keys) == set(buckets.core_keys())
+
+        gate.set()                     # requests while the background set compiles, then after
+        during = _generate(eng, prompts, [])
+        assert runner.wait_background(timeout_s=600)
+        assert runner.ready_keys == set(buckets.all_keys())
+        keys = []
+        after = _generate(eng, prompts, keys)
+        for what, o in (("during the background warm-up", during), ("after it", after)):
+            _assert_same(ref, o, what)
+        # Prompt logprobs on the token buckets the background compiled: its jit cache serves.
+        assert compile_count() == before and runner.compiles_after_warmup == 0
+        assert background_compile_count() > before_bg
+        assert {k.num_rows for k in keys if k.entry == "decode"} & {1, 2, 4, 8}
+        assert {k.num_tokens for k in keys if k.entry == "extend"} & {16, 32}
+    finally:
+        gate.set()
+        runner.wait_background(timeout_s=600)
+        eng.shutdown()
