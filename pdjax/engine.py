@@ -892,6 +892,7 @@ class AsyncEngine:
                         buckets=self.core.buckets.describe(),
                         warmup_s=round(self.core.warmup_s, 3),
                         compiled_shapes=len(self.core.runner.ready_keys),
+                        forward_shapes=len(self.core.buckets.all_keys()),
                         step_cost_model=self.core.cost_model.describe())
         return info
 
