@@ -23,7 +23,8 @@ Policy, per step:
    as the cost model (``pdjax.sched.cost_model``) predicts fit in the target next to the decode
    rows (Sarathi-Serve's stall-free batching): the step is filled up to the largest compiled
    token bucket that fits, never a new shape. The first prefill row still advances by at least
-   one page (no starvation); with nothing decoding, prefill gets the whole chunk. Before any
+   one page (no starvation), filling the bucket that page needs; with nothing decoding,
+   prefill gets the whole chunk. Before any
    forward is timed, the chunk is unconstrained.
 
 Page ownership, checked by ``check_invariants`` from independent sides:
@@ -353,9 +354,10 @@ class Scheduler:
     def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
         """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
         next to ``rows``. Candidates fill a compiled token bucket exactly (or take ``n_max``);
-        the largest one predicted to fit wins. None fits: one page for the first prefill row
-        (every step with budget advances the prompt), 0 for a later one. Nothing timed yet:
-        ``n_max``.
+        the largest one predicted to fit wins. None fits: for the first prefill row, one page
+        and the rest of the bucket that page lands in (every step with budget advances the
+        prompt; the padding would cost as much as the tokens), 0 for a later one. Nothing timed
+        yet: ``n_max``.
 
             decode rows  | chunk of req ...............|  pad
             <- tokens0 ->|<- n = bucket - tokens0 ---->|       (bucket = a compiled token count)
@@ -378,7 +380,11 @@ class Scheduler:
                 return n_max
             if t <= target_s:
                 return n
-        return min(n_max, ps) if first else 0
+        if not first:
+            return 0
+        page = min(n_max, ps)
+        floor = next((b for b in buckets if b >= tokens0 + page), tokens0 + page)
+        return max(page, min(n_max, floor - tokens0))
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],

@@ -124,7 +124,9 @@ def test_no_target_or_nothing_decoding_gives_the_whole_chunk():
 
 
 def test_starvation_free_under_continuous_decode_load():
-    # Even one decode row alone breaks the target: the prompt still advances a page per step.
+    # Even one decode row alone breaks the target: the prompt still advances at least a page
+    # per step, and takes the rest of the bucket that page needs (6 decode rows + a 4-token
+    # page = 10 -> bucket 16: 10 prompt tokens, the padding would cost as much).
     clock = FakeClock(fixed_s=0.05)
     sched = _sched(clock, 1.0)
     _start_decoders(sched, clock, n=6, max_new=1000)
@@ -135,9 +137,27 @@ def test_starvation_free_under_continuous_decode_load():
         batch, _ = _step(sched, clock)
         steps += 1
         assert [r.kind == "decode" for r in batch.rows] == [True] * 6 + [False]
-        assert batch.rows[6].num_tokens == min(PAGE, 101 - batch.rows[6].start)
-    assert steps == math.ceil(101 / PAGE)                # a page per step, from the first one
+        assert batch.rows[6].num_tokens == min(16 - 6, 101 - batch.rows[6].start)
+        assert batch.num_tokens == 16 or batch.rows[6].kind == "last"
+    assert steps == math.ceil(101 / 10)                  # from the first step on
     assert long.is_finished
+
+
+def test_over_target_steps_fill_the_bucket_a_page_needs():
+    """The smallest step that advances the prompt by a page already breaks the target: take
+    the rest of its bucket too (same predicted cost), never a bigger bucket."""
+    clock = FakeClock(fixed_s=0.05)
+    for n_decode, page_fill in ((4, 4), (5, 11), (7, 9)):
+        sched = _sched(clock, 1.0)
+        _start_decoders(sched, clock, n=n_decode, max_new=1000)
+        sched.add_request(_req("long", 200, 1))
+        batch, t = _step(sched, clock)
+        assert batch.forward_mode == "mixed"
+        # 4 decode rows + a 4-token page = 8 (bucket 8); 5 + 4 = 9 -> 16; 7 + 4 = 11 -> 16.
+        assert batch.rows[-1].num_tokens == page_fill, n_decode
+        assert batch.num_tokens in BUCKETS.token_buckets
+        smallest = clock.cost("mixed", n_decode + PAGE, n_decode + 1, 64, batch.num_cached_tokens)
+        assert t == pytest.approx(smallest)
 
 
 def test_until_timed_the_chunk_is_unconstrained():
