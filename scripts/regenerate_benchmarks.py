@@ -250,10 +250,11 @@ def _mixed_section(mx: dict) -> list[str]:
                   "Each line is one decoding request's inter-token gaps (log scale) against the "
                   "time since the long prompt arrived (first round of each setting); the dashed "
                   "line is the long prompt's first token.", ""]
-    lines += ["Where even a one-page mixed step costs more than the target (the jnp reference "
-              "attention on CPU costs padded tokens x the longest context, so late in a long "
-              "prompt), the prompt advances one page per step and the decode gaps follow that "
-              "floor instead of the target.", ""]
+    lines += ["Where even a one-page mixed step costs more than the target (each step's chunk "
+              "attends over the long prompt's whole context so far, so late in a long prompt "
+              "the smallest mixed step grows past the target), the prompt advances by one page "
+              "plus the rest of the token bucket that page needs per step, and the decode gaps "
+              "follow that floor instead of the target.", ""]
     return lines + _commands(mx)
 
 
