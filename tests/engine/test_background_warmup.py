@@ -5,17 +5,17 @@ path, then or after the background set completes."""
 
 import threading
 
-from conftest import CHUNK_BIG, PAGE
 from model_utils import assert_tokens_match, boundary_prompts, top2_gaps_from_top_logprobs
 from pdjax.engine import Engine
 from pdjax.runner.model_runner import ModelRunner, background_compile_count, compile_count
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+PAGE, CHUNK = 8, 64          # as the llama_engine fixture (tests/engine/conftest.py)
 
 
 def _lazy_engine(tiny_checkpoints):
     return Engine(tiny_checkpoints["llama"], dtype="float32", page_size=PAGE, max_total_tokens=4096,
-                  max_running_requests=16, chunked_prefill_size=CHUNK_BIG, context_length=128,
+                  max_running_requests=16, chunked_prefill_size=CHUNK, context_length=128,
                   progress=False, background_compile=True)
 
 
