@@ -7,6 +7,7 @@ which runs the core on its own thread for the HTTP server (DESIGN.md §3).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -81,9 +82,12 @@ class EngineCore:
     (``Buckets.core_keys``) and returns; the other shapes compile on a background thread and
     each batch runs on the smallest shape compiled so far (``ModelRunner.warmup(core_only)``).
     Off (the offline ``Engine``): every shape is compiled before the constructor returns.
+    ``tokenizer``: a callable returning the tokenizer, called after the model is loaded (the
+    server's ``AsyncEngine`` loads it on another thread meanwhile); default ``load_tokenizer``.
     """
 
-    def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False):
+    def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False,
+                 tokenizer=None):
         # Seconds of each start-up phase, in order (printed as one line; bench_startup reads it).
         self.startup_phases_s: dict[str, float] = {}
         t_phase = time.monotonic()
@@ -103,7 +107,8 @@ class EngineCore:
             self.model_path, dtype=args.dtype, mesh=mesh, progress=progress,
             attention_impl=args.attention_backend, interpret=args.pallas_interpret)
         phase("model")
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        self.tokenizer = (tokenizer() if tokenizer is not None
+                          else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         context = min(args.context_length or self.model_cfg.max_position_embeddings,
                       self.model_cfg.max_position_embeddings if args.context_length is None
@@ -787,7 +792,10 @@ class AsyncEngine:
         self.args = args
         self.model_path = resolve_model_path(args.model_path, args.revision)
         self.served_model_name = args.served_model_name or args.model_path or DEFAULT_SERVED_MODEL_NAME
-        self.tokenizer = load_tokenizer(args.tokenizer_path or self.model_path)
+        # Loaded on its own thread (a GGUF's tokenizer is converted on the first start, seconds
+        # of Python) while the engine thread loads the model; ``tokenizer`` waits for it.
+        self._tokenizer = concurrent.futures.Future()
+        threading.Thread(target=self._load_tokenizer, name="pdjax-tokenizer", daemon=True).start()
         self.core: EngineCore | None = None
         self.metrics = None                  # pdjax.metrics.Metrics, set by the server
         self.error: BaseException | None = None
@@ -801,6 +809,17 @@ class AsyncEngine:
         self._profile_steps_left: int | None = None
         self._profile_dir: str | None = None
         self._ready_event = threading.Event()
+
+    def _load_tokenizer(self) -> None:
+        try:
+            self._tokenizer.set_result(load_tokenizer(self.args.tokenizer_path or self.model_path))
+        except BaseException as e:       # raised where the tokenizer is used
+            self._tokenizer.set_exception(e)
+
+    @property
+    def tokenizer(self):
+        """The tokenizer (``load_tokenizer``); blocks until it is loaded, raises its error."""
+        return self._tokenizer.result()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AsyncEngine":
@@ -985,7 +1004,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.core = EngineCore(self.args, progress=self._progress, background_compile=True)
+            self.core = EngineCore(self.args, progress=self._progress, background_compile=True,
+                                   tokenizer=self._tokenizer.result)
             if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
                 self.metrics.attach_engine(self.core)
             if self.core.disagg is not None:

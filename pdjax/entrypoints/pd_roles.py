@@ -44,6 +44,7 @@ def run_single_role(args: ServerArgs) -> int:
     from pdjax.server.app import create_app, run_server
 
     engine = AsyncEngine(args, progress=not args.skip_warmup_progress)
+    engine.start()       # the model loads while the app waits for the tokenizer
     app = create_app(engine, served_model_name=engine.served_model_name, api_key=args.api_key)
 
     async def pd_state(request: web.Request) -> web.Response:
@@ -54,7 +55,6 @@ def run_single_role(args: ServerArgs) -> int:
         return web.json_response(state)
 
     app.router.add_get("/pd_state", pd_state)
-    engine.start()
     return run_server(app, args.host, args.port, on_shutdown=engine.shutdown,
                       drain_timeout_s=args.drain_timeout_s)
 
