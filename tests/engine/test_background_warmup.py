@@ -3,6 +3,7 @@ rest on a background thread. A request arriving before the background set is don
 larger compiled shape: same tokens as a fully warmed engine, and no compile on the request
 path, then or after the background set completes."""
 
+import re
 import threading
 
 from model_utils import assert_tokens_match, boundary_prompts, top2_gaps_from_top_logprobs
@@ -29,6 +30,18 @@ def _generate(engine, prompts, keys):
         engine.core.dispatch_hooks.remove(hook)
 
 
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
+
+
+def _grammar(engine):
+    """Two regex requests: grammar rows are drawn by the resample executables (overlap)."""
+    outs = engine.generate(["a", "b"], [{"max_new_tokens": 30, "temperature": 0, "regex": REGEX},
+                                        {"max_new_tokens": 30, "temperature": 0.8, "seed": 3,
+                                         "regex": REGEX}])
+    for o in outs:
+        assert re.fullmatch(REGEX, o["text"]), o["text"]
+
+
 def _assert_same(ref, outs, what):
     for i, (a, b) in enumerate(zip(ref, outs)):
         gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
@@ -46,9 +59,9 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
     gate = threading.Event()
     compile_rest = ModelRunner._compile_in_background
 
-    def gated(self, keys):
+    def gated(self, *args):
         gate.wait(600)
-        compile_rest(self, keys)
+        compile_rest(self, *args)
 
     monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
     eng = _lazy_engine(tiny_checkpoints)
@@ -60,6 +73,9 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
         keys = []
         outs = _generate(eng, prompts, keys)
         _assert_same(ref, outs, "before the background warm-up")
+        splits = eng.core.num_grammar_split_steps
+        _grammar(eng)
+        assert eng.core.num_grammar_split_steps > splits
         assert compile_count() == before and background_compile_count() == before_bg
         assert runner.compiles_after_warmup == 0
         # Every batch ran on a core shape: decode padded to 16 rows, extend to 64 tokens.
@@ -71,6 +87,7 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
         assert runner.ready_keys == set(buckets.all_keys())
         keys = []
         after = _generate(eng, prompts, keys)
+        _grammar(eng)                  # on the small decode shapes' resample executables
         for what, o in (("during the background warm-up", during), ("after it", after)):
             _assert_same(ref, o, what)
         # Prompt logprobs on the token buckets the background compiled: its jit cache serves.
