@@ -821,6 +821,13 @@ class AsyncEngine:
         """The tokenizer (``load_tokenizer``); blocks until it is loaded, raises its error."""
         return self._tokenizer.result()
 
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        """Serve with another tokenizer (the engine core keeps its own)."""
+        done = concurrent.futures.Future()
+        done.set_result(value)
+        self._tokenizer = done
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "AsyncEngine":
         self._thread.start()
