@@ -107,6 +107,9 @@ class PDRouter:
             raise ValueError(f"load_poll_interval_s: {load_poll_interval_s!r} must be > 0")
         self.load_poll_interval_s = load_poll_interval_s
         self._poller: asyncio.Task | None = None
+        # Prefill halves whose decode already answered: left to finish (never cancelled: a
+        # cancel reads as a client abort on the prefill and fails a room that succeeded).
+        self._finishing: set[asyncio.Task] = set()
         self.session: aiohttp.ClientSession | None = None
         self.num_requests = 0
         self.num_errors = 0
@@ -118,7 +121,15 @@ class PDRouter:
                 max(len(self.prefills), len(self.decodes)) > 1:   # a choice to make
             self._poller = asyncio.create_task(self._poll_loads())
 
+    def let_finish(self, task: asyncio.Task) -> None:
+        """Keep ``task`` (a prefill's ``_post``) running after its request was answered; it
+        ends when the prefill answers or the session times out, and ``close`` cancels it."""
+        if not task.done():
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
     async def close(self) -> None:
+        await _cancel(*self._finishing)
         if self._poller is not None:
             await _cancel(self._poller)
             self._poller = None
@@ -256,9 +267,12 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
             verdict = await _prefill_verdict(p_task, p_url)
             await _cancel(p_task)
             return verdict or _worker_error("decode", d_url, d_status, d_raw, d_type)
-        # The prefill answers when its transfer is over, i.e. before the decode's first token:
-        # waiting for it here costs nothing and keeps it from being aborted by our cancel.
-        await asyncio.wait({p_task}, timeout=5.0)
+        # The decode succeeded, so the prefill's transfer is over: it answers soon; never
+        # cancel it (that would abort a room that succeeded). Its prompt logprobs are merged
+        # when it answers in time.
+        router.let_finish(p_task)
+        if merge:
+            await asyncio.wait({p_task}, timeout=PREFILL_VERDICT_S)
         if merge and p_task.done():
             p_status, p_raw, _ = _result(p_task)
             if p_status == 200:
@@ -267,7 +281,9 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
                     return web.json_response(merged)
         return web.Response(status=200, body=d_raw, content_type="application/json")
     finally:
-        await _cancel(p_task, d_task)
+        if p_task not in router._finishing:
+            await _cancel(p_task)
+        await _cancel(d_task)
 
 
 PREFILL_VERDICT_S = 5.0        # how long a failed decode waits for the prefill's own answer
@@ -347,7 +363,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
                     line = b"data: " + json.dumps(obj).encode() + b"\n"
             await resp.write(line)
         await resp.write_eof()
-        await asyncio.wait({p_task}, timeout=5.0)
+        router.let_finish(p_task)       # the decode streamed to the end: see _generate
         return resp
     finally:
         await _cancel(d_open)
@@ -355,7 +371,8 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             d_resp = d_open.result()
         if d_resp is not None:
             d_resp.release()
-        await _cancel(p_task)
+        if p_task not in router._finishing:
+            await _cancel(p_task)
 
 
 async def _get_json(router: PDRouter, url: str, timeout_s: float = 5.0) -> tuple[int, Any]:

@@ -97,3 +97,61 @@ async def test_router_spreads_concurrent_requests_and_breaks_ties_by_kv_usage():
         await rs.close()
         for w in workers.values():
             await w.close()
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_slower_than_its_decode_is_never_cancelled():
+    """The decode answered (its KV arrived) while the prefill had not: the router answers the
+    client and lets the prefill finish. It used to cancel the prefill 5 s after the decode,
+    which the prefill read as a client abort and so failed a room that had succeeded (seen
+    in test_pd_e2e under load)."""
+    delay_s = 5.5
+    outcomes = []
+
+    async def prefill_generate(request):
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        gone = request.transport is None or request.transport.is_closing()
+        outcomes.append((bool(body.get("stream")), "client gone" if gone else "answered"))
+        return web.json_response({"text": "", "output_ids": [], "meta_info": {}})
+
+    async def decode_generate(request):
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"text": "ok", "output_ids": [1], "meta_info": {}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text": "ok", "output_ids": [1]}\n\ndata: [DONE]\n\n')
+        await resp.write_eof()
+        return resp
+
+    servers = []
+    for handler in (prefill_generate, decode_generate):
+        app = web.Application()
+        app.router.add_post("/generate", handler)
+        servers.append(TestServer(app))
+        await servers[-1].start_server()
+    p_url, d_url = (str(w.make_url("")).rstrip("/") for w in servers)
+    router = PDRouter([(p_url, 8998)], [d_url])
+    rs = TestServer(create_router_app(router))
+    await rs.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            async def one(stream):
+                async with s.post(rs.make_url("/generate"),
+                                  json={"text": "hi", "stream": stream}) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.read()
+
+            plain, streamed = await asyncio.gather(one(False), one(True))
+            assert b'"ok"' in plain and b"[DONE]" in streamed
+            for _ in range(200):
+                if len(outcomes) == 2:
+                    break
+                await asyncio.sleep(0.05)
+        assert sorted(outcomes) == [(False, "answered"), (True, "answered")]
+        assert router.prefill_pool.outstanding == [0]
+    finally:
+        await rs.close()
+        for w in servers:
+            await w.close()
