@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdjax.models.cache_spec import gqa_cache_spec
-from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import _merge_input_logprobs, parse_prefill_args
 from pdjax.server.validation import num_samples
 from pdjax.runner.model_runner import ModelRunner
@@ -63,7 +63,7 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     assert s.num_prompt_tokens_computed == 0
     # A second prompt sharing two full pages hits the prefix cache after the first finishes.
     first_pages = list(req.pages[:2])
-    s.finish_request(req, {"type": "length", "length": 2})
+    s.finish_request(req, FinishReason.of_length(2))
     twin = Request("t", req.prompt_ids[:8] + [5, 6, 7], SamplingParams(max_new_tokens=2))
     assert s.reserve_prebuilt(twin)
     assert twin.num_cached_tokens == 8 and twin.pages[:2] == first_pages

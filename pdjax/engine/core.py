@@ -1,21 +1,18 @@
-"""The engine every role runs: ``EngineCore`` (one step = schedule, launch the forward, which
-samples on the device, then read a step's results and update; overlapped by default),
-the offline ``Engine`` in the style of ``sglang.Engine`` / ``vllm.LLM``, and ``AsyncEngine``,
-which runs the core on its own thread for the HTTP server (DESIGN.md §3).
+"""``EngineCore``, the engine every role runs (DESIGN.md §3): one step schedules, launches the
+forward (which samples on the device) and processes a step's results; overlapped by default.
+
+Single-threaded; ``pdjax.engine.async_engine`` runs it on its own thread for the HTTP server,
+``pdjax.engine.offline`` drives it directly.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import dataclasses
 import logging
-import queue
 import random
 import threading
 import time
-import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +24,9 @@ from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
+from pdjax.output import token_finish_reason
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
-from pdjax.request import PENDING_TOKEN, Request, SamplingParams
+from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.runner.device_sampler import (MAX_TOP_LOGPROBS, SamplingRow, StepOutputs,
                                          build_sampling_inputs, uses_penalties)
 from pdjax.runner.model_runner import ModelRunner
@@ -309,8 +307,7 @@ class EngineCore:
                 outputs += self.disagg.poll()
             while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
                 req = self._zero_token_reqs.pop()
-                if self.scheduler.abort_request(req.rid) is not None:
-                    req.finish_reason = {"type": "length", "length": 0}
+                if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
                     outputs.append(self.make_output(req, [], [], []))
             batch = self.scheduler.schedule()
             # Requests the scheduler finished without a forward (a lone decode request the pool
@@ -487,8 +484,7 @@ class EngineCore:
                 k = req.top_logprobs_num
                 top = [[(int(a), float(b)) for a, b in zip(tops[0][i, :k], tops[1][i, :k])]
                        if k > 0 else []]
-                req.output_logprobs.append(lp[0])
-                req.output_top_logprobs.append(top[0])
+                req.append_logprobs(lp[0], top[0])
             outputs.append(self.make_output(req, [token], lp, top, num_output=index + 1))
         self.num_steps += 1
         return outputs, fetch_s
@@ -541,22 +537,16 @@ class EngineCore:
             self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
         return len(keys)
 
-    def stop_check(self, req: Request) -> dict | None:
-        """The finish reason after ``req``'s newest token, or None; a grammar request's matcher
-        takes the token here (once per token): a grammar that admits nothing more stops the
-        request (``matched`` None: the token is part of the answer)."""
-        sp = req.sampling_params
+    def stop_check(self, req: Request) -> FinishReason | None:
+        """The finish reason after ``req``'s newest token, or None (``token_finish_reason``);
+        a grammar request's matcher takes the token here (once per token): a token it does not
+        allow fails the request, and a grammar that admits nothing more stops it."""
         tok = req.output_ids[-1]
         if req.grammar is not None and not req.grammar.accept(tok):
-            req.error = f"grammar: token {tok} was not allowed ({req.grammar.error})"
-            return {"type": "abort", "message": req.error}
-        if (not sp.ignore_eos and tok in self.eos_token_ids) or tok in sp.stop_token_ids:
-            return {"type": "stop", "matched": tok}
-        if req.grammar is not None and req.grammar.is_terminated:
-            return {"type": "stop", "matched": None}
-        if sp.max_new_tokens is not None and len(req.output_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
+            return req.fail(f"grammar: token {tok} was not allowed ({req.grammar.error})")
+        return token_finish_reason(
+            req.sampling_params, tok, len(req.output_ids), self.eos_token_ids,
+            grammar_terminated=req.grammar is not None and req.grammar.is_terminated)
 
     @staticmethod
     def _wants_prompt_logprobs(row) -> bool:
@@ -657,410 +647,3 @@ class EngineCore:
                 "num_pinned_pages": s.num_used_pages - s.prefix_cache.num_evictable_pages,
                 "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
                 **self.disagg.load()}
-
-
-def _sampling_params(sp) -> SamplingParams:
-    if isinstance(sp, SamplingParams):
-        return dataclasses.replace(sp)
-    return SamplingParams.from_dict(sp)
-
-
-class Engine:
-    """Offline engine in the style of ``sglang.Engine``: ``Engine(model_path=None,
-    dtype="auto", **server_args)``; no path serves the default SmolLM2 model. Besides the
-    ``ServerArgs`` fields: ``progress`` (warm-up progress bar) and ``background_compile``
-    (``EngineCore``; default False: every shape compiled before the constructor returns).
-
-    ``generate(prompt | list of prompts, sampling_params, input_ids=...)`` returns a dict (one
-    prompt) or a list of dicts with ``text``, ``output_ids`` and ``meta_info``
-    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``finish_reason``, and
-    logprobs when asked). ``n > 1`` gives ``n`` results per prompt, prompt-major.
-    """
-
-    def __init__(self, model_path: str | None = None, dtype: str = "auto", **server_args):
-        progress = server_args.pop("progress", True)
-        background_compile = server_args.pop("background_compile", False)
-        self.args = ServerArgs(model_path=model_path, dtype=dtype, **server_args)
-        self.core = EngineCore(self.args, progress=progress, background_compile=background_compile)
-        self.tokenizer = self.core.tokenizer
-
-    def generate(self, prompt=None, sampling_params=None, input_ids=None,
-                 return_logprob: bool = False, logprob_start_len: int | None = None,
-                 top_logprobs_num: int = 0):
-        from pdjax.detokenizer import IncrementalDetokenizer, trim_matched_stop_token
-
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids
-                                             and isinstance(input_ids[0], int))
-        if prompt is not None and input_ids is not None:
-            raise ValueError("pass either prompt or input_ids, not both")
-        if input_ids is None:
-            if prompt is None:
-                raise ValueError("prompt: no prompt given")
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            ids_list = [input_ids] if single else list(input_ids)
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-        if len(sps) != len(ids_list):
-            raise ValueError("sampling_params: list length differs from the number of prompts")
-        core = self.core
-        order, state = [], {}
-        for ids, sp in zip(ids_list, sps):
-            sp = _sampling_params(sp or {})
-            for k in range(sp.n):
-                rid = uuid.uuid4().hex
-                one = dataclasses.replace(sp, n=1)
-                if sp.n > 1 and sp.seed is not None:
-                    one = dataclasses.replace(one, seed=sp.seed + k)
-                g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
-                                    top_logprobs_num=top_logprobs_num,
-                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)
-                core.add_request(g)
-                order.append(rid)
-                state[rid] = {"ids": [], "lps": [], "tops": [], "prompt_lps": None,
-                              "out": None, "detok": IncrementalDetokenizer(
-                                  self.tokenizer, stop=one.stop,
-                                  skip_special_tokens=one.skip_special_tokens, prompt_ids=ids),
-                              "text": "", "finish": None}
-        pending = set(order)
-        while pending:
-            for out in core.step():
-                st = state.get(out.rid)
-                if st is None or out.rid not in pending:
-                    continue
-                st["ids"] += out.new_token_ids
-                st["lps"] += out.new_logprobs
-                st["tops"] += out.new_top_logprobs
-                if out.prompt_logprobs is not None:
-                    st["prompt_lps"] = (out.prompt_logprobs, out.prompt_top_logprobs)
-                st["out"] = out
-                new_ids = out.new_token_ids
-                if out.finished:       # the matched EOS / stop token is not part of the text
-                    new_ids = trim_matched_stop_token(new_ids, out.finish_reason)
-                delta = st["detok"].add_tokens(new_ids)
-                st["text"] += delta.text
-                if delta.stop_matched is not None and not out.finished:
-                    core.abort_request(out.rid)
-                    st["finish"] = {"type": "stop", "matched": delta.stop_matched}
-                    pending.discard(out.rid)
-                    continue
-                if out.finished:
-                    st["text"] += st["detok"].finish().text
-                    st["finish"] = out.finish_reason
-                    pending.discard(out.rid)
-        core.drain()      # the step in flight holds only rows of finished requests
-        results = [self._result(rid, state[rid], return_logprob) for rid in order]
-        return results[0] if single and len(results) == 1 else results
-
-    def _result(self, rid, st, return_logprob) -> dict:
-        out = st["out"]
-        meta = {"id": rid, "prompt_tokens": out.prompt_tokens, "completion_tokens": len(st["ids"]),
-                "cached_tokens": out.cached_tokens, "finish_reason": st["finish"]}
-        if return_logprob:
-            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(st["lps"], st["ids"])]
-            meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top] for top in st["tops"]]
-            if st["prompt_lps"] is not None:
-                meta["input_token_logprobs"] = st["prompt_lps"][0]
-                meta["input_top_logprobs"] = st["prompt_lps"][1]
-        return {"text": st["text"], "output_ids": st["ids"], "meta_info": meta}
-
-    def shutdown(self) -> None:
-        """Drop every request and free the device state."""
-        for rid in list(self.core.scheduler.requests):
-            self.core.abort_request(rid)
-        self.core.runner.caches = {}
-        self.core = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.core is not None:
-            self.shutdown()
-
-
-class AsyncEngine:
-    """``EngineCore`` on its own thread, for the HTTP server (never on the event loop).
-
-    ``start()`` loads and warms up in the background; ``is_ready`` turns True after warm-up.
-    ``generate(req)`` is an async generator of ``GenerateOutput`` increments, pushed from the
-    engine thread into the caller's loop with ``call_soon_threadsafe`` (never polled); leaving
-    it early (client disconnect) aborts the request and frees its pages.
-    """
-
-    def __init__(self, args: ServerArgs, *, progress: bool = True):
-        self.args = args
-        self.model_path = resolve_model_path(args.model_path, args.revision)
-        self.served_model_name = args.served_model_name or args.model_path or DEFAULT_SERVED_MODEL_NAME
-        # Loaded on its own thread (a GGUF's tokenizer is converted on the first start, seconds
-        # of Python) while the engine thread loads the model; ``tokenizer`` waits for it.
-        self._tokenizer = concurrent.futures.Future()
-        threading.Thread(target=self._load_tokenizer, name="pdjax-tokenizer", daemon=True).start()
-        self.core: EngineCore | None = None
-        self.metrics = None                  # pdjax.metrics.Metrics, set by the server
-        self.error: BaseException | None = None
-        self.is_ready = False
-        self._progress = progress
-        self._inbox: queue.Queue = queue.Queue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="pdjax-engine", daemon=True)
-        self._profile_steps_left: int | None = None
-        self._profile_dir: str | None = None
-        self._ready_event = threading.Event()
-
-    def _load_tokenizer(self) -> None:
-        try:
-            self._tokenizer.set_result(load_tokenizer(self.args.tokenizer_path or self.model_path))
-        except BaseException as e:       # raised where the tokenizer is used
-            self._tokenizer.set_exception(e)
-
-    @property
-    def tokenizer(self):
-        """The tokenizer (``load_tokenizer``); blocks until it is loaded, raises its error."""
-        return self._tokenizer.result()
-
-    @tokenizer.setter
-    def tokenizer(self, value) -> None:
-        """Serve with another tokenizer (the engine core keeps its own)."""
-        done = concurrent.futures.Future()
-        done.set_result(value)
-        self._tokenizer = done
-
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "AsyncEngine":
-        self._thread.start()
-        return self
-
-    def wait_started(self, timeout_s: float | None = None) -> BaseException | None:
-        """Wait up to ``timeout_s`` for the load and warm-up to end; returns the error that
-        stopped the engine from starting, or None (ready, or still starting)."""
-        self._ready_event.wait(timeout_s)
-        return self.error
-
-    def wait_ready(self, timeout_s: float | None = None) -> bool:
-        self._ready_event.wait(timeout_s)
-        if self.error is not None:
-            raise RuntimeError(f"engine failed to start: {self.error}") from self.error
-        return self.is_ready
-
-    @property
-    def context_length(self) -> int:
-        return self.core.context_length if self.core is not None else 0
-
-    def compile_grammar(self, spec) -> None:
-        """Compile ``spec`` (cached) from the calling thread, never the engine's: the server
-        calls it while parsing, off the event loop. ``ValueError`` naming the field."""
-        if self.core is None:
-            raise RuntimeError("engine is not running")
-        self.core.compile_grammar(spec)
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._stop = True
-        if self.core is not None:
-            self.core.runner.stop_background()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
-
-    # ------------------------------------------------------------------ client API
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        if req.rid in self._streams:
-            yield GenerateOutput(req.rid, [], finished=True, error=f"rid {req.rid!r} is already in use",
-                                 finish_reason={"type": "abort", "message": "duplicate rid"})
-            return
-        self._streams[req.rid] = (loop, q)
-        self._call("add", req)
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    break
-        finally:
-            self._streams.pop(req.rid, None)
-            if not finished:
-                self.abort(req.rid)
-
-    def abort(self, rid: str) -> None:
-        self._call("abort", rid)
-
-    def pd_reject(self, rooms: list[int], message: str, status_code: int = 400) -> None:
-        """The HTTP server refused a request for these bootstrap rooms before it reached the
-        engine: a prefill fails the rooms and tells their decode at once (issue 16, item 3)."""
-        if rooms:
-            self._call("pd_reject", (list(rooms), message, status_code))
-
-    def flush_cache(self) -> bool:
-        return self._call_sync("flush")
-
-    def get_load(self) -> dict:
-        return self._call_sync("load") if self.core is not None else {}
-
-    def pd_state(self) -> dict:
-        """The PD manager's rooms, peers and transfer records (``/pd_state``); {} otherwise."""
-        return self._call_sync("pd_state") if self.core is not None else {}
-
-    def server_info(self) -> dict:
-        info = {k: v for k, v in dataclasses.asdict(self.args).items()
-                if k not in ("api_key", "disaggregation_secret")}
-        info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
-                    load_balance_method="round_robin", context_length=self.context_length,
-                    model_path=self.model_path, is_ready=self.is_ready)
-        if self.core is not None:
-            info.update(num_total_pages=self.core.args.num_pages - 1,
-                        max_total_num_tokens=(self.core.args.num_pages - 1) * self.args.page_size,
-                        buckets=self.core.buckets.describe(),
-                        warmup_s=round(self.core.warmup_s, 3),
-                        compiled_shapes=len(self.core.runner.ready_keys),
-                        forward_shapes=len(self.core.buckets.all_keys()),
-                        step_cost_model=self.core.cost_model.describe())
-        return info
-
-    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:
-        return self._call_sync("start_profile", (output_dir or self.args.profile_dir or "profiles", num_steps))
-
-    def stop_profile(self) -> str:
-        return self._call_sync("stop_profile")
-
-    # ------------------------------------------------------------------ thread plumbing
-    def _call(self, op: str, arg=None) -> None:
-        self._inbox.put((op, arg, None))
-        self._wake.set()
-
-    def _call_sync(self, op: str, arg=None, timeout_s: float = 60.0):
-        if not self._thread.is_alive():
-            raise RuntimeError("engine is not running")
-        done = threading.Event()
-        box: list = []
-        self._inbox.put((op, arg, (done, box)))
-        self._wake.set()
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"engine did not answer {op!r} within {timeout_s} s")
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
-
-    def _push(self, out: GenerateOutput) -> None:
-        stream = self._streams.get(out.rid)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _handle(self, op: str, arg):
-        core = self.core
-        if op == "add":
-            try:
-                core.add_request(arg)
-            except ValueError as e:
-                if core.disagg is not None:
-                    core.disagg.on_rejected(arg, str(e))     # PD: the peer hears of it at once
-                self._push(GenerateOutput(arg.rid, [], finished=True, error=str(e), status_code=400,
-                                          finish_reason={"type": "abort", "message": str(e)}))
-            return None
-        if op == "pd_reject":
-            if core.disagg is not None:
-                rooms, message, status = arg
-                for room in rooms:
-                    core.disagg.reject_room(room, message, status)
-            return None
-        if op == "abort":
-            out = core.abort_request(arg)
-            if out is not None:
-                self._push(out)
-            return None
-        if op == "flush":
-            return core.flush_cache()
-        if op == "load":
-            return core.get_load()
-        if op == "pd_state":
-            return core.disagg.debug_state() if core.disagg is not None else {}
-        if op == "start_profile":
-            out_dir, steps = arg
-            core.runner.start_profile(out_dir)
-            self._profile_dir, self._profile_steps_left = out_dir, steps
-            return out_dir
-        if op == "stop_profile":
-            if self._profile_dir is None:
-                raise ValueError("no profile is running")
-            core.runner.stop_profile()
-            out_dir, self._profile_dir, self._profile_steps_left = self._profile_dir, None, None
-            return out_dir
-        raise ValueError(f"unknown engine op {op!r}")
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                op, arg, reply = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                result = self._handle(op, arg)
-            except BaseException as e:      # reported to the caller, never kills the loop
-                result = e
-                if reply is None:
-                    logger.exception("engine op %s failed", op)
-            if reply is not None:
-                reply[1].append(result)
-                reply[0].set()
-
-    def _run(self) -> None:
-        try:
-            self.core = EngineCore(self.args, progress=self._progress, background_compile=True,
-                                   tokenizer=self._tokenizer.result)
-            if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
-                self.metrics.attach_engine(self.core)
-            if self.core.disagg is not None:
-                self.core.disagg.set_wake(self._wake.set)
-                if self.metrics is not None:
-                    self.core.disagg.attach_metrics(self.metrics)
-            self.is_ready = True
-        except BaseException as e:
-            logger.exception("engine failed to start")
-            self.error = e
-            self._ready_event.set()
-            return
-        self._ready_event.set()
-        while not self._stop:
-            self._drain_inbox()
-            if not self.core.has_work:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.core.step()
-            except Exception as e:
-                logger.exception("engine step failed; failing the running requests")
-                for rid in list(self.core.scheduler.requests):
-                    out = self.core.abort_request(rid, f"internal error: {e}")
-                    if out is not None:
-                        out.error = f"internal error: {e}"
-                        self._push(out)
-                continue
-            for out in outputs:
-                self._push(out)
-            if self._profile_steps_left is not None:
-                self._profile_steps_left -= 1
-                if self._profile_steps_left <= 0:
-                    self.core.runner.stop_profile()
-                    self._profile_dir = self._profile_steps_left = None
-        if self.core.disagg is not None:
-            self.core.disagg.close()
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("pdjax")
-    except Exception:
-        return "0.0.0"
-
-
-def _disagg_mode(role: str) -> str:
-    return {"colocated": "null", "prefill": "prefill", "decode": "decode"}.get(role, "null")
