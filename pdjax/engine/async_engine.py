@@ -18,6 +18,7 @@ from pdjax.config import ServerArgs
 from pdjax.engine.commands import (AbortRequest, AddRequest, Command, FlushCache, GetLoad,
                                    GetPDState, RejectRooms, StartProfile, StopProfile)
 from pdjax.engine.core import DEFAULT_SERVED_MODEL_NAME, EngineCore
+from pdjax.engine.watchdog import Watchdog
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.models.loader import load_tokenizer, resolve_model_path
 from pdjax.request import FinishReason
@@ -55,6 +56,8 @@ class AsyncEngine:
         self._profile_steps_left: int | None = None
         self._profile_dir: str | None = None
         self._ready_event = threading.Event()
+        # A step over watchdog_timeout_s: the engine is presumed hung and the process exits.
+        self.watchdog = Watchdog(args.watchdog_timeout_s)
 
     def _load_tokenizer(self) -> None:
         try:
@@ -153,7 +156,7 @@ class AsyncEngine:
         return self._call_sync(GetPDState()) if self.core is not None else {}
 
     def server_info(self) -> dict:
-        info = {k: v for k, v in dataclasses.asdict(self.args).items()
+        info = {k: v for k, v in self.args.to_flat_dict().items()
                 if k not in ("api_key", "disaggregation_secret")}
         info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
                     load_balance_method="round_robin", context_length=self.context_length,
@@ -272,12 +275,14 @@ class AsyncEngine:
             self._ready_event.set()
             return
         self._ready_event.set()
+        self.watchdog.start()
         while not self._stop:
             self._drain_inbox()
             if not self.core.has_work:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self.watchdog.step_started()
             try:
                 outputs = self.core.step()
             except Exception as e:
@@ -288,6 +293,8 @@ class AsyncEngine:
                         out.error = f"internal error: {e}"
                         self._push(out)
                 continue
+            finally:
+                self.watchdog.step_ended()
             for out in outputs:
                 self._push(out)
             if self._profile_steps_left is not None:
@@ -295,6 +302,7 @@ class AsyncEngine:
                 if self._profile_steps_left <= 0:
                     self.core.runner.stop_profile()
                     self._profile_dir = self._profile_steps_left = None
+        self.watchdog.stop()
         if self.core.disagg is not None:
             self.core.disagg.close()
 

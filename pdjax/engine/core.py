@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ServerArgs
@@ -23,9 +22,9 @@ from pdjax.constrained.grammar import bitmask_words
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
-from pdjax.models.loader import load_model, load_tokenizer, make_mesh, resolve_dtype, resolve_model_path
+from pdjax.engine.settings import resolve_engine_config
+from pdjax.models.loader import load_model, load_tokenizer, make_mesh
 from pdjax.output import token_finish_reason
-from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.runner.device_sampler import (MAX_TOP_LOGPROBS, SamplingRow, StepOutputs,
                                          build_sampling_inputs, uses_penalties)
@@ -33,17 +32,12 @@ from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import BucketKey, Buckets
 from pdjax.sched.cost_model import StepCostModel
-from pdjax.sched.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from pdjax.sched.scheduler import ScheduledBatch, Scheduler
 from pdjax.transfer.factory import create_engine_role
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def kv_cache_dtype(args: ServerArgs, model_dtype):
-    return {"auto": model_dtype, "float32": jnp.float32, "bfloat16": jnp.bfloat16,
-            "fp8_e4m3": jnp.float8_e4m3fn}[args.kv_cache_dtype]
 
 
 @dataclasses.dataclass
@@ -98,28 +92,18 @@ class EngineCore:
 
         enable_compilation_cache()
         self.args = args
-        self.model_path = resolve_model_path(args.model_path, args.revision)
+        self.config = config = resolve_engine_config(args)
+        self.model_path = config.model_path
         mesh = make_mesh(args.tp_size)
         phase("backend")
         self.model_cfg, model = load_model(
-            self.model_path, dtype=args.dtype, mesh=mesh, progress=progress,
-            attention_impl=args.attention_backend, interpret=args.pallas_interpret)
+            self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
+            attention_impl=config.attention_impl, interpret=args.pallas_interpret)
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
-        context = min(args.context_length or self.model_cfg.max_position_embeddings,
-                      self.model_cfg.max_position_embeddings if args.context_length is None
-                      else args.context_length)
-        self.sched_config = SchedulerConfig(
-            num_pages=args.num_pages, page_size=args.page_size,
-            max_running_requests=args.max_running_requests,
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_prefill_tokens=args.max_prefill_tokens,
-            enable_mixed_chunk=args.enable_mixed_chunk,
-            disable_radix_cache=args.disable_radix_cache, max_context_len=context,
-            page_aligned_chunks=args.role == "prefill",
-            max_num_batched_tokens=args.max_num_batched_tokens, target_itl_ms=args.target_itl_ms)
+        self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
         self.buckets = Buckets.create(
@@ -127,16 +111,15 @@ class EngineCore:
             max_running_requests=args.max_running_requests,
             max_pages_per_seq=-(-self.context_length // args.page_size),
             max_num_batched_tokens=args.max_num_batched_tokens,
-            traced_pages_bound=resolve_impl(args.attention_backend)
+            traced_pages_bound=config.attention_impl
             in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],
                                         cached_scale=self.context_length)
         self.scheduler.cost_model = self.cost_model
-        kv_dtype = kv_cache_dtype(args, resolve_dtype(args.dtype))
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
-                                  kv_dtype=kv_dtype, buckets=self.buckets,
+                                  kv_dtype=config.kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size)
         phase("kv_cache")
         eos = set(self.model_cfg.eos_token_ids)
@@ -153,7 +136,7 @@ class EngineCore:
         # benchmarks): the sampled tokens; for a split grammar step, the forward's logits and
         # then the resample's tokens (key.entry "resample").
         self.dispatch_hooks: list = []
-        self.overlap = not args.disable_overlap_schedule and args.role != "prefill"
+        self.overlap = config.overlap
         self._inflight: _Launched | None = None
         self._last_forward_end_s = 0.0
         self.last_forward_device_s: float | None = None    # device time of the last forward read
