@@ -138,6 +138,7 @@ class EngineCore:
         self.dispatch_hooks: list = []
         self.overlap = config.overlap
         self._inflight: _Launched | None = None
+        self._wait_s = 0.0            # device time of the current step (step)
         self._last_forward_end_s = 0.0
         self.last_forward_device_s: float | None = None    # device time of the last forward read
         # Forwards dispatched while the previous one still ran on the device (the host's work
@@ -272,61 +273,90 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[GenerateOutput]:
+        """One step: schedule -> run -> process (DESIGN.md §3). Returns the outputs of every
+        request that got a token or finished; with overlap, ``run`` launches this step's
+        forward before ``process`` reads the previous one's."""
         t0 = time.perf_counter()
-        waited = 0.0
+        self._wait_s = 0.0            # dispatching and waiting for the device
+        outputs: list[GenerateOutput] = []
         try:
-            outputs: list[GenerateOutput] = []
-            done = None
-            if self._inflight is not None and self._inflight.has_grammar \
-                    and not self.split_grammar_sampling:
-                # No resample executables (overlap turned on after start-up): the masks of the
-                # next step need the tokens of the step in flight, so read it first.
-                done, self._inflight = self._inflight, None
-                self.num_grammar_syncs += 1
-                done_outputs, fetch_s = self._complete(done)
-                outputs += done_outputs
-                waited += fetch_s
-            if self.disagg is not None:
-                outputs += self.disagg.poll()
-            while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
-                req = self._zero_token_reqs.pop()
-                if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
-                    outputs.append(self.make_output(req, [], [], []))
-            batch = self.scheduler.schedule()
-            # Requests the scheduler finished without a forward (a lone decode request the pool
-            # cannot grow) still owe their client a final output.
-            outputs += [self.make_output(req, [], [], []) for req in self.scheduler.pop_finished()]
-            launched = None
-            if batch is not None:
-                launched, dispatch_s = self._launch(batch, outputs)
-                waited += dispatch_s
-            if done is not None:          # read already; the new step stays in flight
-                self._inflight = launched
-            else:
-                if self.overlap:
-                    done, self._inflight = self._inflight, launched
-                else:
-                    done = launched
-                if done is not None:
-                    done_outputs, fetch_s = self._complete(done)
-                    outputs += done_outputs
-                    waited += fetch_s
-            if launched is not None and launched.deferred:
-                # The step before is read and its tokens taken by the matchers: fill the masks
-                # while the new forward runs, then sample its grammar rows.
-                waited += self._sample_deferred(launched, outputs)
-            if self.disagg is not None and (done is not None or outputs):
-                # batch None: no forward's results were read, but requests may have finished.
-                outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
+            read_first = self._read_grammar_step(outputs)
+            batch = self._schedule(outputs)
+            launched = self._run(batch, outputs)
+            done, outputs = self._process(read_first, launched, outputs)
         except BaseException:
             self._inflight = None
             raise
         # Forward time: dispatching and waiting for the device; host time: the rest.
-        self.forward_time_s += waited
-        self.host_time_s += max(0.0, time.perf_counter() - t0 - waited)
+        self.forward_time_s += self._wait_s
+        self.host_time_s += max(0.0, time.perf_counter() - t0 - self._wait_s)
         if done is not None:
             for hook in self.step_hooks:
                 hook(done.batch, outputs)
+        return outputs
+
+    def _read_grammar_step(self, outputs: list[GenerateOutput]) -> _Launched | None:
+        """Without resample executables (overlap turned on after start-up) the masks of the
+        next step need the tokens of the step in flight when it has grammar rows: read it
+        before scheduling (DESIGN.md §3, "Grammars")."""
+        if self._inflight is None or not self._inflight.has_grammar \
+                or self.split_grammar_sampling:
+            return None
+        done, self._inflight = self._inflight, None
+        self.num_grammar_syncs += 1
+        outputs += self._read(done)
+        return done
+
+    def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
+        """PD events, requests done without a forward, then the scheduler's batch."""
+        if self.disagg is not None:
+            outputs += self.disagg.poll()
+        while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
+            req = self._zero_token_reqs.pop()
+            if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
+                outputs.append(self.make_output(req, [], [], []))
+        batch = self.scheduler.schedule()
+        # Requests the scheduler finished without a forward (a lone decode request the pool
+        # cannot grow) still owe their client a final output.
+        outputs += [self.make_output(req, [], [], []) for req in self.scheduler.pop_finished()]
+        return batch
+
+    def _run(self, batch: ScheduledBatch | None,
+             outputs: list[GenerateOutput]) -> _Launched | None:
+        """Launch ``batch``'s forward (not waited for)."""
+        if batch is None:
+            return None
+        launched, dispatch_s = self._launch(batch, outputs)
+        self._wait_s += dispatch_s
+        return launched
+
+    def _process(self, read_first: _Launched | None, launched: _Launched | None,
+                 outputs: list[GenerateOutput]):
+        """Read the step whose results are due (with overlap the previous one; ``launched``
+        then stays in flight), sample ``launched``'s split grammar rows, and hand the outputs
+        to the PD role. Returns ``(the step read or None, outputs)``."""
+        if read_first is not None:          # read already; the new step stays in flight
+            self._inflight = launched
+            done = read_first
+        else:
+            if self.overlap:
+                done, self._inflight = self._inflight, launched
+            else:
+                done = launched
+            if done is not None:
+                outputs += self._read(done)
+        if launched is not None and launched.deferred:
+            # The step before is read and its tokens taken by the matchers: fill the masks
+            # while the new forward runs, then sample its grammar rows.
+            self._wait_s += self._sample_deferred(launched, outputs)
+        if self.disagg is not None and (done is not None or outputs):
+            # done None: no forward's results were read, but requests may have finished.
+            outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
+        return done, outputs
+
+    def _read(self, done: _Launched) -> list[GenerateOutput]:
+        outputs, fetch_s = self._complete(done)
+        self._wait_s += fetch_s
         return outputs
 
     def _launch(self, batch: ScheduledBatch, outputs: list[GenerateOutput]):

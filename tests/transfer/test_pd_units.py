@@ -128,7 +128,8 @@ def test_staging_path_round_trip_and_direct_addresses():
     for m_src, m_dst in zip(out.mirrors, into.mirrors):
         m_dst[:, pages_dst] = m_src[:, pages_src]
     into.stage_in(pages_dst)
-    for a, b in ((src.k_cache, dst.k_cache), (src.v_cache, dst.v_cache)):
+    for name in ("k_cache", "v_cache"):
+        a, b = src.caches[name], dst.caches[name]
         np.testing.assert_array_equal(np.asarray(b)[:, pages_dst], np.asarray(a)[:, pages_src])
         untouched = [p for p in range(1, 9) if p not in pages_dst]
         assert not np.asarray(b)[:, untouched].any()
