@@ -433,6 +433,12 @@ class Request:
         self.output_logprobs.append(logprob)
         self.output_top_logprobs.append(top)
 
+    def append_prompt_logprobs(self, logprob: float | None,
+                               top: list[tuple[int, float]] | None) -> None:
+        """The logprob (and top logprobs) of the next prompt position (None: position 0)."""
+        self.prompt_logprobs.append(logprob)
+        self.prompt_top_logprobs.append(top)
+
     def set_reported_cached_tokens(self, n: int) -> None:
         """PD decode: the prefill's prefix-cache hit, reported as ``cached_tokens``."""
         self.reported_cached_tokens = n

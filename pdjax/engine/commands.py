@@ -14,11 +14,15 @@ from pdjax.engine_io import GenerateRequest
 
 @dataclasses.dataclass(frozen=True)
 class AddRequest:
+    """Queue ``req``; a bad one gets a final output with a 400 error at once."""
+
     req: GenerateRequest
 
 
 @dataclasses.dataclass(frozen=True)
 class AbortRequest:
+    """Drop ``rid`` wherever it is (its pages come back); its stream gets a final output."""
+
     rid: str
 
 

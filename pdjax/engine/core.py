@@ -606,12 +606,11 @@ class EngineCore:
         j = 0
         for req, p in wanted:
             if p is None:
-                req.prompt_logprobs.append(None)
-                req.prompt_top_logprobs.append(None)
+                req.append_prompt_logprobs(None, None)
                 continue
             k = min(req.top_logprobs_num, ids.shape[1])
-            req.prompt_logprobs.append(float(lp[j]))
-            req.prompt_top_logprobs.append([(int(a), float(b)) for a, b in zip(ids[j, :k], vals[j, :k])])
+            req.append_prompt_logprobs(
+                float(lp[j]), [(int(a), float(b)) for a, b in zip(ids[j, :k], vals[j, :k])])
             j += 1
 
     def make_output(self, req: Request, tokens, lps, tops,
