@@ -19,10 +19,10 @@ import numpy as np
 
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import bitmask_words
+from pdjax.engine.settings import resolve_engine_config
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
-from pdjax.engine.settings import resolve_engine_config
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh
 from pdjax.output import token_finish_reason
 from pdjax.request import PENDING_TOKEN, FinishReason, Request

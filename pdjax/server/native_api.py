@@ -14,8 +14,8 @@ import dataclasses
 import uuid
 from typing import Any, Callable, Sequence
 
-from pdjax.engine_io import GenerateRequest
 from pdjax.detokenizer import TokenTexts
+from pdjax.engine_io import GenerateRequest
 from pdjax.request import FinishReason
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob

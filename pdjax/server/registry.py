@@ -21,9 +21,9 @@ from typing import Iterable
 
 from aiohttp import web
 
+from pdjax.detokenizer import TokenTexts
 from pdjax.engine_io import GenerateRequest
 from pdjax.metrics import Metrics
-from pdjax.detokenizer import TokenTexts
 from pdjax.server.engine_client import ArgsOwner, CoreOwner, EngineClient, GrammarCompiler
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleAccumulator, SampleDelta, SampleResult
