@@ -226,7 +226,8 @@ class ModelArgs:
     attention_backend: str | None = _arg(
         None, "auto: the platform's (cpu: xla, the per-request jnp path; tpu/gpu: "
               "Pallas kernels); reference: the per-token jnp oracle", ATTENTION_BACKENDS)
-    pallas_interpret: bool = _arg(False, "run forced Pallas kernels in interpret mode (CPU testing)")
+    pallas_interpret: bool = _arg(
+        False, "run forced Pallas kernels in interpret mode (CPU testing)")
 
     def __post_init__(self):
         _check_fields(self)
@@ -287,7 +288,8 @@ class SchedulerArgs:
             _check_int(self, name, 1)
         _check_int(self, "max_num_batched_tokens", 1, allow_none=True)
         if self.target_itl_ms is not None and not (
-                isinstance(self.target_itl_ms, (int, float)) and not isinstance(self.target_itl_ms, bool)
+                isinstance(self.target_itl_ms, (int, float))
+                and not isinstance(self.target_itl_ms, bool)
                 and 0 < self.target_itl_ms < float("inf")):
             raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
                              f"{self.target_itl_ms!r}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,11 +17,11 @@ logger = logging.getLogger(__name__)
 
 
 def exit_hung_process(elapsed_s: float) -> None:
-    """The default action: dump every thread's stack to stderr and end the process (exit
-    status 1; a hung engine thread cannot be stopped any other way)."""
+    """The default action: dump every thread's stack to stderr and kill the process
+    (SIGKILL: a hung engine thread cannot be stopped any other way; SGLang also kills)."""
     logger.critical("engine step has run for %.1f s (watchdog_timeout_s): exiting", elapsed_s)
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    os._exit(1)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Watchdog:
