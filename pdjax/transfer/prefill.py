@@ -31,6 +31,7 @@ JAX only through ``LocalKV``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
