@@ -19,6 +19,8 @@ import numpy as np
 
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import bitmask_words
+from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
+                                          wants_prompt_logprobs)
 from pdjax.engine.settings import resolve_engine_config
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -406,7 +408,7 @@ class EngineCore:
                 outputs.append(out)
         sampling = build_sampling_inputs(samp_rows, key.num_rows, bitmask=bitmask,
                                          vocab_size=self.model_cfg.vocab_size)
-        want_prompt_lp = any(self._wants_prompt_logprobs(r) for r in batch.rows)
+        want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
         compiles = self.runner.compiles_after_warmup
         t1 = time.perf_counter()
         if prev is not None:
@@ -417,7 +419,8 @@ class EngineCore:
         out, hidden, logits = self.runner.forward(
             key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
             want_hidden=want_prompt_lp, want_logits=True)
-        prompt_lp = self._prompt_logprobs(batch, fb, hidden) if want_prompt_lp else None
+        prompt_lp = (dispatch_prompt_logprobs(self.runner, batch, fb, hidden) if want_prompt_lp
+                     else None)
         t2 = time.perf_counter()
         pending = self.scheduler.advance(batch)
         launched = _Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
@@ -483,7 +486,7 @@ class EngineCore:
             if any(r.top_logprobs_num > 0 for r in reqs):
                 tops = (np.asarray(done.out.top_ids), np.asarray(done.out.top_logprobs))
         if done.prompt_lp is not None:
-            self._apply_prompt_logprobs(*done.prompt_lp)
+            apply_prompt_logprobs(*done.prompt_lp)
         fetch_s = time.perf_counter() - t
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
@@ -560,58 +563,6 @@ class EngineCore:
         return token_finish_reason(
             req.sampling_params, tok, len(req.output_ids), self.eos_token_ids,
             grammar_terminated=req.grammar is not None and req.grammar.is_terminated)
-
-    @staticmethod
-    def _wants_prompt_logprobs(row) -> bool:
-        req = row.req
-        # ">=": a chunk's last position predicts the next chunk's first token, which is the
-        # first one wanted when logprob_start_len sits on the chunk boundary.
-        return (req.return_logprob and req.logprob_start_len >= 0 and not req.output_ids
-                and row.start + row.num_tokens >= req.logprob_start_len)
-
-    def _prompt_logprobs(self, batch: ScheduledBatch, fb, hidden):
-        """Dispatch the logprobs of prompt tokens p >= logprob_start_len (from the logits at
-        p - 1) on the device; returns ``(wanted, device arrays)`` for ``_apply_prompt_logprobs``.
-        ``wanted``: (req, position p or None for position 0's empty entry)."""
-        wanted, rows = [], []     # rows: flat row of position p - 1
-        for i, row in enumerate(batch.rows):
-            if not self._wants_prompt_logprobs(row):
-                continue
-            req, s, n = row.req, row.start, row.num_tokens
-            lo = max(req.logprob_start_len, s)
-            for p in range(lo, min(s + n, req.num_prompt_tokens)):
-                if p == 0:
-                    wanted.append((req, None))
-                elif p - 1 >= s:
-                    wanted.append((req, p))
-                    rows.append(int(fb.cu_q_lens[i]) + p - 1 - s)
-                else:
-                    # p - 1 lies in the previous chunk: its logits were taken then.
-                    pass
-            # The next chunk's first token is predicted by this chunk's last position.
-            p = s + n
-            if p < req.num_prompt_tokens and p >= req.logprob_start_len:
-                wanted.append((req, p))
-                rows.append(int(fb.cu_q_lens[i]) + n - 1)
-        if not rows:
-            return wanted, None
-        targets = [req.prompt_ids[p] for req, p in wanted if p is not None]
-        want_top = any(req.top_logprobs_num > 0 for req, _ in wanted)
-        return wanted, self.runner.prompt_logprobs_at(hidden, rows, targets, want_top)
-
-    @staticmethod
-    def _apply_prompt_logprobs(wanted, arrays) -> None:
-        if arrays is not None:
-            lp, ids, vals = (np.asarray(a) for a in arrays)
-        j = 0
-        for req, p in wanted:
-            if p is None:
-                req.append_prompt_logprobs(None, None)
-                continue
-            k = min(req.top_logprobs_num, ids.shape[1])
-            req.append_prompt_logprobs(
-                float(lp[j]), [(int(a), float(b)) for a, b in zip(ids[j, :k], vals[j, :k])])
-            j += 1
 
     def make_output(self, req: Request, tokens, lps, tops,
                     num_output: int | None = None) -> GenerateOutput:
