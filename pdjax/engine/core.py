@@ -19,6 +19,7 @@ import numpy as np
 
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import bitmask_words
+from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import resolve_engine_config
@@ -590,23 +591,5 @@ class EngineCore:
         return self.scheduler.prefix_cache.reset()
 
     def get_load(self) -> dict[str, Any]:
-        """Queue sizes and pages. ``kv_usage``: the share of the pool that is not free and
-        not evictable prefix cache (what new requests cannot get), in [0, 1]."""
-        s = self.scheduler
-        total = s.config.num_pages - 1
-        pinned = s.num_used_pages - s.prefix_cache.num_evictable_pages
-        return {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
-                "num_used_pages": s.num_used_pages, "num_total_pages": total,
-                "num_cached_pages": s.prefix_cache.num_cached_pages,
-                "kv_usage": pinned / total, **self._pd_load()}
-
-    def _pd_load(self) -> dict[str, Any]:
-        """PD fields of ``get_load``: pages nothing can evict (a finished PD server must show
-        0), prompt tokens computed (decode: stays 0), and the role manager's queue sizes."""
-        if self.disagg is None:
-            return {}
-        s = self.scheduler
-        return {"num_evictable_pages": s.prefix_cache.num_evictable_pages,
-                "num_pinned_pages": s.num_used_pages - s.prefix_cache.num_evictable_pages,
-                "num_prompt_tokens_computed": s.num_prompt_tokens_computed,
-                **self.disagg.load()}
+        """Queue sizes and pages (``engine_load``)."""
+        return engine_load(self.scheduler, self.disagg)
