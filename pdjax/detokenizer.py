@@ -8,7 +8,7 @@ back until they are settled:
     no longer ends in U+FFFD (or at the end of the request);
   * a possible stop string: the longest tail of the unreleased text that is a prefix of some
     stop string waits for the next token. When a stop string matches, the text is cut before
-    it, and the caller aborts the request in the engine.
+    it, and the request finishes (``pdjax.output.OutputAccumulator``).
 
 Decoding uses a sliding window of ids (``prefix_offset`` .. end) so that tokenizers whose
 decode depends on the neighbours (SentencePiece leading spaces) give the same text as one
@@ -172,22 +172,6 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
-
-
-def trim_matched_stop_token(token_ids: Sequence[int], finish_reason: dict | None) -> list[int]:
-    """Drop the final token when the request stopped on it (EOS or a ``stop_token_ids`` entry),
-    so that it never appears in the text (SGLang's default, ``no_stop_trim=False``).
-
-    ``finish_reason``: SGLang's dict, ``{"type": "stop", "matched": <token id>}`` for a stop
-    token. Returns a new list.
-    """
-    ids = list(token_ids)
-    if (ids and finish_reason and finish_reason.get("type") == "stop"
-            and isinstance(finish_reason.get("matched"), int)
-            and not isinstance(finish_reason.get("matched"), bool)
-            and ids[-1] == finish_reason["matched"]):
-        ids.pop()
-    return ids
 
 
 def _bytes_to_unicode() -> dict[int, str]:

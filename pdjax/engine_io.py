@@ -7,9 +7,7 @@ from the engine thread into the caller's asyncio queue (never polled). Pure Pyth
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-from pdjax.request import SamplingParams
+from pdjax.request import FinishReason, SamplingParams
 
 
 @dataclasses.dataclass
@@ -35,8 +33,8 @@ class GenerateRequest:
 class GenerateOutput:
     """An increment of one request's output, in order; the last one has ``finished=True``.
 
-    ``finish_reason``: SGLang's shape, ``{"type": "stop", "matched": <token id>}``,
-    ``{"type": "length", "length": n}`` or ``{"type": "abort", "message": str}``.
+    ``finish_reason``: a typed ``FinishReason`` (``to_dict`` gives SGLang's shape at the HTTP
+    edge); an abort's ``status`` is the HTTP status of ``error``.
     ``prompt_logprobs`` / ``prompt_top_logprobs`` come once, with the first increment:
     entries for positions ``logprob_start_len..len(prompt)-1``; the entry of position 0 is None.
     ``error``: set when the request failed (the server answers with an error, not text).
@@ -49,9 +47,13 @@ class GenerateOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     finished: bool = False
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
-    status_code: int | None = None    # HTTP status for ``error`` (400: bad input; default 500)
+
+    @property
+    def status_code(self) -> int | None:
+        """HTTP status for ``error`` (400: bad input; None: the default, 500)."""
+        return self.finish_reason.status if self.finish_reason is not None else None

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:      # annotations only: no import at run time
     from pdjax.config import ServerArgs
     from pdjax.engine_io import GenerateOutput, GenerateRequest
-    from pdjax.request import Request
+    from pdjax.request import FinishReason, Request
     from pdjax.runner.model_runner import ModelRunner
     from pdjax.sched.scheduler import ScheduledBatch, Scheduler
 
@@ -91,7 +91,7 @@ class RoleHost(Protocol):
     runner: ModelRunner            # kv_buffers / gather_pages / scatter_pages (LocalKV)
     context_length: int
 
-    def stop_check(self, req: Request) -> dict | None:
+    def stop_check(self, req: Request) -> FinishReason | None:
         """The finish reason after ``req``'s newest token (the decode's first token)."""
 
     def make_output(self, req: Request, tokens, lps, tops,

@@ -2,7 +2,10 @@
 
 ``Request`` is the single source of truth for token counters: ``num_prompt_tokens``,
 ``num_computed_tokens`` and ``output_ids``. Whether a request is still in (chunked) prefill is
-derived from them, never stored twice. Pure Python: never imports JAX.
+derived from them, never stored twice; the counters change only through ``Request`` methods,
+and the state only through ``set_state`` (a checked transition table). ``FinishReason`` is the
+typed finish of a request; it becomes SGLang's dict (``to_dict``) only at the HTTP edge.
+Pure Python: never imports JAX.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from pdjax.constrained.grammar import GrammarSpec
 GRAMMAR_PARAMS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, with SGLang's field names.
 
     ``top_k = -1`` means no top-k limit (0 is rejected, as SGLang does).
+    Frozen: a layer that needs other values builds a copy (``dataclasses.replace``). ``stop`` and
+    ``stop_token_ids`` are stored as tuples (a list or a single string is accepted).
     ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
     reproducible whatever else shares the batch. ``grammar``: the structured-output constraint
     (``from_dict`` builds it from SGLang's ``json_schema`` / ``regex`` / ``ebnf``; the OpenAI
@@ -42,8 +47,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = dataclasses.field(default_factory=list)
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
@@ -57,15 +62,15 @@ class SamplingParams:
 
     def __post_init__(self):
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", (self.stop,))
         if self.stop is not None and not isinstance(self.stop, (list, tuple)):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got "
                              f"{self.stop_token_ids!r}")
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = _parse_logit_bias(self.logit_bias)
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "logit_bias", _parse_logit_bias(self.logit_bias))
         self.validate()
 
     @classmethod
@@ -202,13 +207,72 @@ def _parse_logit_bias(raw: Any) -> dict[int, float] | None:
 PENDING_TOKEN = -1
 
 
+class FinishType(enum.Enum):
+    STOP = "stop"          # an EOS / stop token, a stop string, or the end of a grammar
+    LENGTH = "length"      # max_new_tokens or the context length
+    ABORT = "abort"        # client abort, bad input or an error
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishReason:
+    """Why a request finished. Build with ``stop`` / ``length`` / ``abort``.
+
+    ``matched``: what a stop matched: a token id (``int``, its text is trimmed), a stop string,
+    or None (a grammar reached its end). ``length``: output tokens at a length finish.
+    ``message`` / ``status``: an abort's message and HTTP status (None: the caller's default).
+    ``to_dict`` gives SGLang's ``meta_info.finish_reason``; called only at the HTTP edge and by
+    the offline ``Engine``'s results.
+    """
+
+    type: FinishType
+    matched: int | str | None = None
+    length: int = 0
+    message: str = ""
+    status: int | None = None
+
+    @classmethod
+    def stop(cls, matched: int | str | None) -> "FinishReason":
+        return cls(FinishType.STOP, matched=matched)
+
+    @classmethod
+    def of_length(cls, length: int) -> "FinishReason":
+        return cls(FinishType.LENGTH, length=length)
+
+    @classmethod
+    def abort(cls, message: str, status: int | None = None) -> "FinishReason":
+        return cls(FinishType.ABORT, message=message, status=status)
+
+    @property
+    def matched_token(self) -> int | None:
+        """The stop token the request ended on (its text is not part of the answer), or None."""
+        if self.type is FinishType.STOP and isinstance(self.matched, int) \
+                and not isinstance(self.matched, bool):
+            return self.matched
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """SGLang's shape: ``{"type": "stop", "matched": m}``, ``{"type": "length",
+        "length": n}`` or ``{"type": "abort", "message": s}``."""
+        if self.type is FinishType.STOP:
+            return {"type": "stop", "matched": self.matched}
+        if self.type is FinishType.LENGTH:
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"          # queued; may hold no pages
     RUNNING = "running"          # prefill chunks or decode steps in flight
-    FINISHED = "finished"        # stop condition hit, pages released
+    FINISHED = "finished"        # stop condition hit, pages released (PD prefill: held)
     ABORTED = "aborted"          # client abort or error, pages released
 
 
+# Every legal state change; ``Request.set_state`` raises on any other.
+#
+#     WAITING --admit--> RUNNING --finish--> FINISHED
+#        ^                  |  \--abort---> ABORTED
+#        '----retract-------'
+#     WAITING --finish (max_new_tokens 0 / too long) / abort--> FINISHED / ABORTED
 _TRANSITIONS = {
     RequestState.WAITING: {RequestState.RUNNING, RequestState.ABORTED, RequestState.FINISHED},
     RequestState.RUNNING: {RequestState.WAITING, RequestState.FINISHED, RequestState.ABORTED},
@@ -223,6 +287,7 @@ class Request:
 
     Counters: the first ``num_computed_tokens`` tokens of ``all_ids`` have KV in ``pages``
     (``num_cached_tokens`` of them came from the prefix cache). ``is_prefilling`` is derived.
+    They change only through the methods below (the scheduler and the engine call them).
     """
 
     rid: str
@@ -241,7 +306,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     state: RequestState = RequestState.WAITING
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     prefix_node: Any = None       # prefix-cache node locked while this request runs
     num_retractions: int = 0
@@ -284,6 +349,96 @@ class Request:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
     def set_state(self, new: RequestState) -> None:
+        """Move to ``new``; ``RuntimeError`` for a change ``_TRANSITIONS`` does not list."""
         if new not in _TRANSITIONS[self.state]:
             raise RuntimeError(f"request {self.rid}: illegal transition {self.state} -> {new}")
         self.state = new
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_running(self, num_cached_tokens: int) -> None:
+        """Admitted with ``num_cached_tokens`` tokens of KV from the prefix cache."""
+        self.num_computed_tokens = self.num_cached_tokens = num_cached_tokens
+        self.set_state(RequestState.RUNNING)
+
+    def retract(self, step_id: int) -> None:
+        """Back to the queue without pages: all KV is recomputed on readmission."""
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_retractions += 1
+        self.last_scheduled_step = step_id     # not readmitted in the step that retracted it
+        self.set_state(RequestState.WAITING)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.finish_reason = reason
+        self.set_state(RequestState.FINISHED)
+
+    def abort(self, message: str, status: int | None = None) -> None:
+        self.finish_reason = FinishReason.abort(message, status)
+        self.set_state(RequestState.ABORTED)
+
+    def fail(self, error: str) -> FinishReason:
+        """Record ``error`` (the request failed; the server answers with it, not text) and
+        return the abort reason that finishes the request."""
+        self.error = error
+        return FinishReason.abort(error)
+
+    # ------------------------------------------------------------------ counters
+    def set_num_computed_tokens(self, n: int) -> None:
+        """A forward computed KV up to position ``n`` (exclusive)."""
+        self.num_computed_tokens = n
+
+    def clamp_computed_to_known(self) -> None:
+        """The newest token has no KV yet (what a step without overlap would have computed)."""
+        self.num_computed_tokens = min(self.num_computed_tokens, max(self.num_tokens - 1, 0))
+
+    def append_pending(self) -> int:
+        """Add a placeholder for a token sampled on the device; returns its output index."""
+        self.output_ids.append(PENDING_TOKEN)
+        return len(self.output_ids) - 1
+
+    def resolve_pending(self, index: int, token: int) -> list[int]:
+        """Put ``token`` in place of placeholder ``index`` and cut the placeholders after it
+        (returned, for ``restore_pending`` when the request goes on)."""
+        self.output_ids[index] = int(token)
+        tail = self.output_ids[index + 1:]
+        del self.output_ids[index + 1:]
+        return tail
+
+    def restore_pending(self, tail: list[int]) -> None:
+        self.output_ids.extend(tail)
+
+    def drop_pending(self) -> int:
+        """Drop trailing placeholders; returns how many there were."""
+        n = 0
+        while self.output_ids and self.output_ids[-1] == PENDING_TOKEN:
+            self.output_ids.pop()
+            n += 1
+        return n
+
+    def reserve_prebuilt(self, num_cached_tokens: int) -> None:
+        """PD decode: pages reserved, ``num_cached_tokens`` of the prompt from the prefix cache,
+        the rest arriving from the prefill server."""
+        self.num_cached_tokens = num_cached_tokens
+        self.num_computed_tokens = 0
+
+    def start_prebuilt(self, first_token_id: int, step_id: int) -> None:
+        """PD decode: the prompt's KV arrived with the first output token; decoding starts."""
+        self.num_computed_tokens = self.num_prompt_tokens
+        self.output_ids.append(int(first_token_id))
+        self.last_scheduled_step = step_id
+        self.set_state(RequestState.RUNNING)
+
+    def append_logprobs(self, logprob: float, top: list[tuple[int, float]]) -> None:
+        """The logprob (and top logprobs) of the newest output token."""
+        self.output_logprobs.append(logprob)
+        self.output_top_logprobs.append(top)
+
+    def append_prompt_logprobs(self, logprob: float | None,
+                               top: list[tuple[int, float]] | None) -> None:
+        """The logprob (and top logprobs) of the next prompt position (None: position 0)."""
+        self.prompt_logprobs.append(logprob)
+        self.prompt_top_logprobs.append(top)
+
+    def set_reported_cached_tokens(self, n: int) -> None:
+        """PD decode: the prefill's prefix-cache hit, reported as ``cached_tokens``."""
+        self.reported_cached_tokens = n

@@ -3,9 +3,9 @@ never loads JAX, and no module reaches into another package's privates.
 
 Layers, lowest first; a module may import its own layer and the ones below, never above:
 
-    control      config, request, engine_io, engine_roles, detokenizer, metrics, constrained,
-                 sched, kv, transfer.protocol / wire / frame_auth (the control protocol),
-                 transfer.engine (the transfer-engine interface)   (pure Python: no JAX)
+    control      config, request, engine_io, engine_roles, detokenizer, output, metrics,
+                 constrained, sched, kv, transfer.protocol / wire / frame_auth (the control
+                 protocol), transfer.engine (the transfer-engine interface)   (pure Python: no JAX)
     device       jax_setup, models, pallas_kernels, runner
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
@@ -31,7 +31,8 @@ PKG = ROOT / "pdjax"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("pdjax.config", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
-                 "pdjax.detokenizer", "pdjax.metrics", "pdjax.constrained", "pdjax.sched",
+                 "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
+                 "pdjax.sched",
                  "pdjax.kv", "pdjax.transfer.protocol", "pdjax.transfer.wire",
                  "pdjax.transfer.frame_auth", "pdjax.transfer.engine")),
     ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner")),

@@ -62,7 +62,7 @@ def run_single_role(args: ServerArgs) -> int:
 def child_argv(args: ServerArgs, role: str, port: int) -> list[str]:
     """``python -m pdjax.serve`` arguments that rebuild ``args`` with another role and port."""
     argv = [sys.executable, "-m", "pdjax.serve"]
-    for f in dataclasses.fields(ServerArgs):
+    for f in ServerArgs.settings():
         value = getattr(args, f.name)
         # The secret travels in the environment (start_children), never on a command line.
         if f.name in ("role", "port", "disaggregation_secret") or value is None:
@@ -115,7 +115,7 @@ def run_pd(args: ServerArgs) -> int:
     from pdjax.router import PDRouter, serve_router
 
     overrides = {k: v for k, v in PD_DEMO_DEFAULTS.items()
-                 if getattr(args, k) == getattr(ServerArgs, k, None)}
+                 if getattr(args, k) == ServerArgs.default(k)}
     if overrides:
         args = dataclasses.replace(args, **overrides)
     procs, prefill_url, decode_url = start_children(args)

@@ -466,24 +466,3 @@ class ModelRunner:
         _, scatter = self._page_jits()
         named = {s.name: p for s, p in zip(self.cache_specs, parts)}
         self.caches = scatter(self.caches, jnp.asarray(page_idx, jnp.int32), named)
-
-    # GQA models: the two buffers by name (tests use them).
-    @property
-    def kv_sharding(self) -> NamedSharding:
-        return self.cache_shardings["k_cache"]
-
-    @property
-    def k_cache(self) -> jax.Array:
-        return self.caches["k_cache"]
-
-    @k_cache.setter
-    def k_cache(self, value) -> None:
-        self.caches["k_cache"] = value
-
-    @property
-    def v_cache(self) -> jax.Array:
-        return self.caches["v_cache"]
-
-    @v_cache.setter
-    def v_cache(self, value) -> None:
-        self.caches["v_cache"] = value

@@ -43,7 +43,7 @@ from typing import Hashable, Mapping
 
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
-from pdjax.request import PENDING_TOKEN, Request, RequestState
+from pdjax.request import PENDING_TOKEN, FinishReason, Request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +193,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self._release(req)
-        req.finish_reason = {"type": "abort", "message": message}
-        req.set_state(RequestState.ABORTED)
+        req.abort(message)
         return req
 
     @property
@@ -236,11 +235,7 @@ class Scheduler:
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
-        req.num_retractions += 1
-        req.last_scheduled_step = self.step_id   # not readmitted in the step that retracted it
-        req.set_state(RequestState.WAITING)
+        req.retract(self.step_id)
         self.waiting.appendleft(req)
         self.num_retractions += 1
 
@@ -291,7 +286,7 @@ class Scheduler:
                 victim = reqs[0]
                 if victim.output_ids[-1] == PENDING_TOKEN:
                     return []      # its last token first reaches the client (overlap)
-                self.finish_request(victim, {"type": "length", "length": len(victim.output_ids)})
+                self.finish_request(victim, FinishReason.of_length(len(victim.output_ids)))
                 self._finished_unreported.append(victim)
                 return []
             victim = min(reqs, key=lambda r: (len(r.output_ids), -r.arrival_time))
@@ -317,8 +312,7 @@ class Scheduler:
             return False
         req.prefix_node = node
         req.pages = list(pages)
-        req.num_computed_tokens = req.num_cached_tokens = len(pages) * ps
-        req.set_state(RequestState.RUNNING)
+        req.start_running(len(pages) * ps)
         self.running.append(req)
         return True
 
@@ -409,11 +403,10 @@ class Scheduler:
                 continue
             if not row.is_decode:
                 self.num_prompt_tokens_computed += row.num_tokens
-            req.num_computed_tokens = row.start + row.num_tokens
+            req.set_num_computed_tokens(row.start + row.num_tokens)
             if not row.samples:
                 continue
-            pending.append((i, req, len(req.output_ids)))
-            req.output_ids.append(PENDING_TOKEN)
+            pending.append((i, req, req.append_pending()))
             mnt = req.sampling_params.max_new_tokens
             if (mnt is not None and len(req.output_ids) >= mnt) or \
                     req.num_tokens >= self.max_request_tokens:
@@ -428,16 +421,14 @@ class Scheduler:
         released. Returns True if ``req`` finished."""
         if req.is_finished or req.rid not in self.requests:
             return False
-        req.output_ids[index] = int(token)
-        tail = req.output_ids[index + 1:]
-        del req.output_ids[index + 1:]
+        tail = req.resolve_pending(index, token)
         reason = stop_check(req)
         if reason is None and req.num_tokens >= self.max_request_tokens:
-            reason = {"type": "length", "length": len(req.output_ids)}
+            reason = FinishReason.of_length(len(req.output_ids))
         if reason is None:
-            req.output_ids.extend(tail)
+            req.restore_pending(tail)
             return False
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        req.clamp_computed_to_known()
         if req in self.waiting:                   # retracted while its last token was pending
             self.waiting.remove(req)
         self.finish_request(req, reason)
@@ -446,12 +437,9 @@ class Scheduler:
     def drop_pending(self, req: Request) -> int:
         """Drop trailing placeholders of ``req`` (an abort while a step is in flight) and set
         the KV counter back to the tokens a step without overlap would have computed."""
-        n = 0
-        while req.output_ids and req.output_ids[-1] == PENDING_TOKEN:
-            req.output_ids.pop()
-            n += 1
+        n = req.drop_pending()
         if n:
-            req.num_computed_tokens = min(req.num_computed_tokens, max(req.num_tokens - 1, 0))
+            req.clamp_computed_to_known()
         return n
 
     def pop_finished(self) -> list[Request]:
@@ -460,7 +448,16 @@ class Scheduler:
         done, self._finished_unreported = self._finished_unreported, []
         return done
 
-    def finish_request(self, req: Request, reason: dict) -> None:
+    def finish_waiting(self, req: Request, reason: FinishReason) -> bool:
+        """Finish a request that never ran (``max_new_tokens`` 0) with ``reason``; False if
+        it is no longer queued (aborted meanwhile)."""
+        if self.requests.get(req.rid) is not req or req not in self.waiting:
+            return False
+        self.waiting.remove(req)
+        self.finish_request(req, reason)
+        return True
+
+    def finish_request(self, req: Request, reason: FinishReason) -> None:
         self.finishing.discard(req.rid)
         if req in self.running:
             self.running.remove(req)
@@ -470,8 +467,7 @@ class Scheduler:
             else:
                 self._release(req)
         self.requests.pop(req.rid, None)
-        req.finish_reason = reason
-        req.set_state(RequestState.FINISHED)
+        req.finish(reason)
 
     # ------------------------------------------------------------------ PD page sets
     # The transfer roles change these sets only through the methods below (DESIGN.md §4);
@@ -540,8 +536,7 @@ class Scheduler:
             return False
         req.prefix_node = node
         req.pages = list(pages) + self.allocator.alloc(new)
-        req.num_cached_tokens = len(pages) * ps
-        req.num_computed_tokens = 0
+        req.reserve_prebuilt(len(pages) * ps)
         self._prealloc[req.rid] = req
         return True
 
@@ -568,11 +563,8 @@ class Scheduler:
         if self._prealloc.get(req.rid) is not req:
             raise ValueError(f"rid {req.rid!r} has no reserved pages")
         del self._prealloc[req.rid]
-        req.num_computed_tokens = req.num_prompt_tokens
-        req.output_ids.append(int(first_token_id))
         req.arrival_time = req.arrival_time or time.monotonic()
-        req.last_scheduled_step = self.step_id
-        req.set_state(RequestState.RUNNING)
+        req.start_prebuilt(first_token_id, self.step_id)
         self.requests[req.rid] = req
         self.running.append(req)
 

@@ -2,7 +2,7 @@
 
     client --HTTP--> handler --GenerateRequest per sample--> engine.generate()  (engine thread)
                        ^                                          |
-                       '---- SampleDelta <- detokenizer <- GenerateOutput (pushed, in order)
+                       '---- SampleDelta <- OutputAccumulator <- GenerateOutput (pushed, in order)
 
 A generation handler parses the body off the event loop (``native_api``, ``openai_api``),
 opens a ``RequestGroup`` (``registry``) and answers with JSON or an SSE stream rendered from

@@ -14,8 +14,9 @@ import dataclasses
 import uuid
 from typing import Any, Callable, Sequence
 
-from pdjax.engine_io import GenerateRequest
 from pdjax.detokenizer import TokenTexts
+from pdjax.engine_io import GenerateRequest
+from pdjax.request import FinishReason
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
@@ -201,8 +202,9 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
 # The answer
 # ---------------------------------------------------------------------------------------------
 
-def native_finish_reason(finish_reason: dict[str, Any] | None) -> dict[str, Any] | None:
-    return dict(finish_reason) if finish_reason else None
+def native_finish_reason(finish_reason: FinishReason | None) -> dict[str, Any] | None:
+    """SGLang's ``meta_info.finish_reason`` dict, or None while the request runs."""
+    return finish_reason.to_dict() if finish_reason is not None else None
 
 
 def _native_lp_entries(lps: Sequence[float | None], ids: Sequence[int], texts: TokenTexts | None):

@@ -9,15 +9,19 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from pdjax.detokenizer import TokenTexts
+from pdjax.request import FinishReason
 from pdjax.server.openai_api import OpenAIRequest
 from pdjax.server.results import SampleDelta, SampleResult, json_logprob
 
 
-def openai_finish_reason(finish_reason: dict[str, Any] | None) -> str | None:
-    """SGLang's finish-reason dict -> OpenAI's string (``stop``, ``length``, ``abort``)."""
-    if not finish_reason:
-        return None
-    return {"stop": "stop", "length": "length"}.get(finish_reason.get("type"), "abort")
+def openai_finish_reason(finish_reason: FinishReason | None) -> str | None:
+    """A ``FinishReason`` -> OpenAI's string (``stop``, ``length``, ``abort``)."""
+    return None if finish_reason is None else finish_reason.type.value
+
+
+def matched_stop(finish_reason: FinishReason | None) -> int | str | None:
+    """SGLang's ``matched_stop``: the stop token or string a choice ended on, else None."""
+    return finish_reason.matched if finish_reason is not None else None
 
 
 def usage(req: OpenAIRequest, results: Sequence[SampleResult]) -> dict[str, Any]:
@@ -85,7 +89,7 @@ def _response(req: OpenAIRequest, results: Sequence[SampleResult], obj: str,
         if req.logprobs is not None:
             lp = logprobs(r.output_ids, r.output_logprobs, r.output_top_logprobs, req.logprobs)
         choices.append({"index": r.index, **content, "logprobs": lp, "finish_reason": finish,
-                        "matched_stop": (r.finish_reason or {}).get("matched")})
+                        "matched_stop": matched_stop(r.finish_reason)})
     return {"id": req.response_id, "object": obj, "created": req.created, "model": req.model,
             "choices": choices, "usage": usage(req, results), "system_fingerprint": None}
 
@@ -152,7 +156,7 @@ def stream_delta_chunk(req: OpenAIRequest, d: SampleDelta, r: SampleResult,
                                  text_offset) if want_lp else None
         choice = {"index": d.index, "text": d.text, "logprobs": lp, "finish_reason": finish}
     if d.finished:
-        choice["matched_stop"] = (r.finish_reason or {}).get("matched")
+        choice["matched_stop"] = matched_stop(r.finish_reason)
     return _chunk(req, [choice])
 
 
@@ -179,7 +183,7 @@ def stream_delta_chunks(req: OpenAIRequest, d: SampleDelta, r: SampleResult,
                   "finish_reason": out.finish_reason(openai_finish_reason(r.finish_reason))
                   if last else None}
         if last:
-            choice["matched_stop"] = (r.finish_reason or {}).get("matched")
+            choice["matched_stop"] = matched_stop(r.finish_reason)
         chunks.append(_chunk(req, [choice]))
     return chunks
 

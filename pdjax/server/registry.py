@@ -3,8 +3,9 @@
 
 Each HTTP request becomes a ``RequestGroup``: one ``GenerateRequest`` per sample (batch and
 ``n > 1``), one pump task per sample that forwards the engine's outputs into the group's queue,
-and a ``SampleAccumulator`` per sample that turns them into increments. Stop strings are found
-by the detokenizer; the group then calls ``engine.abort(rid)`` so the engine frees the pages.
+and a ``SampleAccumulator`` per sample that turns them into increments. A stop string found
+there (``OutputAccumulator``) ends the sample; the group then calls ``engine.abort(rid)`` so
+the engine frees the pages.
 Whatever ends a request early (a client that disconnects, an error, ``/abort_request``, a
 shutdown) aborts every unfinished sample in the engine.
 """
@@ -20,9 +21,9 @@ from typing import Iterable
 
 from aiohttp import web
 
+from pdjax.detokenizer import TokenTexts
 from pdjax.engine_io import GenerateRequest
 from pdjax.metrics import Metrics
-from pdjax.detokenizer import TokenTexts
 from pdjax.server.engine_client import ArgsOwner, CoreOwner, EngineClient, GrammarCompiler
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleAccumulator, SampleDelta, SampleResult

@@ -41,7 +41,7 @@ import uuid
 from typing import Any
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.request import Request
+from pdjax.request import FinishReason, Request
 from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
                                       check_bootstrap_health, check_compatible,
                                       fetch_prefill_info)
@@ -137,7 +137,7 @@ class DecodeManager(RoleManager):
         self._fail(r, Aborted(f"aborted by client: {message}"), quarantine=in_flight,
                    send_abort=in_flight, answer=False)
         return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
-                              finish_reason={"type": "abort", "message": message})
+                              finish_reason=FinishReason.abort(message))
 
     # ------------------------------------------------------------------ peers
     def _ensure_peer(self, key: tuple[str, int]) -> None:
@@ -342,16 +342,15 @@ class DecodeManager(RoleManager):
             r.slot = None
             # What the prefill served from its prefix cache, as colocated reports it; the
             # decode's own prefix hit only saved transfer bytes (issue 16, item 5).
-            req.reported_cached_tokens = row.cached_tokens
+            req.set_reported_cached_tokens(row.cached_tokens)
         self.scheduler.add_prebuilt(req, token)
         lps, tops = [], []
         if req.return_logprob:
             lps, tops = [float(lp or 0.0)], [top or []]
-            req.output_logprobs.append(lps[0])
-            req.output_top_logprobs.append(tops[0])
+            req.append_logprobs(lps[0], tops[0])
         reason = self.host.stop_check(req)
         if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
-            reason = {"type": "length", "length": len(req.output_ids)}
+            reason = FinishReason.of_length(len(req.output_ids))
         if reason is not None:
             self.scheduler.finish_request(req, reason)
         self._set_state(r, KVPoll.Success, now)

@@ -31,6 +31,7 @@ JAX only through ``LocalKV``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.request import Request
+from pdjax.request import FinishReason, Request
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import build_copies
@@ -89,7 +90,7 @@ class PrefillManager(RoleManager):
         """Take a PD request into the bootstrap queue (True), or leave a warm-up request with
         the fake host 2.2.2.2 to the scheduler (False). Forces ``max_new_tokens = 1``.
         Raises ``ValueError`` for a missing/bad/duplicate ``bootstrap_room``."""
-        req.sampling_params.max_new_tokens = 1
+        req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
         if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             return False
         room = check_room(g.bootstrap_room, self.role)
@@ -140,7 +141,7 @@ class PrefillManager(RoleManager):
         self._fail(r, Aborted(f"aborted on the prefill server: {message}"), notify="abort")
         r.output_sent = True           # the client is gone; nothing more to say
         out = GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
-                             finish_reason={"type": "abort", "message": message})
+                             finish_reason=FinishReason.abort(message))
         self._try_conclude(r)
         return out
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput
 from pdjax.engine_roles import RoleHost
+from pdjax.request import FinishReason
 from pdjax.transfer.channel import MessageChannel, advertise_host
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
@@ -57,8 +58,7 @@ def error_output(rid: str, message: str, prompt_tokens: int = 0,
                  status_code: int | None = None) -> GenerateOutput:
     """The final output of a failed PD request; ``status_code`` None means 500."""
     return GenerateOutput(rid, [], finished=True, error=message, prompt_tokens=prompt_tokens,
-                          finish_reason={"type": "abort", "message": message},
-                          status_code=status_code)
+                          finish_reason=FinishReason.abort(message, status_code))
 
 
 def kv_head_repeat(host: RoleHost) -> int:

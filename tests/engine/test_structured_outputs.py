@@ -144,7 +144,7 @@ def test_invalid_grammar_is_a_value_error_naming_the_field(llama_engine):
 
 def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine):
     from pdjax.constrained.grammar import GrammarSpec
-    from pdjax.request import Request, SamplingParams
+    from pdjax.request import FinishType, Request, SamplingParams
 
     core = llama_engine.core
     sp = SamplingParams(grammar=GrammarSpec("regex", "[0-9]+"))
@@ -156,7 +156,8 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine
     assert core.stop_check(req) is None
     req.output_ids.append(letter)
     reason = core.stop_check(req)
-    assert reason["type"] == "abort" and f"token {letter} was not allowed" in req.error
+    assert reason.type is FinishType.ABORT and f"token {letter} was not allowed" in req.error
+    assert reason.message == req.error
 
 
 def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(llama_engine):

@@ -2,6 +2,7 @@
 seeded draws exactly for the same seed and position, the top-k/top-p/min-p support sets,
 penalties (with the device-side count tables), logprobs within 1e-5."""
 
+import dataclasses
 import functools
 
 import jax
@@ -293,10 +294,10 @@ def test_logit_bias_equals_oracle_with_masks_and_penalties():
         reqs.append(_req(seed=int(rng.integers(0, 2 ** 63)), outputs=[4, 9], logprob=True, **sp))
     # Greedy rows without a grammar mask (i % 2 == 0, i % 3 != 0): 2, 4, 8.
     winner = int(np.argmin(logits[2]))                 # the least likely token, pushed up
-    reqs[2].sampling_params.logit_bias = {winner: 100.0}
     top = int(np.argmax(logits[8]))
-    reqs[8].sampling_params.logit_bias = {top: -100.0}
-    reqs[4].sampling_params.logit_bias = {int(t): 0.5 for t in range(V)}    # a flat shift
+    for i, bias in ((2, {winner: 100.0}), (8, {top: -100.0}),
+                    (4, {int(t): 0.5 for t in range(V)})):                 # 4: a flat shift
+        reqs[i].sampling_params = dataclasses.replace(reqs[i].sampling_params, logit_bias=bias)
     slots = [(r, i + 1) for i, r in enumerate(reqs)]
     seen, counts = _tables(slots)
     rows = [ds.SamplingRow.from_request(r, s) for r, s in slots]

@@ -1,11 +1,12 @@
 """The scheduler's PD page sets (hold, reserve, commit, release, quarantine) through its
 methods only, under the invariant check (pure Python; no JAX)."""
 
+import dataclasses
 import random
 
 import pytest
 
-from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 
 PS = 4
@@ -23,7 +24,7 @@ def _sched(num_pages=33, **kw):
 
 
 def _length(req):
-    return {"type": "length", "length": len(req.output_ids)}
+    return FinishReason.of_length(len(req.output_ids))
 
 
 def test_views_are_read_only():
@@ -110,7 +111,7 @@ def test_decode_reserve_pages_counts_running_and_reserved():
     reserved = _req("res", 6, max_new=5)              # none yet (counts 1): 4 left -> 1 page
     assert s.reserve_prebuilt(reserved)
     new = _req("new", 6, max_new=None)                # no limit: the cap, 16 -> 4 pages
-    new.sampling_params.max_new_tokens = None
+    new.sampling_params = dataclasses.replace(new.sampling_params, max_new_tokens=None)
     assert s.decode_reserve_pages(new, 16) == 4 + 4 + 1
     assert s.decode_reserve_pages(new, 3) == 1 + 1 + 1
     one = _req("one", 6, max_new=1)                   # the prefill's token is its only one

@@ -26,6 +26,8 @@ from transformers import PreTrainedTokenizerFast
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.metrics import Metrics
+from pdjax.output import token_finish_reason
+from pdjax.request import FinishReason
 
 CORPUS = [
     "Hello world, the quick brown fox jumps over the lazy dog.",
@@ -188,8 +190,7 @@ class FakeEngine:
             live = self._live.pop(rid, None)
         if live is not None:
             self._push(live, GenerateOutput(rid=rid, new_token_ids=[], finished=True,
-                                            finish_reason={"type": "abort",
-                                                           "message": "aborted"},
+                                            finish_reason=FinishReason.abort("aborted"),
                                             prompt_tokens=len(live.req.input_ids),
                                             completion_tokens=live.num_out))
 
@@ -265,7 +266,7 @@ class FakeEngine:
         finish = None
         error = None
         if sp.max_new_tokens == 0:
-            finish = {"type": "length", "length": 0}
+            finish = FinishReason.of_length(0)
         while finish is None and len(new) < self.tokens_per_step:
             if self.fail_after is not None and live.num_out >= self.fail_after:
                 error = "injected engine failure"
@@ -278,14 +279,9 @@ class FakeEngine:
             tops.append([((tok + r) % len(self.tokenizer), lp - r)
                          for r in range(req.top_logprobs_num)])
             live.num_out += 1
-            if tok == eos and not sp.ignore_eos:
-                finish = {"type": "stop", "matched": tok}
-            elif tok in sp.stop_token_ids:
-                finish = {"type": "stop", "matched": tok}
-            elif sp.max_new_tokens is not None and live.num_out >= sp.max_new_tokens:
-                finish = {"type": "length", "length": live.num_out}
-            elif len(req.input_ids) + live.num_out >= self.context_length:
-                finish = {"type": "length", "length": live.num_out}
+            finish = token_finish_reason(sp, tok, live.num_out, (eos,))
+            if finish is None and len(req.input_ids) + live.num_out >= self.context_length:
+                finish = FinishReason.of_length(live.num_out)
         out = GenerateOutput(rid=req.rid, new_token_ids=new,
                              finished=finish is not None or error is not None,
                              finish_reason=finish, prompt_tokens=len(req.input_ids),

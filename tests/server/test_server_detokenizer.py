@@ -5,8 +5,7 @@ from server_fakes import build_tokenizer, pieces_to_ids
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from pdjax.detokenizer import (IncrementalDetokenizer, TokenTexts,
-                                      trim_matched_stop_token)
+from pdjax.detokenizer import IncrementalDetokenizer, TokenTexts
 
 
 def run(detok, ids, chunk=1):
@@ -126,14 +125,6 @@ def test_skip_special_tokens():
     assert "".join(run(IncrementalDetokenizer(tok), ids)) == "Hello world"
     shown = IncrementalDetokenizer(tok, skip_special_tokens=False)
     assert "".join(run(shown, ids)) == "Hello world<|im_end|>"
-
-
-def test_trim_matched_stop_token():
-    assert trim_matched_stop_token([5, 6, 2], {"type": "stop", "matched": 2}) == [5, 6]
-    assert trim_matched_stop_token([5, 6, 2], {"type": "stop", "matched": "x"}) == [5, 6, 2]
-    assert trim_matched_stop_token([5, 6, 2], {"type": "length", "length": 3}) == [5, 6, 2]
-    assert trim_matched_stop_token([5, 6], {"type": "stop", "matched": 2}) == [5, 6]
-    assert trim_matched_stop_token([], None) == []
 
 
 def test_prompt_context_keeps_sentencepiece_leading_space():

@@ -44,12 +44,11 @@ def main(argv: list[str]) -> int:
         import numpy as np
 
         import corrupt_backend
-        from pdjax.engine import kv_cache_dtype
-        from pdjax.models.checkpoint import resolve_dtype
+        from pdjax.engine.settings import resolve_engine_config
 
         corrupt_backend.register()     # parse_args below must accept the name
         args = serve.parse_args(serve_argv)
-        itemsize = np.dtype(kv_cache_dtype(args, resolve_dtype(args.dtype))).itemsize
+        itemsize = np.dtype(resolve_engine_config(args).kv_dtype).itemsize
         corrupt_backend.register(corrupt_offset=itemsize - 1)
     return serve.main(serve_argv)
 

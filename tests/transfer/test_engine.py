@@ -284,9 +284,10 @@ def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
             args.disaggregation_transfer_max_batch) == ("mooncake-corrupt", "staging", 7)
     assert (ServerArgs().disaggregation_transfer_path,
             ServerArgs().disaggregation_transfer_max_batch) == ("auto", 1024)
-    with pytest.raises(ValueError, match="disaggregation_transfer_path must be auto, direct or "
-                                         "staging; got 'dma'"):
+    with pytest.raises(ValueError, match="disaggregation_transfer_path must be one of auto, "
+                                         "direct, staging; got 'dma'"):
         ServerArgs(disaggregation_transfer_path="dma")
     for bad in (0, -3, True, 2.5):
-        with pytest.raises(ValueError, match="disaggregation_transfer_max_batch must be an int"):
+        with pytest.raises(ValueError,
+                           match="disaggregation_transfer_max_batch must be a positive integer"):
             ServerArgs(disaggregation_transfer_max_batch=bad)

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import PDRouter, create_router_app
 from pdjax.server.validation import checked_num_samples
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
@@ -42,7 +42,7 @@ def test_scheduler_hands_back_a_lone_request_it_cannot_grow():
     assert s.schedule() is None                  # A needs a third page; nothing can give one
     assert s.pop_finished() == [a] and s.pop_finished() == []
     assert a.state == RequestState.FINISHED
-    assert a.finish_reason == {"type": "length", "length": 1}
+    assert a.finish_reason == FinishReason.of_length(1)
     assert a.rid not in s.requests and not s.running and a.pages == []
     assert s.allocator.num_free + s.prefix_cache.num_evictable_pages == 2
     s.check_invariants()
@@ -212,7 +212,7 @@ def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
     warm = _req("warm", 12)
     assert s.reserve_prebuilt(warm)
     s.add_prebuilt(warm, 5)
-    s.finish_request(warm, {"type": "length", "length": 1})   # 3 full prompt pages cached
+    s.finish_request(warm, FinishReason.of_length(1))   # 3 full prompt pages cached
     for prefill_hit, want in ((0, 0), (4, 4), (99, 10)):
         req = Request(f"r{prefill_hit}", warm.prompt_ids[:8] + [9, 9],
                       SamplingParams(max_new_tokens=4))
@@ -222,7 +222,7 @@ def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
         assert req.num_cached_tokens_reported == want          # clamped to the prompt (10)
         s.add_prebuilt(req, 3)
         s.check_invariants()
-        s.finish_request(req, {"type": "length", "length": 1})
+        s.finish_request(req, FinishReason.of_length(1))
         s.check_invariants()
     colocated = _req("c", 10)
     assert colocated.num_cached_tokens_reported == 0 and colocated.reported_cached_tokens is None

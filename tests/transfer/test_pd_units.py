@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdjax.models.cache_spec import gqa_cache_spec
-from pdjax.request import Request, RequestState, SamplingParams
+from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import _merge_input_logprobs, parse_prefill_args
 from pdjax.server.validation import num_samples
 from pdjax.runner.model_runner import ModelRunner
@@ -63,7 +63,7 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     assert s.num_prompt_tokens_computed == 0
     # A second prompt sharing two full pages hits the prefix cache after the first finishes.
     first_pages = list(req.pages[:2])
-    s.finish_request(req, {"type": "length", "length": 2})
+    s.finish_request(req, FinishReason.of_length(2))
     twin = Request("t", req.prompt_ids[:8] + [5, 6, 7], SamplingParams(max_new_tokens=2))
     assert s.reserve_prebuilt(twin)
     assert twin.num_cached_tokens == 8 and twin.pages[:2] == first_pages
@@ -128,7 +128,8 @@ def test_staging_path_round_trip_and_direct_addresses():
     for m_src, m_dst in zip(out.mirrors, into.mirrors):
         m_dst[:, pages_dst] = m_src[:, pages_src]
     into.stage_in(pages_dst)
-    for a, b in ((src.k_cache, dst.k_cache), (src.v_cache, dst.v_cache)):
+    for name in ("k_cache", "v_cache"):
+        a, b = src.caches[name], dst.caches[name]
         np.testing.assert_array_equal(np.asarray(b)[:, pages_dst], np.asarray(a)[:, pages_src])
         untouched = [p for p in range(1, 9) if p not in pages_dst]
         assert not np.asarray(b)[:, untouched].any()

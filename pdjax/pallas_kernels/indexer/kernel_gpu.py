@@ -21,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pdjax.pallas_kernels.indexer.reference import NEG_INF, validate_inputs
+from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
-from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
+from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata
 
 
 def _is_pow2(x: int) -> bool:
@@ -110,9 +110,7 @@ def indexer_scores_gpu(
     Raises:
       ValueError: inputs outside the contract or sizes Triton cannot tile.
     """
-    validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens, num_heads, head_dim = q.shape
     if not _is_pow2(head_dim) or head_dim < 16:
@@ -129,9 +127,8 @@ def indexer_scores_gpu(
         raise ValueError(f"GPU block sizes must be powers of two >= 16 with heads_per_block >= "
                          f"{num_heads}, got block_tokens={block}, heads_per_block={heads_pad}")
     num_blocks = -(-span // block)
-    req, pos, _ = token_positions(kv_lens, cu_q_lens, num_tokens)
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    meta = jnp.asarray(layer, jnp.int32).reshape(1)
+    req, pos, _, flat_pages, meta = kernel_metadata(
+        kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
     kernel = functools.partial(_kernel, block=block, heads_pad=heads_pad, page_size=page_size,
                                pages_per_seq=pages_per_seq, sm_scale=float(sm_scale))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)

@@ -22,9 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pdjax.pallas_kernels.indexer.reference import NEG_INF, validate_inputs
+from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
-from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
+from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata
 
 
 def _kernel(
@@ -125,9 +125,7 @@ def indexer_scores_tpu(
     Raises:
       ValueError: inputs outside the contract or an illegal block size.
     """
-    validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+    check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens, num_heads, head_dim = q.shape
     _, num_pages, page_size, _ = k_cache.shape
@@ -139,9 +137,8 @@ def indexer_scores_tpu(
     num_blocks = -(-span // block)
     if block % page_size:
         raise ValueError(f"block_tokens ({block}) must be a multiple of page_size ({page_size})")
-    req, pos, _ = token_positions(kv_lens, cu_q_lens, num_tokens)
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    req, pos, _, flat_pages, layer_arr = kernel_metadata(
+        kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(num_tokens, num_blocks),

@@ -50,6 +50,14 @@ def validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distr
             raise ValueError(f"{name} must be int32, got {x.dtype}")
 
 
+def check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens,
+                        distribution) -> None:
+    """The contract (``validate_inputs``) plus the kernels' q dtype; ``ValueError``."""
+    validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+
+
 def indexer_scores_reference(
     q: jax.Array,
     weights: jax.Array,

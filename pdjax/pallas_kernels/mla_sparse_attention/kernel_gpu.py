@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
-    MASK_VALUE, token_positions, topk_scan_lengths, validate_inputs)
+    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
 
@@ -151,12 +151,8 @@ def mla_sparse_attention_gpu(
     Raises:
       ValueError: inputs outside the contract, or widths Triton cannot tile.
     """
-    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, topk_indices,
-                    kv_lora_rank)
-    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_cache.dtype not in (jnp.float32,
-                                                                               jnp.bfloat16):
-        raise ValueError(f"q and kv_cache must be float32 or bfloat16, got {q.dtype}, "
-                         f"{kv_cache.dtype}")
+    check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                        topk_indices, kv_lora_rank)
     del distribution
     num_tokens, num_heads, dim = q.shape
     _, num_pages, page_size, _ = kv_cache.shape
@@ -173,17 +169,13 @@ def mla_sparse_attention_gpu(
     if not (_is_pow2(block) and block >= 16 and _is_pow2(bh) and bh >= 16):
         raise ValueError(f"GPU block sizes must be powers of two >= 16, got block_tokens="
                          f"{block}, heads_per_block={bh}")
-    num_chunks = -(-span // block)
     if sparse:
-        topk = topk_indices
-        if num_chunks * block != span:
-            topk = jnp.pad(topk, ((0, 0), (0, num_chunks * block - span)), constant_values=-1)
+        topk, num_chunks = pad_topk(topk_indices, block)
     else:
-        topk = jnp.zeros((1, 1), jnp.int32)
-    req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
+        topk, num_chunks = jnp.zeros((1, 1), jnp.int32), -(-span // block)
+    req, pos, kv_len, flat_pages, meta = kernel_metadata(
+        kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
     num_entries = topk_scan_lengths(topk_indices, pos, kv_len)
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    meta = jnp.asarray(layer, jnp.int32).reshape(1)
     num_head_blocks = -(-num_heads // bh)
     kernel = functools.partial(
         _kernel, sparse=sparse, num_chunks=num_chunks, block=block, heads_per_block=bh,

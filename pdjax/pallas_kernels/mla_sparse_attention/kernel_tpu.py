@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
-    MASK_VALUE, token_positions, topk_scan_lengths, validate_inputs)
+    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
 _LANES = 128
@@ -235,12 +235,8 @@ def mla_sparse_attention_tpu(
     Raises:
       ValueError: inputs outside the contract, or an illegal block size.
     """
-    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, topk_indices,
-                    kv_lora_rank)
-    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_cache.dtype not in (jnp.float32,
-                                                                               jnp.bfloat16):
-        raise ValueError(f"q and kv_cache must be float32 or bfloat16, got {q.dtype}, "
-                         f"{kv_cache.dtype}")
+    check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                        topk_indices, kv_lora_rank)
     del distribution      # one program per token: padding rows have position -1
     num_tokens, num_heads, dim = q.shape
     _, num_pages, page_size, _ = kv_cache.shape
@@ -252,18 +248,14 @@ def mla_sparse_attention_tpu(
     block = bs.block_tokens
     if block % page_size:
         raise ValueError(f"block_tokens ({block}) must be a multiple of page_size ({page_size})")
-    req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
+    req, pos, kv_len, flat_pages, layer_arr = kernel_metadata(
+        kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
     num_entries = topk_scan_lengths(topk_indices, pos, kv_len)
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
 
     token_block = lambda t, *_: (t, 0, 0)   # noqa: E731
     in_specs, args = [], []
     if sparse:
-        num_chunks = -(-span // block)
-        topk = topk_indices
-        if num_chunks * block != span:
-            topk = jnp.pad(topk, ((0, 0), (0, num_chunks * block - span)), constant_values=-1)
+        topk, num_chunks = pad_topk(topk_indices, block)
         topk = topk.reshape(num_tokens, num_chunks, block)
         in_specs += [pl.BlockSpec((None, num_chunks, block), token_block,
                                   memory_space=pltpu.SMEM),

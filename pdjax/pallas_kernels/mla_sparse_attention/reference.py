@@ -77,6 +77,39 @@ def token_positions(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int):
     return req_c, pos.astype(jnp.int32), kv_len.astype(jnp.int32)
 
 
+def kernel_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, page_indices: jax.Array,
+                    layer: jax.Array | int, num_tokens: int, num_pages: int):
+    """What the MLA and indexer kernels take besides q and the cache: ``req``, ``pos``,
+    ``kv_len`` per token (``token_positions``), the page table clamped and flattened
+    ``[R * P]`` (an out-of-range index would be an out-of-bounds DMA / load; the reference
+    clamps too) and ``layer`` as a ``[1]`` int32 array."""
+    req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
+    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+    return req, pos, kv_len, flat_pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                        topk_indices, kv_lora_rank) -> None:
+    """The contract (``validate_inputs``) plus the kernels' dtypes; ``ValueError``."""
+    validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, topk_indices,
+                    kv_lora_rank)
+    if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_cache.dtype not in (jnp.float32,
+                                                                               jnp.bfloat16):
+        raise ValueError(f"q and kv_cache must be float32 or bfloat16, got {q.dtype}, "
+                         f"{kv_cache.dtype}")
+
+
+def pad_topk(topk_indices: jax.Array, block: int) -> tuple[jax.Array, int]:
+    """``[T, K]`` top-k entries padded with -1 to whole blocks of ``block``: ``([T, C * block],
+    C)``."""
+    span = topk_indices.shape[1]
+    num_chunks = -(-span // block)
+    if num_chunks * block != span:
+        topk_indices = jnp.pad(topk_indices, ((0, 0), (0, num_chunks * block - span)),
+                               constant_values=-1)
+    return topk_indices, num_chunks
+
+
 def topk_scan_lengths(topk_indices: jax.Array | None, pos: jax.Array,
                       kv_len: jax.Array) -> jax.Array:
     """``[T]`` int32: 1 + the index of each token's last selectable top-k entry (0 if none), so

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdjax.pallas_kernels.ragged_paged_attention.tuning import PATHS
+from pdjax.pallas_kernels.ragged_paged_attention.tuning import PATHS, get_block_sizes
 
 # Finite, so that exp(m_prev - m_new) stays 1 (not NaN) for rows that saw no key yet.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -120,3 +120,32 @@ def check_kernel_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, d
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None and not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a Python float or None (static), got {type(value)}")
+
+
+def run_kernel_paths(platform: str, call_path, q, k_cache, v_cache, layer, kv_lens,
+                     page_indices, cu_q_lens, distribution, *, block_sizes, **kwargs):
+    """The host-side wrapper both kernels share: check the contract, clamp the page table
+    (an out-of-range index would be an out-of-bounds DMA / load; the reference clamps too),
+    flatten it, run ``call_path`` once per path of ``PATHS`` with that path's block sizes
+    (``block_sizes[path]`` or the ``platform``'s tuning table), and merge the paths' rows.
+
+    ``call_path(path, bs, q, k_cache, v_cache, layer [] int32, kv_lens, flat_pages [R * P],
+    cu_q_lens, distribution, **kwargs)`` returns ``[T, num_q_heads, head_dim]``; ``kwargs``
+    carries ``sm_scale``, ``sliding_window``, ``soft_cap``, ``k_scale``, ``v_scale`` and
+    ``interpret``. Raises ``ValueError`` naming the field."""
+    check_kernel_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution,
+                        kwargs["k_scale"], kwargs["v_scale"])
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    kv_bits = jnp.dtype(k_cache.dtype).itemsize * 8
+    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    outputs = {}
+    for path in PATHS:
+        bs = (block_sizes or {}).get(path) or get_block_sizes(
+            platform, path, head_dim=head_dim, group=num_q_heads // num_kv_heads,
+            page_size=page_size, kv_bits=kv_bits, max_pages=page_indices.shape[1],
+            num_tokens=num_tokens)
+        outputs[path] = call_path(path, bs, q, k_cache, v_cache, layer, kv_lens, flat_pages,
+                                  cu_q_lens, distribution, **kwargs)
+    return merge_paths(outputs, cu_q_lens, distribution)

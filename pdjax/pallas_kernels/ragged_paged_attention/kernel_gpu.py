@@ -33,9 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
-    MASK_VALUE, block_metadata, cdiv, check_kernel_inputs, grid_size, merge_paths)
-from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
-    PATHS, BlockSizes, get_block_sizes, gpu_group_pad)
+    MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes, gpu_group_pad
 
 
 def _is_pow2(x: int) -> bool:
@@ -227,24 +226,11 @@ def ragged_paged_attention_gpu(
       ValueError: shapes, dtypes or scales outside the contract, or a head_dim / block size
         that Triton cannot tile.
     """
-    check_kernel_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                        k_scale, v_scale)
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    head_dim = q.shape[-1]
     if not _is_pow2(head_dim) or head_dim < 16:
         raise ValueError(
             f"head_dim must be a power of two >= 16 for the GPU kernel, got {head_dim}")
-    kv_bits = jnp.dtype(k_cache.dtype).itemsize * 8
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    layer = jnp.asarray(layer, jnp.int32).reshape(())
-    outputs = {}
-    for path in PATHS:
-        bs = (block_sizes or {}).get(path) or get_block_sizes(
-            "gpu", path, head_dim=head_dim, group=num_q_heads // num_kv_heads,
-            page_size=page_size, kv_bits=kv_bits, max_pages=page_indices.shape[1],
-            num_tokens=num_tokens)
-        outputs[path] = _call_path(
-            path, bs, q, k_cache, v_cache, layer, kv_lens, flat_pages, cu_q_lens, distribution,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-    return merge_paths(outputs, cu_q_lens, distribution)
+    return run_kernel_paths(
+        "gpu", _call_path, q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
+        distribution, block_sizes=block_sizes, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -31,9 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
-    MASK_VALUE, block_metadata, cdiv, check_kernel_inputs, grid_size, merge_paths)
-from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
-    PATHS, BlockSizes, get_block_sizes)
+    MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes
 
 _LANES = 128
 
@@ -338,22 +337,7 @@ def ragged_paged_attention_tpu(
     Raises:
       ValueError: shapes, dtypes or scales outside the contract.
     """
-    check_kernel_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution,
-                        k_scale, v_scale)
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    max_pages = page_indices.shape[1]
-    kv_bits = jnp.dtype(k_cache.dtype).itemsize * 8
-    # An out-of-range page index would be an out-of-bounds DMA; the reference clamps too.
-    flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
-    layer = jnp.asarray(layer, jnp.int32).reshape(())
-    outputs = {}
-    for path in PATHS:
-        bs = (block_sizes or {}).get(path) or get_block_sizes(
-            "tpu", path, head_dim=head_dim, group=num_q_heads // num_kv_heads,
-            page_size=page_size, kv_bits=kv_bits, max_pages=max_pages, num_tokens=num_tokens)
-        outputs[path] = _call_path(
-            path, bs, q, k_cache, v_cache, layer, kv_lens, flat_pages, cu_q_lens, distribution,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-    return merge_paths(outputs, cu_q_lens, distribution)
+    return run_kernel_paths(
+        "tpu", _call_path, q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
+        distribution, block_sizes=block_sizes, sm_scale=sm_scale, sliding_window=sliding_window,
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -1,0 +1,595 @@
+"""``EngineCore``, the engine every role runs (DESIGN.md §3): one step schedules, launches the
+forward (which samples on the device) and processes a step's results; overlapped by default.
+
+Single-threaded; ``pdjax.engine.async_engine`` runs it on its own thread for the HTTP server,
+``pdjax.engine.offline`` drives it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdjax.config import ServerArgs
+from pdjax.constrained.grammar import bitmask_words
+from pdjax.engine.load import engine_load
+from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
+                                          wants_prompt_logprobs)
+from pdjax.engine.settings import resolve_engine_config
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.engine_roles import EngineRole
+from pdjax.jax_setup import enable_compilation_cache
+from pdjax.models.loader import load_model, load_tokenizer, make_mesh
+from pdjax.output import token_finish_reason
+from pdjax.request import PENDING_TOKEN, FinishReason, Request
+from pdjax.runner.device_sampler import (MAX_TOP_LOGPROBS, SamplingRow, StepOutputs,
+                                         build_sampling_inputs, uses_penalties)
+from pdjax.runner.model_runner import ModelRunner
+from pdjax.sched.batch import BatchRow
+from pdjax.sched.buckets import BucketKey, Buckets
+from pdjax.sched.cost_model import StepCostModel
+from pdjax.sched.scheduler import ScheduledBatch, Scheduler
+from pdjax.transfer.factory import create_engine_role
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step whose forward is dispatched and whose results are not read yet."""
+
+    batch: ScheduledBatch
+    key: BucketKey
+    out: StepOutputs                             # on the device
+    pending: list[tuple[int, Request, int]]      # (logits row, request, output index)
+    row_of: dict[str, int]                       # rid -> logits row of its pending token
+    prompt_lp: tuple | None                      # (wanted, device arrays) for prompt logprobs
+    t_dispatch: float = 0.0                      # perf_counter when the dispatch returned
+    num_placeholders: int = 0                    # input tokens read from the previous step
+    t_start: float = 0.0                         # perf_counter when the dispatch began
+    compiled: bool = False                       # a compile happened in the dispatch
+    # Split grammar rows (overlap): their masks need the tokens of the step before, so they
+    # are sampled again by ``_sample_deferred`` from ``logits`` once that step is read.
+    deferred: list[tuple[int, Request, SamplingRow]] = dataclasses.field(default_factory=list)
+    logits: Any = None                           # [R, V] on the device while deferred rows wait
+    has_grammar: bool = False                    # a pending token belongs to a grammar request
+
+
+class EngineCore:
+    """Model, scheduler and runner of one server; single-threaded (call from one thread).
+
+    ``step()`` returns the ``GenerateOutput`` increments of every request that got a token or
+    finished in the step whose results it read. Overlapped scheduling (default; off with
+    ``disable_overlap_schedule``, and for the prefill role, whose requests all end after one
+    token): ``step()`` schedules and launches step N+1 while step N still runs on the device,
+    then reads step N's tokens (DESIGN.md §3).
+
+    ``background_compile`` (the server's ``AsyncEngine``): warm-up compiles the core shapes
+    (``Buckets.core_keys``) and returns; the other shapes compile on a background thread and
+    each batch runs on the smallest shape compiled so far (``ModelRunner.warmup(core_only)``).
+    Off (the offline ``Engine``): every shape is compiled before the constructor returns.
+    ``tokenizer``: a callable returning the tokenizer, called after the model is loaded (the
+    server's ``AsyncEngine`` loads it on another thread meanwhile); default ``load_tokenizer``.
+    """
+
+    def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False,
+                 tokenizer=None):
+        # Seconds of each start-up phase, in order (printed as one line; bench_startup reads it).
+        self.startup_phases_s: dict[str, float] = {}
+        t_phase = time.monotonic()
+
+        def phase(name: str) -> None:
+            nonlocal t_phase
+            now = time.monotonic()
+            self.startup_phases_s[name] = round(now - t_phase, 2)
+            t_phase = now
+
+        enable_compilation_cache()
+        self.args = args
+        self.config = config = resolve_engine_config(args)
+        self.model_path = config.model_path
+        mesh = make_mesh(args.tp_size)
+        phase("backend")
+        self.model_cfg, model = load_model(
+            self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
+            attention_impl=config.attention_impl, interpret=args.pallas_interpret)
+        phase("model")
+        self.tokenizer = (tokenizer() if tokenizer is not None
+                          else load_tokenizer(args.tokenizer_path or self.model_path))
+        phase("tokenizer")
+        self.sched_config = config.scheduler
+        self.scheduler = Scheduler(self.sched_config)
+        self.context_length = self.scheduler.max_request_tokens
+        self.buckets = Buckets.create(
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            max_pages_per_seq=-(-self.context_length // args.page_size),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            traced_pages_bound=config.attention_impl
+            in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
+        # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
+        self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
+                                        token_scale=self.buckets.token_buckets[-1],
+                                        cached_scale=self.context_length)
+        self.scheduler.cost_model = self.cost_model
+        self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
+                                  kv_dtype=config.kv_dtype, buckets=self.buckets,
+                                  chunk_size=args.chunked_prefill_size)
+        phase("kv_cache")
+        eos = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self._rng = random.Random(args.random_seed)
+        self._zero_token_reqs: list[Request] = []
+        self.num_steps = 0
+        self.host_time_s = 0.0        # scheduling + batch building + sampling
+        self.forward_time_s = 0.0
+        self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
+        # callables(batch, key, device array, t_dispatch) after each dispatch (device timelines,
+        # benchmarks): the sampled tokens; for a split grammar step, the forward's logits and
+        # then the resample's tokens (key.entry "resample").
+        self.dispatch_hooks: list = []
+        self.overlap = config.overlap
+        self._inflight: _Launched | None = None
+        self._wait_s = 0.0            # device time of the current step (step)
+        self._last_forward_end_s = 0.0
+        self.last_forward_device_s: float | None = None    # device time of the last forward read
+        # Forwards dispatched while the previous one still ran on the device (the host's work
+        # for the step was hidden behind it), and those dispatched after it had finished.
+        self.num_overlapped_dispatches = 0
+        self.num_exposed_dispatches = 0
+        self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
+        self._grammar_backend = None                     # built on first use (grammar_backend)
+        self._grammar_lock = threading.Lock()
+        # Steps whose grammar rows were sampled in a second dispatch after the step before was
+        # read (overlap kept), and grammar rows so sampled.
+        self.num_grammar_split_steps = 0
+        self.num_grammar_split_rows = 0
+        self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
+        # background_compile (the server): only the core shapes before ready, the rest on a
+        # background thread; requests meanwhile pad to a compiled shape (never compile). The
+        # ITL target plans with every token bucket's timing, so it waits for all of them.
+        self.warmup_s = self.runner.warmup(
+            progress=progress and not args.skip_warmup_progress,
+            split_sampling=self.overlap and args.grammar_backend != "none",
+            core_only=background_compile and args.target_itl_ms is None)
+        phase("warmup")
+        if args.target_itl_ms is not None:
+            self.seed_cost_model()
+            phase("seed_cost_model")
+        line = ", ".join(f"{k} {v:.1f}" for k, v in self.startup_phases_s.items())
+        logger.info("start-up phases (s): %s", line)
+        print(f"pdjax start-up phases (s): {line}", flush=True)
+        # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
+        # (pdjax/engine_roles.py); this core is its RoleHost.
+        self.disagg: EngineRole | None = create_engine_role(self)
+
+    # ------------------------------------------------------------------ grammars
+    @property
+    def split_grammar_sampling(self) -> bool:
+        """Whether grammar rows whose input token is still on the device are sampled in a
+        second dispatch (overlap, with the resample executables warm-up compiled when the
+        engine started with overlap and a grammar backend; DESIGN.md §3, "Grammars")."""
+        return self.overlap and bool(self.runner.resample_rows)
+
+    @property
+    def grammar_backend(self):
+        """The ``GrammarBackend`` of this model's tokenizer, vocabulary and EOS ids, built on
+        first use (converting the tokenizer takes about 1 s for 50k tokens). Thread-safe: the
+        server compiles grammars from worker threads (``compile_grammar``)."""
+        with self._grammar_lock:
+            if self._grammar_backend is None:
+                from pdjax.constrained.grammar import GrammarBackend
+
+                self._grammar_backend = GrammarBackend(
+                    self.tokenizer, self.model_cfg.vocab_size, sorted(self.eos_token_ids))
+            return self._grammar_backend
+
+    def compile_grammar(self, spec) -> None:
+        """Compile ``spec`` into the backend's cache; ``ValueError`` naming its field (also
+        when ``grammar_backend`` is ``none``)."""
+        self._check_grammar_enabled(spec)
+        self.grammar_backend.compile(spec)
+
+    def _check_grammar_enabled(self, spec) -> None:
+        if self.args.grammar_backend == "none":
+            raise ValueError(f"{spec.field}: structured outputs are disabled on this server "
+                             f"(--grammar-backend none)")
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, g: GenerateRequest) -> Request:
+        """Queue a request; ``ValueError`` (naming the problem) if it cannot be served."""
+        if not g.input_ids:
+            raise ValueError("input_ids: the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        bad = [t for t in g.input_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"input_ids: token id {bad[0]!r} is outside [0, {vocab})")
+        g.sampling_params.check_logit_bias_ids(vocab)
+        if not 0 <= g.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {g.top_logprobs_num}")
+        req = Request(rid=g.rid, prompt_ids=list(g.input_ids), sampling_params=g.sampling_params,
+                      return_logprob=g.return_logprob, top_logprobs_num=g.top_logprobs_num,
+                      logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
+        sp = g.sampling_params
+        req.seed_for_sampling = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        if sp.grammar is not None:
+            self._check_grammar_enabled(sp.grammar)
+            req.grammar = self.grammar_backend.matcher(sp.grammar)
+        if self.disagg is not None and self.disagg.add_request(g, req):
+            return req                # PD: the role's manager schedules it later
+        self.scheduler.add_request(req)
+        if sp.max_new_tokens == 0 and not req.return_logprob:
+            self._zero_token_reqs.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        """Whether ``step()`` has something to do (scheduled requests, a step in flight, or PD
+        events)."""
+        return (self.scheduler.has_work or self._inflight is not None
+                or (self.disagg is not None and self.disagg.has_work()))
+
+    def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
+        if self.disagg is not None:
+            out = self.disagg.abort(rid, message)
+            if out is not None:
+                return out
+        req = self.scheduler.abort_request(rid, message)
+        return None if req is None else self.make_output(req, [], [], [])
+
+    def wait_for_device(self) -> None:
+        """Block until the step in flight (if any) has run: afterwards no forward still writes
+        pages a finish or abort released (PD decode calls this before handing pages to a
+        transfer)."""
+        if self._inflight is not None:
+            self.wait_for_kv()
+
+    def wait_for_kv(self) -> None:
+        """Block until every KV write dispatched so far has landed in the cache (PD prefill,
+        before a transfer reads the pages from outside the device stream)."""
+        jax.block_until_ready(self.runner.caches)
+
+    def drain(self) -> list[GenerateOutput]:
+        """Read the step in flight, if any, without launching another; returns its outputs."""
+        done, self._inflight = self._inflight, None
+        if done is None:
+            return []
+        outputs, fetch_s = self._complete(done)
+        if self.disagg is not None:
+            outputs = self.disagg.after_step(done.batch, outputs)
+        self.forward_time_s += fetch_s
+        for hook in self.step_hooks:
+            hook(done.batch, outputs)
+        return outputs
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[GenerateOutput]:
+        """One step: schedule -> run -> process (DESIGN.md §3). Returns the outputs of every
+        request that got a token or finished; with overlap, ``run`` launches this step's
+        forward before ``process`` reads the previous one's."""
+        t0 = time.perf_counter()
+        self._wait_s = 0.0            # dispatching and waiting for the device
+        outputs: list[GenerateOutput] = []
+        try:
+            read_first = self._read_grammar_step(outputs)
+            batch = self._schedule(outputs)
+            launched = self._run(batch, outputs)
+            done, outputs = self._process(read_first, launched, outputs)
+        except BaseException:
+            self._inflight = None
+            raise
+        # Forward time: dispatching and waiting for the device; host time: the rest.
+        self.forward_time_s += self._wait_s
+        self.host_time_s += max(0.0, time.perf_counter() - t0 - self._wait_s)
+        if done is not None:
+            for hook in self.step_hooks:
+                hook(done.batch, outputs)
+        return outputs
+
+    def _read_grammar_step(self, outputs: list[GenerateOutput]) -> _Launched | None:
+        """Without resample executables (overlap turned on after start-up) the masks of the
+        next step need the tokens of the step in flight when it has grammar rows: read it
+        before scheduling (DESIGN.md §3, "Grammars")."""
+        if self._inflight is None or not self._inflight.has_grammar \
+                or self.split_grammar_sampling:
+            return None
+        done, self._inflight = self._inflight, None
+        self.num_grammar_syncs += 1
+        outputs += self._read(done)
+        return done
+
+    def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
+        """PD events, requests done without a forward, then the scheduler's batch."""
+        if self.disagg is not None:
+            outputs += self.disagg.poll()
+        while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
+            req = self._zero_token_reqs.pop()
+            if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
+                outputs.append(self.make_output(req, [], [], []))
+        batch = self.scheduler.schedule()
+        # Requests the scheduler finished without a forward (a lone decode request the pool
+        # cannot grow) still owe their client a final output.
+        outputs += [self.make_output(req, [], [], []) for req in self.scheduler.pop_finished()]
+        return batch
+
+    def _run(self, batch: ScheduledBatch | None,
+             outputs: list[GenerateOutput]) -> _Launched | None:
+        """Launch ``batch``'s forward (not waited for)."""
+        if batch is None:
+            return None
+        launched, dispatch_s = self._launch(batch, outputs)
+        self._wait_s += dispatch_s
+        return launched
+
+    def _process(self, read_first: _Launched | None, launched: _Launched | None,
+                 outputs: list[GenerateOutput]):
+        """Read the step whose results are due (with overlap the previous one; ``launched``
+        then stays in flight), sample ``launched``'s split grammar rows, and hand the outputs
+        to the PD role. Returns ``(the step read or None, outputs)``."""
+        if read_first is not None:          # read already; the new step stays in flight
+            self._inflight = launched
+            done = read_first
+        else:
+            if self.overlap:
+                done, self._inflight = self._inflight, launched
+            else:
+                done = launched
+            if done is not None:
+                outputs += self._read(done)
+        if launched is not None and launched.deferred:
+            # The step before is read and its tokens taken by the matchers: fill the masks
+            # while the new forward runs, then sample its grammar rows.
+            self._wait_s += self._sample_deferred(launched, outputs)
+        if self.disagg is not None and (done is not None or outputs):
+            # done None: no forward's results were read, but requests may have finished.
+            outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
+        return done, outputs
+
+    def _read(self, done: _Launched) -> list[GenerateOutput]:
+        outputs, fetch_s = self._complete(done)
+        self._wait_s += fetch_s
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch, outputs: list[GenerateOutput]):
+        """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
+        waited for); count its tokens in the scheduler. Returns ``(_Launched, dispatch s)``."""
+        prev = self._inflight
+        rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
+        max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
+        key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
+                                ready=self.runner.ready_keys)
+        fb = self.runner.make_batch(key, rows)
+        prev_idx = np.full(key.num_tokens, -1, np.int32)
+        samp_rows, failed, deferred = [], [], []
+        bitmask = None
+        if any(row.samples and row.req.grammar is not None for row in batch.rows):
+            bitmask = np.full((key.num_rows, bitmask_words(self.model_cfg.vocab_size)), -1,
+                              np.int32)
+        for i, row in enumerate(batch.rows):
+            req = row.req
+            for j, tok in enumerate(rows[i].input_ids):
+                if tok == PENDING_TOKEN:     # sampled by the step in flight: resolved on device
+                    prev_idx[int(fb.cu_q_lens[i]) + j] = prev.row_of[req.rid]
+            if not row.samples:
+                samp_rows.append(None)
+                continue
+            try:
+                slot = self._penalty_slot(req) if uses_penalties(req.sampling_params) else 0
+                row_params = SamplingRow.from_request(req, slot)
+                if req.grammar is not None and PENDING_TOKEN in req.output_ids:
+                    if not self.split_grammar_sampling:
+                        raise RuntimeError("grammar row scheduled while a token is pending")
+                    # Its mask needs the token in flight: drawn by ``_sample_deferred``.
+                    deferred.append((i, req, row_params))
+                    samp_rows.append(None)
+                    continue
+                if req.grammar is not None:
+                    req.grammar.fill_bitmask(bitmask[i])
+                samp_rows.append(row_params)
+            except Exception as e:    # one request's bad state never fails the batch
+                logger.exception("sampling failed for request %s", req.rid)
+                failed.append((req, e))
+                samp_rows.append(None)
+        for req, e in failed:
+            out = self.abort_request(req.rid, f"sampling failed: {e}")
+            if out is not None:
+                out.error = f"sampling failed: {e}"
+                outputs.append(out)
+        sampling = build_sampling_inputs(samp_rows, key.num_rows, bitmask=bitmask,
+                                         vocab_size=self.model_cfg.vocab_size)
+        want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
+        compiles = self.runner.compiles_after_warmup
+        t1 = time.perf_counter()
+        if prev is not None:
+            if prev.out.tokens.is_ready():
+                self.num_exposed_dispatches += 1
+            else:
+                self.num_overlapped_dispatches += 1
+        out, hidden, logits = self.runner.forward(
+            key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
+            want_hidden=want_prompt_lp, want_logits=True)
+        prompt_lp = (dispatch_prompt_logprobs(self.runner, batch, fb, hidden) if want_prompt_lp
+                     else None)
+        t2 = time.perf_counter()
+        pending = self.scheduler.advance(batch)
+        launched = _Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
+                             prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
+                             self.runner.compiles_after_warmup != compiles, deferred,
+                             logits if deferred else None,
+                             any(req.grammar is not None for _, req, _ in pending))
+        for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
+            hook(batch, key, logits if deferred else out.tokens, t2)
+        return launched, t2 - t1
+
+    def _sample_deferred(self, launched: _Launched, outputs: list[GenerateOutput]) -> float:
+        """Fill the masks of ``launched``'s deferred grammar rows from their matchers (which
+        took the previous step's tokens) and dispatch their draw from the forward's logits
+        (``ModelRunner.resample``); rows of requests that ended meanwhile are not drawn (their
+        token is dropped when read). Returns the dispatch seconds."""
+        R = launched.key.num_rows
+        bitmask = np.full((R, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
+        rows: list[SamplingRow | None] = [None] * R
+        redo = np.zeros(R, bool)
+        failed = []
+        for i, req, row_params in launched.deferred:
+            if req.is_finished or req.rid not in self.scheduler.requests:
+                continue
+            try:
+                req.grammar.fill_bitmask(bitmask[i])
+            except Exception as e:    # one request's bad state never fails the batch
+                logger.exception("grammar mask failed for request %s", req.rid)
+                failed.append((req, e))
+                continue
+            rows[i], redo[i] = row_params, True
+        for req, e in failed:
+            out = self.abort_request(req.rid, f"sampling failed: {e}")
+            if out is not None:
+                out.error = f"sampling failed: {e}"
+                outputs.append(out)
+        t1 = time.perf_counter()
+        if redo.any():
+            sampling = build_sampling_inputs(rows, R, bitmask=bitmask,
+                                             vocab_size=self.model_cfg.vocab_size)
+            launched.out = self.runner.resample(launched.key.entry, launched.logits, sampling,
+                                                launched.out, redo)
+            self.num_grammar_split_steps += 1
+            self.num_grammar_split_rows += int(redo.sum())
+            t2 = time.perf_counter()
+            key = dataclasses.replace(launched.key, entry="resample")
+            for hook in self.dispatch_hooks:
+                hook(launched.batch, key, launched.out.tokens, t2)
+        launched.logits = None
+        return time.perf_counter() - t1
+
+    def _complete(self, done: _Launched) -> tuple[list[GenerateOutput], float]:
+        """Read a launched step's results (blocks until its forward has run) and update and
+        stream its requests; the one place tokens reach clients. Returns the outputs and the
+        seconds spent waiting for the device."""
+        t = time.perf_counter()
+        tokens = np.asarray(done.out.tokens)
+        self._observe_step_cost(done, time.perf_counter())
+        reqs = [req for _, req, _ in done.pending]
+        lps = tops = None
+        if any(r.return_logprob for r in reqs):
+            lps = np.asarray(done.out.token_logprob)
+            if any(r.top_logprobs_num > 0 for r in reqs):
+                tops = (np.asarray(done.out.top_ids), np.asarray(done.out.top_logprobs))
+        if done.prompt_lp is not None:
+            apply_prompt_logprobs(*done.prompt_lp)
+        fetch_s = time.perf_counter() - t
+        outputs: list[GenerateOutput] = []
+        for i, req, index in done.pending:
+            token = int(tokens[i])
+            if not self.scheduler.resolve(req, index, token, self.stop_check):
+                if req.is_finished or req.rid not in self.scheduler.requests:
+                    continue              # aborted (or finished) while the step ran
+            lp, top = [], []
+            if req.return_logprob:
+                lp = [float(lps[i])]
+                k = req.top_logprobs_num
+                top = [[(int(a), float(b)) for a, b in zip(tops[0][i, :k], tops[1][i, :k])]
+                       if k > 0 else []]
+                req.append_logprobs(lp[0], top[0])
+            outputs.append(self.make_output(req, [token], lp, top, num_output=index + 1))
+        self.num_steps += 1
+        return outputs, fetch_s
+
+    def _observe_step_cost(self, done: _Launched, t_done: float) -> None:
+        """Feed the cost model the device time of ``done``'s forward: from when the device could
+        start it (its dispatch, or the previous forward's end) to when its tokens came back.
+        The end is exact when the read had to wait; a forward that had
+        already finished when read gets the read time, an upper bound (the cost model then errs
+        on the slow side). A compile is no step time."""
+        start = max(done.t_start, self._last_forward_end_s)
+        self._last_forward_end_s = t_done
+        self.last_forward_device_s = None
+        if done.compiled:
+            return
+        self.last_forward_device_s = t_done - start
+        self.cost_model.observe(done.key, done.batch.num_tokens, done.batch.num_cached_tokens,
+                                t_done - start)
+
+    def _penalty_slot(self, req: Request) -> int:
+        """``req``'s penalty slot; a new one (set from its known tokens) if it has none. A slot
+        whose request is not running is reused: at most ``max_running_requests`` requests run,
+        so one is always there."""
+        for slot, owner in self._penalty_slots.items():
+            if owner is req:
+                return slot
+        running = set(map(id, self.scheduler.running))
+        slot = next((s for s in range(1, self.runner.num_penalty_slots)
+                     if s not in self._penalty_slots or id(self._penalty_slots[s]) not in running),
+                    None)
+        if slot is None:
+            raise RuntimeError("no free penalty slot")
+        if PENDING_TOKEN in req.output_ids:
+            raise RuntimeError(f"request {req.rid}: penalty slot needed while a token is pending")
+        self._penalty_slots[slot] = req
+        self.runner.init_penalty_slot(slot, req.prompt_ids, req.output_ids)
+        return slot
+
+    def seed_cost_model(self) -> int:
+        """Time one empty forward of every bucket a mixed step may use (already compiled by
+        warm-up), so the cost model has data before the first request. Returns the number of
+        forwards timed."""
+        keys = {self.buckets.pick("mixed", t, 1, p) for t in self.buckets.token_buckets
+                for p in self.buckets.pages_per_seq_buckets}
+        for key in sorted(keys, key=repr):
+            fb = self.runner.make_batch(key, [])
+            t0 = time.perf_counter()
+            out, _ = self.runner.forward(key, fb)
+            jax.block_until_ready(out.tokens)
+            self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
+        return len(keys)
+
+    def stop_check(self, req: Request) -> FinishReason | None:
+        """The finish reason after ``req``'s newest token, or None (``token_finish_reason``);
+        a grammar request's matcher takes the token here (once per token): a token it does not
+        allow fails the request, and a grammar that admits nothing more stops it."""
+        tok = req.output_ids[-1]
+        if req.grammar is not None and not req.grammar.accept(tok):
+            return req.fail(f"grammar: token {tok} was not allowed ({req.grammar.error})")
+        return token_finish_reason(
+            req.sampling_params, tok, len(req.output_ids), self.eos_token_ids,
+            grammar_terminated=req.grammar is not None and req.grammar.is_terminated)
+
+    def make_output(self, req: Request, tokens, lps, tops,
+                    num_output: int | None = None) -> GenerateOutput:
+        """The ``GenerateOutput`` increment of ``req`` carrying ``tokens`` (and their logprobs
+        ``lps`` / top logprobs ``tops``); the PD decode role builds its outputs with it too.
+        ``num_output``: the request's output tokens up to this increment (default: all of
+        ``output_ids``; a placeholder of a later step in flight is not one)."""
+        if num_output is None:
+            num_output = len(req.output_ids)
+        first = num_output <= len(tokens)
+        send_prompt_lp = req.return_logprob and req.logprob_start_len >= 0 and first
+        return GenerateOutput(
+            rid=req.rid, new_token_ids=list(tokens), new_logprobs=list(lps),
+            new_top_logprobs=list(tops),
+            prompt_logprobs=list(req.prompt_logprobs) if send_prompt_lp else None,
+            prompt_top_logprobs=list(req.prompt_top_logprobs) if send_prompt_lp else None,
+            finished=req.is_finished, finish_reason=req.finish_reason if req.is_finished else None,
+            prompt_tokens=req.num_prompt_tokens, completion_tokens=num_output,
+            cached_tokens=req.num_cached_tokens_reported, error=req.error)
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        if self.scheduler.running or self.scheduler.waiting:
+            return False
+        return self.scheduler.prefix_cache.reset()
+
+    def get_load(self) -> dict[str, Any]:
+        """Queue sizes and pages (``engine_load``)."""
+        return engine_load(self.scheduler, self.disagg)

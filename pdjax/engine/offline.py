@@ -1,0 +1,112 @@
+"""The offline ``Engine``, in the style of ``sglang.Engine`` / ``vllm.LLM``: drives an
+``EngineCore`` on the caller's thread until every prompt has finished (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from pdjax.config import ServerArgs
+from pdjax.engine.core import EngineCore
+from pdjax.engine_io import GenerateRequest
+from pdjax.output import OutputAccumulator, RequestOutput
+from pdjax.request import SamplingParams
+
+
+def _sampling_params(sp) -> SamplingParams:
+    return sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
+
+
+class Engine:
+    """Offline engine in the style of ``sglang.Engine``: ``Engine(model_path=None,
+    dtype="auto", **server_args)``; no path serves the default SmolLM2 model. Besides the
+    ``ServerArgs`` fields: ``progress`` (warm-up progress bar) and ``background_compile``
+    (``EngineCore``; default False: every shape compiled before the constructor returns).
+
+    ``generate(prompt | list of prompts, sampling_params, input_ids=...)`` returns a dict (one
+    prompt) or a list of dicts with ``text``, ``output_ids`` and ``meta_info``
+    (``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``finish_reason``, and
+    logprobs when asked). ``n > 1`` gives ``n`` results per prompt, prompt-major.
+    """
+
+    def __init__(self, model_path: str | None = None, dtype: str = "auto", **server_args):
+        progress = server_args.pop("progress", True)
+        background_compile = server_args.pop("background_compile", False)
+        self.args = ServerArgs(model_path=model_path, dtype=dtype, **server_args)
+        self.core = EngineCore(self.args, progress=progress, background_compile=background_compile)
+        self.tokenizer = self.core.tokenizer
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None,
+                 return_logprob: bool = False, logprob_start_len: int | None = None,
+                 top_logprobs_num: int = 0):
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids
+                                             and isinstance(input_ids[0], int))
+        if prompt is not None and input_ids is not None:
+            raise ValueError("pass either prompt or input_ids, not both")
+        if input_ids is None:
+            if prompt is None:
+                raise ValueError("prompt: no prompt given")
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            ids_list = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            ids_list = [input_ids] if single else list(input_ids)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+        if len(sps) != len(ids_list):
+            raise ValueError("sampling_params: list length differs from the number of prompts")
+        core = self.core
+        accs: dict[str, OutputAccumulator] = {}
+        for ids, sp in zip(ids_list, sps):
+            sp = _sampling_params(sp or {})
+            for k in range(sp.n):
+                rid = uuid.uuid4().hex
+                one = dataclasses.replace(sp, n=1)
+                if sp.n > 1 and sp.seed is not None:
+                    one = dataclasses.replace(one, seed=sp.seed + k)
+                g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
+                                    top_logprobs_num=top_logprobs_num,
+                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)
+                core.add_request(g)
+                accs[rid] = OutputAccumulator(self.tokenizer, one,
+                                              RequestOutput(rid, list(ids)))
+        pending = set(accs)
+        while pending:
+            for out in core.step():
+                acc = accs.get(out.rid)
+                if acc is None or out.rid not in pending:
+                    continue
+                if acc.add(out).stop_string_hit:
+                    core.abort_request(out.rid)
+                if acc.finished:
+                    pending.discard(out.rid)
+        core.drain()      # the step in flight holds only rows of finished requests
+        results = [self._result(acc.result, return_logprob) for acc in accs.values()]
+        return results[0] if single and len(results) == 1 else results
+
+    @staticmethod
+    def _result(r: RequestOutput, return_logprob: bool) -> dict:
+        meta = {"id": r.rid, "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
+                "finish_reason": r.finish_reason.to_dict()}
+        if return_logprob:
+            meta["output_token_logprobs"] = [(lp, t, None)
+                                             for lp, t in zip(r.output_logprobs, r.output_ids)]
+            meta["output_top_logprobs"] = [[(lp, t, None) for t, lp in top]
+                                           for top in r.output_top_logprobs]
+            if r.prompt_logprobs is not None:
+                meta["input_token_logprobs"] = r.prompt_logprobs
+                meta["input_top_logprobs"] = r.prompt_top_logprobs
+        return {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
+
+    def shutdown(self) -> None:
+        """Drop every request and free the device state."""
+        for rid in list(self.core.scheduler.requests):
+            self.core.abort_request(rid)
+        self.core.runner.caches = {}
+        self.core = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.core is not None:
+            self.shutdown()

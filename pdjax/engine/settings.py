@@ -1,0 +1,65 @@
+"""The one factory that turns ``ServerArgs`` into what the engine runs with: every "auto" and
+every default that depends on the platform or the checkpoint is resolved here, and the
+scheduler's ``SchedulerConfig`` is built here (DESIGN.md §1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from pdjax.config import ServerArgs
+from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+from pdjax.sched.scheduler import SchedulerConfig
+
+_KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """``ServerArgs`` with nothing left to resolve.
+
+    ``model_path``: a local checkpoint path (a hub id resolved). ``dtype`` / ``kv_dtype``: JAX
+    dtypes of the parameters and the KV cache. ``attention_impl``: ``reference``, ``xla``,
+    ``tpu`` or ``gpu``. ``scheduler.max_context_len``: ``context_length``, or the model's
+    ``max_position_embeddings``. ``overlap``:
+    overlapped scheduling (off with ``disable_overlap_schedule`` and for the prefill role,
+    whose requests all end after one token).
+    """
+
+    args: ServerArgs
+    model_path: str
+    dtype: Any
+    kv_dtype: Any
+    attention_impl: str
+    scheduler: SchedulerConfig
+    overlap: bool
+
+
+def resolve_engine_config(args: ServerArgs) -> EngineConfig:
+    """Resolve ``args`` (reads the checkpoint's config from its metadata, no tensor).
+
+    Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
+    platform has no kernel for."""
+    model_path = resolve_model_path(args.model_path, args.revision)
+    model_len = checkpoint_config(model_path).max_position_embeddings
+    dtype = resolve_dtype(args.dtype)
+    sched, cache = args.scheduler, args.cache
+    scheduler = SchedulerConfig(
+        num_pages=cache.num_pages, page_size=cache.page_size,
+        max_running_requests=sched.max_running_requests,
+        chunked_prefill_size=sched.chunked_prefill_size,
+        max_prefill_tokens=sched.max_prefill_tokens,
+        enable_mixed_chunk=sched.enable_mixed_chunk,
+        disable_radix_cache=cache.disable_radix_cache,
+        max_context_len=args.context_length or model_len,
+        page_aligned_chunks=args.role == "prefill",
+        max_num_batched_tokens=sched.max_num_batched_tokens, target_itl_ms=sched.target_itl_ms)
+    return EngineConfig(
+        args=args, model_path=model_path, dtype=dtype,
+        kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
+        attention_impl=resolve_impl(args.attention_backend),
+        scheduler=scheduler,
+        overlap=not sched.disable_overlap_schedule and args.role != "prefill")

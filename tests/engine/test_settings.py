@@ -1,0 +1,72 @@
+"""ServerArgs in groups and the one factory that resolves them (engine/settings.py): flat and
+grouped construction agree, the CLI flags are one per setting, and every "auto" resolves in
+``resolve_engine_config``."""
+
+import argparse
+import dataclasses
+import pickle
+
+import jax.numpy as jnp
+import pytest
+
+from pdjax.config import ARG_GROUPS, CacheArgs, ServerArgs
+from pdjax.engine.settings import resolve_engine_config
+
+
+def test_flat_and_grouped_settings_are_one_value():
+    args = ServerArgs(page_size=8, max_total_tokens=64, role="decode", port=5, tp_size=1)
+    assert args.cache == CacheArgs(page_size=8, max_total_tokens=64)
+    assert (args.page_size, args.cache.page_size, args.num_pages) == (8, 8, 9)
+    assert args.disaggregation.role == args.role == "decode" and args.server.port == 5
+    moved = dataclasses.replace(args, port=7, context_length=1024)
+    assert (moved.port, moved.context_length, moved.page_size, moved.role) == (7, 1024, 8,
+                                                                             "decode")
+    assert pickle.loads(pickle.dumps(args)) == args
+    assert ServerArgs(cache=CacheArgs(page_size=32)).page_size == 32
+    assert ServerArgs.default("context_length") is None and ServerArgs.default("port") == 30000
+    flat = args.to_flat_dict()
+    assert len(flat) == sum(len(dataclasses.fields(c)) for c in ARG_GROUPS.values())
+    assert flat["page_size"] == 8 and flat["drain_timeout_s"] == 30.0
+    with pytest.raises(TypeError, match="unknown setting"):
+        ServerArgs(pagesize=8)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        ServerArgs(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        ServerArgs(page_size=64, max_total_tokens=100)
+    with pytest.raises(AttributeError):
+        args.no_such_setting
+
+
+def test_one_cli_flag_per_setting_and_the_alias():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
+    names = {f.name for f in ServerArgs.settings()}
+    assert flags == {"--" + n.replace("_", "-") for n in names} | {"--disaggregation-mode"}
+    args = ServerArgs.from_cli_args(parser.parse_args(
+        ["--page-size", "32", "--enable-mixed-chunk", "--disaggregation-mode", "prefill",
+         "--target-itl-ms", "25.5", "--attention-backend", "xla"]))
+    assert (args.page_size, args.enable_mixed_chunk, args.role, args.target_itl_ms,
+            args.attention_backend) == (32, True, "prefill", 25.5, "xla")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "int8"])
+
+
+def test_resolve_engine_config(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    cfg = resolve_engine_config(ServerArgs(model_path=path, page_size=8, max_total_tokens=512,
+                                           chunked_prefill_size=32))
+    assert cfg.model_path == path and cfg.dtype == jnp.float32 and cfg.kv_dtype == jnp.float32
+    assert cfg.attention_impl == "xla" and cfg.overlap
+    s = cfg.scheduler
+    assert (s.num_pages, s.page_size, s.chunked_prefill_size, s.page_aligned_chunks) == (
+        65, 8, 32, False)
+    from pdjax.models.loader import checkpoint_config
+    assert s.max_context_len == checkpoint_config(path).max_position_embeddings
+    prefill = resolve_engine_config(ServerArgs(
+        model_path=path, role="prefill", context_length=64, kv_cache_dtype="bfloat16",
+        attention_backend="reference", dtype="bfloat16"))
+    assert (prefill.scheduler.max_context_len, prefill.kv_dtype, prefill.dtype) == (
+        64, jnp.bfloat16, jnp.bfloat16)
+    assert prefill.attention_impl == "reference" and not prefill.overlap
+    assert prefill.scheduler.page_aligned_chunks
