@@ -220,7 +220,35 @@ _HELP = {
     "grammar_backend": "structured outputs (response_format, json_schema/regex/ebnf, forced "
                        "tool_choice): llguidance, or none to refuse them and compile no "
                        "grammar sampler at warm-up",
+    "nnodes": "processes (hosts) serving one model; TP spans all their devices",
+    "node_rank": "this process's rank in [0, nnodes); 0 serves HTTP, the others follow it",
+    "dist_init_addr": "HOST:PORT of node 0: PORT is JAX's coordinator, PORT+1 and PORT+2 "
+                      "pdjax's step and heartbeat sockets",
+    "dist_timeout_s": "multi-host: seconds without a heartbeat before a node counts as gone",
 }
+
+
+def _check_nodes(args) -> None:
+    """``nnodes`` / ``node_rank`` / ``dist_init_addr`` (SGLang's flags): ``ValueError`` naming
+    the field. ``dist_init_addr`` is ``HOST:PORT``; ports PORT..PORT+2 are used."""
+    for name in ("nnodes", "node_rank"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if name == "nnodes" else 0):
+            raise ValueError(f"{name} must be a {'positive' if name == 'nnodes' else 'non-negative'} "
+                             f"integer, got {v!r}")
+    if args.node_rank >= args.nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={args.nnodes}), got {args.node_rank}")
+    if args.nnodes == 1:
+        return
+    host, _, port = (args.dist_init_addr or "").rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65533:
+        raise ValueError(f"dist_init_addr must be HOST:PORT with PORT in [1, 65533] when nnodes > 1, "
+                         f"got {args.dist_init_addr!r}")
+    if args.role != "colocated":
+        raise ValueError(f"role {args.role!r} with nnodes > 1 is not supported (multi-host "
+                         "serving is colocated only)")
+
+
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
@@ -279,6 +307,11 @@ class ServerArgs:
     transfer_timeout_s: float = 300.0
     heartbeat_interval_s: float = 5.0
     drain_timeout_s: float = 30.0
+    # Multi-host SPMD (DESIGN.md §6, pdjax/distributed): one process per host, TP over all.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout_s: float = 10.0
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -332,8 +365,10 @@ class ServerArgs:
                 self.disaggregation_transfer_max_batch < 1:
             raise ValueError(f"disaggregation_transfer_max_batch must be an int >= 1, got "
                              f"{self.disaggregation_transfer_max_batch!r}")
+        _check_nodes(self)
         for name in ("bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
-                     "heartbeat_interval_s", "drain_timeout_s", "watchdog_timeout_s"):
+                     "heartbeat_interval_s", "drain_timeout_s", "watchdog_timeout_s",
+                     "dist_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 

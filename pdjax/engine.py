@@ -23,6 +23,7 @@ import numpy as np
 
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import bitmask_words
+from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
@@ -100,6 +101,8 @@ class EngineCore:
 
         enable_compilation_cache()
         self.args = args
+        # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6).
+        self.cluster = join_cluster(args)
         self.model_path = resolve_model_path(args.model_path, args.revision)
         mesh = make_mesh(args.tp_size)
         phase("backend")
@@ -141,6 +144,10 @@ class EngineCore:
                                   kv_dtype=kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size)
         phase("kv_cache")
+        if self.cluster is not None:
+            self.runner = self.cluster.mirror(self.runner)
+            if not self.cluster.is_leader:
+                return      # a follower only makes node 0's runner calls (Cluster.follow)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -177,7 +184,8 @@ class EngineCore:
         self.warmup_s = self.runner.warmup(
             progress=progress and not args.skip_warmup_progress,
             split_sampling=self.overlap and args.grammar_backend != "none",
-            core_only=background_compile and args.target_itl_ms is None)
+            # Multi-host: no background compiles (their first runs would be node 0's alone).
+            core_only=background_compile and args.target_itl_ms is None and self.cluster is None)
         phase("warmup")
         if args.target_itl_ms is not None:
             self.seed_cost_model()
@@ -769,6 +777,8 @@ class Engine:
         for rid in list(self.core.scheduler.requests):
             self.core.abort_request(rid)
         self.core.runner.caches = {}
+        if self.core.cluster is not None:
+            self.core.cluster.close()
         self.core = None
 
     def __enter__(self):
@@ -800,6 +810,7 @@ class AsyncEngine:
         self.metrics = None                  # pdjax.metrics.Metrics, set by the server
         self.error: BaseException | None = None
         self.is_ready = False
+        self.unhealthy_reason: str | None = None      # set when a multi-host node is lost
         self._progress = progress
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -1019,6 +1030,8 @@ class AsyncEngine:
                 self.core.disagg.set_wake(self._wake.set)
                 if self.metrics is not None:
                     self.core.disagg.attach_metrics(self.metrics)
+            if self.core.cluster is not None:
+                self.core.cluster.on_lost = self._on_node_lost
             self.is_ready = True
         except BaseException as e:
             logger.exception("engine failed to start")
@@ -1051,6 +1064,17 @@ class AsyncEngine:
                     self._profile_dir = self._profile_steps_left = None
         if self.core.disagg is not None:
             self.core.disagg.close()
+        if self.core.cluster is not None:
+            self.core.cluster.close()
+
+    def _on_node_lost(self, reason: str) -> None:
+        """Multi-host: a node went away (called from the heartbeat thread, while the engine
+        thread may be stuck in a collective): unhealthy from now on, every open request fails."""
+        self.unhealthy_reason = reason
+        self.is_ready = False
+        for rid in list(self._streams):
+            self._push(GenerateOutput(rid, [], finished=True, error=reason, status_code=503,
+                                      finish_reason={"type": "abort", "message": reason}))
 
 
 def _version() -> str:
