@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
+import socket
 import os
 import threading
 import time
@@ -457,14 +459,59 @@ class _FollowerCalls:
 
 
 def run_follower(args) -> int:
-    """``python -m pdjax.serve --nnodes N --node-rank R`` with R > 0: join, build the runner
-    (as node 0's engine does), then follow node 0 until it shuts down or goes away."""
-    from pdjax.engine import EngineCore
+    """``python -m pdjax.serve --nnodes N --node-rank R`` with R > 0: a supervisor process and
+    its worker. The worker joins, builds the runner (as node 0's engine does) and follows node 0
+    until it shuts down or goes away. The supervisor exists because JAX's coordination client
+    aborts the worker (SIGABRT) as soon as node 0's coordinator is gone, before the heartbeat
+    can say so: the supervisor then reports that the leader went away (its heartbeat port no
+    longer answers) and exits 1. Signals to the supervisor reach the worker; the worker dies
+    with the supervisor (Linux ``PR_SET_PDEATHSIG``)."""
+    pid = os.fork()
+    if pid == 0:
+        _die_with_parent()
+        try:
+            cluster = join(args)
+            from pdjax.engine import EngineCore
 
+            core = EngineCore(args, progress=False)
+        except (RuntimeError, ValueError) as e:
+            _exit(2, f"node {args.node_rank}: {e}")
+        cluster.follow(core.runner)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            return 1
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    if code >= 0:
+        return code                     # the worker said why itself
+    host, port = _endpoints(args.dist_init_addr)
+    if not _port_open(host, port + 2):
+        _exit(1, f"node {args.node_rank}: the leader (node 0 at {host}:{port}) went away: "
+                 f"its heartbeat port is closed and JAX stopped this node's worker (signal "
+                 f"{-code}); exiting")
+    _exit(1, f"node {args.node_rank}: the worker died of signal {-code}; exiting")
+    return 1
+
+
+def _die_with_parent() -> None:
     try:
-        cluster = join(args)
-        core = EngineCore(args, progress=False)
-    except (RuntimeError, ValueError) as e:
-        _exit(2, f"node {args.node_rank}: {e}")
-    cluster.follow(core.runner)
-    return 0
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except OSError:
+        logger.warning("multi-host: PR_SET_PDEATHSIG unavailable; the worker may outlive its "
+                       "supervisor")
+
+
+def _port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout_s):
+            return True
+    except OSError:
+        return False
