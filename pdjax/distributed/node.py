@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-import socket
 import os
 import threading
 import time
@@ -61,7 +59,8 @@ def join(args) -> "Cluster | None":
     return _cluster
 
 
-def _endpoints(addr: str) -> tuple[str, int]:
+def endpoints(addr: str) -> tuple[str, int]:
+    """``(host, port)`` of ``--dist-init-addr HOST:PORT`` (already validated by ServerArgs)."""
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -81,7 +80,7 @@ class Cluster:
         self.timeout_s = float(args.dist_timeout_s)
         self.lost: str | None = None      # why the cluster is broken, once it is
         self.on_lost = None               # leader: callback(reason), set by the engine
-        host, port = _endpoints(args.dist_init_addr)
+        host, port = endpoints(args.dist_init_addr)
         self.host, self.port = host, port
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_enable_recoverability", True)
@@ -118,7 +117,8 @@ class Cluster:
         hellos: dict[int, tuple[bytes, dict]] = {}
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
         while len(hellos) < self.args.nnodes - 1:
-            if not self._sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            left_ms = max(1, int(1000 * (deadline - time.monotonic())))
+            if not self._sock.poll(left_ms):
                 missing = sorted(set(range(1, self.args.nnodes)) - set(hellos))
                 raise RuntimeError(f"multi-host start-up: nodes {missing} did not say hello "
                                    f"within {HANDSHAKE_TIMEOUT_S:.0f} s")
@@ -195,7 +195,7 @@ class Cluster:
 
     def _on_silent(self, rank: int, silent_s: float) -> None:
         if not self.is_leader:
-            _exit(1, f"node {self.rank}: the leader (node 0 at {self.host}:{self.port}) went "
+            exit_now(1, f"node {self.rank}: the leader (node 0 at {self.host}:{self.port}) went "
                      f"away: no heartbeat for {silent_s:.1f} s; exiting")
         reason = f"multi-host: node {rank} went away (no heartbeat for {silent_s:.1f} s)"
         logger.error("%s; this server is unhealthy", reason)
@@ -237,8 +237,9 @@ class Cluster:
             if self.lost is not None:
                 raise RuntimeError(self.lost)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"multi-host: nodes {sorted(set(range(1, self.args.nnodes)) - arrived)} "
-                                   f"did not reach the barrier in {timeout_s:.0f} s")
+                late = sorted(set(range(1, self.args.nnodes)) - arrived)
+                raise RuntimeError(f"multi-host: nodes {late} did not reach the barrier in "
+                                   f"{timeout_s:.0f} s")
             if self._sock.poll(500):
                 _, frame = self._sock.recv_multipart()[:2]
                 try:
@@ -260,26 +261,27 @@ class Cluster:
         """Follower: make the leader's calls on ``runner`` until it says shutdown (exit 0) or
         goes away; a malformed message or a failed call exits 1 (the step sequence is broken,
         so the leader must see this node gone). Never returns."""
-        mirror = _FollowerCalls(runner)
+        mirror = FollowerCalls(runner)
         while True:
             try:
                 msg = wire.decode(self._sock.recv())
             except wire.WireError as e:
-                _exit(1, f"node {self.rank}: refused a malformed message from the leader ({e}); "
-                         "exiting")
+                exit_now(1, f"node {self.rank}: refused a malformed message from the leader "
+                            f"({e}); exiting")
             if msg["op"] == "shutdown":
-                _exit(0, f"node {self.rank}: the leader shut down; exiting")
+                exit_now(0, f"node {self.rank}: the leader shut down; exiting")
             try:
                 mirror.call(msg)
             except wire.WireError as e:
-                _exit(1, f"node {self.rank}: refused the leader's {msg['op']} ({e}); exiting")
+                exit_now(1, f"node {self.rank}: refused the leader's {msg['op']} ({e}); exiting")
             except Exception as e:
-                _exit(1, f"node {self.rank}: {msg['op']} failed ({type(e).__name__}: {e}); a "
-                         "node probably went away; exiting")
+                exit_now(1, f"node {self.rank}: {msg['op']} failed ({type(e).__name__}: {e}); "
+                            "a node probably went away; exiting")
 
 
-def _exit(code: int, message: str) -> None:
-    """Log ``message`` and leave at once: no JAX shutdown barrier with a node that is gone."""
+def exit_now(code: int, message: str) -> None:
+    """Log ``message`` and leave the process at once: no JAX shutdown barrier with a node
+    that is gone."""
     (logger.info if code == 0 else logger.error)(message)
     print(f"pdjax: {message}", flush=True)
     logging.shutdown()
@@ -363,7 +365,7 @@ class LeaderRunner:
         self._runner.init_penalty_slot(slot, prompt_ids, output_ids)
 
 
-class _FollowerCalls:
+class FollowerCalls:
     """A follower's side of ``LeaderRunner``: every message range-checked against this
     runner's buckets, pages and vocabulary before the call is made (``WireError`` if not)."""
 
@@ -456,62 +458,3 @@ class _FollowerCalls:
         self._made[seq] = (out.tokens, hidden)
         self._made.pop(seq - KEPT_STEPS, None)
         self._last_seq = seq
-
-
-def run_follower(args) -> int:
-    """``python -m pdjax.serve --nnodes N --node-rank R`` with R > 0: a supervisor process and
-    its worker. The worker joins, builds the runner (as node 0's engine does) and follows node 0
-    until it shuts down or goes away. The supervisor exists because JAX's coordination client
-    aborts the worker (SIGABRT) as soon as node 0's coordinator is gone, before the heartbeat
-    can say so: the supervisor then reports that the leader went away (its heartbeat port no
-    longer answers) and exits 1. Signals to the supervisor reach the worker; the worker dies
-    with the supervisor (Linux ``PR_SET_PDEATHSIG``)."""
-    pid = os.fork()
-    if pid == 0:
-        _die_with_parent()
-        try:
-            cluster = join(args)
-            from pdjax.engine import EngineCore
-
-            core = EngineCore(args, progress=False)
-        except (RuntimeError, ValueError) as e:
-            _exit(2, f"node {args.node_rank}: {e}")
-        cluster.follow(core.runner)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except ChildProcessError:
-            return 1
-        except InterruptedError:
-            continue
-    code = os.waitstatus_to_exitcode(status)
-    if code >= 0:
-        return code                     # the worker said why itself
-    host, port = _endpoints(args.dist_init_addr)
-    if not _port_open(host, port + 2):
-        _exit(1, f"node {args.node_rank}: the leader (node 0 at {host}:{port}) went away: "
-                 f"its heartbeat port is closed and JAX stopped this node's worker (signal "
-                 f"{-code}); exiting")
-    _exit(1, f"node {args.node_rank}: the worker died of signal {-code}; exiting")
-    return 1
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except OSError:
-        logger.warning("multi-host: PR_SET_PDEATHSIG unavailable; the worker may outlive its "
-                       "supervisor")
-
-
-def _port_open(host: str, port: int, timeout_s: float = 2.0) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout_s):
-            return True
-    except OSError:
-        return False

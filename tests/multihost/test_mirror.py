@@ -1,5 +1,5 @@
 """Node 0's runner calls as a follower receives them (``LeaderRunner`` -> ``wire`` ->
-``_FollowerCalls``), over recording runners: the follower makes the same call with equal
+``FollowerCalls``), over recording runners: the follower makes the same call with equal
 arrays, and refuses (``WireError`` naming the field) every value outside its runner's shapes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdjax.distributed import wire
-from pdjax.distributed.node import LeaderRunner, _FollowerCalls
+from pdjax.distributed.node import LeaderRunner, FollowerCalls
 from pdjax.runner.device_sampler import SamplingRow, build_sampling_inputs
 from pdjax.sched.batch import BatchRow, build_flat_batch
 from pdjax.sched.buckets import Buckets
@@ -19,7 +19,7 @@ PAGE, PAGES, VOCAB, ROWS = 16, 33, 512, 4
 
 
 class RecordingRunner:
-    """The attributes ``LeaderRunner`` / ``_FollowerCalls`` read, and a forward that records."""
+    """The attributes ``LeaderRunner`` / ``FollowerCalls`` read, and a forward that records."""
 
     def __init__(self):
         self.buckets = Buckets.create(chunked_prefill_size=32, max_running_requests=ROWS,
@@ -57,7 +57,7 @@ class Wire:
 @pytest.fixture()
 def pair():
     leader, follower, cable = RecordingRunner(), RecordingRunner(), Wire()
-    return LeaderRunner(leader, cable), leader, _FollowerCalls(follower), follower, cable
+    return LeaderRunner(leader, cable), leader, FollowerCalls(follower), follower, cable
 
 
 def _step(lead, rows, prev_tokens=None, prev_idx=None, want_hidden=False):

@@ -12,7 +12,8 @@ from pdjax.distributed import wire
 
 def test_arrays_round_trip_as_raw_bytes():
     for a in (np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False]),
-              np.array([[1, 2]], np.uint32), np.float32([0.5, -1.25]), np.zeros((0,), np.int32), np.bool_(True),
+              np.array([[1, 2]], np.uint32), np.float32([0.5, -1.25]), np.zeros((0,), np.int32),
+              np.bool_(True),
               np.arange(6, dtype=np.int32).reshape(2, 3).T):
         frame = wire.encode("forward", seq=1, a=wire.encode_array(a))
         b = wire.decode_array(wire.decode(frame)["a"], "a")
