@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
+from os import _exit as hard_exit      # documented stdlib API: exit without cleanup
 import threading
 import time
 
@@ -285,7 +285,12 @@ def exit_now(code: int, message: str) -> None:
     (logger.info if code == 0 else logger.error)(message)
     print(f"pdjax: {message}", flush=True)
     logging.shutdown()
-    os._exit(code)
+    hard_exit(code)
+
+
+def _named(sampling) -> dict:
+    """``SamplingInputs`` (a NamedTuple) as ``{field: value}``."""
+    return dict(zip(type(sampling).__annotations__, sampling))
 
 
 def _array_fields(obj) -> dict[str, np.ndarray]:
@@ -346,7 +351,7 @@ class LeaderRunner:
         self._cluster.send(
             "forward", seq=seq, key=[key.entry, key.num_tokens, key.num_rows, key.pages_per_seq],
             batch={k: wire.encode_array(a) for k, a in _array_fields(fb).items()},
-            sampling={k: wire.encode_array(np.asarray(v)) for k, v in sampling._asdict().items()},
+            sampling={k: wire.encode_array(np.asarray(v)) for k, v in _named(sampling).items()},
             prev_idx=wire.encode_array(prev_idx), prev=self._seq_of(prev_tokens),
             want_hidden=bool(want_hidden))
         out, hidden = r.forward(key, fb, sampling, prev_idx, prev_tokens, want_hidden)
@@ -448,7 +453,7 @@ class FollowerCalls:
         fb = dataclasses.replace(template, **fields)
         samp_template = self._sampler.build_sampling_inputs([], key.num_rows,
                                                             vocab_size=r.cfg.vocab_size)
-        samp = self._arrays(msg, "sampling", samp_template._asdict())
+        samp = self._arrays(msg, "sampling", _named(samp_template))
         self._in_range("sampling.penalty_slot", samp["penalty_slot"], 0, r.num_penalty_slots)
         sampling = self._sampler.SamplingInputs(**samp)
         prev = wire.get_int(msg, "prev", -1, seq)
