@@ -88,9 +88,6 @@ class Cluster:
                     args.nnodes, host, port)
         jax.distributed.initialize(f"{host}:{port}", args.nnodes, self.rank,
                                    heartbeat_timeout_seconds=max(60, int(6 * self.timeout_s)))
-        if args.tp_size != jax.device_count():
-            raise ValueError(f"tp_size ({args.tp_size}) must equal the devices of all "
-                             f"{args.nnodes} nodes ({jax.device_count()}) when nnodes > 1")
         model = wire.config_digest(checkpoint_config(resolve_model_path(args.model_path,
                                                                         args.revision)))
         self.identity = wire.node_identity(args, model, pdjax_version())
@@ -107,6 +104,9 @@ class Cluster:
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(f"tcp://{host}:{port + 1}")
             self._hello()
+        if args.tp_size != jax.device_count():     # after the check: all nodes agree on it
+            raise ValueError(f"tp_size ({args.tp_size}) must equal the devices of all "
+                             f"{args.nnodes} nodes ({jax.device_count()}) when nnodes > 1")
         self._hb = threading.Thread(target=self._heartbeats, name="pdjax-node-heartbeat",
                                     daemon=True)
         self._hb.start()
