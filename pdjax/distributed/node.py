@@ -11,13 +11,17 @@ result (the sampled ids are replicated: only the leader fetches them).
 Sockets, all from ``--dist-init-addr HOST:PORT``: PORT is JAX's coordinator
 (``jax.distributed.initialize``; on CPU the collectives run through gloo), PORT+1 the leader's
 step socket (ZMQ ROUTER, one DEALER per follower: hello/welcome, then the calls), PORT+2 the
-heartbeat socket (both sides send one every ``dist_timeout_s / 5`` s from their own thread).
+heartbeat socket (each follower sends one every ``min(1, dist_timeout_s / 5)`` s from its own
+thread, and node 0's heartbeat thread answers each).
 A follower that hears nothing from the leader for ``dist_timeout_s`` s logs that the leader
 went away and exits 1; a leader that hears nothing from a follower marks itself unhealthy and
 fails its in-flight requests (``Cluster.on_lost``). A collective whose peer died fails at once
 (gloo: connection closed), and ``jax_enable_recoverability`` keeps JAX's coordination service
-from aborting the survivors. Start-up fails with a ``RuntimeError`` naming every field where a
-node's model, pdjax version or shape-fixing flags (``wire.AGREED_FIELDS``) differ from node 0's.
+from aborting the survivors (node 0; a follower's worker is aborted when node 0's coordinator
+goes, see ``pdjax.entrypoints.multihost``). JAX's preemption service is off: it would take
+SIGTERM, which the server's drain needs. Start-up fails with a ``RuntimeError`` naming every
+field where a node's model, pdjax version or shape-fixing flags (``wire.AGREED_FIELDS``)
+differ from node 0's.
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class Cluster:
         self.host, self.port = host, port
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.config.update("jax_enable_recoverability", True)
+        # JAX's preemption service takes SIGTERM for itself; the server's drain needs it.
+        jax.config.update("jax_enable_preemption_service", False)
         logger.info("node %d/%d: joining JAX's distributed runtime at %s:%d", self.rank,
                     args.nnodes, host, port)
         jax.distributed.initialize(f"{host}:{port}", args.nnodes, self.rank,

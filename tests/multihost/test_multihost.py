@@ -2,7 +2,8 @@
 with 2 simulated CPU devices each, TP 4 over both (``--nnodes 2``), against a 1-process TP 1
 engine in the test process (DESIGN.md §5 tolerances), and the failure paths: a follower that
 goes away makes the leader unhealthy and fails its requests; a leader that goes away makes the
-follower exit with a clear message; nodes that disagree refuse to start."""
+follower exit with a clear message, one that shuts down makes it exit 0; nodes that disagree
+refuse to start."""
 
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ def _wait_exit(server: Server, timeout_s: float) -> int | None:
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v32"])
 def test_two_nodes_tp4_equal_one_process(name, tiny_checkpoints, reference, tmp_path):
     """Greedy tokens and logprobs of a batch (and a streamed request) over 2 nodes x 2
-    devices equal TP 1 in one process; then the failure path of each model's cluster."""
+    devices equal TP 1 in one process; then qwen3's cluster loses its follower, and
+    deepseek's leader shuts down."""
     leader, follower = start_cluster(tiny_checkpoints[name], str(tmp_path))
     try:
         leader.wait_healthy(600)
@@ -121,7 +123,7 @@ def test_two_nodes_tp4_equal_one_process(name, tiny_checkpoints, reference, tmp_
         if name == "qwen3":
             _follower_goes_away(leader, follower)
         else:
-            _leader_goes_away(leader, follower)
+            _leader_shuts_down(leader, follower)
     finally:
         leader.stop()
         follower.stop()
@@ -157,15 +159,34 @@ def _follower_goes_away(leader: Server, follower: Server) -> None:
     assert leader.proc.poll() is None           # unhealthy, still answering
 
 
-def _leader_goes_away(leader: Server, follower: Server) -> None:
-    """Node 0 killed: node 1 exits 1 within the heartbeat timeout, saying why."""
-    leader.kill(signal.SIGKILL)
-    t0 = time.monotonic()
-    rc = _wait_exit(follower, TIMEOUT_S + 20)
-    assert rc == 1, (rc, follower.log_tail())
-    assert time.monotonic() - t0 < TIMEOUT_S + 20
-    assert "the leader (node 0 at 127.0.0.1" in follower.log_tail() and "went away" in \
-        follower.log_tail(), follower.log_tail()
+def _leader_shuts_down(leader: Server, follower: Server) -> None:
+    """SIGTERM to node 0: it drains and exits 0, and node 1 exits 0 saying the leader shut
+    down (JAX's preemption service used to take the SIGTERM: node 0 never drained)."""
+    leader.proc.send_signal(signal.SIGTERM)
+    assert _wait_exit(leader, 40) == 0, leader.log_tail()
+    assert _wait_exit(follower, 20) == 0, follower.log_tail()
+    assert "node 1: the leader shut down; exiting" in follower.log_tail(), follower.log_tail()
+
+
+def test_follower_exits_when_the_leader_is_killed(tiny_checkpoints, tmp_path):
+    """Node 0 killed (SIGKILL) once both joined: node 1 exits 1 within the heartbeat timeout,
+    saying the leader went away (JAX's coordination client aborts the worker at once; the
+    supervisor says why)."""
+    leader, follower = start_cluster(tiny_checkpoints["qwen3"], str(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        while "1 followers joined" not in leader.log_tail() and time.monotonic() < deadline:
+            assert leader.proc.poll() is None, leader.log_tail()
+            time.sleep(0.2)
+        leader.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        assert _wait_exit(follower, TIMEOUT_S + 20) == 1, follower.log_tail()
+        assert time.monotonic() - t0 < TIMEOUT_S + 20
+        tail = follower.log_tail()
+        assert "node 1: the leader (node 0 at 127.0.0.1" in tail and "went away" in tail, tail
+    finally:
+        leader.stop()
+        follower.stop()
 
 
 def test_nodes_that_disagree_refuse_to_start(tiny_checkpoints, tmp_path):
