@@ -102,12 +102,17 @@ class Cluster:
         if self.is_leader:
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.LINGER, 1000)
+            # A call must never be dropped (the nodes would fall out of step): no queue limit,
+            # and a send to a follower that is gone raises instead of vanishing.
+            self._sock.setsockopt(zmq.SNDHWM, 0)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.bind(f"tcp://*:{port + 1}")
             self._followers = self._accept()
         else:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, f"node-{self.rank}".encode())
             self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)
             self._sock.connect(f"tcp://{host}:{port + 1}")
             self._hello()
         if args.tp_size != jax.device_count():     # after the check: all nodes agree on it
@@ -213,9 +218,14 @@ class Cluster:
     # ------------------------------------------------------------------ leader
     def send(self, op: str, **fields) -> None:
         """Leader: send one call to every follower (engine thread only)."""
+        import zmq
+
         frame = wire.encode(op, **fields)
         for ident in self._followers:
-            self._sock.send_multipart([ident, frame])
+            try:
+                self._sock.send_multipart([ident, frame])
+            except zmq.ZMQError as e:
+                raise RuntimeError(f"multi-host: cannot reach {ident.decode()} ({e})") from None
 
     def mirror(self, runner):
         """The runner the engine uses: ``LeaderRunner(runner)`` on node 0, ``runner`` itself on
@@ -259,7 +269,10 @@ class Cluster:
     def close(self) -> None:
         """Leader: tell the followers to exit (SIGTERM drain done); stop the heartbeats."""
         if self.is_leader and self.lost is None:
-            self.send("shutdown")
+            try:
+                self.send("shutdown")
+            except RuntimeError as e:
+                logger.warning("%s: not told to shut down", e)
         self._stop.set()
 
     # ------------------------------------------------------------------ follower
