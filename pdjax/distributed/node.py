@@ -233,6 +233,9 @@ class Cluster:
         compiling and running: gloo gives up on a collective whose peers are 30 s late, and one
         node may compile for longer than that (a persistent-cache miss)."""
         runner.warmup_barrier = self.barrier
+        held, total = local_param_share(runner.state)
+        logger.info("node %d holds %d of the %d parameter elements (%.1f%%): its own shards",
+                    self.rank, held, total, 100.0 * held / max(total, 1))
         return LeaderRunner(runner, self) if self.is_leader else runner
 
     def barrier(self, timeout_s: float = 1800.0) -> None:
@@ -296,6 +299,26 @@ class Cluster:
             except Exception as e:
                 exit_now(1, f"node {self.rank}: {msg['op']} failed ({type(e).__name__}: {e}); "
                             "a node probably went away; exiting")
+
+
+def local_param_share(state) -> tuple[int, int]:
+    """``(elements this process's devices hold, elements of the model)`` over every parameter
+    of ``state`` (an NNX state), each distinct shard counted once: a parameter split over all
+    nodes' devices counts its local part, a replicated one all of it."""
+    import jax
+
+    held = total = 0
+    for leaf in jax.tree.leaves(state):
+        if not isinstance(leaf, jax.Array):
+            continue
+        total += leaf.size
+        seen = set()
+        for shard in leaf.addressable_shards:
+            key = tuple((i.start, i.stop) for i in shard.index)
+            if key not in seen:
+                seen.add(key)
+                held += shard.data.size
+    return held, total
 
 
 def exit_now(code: int, message: str) -> None:

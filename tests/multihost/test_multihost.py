@@ -8,6 +8,7 @@ refuse to start."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import json
@@ -118,6 +119,14 @@ def test_two_nodes_tp4_equal_one_process(name, tiny_checkpoints, reference, tmp_
         assert status == 200 and info["nnodes"] == 2 and info["tp_size"] == 4
         ref = reference(name)
         assert _check_equal(_generate(leader), ref) >= len(PROMPTS)
+        shares = []
+        for node in (leader, follower):
+            with open(node.log_path, errors="replace") as f:
+                held = re.search(r"holds (\d+) of the (\d+) parameter elements", f.read())
+            shares.append(int(held[1]) / int(held[2]))
+        # Each node holds its own shards only: half of every TP-split parameter (its 2 of the
+        # 4 devices), all of the replicated ones (norms, MLA's latent projections, routers).
+        assert shares[0] == shares[1] and 0.5 < shares[0] < 0.7, shares
         ids, events = _streamed_ids(leader, PROMPTS[2])
         assert len(events) > 1 and ids == _generate(leader)[2]["output_ids"]
         if name == "qwen3":
