@@ -39,7 +39,7 @@ from pdjax.distributed import wire
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 120.0
-KEPT_STEPS = 4            # forwards whose outputs a later call may name (overlap needs 1)
+KEPT_STEPS = 8            # calls whose outputs a later call may name (overlap needs 2)
 _cluster = None
 
 
@@ -367,19 +367,31 @@ class LeaderRunner:
                                "to the runner")
         return entry[0]
 
-    def _remember(self, seq: int, *arrays) -> None:
-        for a in arrays:
-            if a is not None:
-                self._made[id(a)] = (seq, a)
+    def _remember(self, seq: int, *made) -> None:
+        """Name ``seq`` for the device arrays a call made (a ``StepOutputs``' tokens and the
+        ``StepOutputs`` itself, hidden states, logits)."""
+        for a in made:
+            if a is None:
+                continue
+            tokens = getattr(a, "tokens", None)
+            for x in (a,) if tokens is None else (a, tokens):
+                self._made[id(x)] = (seq, x)
         for key in [k for k, (s, _) in self._made.items() if s <= seq - KEPT_STEPS]:
             del self._made[key]
 
-    def warmup(self, progress: bool = True, compile_threads: int | None = None) -> float:
-        self._cluster.send("warmup")
-        return self._runner.warmup(progress=progress, compile_threads=compile_threads)
+    def _next_seq(self) -> int:
+        seq = self._seq + 1
+        object.__setattr__(self, "_seq", seq)
+        return seq
+
+    def warmup(self, progress: bool = True, compile_threads: int | None = None,
+               split_sampling: bool = False) -> float:
+        self._cluster.send("warmup", split_sampling=bool(split_sampling))
+        return self._runner.warmup(progress=progress, compile_threads=compile_threads,
+                                   split_sampling=split_sampling)
 
     def forward(self, key, fb, sampling=None, prev_idx=None, prev_tokens=None,
-                want_hidden: bool = False):
+                want_hidden: bool = False, want_logits: bool = False):
         from pdjax.runner import device_sampler
 
         r = self._runner
@@ -388,17 +400,27 @@ class LeaderRunner:
                                                             vocab_size=r.cfg.vocab_size)
         if prev_idx is None:
             prev_idx = np.full(key.num_tokens, -1, np.int32)
-        seq = self._seq + 1
-        object.__setattr__(self, "_seq", seq)
+        seq = self._next_seq()
         self._cluster.send(
             "forward", seq=seq, key=[key.entry, key.num_tokens, key.num_rows, key.pages_per_seq],
             batch={k: wire.encode_array(a) for k, a in _array_fields(fb).items()},
             sampling={k: wire.encode_array(np.asarray(v)) for k, v in _named(sampling).items()},
             prev_idx=wire.encode_array(prev_idx), prev=self._seq_of(prev_tokens),
-            want_hidden=bool(want_hidden))
-        out, hidden = r.forward(key, fb, sampling, prev_idx, prev_tokens, want_hidden)
-        self._remember(seq, out.tokens, hidden)
-        return out, hidden
+            want_hidden=bool(want_hidden), want_logits=bool(want_logits))
+        result = r.forward(key, fb, sampling, prev_idx, prev_tokens, want_hidden, want_logits)
+        self._remember(seq, *result)
+        return result
+
+    def resample(self, entry: str, logits, sampling, first, redo):
+        seq = self._next_seq()
+        self._cluster.send(
+            "resample", seq=seq, entry=str(entry), logits=self._seq_of(logits),
+            first=self._seq_of(first.tokens),
+            sampling={k: wire.encode_array(np.asarray(v)) for k, v in _named(sampling).items()},
+            redo=wire.encode_array(np.asarray(redo, bool)))
+        out = self._runner.resample(entry, logits, sampling, first, redo)
+        self._remember(seq, out)
+        return out
 
     def prompt_logprobs_at(self, hidden, indices, target_ids, want_top: bool):
         self._cluster.send("prompt_logprobs", hidden=self._seq_of(hidden),
@@ -423,7 +445,7 @@ class FollowerCalls:
         self.keys = {(k.entry, k.num_tokens, k.num_rows, k.pages_per_seq): k
                      for k in runner.buckets.all_keys()}
         self._sampler = device_sampler
-        self._made: dict[int, tuple] = {}          # seq -> (tokens, hidden)
+        self._made: dict[int, dict] = {}           # seq -> {"out", "hidden", "logits"}
         self._last_seq = 0
 
     def _arrays(self, msg: dict, name: str, template: dict[str, np.ndarray]) -> dict:
@@ -444,20 +466,37 @@ class FollowerCalls:
         if a.size and (a.min() < lo or a.max() >= hi):
             raise wire.WireError(f"{name}: values outside [{lo}, {hi})")
 
-    def _made_by(self, seq: int, which: int):
-        if seq not in self._made or self._made[seq][which] is None:
-            raise wire.WireError(f"step {seq} is not one of the kept forwards")
+    def _made_by(self, seq: int, which: str):
+        if self._made.get(seq, {}).get(which) is None:
+            raise wire.WireError(f"step {seq} is not one of the kept forwards (no {which})")
         return self._made[seq][which]
+
+    def _keep(self, seq: int, **made) -> None:
+        self._made[seq] = made
+        self._made.pop(seq - KEPT_STEPS, None)
+        self._last_seq = seq
+
+    def _sampling(self, msg: dict, rows: int):
+        r = self.runner
+        template = self._sampler.build_sampling_inputs([], rows, vocab_size=r.cfg.vocab_size)
+        samp = self._arrays(msg, "sampling", _named(template))
+        self._in_range("sampling.penalty_slot", samp["penalty_slot"], 0, r.num_penalty_slots)
+        if "logit_bias_ids" in samp:
+            self._in_range("sampling.logit_bias_ids", samp["logit_bias_ids"], 0,
+                           r.cfg.vocab_size)
+        return self._sampler.SamplingInputs(**samp)
 
     def call(self, msg: dict) -> None:
         op, r = msg["op"], self.runner
         vocab = r.cfg.vocab_size
         if op == "warmup":
-            r.warmup(progress=False)
+            r.warmup(progress=False, split_sampling=bool(msg.get("split_sampling")))
         elif op == "forward":
             self._forward(msg)
+        elif op == "resample":
+            self._resample(msg)
         elif op == "prompt_logprobs":
-            hidden = self._made_by(wire.get_int(msg, "hidden", 1, self._last_seq + 1), 1)
+            hidden = self._made_by(wire.get_int(msg, "hidden", 1, self._last_seq + 1), "hidden")
             n = hidden.shape[0]
             indices = wire.get_int_list(msg, "indices", 0, n, n)
             targets = wire.get_int_list(msg, "target_ids", 0, vocab, n)
@@ -493,15 +532,25 @@ class FollowerCalls:
                          ("logits_indices", T)):
             self._in_range(f"batch.{name}", fields[name], 0, hi)
         fb = dataclasses.replace(template, **fields)
-        samp_template = self._sampler.build_sampling_inputs([], key.num_rows,
-                                                            vocab_size=r.cfg.vocab_size)
-        samp = self._arrays(msg, "sampling", _named(samp_template))
-        self._in_range("sampling.penalty_slot", samp["penalty_slot"], 0, r.num_penalty_slots)
-        sampling = self._sampler.SamplingInputs(**samp)
+        sampling = self._sampling(msg, key.num_rows)
         prev = wire.get_int(msg, "prev", -1, seq)
-        prev_tokens = None if prev == -1 else self._made_by(prev, 0)
-        out, hidden = r.forward(key, fb, sampling, prev_idx, prev_tokens,
-                                bool(msg.get("want_hidden")))
-        self._made[seq] = (out.tokens, hidden)
-        self._made.pop(seq - KEPT_STEPS, None)
-        self._last_seq = seq
+        prev_tokens = None if prev == -1 else self._made_by(prev, "out").tokens
+        want_logits = bool(msg.get("want_logits"))
+        result = r.forward(key, fb, sampling, prev_idx, prev_tokens, bool(msg.get("want_hidden")),
+                           want_logits)
+        self._keep(seq, out=result[0], hidden=result[1],
+                   logits=result[2] if want_logits else None)
+
+    def _resample(self, msg: dict) -> None:
+        seq = wire.get_int(msg, "seq", self._last_seq + 1, self._last_seq + 2)
+        entry = msg.get("entry")
+        if entry not in {k.entry for k in self.keys.values()}:
+            raise wire.WireError(f"entry: {entry!r} is not an entry point")
+        logits = self._made_by(wire.get_int(msg, "logits", 1, seq), "logits")
+        first = self._made_by(wire.get_int(msg, "first", 1, seq), "out")
+        rows = logits.shape[0]
+        sampling = self._sampling(msg, rows)
+        redo = wire.decode_array(msg.get("redo"), "redo")
+        if redo.dtype != np.bool_ or redo.shape != (rows,):
+            raise wire.WireError(f"redo: expected bool[{rows}]")
+        self._keep(seq, out=self.runner.resample(entry, logits, sampling, first, redo))

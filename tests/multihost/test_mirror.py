@@ -34,10 +34,18 @@ class RecordingRunner:
                                 num_rows_pad=key.num_rows, pages_per_seq_pad=key.pages_per_seq,
                                 num_logits_pad=key.num_rows, chunk_size=32)
 
-    def forward(self, key, fb, sampling, prev_idx, prev_tokens, want_hidden=False):
+    def forward(self, key, fb, sampling, prev_idx, prev_tokens, want_hidden=False,
+                want_logits=False):
         out = types.SimpleNamespace(tokens=np.zeros(ROWS, np.int32))
         self.calls.append(("forward", key, fb, sampling, prev_idx, prev_tokens))
-        return out, (np.zeros((key.num_tokens, 8), np.float32) if want_hidden else None)
+        hidden = np.zeros((key.num_tokens, 8), np.float32) if want_hidden else None
+        if want_logits:
+            return out, hidden, np.zeros((key.num_rows, VOCAB), np.float32)
+        return out, hidden
+
+    def resample(self, entry, logits, sampling, first, redo):
+        self.calls.append(("resample", entry, logits, sampling, first, redo))
+        return types.SimpleNamespace(tokens=np.ones(ROWS, np.int32))
 
     def prompt_logprobs_at(self, hidden, indices, target_ids, want_top):
         self.calls.append(("prompt_logprobs", hidden, list(indices), list(target_ids), want_top))
@@ -60,14 +68,14 @@ def pair():
     return LeaderRunner(leader, cable), leader, FollowerCalls(follower), follower, cable
 
 
-def _step(lead, rows, prev_tokens=None, prev_idx=None, want_hidden=False):
+def _step(lead, rows, prev_tokens=None, prev_idx=None, want_hidden=False, want_logits=False):
     key = lead.buckets.pick("mixed" if len(rows) > 1 else "prefill_chunk",
                             sum(len(r.input_ids) for r in rows), len(rows), 2)
     fb = lead.make_batch(key, rows)
     sampling = build_sampling_inputs(
         [SamplingRow.from_request(_req(), 0)] + [None] * (len(rows) - 1), key.num_rows,
         vocab_size=VOCAB)
-    return lead.forward(key, fb, sampling, prev_idx, prev_tokens, want_hidden)
+    return lead.forward(key, fb, sampling, prev_idx, prev_tokens, want_hidden, want_logits)
 
 
 def _req():
@@ -81,16 +89,21 @@ def _req():
 def test_follower_makes_the_leaders_calls_with_equal_arrays(pair):
     lead, leader, calls, follower, cable = pair
     rows = [BatchRow([7, 8, 9], 0, [3]), BatchRow([5] * 20, 0, [4, 5])]
-    out, hidden = _step(lead, rows, want_hidden=True)
+    out, hidden, logits = _step(lead, rows, want_hidden=True, want_logits=True)
     lead.prompt_logprobs_at(hidden, [0, 2], [8, 9], True)
     lead.init_penalty_slot(2, [1, 2, 3], [4])
+    redo = np.array([True, False, False, False])
+    bitmask = np.full((ROWS, VOCAB // 32), -1, np.int32)
+    bitmask[0, 0] = 6
+    again = lead.resample("extend", logits, build_sampling_inputs(
+        [SamplingRow.from_request(_req(), 0), None, None, None], ROWS, bitmask=bitmask), out, redo)
     prev_idx = np.full(16, -1, np.int32)
     prev_idx[0] = 0
-    _step(lead, [BatchRow([-1], 3, [3])], prev_tokens=out.tokens, prev_idx=prev_idx)
+    _step(lead, [BatchRow([-1], 3, [3])], prev_tokens=again.tokens, prev_idx=prev_idx)
     for frame in cable.frames:
         calls.call(wire.decode(frame))
     assert [c[0] for c in follower.calls] == [c[0] for c in leader.calls] == [
-        "forward", "prompt_logprobs", "penalty_slot", "forward"]
+        "forward", "prompt_logprobs", "penalty_slot", "resample", "forward"]
     for ours, theirs in zip(follower.calls, leader.calls):
         if ours[0] == "forward":
             assert ours[1] == theirs[1]
@@ -102,7 +115,12 @@ def test_follower_makes_the_leaders_calls_with_equal_arrays(pair):
             assert (ours[4] == theirs[4]).all()
     assert follower.calls[1][2:] == ([0, 2], [8, 9], True)
     assert follower.calls[2][1:] == (2, [1, 2, 3], [4])
-    assert follower.calls[3][5] is not None          # the previous step's tokens, by number
+    resample = follower.calls[3]
+    assert resample[1] == "extend" and resample[2].shape == (ROWS, VOCAB)
+    assert (resample[5] == redo).all() and (resample[3].bitmask == bitmask).all()
+    assert resample[4] is not None                   # the first draw's outputs, by number
+    # The last forward reads the resample's tokens (the follower's own, named by number).
+    assert (follower.calls[4][5] == np.ones(ROWS, np.int32)).all()
 
 
 def _tampered(pair, edit):
@@ -137,6 +155,7 @@ def _set(msg, group, name, value):
     (lambda m: m.__setitem__("key", ["extend", 24, 4, 4]), "is not a warmed-up bucket"),
     (lambda m: m.__setitem__("seq", 5), "seq: 5 is not an integer in [1, 2)"),
     (lambda m: m.__setitem__("prev", 0), "step 0 is not one of the kept forwards"),
+    (lambda m: _set(m, "sampling", "logit_bias_ids", VOCAB), "sampling.logit_bias_ids"),
 ])
 def test_follower_refuses_values_outside_its_shapes(pair, edit, needle):
     assert needle in _tampered(pair, edit)
@@ -153,6 +172,15 @@ def test_follower_refuses_unknown_step_references(pair):
     with pytest.raises(wire.WireError, match="prompt_ids: 512"):
         calls.call(wire.decode(wire.encode("penalty_slot", slot=1, prompt_ids=[512],
                                            output_ids=[])))
+    empty = build_sampling_inputs([], ROWS, vocab_size=VOCAB)
+    base = dict(seq=1, entry="extend", logits=1, first=1,
+                sampling={k: wire.encode_array(np.asarray(v))
+                          for k, v in zip(empty._fields, empty)},
+                redo=wire.encode_array(np.zeros(ROWS, bool)))
+    for bad, needle in ((dict(entry="train"), "entry: 'train' is not an entry point"),
+                        (dict(logits=1), r"logits: 1 is not an integer in \[1, 1\)")):
+        with pytest.raises(wire.WireError, match=needle):
+            calls.call(wire.decode(wire.encode("resample", **dict(base, **bad))))
     with pytest.raises(wire.WireError, match="not a runner call"):
         calls.call(wire.decode(wire.encode("welcome")))
     assert follower.calls == []
