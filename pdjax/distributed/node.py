@@ -2,8 +2,8 @@
 devices, the same jitted calls in the same order on every process.
 
 Node 0 (the leader) runs the HTTP server, tokenizer, scheduler and engine; its ``ModelRunner``
-is wrapped in ``LeaderRunner``, which sends every device-state call (warm-up, forward, prompt
-logprobs, penalty slot) to the followers as a ``wire`` message before making it. A follower
+is wrapped in ``LeaderRunner``, which sends every device-state call (warm-up, forward, resample,
+prompt logprobs, penalty slot) to the followers as a ``wire`` message before making it. A follower
 (``follow``) builds the same runner and makes the calls it receives, in order, so every
 process enters each collective of each step together; it serves no HTTP and never reads a
 result (the sampled ids are replicated: only the leader fetches them).
