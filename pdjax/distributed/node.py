@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 120.0
 KEPT_STEPS = 8            # calls whose outputs a later call may name (overlap needs 2)
 _cluster = None
+_welcomed = False          # a follower passed the start-up check (node 0 was up then)
 
 
 def pdjax_version() -> str:
@@ -50,6 +51,11 @@ def pdjax_version() -> str:
         return version("pdjax")
     except Exception:
         return "0.0.0"
+
+
+def welcomed() -> bool:
+    """Whether this follower passed node 0's start-up check (so node 0 was up)."""
+    return _welcomed
 
 
 def join(args) -> "Cluster | None":
@@ -67,6 +73,10 @@ def endpoints(addr: str) -> tuple[str, int]:
     """``(host, port)`` of ``--dist-init-addr HOST:PORT`` (already validated by ServerArgs)."""
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
+
+
+class NodesDisagree(RuntimeError):
+    """Start-up refused: a node's identity differs from node 0's (the text names each field)."""
 
 
 class Cluster:
@@ -150,7 +160,7 @@ class Cluster:
                      else wire.encode("welcome"))
             self._sock.send_multipart([ident, reply])
         if problems:
-            raise RuntimeError("multi-host start-up: the nodes disagree: " + "; ".join(problems))
+            raise NodesDisagree("multi-host start-up: the nodes disagree: " + "; ".join(problems))
         logger.info("node 0: %d followers joined", len(hellos))
         return [ident for _, (ident, _) in sorted(hellos.items())]
 
@@ -161,9 +171,11 @@ class Cluster:
                                f"not answer within {HANDSHAKE_TIMEOUT_S:.0f} s")
         msg = wire.decode(self._sock.recv())
         if msg["op"] == "refuse":
-            raise RuntimeError(f"multi-host start-up: the nodes disagree: {msg.get('reason')}")
+            raise NodesDisagree(f"multi-host start-up: the nodes disagree: {msg.get('reason')}")
         if msg["op"] != "welcome":
             raise RuntimeError(f"multi-host start-up: expected welcome, got {msg['op']}")
+        global _welcomed
+        _welcomed = True
 
     # ------------------------------------------------------------------ liveness
     def _heartbeats(self) -> None:

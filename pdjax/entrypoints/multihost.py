@@ -16,7 +16,7 @@ import os
 import signal
 import socket
 
-from pdjax.distributed.node import endpoints, exit_now, join
+from pdjax.distributed.node import NodesDisagree, endpoints, exit_now, join, welcomed
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,14 @@ def _work(args) -> None:
     try:
         cluster = join(args)
         core = EngineCore(args, progress=False)
-    except (RuntimeError, ValueError) as e:
+    except NodesDisagree as e:
         exit_now(2, f"node {args.node_rank}: {e}")
+    except Exception as e:
+        host, port = endpoints(args.dist_init_addr)
+        if welcomed() and not _port_open(host, port + 2):
+            exit_now(1, f"node {args.node_rank}: the leader (node 0 at {host}:{port}) went away "
+                        f"during start-up ({type(e).__name__}: {e}); exiting")
+        exit_now(2, f"node {args.node_rank}: {type(e).__name__}: {e}")
     cluster.follow(core.runner)         # never returns
 
 
