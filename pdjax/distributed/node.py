@@ -397,7 +397,9 @@ class LeaderRunner:
         return seq
 
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
-               split_sampling: bool = False) -> float:
+               split_sampling: bool = False, core_only: bool = False) -> float:
+        if core_only:       # a background compile's first runs would be this node's alone
+            raise ValueError("core_only warm-up (background compiles) is not for multi-host")
         self._cluster.send("warmup", split_sampling=bool(split_sampling))
         return self._runner.warmup(progress=progress, compile_threads=compile_threads,
                                    split_sampling=split_sampling)
