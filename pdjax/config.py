@@ -359,17 +359,49 @@ class HTTPServerArgs:
         _check_positive(self, "watchdog_timeout_s", "drain_timeout_s")
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedArgs:
+    """Multi-host SPMD (DESIGN.md §6, ``pdjax/distributed``; SGLang's flags): one process per
+    host, TP over all their devices, node 0 serving HTTP and the others following it."""
+
+    nnodes: int = _arg(1, "processes (hosts) serving one model; TP spans all their devices")
+    node_rank: int = _arg(0, "this process's rank in [0, nnodes); 0 serves HTTP, the others "
+                             "follow it")
+    dist_init_addr: str | None = _arg(
+        None, "HOST:PORT of node 0: PORT is JAX's coordinator, PORT+1 and PORT+2 pdjax's step "
+              "and heartbeat sockets")
+    dist_timeout_s: float = _arg(
+        10.0, "multi-host: seconds without a heartbeat before a node counts as gone")
+
+    def __post_init__(self):
+        _check_fields(self)
+        _check_int(self, "nnodes", 1)
+        v = self.node_rank
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"node_rank must be a non-negative integer, got {v!r}")
+        if v >= self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {v}")
+        _check_positive(self, "dist_timeout_s")
+        if self.nnodes == 1:
+            return
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65533:
+            raise ValueError(f"dist_init_addr must be HOST:PORT with PORT in [1, 65533] when "
+                             f"nnodes > 1, got {self.dist_init_addr!r}")
+
+
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
 ARG_GROUPS = {"model": ModelArgs, "cache": CacheArgs, "scheduler": SchedulerArgs,
-              "disaggregation": DisaggregationArgs, "server": HTTPServerArgs}
+              "disaggregation": DisaggregationArgs, "server": HTTPServerArgs,
+              "distributed": DistributedArgs}
 _GROUP_OF = {f.name: group for group, cls in ARG_GROUPS.items() for f in dataclasses.fields(cls)}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class ServerArgs:
     """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
-    ``page_size``), in five groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``
-    and ``server``. Each value is stored once, in its group; ``args.page_size`` reads
+    ``page_size``), in six groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``,
+    ``server`` and ``distributed``. Each value is stored once, in its group; ``args.page_size`` reads
     ``args.cache.page_size``.
 
     Built from the CLI in one place (``from_cli_args``) or from flat keyword arguments
@@ -383,6 +415,7 @@ class ServerArgs:
     scheduler: SchedulerArgs
     disaggregation: DisaggregationArgs
     server: HTTPServerArgs
+    distributed: DistributedArgs
 
     def __init__(self, **kwargs):
         groups = {name: kwargs.pop(name, None) or cls() for name, cls in ARG_GROUPS.items()}
@@ -393,6 +426,9 @@ class ServerArgs:
             changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
             object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes
                                else group)
+        if self.distributed.nnodes > 1 and self.role != "colocated":
+            raise ValueError(f"role {self.role!r} with nnodes > 1 is not supported (multi-host "
+                             "serving is colocated only)")
 
     def __getattr__(self, name: str):
         group = _GROUP_OF.get(name)

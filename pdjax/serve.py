@@ -50,6 +50,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.node_rank > 0:          # multi-host follower: no HTTP (pdjax.distributed)
+        from pdjax.entrypoints.multihost import run_follower
+
+        return run_follower(args)
     return _role_runner(args.role)(args)
 
 

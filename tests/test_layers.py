@@ -5,8 +5,9 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
 
     control      config, request, engine_io, engine_roles, detokenizer, output, metrics,
                  constrained, sched, kv, transfer.protocol / wire / frame_auth (the control
-                 protocol), transfer.engine (the transfer-engine interface)   (pure Python: no JAX)
-    device       jax_setup, models, pallas_kernels, runner
+                 protocol), transfer.engine (the transfer-engine interface), distributed.wire
+                 (the multi-host messages)   (pure Python: no JAX)
+    device       jax_setup, models, pallas_kernels, runner, distributed (multi-host)
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
     server       server (the HTTP API; sees the engine as an EngineClient)
@@ -34,8 +35,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
                  "pdjax.sched",
                  "pdjax.kv", "pdjax.transfer.protocol", "pdjax.transfer.wire",
-                 "pdjax.transfer.frame_auth", "pdjax.transfer.engine")),
-    ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner")),
+                 "pdjax.transfer.frame_auth", "pdjax.transfer.engine", "pdjax.distributed.wire")),
+    ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner",
+                "pdjax.distributed")),
     ("transfer", ("pdjax.transfer",)),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),

@@ -46,6 +46,7 @@ class AsyncEngine:
         self.metrics = None                  # pdjax.metrics.Metrics, set by the server
         self.error: BaseException | None = None
         self.is_ready = False
+        self.unhealthy_reason: str | None = None      # set when a multi-host node is lost
         self._progress = progress
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -267,6 +268,8 @@ class AsyncEngine:
                 self.core.disagg.set_wake(self._wake.set)
                 if self.metrics is not None:
                     self.core.disagg.attach_metrics(self.metrics)
+            if self.core.cluster is not None:
+                self.core.cluster.on_lost = self._on_node_lost
             self.is_ready = True
         except BaseException as e:
             logger.exception("engine failed to start")
@@ -304,6 +307,17 @@ class AsyncEngine:
         self.watchdog.stop()
         if self.core.disagg is not None:
             self.core.disagg.close()
+        if self.core.cluster is not None:
+            self.core.cluster.close()
+
+    def _on_node_lost(self, reason: str) -> None:
+        """Multi-host: a node went away (called from the heartbeat thread, while the engine
+        thread may be stuck in a collective): unhealthy from now on, every open request fails."""
+        self.unhealthy_reason = reason
+        self.is_ready = False
+        for rid in list(self._streams):
+            self._push(GenerateOutput(rid, [], finished=True, error=reason,
+                                      finish_reason=FinishReason.abort(reason, 503)))
 
 
 def _version() -> str:

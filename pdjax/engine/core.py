@@ -26,6 +26,7 @@ from pdjax.engine.settings import resolve_engine_config
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
+from pdjax.distributed import join as join_cluster
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh
 from pdjax.output import token_finish_reason
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
@@ -95,6 +96,9 @@ class EngineCore:
 
         enable_compilation_cache()
         self.args = args
+        # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6);
+        # before anything asks JAX for its backend (resolving "auto" does).
+        self.cluster = join_cluster(args)
         self.config = config = resolve_engine_config(args)
         self.model_path = config.model_path
         mesh = make_mesh(args.tp_size)
@@ -125,6 +129,10 @@ class EngineCore:
                                   kv_dtype=config.kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size)
         phase("kv_cache")
+        if self.cluster is not None:
+            self.runner = self.cluster.mirror(self.runner)
+            if not self.cluster.is_leader:
+                return      # a follower only makes node 0's runner calls (Cluster.follow)
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -162,7 +170,8 @@ class EngineCore:
         self.warmup_s = self.runner.warmup(
             progress=progress and not args.skip_warmup_progress,
             split_sampling=self.overlap and args.grammar_backend != "none",
-            core_only=background_compile and args.target_itl_ms is None)
+            # Multi-host: no background compiles (their first runs would be node 0's alone).
+            core_only=background_compile and args.target_itl_ms is None and self.cluster is None)
         phase("warmup")
         if args.target_itl_ms is not None:
             self.seed_cost_model()

@@ -102,6 +102,8 @@ class Engine:
         for rid in list(self.core.scheduler.requests):
             self.core.abort_request(rid)
         self.core.runner.caches = {}
+        if self.core.cluster is not None:
+            self.core.cluster.close()
         self.core = None
 
     def __enter__(self):

@@ -34,7 +34,8 @@ def place_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.n
     ``params`` (keyed by dotted path, e.g. ``"layers.wq"``), cast to the parameter's dtype and
     placed with ``NamedSharding(mesh, specs[path])``. A value that is already a ``jax.Array``
     with that sharding and dtype (e.g. restored shard by shard from an Orbax checkpoint) is
-    used as it is, without a trip through the host.
+    used as it is, without a trip through the host. On a mesh over several processes each
+    process places only its own devices' shards (``jax.make_array_from_callback``).
 
     Raises ``ValueError`` naming the parameter when ``params`` lacks it or its shape differs.
     """
@@ -50,6 +51,11 @@ def place_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.n
         sharding = NamedSharding(mesh, specs[key])
         if not (isinstance(value, jax.Array) and value.dtype == abstract.dtype
                 and value.sharding.is_equivalent_to(sharding, value.ndim)):
-            value = jax.device_put(jnp.asarray(np.asarray(value), dtype=abstract.dtype), sharding)
+            if sharding.is_fully_addressable:
+                value = jax.device_put(jnp.asarray(np.asarray(value), dtype=abstract.dtype),
+                                       sharding)
+            else:       # multi-host: this process places only the shards of its own devices
+                host = np.asarray(value).astype(abstract.dtype)
+                value = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
         var.set_value(value)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

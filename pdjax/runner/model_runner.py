@@ -177,6 +177,7 @@ class ModelRunner:
         self.warmup_done = False
         self.compiles_after_warmup = 0
         self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
+        self.warmup_barrier = None            # callable() between compiling and running (multi-host)
 
     # ------------------------------------------------------------------ batches
     def make_batch(self, key: BucketKey, rows) -> FlatBatch:
@@ -345,6 +346,8 @@ class ModelRunner:
         t_lowered = time.monotonic()
         self._compile_all(list(zip(core, lowered)), threads, progress, "compiling buckets")
         t_compiled = time.monotonic()
+        if self.warmup_barrier is not None:     # multi-host: every node compiled before any runs
+            self.warmup_barrier()
         first_of = {}        # (entry, logits rows) -> a forward's (StepOutputs, logits)
         logprob_tokens = set()         # one prompt-logprobs executable per token count
         for key in core:
@@ -361,6 +364,8 @@ class ModelRunner:
             jobs = [(("resample", entry, rows), self._lower_resample(out, logits))
                     for (entry, rows), (out, logits) in sorted(first_of.items())]
             self._compile_all(jobs, threads, progress, "compiling resample")
+            if self.warmup_barrier is not None:
+                self.warmup_barrier()
             for (entry, rows), (out, logits) in sorted(first_of.items()):
                 sampling = device_sampler.build_sampling_inputs([], rows,
                                                                 vocab_size=self.cfg.vocab_size)

@@ -23,8 +23,9 @@ class EngineClient(Protocol):
 
     ``tokenizer``: a Hugging Face tokenizer (``encode``, ``decode``, ``len``: the vocabulary the
     server range-checks token ids against). ``context_length``: tokens per sequence (read per
-    request: known once the engine loaded). ``is_ready``: True after warm-up. ``metrics``: the
-    server's ``Metrics`` (None until the server sets it). ``generate(req)``: an async iterator
+    request: known once the engine loaded). ``is_ready``: True after warm-up.
+    ``unhealthy_reason``: why a started engine can no longer serve (multi-host: a node went
+    away), else None. ``metrics``: the server's ``Metrics`` (None until the server sets it). ``generate(req)``: an async iterator
     of ``GenerateOutput`` increments ending with a finished one; ``abort(rid)`` drops a request
     and frees its pages (unknown rids are ignored). ``flush_cache()``: False while requests run.
     ``get_load()`` / ``server_info()``: JSON objects. ``start_profile`` / ``stop_profile``:
@@ -36,6 +37,7 @@ class EngineClient(Protocol):
     model_path: str
     served_model_name: str | None
     is_ready: bool
+    unhealthy_reason: str | None
     metrics: Metrics | None
 
     @property

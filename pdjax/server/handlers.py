@@ -231,6 +231,9 @@ async def handle_health(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     if state.draining:
         return error_response("the server is shutting down", 503)
+    reason = state.engine.unhealthy_reason                      # multi-host: a node is gone
+    if reason:
+        return error_response(reason, 503)
     if not state.engine.is_ready:
         return error_response("the server is warming up", 503)
     return web.Response(text="OK")

@@ -236,6 +236,9 @@ class ServerState:
         if self.draining:
             raise RequestError("the server is shutting down and accepts no new requests",
                                status=503)
+        reason = self.engine.unhealthy_reason                       # multi-host: a node is gone
+        if reason:
+            raise RequestError(reason, status=503)
         if not self.engine.is_ready:
             raise RequestError("the engine is still loading or warming up; retry when /health "
                                "answers 200", status=503)

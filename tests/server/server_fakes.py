@@ -133,6 +133,7 @@ class FakeEngine:
         self.served_model_name = "fake-model"
         self.context_length = context_length
         self.is_ready = ready
+        self.unhealthy_reason = None
         self.metrics = Metrics()
         self.reply = reply
         self._reply_ids = reply_ids

@@ -1,0 +1,95 @@
+"""The multi-host messages (``pdjax.distributed.wire``) and flags, without processes."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from pdjax.config import ServerArgs
+from pdjax.distributed import wire
+
+
+def test_arrays_round_trip_as_raw_bytes():
+    for a in (np.arange(6, dtype=np.int32).reshape(2, 3), np.array([True, False]),
+              np.array([[1, 2]], np.uint32), np.float32([0.5, -1.25]), np.zeros((0,), np.int32),
+              np.bool_(True),
+              np.arange(6, dtype=np.int32).reshape(2, 3).T):
+        frame = wire.encode("forward", seq=1, a=wire.encode_array(a))
+        b = wire.decode_array(wire.decode(frame)["a"], "a")
+        assert b.dtype == a.dtype and b.shape == a.shape and (b == a).all()
+
+
+@pytest.mark.parametrize("obj, needle", [
+    ({"dtype": "object", "shape": [1], "data": b"x" * 8}, "dtype 'object'"),
+    ({"dtype": "int32", "shape": [2], "data": b"\0" * 4}, "do not fill shape [2]"),
+    ({"dtype": "int32", "shape": [-1], "data": b""}, "bad shape"),
+    ({"dtype": "int32", "shape": [1, 1, 1, 1], "data": b"\0" * 4}, "bad shape"),
+    ({"dtype": "int32", "shape": [1]}, "not an array"),
+    ([1, 2], "not an array"),
+])
+def test_malformed_arrays_are_refused_by_name(obj, needle):
+    with pytest.raises(wire.WireError, match="batch.input_ids") as e:
+        wire.decode_array(obj, "batch.input_ids")
+    assert needle in str(e.value)
+
+
+def test_frames_that_are_not_messages_are_refused():
+    with pytest.raises(wire.WireError, match="not a msgpack frame"):
+        wire.decode(b"\xc1")
+    with pytest.raises(wire.WireError, match="not a map"):
+        wire.decode(msgpack.packb([1, 2]))
+    with pytest.raises(wire.WireError, match="protocol version 99"):
+        wire.decode(msgpack.packb({"v": 99, "op": "forward"}))
+    with pytest.raises(wire.WireError, match="unknown op 'exec'"):
+        wire.decode(msgpack.packb({"v": wire.PROTOCOL_VERSION, "op": "exec"}))
+
+
+def test_integers_are_range_checked():
+    msg = {"slot": 5, "ids": [1, 2, 700], "flag": True}
+    assert wire.get_int(msg, "slot", 0, 6) == 5
+    with pytest.raises(wire.WireError, match=r"slot: 5 is not an integer in \[0, 5\)"):
+        wire.get_int(msg, "slot", 0, 5)
+    with pytest.raises(wire.WireError, match="flag"):
+        wire.get_int(msg, "flag", 0, 5)           # a bool is no integer here
+    with pytest.raises(wire.WireError, match=r"ids: 700 is not an integer in \[0, 512\)"):
+        wire.get_int_list(msg, "ids", 0, 512, 10)
+    with pytest.raises(wire.WireError, match="at most 2"):
+        wire.get_int_list(msg, "ids", 0, 1000, 2)
+
+
+def test_identities_name_every_field_that_differs():
+    a = ServerArgs(nnodes=2, node_rank=0, dist_init_addr="127.0.0.1:5000", tp_size=4)
+    b = ServerArgs(nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:5000", tp_size=4, page_size=8,
+                   max_running_requests=8)
+    lead = wire.node_identity(a, "abc", "1.0")
+    assert wire.identity_mismatches(lead, wire.node_identity(
+        ServerArgs(nnodes=2, node_rank=1, dist_init_addr="h:1", tp_size=4), "abc", "1.0")) == []
+    got = wire.identity_mismatches(lead, wire.node_identity(b, "abd", "1.1"))
+    assert got == ["model: node 0 has 'abc', node 1 has 'abd'",
+                   "version: node 0 has '1.0', node 1 has '1.1'",
+                   "page_size: node 0 has 16, node 1 has 8",
+                   "max_running_requests: node 0 has 16, node 1 has 8"]
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(nnodes=0), "nnodes"),
+    (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank"),
+    (dict(node_rank=-1), "node_rank"),
+    (dict(nnodes=2), "dist_init_addr"),
+    (dict(nnodes=2, dist_init_addr="127.0.0.1"), "dist_init_addr"),
+    (dict(nnodes=2, dist_init_addr="127.0.0.1:65535"), "dist_init_addr"),
+    (dict(nnodes=2, dist_init_addr="h:1", role="prefill"), "role"),
+    (dict(dist_timeout_s=0), "dist_timeout_s"),
+])
+def test_bad_node_flags_raise_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        ServerArgs(**kw)
+
+
+def test_node_flags_from_the_cli():
+    from pdjax.serve import parse_args
+
+    args = parse_args(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+                       "--tp-size", "16"])
+    assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, 1, "10.0.0.1:5000")
