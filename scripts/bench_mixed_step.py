@@ -39,12 +39,13 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,2000", help="prompt contexts (tokens cached)")
     ap.add_argument("--chunk", type=int, default=24, help="prompt tokens in the mixed step")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--attention-backend", default=None, help="attention impl (default auto)")
+    ap.add_argument("--attention-backend", default=None, help="attention impl: xla (the CPU default) or reference; both take the one "
+                    "pages-per-sequence bucket of a traced bound")
     args = ap.parse_args()
 
     enable_compilation_cache()
     mesh = make_mesh(1)
-    cfg, model = load_model(resolve_model_path(args.model_path), mesh=mesh, progress=False,
+    _, model = load_model(resolve_model_path(args.model_path), mesh=mesh, progress=False,
                             attention_impl=args.attention_backend)
     ps = args.page_size
     buckets = Buckets.create(chunked_prefill_size=args.chunked_prefill_size,
