@@ -285,3 +285,24 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]], width: int = 50) ->
     for name, value in rows:
         print(f"{name:<{width - 14}}{fmt(value):>14}")
     print("=" * width, flush=True)
+
+
+def add_overlap_bench_args(p, batch: int, new_tokens: int) -> None:
+    """The flags the overlap benchmarks share (``bench_step_overlap``, ``bench_grammar_overlap``)."""
+    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=new_tokens)
+    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
+    p.add_argument("--output-file", default=None, help="also write the JSON here")
+
+
+def overlap_bench_engine(args):
+    """A float32 ``pdjax.Engine`` sized for ``args.batch`` requests of ``args.prompt_len`` +
+    ``args.new_tokens`` tokens (one 256-token chunk, no progress bars)."""
+    from pdjax.engine import Engine
+
+    context = 1 << (args.prompt_len + args.new_tokens + 16).bit_length()
+    return Engine(args.model_path, dtype="float32", max_running_requests=args.batch,
+                  chunked_prefill_size=256, context_length=context,
+                  max_total_tokens=args.batch * context + 256, progress=False)

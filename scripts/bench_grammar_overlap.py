@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import machine_info, now_iso  # noqa: E402
+from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+                          overlap_bench_engine)
 
 # Exactly this many characters: no row can end by its grammar inside the run.
 REGEX = "[a-z ]{4000}"
@@ -85,20 +86,9 @@ def _run(engine, prompts, new_tokens: int, mode: str, saved_rows) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
-    p.add_argument("--output-file", default=None, help="also write the JSON here")
+    add_overlap_bench_args(p, batch=8, new_tokens=32)
     args = p.parse_args(argv)
-
-    from pdjax.engine import Engine
-
-    context = 1 << (args.prompt_len + args.new_tokens + 16).bit_length()
-    engine = Engine(args.model_path, dtype="float32", max_running_requests=args.batch,
-                    chunked_prefill_size=256, context_length=context,
-                    max_total_tokens=args.batch * context + 256, progress=False)
+    engine = overlap_bench_engine(args)
     saved_rows = engine.core.runner.resample_rows
     if not saved_rows:
         raise SystemExit("the engine compiled no resample executables (overlap off?)")

@@ -28,7 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import machine_info, now_iso  # noqa: E402
+from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+                          overlap_bench_engine)
 
 
 def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
@@ -83,20 +84,9 @@ def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=40)
-    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
-    p.add_argument("--output-file", default=None, help="also write the JSON here")
+    add_overlap_bench_args(p, batch=32, new_tokens=40)
     args = p.parse_args(argv)
-
-    from pdjax.engine import Engine
-
-    context = 1 << (args.prompt_len + args.new_tokens + 16).bit_length()
-    engine = Engine(args.model_path, dtype="float32", max_running_requests=args.batch,
-                    chunked_prefill_size=256, context_length=context,
-                    max_total_tokens=args.batch * context + 256, progress=False)
+    engine = overlap_bench_engine(args)
     rng = np.random.default_rng(0)
     vocab = engine.core.model_cfg.vocab_size
     prompts = [[int(x) for x in rng.integers(3, min(vocab, 20000), args.prompt_len)]

@@ -10,8 +10,8 @@ from pdjax.server.app import create_app
 from pdjax.server.engine_client import (ArgsOwner, CoreOwner, EngineClient, PDRejecter,
                                         StartupReporter)
 
-REQUIRED = ("tokenizer", "model_path", "served_model_name", "is_ready", "metrics",
-            "context_length", "generate", "abort", "flush_cache", "get_load", "server_info",
+REQUIRED = ("tokenizer", "model_path", "served_model_name", "is_ready", "unhealthy_reason",
+            "metrics", "context_length", "generate", "abort", "flush_cache", "get_load", "server_info",
             "start_profile", "stop_profile")
 
 
