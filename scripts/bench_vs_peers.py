@@ -145,25 +145,32 @@ def run_transformers(args, prompts: list[list[int]], single: list[int],
 # JSON line {"offline_s", "output_ids", "single_s": {"1": s, "<output_len>": s}} last.
 VLLM_WORKER = r"""
 import json, os, sys, time
-job = json.load(open(sys.argv[1]))
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-kw = {"tokenizer": job["tokenizer"]} if job["tokenizer"] else {}
-llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["context"], seed=0, **kw)
-def sp(n):
-    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-llm.generate(prompts[:2], sp(2), use_tqdm=False)
-t0 = time.perf_counter()
-outs = llm.generate(prompts, sp(job["output_len"]), use_tqdm=False)
-offline_s = time.perf_counter() - t0
-single = {}
-for n in (1, job["output_len"]):
+
+
+def main():
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    kw = {"tokenizer": job["tokenizer"]} if job["tokenizer"] else {}
+    llm = LLM(model=job["model"], dtype=job["dtype"], max_model_len=job["context"], seed=0, **kw)
+    def sp(n):
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    llm.generate(prompts[:2], sp(2), use_tqdm=False)
     t0 = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=job["single"])], sp(n), use_tqdm=False)
-    single[str(n)] = time.perf_counter() - t0
-print(json.dumps({"offline_s": offline_s, "single_s": single,
-                  "output_ids": [list(o.outputs[0].token_ids) for o in outs]}))
+    outs = llm.generate(prompts, sp(job["output_len"]), use_tqdm=False)
+    offline_s = time.perf_counter() - t0
+    single = {}
+    for n in (1, job["output_len"]):
+        t0 = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=job["single"])], sp(n), use_tqdm=False)
+        single[str(n)] = time.perf_counter() - t0
+    print(json.dumps({"offline_s": offline_s, "single_s": single,
+                      "output_ids": [list(o.outputs[0].token_ids) for o in outs]}))
+
+
+if __name__ == "__main__":      # vLLM's engine core starts by spawn
+    main()
 """
 
 LLAMACPP_WORKER = r"""
