@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
-                          overlap_bench_engine)
+                          overlap_bench_engine, write_json)
 
 # Exactly this many characters: no row can end by its grammar inside the run.
 REGEX = "[a-z ]{4000}"
@@ -121,9 +121,7 @@ def main(argv=None) -> None:
                      f"({best[m]['device_idle_share']:.1%}), wall {best[m]['wall_s']:.2f} s"
                      for m in modes)
     print(f"\nbatch {args.batch} greedy, regex rows: {line}; grammar tokens sync = split: {same}")
-    if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_file, result)
     engine.shutdown()
     sys.exit(0 if same else 1)
 

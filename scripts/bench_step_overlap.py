@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
-                          overlap_bench_engine)
+                          overlap_bench_engine, write_json)
 
 
 def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
@@ -118,9 +118,7 @@ def main(argv=None) -> None:
           f"{over['exposed_steps']}/{over['num_window_steps']} steps dispatched after the previous "
           f"one had finished); wall {sync['wall_s']:.1f} s -> {over['wall_s']:.1f} s; "
           f"tokens equal: {same}")
-    if args.output_file:
-        with open(args.output_file, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.output_file, result)
     engine.shutdown()
     sys.exit(0 if same else 1)
 

@@ -115,6 +115,7 @@ async def listening(app: web.Application, host: str, port: int,
     loop = asyncio.get_running_loop()
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
+        # Not on Windows (NotImplementedError) nor off the main thread (RuntimeError, ValueError).
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)

@@ -15,3 +15,20 @@ def llama_engine(tiny_checkpoints):
     base = eng.core.sched_config
     yield eng
     eng.core.scheduler.config = base
+
+
+@pytest.fixture
+def overlap(llama_engine):
+    """``overlap(on)`` sets ``core.overlap`` for the next run (with a cold prefix cache, so runs
+    compare like with like) and returns the engine; the setting is restored afterwards."""
+    core = llama_engine.core
+    before = core.overlap
+
+    def set_overlap(on: bool):
+        assert core._inflight is None
+        core.overlap = on
+        core.scheduler.prefix_cache.reset()
+        return llama_engine
+
+    yield set_overlap
+    core.overlap = before

@@ -14,22 +14,6 @@ from pdjax.runner.model_runner import compile_count
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture
-def overlap(llama_engine):
-    """Set ``core.overlap`` for a run; restored afterwards."""
-    core = llama_engine.core
-    before = core.overlap
-
-    def set_overlap(on: bool):
-        assert core._inflight is None
-        core.overlap = on
-        core.scheduler.prefix_cache.reset()
-        return llama_engine
-
-    yield set_overlap
-    core.overlap = before
-
-
 def _both(overlap, fn):
     return fn(overlap(False)), fn(overlap(True))
 

@@ -17,21 +17,6 @@ from pdjax.runner.model_runner import compile_count
 PROMPT = "Give me JSON:"
 
 
-@pytest.fixture
-def overlap(llama_engine):
-    """Set ``core.overlap`` for a run; restored afterwards."""
-    core = llama_engine.core
-    before = core.overlap
-
-    def set_overlap(on: bool):
-        assert core._inflight is None
-        core.overlap = on
-        return llama_engine
-
-    yield set_overlap
-    core.overlap = before
-
-
 def _schema_params(i, schema):
     return {"max_new_tokens": 100, "temperature": 0 if i % 2 == 0 else 0.8, "seed": 100 + i,
             "json_schema": json.dumps(schema)}
