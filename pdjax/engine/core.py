@@ -23,6 +23,7 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import resolve_engine_config
+from pdjax.engine.startup import PhaseTimer
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
@@ -84,16 +85,8 @@ class EngineCore:
 
     def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False,
                  tokenizer=None):
-        # Seconds of each start-up phase, in order (printed as one line; bench_startup reads it).
-        self.startup_phases_s: dict[str, float] = {}
-        t_phase = time.monotonic()
-
-        def phase(name: str) -> None:
-            nonlocal t_phase
-            now = time.monotonic()
-            self.startup_phases_s[name] = round(now - t_phase, 2)
-            t_phase = now
-
+        phase = PhaseTimer()         # seconds of each start-up phase, printed as one line
+        self.startup_phases_s = phase.phases
         enable_compilation_cache()
         self.args = args
         # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6);
@@ -176,9 +169,7 @@ class EngineCore:
         if args.target_itl_ms is not None:
             self.seed_cost_model()
             phase("seed_cost_model")
-        line = ", ".join(f"{k} {v:.1f}" for k, v in self.startup_phases_s.items())
-        logger.info("start-up phases (s): %s", line)
-        print(f"pdjax start-up phases (s): {line}", flush=True)
+        phase.report()
         # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
         # (pdjax/engine_roles.py); this core is its RoleHost.
         self.disagg: EngineRole | None = create_engine_role(self)
