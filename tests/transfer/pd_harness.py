@@ -8,6 +8,7 @@ executables through the persistent compilation cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -116,6 +117,32 @@ def pd_server(name: str, role: str, model_path: str, log_dir: str, *, port: int 
     server = Server(name, argv + list(extra), port, log_dir, env)
     server.bootstrap_port = bootstrap_port
     return server
+
+
+def pd_router(name: str, prefill: Server, bootstrap_port: int, decode: Server,
+              log_dir: str) -> Server:
+    """A ``python -m pdjax.router`` child in front of one prefill and one decode."""
+    port = free_port()
+    return Server(name, [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
+                         str(bootstrap_port), "--decode", decode.url, "--port", str(port)],
+                  port, log_dir, child_env())
+
+
+@contextlib.contextmanager
+def running(servers: list[Server]):
+    """Wait until every server answers ``/health``, and stop them all (last started first) when
+    the block ends; a server that fails to start gets every log printed."""
+    try:
+        for s in servers:
+            s.wait_healthy()
+        yield
+    except BaseException:
+        for s in servers:
+            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
+        raise
+    finally:
+        for s in reversed(servers):
+            s.stop()
 
 
 # ---------------------------------------------------------------------------------------------

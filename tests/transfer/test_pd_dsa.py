@@ -4,11 +4,10 @@ moved per page are the latent plus the indexer bytes (issue 7)."""
 
 import json
 import os
-import sys
 
 import pytest
-from pd_harness import (Server, at_baseline, child_env, count_runs, free_port, greedy_agrees,
-                        pd_body, pd_server, pd_state, post, wait_until)
+from pd_harness import (at_baseline, child_env, count_runs, free_port, greedy_agrees, pd_body,
+                        pd_router, pd_server, pd_state, post, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -35,22 +34,12 @@ def dsa_pd(tiny_checkpoints, tmp_path_factory):
                             tp_size=2, env=child_env(
                                 XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
                                           "--xla_force_host_platform_device_count=2"), **ARGS)
-    router_port = free_port()
-    router = Server("router", [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
-                               str(bport), "--decode", decode.url, "--port", str(router_port)],
-                    router_port, logs, child_env())
+    router = pd_router("router", prefill, bport, decode, logs)
     try:
-        for s in (prefill, decode, router, prefill_tp2):
-            s.wait_healthy()
-        yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated, model=model,
-                   prefill_tp2=prefill_tp2, bport_tp2=bport2)
-    except BaseException:
-        for s in (prefill, decode, router, prefill_tp2):
-            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
-        raise
+        with running([prefill, decode, router, prefill_tp2]):
+            yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated,
+                       model=model, prefill_tp2=prefill_tp2, bport_tp2=bport2)
     finally:
-        for s in (router, prefill, decode, prefill_tp2):
-            s.stop()
         colocated.shutdown()
 
 

@@ -12,7 +12,8 @@ import time
 import pytest
 from pd_harness import (CHUNK, EOS, PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env,
                         count_runs, free_port, get, greedy_agrees, load, metric_value,
-                        pd_server, pd_state, post, post_stream, wait_until)
+                        pd_router, pd_server, pd_state, post, post_stream, running,
+                        wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -47,25 +48,15 @@ def pd(tiny_checkpoints, tmp_path_factory):
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=extra)
     decode = pd_server("decode", "decode", model, logs, extra=extra)
-    router_port = free_port()
-    router = Server("router", [sys.executable, "-m", "pdjax.router", "--prefill", prefill.url,
-                               str(bport), "--decode", decode.url, "--port", str(router_port)],
-                    router_port, logs, child_env())
+    router = pd_router("router", prefill, bport, decode, logs)
     from pdjax.engine import Engine
 
     colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
     try:
-        for s in (prefill, decode, router):
-            s.wait_healthy()
-        yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated,
-                   model=model, bport=bport, logs=logs, call_id=call_id)
-    except BaseException:
-        for s in (prefill, decode, router):
-            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
-        raise
+        with running([prefill, decode, router]):
+            yield dict(prefill=prefill, decode=decode, router=router, colocated=colocated,
+                       model=model, bport=bport, logs=logs, call_id=call_id)
     finally:
-        for s in (router, prefill, decode):
-            s.stop()
         colocated.shutdown()
 
 

@@ -16,7 +16,7 @@ import time
 import pytest
 import zmq
 from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline, count_runs, free_port, load,
-                        pd_body, pd_server, pd_state, post, wait_until)
+                        pd_body, pd_server, pd_state, post, running, wait_until)
 
 from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
 from pdjax.transfer.channel import MessageChannel
@@ -51,18 +51,10 @@ def cluster(tiny_checkpoints, tmp_path_factory):
     from pdjax.engine import Engine
 
     colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
-    servers = [p2, d2, p3]
     try:
-        for s in servers:
-            s.wait_healthy()
-        yield dict(p2=p2, d2=d2, p3=p3, colocated=colocated, logs=logs)
-    except BaseException:
-        for s in servers:
-            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
-        raise
+        with running([p2, d2, p3]):
+            yield dict(p2=p2, d2=d2, p3=p3, colocated=colocated, logs=logs)
     finally:
-        for s in servers:
-            s.stop()
         colocated.shutdown()
 
 

@@ -9,13 +9,12 @@ rooms, metadata slots, quarantined pages and held requests are back at their bas
 
 import concurrent.futures
 import random
-import sys
 import time
 
 import pytest
 import zmq
-from pd_harness import (PAGE_SIZE, Server, child_env, free_port, get, load, metric_value,
-                        pd_body, pd_server, pd_state, post, wait_until)
+from pd_harness import (PAGE_SIZE, child_env, free_port, get, load, metric_value, pd_body,
+                        pd_router, pd_server, pd_state, post, running, wait_until)
 
 from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
                                       fetch_prefill_info)
@@ -44,22 +43,9 @@ def hard(tiny_checkpoints, tmp_path_factory):
                   env=child_env(PDJAX_DISAGGREGATION_SECRET=SECRET), context_length=P_CONTEXT)
     d = pd_server("hd", "decode", model, logs, extra=common + ["--disaggregation-secret", SECRET],
                   max_total_tokens=D_PAGES * PAGE_SIZE)
-    rport = free_port()
-    router = Server("hrouter", [sys.executable, "-m", "pdjax.router", "--prefill", p.url,
-                                str(bport), "--decode", d.url, "--port", str(rport)],
-                    rport, logs, child_env())
-    servers = [p, d, router]
-    try:
-        for s in servers:
-            s.wait_healthy()
+    router = pd_router("hrouter", p, bport, d, logs)
+    with running([p, d, router]):
         yield dict(p=p, d=d, router=router, bport=bport)
-    except BaseException:
-        for s in servers:
-            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
-        raise
-    finally:
-        for s in servers:
-            s.stop()
 
 
 _rooms = iter(range(70_001, 1 << 40, 104_729))

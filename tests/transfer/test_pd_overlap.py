@@ -7,10 +7,9 @@ import concurrent.futures
 import http.client
 import json
 import random
-import sys
 
 import pytest
-from pd_harness import (Server, at_baseline, child_env, free_port, pd_body, pd_server, post,
+from pd_harness import (at_baseline, free_port, pd_body, pd_router, pd_server, post, running,
                         wait_until)
 
 pytestmark = pytest.mark.slow
@@ -24,24 +23,10 @@ def pair(tiny_checkpoints, tmp_path_factory):
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport)
     on = pd_server("decode_overlap", "decode", model, logs)
     off = pd_server("decode_sync", "decode", model, logs, extra=["--disable-overlap-schedule"])
-    routers = {}
-    for name, dec in (("on", on), ("off", off)):
-        port = free_port()
-        routers[name] = Server(f"router_{name}", [
-            sys.executable, "-m", "pdjax.router", "--prefill", prefill.url, str(bport),
-            "--decode", dec.url, "--port", str(port)], port, logs, child_env())
-    servers = [prefill, on, off, *routers.values()]
-    try:
-        for s in servers:
-            s.wait_healthy()
+    routers = {name: pd_router(f"router_{name}", prefill, bport, dec, logs)
+               for name, dec in (("on", on), ("off", off))}
+    with running([prefill, on, off, *routers.values()]):
         yield dict(prefill=prefill, on=on, off=off, routers=routers, bport=bport)
-    except BaseException:
-        for s in servers:
-            print(f"==== {s.name} log ====\n{s.log_tail(80)}")
-        raise
-    finally:
-        for s in servers:
-            s.stop()
 
 
 def _gen(router, ids, sp, **extra):
