@@ -57,7 +57,8 @@ class Metrics:
       num_running_reqs, num_queue_reqs, num_used_pages
         Gauges, counts.
       kv_usage
-        Gauge, fraction of KV pages in use, 0..1.
+        Gauge, fraction of KV pages held by requests, 0..1: evictable prefix-cache pages
+        count as free (``num_used_pages`` includes them).
       step_host_time_seconds, step_forward_time_seconds
         Histograms, seconds per engine step: host work (scheduling, batch building, reading
         results) and the forward (dispatch plus waiting for the device); their ``_sum`` ratio
@@ -98,7 +99,8 @@ class Metrics:
         self.add_gauge("num_running_reqs", "Requests in the running batch.")
         self.add_gauge("num_queue_reqs", "Requests waiting to be scheduled.")
         self.add_gauge("num_used_pages", "KV cache pages held by requests or the prefix cache.")
-        self.add_gauge("kv_usage", "Fraction of KV cache pages in use, 0..1.")
+        self.add_gauge("kv_usage", "Fraction of KV cache pages held by requests, 0..1 (evictable "
+                       "prefix-cache pages count as free; num_used_pages includes them).")
         self.add_histogram("step_host_time_seconds",
                            "Host time of one engine step: scheduling, batch building and "
                            "sampling (everything but the forward), s.", buckets=STEP_BUCKETS_S)

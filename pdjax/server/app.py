@@ -19,12 +19,12 @@ from aiohttp import web
 from pdjax.server.engine_client import EngineClient, StartupReporter
 from pdjax.server.errors import RequestError
 from pdjax.server.handlers import (handle_abort_request, handle_chat_completions,
-                                   handle_completions, handle_flush_cache, handle_generate,
-                                   handle_get_load, handle_health, handle_health_generate,
-                                   handle_metrics, handle_model_info, handle_models,
+                                   handle_completions, handle_detokenize, handle_flush_cache,
+                                   handle_generate, handle_get_load, handle_health,
+                                   handle_health_generate, handle_metrics, handle_model_info, handle_models,
                                    handle_parse_function_call, handle_separate_reasoning,
                                    handle_server_info, handle_start_profile,
-                                   handle_stop_profile)
+                                   handle_stop_profile, handle_tokenize)
 from pdjax.server.http_json import CLIENT_MAX_SIZE, error_response
 from pdjax.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pdjax.server.registry import STATE_KEY, ServerState
@@ -82,6 +82,8 @@ def create_app(engine_client: EngineClient, served_model_name: str | None = None
     r.add_post("/v1/completions", handle_completions)
     r.add_post("/v1/chat/completions", handle_chat_completions)
     r.add_get("/v1/models", handle_models)
+    r.add_post("/tokenize", handle_tokenize)
+    r.add_post("/detokenize", handle_detokenize)
     for path, handler in (("/health", handle_health), ("/health_generate", handle_health_generate),
                           ("/model_info", handle_model_info),
                           ("/get_model_info", handle_model_info),
@@ -148,7 +150,8 @@ async def serve(app: web.Application, host: str, port: int, *,
             logger.info("pdjax HTTP server listening on %s", addresses)
             if on_started is not None:
                 on_started(addresses)
-            watcher = asyncio.create_task(_watch_engine_start(app[STATE_KEY].engine, stop))
+            watcher = asyncio.create_task(_watch_engine_start(app[STATE_KEY].engine, stop,
+                                                                addresses))
             await stop.wait()
             watcher.cancel()
             if watcher.done() and not watcher.cancelled() and watcher.result():
@@ -167,19 +170,26 @@ async def serve(app: web.Application, host: str, port: int, *,
     return code
 
 
-async def _watch_engine_start(engine: EngineClient, stop: asyncio.Event) -> bool:
+async def _watch_engine_start(engine: EngineClient, stop: asyncio.Event,
+                              addresses: list) -> bool:
     """Stop the server (exit code 1) when the engine fails to start, instead of answering
-    503 "warming up" forever. Returns True when it did."""
-    if not isinstance(engine, StartupReporter):
-        return False
+    503 "warming up" forever; log one "ready" line once the engine is ready (``/health``
+    answers 200 from then on). Returns True when it stopped the server."""
+    reporter = isinstance(engine, StartupReporter)
     while not stop.is_set():
-        error = await asyncio.to_thread(engine.wait_started, 1.0)
-        if error is not None:
-            logger.error("the engine failed to start (%s): shutting down", error)
-            stop.set()
-            return True
+        if reporter:
+            error = await asyncio.to_thread(engine.wait_started, 1.0)
+            if error is not None:
+                logger.error("the engine failed to start (%s): shutting down", error)
+                stop.set()
+                return True
         if engine.is_ready:
+            urls = ", ".join(f"http://{a[0]}:{a[1]}" if isinstance(a, tuple) else str(a)
+                             for a in addresses)
+            logger.info("pdjax server ready: %s (/health answers 200)", urls)
             return False
+        if not reporter:
+            await asyncio.sleep(0.1)
     return False
 
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from pdjax.engine_io import GenerateRequest
 from pdjax.request import SamplingParams
-from pdjax.server import chat_output, native_api, openai_api, openai_render
+from pdjax.server import chat_output, native_api, openai_api, openai_render, tokenize_api
 from pdjax.server import tools as tool_api
 from pdjax.server.engine_client import PDRejecter
 from pdjax.server.errors import RequestError, error_body
@@ -324,6 +324,20 @@ async def handle_parse_function_call(request: web.Request) -> web.Response:
     index = {t["function"]["name"]: i for i, t in enumerate(chat_tools.tools)}
     return json_response({"normal_text": normal_text, "calls": [
         {"tool_index": index[c.name], "name": c.name, "parameters": c.arguments} for c in calls]})
+
+
+async def handle_tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize`` (``tokenize_api``): prompt or chat messages -> token ids."""
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    return json_response(await asyncio.to_thread(tokenize_api.tokenize, body, state.ctx))
+
+
+async def handle_detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize`` (``tokenize_api``): token ids -> text."""
+    state = request.app[STATE_KEY]
+    body = await read_json(request)
+    return json_response(await asyncio.to_thread(tokenize_api.detokenize, body, state.ctx))
 
 
 async def handle_flush_cache(request: web.Request) -> web.Response:

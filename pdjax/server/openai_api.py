@@ -154,7 +154,9 @@ def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
     return GrammarSpec("json_schema", json.dumps(schema), field="response_format")
 
 
-def _check_model(body: dict[str, Any], ctx: ServingContext) -> str:
+def check_model(body: dict[str, Any], ctx: ServingContext) -> str:
+    """The ``model`` field: the served name when absent; ``RequestError`` naming ``model`` for
+    a model this server does not serve."""
     model = body.get("model")
     if model is None:
         return ctx.served_model_name
@@ -234,7 +236,7 @@ def _base_rid(body: dict[str, Any], response_id: str) -> tuple[str, str | None]:
 def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/completions`` body. Raises ``RequestError``."""
     body = checked_body(body, _COMPLETION_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/completions")
-    model = _check_model(body, ctx)
+    model = check_model(body, ctx)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -288,7 +290,9 @@ _CHAT_ROLES = {"system", "user", "assistant", "developer", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content"}
 
 
-def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """The checked ``messages`` list of a chat request (text content only); ``RequestError``
+    naming ``messages``."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list", "messages")
     out = []
@@ -338,10 +342,10 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/chat/completions`` body and apply the chat template
     (``apply_chat_template(add_generation_prompt=True)``). Raises ``RequestError``."""
     body = checked_body(body, _CHAT_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/chat/completions")
-    model = _check_model(body, ctx)
+    model = check_model(body, ctx)
     if "messages" not in body:
         raise RequestError("messages is required", "messages")
-    messages = _chat_messages(body["messages"])
+    messages = chat_messages(body["messages"])
     kwargs = body.get("chat_template_kwargs", {})
     if not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import sys
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-timeout", type=float, default=5.0)
     ap.add_argument("--step-s", type=float, default=0.01)
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)
     engine = FakeEngine(step_s=args.step_s, context_length=100000)
 
     def on_shutdown():

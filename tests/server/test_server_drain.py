@@ -77,6 +77,7 @@ async def test_sigterm_lets_running_requests_finish_then_exits_0():
         code, out = await wait_exit(proc)
         assert code == 0, out
         assert "SHUTDOWN_HOOK live=0 aborted=0" in out
+        assert f"pdjax server ready: {url} (/health answers 200)" in out
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -503,6 +503,50 @@ async def test_info_endpoints(make_client):
     assert (await client.get("/nope")).status == 404
 
 
+async def test_tokenize_and_detokenize(make_client):
+    client, engine = await make_client()
+    tok = engine.tokenizer
+    text = "Hello world, the quick brown fox."
+    body = await (await client.post("/tokenize", json={"prompt": text})).json()
+    assert body["tokens"] == tok.encode(text) and body["count"] == len(body["tokens"]) > 3
+    assert body["max_model_len"] == engine.context_length and "token_strs" not in body
+    body = await (await client.post("/tokenize", json={"prompt": text, "return_token_strs": True,
+                                                       "add_special_tokens": False})).json()
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    # messages: the ids a chat request would submit.
+    resp = await client.post("/v1/chat/completions", json={"messages": CHAT})
+    assert resp.status == 200
+    chat = await (await client.post("/tokenize", json={"messages": CHAT})).json()
+    assert chat["tokens"] == engine.submitted[-1].input_ids
+    bare = await (await client.post("/tokenize", json={"messages": CHAT,
+                                                       "add_generation_prompt": False})).json()
+    assert chat["tokens"][:len(bare["tokens"])] == bare["tokens"]
+    assert len(bare["tokens"]) < len(chat["tokens"])
+    back = await (await client.post("/detokenize", json={"tokens": chat["tokens"]})).json()
+    assert back["prompt"] == tok.decode(chat["tokens"]) and "<|im_start|>assistant" in back["prompt"]
+    assert (await (await client.post("/detokenize", json={"tokens": []})).json()) == {"prompt": ""}
+    for path, bad, param in (
+            ("/tokenize", {}, "prompt"),
+            ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt"),
+            ("/tokenize", {"prompt": 5}, "prompt"),
+            ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+            ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
+            ("/tokenize", {"messages": []}, "messages"),
+            ("/tokenize", {"messages": CHAT, "chat_template_kwargs": 3}, "chat_template_kwargs"),
+            ("/detokenize", {"tokens": [1, len(tok)]}, "tokens"),
+            ("/detokenize", {"tokens": [-1]}, "tokens"),
+            ("/detokenize", {"tokens": "1 2"}, "tokens"),
+            ("/detokenize", {"tokens": [True]}, "tokens")):
+        resp = await client.post(path, json=bad)
+        assert resp.status == 400, (path, bad)
+        assert (await resp.json())["error"]["param"] == param, (path, bad)
+    assert (await client.post("/tokenize", data=b"{not json")).status == 400
+    n = len(engine.submitted)
+    await client.post("/tokenize", json={"prompt": text})
+    assert len(engine.submitted) == n  # nothing reached the engine
+
+
 async def test_flush_cache_and_profile(make_client, tmp_path):
     client, engine = await make_client()
     resp = await client.post("/flush_cache")
