@@ -23,7 +23,7 @@ import dataclasses
 
 FORWARD_MODES = ("decode", "prefill_chunk", "mixed")
 ENTRY_POINTS = ("decode", "extend")
-_ENTRY_OF_MODE = {"decode": "decode", "prefill_chunk": "extend", "mixed": "extend"}
+ENTRY_OF_MODE = {"decode": "decode", "prefill_chunk": "extend", "mixed": "extend"}
 
 
 def _geometric(start: int, stop: int, factor: int) -> tuple[int, ...]:
@@ -107,7 +107,7 @@ class Buckets:
         else:
             if num_rows > self.max_rows:
                 raise ValueError(f"{num_rows} rows exceed max_running_requests {self.max_rows}")
-            key = BucketKey(_ENTRY_OF_MODE[mode], self._fit(self.token_buckets, num_tokens, "tokens"),
+            key = BucketKey(ENTRY_OF_MODE[mode], self._fit(self.token_buckets, num_tokens, "tokens"),
                             self.max_rows, p)
         if ready is None or key in ready:
             return key

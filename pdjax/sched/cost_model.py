@@ -22,14 +22,23 @@ scales every prediction, so a shared machine whose load doubles a step's time is
 within a few steps (on the replayed SmolLM2 trace of tests/sched/data the median error of the
 online prediction drops from 0.2-0.4 to about 0.1 with it). Features are scaled
 (``n / token_scale``, ``c / cached_scale``) so the ridge weights mean the same for every term.
+
+A point prediction is exceeded by about half the steps it plans. ``margin(entry)`` is an upper
+quantile (``plan_quantile``, 0.9 by default) of the recent ratios measured / predicted of that
+entry point, each prediction made just before its forward was observed; the scheduler plans
+``prediction x margin`` against its target, so about that share of steps ends inside it.
 Thread-safe (the HTTP thread reads ``describe()`` while the engine thread observes).
 Pure Python; never imports JAX.
 """
 
 from __future__ import annotations
 
+import collections
+import math
 import threading
 from typing import Any, Callable, Hashable
+
+from pdjax.sched.buckets import ENTRY_OF_MODE
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -104,13 +113,17 @@ class StepCostModel:
       prior_strength: ridge weight pulling a key's fit towards the pooled fit (in samples of
         scaled features).
       load_smoothing: weight of the newest forward in the load factor, in (0, 1].
+      plan_quantile: the quantile of measured / predicted that ``margin`` returns, in (0, 1).
+      residual_window: how many recent forwards per entry point ``margin`` looks at (>= 1);
+        with fewer than ``min(8, residual_window)`` of them the margin is 1.
     Raises ``ValueError`` naming the argument for a bad value.
     """
 
     def __init__(self, pick_key: Callable[..., Hashable], token_buckets: tuple[int, ...], *,
                  token_scale: float = 256.0, cached_scale: float = 4096.0,
                  key_forget: float = 0.97, pool_forget: float = 0.95,
-                 prior_strength: float = 0.05, load_smoothing: float = 0.5):
+                 prior_strength: float = 0.05, load_smoothing: float = 0.5,
+                 plan_quantile: float = 0.9, residual_window: int = 64):
         for name, v in (("token_scale", token_scale), ("cached_scale", cached_scale),
                         ("prior_strength", prior_strength)):
             if not v > 0:
@@ -119,6 +132,10 @@ class StepCostModel:
                         ("load_smoothing", load_smoothing)):
             if not 0 < v <= 1:
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        if not 0 < plan_quantile < 1:
+            raise ValueError(f"plan_quantile must be in (0, 1), got {plan_quantile!r}")
+        if not isinstance(residual_window, int) or residual_window < 1:
+            raise ValueError(f"residual_window must be a positive integer, got {residual_window!r}")
         if not token_buckets or list(token_buckets) != sorted(token_buckets):
             raise ValueError(f"token_buckets must be a non-empty ascending list, got {token_buckets!r}")
         self.pick_key = pick_key
@@ -128,6 +145,9 @@ class StepCostModel:
         self.prior_strength = prior_strength
         self.load_smoothing = load_smoothing
         self.load_factor = 1.0        # recent measured / fitted time, over every entry point
+        self.plan_quantile = plan_quantile
+        self.residual_window = residual_window
+        self._residuals: dict[str, collections.deque[float]] = {}   # measured / predicted
         self._keys: dict[Hashable, _RidgeFit] = {}
         self._pools: dict[str, _RidgeFit] = {}
         self._coef: dict[Hashable, list[float] | None] = {}     # solved fits, cleared on observe
@@ -148,6 +168,11 @@ class StepCostModel:
             coef = self._key_coef(key)
             fitted = None if coef is None else coef[0] + coef[1] * n + coef[2] * c
             if fitted is not None and fitted > 0:
+                # What predict_key said for this forward (before this sample moves the fit).
+                res = self._residuals.get(key.entry)
+                if res is None:
+                    res = self._residuals[key.entry] = collections.deque(maxlen=self.residual_window)
+                res.append(seconds / (fitted * self.load_factor))
                 ratio = min(4.0, max(0.25, seconds / fitted))
                 a = self.load_smoothing
                 self.load_factor = (1 - a) * self.load_factor + a * ratio
@@ -205,6 +230,24 @@ class StepCostModel:
             return None
         return self.predict_key(key, num_tokens, num_cached_tokens)
 
+    def margin(self, forward_mode: str) -> float:
+        """Factor (>= 1) a planned step's prediction is multiplied by before it is compared with
+        a target: the ``plan_quantile`` of measured / predicted over the last
+        ``residual_window`` forwards of ``forward_mode``'s entry point (``ENTRY_OF_MODE``); 1
+        while fewer than ``min(8, residual_window)`` are known. ``ValueError`` for an unknown
+        mode."""
+        if forward_mode not in ENTRY_OF_MODE:
+            raise ValueError(f"forward_mode must be one of {tuple(ENTRY_OF_MODE)}, got {forward_mode!r}")
+        return self._entry_margin(ENTRY_OF_MODE[forward_mode])
+
+    def _entry_margin(self, entry: str) -> float:
+        with self._lock:
+            res = sorted(self._residuals.get(entry, ()))
+        if len(res) < min(8, self.residual_window):
+            return 1.0
+        # Nearest rank: the smallest ratio with at least plan_quantile of them at or below it.
+        return max(1.0, res[max(0, math.ceil(self.plan_quantile * len(res)) - 1)])
+
     def describe(self) -> dict[str, Any]:
         """The current coefficients, for ``/get_server_info``: per entry point the pooled fit,
         per key its own (seconds, seconds per token, seconds per cached token)."""
@@ -213,11 +256,12 @@ class StepCostModel:
             keys = {k: (self._key_coef(k), self._keys[k].num_samples) for k in self._keys}
         s_n, s_c = self.token_scale, self.cached_scale
         out: dict[str, Any] = {"num_observed": self.num_observed, "load_factor": self.load_factor,
-                               "entries": {}, "buckets": []}
+                               "plan_quantile": self.plan_quantile, "entries": {}, "buckets": []}
         for e, c in pools.items():
             out["entries"][e] = {"fixed_s": c[0], "per_bucket_token_s": c[1] / s_n,
                                  "per_token_s": c[2] / s_n, "per_cached_token_s": c[3] / s_c,
-                                 "num_samples": self._pools[e].num_samples}
+                                 "num_samples": self._pools[e].num_samples,
+                                 "margin": self._entry_margin(e)}
         for k, (c, num) in sorted(keys.items(), key=lambda kv: repr(kv[0])):
             desc = {f: getattr(k, f) for f in getattr(k, "__dataclass_fields__", {})} or {"key": repr(k)}
             desc.update(fixed_s=c[0], per_token_s=c[1] / s_n, per_cached_token_s=c[2] / s_c,

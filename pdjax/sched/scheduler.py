@@ -22,10 +22,11 @@ Policy, per step:
 4. With ``target_itl_ms`` and decode rows in a mixed step, the prefill gets only as many tokens
    as the cost model (``pdjax.sched.cost_model``) predicts fit in the target next to the decode
    rows (Sarathi-Serve's stall-free batching): the step is filled up to the largest compiled
-   token bucket that fits, never a new shape. The first prefill row still advances by at least
-   one page (no starvation), filling the bucket that page needs; with nothing decoding,
-   prefill gets the whole chunk. Before any
-   forward is timed, the chunk is unconstrained.
+   token bucket that fits, never a new shape, planned against an upper quantile of the model's
+   errors. The first prefill row still advances every step (no starvation): by the fill of the
+   smallest bucket next to the decode rows (a sub-page chunk is fine in a colocated step), by
+   one page for page-aligned chunks; with nothing decoding, prefill gets the whole chunk.
+   Before any forward is timed, the chunk is unconstrained.
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
@@ -131,8 +132,8 @@ class ScheduledBatch:
 class Scheduler(PDPageSets):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
-    ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets`` and
-    ``predict``), needed for ``target_itl_ms``; each batch carries its prediction.
+    ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
+    and ``margin``), needed for ``target_itl_ms``; each batch carries its prediction.
     """
 
     def __init__(self, config: SchedulerConfig, cost_model=None):
@@ -347,10 +348,12 @@ class Scheduler(PDPageSets):
     def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
         """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
         next to ``rows``. Candidates fill a compiled token bucket exactly (or take ``n_max``);
-        the largest one predicted to fit wins. None fits: for the first prefill row, one page
-        and the rest of the bucket that page lands in (every step with budget advances the
-        prompt; the padding would cost as much as the tokens), 0 for a later one. Nothing timed
-        yet: ``n_max``.
+        the largest one whose prediction times the cost model's ``margin`` (an upper quantile
+        of its recent errors) fits wins. None fits: 0 for a later prefill row; the first one
+        still advances (no starvation) by the smallest step there is, the fill of the smallest
+        bucket holding ``rows`` plus one token (the padding would cost as much as the tokens),
+        or, for page-aligned chunks (PD prefill), one page plus the rest of the bucket that page
+        lands in. Nothing timed yet: ``n_max``.
 
             decode rows  | chunk of req ...............|  pad
             <- tokens0 ->|<- n = bucket - tokens0 ---->|       (bucket = a compiled token count)
@@ -360,7 +363,7 @@ class Scheduler(PDPageSets):
         tokens0 = sum(r.num_tokens for r in rows)
         cached0 = sum(r.start for r in rows) + start
         pages0 = max(-(-(r.start + r.num_tokens) // ps) for r in rows)
-        target_s = self.config.target_itl_ms / 1000.0
+        target_s = self.config.target_itl_ms / 1000.0 / self.cost_model.margin("mixed")
         buckets = self.cost_model.token_buckets
         fills = {b - tokens0 for b in buckets if 0 < b - tokens0 < n_max}
         for n in sorted(fills | {n_max}, reverse=True):
@@ -375,9 +378,9 @@ class Scheduler(PDPageSets):
                 return n
         if not first:
             return 0
-        page = min(n_max, ps)
-        floor = next((b for b in buckets if b >= tokens0 + page), tokens0 + page)
-        return max(page, min(n_max, floor - tokens0))
+        least = min(n_max, ps) if self.config.page_aligned_chunks else 1
+        floor = next((b for b in buckets if b >= tokens0 + least), tokens0 + least)
+        return max(least, min(n_max, floor - tokens0))
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],

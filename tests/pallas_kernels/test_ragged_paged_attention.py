@@ -266,6 +266,25 @@ def test_xla_path_sweeps_q_and_kv_lens(config):
                    (0, 1, 1), seed)
 
 
+def test_xla_path_small_bucket_tiles_match_reference():
+    """A 16-token stream takes the default tiles of 8 rows (``SMALL_BUCKET_TOKENS``): a chunk
+    behind decode rows spans two of them (the second slides back), a lone prefill row too."""
+    cfg = CONFIGS["gqa3_d64_f32"]
+    shapes = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype)
+    for seed, (seqs, distribution) in enumerate((
+            ([(1, 20), (1, 64), (1, 16), (13, 40)], (3, 3, 4)),
+            ([(1, 33), (1, 17), (1, 50), (1, 9), (1, 70), (1, 24), (1, 31), (8, 96)], (7, 7, 8)),
+            ([(16, 40)], (0, 1, 1)))):
+        args = list(make_batch(seqs, distribution, seed=seed, **shapes))
+        args[0] = args[0][:16]
+        out = np.asarray(xla_fn(cfg)(*args))
+        want = np.asarray(reference_fn(cfg)(*args))
+        assert out.shape == (16, cfg.num_q_heads, cfg.head_dim)
+        assert float(np.abs(out - want).max()) <= cfg.tol, seqs
+        assert np.abs(out).max() > 0.01
+
+
 def test_xla_path_is_the_cpu_default():
     """On CPU ``impl=None`` runs the xla path: no per-token gather of ``[T, pages, ...]``."""
     cfg = CONFIGS["gqa3_d64_f32"]

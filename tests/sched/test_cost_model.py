@@ -10,7 +10,7 @@ import statistics
 
 import pytest
 
-from pdjax.sched.buckets import BucketKey, Buckets
+from pdjax.sched.buckets import ENTRY_OF_MODE, BucketKey, Buckets
 from pdjax.sched.cost_model import StepCostModel
 
 BUCKETS = Buckets.create(chunked_prefill_size=256, max_running_requests=16, max_pages_per_seq=128)
@@ -105,3 +105,37 @@ def test_coefficients_stay_non_negative_on_collinear_noisy_samples():
     small = model.predict("mixed", 16, 9, 16, 0)
     assert small > 0.001                     # never 0 or negative for an untimed small bucket
     assert small <= model.predict("mixed", 64, 9, 16, 0) <= model.predict("mixed", 256, 9, 16, 0)
+
+
+def test_margin_is_an_upper_quantile_of_the_replayed_prediction_errors():
+    """Planned against ``prediction x margin``, about 1 - plan_quantile of the replayed SmolLM2
+    mixed steps run over their plan; against the point prediction, about half do."""
+    with open(TRACE) as f:
+        steps = json.load(f)["steps"]
+    model = StepCostModel(BUCKETS.pick, BUCKETS.token_buckets, token_scale=256, cached_scale=2016)
+    assert model.margin("mixed") == 1.0                  # nothing known yet
+    over_point, over_planned, margins = [], [], []
+    for i, s in enumerate(steps):
+        # The trace names its keys by forward mode; the engine's keys use the entry point.
+        mode = s["key"]["entry"]
+        key = BucketKey(**{**s["key"], "entry": ENTRY_OF_MODE[mode]})
+        predicted = model.predict_key(key, s["num_tokens"], s["num_cached_tokens"])
+        margin = model.margin(mode)
+        if predicted is not None and i >= 50 and mode == "mixed":
+            over_point.append(s["measured_s"] > predicted)
+            over_planned.append(s["measured_s"] > predicted * margin)
+            margins.append(margin)
+        model.observe(key, s["num_tokens"], s["num_cached_tokens"], s["measured_s"])
+    assert len(over_planned) > 200
+    share_point, share_planned = sum(over_point) / len(over_point), sum(over_planned) / len(over_planned)
+    print(f"\nshare of mixed steps over the point prediction {share_point:.3f}, over prediction x "
+          f"margin {share_planned:.3f}; median margin {statistics.median(margins):.3f}")
+    assert share_point > 0.35 and share_planned < 0.12
+    assert min(margins) >= 1.0 and statistics.median(margins) > 1.1
+    assert model.describe()["entries"]["extend"]["margin"] == model.margin("prefill_chunk")
+    with pytest.raises(ValueError, match="forward_mode"):
+        model.margin("extend")
+    for kw, name in (({"plan_quantile": 1.0}, "plan_quantile"),
+                     ({"residual_window": 0}, "residual_window")):
+        with pytest.raises(ValueError, match=name):
+            StepCostModel(BUCKETS.pick, BUCKETS.token_buckets, **kw)

@@ -34,6 +34,7 @@ from pdjax.pallas_kernels.ragged_paged_attention.reference import (
 
 DEFAULT_Q_BLOCK = 128        # query rows per tile (a 256-token chunk is two tiles)
 DEFAULT_KV_BLOCK_TOKENS = 512
+SMALL_BUCKET_TOKENS = 16     # token buckets up to this use tiles of half the bucket
 
 
 def ragged_paged_attention_xla(
@@ -65,7 +66,8 @@ def ragged_paged_attention_xla(
         ``[0:decode_end)`` must have q_len 1; rows ``[decode_end:num_seqs)`` may have any q_len;
         rows from ``num_seqs`` on are padding and give 0.
       sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
-      q_block: query rows per tile (static; default ``min(T, 128)``).
+      q_block: query rows per tile (static; default ``min(T, 128)``, ``T // 2`` for
+        ``T <= 16``).
       kv_pages_per_block: pages per KV block (static; default 512 tokens' worth, at most P).
       decode_only: static promise that every row has q_len 1: only the decode part is built
         (the reference, half the compile time of both parts).
@@ -86,7 +88,12 @@ def ragged_paged_attention_xla(
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_pad, max_pages = page_indices.shape
     group = num_q_heads // num_kv_heads
-    q_block = min(num_tokens, DEFAULT_Q_BLOCK if q_block is None else q_block)
+    if q_block is None:
+        # In the smallest buckets a mixed step's decode rows lead the stream and leave a chunk
+        # of at most about half of it: a full-width tile would spend half its rows on them.
+        q_block = min(num_tokens, DEFAULT_Q_BLOCK) if num_tokens > SMALL_BUCKET_TOKENS \
+            else max(1, num_tokens // 2)
+    q_block = min(num_tokens, q_block)
     if kv_pages_per_block is None:
         kv_pages_per_block = max(1, min(max_pages, DEFAULT_KV_BLOCK_TOKENS // page_size))
     if q_block < 1 or kv_pages_per_block < 1:
@@ -123,7 +130,13 @@ def ragged_paged_attention_xla(
             mask = (kv_pos[None, :] <= pos[:, None]) & row_ok[:, None]            # [Bq, S]
             if sliding_window is not None:
                 mask &= kv_pos[None, :] > pos[:, None] - sliding_window
-            s = jnp.einsum("qhgd,shd->hgqs", q_tile, k)                          # [KVH, G, Bq, S]
+            mask = jnp.tile(mask, (group, 1))                                    # [G*Bq, S]
+            # K and V head-major once per block: both products are then plain batched
+            # [G*Bq, D] x [D, S] dots per KV head (XLA CPU runs them 1.2-1.4x faster than
+            # the same einsums on the token-major layout).
+            k = k.transpose(1, 0, 2)                                             # [KVH, S, D]
+            v = v.transpose(1, 0, 2)
+            s = jnp.einsum("hmd,hsd->hms", q_tile, k)                            # [KVH, G*Bq, S]
             if soft_cap is not None:
                 s = soft_cap * jnp.tanh(s / soft_cap)
             s = jnp.where(mask, s, _MASK_VALUE)
@@ -131,7 +144,7 @@ def ragged_paged_attention_xla(
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l_new = alpha * l + p.sum(axis=-1)
-            acc_new = alpha[..., None] * acc + jnp.einsum("hgqs,shd->hgqd", p, v)
+            acc_new = alpha[..., None] * acc + jnp.einsum("hms,hsd->hmd", p, v)  # [KVH, G*Bq, D]
             return m_new, l_new, acc_new
         return body
 
@@ -146,15 +159,19 @@ def ragged_paged_attention_xla(
         row_ok = (t >= t0) & (t < t1)
         pos = kv_len - q_len + (t - start)                                         # [Bq]
         q_tile = jax.lax.dynamic_slice_in_dim(qf, ws, q_block)                   # [Bq, KVH, G, D]
+        # GQA folded into the rows: row g * Bq + i is query head g of the group, token i.
+        q_tile = q_tile.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * q_block, head_dim)
         first_pos = kv_len - q_len + (t0 - start)
         last_pos = kv_len - q_len + (t1 - 1 - start)
         lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         hi = jnp.clip(last_pos // kv_block + 1, 0, num_kv_blocks)
-        init = (jnp.full((num_kv_heads, group, q_block), _MASK_VALUE, jnp.float32),
-                jnp.zeros((num_kv_heads, group, q_block), jnp.float32),
-                jnp.zeros((num_kv_heads, group, q_block, head_dim), jnp.float32))
+        rows = group * q_block
+        init = (jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
+                jnp.zeros((num_kv_heads, rows), jnp.float32),
+                jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
         _, l, acc = jax.lax.fori_loop(lo // kv_block, hi, kv_step(r, q_tile, pos, row_ok), init)
-        o = acc / jnp.where(l > 0, l, 1.0)[..., None]                             # [KVH, G, Bq, D]
+        o = acc / jnp.where(l > 0, l, 1.0)[..., None]                             # [KVH, G*Bq, D]
+        o = o.reshape(num_kv_heads, group, q_block, head_dim)
         o = o.transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
         old = jax.lax.dynamic_slice_in_dim(out, ws, q_block)
         return jax.lax.dynamic_update_slice_in_dim(
