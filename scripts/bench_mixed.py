@@ -89,9 +89,14 @@ def _request(ids: list[int], max_new_tokens: int):
 
 def decode_tokens_needed(args) -> int:
     """Tokens each decode request must be allowed: steady steps, the arrival window (at most
-    two steps per chunk; under a target a chunk may be one page), the tail, and slack for the
-    initial prefill steps."""
-    chunks = -(-args.long_prompt_len // args.page_size)
+    two steps per chunk; under a target a chunk may be the smallest token bucket's room next to
+    the decode rows, ``Buckets.create``'s first bucket of 16 tokens doubled until it holds them),
+    the tail, and slack for the initial prefill steps."""
+    bucket = 16
+    while bucket <= args.batch_size:
+        bucket *= 2
+    least_chunk = max(1, min(bucket, args.chunked_prefill_size) - args.batch_size)
+    chunks = -(-args.long_prompt_len // least_chunk)
     return args.steady_steps + 2 * chunks + args.tail_steps + 8
 
 

@@ -5,9 +5,10 @@ Prints the wall time (median and min over interleaved rounds) and the process CP
 (median; less sensitive to a shared machine's load) of: the decode step of ``--batch-size``
 rows; the extend entry with the same decode rows alone in each token bucket up to 32 (what the
 extra padded tokens and rows of the mixed entry cost); the mixed step of the decode rows plus
-``--chunk`` prompt tokens at each prompt context. Shapes follow bench_mixed's server flags.
+``--chunk`` prompt tokens (a comma list: each size in turn) at each prompt context. Shapes
+follow bench_mixed's server flags.
 
-    python scripts/bench_mixed_step.py --contexts 256,1024,2000 --chunk 24
+    python scripts/bench_mixed_step.py --contexts 256,1024,2000 --chunk 8,24
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="decode rows")
     ap.add_argument("--decode-context", type=int, default=64, help="cached tokens per decode row")
     ap.add_argument("--contexts", default="256,1024,2000", help="prompt contexts (tokens cached)")
-    ap.add_argument("--chunk", type=int, default=24, help="prompt tokens in the mixed step")
+    ap.add_argument("--chunk", default="8,24", help="prompt tokens in the mixed step (comma list)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--attention-backend", default=None, help="attention impl: xla (the CPU default) or reference; both take the one "
                     "pages-per-sequence bucket of a traced bound")
@@ -75,13 +76,14 @@ def main() -> None:
     for t in (b for b in buckets.token_buckets if b <= 32):
         key = buckets.pick("mixed", t, args.batch_size, dkey.pages_per_seq)
         cases.append((f"extend, the {args.batch_size} decode rows alone, T={t}", key, decode_rows))
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        prompt = BatchRow([int(x) for x in rng.integers(100, 1000, args.chunk)],
-                          ctx - args.chunk, pages(ctx))
-        rows = decode_rows + [prompt]
-        key = buckets.pick("mixed", args.batch_size + args.chunk, len(rows), -(-ctx // ps))
-        cases.append((f"mixed {args.batch_size} rows + {args.chunk} prompt tokens, context {ctx}, "
-                      f"T={key.num_tokens}", key, rows))
+    for chunk in (int(c) for c in args.chunk.split(",")):
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            prompt = BatchRow([int(x) for x in rng.integers(100, 1000, chunk)], ctx - chunk,
+                              pages(ctx))
+            rows = decode_rows + [prompt]
+            key = buckets.pick("mixed", args.batch_size + chunk, len(rows), -(-ctx // ps))
+            cases.append((f"mixed {args.batch_size} rows + {chunk} prompt tokens, context {ctx}, "
+                          f"T={key.num_tokens}", key, rows))
     batches = [(label, key, runner.make_batch(key, rows)) for label, key, rows in cases]
     times = {label: [] for label, _, _ in batches}
     cpu = {label: [] for label, _, _ in batches}

@@ -64,7 +64,7 @@ def sizes(quick: bool, model_path: str | None) -> dict:
             "transfer": ["--input-lens", "64,256,960", "--requests-per-len", "2"],
             "mixed": ["--batch-size", "8", "--decode-prompt-len", "32", "--long-prompt-len", "2000",
                       "--steady-steps", "16", "--repeats", "1", "--context-length", "2016",
-                      "--target-factors", "2,3", "--plot-file", MIXED_PLOT],
+                      "--target-factors", "2,1.5,3", "--plot-file", MIXED_PLOT],
             "vs_hf": ["--num-prompts", "8", "--input-len", "128", "--output-len", "32"]}
 
 
@@ -250,11 +250,12 @@ def _mixed_section(mx: dict) -> list[str]:
                   "Each line is one decoding request's inter-token gaps (log scale) against the "
                   "time since the long prompt arrived (first round of each setting); the dashed "
                   "line is the long prompt's first token.", ""]
-    lines += ["Where even a one-page mixed step costs more than the target (each step's chunk "
+    lines += ["Where even the smallest mixed step costs more than the target (each step's chunk "
               "attends over the long prompt's whole context so far, so late in a long prompt "
-              "the smallest mixed step grows past the target), the prompt advances by one page "
-              "plus the rest of the token bucket that page needs per step, and the decode gaps "
-              "follow that floor instead of the target.", ""]
+              "the smallest mixed step grows past the target), the prompt advances by the rest "
+              "of the smallest token bucket next to the decode rows per step (a sub-page chunk; "
+              "whole pages for PD prefill), and the decode gaps follow that floor instead of the "
+              "target.", ""]
     return lines + _commands(mx)
 
 
