@@ -23,10 +23,12 @@ within a few steps (on the replayed SmolLM2 trace of tests/sched/data the median
 online prediction drops from 0.2-0.4 to about 0.1 with it). Features are scaled
 (``n / token_scale``, ``c / cached_scale``) so the ridge weights mean the same for every term.
 
-A point prediction is exceeded by about half the steps it plans. ``margin(entry)`` is an upper
-quantile (``plan_quantile``, 0.9 by default) of the recent ratios measured / predicted of that
-entry point, each prediction made just before its forward was observed; the scheduler plans
-``prediction x margin`` against its target, so about that share of steps ends inside it.
+A point prediction is exceeded by about half the steps it plans. ``margin(forward_mode)`` is an
+upper quantile (``plan_quantile``, 0.9 by default) of the recent ratios measured / predicted of
+that mode's entry point, each prediction made just before its forward was observed; the
+scheduler plans ``prediction x margin`` against its target, so about that share of steps ends
+inside it.
+
 Thread-safe (the HTTP thread reads ``describe()`` while the engine thread observes).
 Pure Python; never imports JAX.
 """
