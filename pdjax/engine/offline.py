@@ -20,8 +20,9 @@ def _sampling_params(sp) -> SamplingParams:
 class Engine:
     """Offline engine in the style of ``sglang.Engine``: ``Engine(model_path=None,
     dtype="auto", **server_args)``; no path serves the default SmolLM2 model. Besides the
-    ``ServerArgs`` fields: ``progress`` (warm-up progress bar) and ``background_compile``
-    (``EngineCore``; default False: every shape compiled before the constructor returns).
+    ``ServerArgs`` fields: ``progress`` (warm-up progress bar), ``background_compile``
+    (``EngineCore``; default False: every shape compiled before the constructor returns) and
+    ``buckets`` (``EngineCore``: the shapes to compile, instead of the settings' own).
 
     ``generate(prompt | list of prompts, sampling_params, input_ids=...)`` returns a dict (one
     prompt) or a list of dicts with ``text``, ``output_ids`` and ``meta_info``
@@ -32,8 +33,10 @@ class Engine:
     def __init__(self, model_path: str | None = None, dtype: str = "auto", **server_args):
         progress = server_args.pop("progress", True)
         background_compile = server_args.pop("background_compile", False)
+        buckets = server_args.pop("buckets", None)
         self.args = ServerArgs(model_path=model_path, dtype=dtype, **server_args)
-        self.core = EngineCore(self.args, progress=progress, background_compile=background_compile)
+        self.core = EngineCore(self.args, progress=progress, background_compile=background_compile,
+                               buckets=buckets)
         self.tokenizer = self.core.tokenizer
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None,

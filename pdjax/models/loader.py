@@ -5,7 +5,8 @@ template).
     path ─> checkpoint_architecture ─> registry.model_family ─> read_params ─> build_model
                                                                 (or restore_params for Orbax)
 
-The file formats live in ``checkpoint.py`` and ``orbax_checkpoint.py``, each family's weight
+``load_format="dummy"`` reads only the config and makes random weights on the devices
+(``load_dummy_model``; vLLM's and SGLang's ``--load-format dummy``). The file formats live in ``checkpoint.py`` and ``orbax_checkpoint.py``, each family's weight
 mapping in its own module, and the architecture -> family table in ``registry.py``. The path,
 mesh and dtype helpers of ``checkpoint.py`` are re-exported here so callers need one import.
 """
@@ -23,7 +24,7 @@ from pdjax.models.checkpoint import (  # noqa: F401 (path, mesh and dtype helper
     checkpoint_architecture, default_model_path, is_gguf, make_mesh, read_gguf, read_gguf_config,
     read_hf_tensors, resolve_dtype, resolve_model_path)
 from pdjax.models.orbax_checkpoint import is_orbax_checkpoint, read_marker, restore_params
-from pdjax.models.params import abstract_params, place_params
+from pdjax.models.params import abstract_params, place_params, random_params
 from pdjax.models.registry import ModelFamily, Params, model_family
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,19 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
     return run_cfg, place_params(make, restore_params(path, targets), specs, mesh)
 
 
+def load_dummy_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
+    """A model of the config at ``path`` (an HF folder with only a config.json is enough, a
+    GGUF file or an Orbax checkpoint also do) with random weights made on the devices of
+    ``mesh`` (``params.random_params``): no tensor is read. For benchmarks of a model's shape
+    without its weights (``scripts/gpu_check.sh``). Returns ``(run_cfg, model)`` like
+    ``load_model``; ``ValueError`` naming the config field that is wrong."""
+    family = model_family(checkpoint_architecture(path))
+    run_cfg = family.run_config(checkpoint_config(path), mesh.shape["tp"])
+    make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
+    specs = family.param_specs(run_cfg, mesh.shape["tp"])
+    return run_cfg, place_params(make, random_params(make, specs, mesh), specs, mesh)
+
+
 def checkpoint_config(path: str):
     """The config of the checkpoint at ``path`` (already resolved) as written, before
     ``run_config`` adapts it to a TP size; read from metadata only (GGUF header, or the
@@ -90,18 +104,23 @@ def checkpoint_config(path: str):
 
 
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
-               progress: bool = True, **model_kwargs):
+               progress: bool = True, load_format: str = "auto", **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
     The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
     Qwen3 give ``(ModelConfig, LlamaForCausalLM)`` (``run_cfg.num_kv_heads`` may be larger
     than the checkpoint's when TP replicates KV heads), DeepSeek-V3 / V3.2 / GLM-5 give
     ``(DeepseekConfig, DeepseekForCausalLM)``. ``model_path`` may be an HF folder, a GGUF file
-    or a pdjax Orbax checkpoint. Raises ``ValueError`` naming the file, tensor or
-    architecture that is wrong.
+    or a pdjax Orbax checkpoint. ``load_format``: ``auto`` reads the weights, ``dummy`` makes
+    random ones of the checkpoint's config (``load_dummy_model``). Raises ``ValueError``
+    naming the file, tensor or architecture that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
+    if load_format == "dummy":
+        return load_dummy_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be one of auto, dummy; got {load_format!r}")
     if is_orbax_checkpoint(path):
         return load_orbax_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
     family, cfg, params, _ = read_params(path, progress)

@@ -81,6 +81,24 @@ class Buckets:
             max_rows=max_running_requests,
         )
 
+    def check_serves(self, limits: "Buckets") -> None:
+        """Check that these buckets (a list chosen by hand, e.g. ``scripts/gpu_check.sh``'s
+        few shapes) hold every batch the settings allow, ``limits`` being the buckets
+        ``create`` derives from them: each list strictly ascending and positive, its largest
+        entry at least ``limits``'s, and the same ``max_rows`` (the extend entry's row count).
+        ``ValueError`` naming the list otherwise."""
+        for name in ("token_buckets", "request_buckets", "pages_per_seq_buckets"):
+            mine, need = getattr(self, name), getattr(limits, name)[-1]
+            if not mine or mine[0] < 1 or any(a >= b for a, b in zip(mine, mine[1:])):
+                raise ValueError(f"buckets.{name} must be positive and strictly ascending, "
+                                 f"got {list(mine)}")
+            if mine[-1] < need:
+                raise ValueError(f"buckets.{name}: the largest, {mine[-1]}, is below the "
+                                 f"{need} the settings allow")
+        if self.max_rows != limits.max_rows:
+            raise ValueError(f"buckets.max_rows must equal max_running_requests "
+                             f"({limits.max_rows}), got {self.max_rows}")
+
     @staticmethod
     def _fit(buckets: tuple[int, ...], n: int, what: str) -> int:
         for b in buckets:
