@@ -1,5 +1,6 @@
 """Scheduler unit tests with a fake model (pure Python; no JAX)."""
 
+import dataclasses
 import random
 import sys
 
@@ -259,3 +260,26 @@ def test_buckets_pick_among_ready_keys():
         assert b.pick(mode, t, r, p, ready=set(core)) in core
     with pytest.raises(ValueError, match="no compiled bucket holds"):
         b.pick("decode", 3, 3, 17, ready={BucketKey("extend", 256, 16, 512)})
+
+
+def test_buckets_chosen_by_hand_must_hold_every_batch():
+    """EngineCore(buckets=...) (scripts/gpu_engine_check.py's few shapes): each list must reach
+    the settings' largest batch, ascend, and keep the extend row count."""
+    limits = Buckets.create(chunked_prefill_size=256, max_running_requests=16,
+                            max_pages_per_seq=512)
+    few = Buckets(token_buckets=(256,), request_buckets=(1, 16), pages_per_seq_buckets=(64, 512),
+                  max_rows=16)
+    few.check_serves(limits)
+    assert len(few.all_keys()) == 2 * 2 + 1 * 2
+    assert few.pick("decode", 3, 3, 17) == BucketKey("decode", 16, 16, 64)
+    assert few.pick("prefill_chunk", 20, 1, 65) == BucketKey("extend", 256, 16, 512)
+    bad = [(dict(token_buckets=(128,)), r"buckets.token_buckets: the largest, 128, is below the 256"),
+           (dict(request_buckets=(1, 8)), r"buckets.request_buckets: the largest, 8, is below the 16"),
+           (dict(pages_per_seq_buckets=(511,)), r"pages_per_seq_buckets: the largest, 511"),
+           (dict(request_buckets=(16, 1)), r"request_buckets must be positive and strictly ascending"),
+           (dict(token_buckets=(0, 256)), r"token_buckets must be positive"),
+           (dict(pages_per_seq_buckets=()), r"pages_per_seq_buckets must be positive"),
+           (dict(max_rows=32), r"max_rows must equal max_running_requests \(16\), got 32")]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            dataclasses.replace(few, **change).check_serves(limits)
