@@ -134,12 +134,12 @@ def random_prompts(rng, lengths, vocab: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, vocab, n)] for n in lengths]
 
 
-def make_engine(folder: str, plan: Plan, impl: str, *, interpret: bool, max_rows: int,
-                max_total_tokens: int):
-    """An ``Engine`` on the dummy model with only the shapes ``plan`` needs: extend at one
-    token bucket (``plan.chunk``), decode at the plan's batch sizes; the XLA path's one
-    pages-per-sequence bucket (its cost follows kv_lens), the kernel's one per context."""
-    from pdjax.engine import Engine
+def engine_settings(plan: Plan, impl: str, *, interpret: bool, max_rows: int,
+                    max_total_tokens: int) -> dict:
+    """``Engine`` keyword arguments for the dummy model with only the shapes ``plan`` needs:
+    extend at one token bucket (``plan.chunk``), decode at the plan's batch sizes; the XLA
+    path's one pages-per-sequence bucket (its cost follows kv_lens), the kernel's one per
+    context."""
     from pdjax.sched.buckets import Buckets
 
     pages = plan.pages_buckets()
@@ -149,12 +149,26 @@ def make_engine(folder: str, plan: Plan, impl: str, *, interpret: bool, max_rows
         requests = tuple(sorted({b for b, _ in plan.decode_cases} | {max_rows}))
     buckets = Buckets(token_buckets=(plan.chunk,), request_buckets=requests,
                       pages_per_seq_buckets=pages, max_rows=max_rows)
-    return Engine(folder, dtype=plan.dtype, load_format="dummy", attention_backend=impl,
-                  pallas_interpret=interpret, page_size=plan.page_size,
-                  chunked_prefill_size=plan.chunk, context_length=plan.context_length,
-                  max_running_requests=max_rows, max_total_tokens=max_total_tokens,
-                  grammar_backend="none", skip_warmup_progress=True, progress=False,
-                  buckets=buckets)
+    return dict(dtype=plan.dtype, load_format="dummy", attention_backend=impl,
+                pallas_interpret=interpret, page_size=plan.page_size,
+                chunked_prefill_size=plan.chunk, context_length=plan.context_length,
+                max_running_requests=max_rows, max_total_tokens=max_total_tokens,
+                grammar_backend="none", skip_warmup_progress=True, progress=False,
+                buckets=buckets)
+
+
+def xla_engine_settings(plan: Plan, compare: list[list[int]]) -> dict:
+    """The XLA path runs the comparison only: one row per prompt, a pool just for them."""
+    n = len(compare)
+    pages = sum(plan.pages(len(p) + plan.compare_tokens) for p in compare) + n + 2
+    return engine_settings(plan, "xla", interpret=False, max_rows=n,
+                           max_total_tokens=pages * plan.page_size)
+
+
+def kernel_engine_settings(plan: Plan, interpret: bool) -> dict:
+    return engine_settings(plan, "gpu", interpret=interpret,
+                           max_rows=max(b for b, _ in plan.decode_cases),
+                           max_total_tokens=plan.max_total_tokens())
 
 
 @dataclasses.dataclass
@@ -399,16 +413,14 @@ def main(argv=None) -> int:
                                                    "head_dim")},
               "peak_hbm_gbs": hbm_gbs, "peak_tflops": peak_tflops, "peak_source": source,
               "engine_start_s": {}}
-    max_rows = max(b for b, _ in plan.decode_cases)
+    from pdjax.engine import Engine
+
     with tempfile.TemporaryDirectory(prefix="pdjax_gpu_check_") as folder:
         write_model_dir(folder, plan.model)
 
         # 1. the jnp/XLA path (the reference), only for the comparison; freed before the next
         t0 = time.perf_counter()
-        n = len(compare)
-        engine = make_engine(folder, plan, "xla", interpret=False, max_rows=n,
-                             max_total_tokens=(sum(plan.pages(len(p) + plan.compare_tokens)
-                                                   for p in compare) + n + 2) * plan.page_size)
+        engine = Engine(folder, **xla_engine_settings(plan, compare))
         result["engine_start_s"]["xla"] = time.perf_counter() - t0
         ref = run_comparison(engine, compare, plan.compare_tokens)
         engine.shutdown()
@@ -418,8 +430,7 @@ def main(argv=None) -> int:
 
         # 2. the Pallas GPU kernel path: the comparison, then the figures
         t0 = time.perf_counter()
-        engine = make_engine(folder, plan, "gpu", interpret=interpret, max_rows=max_rows,
-                             max_total_tokens=plan.max_total_tokens())
+        engine = Engine(folder, **kernel_engine_settings(plan, interpret))
         result["engine_start_s"]["gpu"] = time.perf_counter() - t0
         core = engine.core
         result["model"]["param_bytes"] = weight_read_bytes(core, 1)[0]

@@ -126,3 +126,76 @@ def test_wheelhouse_holds_pytests_own_requirements():
               if r.marker is None or r.marker.evaluate(env)}
     rows = {gpu_wheelhouse._dist_name(req) for _, req in gpu_wheelhouse.WHEELS}
     assert "pytest" in rows and needed <= rows, needed - rows
+
+
+def _simulate(sched, buckets, prompts, new_tokens, rid):
+    """Run ``prompts`` through ``sched`` as the engine would (every batch must fit a bucket);
+    returns (requests, batches)."""
+    from pdjax.request import Request, SamplingParams
+
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    reqs = [Request(f"{rid}{i}", list(p), sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    batches = []
+    while sched.has_work:
+        batch = sched.schedule()
+        assert batch is not None and len(batches) < 100_000
+        buckets.pick(batch.forward_mode, batch.num_tokens, len(batch.rows),
+                     batch.pages_per_seq(sched.page_size))
+        batches.append((batch.forward_mode, len(batch.rows), batch.num_tokens))
+        sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples},
+                              lambda req: ({"type": "length", "length": new_tokens}
+                                           if len(req.output_ids) >= new_tokens else None))
+    assert all(len(r.output_ids) == new_tokens for r in reqs)
+    return reqs, batches
+
+
+def test_full_plan_fits_an_h100_and_decodes_every_row_together():
+    """The Llama-3-8B run that no CPU can do, checked without JAX: its hand-chosen shapes hold
+    every batch the settings allow, weights + KV pool fit 92% of an 80 GB GPU, and the real
+    scheduler, fed the run's own request sequence, gives every decode case steps where all its
+    rows decode (the prefix cache admitting them together) and full prefill chunks."""
+    import gpu_engine_check as g
+    import numpy as np
+
+    from pdjax.config import ServerArgs
+    from pdjax.sched.buckets import Buckets
+    from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+    plan = g.FULL
+    rng = np.random.default_rng(0)
+    compare = g.random_prompts(rng, plan.compare_lengths, plan.model["vocab_size"])
+    weights = 2 * (2 * 128256 * 4096 + 4096
+                   + 32 * (2 * 4096 + 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336))
+    assert weights == 16_060_522_496
+    kv_per_token = 32 * 2 * 8 * 128 * 2
+    for settings in (g.xla_engine_settings(plan, compare), g.kernel_engine_settings(plan, False)):
+        settings = dict(settings)
+        buckets = settings.pop("buckets")
+        args = ServerArgs(**{k: v for k, v in settings.items() if k != "progress"})
+        limits = Buckets.create(chunked_prefill_size=args.chunked_prefill_size,
+                                max_running_requests=args.max_running_requests,
+                                max_pages_per_seq=-(-args.context_length // args.page_size))
+        buckets.check_serves(limits)
+        assert weights + args.max_total_tokens * kv_per_token < 0.92 * 80e9 - 4e9
+        sched = Scheduler(SchedulerConfig(
+            num_pages=args.num_pages, page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size, max_context_len=args.context_length))
+        _simulate(sched, buckets, compare, plan.compare_tokens, "c")
+        if settings["attention_backend"] == "xla":
+            assert len(buckets.all_keys()) == 2
+            continue
+        assert len(buckets.all_keys()) == 6
+        for b, c in plan.decode_cases:
+            prompts = g.random_prompts(rng, [c] * b, plan.model["vocab_size"])
+            _simulate(sched, buckets, prompts, 1, f"w{b}_{c}_")
+            reqs, batches = _simulate(sched, buckets, prompts, plan.new_tokens, f"d{b}_{c}_")
+            assert sum(r.num_cached_tokens_reported for r in reqs) >= b * (c - plan.page_size)
+            full = [x for x in batches if x[0] == "decode" and x[1] == b]
+            assert len(full) == plan.new_tokens - 1, (b, c, batches[:5])
+        prompts = g.random_prompts(rng, [plan.prefill_len] * plan.prefill_prompts,
+                                   plan.model["vocab_size"])
+        _, batches = _simulate(sched, buckets, prompts, 1, "p")
+        assert [t for m, _, t in batches] == [plan.chunk] * 8
