@@ -56,6 +56,7 @@ LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  rope_scaling=LLAMA3_ROPE, max_position_embeddings=131072)
 TINY_MODEL = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+HOST_LACKS = ("zmq", "gguf", "mooncake", "llguidance", "pytest")
 NOMINAL_CPU_GBS = 20.0           # tiny mode only: a placeholder bandwidth, not a measurement
 NOMINAL_CPU_TFLOPS = 0.1
 
@@ -448,6 +449,8 @@ def main(argv=None) -> int:
         result["compiles_after_warmup"] = core.runner.compiles_after_warmup
         engine.shutdown()
     result["total_s"] = time.perf_counter() - t_start
+    # Packages the GPU host lacks (DESIGN.md §5): the colocated engine path must not need them.
+    result["imported_host_lacks"] = sorted(m for m in HOST_LACKS if m in sys.modules)
     print_report(result)
     write_json(args.json, result)
     ok = (result["attention_paths"]["tokens_match"]

@@ -43,6 +43,7 @@ def test_gpu_check_dry_run_writes_every_figure(tmp_path):
     assert r["model"]["param_bytes"] == TINY_PARAM_BYTES
     assert r["warmup_shapes"] == 3 and r["compiles_after_warmup"] == 0
     assert set(r["engine_start_s"]) == {"xla", "gpu"}
+    assert r["imported_host_lacks"] == []       # no ZMQ, gguf, Mooncake, llguidance, pytest
 
     paths = r["attention_paths"]
     assert paths["tokens_equal"] is True and paths["tokens_match"] is True
