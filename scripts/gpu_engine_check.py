@@ -11,11 +11,12 @@ Figures (printed and written as JSON with ``--json``):
                    tokens equal, and tie-aware (DESIGN.md §5: equal up to and including the
                    first position where the XLA path's top-2 logprob gap is below
                    ``gap_tol``);
-  decode           median device time of a decode step with every row decoding (the engine's
-                   own ``last_forward_device_s``, overlap on) at a few batch sizes x contexts,
-                   against the weight-read roofline: (bytes of every weight the step reads --
-                   all but the embedding table, whose B rows are gathered -- plus the KV bytes
-                   of the rows' contexts) / HBM bandwidth;
+  decode           median time of a decode step with every row decoding (the engine's own
+                   ``last_forward_device_s``, overlap on: the device's time, or the host's
+                   where the host is slower -- ``host_ms_per_step`` tells) at a few batch
+                   sizes x contexts, against the weight-read roofline: (bytes of every weight
+                   the step reads -- all but the embedding table, whose B rows are gathered --
+                   plus the KV bytes of the rows' contexts) / HBM bandwidth;
   prefill          TFLOP/s of full ``chunk``-token prefill chunks: 2 x matmul weights x tokens
                    + 4 x layers x q heads x head_dim x keys each token sees (causal) + the LM
                    head of the sampled rows, over the chunk's median device time.
@@ -26,8 +27,8 @@ Figures (printed and written as JSON with ``--json``):
 ``--tiny`` (the default without a GPU; ``GPU_CHECK_ALLOW_CPU=1 scripts/gpu_check.sh``): the
 same steps on a 2-layer model of hidden 64 in float32, the GPU kernel through the Pallas
 interpreter, a nominal bandwidth -- a test of this script (tests/bench/test_gpu_check.py), not
-a measurement. Full mode budget on an H100/H200: about 6 compiled shapes for the kernel path, 2
-for the XLA path, under 8 minutes in all. Exit status 1 when the tokens differ (tie-aware) or a
+a measurement. Full mode budget on an H100/H200: 6 compiled shapes for the kernel path, 2 for
+the XLA path, about 0.4 M prompt tokens, meant to take under 8 minutes (not yet timed on a GPU). Exit status 1 when the tokens differ (tie-aware) or a
 figure is missing.
 """
 
@@ -275,13 +276,14 @@ def run_decode_case(engine, rng, batch: int, context: int, new_tokens: int, hbm_
     prompts = random_prompts(rng, [context] * batch, core.model_cfg.vocab_size)
     engine.generate(input_ids=prompts, sampling_params=dict(GREEDY, max_new_tokens=1))
     steps, hook = record_steps(core)
-    t0 = time.perf_counter()
+    t0, host0, steps0 = time.perf_counter(), core.host_time_s, core.num_steps
     try:
         outs = engine.generate(input_ids=prompts,
                                sampling_params=dict(GREEDY, max_new_tokens=new_tokens))
     finally:
         core.step_hooks.remove(hook)
     wall_s = time.perf_counter() - t0
+    host_ms = 1e3 * (core.host_time_s - host0) / max(1, core.num_steps - steps0)
     full = [s for s in steps if s.mode == "decode" and s.rows == batch and s.device_s is not None]
     # The first may wait on the prefill before it; the last, read by the drain, is timed short.
     timed = full[1:-1] if len(full) > 3 else full
@@ -290,6 +292,7 @@ def run_decode_case(engine, rng, batch: int, context: int, new_tokens: int, hbm_
     row = {"batch": batch, "context": context, "new_tokens": new_tokens,
            "output_tokens": sum(len(o["output_ids"]) for o in outs), "wall_s": wall_s,
            "cached_tokens": sum(o["meta_info"]["cached_tokens"] for o in outs),
+           "host_ms_per_step": host_ms,
            "decode_steps_timed": len(timed), "step_ms_median": None, "step_ms_min": None,
            "weight_bytes": weight_bytes, "kv_bytes": None, "roofline_ms": None,
            "roofline_fraction": None, "achieved_gbs": None}
@@ -357,13 +360,14 @@ def print_report(result: dict) -> None:
     print(f"== decode vs weight-read roofline ({result['peak_hbm_gbs']:g} GB/s, "
           f"{result['peak_source']})")
     print(f"  {'batch':>5} {'context':>7} {'step ms':>9} {'roofline ms':>11} {'fraction':>8} "
-          f"{'GB/s':>8}")
+          f"{'GB/s':>8} {'host ms':>8}")
     for d in result["decode"]:
         if d["step_ms_median"] is None:
             print(f"  {d['batch']:>5} {d['context']:>7}  no full decode step timed")
             continue
         print(f"  {d['batch']:>5} {d['context']:>7} {d['step_ms_median']:9.3f} "
-              f"{d['roofline_ms']:11.3f} {d['roofline_fraction']:8.3f} {d['achieved_gbs']:8.1f}")
+              f"{d['roofline_ms']:11.3f} {d['roofline_fraction']:8.3f} {d['achieved_gbs']:8.1f} "
+              f"{d['host_ms_per_step']:8.3f}")
     p = result["prefill"]
     if p["tflops"] is not None:
         print(f"== prefill: {p['chunk_tokens']}-token chunks of {p['prompt_tokens']}-token "

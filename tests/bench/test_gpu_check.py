@@ -60,7 +60,7 @@ def test_gpu_check_dry_run_writes_every_figure(tmp_path):
         assert d["decode_steps_timed"] >= n - 3
         assert d["weight_bytes"] == TINY_PARAM_BYTES - TINY_EMBED_BYTES + b * 64 * 4
         assert c + 1 <= d["kv_bytes"] / (b * TINY_KV_BYTES_PER_TOKEN) <= c + n
-        assert 0 < d["step_ms_min"] <= d["step_ms_median"]
+        assert 0 < d["step_ms_min"] <= d["step_ms_median"] and d["host_ms_per_step"] > 0
         roofline_ms = (d["weight_bytes"] + d["kv_bytes"]) / 20e9 * 1e3
         assert d["roofline_ms"] == pytest.approx(roofline_ms)
         assert d["roofline_fraction"] == pytest.approx(roofline_ms / d["step_ms_median"])
