@@ -395,6 +395,23 @@ class DistributedArgs:
                              f"nnodes > 1, got {self.dist_init_addr!r}")
 
 
+def _check_multihost_role(args) -> None:
+    """The PD roles a multi-host server may take (DESIGN.md §6): a prefill, each node writing
+    its own KV shards (direct path: a staging copy would be a collective no follower makes,
+    and the followers register the bootstrap port the leader binds)."""
+    if args.role == "decode":
+        raise ValueError("role 'decode' with nnodes > 1 is not supported (a multi-host server "
+                         "may be colocated or a prefill)")
+    if args.role != "prefill":
+        return
+    if args.disaggregation_transfer_path == "staging":
+        raise ValueError("disaggregation_transfer_path 'staging' with nnodes > 1 is not "
+                         "supported: every node writes its own shards from the KV cache itself")
+    if args.disaggregation_bootstrap_port == 0:
+        raise ValueError("disaggregation_bootstrap_port must be set (not 0) with nnodes > 1: "
+                         "the other nodes register their KV shards there")
+
+
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
 ARG_GROUPS = {"model": ModelArgs, "cache": CacheArgs, "scheduler": SchedulerArgs,
               "disaggregation": DisaggregationArgs, "server": HTTPServerArgs,
@@ -431,9 +448,8 @@ class ServerArgs:
             changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
             object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes
                                else group)
-        if self.distributed.nnodes > 1 and self.role != "colocated":
-            raise ValueError(f"role {self.role!r} with nnodes > 1 is not supported (multi-host "
-                             "serving is colocated only)")
+        if self.distributed.nnodes > 1:
+            _check_multihost_role(self)
 
     def __getattr__(self, name: str):
         group = _GROUP_OF.get(name)

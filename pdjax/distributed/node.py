@@ -20,8 +20,9 @@ fails its in-flight requests (``Cluster.on_lost``). A collective whose peer died
 from aborting the survivors (node 0; a follower's worker is aborted when node 0's coordinator
 goes, see ``pdjax.entrypoints.multihost``). JAX's preemption service is off: it would take
 SIGTERM, which the server's drain needs. Start-up fails with a ``RuntimeError`` naming every
-field where a node's model, pdjax version or shape-fixing flags (``wire.AGREED_FIELDS``)
-differ from node 0's.
+field where a node's model config, weights (``wire.weights_fingerprint``: file names, sizes and
+sampled bytes), pdjax version or shape-fixing flags (``wire.AGREED_FIELDS``) differ from node
+0's.
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ class Cluster:
                     args.nnodes, host, port)
         jax.distributed.initialize(f"{host}:{port}", args.nnodes, self.rank,
                                    heartbeat_timeout_seconds=max(60, int(6 * self.timeout_s)))
-        model = wire.config_digest(checkpoint_config(resolve_model_path(args.model_path,
-                                                                        args.revision)))
-        self.identity = wire.node_identity(args, model, pdjax_version())
+        model_dir = resolve_model_path(args.model_path, args.revision)
+        self.identity = wire.node_identity(args, wire.config_digest(checkpoint_config(model_dir)),
+                                           pdjax_version(), wire.weights_fingerprint(model_dir))
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         if self.is_leader:
@@ -291,11 +292,15 @@ class Cluster:
         self._stop.set()
 
     # ------------------------------------------------------------------ follower
-    def follow(self, runner) -> None:
+    def follow(self, runner, handlers=None) -> None:
         """Follower: make the leader's calls on ``runner`` until it says shutdown (exit 0) or
         goes away; a malformed message or a failed call exits 1 (the step sequence is broken,
-        so the leader must see this node gone). Never returns."""
+        so the leader must see this node gone). ``handlers``: op -> callable(msg) for the
+        messages that are not runner calls (a multi-host prefill's ``kv_peer`` / ``kv_write``,
+        ``transfer/ranks.py``), made in step order; they report their own errors. Never
+        returns."""
         mirror = FollowerCalls(runner)
+        handlers = handlers or {}
         while True:
             try:
                 msg = wire.decode(self._sock.recv())
@@ -305,6 +310,10 @@ class Cluster:
             if msg["op"] == "shutdown":
                 exit_now(0, f"node {self.rank}: the leader shut down; exiting")
             try:
+                handler = handlers.get(msg["op"])
+                if handler is not None:
+                    handler(msg)
+                    continue
                 mirror.call(msg)
             except wire.WireError as e:
                 exit_now(1, f"node {self.rank}: refused the leader's {msg['op']} ({e}); exiting")

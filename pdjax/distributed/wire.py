@@ -20,7 +20,7 @@ PROTOCOL_VERSION = 1
 ARRAY_DTYPES = ("bool", "int32", "uint32", "float32")
 MAX_ARRAY_DIMS = 3
 OPS = ("hello", "welcome", "refuse", "warmup", "forward", "resample", "prompt_logprobs",
-       "penalty_slot", "shutdown", "heartbeat", "barrier")
+       "penalty_slot", "shutdown", "heartbeat", "barrier", "kv_peer", "kv_write")
 # ServerArgs fields every node must agree on: they fix the model, the mesh and every bucket
 # shape, so a difference would make the nodes compile different programs.
 AGREED_FIELDS = ("nnodes", "tp_size", "page_size", "max_total_tokens", "max_running_requests",
@@ -96,18 +96,20 @@ def get_int_list(msg: dict, name: str, lo: int, hi: int, max_len: int) -> list[i
     return v
 
 
-def node_identity(args, model_digest: str, version: str) -> dict[str, Any]:
-    """What a node announces at start-up: its rank, pdjax version, model digest and every
-    ``AGREED_FIELDS`` value of its ``ServerArgs``."""
+def node_identity(args, model_digest: str, version: str,
+                  weights: str = "") -> dict[str, Any]:
+    """What a node announces at start-up: its rank, pdjax version, model digest, weights
+    fingerprint (``weights_fingerprint``) and every ``AGREED_FIELDS`` value of its
+    ``ServerArgs``."""
     return {"node_rank": args.node_rank, "version": version, "model": model_digest,
-            **{name: getattr(args, name) for name in AGREED_FIELDS}}
+            "weights": weights, **{name: getattr(args, name) for name in AGREED_FIELDS}}
 
 
 def identity_mismatches(leader: dict[str, Any], follower: dict[str, Any]) -> list[str]:
-    """``"field: leader X, node N Y"`` for every field (model, version, ``AGREED_FIELDS``)
-    where the two identities differ; empty when they agree."""
+    """``"field: leader X, node N Y"`` for every field (model, weights, version,
+    ``AGREED_FIELDS``) where the two identities differ; empty when they agree."""
     out = []
-    for name in ("model", "version") + AGREED_FIELDS:
+    for name in ("model", "weights", "version") + AGREED_FIELDS:
         if leader.get(name) != follower.get(name):
             out.append(f"{name}: node 0 has {leader.get(name)!r}, node "
                        f"{follower.get('node_rank')!r} has {follower.get(name)!r}")
@@ -117,3 +119,39 @@ def identity_mismatches(leader: dict[str, Any], follower: dict[str, Any]) -> lis
 def config_digest(cfg) -> str:
     """BLAKE2b-128 hex of a model config's repr (frozen dataclasses: a stable text)."""
     return hashlib.blake2b(repr(cfg).encode(), digest_size=16).hexdigest()
+
+
+# Files of a checkpoint directory that are not weights (the config is in ``config_digest``).
+_NOT_WEIGHTS = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens",
+                "chat_template", "generation_config", "config.json", "readme", "license")
+WEIGHT_SAMPLE_BYTES = 4096
+
+
+def weights_fingerprint(model_path: str) -> str:
+    """BLAKE2b-128 hex of this node's view of the checkpoint's weight files (``model_path``: a
+    resolved checkpoint folder, or one file such as a GGUF): each file's path under the
+    folder, its size in bytes, and ``WEIGHT_SAMPLE_BYTES`` read at its start,
+    middle and end (cheap: three reads per file, whatever its size). Nodes that loaded
+    different weights (another snapshot, a re-quantised copy, a truncated download) differ
+    here even with equal configs; a change elsewhere in a file of the same size is not seen.
+    Files named like tokenizer / config files and hidden files are left out."""
+    import os
+
+    if os.path.isfile(model_path):
+        base, paths = os.path.dirname(model_path), [model_path]
+    else:
+        base, paths = model_path, []
+        for root, dirs, files in os.walk(model_path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            paths += [os.path.join(root, name) for name in sorted(files)
+                      if not name.lower().startswith((".",) + _NOT_WEIGHTS)]
+    h = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        size = os.path.getsize(path)
+        h.update(f"{os.path.relpath(path, base)}|{size}|".encode())
+        with open(path, "rb") as f:
+            for at in sorted({0, max(0, size // 2 - WEIGHT_SAMPLE_BYTES // 2),
+                              max(0, size - WEIGHT_SAMPLE_BYTES)}):
+                f.seek(at)
+                h.update(f.read(WEIGHT_SAMPLE_BYTES))
+    return h.hexdigest()

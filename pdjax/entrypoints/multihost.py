@@ -2,7 +2,8 @@
 DESIGN.md §6): a supervisor and its worker.
 
 The worker joins the cluster, builds the runner as node 0's engine does and follows node 0
-(``pdjax.distributed.Cluster.follow``) until it shuts down or goes away. The supervisor exists
+(``pdjax.distributed.Cluster.follow``) until it shuts down or goes away; a prefill node also
+registers and writes its own KV shards (``pdjax.transfer.ranks.RankSender``). The supervisor exists
 because JAX's coordination client aborts the worker (SIGABRT) as soon as node 0's coordinator
 is gone, before the heartbeat can say so: the supervisor then reports that the leader went
 away (its heartbeat port no longer answers) and exits 1. Signals to the supervisor reach the
@@ -61,7 +62,16 @@ def _work(args) -> None:
             exit_now(1, f"node {args.node_rank}: the leader (node 0 at {host}:{port}) went away "
                         f"during start-up ({type(e).__name__}: {e}); exiting")
         exit_now(2, f"node {args.node_rank}: {type(e).__name__}: {e}")
-    cluster.follow(core.runner)         # never returns
+    handlers = None
+    if args.role == "prefill":          # this node writes its own KV shards (DESIGN.md §6)
+        from pdjax.transfer.ranks import RankSender
+
+        try:
+            handlers = RankSender(core).handlers
+        except Exception as e:
+            exit_now(2, f"node {args.node_rank}: cannot set up its KV transfers "
+                        f"({type(e).__name__}: {e})")
+    cluster.follow(core.runner, handlers)         # never returns
 
 
 def _die_with_parent() -> None:

@@ -33,8 +33,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdjax.transfer.protocol import PROTOCOL_VERSION
-from pdjax.transfer.wire import MAX_PAGE_SIZE
+from pdjax.transfer.protocol import PROTOCOL_VERSION, KVBufferDesc
+from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,14 @@ def _field(d: dict, name: str, kind: type, lo: int | None = None, hi: int | None
 class PrefillRankInfo:
     """One prefill rank's registration (the PUT /route body).
 
-    ``rank_ip``/``rank_port``: where its ZMQ PULL socket listens; ``tp_rank`` in
-    ``[0, tp_size)``; ``page_size`` in tokens; ``kv_dtype`` (e.g. ``bfloat16``);
-    ``layout_fingerprint`` from ``kv_export.kv_layout_fingerprint``. Raises ``ValueError``
-    naming the field.
+    ``rank_ip``/``rank_port``: where the ZMQ PULL socket that takes its control messages
+    listens (node 0's for every rank of a multi-host prefill); ``tp_rank`` in ``[0, tp_size)``
+    (a multi-host prefill registers one rank per node: ``tp_rank`` = node rank, ``tp_size`` =
+    nodes); ``page_size`` in tokens; ``kv_dtype`` (e.g. ``bfloat16``); ``layout_fingerprint``
+    from ``kv_export.kv_layout_fingerprint``. Optional, the rank's own data plane (sglang-jax
+    #1364: a host exposes only its local shards): ``session_id`` (its transfer engine's peer
+    id), ``kv_layout`` and ``kv_buffers`` (``KVBufferDesc`` per buffer: its addressable shards'
+    addresses and KV head ranges). Raises ``ValueError`` naming the field.
     """
 
     rank_ip: str
@@ -83,9 +87,12 @@ class PrefillRankInfo:
     kv_dtype: str
     layout_fingerprint: str
     protocol_version: int = PROTOCOL_VERSION
+    session_id: str = ""
+    kv_layout: str = ""
+    kv_buffers: tuple[KVBufferDesc, ...] = ()
 
     def __post_init__(self):
-        self._validated(dataclasses.asdict(self))
+        self._validated(self.to_json())
 
     @classmethod
     def from_json(cls, d: Any) -> "PrefillRankInfo":
@@ -108,10 +115,30 @@ class PrefillRankInfo:
             page_size=_field(d, "page_size", int, 1, MAX_PAGE_SIZE),
             kv_dtype=_field(d, "kv_dtype", str, max_len=32),
             layout_fingerprint=_field(d, "layout_fingerprint", str),
-            protocol_version=_field(d, "protocol_version", int, 0, 1 << 16))
+            protocol_version=_field(d, "protocol_version", int, 0, 1 << 16),
+            **cls._data_plane(d))
+
+    @staticmethod
+    def _data_plane(d: dict) -> dict:
+        """The optional ``session_id`` / ``kv_layout`` / ``kv_buffers``, checked."""
+        out = {"session_id": d.get("session_id", ""), "kv_layout": d.get("kv_layout", ""),
+               "kv_buffers": d.get("kv_buffers", [])}
+        if not isinstance(out["session_id"], str) or len(out["session_id"]) > 256:
+            raise ValueError("field 'session_id': expected a str of at most 256 chars")
+        bufs = out["kv_buffers"]
+        if not isinstance(bufs, (list, tuple)) or len(bufs) > MAX_BUFFERS:
+            raise ValueError(f"field 'kv_buffers': expected a list of at most {MAX_BUFFERS}")
+        if bufs and out["kv_layout"] not in KV_LAYOUTS:
+            raise ValueError(f"field 'kv_layout': {out['kv_layout']!r} not in {KV_LAYOUTS}")
+        out["kv_buffers"] = tuple(
+            b if isinstance(b, KVBufferDesc) else KVBufferDesc.from_wire(f"kv_buffers[{i}]", b)
+            for i, b in enumerate(bufs))
+        return out
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["kv_buffers"] = [b.to_wire() for b in self.kv_buffers]
+        return d
 
 
 # Fields every rank of one prefill server must agree on.

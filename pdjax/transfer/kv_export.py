@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import numpy as np
 
@@ -236,7 +236,8 @@ def group_contiguous_runs(src_pages: Sequence[int] | np.ndarray,
 
 def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                  src_pages: Sequence[int] | np.ndarray,
-                 dst_pages: Sequence[int] | np.ndarray) -> list[Copy]:
+                 dst_pages: Sequence[int] | np.ndarray,
+                 src_shards: Sequence[Collection[int]] | None = None) -> list[Copy]:
     """Copies ``(src_addr, dst_addr, length)`` that move ``src_pages`` into ``dst_pages``.
 
     Per buffer and head slice (``plan_head_slices``): a whole-shard slice is one copy per
@@ -244,6 +245,11 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     layers); any other slice is one copy of ``num_heads * head_bytes`` per page, layer and
     token slot. Order: buffer, slice, then layer, run/page, token. Total bytes = pages x
     bytes_per_page x layers summed over the destination shards, per buffer.
+
+    ``src_shards`` (per buffer, source shard indices): keep only the slices read from those
+    shards; a multi-host prefill's node builds the copies of its own shards this way from the
+    plan over every node's shards (``transfer/ranks.py``), so the nodes' copies partition the
+    plan's.
 
     Raises ``ProtocolError`` (a ``ValueError``) when a page is outside ``[1, num_pages)`` of its
     side (dst pages are checked against the registered decode pool) or repeats, and
@@ -260,8 +266,10 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     srcs: list[np.ndarray] = []
     dsts: list[np.ndarray] = []
     lens: list[np.ndarray] = []
-    for sb, db, slices in zip(src_layout.buffers, dst_layout.buffers, plan):
+    for i, (sb, db, slices) in enumerate(zip(src_layout.buffers, dst_layout.buffers, plan)):
         for sl in slices:
+            if src_shards is not None and sl.src_shard not in src_shards[i]:
+                continue
             s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
             if sl.whole:
                 s_off, d_off, length = _run_offsets(src_layout.kind, sb, db, src_start,
@@ -271,6 +279,8 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
             srcs.append((s_off + s_addr).reshape(-1))
             dsts.append((d_off + d_addr).reshape(-1))
             lens.append(np.broadcast_to(length, s_off.shape).reshape(-1))
+    if not srcs:
+        return []
     # uint64 arithmetic would be exact too, but int64 covers user-space addresses (< 2**63).
     return list(zip(np.concatenate(srcs).tolist(), np.concatenate(dsts).tolist(),
                     np.concatenate(lens).tolist()))

@@ -42,13 +42,16 @@ import numpy as np
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.request import FinishReason, Request
-from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo
+from pdjax.distributed import join as join_cluster
+from pdjax.transfer.bootstrap import BootstrapServer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import build_copies
 from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
                                       Refused, RoomFailure, Timeout, WriteFailed)
-from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
+                                     RegisterDecode, RegisterResult, TransferRequest,
+                                     TransferStatus)
+from pdjax.transfer.ranks import PrefillRanks, rank_info
 from pdjax.transfer.role import RoleManager, check_room, error_output
 from pdjax.transfer.rooms import DecodePeer, PrefillRoom
 from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
@@ -66,6 +69,7 @@ class PrefillManager(RoleManager):
     role = "prefill"
 
     def __init__(self, host):
+        self.ranks: PrefillRanks | None = None
         super().__init__(host)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
@@ -79,10 +83,11 @@ class PrefillManager(RoleManager):
                                          secret=self.secret,
                                          on_unauthorized=lambda: self._count_rejected("bootstrap"))
         self.bootstrap_port = self.bootstrap.start()
-        self.bootstrap.add_rank(PrefillRankInfo(
-            rank_ip=self.channel.host, rank_port=self.channel.port, tp_rank=0, tp_size=1,
-            page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
-            layout_fingerprint=self.local_kv.fingerprint))
+        # Multi-host (DESIGN.md §6): every node registers its own shards; node 0 plans over all.
+        self.ranks = (PrefillRanks(join_cluster(self.args), self.bootstrap, self.local_kv,
+                                   self.channel.endpoint) if self.args.nnodes > 1 else None)
+        self.bootstrap.add_rank(rank_info(self.args, 0, self.channel, self.local_kv,
+                                          self.transfer_engine))
         logger.info("PD prefill: bootstrap server on port %d", self.bootstrap_port)
 
     # ------------------------------------------------------------------ requests
@@ -353,9 +358,11 @@ class PrefillManager(RoleManager):
         if r.state == KVPoll.WaitingForInput:
             r.first_send_s = time.monotonic()
             self._set_state(r, KVPoll.Transferring)
+        # Multi-host: the other nodes write their shards of the same pages (after this step).
+        job = self.ranks.send_write(r.peer_id, src, dst) if self.ranks is not None else None
         with self.lock:
             r.jobs_inflight += 1
-        self._jobs.put(("chunk", r, (src, dst, last)))
+        self._jobs.put(("chunk", r, (src, dst, last, job)))
 
     # ------------------------------------------------------------------ transfer worker
     def _work(self) -> None:
@@ -383,26 +390,39 @@ class PrefillManager(RoleManager):
                         r.jobs_inflight -= 1
                 self.wake()
 
-    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool) -> None:
+    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool,
+                     job: int | None = None) -> None:
         with self.lock:
-            if r.reported is not None or r.state == KVPoll.Failed:
-                return
+            skip = r.reported is not None or r.state == KVPoll.Failed
             peer = self.peers.get(r.peer_id)
-        if peer is None:
-            with self.lock:
-                r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
+        if skip or peer is None:
+            if job is not None:          # the other nodes were told to write: wait for them
+                self.ranks.join(job, self.args.transfer_timeout_s)
+            if peer is None and not skip:
+                with self.lock:
+                    r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
             return
         try:
-            copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
-            n_kv = len(copies)
-            # What the decode's shards receive: pages x its bytes per page, over its shards.
-            nbytes = sum(length for _, _, length in copies)
-            if last:
-                copies.append(self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
-                                                peer.metadata_num_slots,
-                                                peer.metadata_bytes_per_slot))
             t0 = time.perf_counter()
-            self.transfer_engine.batch_write(peer.session_id, copies)
+            try:
+                copies = ((self.ranks.own_copies(r.peer_id, src, dst) if job is not None else
+                           build_copies(self.local_kv.layout, peer.layout, src, dst))
+                          if src else [])
+                n_kv = len(copies)
+                # What the decode's shards receive: pages x its bytes per page, over its shards.
+                nbytes = sum(length for _, _, length in copies)
+                meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
+                                          peer.metadata_num_slots,
+                                          peer.metadata_bytes_per_slot)] if last else []
+                self.transfer_engine.batch_write(peer.session_id,
+                                                 copies + (meta if job is None else []))
+            finally:
+                others = self.ranks.join(job, self.args.transfer_timeout_s) if job else None
+            if others is not None:       # every node's shards are in: then the metadata row
+                if others[2]:
+                    raise TransferError("; ".join(others[2]))
+                nbytes, n_kv = nbytes + others[0], n_kv + others[1]
+                self.transfer_engine.batch_write(peer.session_id, meta)
             write_s = time.perf_counter() - t0
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
@@ -455,6 +475,9 @@ class PrefillManager(RoleManager):
             self._on_abort(msg)
         elif isinstance(msg, AbortAck):
             logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
+        elif isinstance(msg, RankWriteDone):
+            if self.ranks is None or not self.ranks.on_done(msg):
+                self._reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
         elif type(msg).__name__ != "Heartbeat":
             self._reject(f"unexpected {type(msg).__name__} on a prefill server")
 
@@ -464,8 +487,10 @@ class PrefillManager(RoleManager):
 
     def _on_register(self, msg: RegisterDecode) -> None:
         try:
+            plan = self.ranks.plan() if self.ranks is not None else None
             peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
-                                                self.meta.bytes_per_slot)
+                                                self.meta.bytes_per_slot,
+                                                plan.layout if plan is not None else None)
         except ValueError as e:
             reason = str(e)
             self._reject(f"registration of {msg.decode_engine_id}: {reason}")
@@ -475,6 +500,8 @@ class PrefillManager(RoleManager):
         layout = peer.layout
         with self.lock:
             self.peers[msg.decode_engine_id] = peer
+        if plan is not None:
+            self.ranks.paired(msg.decode_engine_id, peer, plan)
         logger.info("PD prefill: decode %s registered (session %s, %d pages)",
                     msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
         self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,

@@ -22,6 +22,9 @@ Message flow (the room is the key everywhere; rooms are in [1, 2**63); 0 means "
       |<---------------------------- AbortAck ---|   pages may be reused after this
       |<-------------- Heartbeat --------------->|
 
+    prefill node R > 0 (multi-host)          prefill node 0
+      |-- RankWriteDone (per chunk job) -------->|   its shards' writes done / failed
+
 With a shared secret (``--disaggregation-secret``) every frame is sealed (``frame_auth.py``:
 an HMAC-SHA256 over a sender id, a per-sender counter, a timestamp and the body, checked before
 the body is parsed; a seen counter (replay) and a timestamp outside the window are refused).
@@ -40,7 +43,7 @@ import msgpack
 
 from pdjax.transfer.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_PAGE,
                                  MAX_BYTES_PER_SLOT, MAX_FRAME_BYTES, MAX_HEADS, MAX_LAYERS,
-                                 MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON,
+                                 MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON, MAX_ROOM,
                                  MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
                                  check_bool, check_digest, check_endpoint, check_int,
                                  check_pages, check_room, check_str, pack_pages, unpack_pages)
@@ -102,6 +105,7 @@ class MessageType(str, enum.Enum):
     ABORT = "abort"
     ABORT_ACK = "abort_ack"
     HEARTBEAT = "heartbeat"
+    RANK_WRITE_DONE = "rank_write_done"
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,10 +441,33 @@ class Heartbeat(Message):
         check_int("seq", self.seq, 0, MAX_ADDR)
 
 
+@dataclasses.dataclass(frozen=True)
+class RankWriteDone(Message):
+    """A multi-host prefill's node ``node_rank`` (> 0) finished the KV writes of its own shards
+    for chunk job ``job`` (node 0 numbered the job): ``ok`` with the payload ``bytes`` and copy
+    descriptors ``copies`` it wrote, or not, with ``reason`` (DESIGN.md §6)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.RANK_WRITE_DONE
+    job: int
+    node_rank: int
+    ok: bool
+    bytes: int = 0
+    copies: int = 0
+    reason: str = ""
+
+    def __post_init__(self):
+        check_int("job", self.job, 1, MAX_ROOM)
+        check_int("node_rank", self.node_rank, 1, MAX_SHARDS - 1)
+        check_bool("ok", self.ok)
+        check_int("bytes", self.bytes, 0, MAX_ADDR)
+        check_int("copies", self.copies, 0, MAX_ADDR)
+        check_str("reason", self.reason, MAX_REASON, allow_empty=True)
+
+
 _MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (RegisterDecode, RegisterResult, TransferRequest, TransferStatus, Abort,
-                AbortAck, Heartbeat)
+                AbortAck, Heartbeat, RankWriteDone)
 }
 
 

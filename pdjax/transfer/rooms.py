@@ -38,10 +38,12 @@ class DecodePeer:
 
     @classmethod
     def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,
-                          metadata_bytes_per_slot: int) -> "DecodePeer":
+                          metadata_bytes_per_slot: int,
+                          src_layout: KVLayout | None = None) -> "DecodePeer":
         """The peer a ``RegisterDecode`` describes, if it pairs with this prefill's KV
-        (``local_kv``, ``page_size``) and metadata rows; ``ValueError`` ("prefill refuses to
-        pair: ...", every mismatch named) otherwise."""
+        (``local_kv``, ``page_size``; ``src_layout``: the shards of every node of a multi-host
+        prefill, default ``local_kv.layout``) and metadata rows; ``ValueError`` ("prefill
+        refuses to pair: ...", every mismatch named) otherwise."""
         problems = []
         ours = {"page_size": page_size, "kv_dtype": local_kv.kv_dtype,
                 "layout_fingerprint": local_kv.fingerprint, "kv_layout": local_kv.layout.kind,
@@ -53,7 +55,7 @@ class DecodePeer:
         if not problems:
             try:
                 layout = KVLayout(msg.kv_layout, msg.kv_buffers)
-                local_kv.layout.check_compatible(layout)
+                (src_layout or local_kv.layout).check_compatible(layout)
             except ValueError as e:
                 problems.append(str(e))
         if problems:

@@ -1,0 +1,88 @@
+"""A multi-host prefill (DESIGN.md §6, issue 14): two ``--role prefill --nnodes 2`` processes on
+127.0.0.1, TP 2 over them (one CPU device each, so each node holds one of the tiny Llama's two
+KV heads), sending to a TP 1 decode process over Mooncake TCP. Each node registers its own
+shards and transfer session with the bootstrap server; each writes its own head slices into
+the decode's pages. Greedy outputs equal the colocated engine's (DESIGN.md §5), and per room
+the bytes and copies are those of the plan: pages x the decode's bytes per page, one copy per
+page, layer, token slot and head slice."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "transfer"))
+from pd_harness import (PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env, free_port,  # noqa: E402
+                        get, greedy_agrees, load, pd_server, pd_state, running,
+                        wait_until)
+from test_pd_fleet import _pd_pair  # noqa: E402  (what a router sends both servers)
+
+LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 16, 4      # tiny llama, float32 KV
+BYTES_PER_PAGE = 2 * LAYERS * PAGE_SIZE * KV_HEADS * HEAD_DIM * ITEMSIZE   # K and V, both heads
+
+
+def _prefill_node(model, rank, coord, http, bport, logs):
+    argv = [sys.executable, "-m", "pdjax.serve", "--role", "prefill", "--model-path", model,
+            "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
+            f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
+            "--skip-warmup-progress", "--disaggregation-bootstrap-port", str(bport),
+            "--dist-timeout-s", "10"]
+    for k, v in TINY_ARGS.items():
+        argv += ["--" + k.replace("_", "-"), str(v)]
+    return Server(f"prefill_node{rank}", argv, http, logs, child_env())
+
+
+def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_path):
+    model = tiny_checkpoints["llama"]
+    logs = str(tmp_path)
+    coord, http, bport = free_port(), free_port(), free_port()
+    node0 = _prefill_node(model, 0, coord, http, bport, logs)
+    node1 = _prefill_node(model, 1, coord, 0, bport, logs)
+    decode = pd_server("decode", "decode", model, logs)
+    from pdjax.engine import Engine
+
+    rng = random.Random(1364)
+    lengths, max_new = [5, 17, 45], [6, 8, 5]
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    with Engine(model_path=model, progress=False, **TINY_ARGS) as colocated:
+        outs = colocated.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+                                  sampling_params=[{"temperature": 0, "max_new_tokens": m}
+                                                   for m in max_new])
+    ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
+    try:
+        with running([node0, decode]):
+            # Each node registered its own shards (one head each) and its own session.
+            status, route = get(f"http://127.0.0.1:{bport}/route")
+            assert status == 200 and route["tp_size"] == 2, route
+            ranks = sorted(route["ranks"], key=lambda r: r["tp_rank"])
+            assert [[b["shard_heads"] for b in r["kv_buffers"]] for r in ranks] == [
+                [[[0, 1]]] * 2, [[[1, 1]]] * 2]
+            assert len({r["session_id"] for r in ranks}) == 2
+            for k, (ids, m) in enumerate(zip(prompts, max_new)):
+                out = _pd_pair(node0, decode, bport, ids, 5000 + k, m, stream=(k == 1))
+                assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
+                assert len(out["output_ids"]) == m
+            recent = {r["room"]: r for r in pd_state(node0)["recent"]}
+            for k, n in enumerate(lengths):
+                rec = recent[5000 + k]
+                assert rec["state"] == "Success", rec
+                pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
+                assert rec["pages"] == pages and rec["bytes"] == pages * BYTES_PER_PAGE, rec
+                # 2 buffers x 2 head slices (one per node), a copy per page, layer and token.
+                assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+            # Node 0 wrote its half itself (plus the metadata rows); node 1 the other half.
+            engine = pd_state(node0)["engine"]
+            half = sum(recent[5000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
+            assert half <= engine["bytes"] < 2 * half, engine
+            for server in (node0, decode):
+                assert wait_until(lambda: at_baseline(server), 10), load(server)
+            assert load(decode)["num_prompt_tokens_computed"] == 0
+    except BaseException:
+        print(f"==== node1 log ====\n{node1.log_tail(80)}")
+        raise
+    finally:
+        node1.stop()
