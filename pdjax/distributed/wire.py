@@ -121,9 +121,9 @@ def config_digest(cfg) -> str:
     return hashlib.blake2b(repr(cfg).encode(), digest_size=16).hexdigest()
 
 
-# Files of a checkpoint directory that are not weights (the config is in ``config_digest``).
-_NOT_WEIGHTS = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens",
-                "chat_template", "generation_config", "config.json", "readme", "license")
+# The files of a checkpoint that hold weights: by suffix (HF, GGUF, numpy), and the array
+# files of a pdjax orbax checkpoint (under ``params/``; its "_"-named metadata left out).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz", ".npy", ".msgpack")
 WEIGHT_SAMPLE_BYTES = 4096
 
 
@@ -134,7 +134,8 @@ def weights_fingerprint(model_path: str) -> str:
     middle and end (cheap: three reads per file, whatever its size). Nodes that loaded
     different weights (another snapshot, a re-quantised copy, a truncated download) differ
     here even with equal configs; a change elsewhere in a file of the same size is not seen.
-    Files named like tokenizer / config files and hidden files are left out."""
+    Only weight files count (``WEIGHT_SUFFIXES``, orbax arrays), so a tokenizer or a README
+    may differ."""
     import os
 
     if os.path.isfile(model_path):
@@ -143,8 +144,10 @@ def weights_fingerprint(model_path: str) -> str:
         base, paths = model_path, []
         for root, dirs, files in os.walk(model_path):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            orbax = os.path.relpath(root, model_path).split(os.sep)[0] == "params"
             paths += [os.path.join(root, name) for name in sorted(files)
-                      if not name.lower().startswith((".",) + _NOT_WEIGHTS)]
+                      if name.lower().endswith(WEIGHT_SUFFIXES)
+                      or (orbax and not name.startswith(("_", ".")))]
     h = hashlib.blake2b(digest_size=16)
     for path in paths:
         size = os.path.getsize(path)

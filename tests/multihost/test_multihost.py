@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 import json
@@ -198,16 +199,29 @@ def test_follower_exits_when_the_leader_is_killed(tiny_checkpoints, tmp_path):
         follower.stop()
 
 
-def test_nodes_that_disagree_refuse_to_start(tiny_checkpoints, tmp_path):
-    """Different page sizes: both nodes exit with an error naming page_size and both values,
-    before any weight is loaded."""
-    leader, follower = start_cluster(tiny_checkpoints["qwen3"], str(tmp_path),
-                                     follower_changes={"page_size": 8})
+@pytest.mark.parametrize("differ", ["page_size", "weights"])
+def test_nodes_that_disagree_refuse_to_start(differ, tiny_checkpoints, tmp_path):
+    """Different page sizes, or the same config with other weights (a copy of the checkpoint
+    with one byte changed where the fingerprint samples): both nodes exit with an error
+    naming the field, before any weight is loaded."""
+    model = tiny_checkpoints["qwen3"]
+    changes, needle = {"page_size": 8}, "page_size: node 0 has 16, node 1 has 8"
+    if differ == "weights":
+        other = tmp_path / "other"
+        shutil.copytree(model, other)
+        with open(other / "model.safetensors", "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last ^ 1]))
+        changes, needle = {"model_path": str(other)}, "weights: node 0 has '"
+    leader, follower = start_cluster(model, str(tmp_path), follower_changes=changes)
     try:
         assert _wait_exit(follower, 120) == 2, follower.log_tail()
         assert _wait_exit(leader, 60) == 1, leader.log_tail()
         for node in (leader, follower):
-            assert "page_size: node 0 has 16, node 1 has 8" in node.log_tail(), node.log_tail()
+            assert needle in node.log_tail(), node.log_tail()
+        assert "model: node 0" not in leader.log_tail()       # the configs are equal
     finally:
         leader.stop()
         follower.stop()

@@ -65,8 +65,9 @@ def test_identities_name_every_field_that_differs():
     lead = wire.node_identity(a, "abc", "1.0")
     assert wire.identity_mismatches(lead, wire.node_identity(
         ServerArgs(nnodes=2, node_rank=1, dist_init_addr="h:1", tp_size=4), "abc", "1.0")) == []
-    got = wire.identity_mismatches(lead, wire.node_identity(b, "abd", "1.1"))
+    got = wire.identity_mismatches(lead, wire.node_identity(b, "abd", "1.1", "w2"))
     assert got == ["model: node 0 has 'abc', node 1 has 'abd'",
+                   "weights: node 0 has '', node 1 has 'w2'",
                    "version: node 0 has '1.0', node 1 has '1.1'",
                    "page_size: node 0 has 16, node 1 has 8",
                    "max_running_requests: node 0 has 16, node 1 has 8"]
@@ -79,7 +80,11 @@ def test_identities_name_every_field_that_differs():
     (dict(nnodes=2), "dist_init_addr"),
     (dict(nnodes=2, dist_init_addr="127.0.0.1"), "dist_init_addr"),
     (dict(nnodes=2, dist_init_addr="127.0.0.1:65535"), "dist_init_addr"),
-    (dict(nnodes=2, dist_init_addr="h:1", role="prefill"), "role"),
+    (dict(nnodes=2, dist_init_addr="h:1", role="decode"), "role"),
+    (dict(nnodes=2, dist_init_addr="h:1", role="prefill",
+          disaggregation_transfer_path="staging"), "disaggregation_transfer_path"),
+    (dict(nnodes=2, dist_init_addr="h:1", role="prefill", disaggregation_bootstrap_port=0),
+     "disaggregation_bootstrap_port"),
     (dict(dist_timeout_s=0), "dist_timeout_s"),
 ])
 def test_bad_node_flags_raise_naming_the_field(kw, field):
@@ -93,3 +98,30 @@ def test_node_flags_from_the_cli():
     args = parse_args(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
                        "--tp-size", "16"])
     assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, 1, "10.0.0.1:5000")
+
+
+def test_weights_fingerprint_sees_sizes_sampled_bytes_and_names_only_of_weight_files(tmp_path):
+    """Nodes that loaded different weights refuse to start (``identity_mismatches`` names
+    ``weights``): a byte changed where it is sampled, a size, a file name; a tokenizer or
+    config file that differs does not count (the config has its own digest)."""
+    size = 3 * wire.WEIGHT_SAMPLE_BYTES + 100
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+
+    def checkpoint(name, weights=data, weights_name="model.safetensors", tokenizer=b"{}"):
+        d = tmp_path / name
+        (d / "params").mkdir(parents=True)
+        (d / weights_name).write_bytes(weights)
+        (d / "tokenizer.json").write_bytes(tokenizer)
+        (d / "params" / "_METADATA").write_bytes(name.encode())
+        return str(d)
+
+    base = wire.weights_fingerprint(checkpoint("a"))
+    assert len(base) == 32 and wire.weights_fingerprint(checkpoint("b", tokenizer=b"[]")) == base
+    mid = bytearray(data)
+    mid[size // 2] ^= 1
+    for name, kw in (("c", dict(weights=bytes(mid))), ("d", dict(weights=data[:-1])),
+                     ("e", dict(weights_name="model-00001.safetensors"))):
+        assert wire.weights_fingerprint(checkpoint(name, **kw)) != base, name
+    single = tmp_path / "m.gguf"
+    single.write_bytes(data)
+    assert wire.weights_fingerprint(str(single)) != base

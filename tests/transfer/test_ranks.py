@@ -1,0 +1,248 @@
+"""A multi-host prefill's data plane without processes (``transfer/ranks.py``, DESIGN.md §6):
+the plan over every node's shards, each node's part of the copies (the parts partition the
+one-process plan), the messages' range checks, node 0's wait for every node's report, and a
+chunk whose other node fails: the room fails, the metadata row is never written."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from pdjax.transfer.bootstrap import PrefillRankInfo
+from pdjax.transfer.engine import create_transfer_engine
+from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.lifecycle import WriteFailed
+from pdjax.transfer.prefill import PrefillManager
+from pdjax.transfer.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
+                                     TransferStatus, decode_message)
+from pdjax.transfer.ranks import (PrefillRanks, RankedLayout, RankError, RankSender,
+                                  RankWrites, rank_layouts)
+from pdjax.transfer.rooms import PrefillRoom
+
+PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
+
+
+def _buf(addr, heads, num_heads=2):
+    count = heads[0][1]
+    return KVBufferDesc(shard_addrs=tuple(addr), num_layers=LAYERS, num_pages=PAGES,
+                        bytes_per_page=PS * count * HEAD_BYTES, num_heads=num_heads,
+                        shard_heads=tuple(heads), head_bytes=HEAD_BYTES)
+
+
+def _node(rank):
+    """Node ``rank`` of a TP 2 prefill over 2 nodes: head ``rank`` of K and V."""
+    base = 0x100000 * (rank + 1)
+    return KVLayout("layer_major", (_buf([base], [(rank, 1)]), _buf([base + 0x10000],
+                                                                      [(rank, 1)])))
+
+
+DECODE = KVLayout("layer_major", (_buf([0x900000], [(0, 2)]), _buf([0x990000], [(0, 2)])))
+
+
+def test_plan_over_the_nodes_partitions_the_one_process_copies():
+    ranked = RankedLayout.from_ranks({1: _node(1), 0: _node(0)})
+    assert ranked.owners == ((0, 1), (0, 1)) and ranked.local == ((0, 0), (0, 0))
+    assert [b.shard_heads for b in ranked.layout.buffers] == [((0, 1), (1, 1))] * 2
+    src, dst = [3, 4, 9], [7, 8, 2]
+    whole = build_copies(ranked.layout, DECODE, src, dst)
+    parts = [build_copies(ranked.with_local(r, _node(r)), DECODE, src, dst,
+                          src_shards=ranked.shards_of(r)) for r in (0, 1)]
+    assert collections.Counter(whole) == collections.Counter(parts[0] + parts[1])
+    # Each node reads only its own memory; together pages x the decode's bytes per page.
+    for r, part in enumerate(parts):
+        lo = 0x100000 * (r + 1)
+        assert part and all(lo <= s < lo + 0x20000 for s, _, _ in part)
+        assert len(part) == 2 * len(src) * LAYERS * PS          # K, V: a copy per token slot
+    assert sum(n for *_, n in whole) == len(src) * LAYERS * sum(
+        b.bytes_per_page for b in DECODE.buffers)
+    # A node's cache moved: its copies read the new address, the others' do not change.
+    moved = KVLayout("layer_major", tuple(
+        KVBufferDesc(**dict(vars(b), shard_addrs=(b.shard_addrs[0] + 0x40000,)))
+        for b in _node(1).buffers))
+    again = build_copies(ranked.with_local(1, moved), DECODE, src, dst,
+                         src_shards=ranked.shards_of(1))
+    assert [s - 0x40000 for s, _, _ in again] == [s for s, _, _ in parts[1]]
+
+
+def test_nodes_that_do_not_fit_one_plan_are_refused_naming_the_field():
+    other = KVLayout("layer_major", (_buf([1 << 30], [(1, 1)]),) * 2)
+    other = KVLayout("layer_major", tuple(KVBufferDesc(**dict(vars(b), num_pages=PAGES * 2))
+                                          for b in other.buffers))
+    with pytest.raises(ValueError, match=r"kv_buffers\[0\].num_pages: node 1 has 32, node 0"):
+        RankedLayout.from_ranks({0: _node(0), 1: other})
+    with pytest.raises(ValueError, match="kv_layout: node 1"):
+        RankedLayout.from_ranks({0: _node(0), 1: KVLayout("layer_major", _node(1).buffers[:1])})
+    ranked = RankedLayout.from_ranks({0: _node(0), 1: _node(1)})
+    with pytest.raises(ValueError, match="node 1's shard 0 does not hold heads"):
+        ranked.with_local(1, _node(0))
+    infos = [PrefillRankInfo(rank_ip="127.0.0.1", rank_port=9000, tp_rank=0, tp_size=2,
+                             page_size=PS, kv_dtype="float32", layout_fingerprint="f",
+                             session_id="127.0.0.1:1", kv_layout="layer_major",
+                             kv_buffers=_node(0).buffers)]
+    with pytest.raises(ValueError, match=r"prefill node\(s\) \[1\] have not registered"):
+        rank_layouts(infos, 2)
+
+
+def test_rank_registration_and_plan_round_trip_with_range_checks():
+    info = PrefillRankInfo(rank_ip="127.0.0.1", rank_port=9000, tp_rank=1, tp_size=2,
+                           page_size=PS, kv_dtype="float32", layout_fingerprint="f",
+                           session_id="127.0.0.1:1", kv_layout="layer_major",
+                           kv_buffers=_node(1).buffers)
+    assert PrefillRankInfo.from_json(info.to_json()) == info
+    for bad, field in ((dict(kv_layout="sideways"), "kv_layout"),
+                       (dict(kv_buffers=[dict(_node(1).buffers[0].to_wire(), shard_addrs=[0])]),
+                        "shard_addrs"),
+                       (dict(session_id=7), "session_id")):
+        with pytest.raises(ValueError, match=field):
+            PrefillRankInfo.from_json(dict(info.to_json(), **bad))
+    ranked = RankedLayout.from_ranks({0: _node(0), 1: _node(1)})
+    assert RankedLayout.from_wire(ranked.to_wire(), 2) == ranked
+    for edit, needle in (
+            (lambda w: w["owners"][0].__setitem__(1, 2), r"src.owners\[0\]: expected 2 integers"),
+            (lambda w: w["local"].pop(), "src.local: expected one list per buffer"),
+            (lambda w: w["buffers"][0].__setitem__("num_pages", 1), "num_pages"),
+            (lambda w: w.pop("kind"), "src: expected")):
+        wire = ranked.to_wire()
+        edit(wire)
+        with pytest.raises(RankError, match=needle):
+            RankedLayout.from_wire(wire, 2)
+
+
+def test_rank_write_done_round_trip_and_range_checks():
+    msg = RankWriteDone(job=3, node_rank=1, ok=True, bytes=4096, copies=64)
+    assert decode_message(msg.encode()) == msg
+    for bad, field in ((dict(job=0), "job"), (dict(node_rank=0), "node_rank"),
+                       (dict(ok=1), "ok"), (dict(bytes=-1), "bytes")):
+        with pytest.raises(ProtocolError, match=field):
+            RankWriteDone(**{**dict(job=3, node_rank=1, ok=True), **bad})
+
+
+def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
+    writes = RankWrites([1, 2])
+    a, b = writes.new_job(), writes.new_job()
+    assert writes.report(RankWriteDone(job=a, node_rank=1, ok=True, bytes=10, copies=2))
+    assert not writes.report(RankWriteDone(job=a, node_rank=1, ok=True))      # twice
+    assert not writes.report(RankWriteDone(job=a, node_rank=3, ok=True))      # no such node
+    assert not writes.report(RankWriteDone(job=99, node_rank=2, ok=True))     # no such job
+    threading.Timer(0.05, writes.report, (RankWriteDone(job=a, node_rank=2, ok=True, bytes=5,
+                                                        copies=1),)).start()
+    assert writes.wait(a, 5.0) == (15, 3, [])
+    assert writes.report(RankWriteDone(job=b, node_rank=2, ok=False, reason="rc=-1"))
+    assert writes.wait(b, 0.05) == (0, 0, ["node 2: rc=-1",
+                                           "node 1: no report of its KV writes within 0.05 s"])
+    assert writes.pending() == 0
+    assert not writes.report(RankWriteDone(job=b, node_rank=1, ok=True))      # too late
+
+
+class _Cluster:
+    args = types.SimpleNamespace(nnodes=2)
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, op, **fields):
+        self.sent.append((op, fields))
+
+
+def _manager(fail_node: bool):
+    """A ``PrefillManager`` with only what ``_write_chunk`` uses: node 0's half on the fake
+    engine, node 1 answering the job as ``fail_node`` says."""
+    pm = PrefillManager.__new__(PrefillManager)
+    engine = create_transfer_engine("fake")
+    local_kv = types.SimpleNamespace(layout=_node(0))
+    bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
+        PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
+                        kv_dtype="float32", layout_fingerprint="f", session_id=f"s{r}",
+                        kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
+    cluster = _Cluster()
+    pm.ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
+    peer = types.SimpleNamespace(session_id="decode:1", layout=DECODE, reply_endpoint="tcp://d:1",
+                                 metadata_addr=0x5000, metadata_num_slots=4,
+                                 metadata_bytes_per_slot=64)
+    pm.ranks.paired("d1", peer, pm.ranks.plan())
+    pm.lock, pm.peers, pm.transfer_engine, pm.local_kv = threading.RLock(), {"d1": peer}, \
+        engine, local_kv
+    pm.args = types.SimpleNamespace(transfer_timeout_s=5.0)
+    pm.meta = types.SimpleNamespace(copy_to=lambda *a: (0x7000, 0x5000, 64))
+    pm.metrics = types.SimpleNamespace(on_chunk=lambda *a: None)
+    pm.told = []
+    pm.send = lambda endpoint, msg: pm.told.append(msg)
+    r = PrefillRoom(room=11, created_s=0.0, peer_id="d1", dst_slot=0, src_slot=0)
+    job = pm.ranks.send_write("d1", [3, 4], [7, 8])
+    pm.ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=not fail_node, bytes=4 * 512,
+                                   copies=32, reason="KV write to decode:1 failed: rc=-1"))
+    return pm, r, job, engine, cluster
+
+
+@pytest.mark.parametrize("fail_node", [False, True])
+def test_a_chunk_succeeds_only_when_every_node_wrote(fail_node):
+    pm, r, job, engine, cluster = _manager(fail_node)
+    assert [op for op, _ in cluster.sent] == ["kv_peer", "kv_write"]
+    assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8])
+    pm._write_chunk(r, [3, 4], [7, 8], True, job)
+    own = 2 * 2 * LAYERS * PS          # node 0: K and V of head 0, a copy per page, layer, token
+    if fail_node:
+        assert isinstance(r.reported, WriteFailed) and "node 1: KV write" in str(r.reported)
+        assert not r.done and r.bytes == 0
+        assert engine.counters().copies == own          # the metadata row was never written
+        assert pm.told == [TransferStatus(bootstrap_room=11, state=KVPoll.Failed,
+                                          reason=pm.told[0].reason)]
+        assert "node 1: KV write to decode:1 failed" in pm.told[0].reason
+    else:
+        assert r.reported is None and r.done
+        assert (r.copies, r.bytes) == (own + 32, 2 * 2 * LAYERS * PS * HEAD_BYTES + 4 * 512)
+        assert engine.counters().copies == own + 1      # then the metadata row
+        assert pm.told == [TransferStatus(bootstrap_room=11, state=KVPoll.Success)]
+    assert pm.ranks.writes.pending() == 0
+
+
+class _Channel:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, endpoint, msg):
+        self.sent.append((endpoint, msg))
+
+
+def _sender():
+    s = RankSender.__new__(RankSender)
+    s.rank, s.args = 1, types.SimpleNamespace(nnodes=2)
+    s.peers, s.reply, s.channel = {}, None, _Channel()
+    s.local_kv = types.SimpleNamespace(layout=_node(1), check_addresses=lambda: False)
+    s.runner = types.SimpleNamespace(caches=[])
+    s._generation = 0
+    s._jobs = __import__("queue").Queue()
+    return s
+
+
+def test_a_follower_refuses_bad_commands_and_says_why():
+    s = _sender()
+    ranked = RankedLayout.from_ranks({0: _node(0), 1: _node(1)})
+    dst = {"kind": "layer_major", "buffers": [b.to_wire() for b in DECODE.buffers]}
+    s.on_write({"job": 1, "peer": 1, "src": [3], "dst": [7]})     # no kv_peer: nowhere to say
+    assert s.channel.sent == [] and s._jobs.empty()
+    s.on_peer({"peer": 1, "session": "decode:1", "reply": "tcp://n0:1", "src": ranked.to_wire(),
+               "dst": dst})
+    bad = ranked.to_wire()
+    bad["owners"][0][1] = 5
+    s.on_peer({"peer": 2, "session": "decode:1", "reply": "tcp://n0:1", "src": bad, "dst": dst})
+    for msg, needle in (({"job": 2, "peer": 2, "src": [3], "dst": [7]}, "src.owners[0]"),
+                        ({"job": 3, "peer": 9, "src": [3], "dst": [7]}, "never announced"),
+                        ({"job": 4, "peer": 1, "src": [PAGES], "dst": [7]}, "src_pages"),
+                        ({"job": 5, "peer": 1, "src": [3], "dst": [3, 4]}, "dst_pages"),
+                        ({"job": 6, "peer": 1, "src": "3", "dst": [7]}, "page lists")):
+        s.on_write(msg)
+        endpoint, done = s.channel.sent[-1]
+        assert endpoint == "tcp://n0:1" and done.job == msg["job"] and not done.ok
+        assert needle in done.reason, done.reason
+    s.on_write({"job": 0, "peer": 1, "src": [3], "dst": [7]})     # no valid job: logged only
+    assert len(s.channel.sent) == 5 and s._jobs.empty()
+    s.on_write({"job": 7, "peer": 1, "src": [3, 4], "dst": [7, 8]})
+    job, generation, peer, copies = s._jobs.get_nowait()
+    assert job == 7 and peer.session == "decode:1" and len(copies) == 2 * 2 * LAYERS * PS
+    assert all(0x200000 <= src < 0x220000 for src, _, _ in copies)
+    assert np.unique([d for _, d, _ in copies]).size == len(copies)
