@@ -403,26 +403,19 @@ class PrefillManager(RoleManager):
                     r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
             return
         try:
-            t0 = time.perf_counter()
-            try:
-                copies = ((self.ranks.own_copies(r.peer_id, src, dst) if job is not None else
-                           build_copies(self.local_kv.layout, peer.layout, src, dst))
-                          if src else [])
-                n_kv = len(copies)
+            meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
+                                      peer.metadata_num_slots,
+                                      peer.metadata_bytes_per_slot)] if last else []
+            if job is None:
+                copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
+                t0 = time.perf_counter()
+                self.transfer_engine.batch_write(peer.session_id, copies + meta)
                 # What the decode's shards receive: pages x its bytes per page, over its shards.
-                nbytes = sum(length for _, _, length in copies)
-                meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
-                                          peer.metadata_num_slots,
-                                          peer.metadata_bytes_per_slot)] if last else []
-                self.transfer_engine.batch_write(peer.session_id,
-                                                 copies + (meta if job is None else []))
-            finally:
-                others = self.ranks.join(job, self.args.transfer_timeout_s) if job else None
-            if others is not None:       # every node's shards are in: then the metadata row
-                if others[2]:
-                    raise TransferError("; ".join(others[2]))
-                nbytes, n_kv = nbytes + others[0], n_kv + others[1]
-                self.transfer_engine.batch_write(peer.session_id, meta)
+                nbytes, n_kv = sum(length for _, _, length in copies), len(copies)
+            else:            # multi-host: every node's shards, then the metadata row
+                t0 = time.perf_counter()
+                nbytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst, meta,
+                                                job, self.args.transfer_timeout_s)
             write_s = time.perf_counter() - t0
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"

@@ -34,7 +34,7 @@ from pdjax.transfer.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.protocol import KVBufferDesc, RankWriteDone
-from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS, ProtocolError
+from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +284,27 @@ class PrefillRanks:
 
     def join(self, job: int, timeout_s: float) -> tuple[int, int, list[str]]:
         return self.writes.wait(job, timeout_s)
+
+    def write(self, engine, engine_id: str, src: Sequence[int], dst: Sequence[int],
+              meta: list[Copy], job: int, timeout_s: float) -> tuple[int, int]:
+        """Transfer worker: write node 0's copies of ``src`` -> ``dst`` with ``engine``, wait
+        for every other node's report of ``job``, then write ``meta`` (the metadata row, or
+        nothing). Returns ``(bytes, copies)`` of the KV over every node; ``TransferError``
+        naming each node that failed (the metadata row is then never written)."""
+        try:
+            with self._lock:
+                entry = self._plans.get(engine_id)
+            if entry is None:
+                raise ValueError(f"decode engine {engine_id!r} is not paired")
+            session = entry[0].session_id
+            copies = self.own_copies(engine_id, src, dst) if src else []
+            engine.batch_write(session, copies)
+        finally:          # the other nodes were told to write: wait for them in any case
+            others, others_copies, failures = self.join(job, timeout_s)
+        if failures:
+            raise TransferError("; ".join(failures))
+        engine.batch_write(session, meta)
+        return sum(n for _, _, n in copies) + others, len(copies) + others_copies
 
     def on_done(self, msg: RankWriteDone) -> bool:
         return self.writes.report(msg)

@@ -8,6 +8,7 @@ executables through the persistent compilation cache.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -198,6 +199,22 @@ def pd_body(ids: list[int], room: int, bootstrap_port: int, **sampling) -> dict:
     sp.update(sampling)
     return {"input_ids": ids, "sampling_params": sp, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": bootstrap_port, "bootstrap_room": room}
+
+
+def pd_pair(prefill, decode, bport, ids, room, max_new, stream=False):
+    """What a router does: the same body with bootstrap fields to both, the decode answers."""
+    body = pd_body(ids, room, bport, max_new_tokens=max_new)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(post, prefill.url + "/generate", body)
+        if stream:
+            status, events = post_stream(decode.url + "/generate", body)
+            assert status == 200 and events and not any(e.get("error") for e in events), events
+            out = events[-1]
+        else:
+            status, out = post(decode.url + "/generate", body)
+            assert status == 200, out
+        assert p.result()[0] == 200, p.result()
+    return out
 
 
 def wait_until(pred, timeout_s: float, interval_s: float = 0.1):

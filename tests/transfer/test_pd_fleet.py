@@ -13,8 +13,8 @@ import sys
 
 import pytest
 from pd_harness import (PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env, count_runs,
-                        free_port, get, greedy_agrees, load, metric_value, pd_body, pd_server,
-                        pd_state, post, post_stream, wait_until)
+                        free_port, get, greedy_agrees, load, metric_value, pd_pair, pd_server,
+                        pd_state, post, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -83,22 +83,6 @@ def _reference(engine, prompts, max_new):
     return [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
 
 
-def _pd_pair(prefill, decode, bport, ids, room, max_new, stream=False):
-    """What a router does: the same body with bootstrap fields to both, the decode answers."""
-    body = pd_body(ids, room, bport, max_new_tokens=max_new)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        p = pool.submit(post, prefill.url + "/generate", body)
-        if stream:
-            status, events = post_stream(decode.url + "/generate", body)
-            assert status == 200 and events and not any(e.get("error") for e in events), events
-            out = events[-1]
-        else:
-            status, out = post(decode.url + "/generate", body)
-            assert status == 200, out
-        assert p.result()[0] == 200, p.result()
-    return out
-
-
 def _served(server, role):
     """Successful transfers this server took part in (its own metrics)."""
     text = get(server.url + "/metrics")[1]
@@ -119,7 +103,7 @@ def test_mixed_tp_pairs_equal_colocated_with_planned_bytes_and_copies(fleet):
     for p_name, d_name in pairs:
         for k, (ids, m) in enumerate(zip(prompts, max_new)):
             room += 1
-            out = _pd_pair(s[p_name], s[d_name], bports[p_name], ids, room, m,
+            out = pd_pair(s[p_name], s[d_name], bports[p_name], ids, room, m,
                            stream=(k == 1))
             greedy_agrees(*ref[k], out["output_ids"])
             assert len(out["output_ids"]) == m
