@@ -4,8 +4,9 @@ DESIGN.md §4 plane 1, reference/sglang_pd_notes.md §1. The prefill server runs
 ``BootstrapServer`` (aiohttp, on its own event loop in a daemon thread, default port 8998):
 
     PUT /route    a prefill rank registers: rank_ip, rank_port (its ZMQ PULL port), tp_rank,
-                  tp_size, page_size, kv_dtype, layout_fingerprint, protocol_version (JSON);
-                  200, or 400 (bad field) / 409 (disagrees with the ranks already registered);
+                  tp_size, page_size, kv_dtype, layout_fingerprint, protocol_version, and
+                  optionally its transfer session_id, kv_layout and kv_buffers (each node of
+                  a multi-host prefill registers its own shards, DESIGN.md §6) (JSON); 200, or 400 (bad field) / 409 (disagrees with the ranks already registered);
                   with a shared secret, 401 unless ``Authorization: Bearer <secret>``
     GET /route    the topology (``PrefillServerInfo`` JSON); 503 until all tp_size ranks are
                   registered; ``?tp_rank=N`` returns that rank only (404 if unknown)
@@ -69,8 +70,8 @@ def _field(d: dict, name: str, kind: type, lo: int | None = None, hi: int | None
 class PrefillRankInfo:
     """One prefill rank's registration (the PUT /route body).
 
-    ``rank_ip``/``rank_port``: where the ZMQ PULL socket that takes its control messages
-    listens (node 0's for every rank of a multi-host prefill); ``tp_rank`` in ``[0, tp_size)``
+    ``rank_ip``/``rank_port``: where its ZMQ PULL socket listens (a decode talks to rank 0's
+    only); ``tp_rank`` in ``[0, tp_size)``
     (a multi-host prefill registers one rank per node: ``tp_rank`` = node rank, ``tp_size`` =
     nodes); ``page_size`` in tokens; ``kv_dtype`` (e.g. ``bfloat16``); ``layout_fingerprint``
     from ``kv_export.kv_layout_fingerprint``. Optional, the rank's own data plane (sglang-jax

@@ -4,7 +4,8 @@ KV heads), sending to a TP 1 decode process over Mooncake TCP. Each node registe
 shards and transfer session with the bootstrap server; each writes its own head slices into
 the decode's pages. Greedy outputs equal the colocated engine's (DESIGN.md §5), and per room
 the bytes and copies are those of the plan: pages x the decode's bytes per page, one copy per
-page, layer, token slot and head slice."""
+page, layer, token slot and head slice. Every control frame is sealed with a shared secret.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pd_harness import (PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env,  #
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 2, 2, 16, 4      # tiny llama, float32 KV
 
 pytestmark = pytest.mark.slow
+SECRET = "multi-host-prefill"      # node 1's PUT /route and RankWriteDone are authenticated too
 
 BYTES_PER_PAGE = 2 * LAYERS * PAGE_SIZE * KV_HEADS * HEAD_DIM * ITEMSIZE   # K and V, both heads
 
@@ -32,7 +34,7 @@ def _prefill_node(model, rank, coord, http, bport, logs):
             "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
             f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
             "--skip-warmup-progress", "--disaggregation-bootstrap-port", str(bport),
-            "--dist-timeout-s", "10"]
+            "--dist-timeout-s", "10", "--disaggregation-secret", SECRET]
     # Two decode-row buckets instead of four: the follower compiles every shape itself (the
     # persistent cache holds node 0's), the test's longest wait.
     for k, v in dict(TINY_ARGS, max_running_requests=2).items():
@@ -46,7 +48,8 @@ def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_p
     coord, http, bport = free_port(), free_port(), free_port()
     node0 = _prefill_node(model, 0, coord, http, bport, logs)
     node1 = _prefill_node(model, 1, coord, 0, bport, logs)
-    decode = pd_server("decode", "decode", model, logs)
+    decode = pd_server("decode", "decode", model, logs,
+                       extra=["--disaggregation-secret", SECRET])
     from pdjax.engine import Engine
 
     rng = random.Random(1364)
