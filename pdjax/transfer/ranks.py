@@ -28,7 +28,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from pdjax.transfer.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.transfer.engine import Copy, TransferError
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 3600.0     # a follower registers while node 0 still warms up
 MAX_PEERS = 1 << 20
+LOST_POLL_S = 0.5               # how often a wait for the other nodes checks the cluster
 
 
 class RankError(ValueError):
@@ -197,15 +199,24 @@ class RankWrites:
             self._cond.notify_all()
             return True
 
-    def wait(self, job: int, timeout_s: float) -> tuple[int, int, list[str]]:
-        """``(bytes, copies, failures)`` over every node's report of ``job``, once all came or
-        ``timeout_s`` passed (a missing node is a failure naming it); forgets the job."""
+    def wait(self, job: int, timeout_s: float,
+             lost: Callable[[], str | None] = lambda: None) -> tuple[int, int, list[str]]:
+        """``(bytes, copies, failures)`` over every node's report of ``job``, once all came,
+        ``timeout_s`` passed or ``lost()`` says why the cluster broke (checked every
+        ``LOST_POLL_S``); a missing node is a failure naming it. Forgets the job."""
+        deadline = time.monotonic() + timeout_s
+        why = None
         with self._cond:
-            self._cond.wait_for(lambda: len(self._jobs[job]) == len(self.ranks), timeout_s)
+            while len(self._jobs[job]) < len(self.ranks):
+                left = deadline - time.monotonic()
+                why = lost()
+                if left <= 0 or why is not None:
+                    break
+                self._cond.wait(min(left, LOST_POLL_S))
             got = self._jobs.pop(job)
         failures = [f"node {m.node_rank}: {m.reason}" for m in got.values() if not m.ok]
-        failures += [f"node {r}: no report of its KV writes within {timeout_s:g} s"
-                     for r in self.ranks if r not in got]
+        failures += [f"node {r}: no report of its KV writes "
+                     f"({why or f'within {timeout_s:g} s'})" for r in self.ranks if r not in got]
         ok = [m for m in got.values() if m.ok]
         return sum(m.bytes for m in ok), sum(m.copies for m in ok), failures
 
@@ -283,7 +294,8 @@ class PrefillRanks:
                             src_shards=ranked.shards_of(0))
 
     def join(self, job: int, timeout_s: float) -> tuple[int, int, list[str]]:
-        return self.writes.wait(job, timeout_s)
+        """``RankWrites.wait`` for ``job``, given up at once when a node went away."""
+        return self.writes.wait(job, timeout_s, lost=lambda: self.cluster.lost)
 
     def write(self, engine, engine_id: str, src: Sequence[int], dst: Sequence[int],
               meta: list[Copy], job: int, timeout_s: float) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 import types
 
 import numpy as np
@@ -133,13 +134,20 @@ def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
     assert writes.wait(a, 5.0) == (15, 3, [])
     assert writes.report(RankWriteDone(job=b, node_rank=2, ok=False, reason="rc=-1"))
     assert writes.wait(b, 0.05) == (0, 0, ["node 2: rc=-1",
-                                           "node 1: no report of its KV writes within 0.05 s"])
+                                           "node 1: no report of its KV writes (within 0.05 s)"])
+    c = writes.new_job()          # a node went away: no wait for the timeout
+    t0 = time.monotonic()
+    assert writes.wait(c, 60.0, lost=lambda: "node 2 went away")[2] == [
+        "node 1: no report of its KV writes (node 2 went away)",
+        "node 2: no report of its KV writes (node 2 went away)"]
+    assert time.monotonic() - t0 < 1.0
     assert writes.pending() == 0
     assert not writes.report(RankWriteDone(job=b, node_rank=1, ok=True))      # too late
 
 
 class _Cluster:
     args = types.SimpleNamespace(nnodes=2)
+    lost = None
 
     def __init__(self):
         self.sent = []
