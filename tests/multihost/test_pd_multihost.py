@@ -42,6 +42,12 @@ def _prefill_node(model, rank, coord, http, bport, logs):
     return Server(f"prefill_node{rank}", argv, http, logs, child_env())
 
 
+def _route(bport):
+    """The prefill's ``GET /route`` once every node registered (503 before), else None."""
+    status, body = get(f"http://127.0.0.1:{bport}/route")
+    return body if status == 200 else None
+
+
 def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_path):
     model = tiny_checkpoints["llama"]
     logs = str(tmp_path)
@@ -62,9 +68,10 @@ def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_p
     ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
     try:
         with running([node0, decode]):
-            # Each node registered its own shards (one head each) and its own session.
-            status, route = get(f"http://127.0.0.1:{bport}/route")
-            assert status == 200 and route["tp_size"] == 2, route
+            # Each node registered its own shards (one head each) and its own session; node 1
+            # retries until node 0's bootstrap server is up (after warm-up), so within ~1 s.
+            route = wait_until(lambda: _route(bport), 10)
+            assert route is not None and route["tp_size"] == 2, route
             ranks = sorted(route["ranks"], key=lambda r: r["tp_rank"])
             assert [[b["shard_heads"] for b in r["kv_buffers"]] for r in ranks] == [
                 [[[0, 1]]] * 2, [[[1, 1]]] * 2]
