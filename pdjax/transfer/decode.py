@@ -358,13 +358,13 @@ class DecodeManager(RoleManager):
         if not r.fake:
             self.metrics.on_chunk(nbytes, len(r.dst_pages), 0)
             self.metrics.on_success(nbytes, now - r.sent_s)
-        with self.lock:
+        rec = r.record()
+        rec.update(bytes=nbytes, latency_s=now - r.sent_s)
+        with self.lock:   # a room out of ``rooms`` (``load``'s count) is in ``recent``
             del self.rooms[req.rid]
             if req.is_finished and r.room is not None:
                 self.room_owner.pop(r.room, None)
-        rec = r.record()
-        rec.update(bytes=nbytes, latency_s=now - r.sent_s)
-        self.recent.append(rec)
+            self.recent.append(rec)
         return self.host.make_output(req, [token], lps, tops)
 
     def _fail(self, r: DecodeRoom, failure: RoomFailure, quarantine: bool = False,
@@ -399,7 +399,7 @@ class DecodeManager(RoleManager):
             self.rooms.pop(req.rid, None)
             if r.room is not None and self.room_owner.get(r.room) == req.rid:
                 del self.room_owner[r.room]
-        self.recent.append(r.record())
+            self.recent.append(r.record())
         if not answer:
             return None
         return error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): {reason}",

@@ -293,7 +293,8 @@ class PrefillManager(RoleManager):
                     del self.rooms[r.room]
             if req is not None:
                 self.rooms_by_rid.pop(req.rid, None)
-        self.recent.append(r.record())
+            # Under the lock: a room out of ``rooms`` (``load``'s count) is in ``recent``.
+            self.recent.append(r.record())
         return out
 
     def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:

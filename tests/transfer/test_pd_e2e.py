@@ -190,6 +190,9 @@ def test_n2_and_batches_get_one_room_per_sample(pd):
     rng = random.Random(12)
     a = [rng.randrange(3, 440) for _ in range(133)]
     b = [rng.randrange(3, 440) for _ in range(134)]
+    # The router answers when the decode is done; the prefill's room of an earlier request can
+    # still be closing: wait for it, so that it is in the snapshot and not taken for a new one.
+    assert wait_until(lambda: at_baseline(prefill), 10)
     rooms_before = {r["room"] for r in pd_state(prefill)["recent"]}
     status, outs = post(router + "/generate", {
         "input_ids": [a, b], "sampling_params": {"temperature": 0, "max_new_tokens": 6, "n": 2}})
@@ -199,6 +202,7 @@ def test_n2_and_batches_get_one_room_per_sample(pd):
         "temperature": 0, "max_new_tokens": 6})["output_ids"] for p in (a, b)}
     for out in outs:
         assert out["output_ids"] == ref[out["meta_info"]["prompt_tokens"]]
+    assert wait_until(lambda: at_baseline(prefill), 10)
     new = [r for r in pd_state(prefill)["recent"] if r["room"] not in rooms_before]
     assert sorted(r["prompt_len"] for r in new) == [133, 133, 134, 134]
     assert len({r["room"] for r in new}) == 4 and all(r["state"] == "Success" for r in new)
