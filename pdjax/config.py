@@ -397,17 +397,15 @@ class DistributedArgs:
 
 def _check_multihost_role(args) -> None:
     """The PD roles a multi-host server may take (DESIGN.md §6): a prefill, each node writing
-    its own KV shards (direct path: a staging copy would be a collective no follower makes,
-    and the followers register the bootstrap port the leader binds)."""
-    if args.role == "decode":
-        raise ValueError("role 'decode' with nnodes > 1 is not supported (a multi-host server "
-                         "may be colocated or a prefill)")
-    if args.role != "prefill":
+    its own KV shards, or a decode, each node's shards written by the prefill (direct path: a
+    staging copy would be a collective no follower makes; a prefill's followers register with
+    the bootstrap port the leader binds)."""
+    if args.role not in ("prefill", "decode"):
         return
     if args.disaggregation_transfer_path == "staging":
         raise ValueError("disaggregation_transfer_path 'staging' with nnodes > 1 is not "
-                         "supported: every node writes its own shards from the KV cache itself")
-    if args.disaggregation_bootstrap_port == 0:
+                         "supported: every node's own KV shards are written in place")
+    if args.role == "prefill" and args.disaggregation_bootstrap_port == 0:
         raise ValueError("disaggregation_bootstrap_port must be set (not 0) with nnodes > 1: "
                          "the other nodes register their KV shards there")
 

@@ -3,7 +3,8 @@ DESIGN.md §6): a supervisor and its worker.
 
 The worker joins the cluster, builds the runner as node 0's engine does and follows node 0
 (``pdjax.distributed.Cluster.follow``) until it shuts down or goes away; a prefill node also
-registers and writes its own KV shards (``pdjax.transfer.ranks.RankSender``). The supervisor exists
+registers and writes its own KV shards (``pdjax.transfer.ranks.RankSender``), a decode node
+reports its own to node 0 for the prefill to write (``pdjax.transfer.ranks.DecodeRankNode``). The supervisor exists
 because JAX's coordination client aborts the worker (SIGABRT) as soon as node 0's coordinator
 is gone, before the heartbeat can say so: the supervisor then reports that the leader went
 away (its heartbeat port no longer answers) and exits 1. Signals to the supervisor reach the
@@ -63,11 +64,11 @@ def _work(args) -> None:
                         f"during start-up ({type(e).__name__}: {e}); exiting")
         exit_now(2, f"node {args.node_rank}: {type(e).__name__}: {e}")
     handlers = None
-    if args.role == "prefill":          # this node writes its own KV shards (DESIGN.md §6)
-        from pdjax.transfer.ranks import RankSender
+    if args.role in ("prefill", "decode"):     # this node's own KV shards (DESIGN.md §6)
+        from pdjax.transfer.ranks import DecodeRankNode, RankSender
 
         try:
-            handlers = RankSender(core).handlers
+            handlers = (RankSender if args.role == "prefill" else DecodeRankNode)(core).handlers
         except Exception as e:
             exit_now(2, f"node {args.node_rank}: cannot set up its KV transfers "
                         f"({type(e).__name__}: {e})")

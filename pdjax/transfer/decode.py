@@ -42,6 +42,7 @@ from typing import Any
 
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.request import FinishReason, Request
+from pdjax.distributed import join as join_cluster
 from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
                                       check_bootstrap_health, check_compatible,
                                       fetch_prefill_info)
@@ -49,8 +50,10 @@ from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
                                       PairingFailed, PeerLost, PeerState, Refused,
                                       RemoteFailure, RoomFailure, Timeout)
-from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
+from pdjax.transfer.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
+                                     RegisterDecode, RegisterResult, TransferRequest,
+                                     TransferStatus)
+from pdjax.transfer.ranks import DecodeRanks
 from pdjax.transfer.role import RoleManager, check_room, error_output
 from pdjax.transfer.rooms import DecodeRoom, PrefillPeer
 from pdjax.transfer.wire import prompt_digest
@@ -84,6 +87,10 @@ class DecodeManager(RoleManager):
         self.num_quarantine_released_by_ack = 0
         self.num_quarantine_released_by_timeout = 0
         self._stop = threading.Event()
+        # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
+        self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
+        if self.ranks is not None:
+            self.ranks.announce(self.channel.endpoint)
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="pd-heartbeat",
                                            daemon=True)
         self._heartbeat.start()
@@ -149,15 +156,21 @@ class DecodeManager(RoleManager):
         threading.Thread(target=self._bootstrap_peer, args=(peer,), daemon=True,
                          name=f"pd-bootstrap-{key[0]}:{key[1]}").start()
 
-    def _register_msg(self, peer: PrefillPeer) -> RegisterDecode:
-        layout = self.local_kv.layout
+    def _register_msg(self, peer: PrefillPeer, wait_s: float = 0.0) -> RegisterDecode:
+        """This decode's registration; a multi-host one lists every node's shards and session
+        (waiting up to ``wait_s`` for the other nodes' reports; ``ValueError`` after)."""
+        layout, sessions, owners = self.local_kv.layout, (), ()
+        session = self.transfer_engine.session_id
+        if self.ranks is not None:
+            layout, sessions, owners = self.ranks.layout(layout, session, wait_s)
         return RegisterDecode(
             decode_engine_id=peer.engine_id, reply_endpoint=self.channel.endpoint,
-            engine_session_id=self.transfer_engine.session_id, tp_rank=0, tp_size=1,
+            engine_session_id=session, tp_rank=0, tp_size=1,
             kv_buffers=layout.buffers, kv_layout=layout.kind, metadata_addr=self.meta.base_addr,
             metadata_bytes_per_slot=self.meta.bytes_per_slot,
             metadata_num_slots=self.meta.num_slots, page_size=self.page_size,
-            kv_dtype=self.local_kv.kv_dtype, layout_fingerprint=self.local_kv.fingerprint)
+            kv_dtype=self.local_kv.kv_dtype, layout_fingerprint=self.local_kv.fingerprint,
+            node_sessions=sessions, shard_nodes=owners)
 
     def _bootstrap_peer(self, peer: PrefillPeer) -> None:
         """Bootstrap thread: topology, compatibility check, registration (DESIGN.md §4)."""
@@ -170,7 +183,8 @@ class DecodeManager(RoleManager):
             rank = info.rank(0)
             peer.endpoint = f"tcp://{rank.rank_ip}:{rank.rank_port}"
             peer.registered.clear()
-            if not self.send(peer.endpoint, self._register_msg(peer)):
+            msg = self._register_msg(peer, wait_s=self.args.bootstrap_timeout_s)
+            if not self.send(peer.endpoint, msg):
                 raise BootstrapError(f"could not send the registration to {peer.endpoint}")
             if not peer.registered.wait(REGISTER_TIMEOUT_S):
                 raise BootstrapError(f"no answer to the registration from {peer.endpoint} "
@@ -428,8 +442,14 @@ class DecodeManager(RoleManager):
     def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
         """After a step (``batch`` None: nothing ran, but requests may have finished): re-check
         the KV addresses (a move fails the transfers in flight and re-registers with every
-        prefill) and forget rooms of finished requests."""
-        if self.local_kv.check_addresses():
+        prefill) and forget rooms of finished requests. A multi-host decode's other nodes
+        re-check theirs after each forward and report a move (``DecodeRanks``): the same."""
+        moved = self.local_kv.check_addresses()
+        if self.ranks is not None:
+            if batch is not None:
+                self.ranks.check()
+            moved = self.ranks.take_moved() or moved
+        if moved:
             with self.lock:
                 moving = [r for r in self.rooms.values()
                           if r.state == KVPoll.Transferring and not r.fake]
@@ -440,7 +460,10 @@ class DecodeManager(RoleManager):
                 if out is not None:
                     outputs.append(out)
             for p in peers:
-                self.send(p.endpoint, self._register_msg(p))
+                try:
+                    self.send(p.endpoint, self._register_msg(p))
+                except ValueError as e:      # a node's buffers changed shape: cannot happen
+                    logger.error("PD decode: cannot register again with %s: %s", p.endpoint, e)
         done = [o.rid for o in outputs if o.finished]
         if done and self.room_owner:
             with self.lock:
@@ -467,6 +490,13 @@ class DecodeManager(RoleManager):
                 self._acked.add(msg.bootstrap_room)
                 self.num_abort_acks += 1
             self.wake()
+        elif isinstance(msg, DecodeRankInfo):
+            why = ("DecodeRankInfo on a one-process decode" if self.ranks is None
+                   else self.ranks.report(msg))
+            if why is not None:
+                self._reject(why)
+            else:
+                self.wake()
         elif isinstance(msg, RegisterResult):
             with self.lock:
                 peer = next((p for p in self.peers.values()

@@ -237,7 +237,8 @@ def group_contiguous_runs(src_pages: Sequence[int] | np.ndarray,
 def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                  src_pages: Sequence[int] | np.ndarray,
                  dst_pages: Sequence[int] | np.ndarray,
-                 src_shards: Sequence[Collection[int]] | None = None) -> list[Copy]:
+                 src_shards: Sequence[Collection[int]] | None = None,
+                 dst_shards: Sequence[Collection[int]] | None = None) -> list[Copy]:
     """Copies ``(src_addr, dst_addr, length)`` that move ``src_pages`` into ``dst_pages``.
 
     Per buffer and head slice (``plan_head_slices``): a whole-shard slice is one copy per
@@ -249,7 +250,8 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     ``src_shards`` (per buffer, source shard indices): keep only the slices read from those
     shards; a multi-host prefill's node builds the copies of its own shards this way from the
     plan over every node's shards (``transfer/ranks.py``), so the nodes' copies partition the
-    plan's.
+    plan's. ``dst_shards`` likewise keeps the slices written into those destination shards:
+    a prefill writing to a multi-host decode sends each node's shards to that node's session.
 
     Raises ``ProtocolError`` (a ``ValueError``) when a page is outside ``[1, num_pages)`` of its
     side (dst pages are checked against the registered decode pool) or repeats, and
@@ -269,6 +271,8 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     for i, (sb, db, slices) in enumerate(zip(src_layout.buffers, dst_layout.buffers, plan)):
         for sl in slices:
             if src_shards is not None and sl.src_shard not in src_shards[i]:
+                continue
+            if dst_shards is not None and sl.dst_shard not in dst_shards[i]:
                 continue
             s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
             if sl.whole:

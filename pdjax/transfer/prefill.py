@@ -408,11 +408,10 @@ class PrefillManager(RoleManager):
                                       peer.metadata_num_slots,
                                       peer.metadata_bytes_per_slot)] if last else []
             if job is None:
-                copies = build_copies(self.local_kv.layout, peer.layout, src, dst) if src else []
                 t0 = time.perf_counter()
-                self.transfer_engine.batch_write(peer.session_id, copies + meta)
+                node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
                 # What the decode's shards receive: pages x its bytes per page, over its shards.
-                nbytes, n_kv = sum(length for _, _, length in copies), len(copies)
+                nbytes = sum(node_bytes)
             else:            # multi-host: every node's shards, then the metadata row
                 t0 = time.perf_counter()
                 nbytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst, meta,
@@ -430,6 +429,9 @@ class PrefillManager(RoleManager):
             r.bytes += nbytes
             r.pages += len(src)
             r.copies += n_kv
+            if job is None:
+                r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
+                                                      node_bytes)]
             r.write_s += write_s
             r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
                              "write_s": write_s})
@@ -440,6 +442,22 @@ class PrefillManager(RoleManager):
             with self.lock:
                 r.done = True
                 r.notified = True
+
+    def _write_nodes(self, peer, src: list[int], dst: list[int],
+                     meta: list) -> tuple[list[int], int]:
+        """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
+        node's shards into its own session, node 0 last with the metadata row ``meta`` (the
+        gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
+        node_bytes, n_kv = [], 0
+        writes = peer.node_writes()
+        for i, (session, shards) in enumerate(writes):
+            copies = build_copies(self.local_kv.layout, peer.layout, src, dst,
+                                  dst_shards=shards) if src else []
+            self.transfer_engine.batch_write(session, copies + (meta if i == len(writes) - 1
+                                                                else []))
+            node_bytes.append(sum(length for _, _, length in copies))
+            n_kv += len(copies)
+        return node_bytes[::-1], n_kv
 
     def _send_notice(self, r: PrefillRoom, kind: str) -> None:
         peer = self.peers.get(r.peer_id)
@@ -481,6 +499,10 @@ class PrefillManager(RoleManager):
 
     def _on_register(self, msg: RegisterDecode) -> None:
         try:
+            if self.ranks is not None and msg.node_sessions:
+                raise ValueError("prefill refuses to pair: a multi-host prefill writes only to "
+                                 "a one-process decode (node_sessions has "
+                                 f"{len(msg.node_sessions)} nodes)")
             plan = self.ranks.plan() if self.ranks is not None else None
             peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
                                                 self.meta.bytes_per_slot,

@@ -24,6 +24,8 @@ Message flow (the room is the key everywhere; rooms are in [1, 2**63); 0 means "
 
     prefill node R > 0 (multi-host)          prefill node 0
       |-- RankWriteDone (per chunk job) -------->|   its shards' writes done / failed
+    decode node R > 0 (multi-host)           decode node 0
+      |-- DecodeRankInfo (at start, on a move) ->|   its transfer session and own KV shards
 
 With a shared secret (``--disaggregation-secret``) every frame is sealed (``frame_auth.py``:
 an HMAC-SHA256 over a sender id, a per-sender counter, a timestamp and the body, checked before
@@ -106,6 +108,7 @@ class MessageType(str, enum.Enum):
     ABORT_ACK = "abort_ack"
     HEARTBEAT = "heartbeat"
     RANK_WRITE_DONE = "rank_write_done"
+    DECODE_RANK_INFO = "decode_rank_info"
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +248,11 @@ class RegisterDecode(Message):
     ``metadata_addr``/``metadata_bytes_per_slot``/``metadata_num_slots`` (the MetadataBuffers
     pool; rows padded to 64 bytes), ``page_size`` (tokens per page), ``kv_dtype`` and
     ``layout_fingerprint`` (must equal the prefill's).
+
+    A multi-host decode (DESIGN.md §6) lists every node's shards in ``kv_buffers`` and says
+    which node holds each: ``node_sessions[n]`` is node ``n``'s transfer session (node 0's is
+    ``engine_session_id``), ``shard_nodes[b][s]`` the node of shard ``s`` of buffer ``b``; the
+    prefill writes each node's shards into that node's session. Both empty: one process.
     """
 
     TYPE: ClassVar[MessageType] = MessageType.REGISTER
@@ -261,6 +269,8 @@ class RegisterDecode(Message):
     page_size: int
     kv_dtype: str
     layout_fingerprint: str
+    node_sessions: tuple[str, ...] = ()
+    shard_nodes: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
         check_str("decode_engine_id", self.decode_engine_id)
@@ -290,10 +300,52 @@ class RegisterDecode(Message):
         check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         check_str("kv_dtype", self.kv_dtype, 32)
         check_str("layout_fingerprint", self.layout_fingerprint)
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        sessions, owners = self.node_sessions, self.shard_nodes
+        for name, v in (("node_sessions", sessions), ("shard_nodes", owners)):
+            if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)):
+                raise ProtocolError(f"field {name!r}: expected a list")
+        if not sessions:
+            if owners:
+                raise ProtocolError("field 'shard_nodes': given without node_sessions")
+            object.__setattr__(self, "node_sessions", ())
+            object.__setattr__(self, "shard_nodes", ())
+            return
+        if not 2 <= len(sessions) <= MAX_SHARDS:
+            raise ProtocolError(f"field 'node_sessions': {len(sessions)} nodes outside "
+                                f"[2, {MAX_SHARDS}]")
+        for n, sid in enumerate(sessions):
+            check_str(f"node_sessions[{n}]", sid)
+        if sessions[0] != self.engine_session_id:
+            raise ProtocolError("field 'node_sessions[0]': not engine_session_id (node 0's)")
+        if len(owners) != len(self.kv_buffers):
+            raise ProtocolError(f"field 'shard_nodes': expected one list per buffer "
+                                f"({len(self.kv_buffers)})")
+        checked = []
+        for i, (row, b) in enumerate(zip(owners, self.kv_buffers)):
+            if isinstance(row, (str, bytes)) or not isinstance(row, (list, tuple)) \
+                    or len(row) != len(b.shard_addrs):
+                raise ProtocolError(f"field 'shard_nodes[{i}]': expected one node per shard "
+                                    f"({len(b.shard_addrs)})")
+            row = tuple(check_int(f"shard_nodes[{i}][{s}]", n, 0, len(sessions) - 1)
+                        for s, n in enumerate(row))
+            missing = sorted(set(range(len(sessions))) - set(row))
+            if missing:
+                raise ProtocolError(f"field 'shard_nodes[{i}]': nodes {missing} hold no shard")
+            checked.append(row)
+        object.__setattr__(self, "node_sessions", tuple(sessions))
+        object.__setattr__(self, "shard_nodes", tuple(checked))
 
     def to_wire(self) -> dict:
         d = super().to_wire()
         d["kv_buffers"] = [b.to_wire() for b in self.kv_buffers]
+        if self.node_sessions:        # one process: the frame an older prefill reads
+            d["node_sessions"] = list(self.node_sessions)
+            d["shard_nodes"] = [list(row) for row in self.shard_nodes]
+        else:
+            del d["node_sessions"], d["shard_nodes"]
         return d
 
     @classmethod
@@ -464,10 +516,53 @@ class RankWriteDone(Message):
         check_str("reason", self.reason, MAX_REASON, allow_empty=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeRankInfo(Message):
+    """A multi-host decode's node ``node_rank`` (> 0) to node 0: its transfer session
+    ``session_id`` and its own KV shards (``kv_layout``, ``kv_buffers`` at their current
+    addresses), sent when node 0 asks (``kv_ranks``) and again, with ``generation`` one higher,
+    each time its cache moved after a donated step (DESIGN.md §6)."""
+
+    TYPE: ClassVar[MessageType] = MessageType.DECODE_RANK_INFO
+    node_rank: int
+    session_id: str
+    kv_layout: str
+    kv_buffers: tuple[KVBufferDesc, ...]
+    generation: int
+
+    def __post_init__(self):
+        check_int("node_rank", self.node_rank, 1, MAX_SHARDS - 1)
+        check_str("session_id", self.session_id)
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ProtocolError(f"field 'kv_layout': {self.kv_layout!r} not in {KV_LAYOUTS}")
+        bufs = self.kv_buffers
+        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)) \
+                or not 1 <= len(bufs) <= MAX_BUFFERS:
+            raise ProtocolError(f"field 'kv_buffers': expected 1..{MAX_BUFFERS} buffers")
+        for i, b in enumerate(bufs):
+            if not isinstance(b, KVBufferDesc):
+                raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")
+        object.__setattr__(self, "kv_buffers", tuple(bufs))
+        check_int("generation", self.generation, 0, MAX_ADDR)
+
+    def to_wire(self) -> dict:
+        d = super().to_wire()
+        d["kv_buffers"] = [b.to_wire() for b in self.kv_buffers]
+        return d
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "DecodeRankInfo":
+        bufs = d.get("kv_buffers")
+        if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
+            raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
+        return cls(**dict(d, kv_buffers=tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b)
+                                              for i, b in enumerate(bufs))))
+
+
 _MESSAGE_CLASSES: dict[str, type[Message]] = {
     cls.TYPE.value: cls
     for cls in (RegisterDecode, RegisterResult, TransferRequest, TransferStatus, Abort,
-                AbortAck, Heartbeat, RankWriteDone)
+                AbortAck, Heartbeat, RankWriteDone, DecodeRankInfo)
 }
 
 

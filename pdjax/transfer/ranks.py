@@ -1,5 +1,5 @@
-"""A multi-host prefill's data plane: every node registers its own KV shards, and pages move
-rank to rank (DESIGN.md §6; sglang-jax #1364: a host exposes only its local shards to the
+"""The data plane of a multi-host PD role: every node registers its own KV shards, and pages
+move rank to rank (DESIGN.md §6; sglang-jax #1364: a host exposes only its local shards to the
 transfer engine, so each must register its own).
 
     node 0 (scheduler, bootstrap server, ZMQ)          node R > 0 (``RankSender``)
@@ -19,7 +19,12 @@ bytes per page summed over the destination shards, as in one process. A node who
 fail or do not report within the transfer timeout fails the room (Failed to the decode after
 every node's writes ended; the prefill's pages are released when the room concludes).
 
-Pure Python here; ``RankSender`` reaches JAX only through ``LocalKV`` and the runner.
+A multi-host decode (``DecodeRanks``, ``DecodeRankNode``, the diagram at the end) reports
+every node's shards and session to the prefill in ``RegisterDecode``; the prefill writes each
+node's shards into that node's session.
+
+Pure Python here; ``RankSender`` and ``DecodeRankNode`` reach JAX only through ``LocalKV`` and
+the runner.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, Callable, Sequence
 from pdjax.transfer.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_export import KVLayout, build_copies
-from pdjax.transfer.protocol import KVBufferDesc, RankWriteDone
+from pdjax.transfer.protocol import DecodeRankInfo, KVBufferDesc, RankWriteDone
 from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 
 logger = logging.getLogger(__name__)
@@ -484,3 +489,150 @@ class RankSender:
         self.channel.send(reply, RankWriteDone(job=job, node_rank=self.rank, ok=ok,
                                                     bytes=nbytes, copies=ncopies,
                                                     reason=reason[:4000]))
+
+
+# ------------------------------------------------------------------------------ decode
+# A multi-host decode (DESIGN.md §6): node 0 runs the scheduler, the metadata rows and the PD
+# signalling; every node's KV shards are written by the prefill directly:
+#
+#     node 0 (DecodeManager, ``DecodeRanks``)           node R > 0 (``DecodeRankNode``)
+#     kv_ranks(reply) on the step socket  ------------>  its addresses re-checked, then
+#     DecodeRankInfo(session, own shards, gen 0)  <----  reported on the PD control channel
+#     RegisterDecode: every node's shards (one ``RankedLayout``), ``node_sessions``,
+#                     ``shard_nodes``: the prefill writes each node's shards to its session
+#     after every forward: kv_check  ----------------->  its cache moved: re-registered and
+#     DecodeRankInfo(gen + 1)  <-----------------------  reported; node 0 then fails the
+#                                                        transfers in flight and registers again
+#
+# Pages are node 0's scheduler's: the cache is one global array sharded by heads, so a page
+# id is the same page on every node.
+class DecodeRanks:
+    """Node 0 of a multi-host decode: the other nodes' sessions and shards.
+
+    ``cluster``: ``pdjax.distributed.Cluster`` (``send`` on the engine thread only). ``report``
+    runs on the control channel's receiver thread, ``layout`` on a bootstrap thread.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.nnodes = cluster.args.nnodes
+        self._cond = threading.Condition()
+        self._infos: dict[int, DecodeRankInfo] = {}     # node rank -> its last report
+        self._moved = False
+
+    def announce(self, reply_endpoint: str) -> None:
+        """Ask every other node for its session and shards (engine thread)."""
+        self.cluster.send("kv_ranks", reply=reply_endpoint)
+
+    def check(self) -> None:
+        """After a forward: every other node re-checks its KV addresses (engine thread)."""
+        if self.cluster.lost is None:
+            self.cluster.send("kv_check")
+
+    def report(self, msg: DecodeRankInfo) -> str | None:
+        """Record one node's ``DecodeRankInfo``; the reason it is refused (a node out of range,
+        an older generation than one seen), or None."""
+        if not 1 <= msg.node_rank < self.nnodes:
+            return f"DecodeRankInfo from node {msg.node_rank}, not in [1, {self.nnodes})"
+        with self._cond:
+            old = self._infos.get(msg.node_rank)
+            if old is not None and msg.generation <= old.generation:
+                return (f"DecodeRankInfo of node {msg.node_rank}: generation {msg.generation} "
+                        f"is not after {old.generation}")
+            self._infos[msg.node_rank] = msg
+            if old is not None:
+                self._moved = True
+            self._cond.notify_all()
+        return None
+
+    def take_moved(self) -> bool:
+        """True once after a node reported that its cache moved (engine thread)."""
+        with self._cond:
+            moved, self._moved = self._moved, False
+            return moved
+
+    def layout(self, local: KVLayout, session_id: str,
+               timeout_s: float) -> tuple[KVLayout, tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """Every node's shards as one layout (node 0's ``local``), each node's session and the
+        node of each shard: ``RegisterDecode``'s ``kv_buffers``, ``node_sessions`` and
+        ``shard_nodes``. Waits up to ``timeout_s`` for every node's report; ``ValueError``
+        naming the nodes missing, or the field on which the nodes' buffers differ."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._infos) < self.nnodes - 1:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.cluster.lost is not None:
+                    missing = sorted(set(range(1, self.nnodes)) - set(self._infos))
+                    raise ValueError(f"kv_buffers: decode node(s) {missing} did not report "
+                                     f"their KV shards ({self.cluster.lost or f'{timeout_s:g} s'})")
+                self._cond.wait(min(left, LOST_POLL_S))
+            infos = dict(self._infos)
+        layouts = {0: local, **{r: KVLayout(m.kv_layout, m.kv_buffers) for r, m in infos.items()}}
+        ranked = RankedLayout.from_ranks(layouts)
+        sessions = (session_id, *(infos[r].session_id for r in range(1, self.nnodes)))
+        return ranked.layout, sessions, ranked.owners
+
+
+class DecodeRankNode:
+    """Node R > 0 of a multi-host decode: its own transfer engine and ``LocalKV`` (direct), the
+    prefill writes its shards; ``handlers`` for ``Cluster.follow`` (``kv_ranks``,
+    ``kv_check``), made in step order. ``host``: the follower's ``EngineCore``."""
+
+    def __init__(self, host):
+        from pdjax.transfer.channel import MessageChannel, advertise_host
+        from pdjax.transfer.engine import create_transfer_engine
+        from pdjax.transfer.frame_auth import resolve_secret
+        from pdjax.transfer.local_kv import LocalKV
+        from pdjax.transfer.role import kv_head_repeat
+
+        args = self.args = host.args
+        self.rank = args.node_rank
+        backend = args.disaggregation_transfer_backend
+        kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
+        if backend != "fake" and args.disaggregation_ib_device:
+            kwargs["device_name"] = args.disaggregation_ib_device
+        self.engine = create_transfer_engine(backend, advertise_host(args.host), **kwargs)
+        self.local_kv = LocalKV(host.runner, self.engine, "direct",
+                                -(-host.context_length // args.page_size),
+                                head_repeat=kv_head_repeat(host))
+        self.channel = MessageChannel(args.host, self._on_message, f"decode-node-{self.rank}",
+                                      secret=resolve_secret(args.disaggregation_secret))
+        self.reply: str | None = None          # node 0's control channel (from kv_ranks)
+        self.generation = 0
+
+    @property
+    def handlers(self) -> dict[str, Any]:
+        return {"kv_ranks": self.on_ranks, "kv_check": self.on_check}
+
+    def _on_message(self, msg) -> None:
+        logger.error("PD decode node %d: unexpected %s on its control socket", self.rank,
+                     type(msg).__name__)
+
+    def on_ranks(self, msg: dict) -> None:
+        """``kv_ranks``: report this node's session and shards (at their addresses now: the
+        warm-up's donated steps ran before) to node 0."""
+        reply = msg.get("reply")
+        if not isinstance(reply, str) or not reply.startswith("tcp://") or len(reply) > 256:
+            logger.error("PD decode node %d: kv_ranks: reply %r is not a tcp:// endpoint",
+                         self.rank, reply)
+            return
+        self.reply = reply
+        if self.local_kv.check_addresses():
+            self.generation += 1
+        self._report()
+
+    def on_check(self, msg: dict) -> None:
+        """``kv_check`` (after a forward): a moved cache is re-registered and reported."""
+        if self.local_kv.check_addresses():
+            self.generation += 1
+            self._report()
+
+    def _report(self) -> None:
+        if self.reply is None:
+            return
+        layout = self.local_kv.layout
+        self.channel.send(self.reply, DecodeRankInfo(
+            node_rank=self.rank, session_id=self.engine.session_id, kv_layout=layout.kind,
+            kv_buffers=layout.buffers, generation=self.generation))
+        logger.info("PD decode node %d: KV shards reported to node 0 (generation %d)",
+                    self.rank, self.generation)

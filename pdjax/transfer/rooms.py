@@ -26,7 +26,11 @@ from pdjax.transfer.protocol import KVPoll, RegisterDecode
 # ------------------------------------------------------------------------------ prefill side
 @dataclasses.dataclass
 class DecodePeer:
-    """A registered decode engine: where its KV pool and metadata slots are."""
+    """A registered decode engine: where its KV pool and metadata slots are.
+
+    ``node_sessions``/``shard_nodes``: a multi-host decode's transfer session per node and the
+    node of each shard of ``layout`` (``RegisterDecode``); empty for one process.
+    """
 
     engine_id: str
     reply_endpoint: str
@@ -35,6 +39,18 @@ class DecodePeer:
     metadata_addr: int
     metadata_num_slots: int
     metadata_bytes_per_slot: int
+    node_sessions: tuple[str, ...] = ()
+    shard_nodes: tuple[tuple[int, ...], ...] = ()
+
+    def node_writes(self) -> list[tuple[str, tuple[frozenset[int], ...] | None]]:
+        """``(session, per buffer the destination shards it holds)`` per decode node, node 0
+        (the metadata rows' node) last; one ``(session_id, None)`` (every shard) for one
+        process."""
+        if not self.node_sessions:
+            return [(self.session_id, None)]
+        return [(sid, tuple(frozenset(s for s, owner in enumerate(row) if owner == n)
+                            for row in self.shard_nodes))
+                for n, sid in reversed(list(enumerate(self.node_sessions)))]
 
     @classmethod
     def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,
@@ -61,7 +77,8 @@ class DecodePeer:
         if problems:
             raise ValueError("prefill refuses to pair: " + "; ".join(problems))
         return cls(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id, layout,
-                   msg.metadata_addr, msg.metadata_num_slots, msg.metadata_bytes_per_slot)
+                   msg.metadata_addr, msg.metadata_num_slots, msg.metadata_bytes_per_slot,
+                   msg.node_sessions, msg.shard_nodes)
 
 
 @dataclasses.dataclass
@@ -100,6 +117,7 @@ class PrefillRoom:
     bytes: int = 0
     pages: int = 0
     copies: int = 0
+    node_bytes: list = dataclasses.field(default_factory=list)   # per decode node, node 0 first
     write_s: float = 0.0          # time inside the transfer engine's batch writes
     chunks: list = dataclasses.field(default_factory=list)
 
@@ -131,7 +149,7 @@ class PrefillRoom:
                 "reason": self.fail_reason, "decode_prefix_len": self.decode_prefix_len,
                 "prompt_len": None if self.req is None else self.req.num_prompt_tokens,
                 "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
-                "chunks": self.chunks, "write_s": self.write_s,
+                "node_bytes": list(self.node_bytes), "chunks": self.chunks, "write_s": self.write_s,
                 "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
 
 

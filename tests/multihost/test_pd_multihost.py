@@ -1,10 +1,17 @@
-"""A multi-host prefill (DESIGN.md §6, issue 14): two ``--role prefill --nnodes 2`` processes on
-127.0.0.1, TP 2 over them (one CPU device each, so each node holds one of the tiny Llama's two
-KV heads), sending to a TP 1 decode process over Mooncake TCP. Each node registers its own
-shards and transfer session with the bootstrap server; each writes its own head slices into
-the decode's pages. Greedy outputs equal the colocated engine's (DESIGN.md §5), and per room
-the bytes and copies are those of the plan: pages x the decode's bytes per page, one copy per
-page, layer, token slot and head slice. Every control frame is sealed with a shared secret.
+"""Multi-host PD roles (DESIGN.md §6, issue 14), TP 2 over two processes on 127.0.0.1 (one CPU
+device each, so each node holds one of the tiny Llama's two KV heads), over Mooncake TCP:
+
+* a prefill of two ``--role prefill --nnodes 2`` nodes sending to a TP 1 decode process: each
+  node registers its own shards and transfer session with the bootstrap server and writes its
+  own head slices into the decode's pages;
+* a TP 1 prefill sending to a decode of two ``--role decode --nnodes 2`` nodes: each decode
+  node reports its session and shards to node 0, whose registration carries them all; the
+  prefill writes each node's head slice into that node's buffers, in the pages node 0's
+  scheduler reserved.
+
+Greedy outputs equal the colocated engine's (DESIGN.md §5), and per room the bytes and copies
+are those of the plan: pages x the decode's bytes per page, one copy per page, layer, token
+slot and head slice. Every control frame is sealed with a shared secret.
 """
 
 from __future__ import annotations
@@ -30,16 +37,21 @@ BYTES_PER_PAGE = 2 * LAYERS * PAGE_SIZE * KV_HEADS * HEAD_DIM * ITEMSIZE   # K a
 
 
 def _prefill_node(model, rank, coord, http, bport, logs):
-    argv = [sys.executable, "-m", "pdjax.serve", "--role", "prefill", "--model-path", model,
+    return _node("prefill", model, rank, coord, http, logs,
+                 ["--disaggregation-bootstrap-port", str(bport)])
+
+
+def _node(role, model, rank, coord, http, logs, extra=()):
+    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model,
             "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
             f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
-            "--skip-warmup-progress", "--disaggregation-bootstrap-port", str(bport),
-            "--dist-timeout-s", "10", "--disaggregation-secret", SECRET]
+            "--skip-warmup-progress", "--dist-timeout-s", "10",
+            "--disaggregation-secret", SECRET, *extra]
     # Two decode-row buckets instead of four: the follower compiles every shape itself (the
     # persistent cache holds node 0's), the test's longest wait.
     for k, v in dict(TINY_ARGS, max_running_requests=2).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
-    return Server(f"prefill_node{rank}", argv, http, logs, child_env())
+    return Server(f"{role}_node{rank}", argv, http, logs, child_env())
 
 
 def _route(bport):
@@ -97,6 +109,59 @@ def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_p
             assert load(decode)["num_prompt_tokens_computed"] == 0
     except BaseException:
         print(f"==== node1 log ====\n{node1.log_tail(80)}")
+        raise
+    finally:
+        node1.stop()
+
+
+def test_one_prefill_to_two_node_decode_equals_colocated(tiny_checkpoints, tmp_path):
+    model = tiny_checkpoints["llama"]
+    logs = str(tmp_path)
+    coord, http, bport = free_port(), free_port(), free_port()
+    node0 = _node("decode", model, 0, coord, http, logs, ["--num-reserved-decode-tokens", "16"])
+    node1 = _node("decode", model, 1, coord, 0, logs, ["--num-reserved-decode-tokens", "16"])
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
+                        extra=["--disaggregation-secret", SECRET])
+    from pdjax.engine import Engine
+
+    rng = random.Random(1365)
+    lengths, max_new = [6, 19, 41], [7, 5, 6]
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    with Engine(model_path=model, progress=False, **TINY_ARGS) as colocated:
+        outs = colocated.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+                                  sampling_params=[{"temperature": 0, "max_new_tokens": m}
+                                                   for m in max_new])
+    ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
+    try:
+        with running([node0, prefill]):
+            for k, (ids, m) in enumerate(zip(prompts, max_new)):
+                out = pd_pair(prefill, node0, bport, ids, 6000 + k, m, stream=(k == 2))
+                assert len(out["output_ids"]) == m
+                assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
+            assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
+            recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
+            for k, n in enumerate(lengths):
+                rec = recent[6000 + k]
+                assert rec["state"] == "Success", rec
+                pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
+                assert pages >= 1 and rec["pages"] == pages, rec
+                assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
+                # Each decode node's shard (one head of K and V) got its half, in its session.
+                assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
+                # 2 buffers x 2 head slices (one per decode node), a copy per page, layer, token.
+                assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+            # The decode registered both nodes' shards: the prefill wrote every byte it counted.
+            engine = pd_state(prefill)["engine"]
+            total = sum(recent[6000 + k]["bytes"] for k in range(len(lengths)))
+            assert total <= engine["bytes"], engine
+            assert wait_until(lambda: at_baseline(node0), 10), load(node0)
+            assert load(node0)["num_prompt_tokens_computed"] == 0
+            assert load(node0)["num_metadata_slots_used"] == 0
+            d_state = pd_state(node0)
+            assert [p["state"] for p in d_state["peers"]] == ["ready"], d_state["peers"]
+            assert d_state["num_rejected_messages"] == 0, d_state
+    except BaseException:
+        print(f"==== decode node1 log ====\n{node1.log_tail(80)}")
         raise
     finally:
         node1.stop()

@@ -80,7 +80,8 @@ def test_identities_name_every_field_that_differs():
     (dict(nnodes=2), "dist_init_addr"),
     (dict(nnodes=2, dist_init_addr="127.0.0.1"), "dist_init_addr"),
     (dict(nnodes=2, dist_init_addr="127.0.0.1:65535"), "dist_init_addr"),
-    (dict(nnodes=2, dist_init_addr="h:1", role="decode"), "role"),
+    (dict(nnodes=2, dist_init_addr="h:1", role="decode",
+          disaggregation_transfer_path="staging"), "disaggregation_transfer_path"),
     (dict(nnodes=2, dist_init_addr="h:1", role="prefill",
           disaggregation_transfer_path="staging"), "disaggregation_transfer_path"),
     (dict(nnodes=2, dist_init_addr="h:1", role="prefill", disaggregation_bootstrap_port=0),
@@ -90,6 +91,12 @@ def test_identities_name_every_field_that_differs():
 def test_bad_node_flags_raise_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServerArgs(**kw)
+
+
+def test_a_multi_host_decode_needs_no_bootstrap_port():
+    args = ServerArgs(nnodes=2, dist_init_addr="h:1", role="decode",
+                      disaggregation_bootstrap_port=0)
+    assert (args.role, args.nnodes, args.disaggregation_bootstrap_port) == ("decode", 2, 0)
 
 
 def test_node_flags_from_the_cli():

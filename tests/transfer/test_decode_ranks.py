@@ -1,0 +1,218 @@
+"""A multi-host decode's data plane without processes (``transfer/ranks.py``, DESIGN.md §6):
+``RegisterDecode``'s node fields and ``DecodeRankInfo`` (range checks naming the field), node
+0's record of the other nodes' reports, the follower's reports, and the prefill writing each
+decode node's shards into that node's session (the parts partition the one-process plan, the
+metadata row goes last to node 0)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import types
+
+import pytest
+
+from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.prefill import PrefillManager
+from pdjax.transfer.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
+                                     RegisterDecode, decode_message)
+from pdjax.transfer.ranks import DecodeRankNode, DecodeRanks
+from pdjax.transfer.rooms import DecodePeer, PrefillRoom
+
+PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
+
+
+def _buf(addr, heads):
+    count = heads[0][1]
+    return KVBufferDesc(shard_addrs=tuple(addr), num_layers=LAYERS, num_pages=PAGES,
+                        bytes_per_page=PS * count * HEAD_BYTES, num_heads=2,
+                        shard_heads=tuple(heads), head_bytes=HEAD_BYTES)
+
+
+def _node(rank):
+    """Node ``rank`` of a TP 2 decode over 2 nodes: head ``rank`` of K and V."""
+    base = 0x100000 * (rank + 1)
+    return KVLayout("layer_major", (_buf([base], [(rank, 1)]),
+                                    _buf([base + 0x10000], [(rank, 1)])))
+
+
+PREFILL = KVLayout("layer_major", (_buf([0x900000], [(0, 2)]), _buf([0x990000], [(0, 2)])))
+
+
+def _register(**kw):
+    base = dict(decode_engine_id="d1", reply_endpoint="tcp://127.0.0.1:5", engine_session_id="s0",
+                tp_rank=0, tp_size=1, kv_buffers=tuple(_buf([0x100000 * (r + 1)], [(r, 1)])
+                                                       for r in (0, 1)),
+                kv_layout="layer_major", metadata_addr=0x5000, metadata_bytes_per_slot=64,
+                metadata_num_slots=4, page_size=PS, kv_dtype="float32", layout_fingerprint="f")
+    return dict(base, **kw)
+
+
+def _merged():
+    """Both nodes' shards as ``DecodeRanks.layout`` gives them to ``RegisterDecode``."""
+    ranks = DecodeRanks(_Cluster())
+    assert ranks.report(_info(1)) is None
+    return ranks.layout(_node(0), "s0", 1.0)
+
+
+def _info(rank=1, generation=0, layout=None):
+    layout = layout or _node(rank)
+    return DecodeRankInfo(node_rank=rank, session_id=f"s{rank}", kv_layout=layout.kind,
+                          kv_buffers=layout.buffers, generation=generation)
+
+
+class _Cluster:
+    args = types.SimpleNamespace(nnodes=2)
+    lost = None
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, op, **fields):
+        self.sent.append((op, fields))
+
+
+def test_register_decode_carries_every_node_and_checks_the_fields():
+    layout, sessions, owners = _merged()
+    assert sessions == ("s0", "s1") and owners == ((0, 1), (0, 1))
+    assert [b.shard_heads for b in layout.buffers] == [((0, 1), (1, 1))] * 2
+    msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
+                                     shard_nodes=owners))
+    assert decode_message(msg.encode()) == msg
+    one = RegisterDecode(**_register(kv_buffers=_node(0).buffers))
+    assert decode_message(one.encode()) == one and one.node_sessions == ()
+    for bad, needle in (
+            (dict(node_sessions=("s0",), shard_nodes=((0, 1),) * 2), r"1 nodes outside \[2,"),
+            (dict(node_sessions=("s9", "s1"), shard_nodes=owners), r"node_sessions\[0\]"),
+            (dict(node_sessions=("s0", ""), shard_nodes=owners), r"node_sessions\[1\]"),
+            (dict(shard_nodes=owners), "given without node_sessions"),
+            (dict(node_sessions=sessions, shard_nodes=((0, 1),)), "one list per buffer"),
+            (dict(node_sessions=sessions, shard_nodes=((0, 2), (0, 1))),
+             r"shard_nodes\[0\]\[1\]': 2 outside \[0, 1\]"),
+            (dict(node_sessions=sessions, shard_nodes=((0, 0), (0, 1))),
+             r"shard_nodes\[0\]': nodes \[1\] hold no shard"),
+            (dict(node_sessions=sessions, shard_nodes=((0,), (0, 1))), "one node per shard"),
+            (dict(node_sessions="s0s1", shard_nodes=owners), "node_sessions': expected a list")):
+        with pytest.raises(ProtocolError, match=needle):
+            RegisterDecode(**_register(kv_buffers=layout.buffers, **bad))
+    # The same checks on a frame from the network.
+    wire = msg.to_wire()
+    wire["shard_nodes"][1][0] = -1
+    frame = RegisterDecode.encode.__get__(types.SimpleNamespace(
+        to_wire=lambda: wire, TYPE=RegisterDecode.TYPE))()
+    with pytest.raises(ProtocolError, match=r"shard_nodes\[1\]\[0\]"):
+        decode_message(frame)
+
+
+def test_decode_rank_info_round_trip_and_range_checks():
+    msg = _info(1, 3)
+    assert decode_message(msg.encode()) == msg
+    for bad, field in ((dict(node_rank=0), "node_rank"), (dict(generation=-1), "generation"),
+                       (dict(kv_layout="sideways"), "kv_layout"), (dict(session_id=""),
+                                                                   "session_id"),
+                       (dict(kv_buffers=()), "kv_buffers")):
+        with pytest.raises(ProtocolError, match=field):
+            DecodeRankInfo(**{**dict(node_rank=1, session_id="s1", kv_layout="layer_major",
+                                     kv_buffers=_node(1).buffers, generation=0), **bad})
+    wire = msg.to_wire()
+    wire["kv_buffers"][0]["shard_addrs"] = [0]
+    frame = DecodeRankInfo.encode.__get__(types.SimpleNamespace(
+        to_wire=lambda: wire, TYPE=DecodeRankInfo.TYPE))()
+    with pytest.raises(ProtocolError, match=r"kv_buffers\[0\].*shard_addrs"):
+        decode_message(frame)
+
+
+def test_node_zero_records_reports_in_generation_order_and_names_a_missing_node():
+    cluster = _Cluster()
+    ranks = DecodeRanks(cluster)
+    ranks.announce("tcp://n0:1")
+    ranks.check()
+    assert cluster.sent == [("kv_ranks", {"reply": "tcp://n0:1"}), ("kv_check", {})]
+    with pytest.raises(ValueError, match=r"decode node\(s\) \[1\] did not report"):
+        ranks.layout(_node(0), "s0", 0.05)
+    assert ranks.report(_info(1).__class__(**dict(vars(_info(1)), node_rank=2))) == \
+        "DecodeRankInfo from node 2, not in [1, 2)"
+    threading.Timer(0.05, ranks.report, (_info(1),)).start()
+    layout, sessions, owners = ranks.layout(_node(0), "s0", 5.0)     # waits for node 1
+    assert sessions == ("s0", "s1") and layout.buffers[0].shard_addrs == (0x100000, 0x200000)
+    assert not ranks.take_moved()
+    assert "generation 0 is not after 0" in ranks.report(_info(1))
+    moved = KVLayout("layer_major", tuple(KVBufferDesc(**dict(vars(b), shard_addrs=(
+        b.shard_addrs[0] + 0x40000,))) for b in _node(1).buffers))
+    assert ranks.report(_info(1, 1, moved)) is None
+    assert ranks.take_moved() and not ranks.take_moved()
+    assert ranks.layout(_node(0), "s0", 0.0)[0].buffers[0].shard_addrs == (0x100000, 0x240000)
+    cluster.lost = "node 1 went away"
+    ranks.check()                        # no command to a cluster that is gone
+    assert len(cluster.sent) == 2
+
+
+def test_a_decode_follower_reports_at_current_addresses_and_after_a_move():
+    node = DecodeRankNode.__new__(DecodeRankNode)
+    node.rank, node.reply, node.generation = 1, None, 0
+    node.engine = types.SimpleNamespace(session_id="s1")
+    moves = [True, False, True]            # moved in warm-up, then not, then once more
+    node.local_kv = types.SimpleNamespace(layout=_node(1), check_addresses=lambda: moves.pop(0))
+    sent = []
+    node.channel = types.SimpleNamespace(send=lambda endpoint, msg: sent.append((endpoint, msg)))
+    assert set(node.handlers) == {"kv_ranks", "kv_check"}
+    node.on_ranks({"reply": "udp://x"})            # refused: nothing reported, nothing checked
+    assert sent == [] and len(moves) == 3
+    node.on_ranks({"reply": "tcp://n0:1"})
+    node.on_check({})
+    node.on_check({})
+    assert [(e, m.generation) for e, m in sent] == [("tcp://n0:1", 1), ("tcp://n0:1", 2)]
+    assert sent[0][1] == _info(1, 1)
+
+
+class _Engine:
+    def __init__(self):
+        self.writes = []
+
+    def batch_write(self, session, copies):
+        self.writes.append((session, list(copies)))
+
+
+def test_the_prefill_writes_each_decode_node_into_its_own_session():
+    layout, sessions, owners = _merged()
+    msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
+                                     shard_nodes=owners))
+    peer = DecodePeer("d1", msg.reply_endpoint, "s0", layout, 0x5000, 4, 64, sessions, owners)
+    assert [s for s, _ in peer.node_writes()] == ["s1", "s0"]      # node 0 (metadata) last
+    pm = PrefillManager.__new__(PrefillManager)
+    pm.transfer_engine, pm.local_kv = _Engine(), types.SimpleNamespace(layout=PREFILL)
+    src, dst, meta = [3, 4, 9], [7, 8, 2], [(0x7000, 0x5000, 64)]
+    node_bytes, n = pm._write_nodes(peer, src, dst, meta)
+    (s1, c1), (s0, c0) = pm.transfer_engine.writes
+    assert (s1, s0) == ("s1", "s0") and c0[-1] == meta[0] and meta[0] not in c1
+    whole = build_copies(PREFILL, layout, src, dst)
+    assert collections.Counter(whole) == collections.Counter(c0[:-1] + c1) and n == len(whole)
+    # Each node's copies land in its own buffers only; half the bytes each.
+    for r, part in ((0, c0[:-1]), (1, c1)):
+        lo = 0x100000 * (r + 1)
+        assert part and all(lo <= d < lo + 0x20000 for _, d, _ in part)
+    half = len(src) * LAYERS * sum(b.bytes_per_page for b in _node(0).buffers)
+    assert node_bytes == [half, half]
+    # One process: one write with everything.
+    pm.transfer_engine = _Engine()
+    single = DecodePeer("d2", "tcp://d:2", "s9", KVLayout("layer_major", PREFILL.buffers),
+                        0x5000, 4, 64)
+    assert pm._write_nodes(single, src, dst, meta) == ([2 * half], len(build_copies(
+        PREFILL, PREFILL, src, dst)))
+    assert [s for s, _ in pm.transfer_engine.writes] == ["s9"]
+
+
+def test_a_multi_host_prefill_refuses_a_multi_host_decode():
+    layout, sessions, owners = _merged()
+    msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
+                                     shard_nodes=owners))
+    pm = PrefillManager.__new__(PrefillManager)
+    pm.ranks = object()                # a multi-host prefill
+    told, rejected = [], []
+    pm.send = lambda endpoint, m: told.append(m)
+    pm._reject = rejected.append
+    pm.peers, pm.lock = {}, threading.RLock()
+    pm._on_register(msg)
+    assert not told[0].accepted and "a multi-host prefill writes only to a one-process decode" \
+        in told[0].reason and pm.peers == {}
+    assert PrefillRoom(room=1, created_s=0.0).record()["node_bytes"] == []
