@@ -4,8 +4,8 @@ DESIGN.md §6): a supervisor and its worker.
 The worker joins the cluster, builds the runner as node 0's engine does and follows node 0
 (``pdjax.distributed.Cluster.follow``) until it shuts down or goes away; a prefill node also
 registers and writes its own KV shards (``pdjax.transfer.ranks.RankSender``), a decode node
-reports its own to node 0 for the prefill to write (``pdjax.transfer.ranks.DecodeRankNode``). The supervisor exists
-because JAX's coordination client aborts the worker (SIGABRT) as soon as node 0's coordinator
+reports its own to node 0 for the prefill to write (``pdjax.transfer.ranks.DecodeRankNode``).
+The supervisor exists because JAX's coordination client aborts the worker (SIGABRT) as soon as node 0's coordinator
 is gone, before the heartbeat can say so: the supervisor then reports that the leader went
 away (its heartbeat port no longer answers) and exits 1. Signals to the supervisor reach the
 worker; the worker dies with the supervisor (Linux ``PR_SET_PDEATHSIG``).

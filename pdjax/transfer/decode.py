@@ -29,6 +29,10 @@ can free its prompt pages minus the decode-side prefix hit, plus
 ``ceil(min(num_reserved_decode_tokens, tokens still to generate) / page_size)`` pages for it
 and for every running or preallocated request. Requests are preallocated in arrival order. A request that does not fit waits (pages held by
 running requests or quarantined come back) and fails only by ``waiting_timeout_s``.
+
+Over several hosts (``--nnodes > 1``, DESIGN.md §6) this is node 0: it pairs only once every
+other node reported its KV shards (``transfer/ranks.py``, ``DecodeRanks``), and registers them
+all; the prefill writes each node's shards itself.
 """
 
 from __future__ import annotations
@@ -40,9 +44,9 @@ import time
 import uuid
 from typing import Any
 
+from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.request import FinishReason, Request
-from pdjax.distributed import join as join_cluster
 from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
                                       check_bootstrap_health, check_compatible,
                                       fetch_prefill_info)
@@ -564,6 +568,8 @@ class DecodeManager(RoleManager):
             state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state.value,
                                "reason": p.reason, "endpoint": p.endpoint,
                                "engine_id": p.engine_id} for p in self.peers.values()]
+        if self.ranks is not None:
+            state["nodes"] = self.ranks.state()
         state.update(num_quarantined_pages=self.scheduler.num_quarantined_pages,
                      num_abort_acks=self.num_abort_acks,
                      num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,

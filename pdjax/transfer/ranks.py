@@ -521,7 +521,8 @@ class DecodeRanks:
         self._moved = False
 
     def announce(self, reply_endpoint: str) -> None:
-        """Ask every other node for its session and shards (engine thread)."""
+        """Ask every other node for its session and shards (at start-up, after warm-up and
+        before the engine thread runs: the step socket has one sender at a time)."""
         self.cluster.send("kv_ranks", reply=reply_endpoint)
 
     def check(self) -> None:
@@ -544,6 +545,12 @@ class DecodeRanks:
                 self._moved = True
             self._cond.notify_all()
         return None
+
+    def state(self) -> list[dict[str, Any]]:
+        """The other nodes' last reports, for ``/pd_state``."""
+        with self._cond:
+            return [{"node_rank": r, "session_id": m.session_id, "generation": m.generation}
+                    for r, m in sorted(self._infos.items())]
 
     def take_moved(self) -> bool:
         """True once after a node reported that its cache moved (engine thread)."""

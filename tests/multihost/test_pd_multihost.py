@@ -41,7 +41,7 @@ def _prefill_node(model, rank, coord, http, bport, logs):
                  ["--disaggregation-bootstrap-port", str(bport)])
 
 
-def _node(role, model, rank, coord, http, logs, extra=()):
+def _node(role, model, rank, coord, http, logs, extra=(), **overrides):
     argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model,
             "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
             f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
@@ -49,7 +49,7 @@ def _node(role, model, rank, coord, http, logs, extra=()):
             "--disaggregation-secret", SECRET, *extra]
     # Two decode-row buckets instead of four: the follower compiles every shape itself (the
     # persistent cache holds node 0's), the test's longest wait.
-    for k, v in dict(TINY_ARGS, max_running_requests=2).items():
+    for k, v in dict(TINY_ARGS, max_running_requests=2, **overrides).items():
         argv += ["--" + k.replace("_", "-"), str(v)]
     return Server(f"{role}_node{rank}", argv, http, logs, child_env())
 
@@ -118,8 +118,10 @@ def test_one_prefill_to_two_node_decode_equals_colocated(tiny_checkpoints, tmp_p
     model = tiny_checkpoints["llama"]
     logs = str(tmp_path)
     coord, http, bport = free_port(), free_port(), free_port()
-    node0 = _node("decode", model, 0, coord, http, logs, ["--num-reserved-decode-tokens", "16"])
-    node1 = _node("decode", model, 1, coord, 0, logs, ["--num-reserved-decode-tokens", "16"])
+    # A decode computes no prompt: one token bucket (16) is enough, one shape less to compile.
+    decode_args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
+    node0 = _node("decode", model, 0, coord, http, logs, **decode_args)
+    node1 = _node("decode", model, 1, coord, 0, logs, **decode_args)
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
                         extra=["--disaggregation-secret", SECRET])
     from pdjax.engine import Engine
@@ -134,10 +136,13 @@ def test_one_prefill_to_two_node_decode_equals_colocated(tiny_checkpoints, tmp_p
     ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
     try:
         with running([node0, prefill]):
+            compared = []
             for k, (ids, m) in enumerate(zip(prompts, max_new)):
                 out = pd_pair(prefill, node0, bport, ids, 6000 + k, m, stream=(k == 2))
                 assert len(out["output_ids"]) == m
-                assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
+                compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+            # Beyond the prefill's first token: the decode's own steps, over both nodes' heads.
+            assert max(compared) >= 2, compared
             assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
             recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
             for k, n in enumerate(lengths):
@@ -160,6 +165,10 @@ def test_one_prefill_to_two_node_decode_equals_colocated(tiny_checkpoints, tmp_p
             d_state = pd_state(node0)
             assert [p["state"] for p in d_state["peers"]] == ["ready"], d_state["peers"]
             assert d_state["num_rejected_messages"] == 0, d_state
+            nodes = d_state["nodes"]      # node 1 reported once: its cache never moved
+            assert [(n["node_rank"], n["generation"]) for n in nodes] == [(1, 0)], nodes
+            assert nodes[0]["session_id"] != d_state["session_id"], nodes   # its own engine
+            assert d_state["kv_shard_heads"] == [[[0, 1]]] * 2      # node 0: head 0 of K, V
     except BaseException:
         print(f"==== decode node1 log ====\n{node1.log_tail(80)}")
         raise

@@ -141,6 +141,7 @@ def test_node_zero_records_reports_in_generation_order_and_names_a_missing_node(
         b.shard_addrs[0] + 0x40000,))) for b in _node(1).buffers))
     assert ranks.report(_info(1, 1, moved)) is None
     assert ranks.take_moved() and not ranks.take_moved()
+    assert ranks.state() == [{"node_rank": 1, "session_id": "s1", "generation": 1}]
     assert ranks.layout(_node(0), "s0", 0.0)[0].buffers[0].shard_addrs == (0x100000, 0x240000)
     cluster.lost = "node 1 went away"
     ranks.check()                        # no command to a cluster that is gone
