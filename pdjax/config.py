@@ -508,5 +508,9 @@ class ServerArgs:
         kw = {f.name: getattr(args, f.name) for f in cls.settings()}
         mode = getattr(args, "disaggregation_mode", None)
         if mode is not None:
-            kw["role"] = _DISAGG_MODE_TO_ROLE[mode]
+            role = _DISAGG_MODE_TO_ROLE[mode]
+            if kw["role"] not in (cls.default("role"), role):
+                raise ValueError(f"disaggregation_mode {mode!r} (role {role!r}) contradicts "
+                                 f"role {kw['role']!r}; give one of them")
+            kw["role"] = role
         return cls(**kw)

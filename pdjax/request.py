@@ -35,7 +35,8 @@ class SamplingParams:
     layer from ``response_format`` or ``tool_choice``). ``logit_bias``: ``{token_id: bias}``
     (OpenAI's field; JSON object keys are decimal strings), each bias in [-100, 100] added to
     the token's logit before sampling, at most ``MAX_LOGIT_BIAS`` entries (OpenAI's limit);
-    the ids are checked against the vocabulary by the server and the engine. Raises
+    the ids (and ``stop_token_ids``) are checked against the vocabulary by the server and the
+    engine (``check_vocab_ids``). Raises
     ``ValueError`` naming the field.
     """
 
@@ -155,12 +156,15 @@ class SamplingParams:
             raise ValueError(f"skip_special_tokens must be a boolean, got "
                              f"{self.skip_special_tokens!r}")
 
-    def check_logit_bias_ids(self, vocab_size: int) -> None:
-        """``ValueError`` naming ``logit_bias`` for a token id outside ``[0, vocab_size)``."""
-        for t in self.logit_bias or {}:
-            if not t < vocab_size:
-                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
+    def check_vocab_ids(self, vocab_size: int) -> None:
+        """``ValueError`` naming the field (``logit_bias`` or ``stop_token_ids``) for a token id
+        outside ``[0, vocab_size)``: a stop id the model cannot sample would never match."""
+        for name, ids in (("logit_bias", self.logit_bias or {}),
+                          ("stop_token_ids", self.stop_token_ids)):
+            for t in ids:
+                if not t < vocab_size:
+                    raise ValueError(f"{name}: token id {t} is outside the vocabulary "
+                                     f"[0, {vocab_size})")
 
     # Below this temperature sampling is greedy: dividing logits by a subnormal temperature
     # overflows to inf (and then NaN), as SGLang also guards.

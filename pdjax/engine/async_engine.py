@@ -105,13 +105,17 @@ class AsyncEngine:
             raise RuntimeError("engine is not running")
         self.core.compile_grammar(spec)
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread and the background warm-up, waiting up to ``timeout_s``
+        seconds for each (a background compile ends before the process exits)."""
         self._stop = True
         if self.core is not None:
-            self.core.runner.stop_background()
+            self.core.runner.stop_background(timeout_s=0)
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self.core is not None and not self.core.runner.stop_background(timeout_s):
+            logger.warning("the background warm-up did not stop within %.0f s", timeout_s)
 
     # ------------------------------------------------------------------ client API
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:

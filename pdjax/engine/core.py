@@ -221,7 +221,7 @@ class EngineCore:
         bad = [t for t in g.input_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"input_ids: token id {bad[0]!r} is outside [0, {vocab})")
-        g.sampling_params.check_logit_bias_ids(vocab)
+        g.sampling_params.check_vocab_ids(vocab)
         if not 0 <= g.top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {g.top_logprobs_num}")

@@ -429,9 +429,16 @@ class ModelRunner:
             self._background.join(timeout_s)
         return len(self.ready_keys) == len(self.buckets.all_keys())
 
-    def stop_background(self) -> None:
-        """Stop the background warm-up after the shape it is compiling (shutdown)."""
+    def stop_background(self, timeout_s: float | None = None) -> bool:
+        """Stop the background warm-up after the shape it is compiling, and wait up to
+        ``timeout_s`` seconds (None: no limit) for that compile to end (shutdown: a compile
+        still running when the interpreter exits aborts the process in XLA's C++ code).
+        Returns True when no background thread is left running."""
         self._stop_background.set()
+        if self._background is not None:
+            self._background.join(timeout_s)
+            return not self._background.is_alive()
+        return True
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, output_dir: str) -> None:

@@ -181,9 +181,10 @@ def parse_sampling_params(d: dict[str, Any], ctx: ServingContext, param: str,
     except TypeError as e:
         raise RequestError(f"{param}: {e}", param) from None
     try:
-        sp.check_logit_bias_ids(ctx.vocab_size)
-    except ValueError as e:
-        raise RequestError(f"{param}: {e}" if param else str(e), param or "logit_bias") from None
+        sp.check_vocab_ids(ctx.vocab_size)
+    except ValueError as e:      # the message starts with the field's name
+        raise RequestError(f"{param}: {e}" if param else str(e),
+                           param or str(e).split(":")[0]) from None
     # Only what the client asked for is refused; the default is clamped per prompt
     # (``clamp_default_max_new``).
     if "max_new_tokens" in d and sp.max_new_tokens is not None \

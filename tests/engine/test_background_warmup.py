@@ -99,3 +99,29 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
         gate.set()
         runner.wait_background(timeout_s=600)
         eng.shutdown()
+
+
+def test_stop_background_waits_for_the_compile_in_flight(tiny_checkpoints, monkeypatch):
+    """Shutdown joins the background thread: a compile still running when the interpreter
+    exits aborts the process in XLA's C++ code ("terminate called ..."), seen on SIGTERM."""
+    started, release = threading.Event(), threading.Event()
+    compile_rest = ModelRunner._compile_in_background
+
+    def in_flight(self, *args):         # a compile that is still running at shutdown
+        started.set()
+        release.wait(600)
+        compile_rest(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", in_flight)
+    eng = _lazy_engine(tiny_checkpoints)
+    runner = eng.core.runner
+    try:
+        assert started.wait(60)
+        threading.Timer(0.5, release.set).start()
+        assert runner.stop_background(timeout_s=600)
+        assert not runner._background.is_alive() and release.is_set()
+        # Stopped before its first shape: only the core set was compiled.
+        assert runner.ready_keys == set(eng.core.buckets.core_keys())
+    finally:
+        release.set()
+        eng.shutdown()

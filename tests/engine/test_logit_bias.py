@@ -50,6 +50,9 @@ def test_bias_ids_outside_the_model_vocabulary_are_refused(llama_engine):
     with pytest.raises(ValueError, match="logit_bias"):
         llama_engine.generate(input_ids=PROMPTS[0],
                               sampling_params={"max_new_tokens": 2, "logit_bias": {"1": -101}})
+    with pytest.raises(ValueError, match=rf"stop_token_ids: token id {vocab} is outside"):
+        llama_engine.generate(input_ids=PROMPTS[0],
+                              sampling_params={"max_new_tokens": 2, "stop_token_ids": [vocab]})
     assert not llama_engine.core.scheduler.has_work
     np.testing.assert_equal(llama_engine.generate(input_ids=PROMPTS[0], sampling_params={
         "max_new_tokens": 2, "temperature": 0, "logit_bias": {vocab - 1: 100}})["output_ids"],

@@ -50,6 +50,12 @@ def test_one_cli_flag_per_setting_and_the_alias():
             args.attention_backend) == (32, True, "prefill", 25.5, "xla")
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "int8"])
+    assert ServerArgs.from_cli_args(parser.parse_args(
+        ["--role", "decode", "--disaggregation-mode", "decode"])).role == "decode"
+    with pytest.raises(ValueError, match="disaggregation_mode 'prefill' .* contradicts role "
+                                         "'decode'"):
+        ServerArgs.from_cli_args(parser.parse_args(
+            ["--role", "decode", "--disaggregation-mode", "prefill"]))
 
 
 def test_resolve_engine_config(tiny_checkpoints):

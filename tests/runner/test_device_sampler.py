@@ -341,4 +341,4 @@ def test_bad_logit_bias_names_the_field(bias, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(logit_bias=bias)
     with pytest.raises(ValueError, match="logit_bias: token id 64 is outside"):
-        SamplingParams(logit_bias={"64": 1}).check_logit_bias_ids(V)
+        SamplingParams(logit_bias={"64": 1}).check_vocab_ids(V)
