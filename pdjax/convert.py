@@ -43,7 +43,7 @@ def convert(src: str | None, dst: str, *, progress: bool = True) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdjax.convert",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("src", nargs="?", default=None,
                         help="HF checkpoint folder or .gguf file (default: with --default only)")
     parser.add_argument("dst", help="output folder (must not hold a checkpoint yet)")

@@ -144,3 +144,11 @@ def test_bad_checkpoints_are_named(tiny_checkpoints, tmp_path):
 def test_hf_config_dict_round_trip(tiny_checkpoints, name):
     cfg = ModelConfig.from_hf_dir(tiny_checkpoints[name])
     assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_help_describes_the_command_in_a_whole_sentence(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "write a pdjax Orbax checkpoint from any model pdjax loads (an HF safetensors " \
+           "folder or a GGUF file;" in text and "for the default SmolLM2 model)." in text
