@@ -25,6 +25,8 @@ the parser allows), or asks for more than ``MAX_SAMPLES`` samples (``MAX_BATCH_S
 ``return_logprob`` on ``/generate``, the prompt logprobs computed by the prefill are put in
 front of the decode's ``meta_info.input_token_logprobs`` (and ``input_top_logprobs``), per
 sample and per stream event. ``/health`` is 200 only when every worker is healthy.
+``/tokenize``, ``/detokenize``, ``/separate_reasoning`` and ``/parse_function_call`` are
+answered by the first prefill server (``handle_utility``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from pdjax.server.validation import checked_num_samples
 logger = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
+# Stateless POSTs a server answers from its tokenizer and parsers alone (``handle_utility``).
+UTILITY_PATHS = ("/tokenize", "/detokenize", "/separate_reasoning", "/parse_function_call")
 _FORWARD_HEADERS = ("Authorization",)
 
 
@@ -458,6 +462,24 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
     return web.json_response({"workers": router.workers, "status": out}, status=status)
 
 
+async def handle_utility(request: web.Request) -> web.Response:
+    """A stateless POST (``UTILITY_PATHS``: tokenizer and parser endpoints) answered by the
+    first prefill server: its status and body reach the client as they are (a 400 names the
+    field); an unreachable server is a 502 ``router_error``. Nothing is scheduled."""
+    router = request.app[ROUTER_KEY]
+    url = router.prefills[0][0] + request.path
+    headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
+    headers["Content-Type"] = "application/json"
+    try:
+        raw = await request.read()
+        async with router.session.post(url, data=raw, headers=headers) as r:
+            body = await r.read()
+            return web.Response(body=body, status=r.status,
+                                content_type=r.content_type or "application/json")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return _error(f"prefill server {url} unreachable: {type(e).__name__}: {e}", 502)
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     router = request.app[ROUTER_KEY]
     text = ("# HELP pdjax_router_requests_total Generation requests routed.\n"
@@ -492,6 +514,8 @@ def create_router_app(router: PDRouter) -> web.Application:
                           ("/get_load", handle_get_load), ("/metrics", handle_metrics)):
         app.router.add_get(path, handler)
     app.router.add_post("/flush_cache", handle_flush_cache)
+    for path in UTILITY_PATHS:
+        app.router.add_post(path, handle_utility)
     return app
 
 

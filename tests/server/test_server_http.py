@@ -547,6 +547,43 @@ async def test_tokenize_and_detokenize(make_client):
     assert len(engine.submitted) == n  # nothing reached the engine
 
 
+async def test_tokenize_and_parsers_through_the_pd_router(make_client):
+    """The router answers the stateless endpoints from its first prefill server, status and
+    body unchanged (``--role pd`` serves only the router's URL)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdjax.router import PDRouter, create_router_app
+
+    prefill, engine = await make_client(reasoning_parser="qwen3")
+    decode, _ = await make_client()
+    router = PDRouter([(str(prefill.make_url("")), 8998)], [str(decode.make_url(""))])
+    rclient = TestClient(TestServer(create_router_app(router)))
+    await rclient.start_server()
+    try:
+        text = "Hello world, the quick brown fox."
+        for path, body in (("/tokenize", {"prompt": text}), ("/tokenize", {"messages": CHAT}),
+                           ("/detokenize", {"tokens": engine.tokenizer.encode(text)}),
+                           ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}),
+                           ("/separate_reasoning",
+                            {"text": "<think>a\n</think>\nb", "reasoning_parser": "qwen3"}),
+                           ("/parse_function_call", {"text": "x", "tools": [],
+                                                     "tool_call_parser": "nope"})):
+            direct = await prefill.post(path, json=body)
+            routed = await rclient.post(path, json=body)
+            assert routed.status == direct.status, (path, body)
+            assert await routed.json() == await direct.json(), (path, body)
+        resp = await rclient.post("/tokenize", json={"prompt": text})
+        assert (await resp.json())["tokens"] == engine.tokenizer.encode(text)
+        resp = await rclient.post("/tokenize", data=b"{not json")
+        assert resp.status == 400 and "malformed JSON" in (await resp.json())["error"]["message"]
+        assert engine.submitted == []
+        await prefill.close()
+        resp = await rclient.post("/tokenize", json={"prompt": text})
+        assert resp.status == 502 and (await resp.json())["error"]["type"] == "router_error"
+    finally:
+        await rclient.close()
+
+
 async def test_flush_cache_and_profile(make_client, tmp_path):
     client, engine = await make_client()
     resp = await client.post("/flush_cache")
