@@ -361,16 +361,23 @@ class DecodeManager(RoleManager):
             # What the prefill served from its prefix cache, as colocated reports it; the
             # decode's own prefix hit only saved transfer bytes (issue 16, item 5).
             req.set_reported_cached_tokens(row.cached_tokens)
-        self.scheduler.add_prebuilt(req, token)
-        lps, tops = [], []
-        if req.return_logprob:
-            lps, tops = [float(lp or 0.0)], [top or []]
-            req.append_logprobs(lps[0], tops[0])
-        reason = self.host.stop_check(req)
-        if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
-            reason = FinishReason.of_length(len(req.output_ids))
-        if reason is not None:
-            self.scheduler.finish_request(req, reason)
+        tokens, lps, tops = [token], [], []
+        if req.sampling_params.max_new_tokens == 0:
+            # Nothing to decode (colocated finishes such a request without a forward): the
+            # prefill's first token is not the client's, and the pages go back at once.
+            self.scheduler.release_prebuilt(req)
+            req.finish(FinishReason.of_length(0))
+            tokens = []
+        else:
+            self.scheduler.add_prebuilt(req, token)
+            if req.return_logprob:
+                lps, tops = [float(lp or 0.0)], [top or []]
+                req.append_logprobs(lps[0], tops[0])
+            reason = self.host.stop_check(req)
+            if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
+                reason = FinishReason.of_length(len(req.output_ids))
+            if reason is not None:
+                self.scheduler.finish_request(req, reason)
         self._set_state(r, KVPoll.Success, now)
         nbytes = len(r.dst_pages) * self.local_kv.bytes_per_page
         if not r.fake:
@@ -383,7 +390,7 @@ class DecodeManager(RoleManager):
             if req.is_finished and r.room is not None:
                 self.room_owner.pop(r.room, None)
             self.recent.append(rec)
-        return self.host.make_output(req, [token], lps, tops)
+        return self.host.make_output(req, tokens, lps, tops)
 
     def _fail(self, r: DecodeRoom, failure: RoomFailure, quarantine: bool = False,
               send_abort: bool = False, answer: bool = True,

@@ -164,10 +164,21 @@ def test_32_concurrent_greedy_requests_match_colocated(pd):
     assert wait_until(lambda: at_baseline(prefill) and at_baseline(decode), 10)
 
 
-def test_max_new_tokens_1_and_eos_first(pd):
+def test_max_new_tokens_0_and_1_and_eos_first(pd):
     router, colocated = pd["router"].url, pd["colocated"]
     rng = random.Random(11)
     ids = [rng.randrange(3, 440) for _ in range(21)]
+    # 0 new tokens: no token, as colocated (the prefill's first token was returned before).
+    assert colocated.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})[
+        "output_ids"] == []
+    for stream in (False, True):
+        out = _generate(router, ids, 0, stream=stream)
+        assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    status, body = post(router + "/v1/completions", {"prompt": "hi", "max_tokens": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
+    assert wait_until(lambda: at_baseline(pd["prefill"]) and at_baseline(pd["decode"]), 10)
     for stream in (False, True):
         out = _generate(router, ids, 1, stream=stream)
         assert len(out["output_ids"]) == 1
