@@ -298,6 +298,9 @@ class SchedulerArgs:
                 and 0 < self.target_itl_ms < float("inf")):
             raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
                              f"{self.target_itl_ms!r}")
+        if self.target_itl_ms is not None and not self.enable_mixed_chunk:
+            raise ValueError("target_itl_ms sizes the prefill part of mixed steps: it needs "
+                             "enable_mixed_chunk (--enable-mixed-chunk)")
 
 
 @dataclasses.dataclass(frozen=True)

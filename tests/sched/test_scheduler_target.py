@@ -293,10 +293,12 @@ def test_server_args_name_the_bad_field():
 
     for kw, name in (({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
                      ({"target_itl_ms": 0}, "target_itl_ms"),
-                     ({"target_itl_ms": True}, "target_itl_ms")):
+                     ({"target_itl_ms": True}, "target_itl_ms"),
+                     ({"target_itl_ms": 25.5}, "target_itl_ms .*enable_mixed_chunk")):
         with pytest.raises(ValueError, match=name):
             ServerArgs(**kw)
-    assert ServerArgs(max_num_batched_tokens=300, target_itl_ms=25.5).target_itl_ms == 25.5
+    assert ServerArgs(max_num_batched_tokens=300, target_itl_ms=25.5,
+                      enable_mixed_chunk=True).target_itl_ms == 25.5
 
 
 class NoisyClock(FakeClock):
