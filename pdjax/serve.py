@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pdjax.config import ServerArgs
@@ -21,7 +22,12 @@ def parse_args(argv=None) -> ServerArgs:
     parser = argparse.ArgumentParser(prog="python -m pdjax.serve", description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
     try:
-        return ServerArgs.from_cli_args(parser.parse_args(argv))
+        args = ServerArgs.from_cli_args(parser.parse_args(argv))
+        if args.model_path is not None and not os.path.exists(args.model_path):
+            from pdjax.models.checkpoint import resolve_model_path   # a hub id, or an error
+
+            resolve_model_path(args.model_path, args.revision)
+        return args
     except ValueError as e:
         parser.error(str(e))
 

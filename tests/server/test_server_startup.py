@@ -33,13 +33,16 @@ def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [(["--port", "99999"], "port"),
                                          (["--page-size", "0"], "page_size"),
-                                         (["--role", "bogus"], "role")])
+                                         (["--role", "bogus"], "role"),
+                                         (["--model-path", "/nonexistent/model"],
+                                          "/nonexistent/model: model path not found")])
 def test_bad_flags_fail_before_loading(argv, needle):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pdjax.serve", *argv], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and needle in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < 30
 
 
