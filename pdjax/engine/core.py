@@ -109,6 +109,11 @@ class EngineCore:
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
+        if self.context_length < self.sched_config.max_context_len:
+            logger.warning("context length %d cut to %d tokens: the KV pool holds %d pages of %d "
+                           "(raise --max-total-tokens for the full length)",
+                           self.sched_config.max_context_len, self.context_length,
+                           self.sched_config.num_pages, args.page_size)
         self.buckets = Buckets.create(
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
