@@ -21,7 +21,10 @@ every node's writes ended; the prefill's pages are released when the room conclu
 
 A multi-host decode (``DecodeRanks``, ``DecodeRankNode``, the diagram at the end) reports
 every node's shards and session to the prefill in ``RegisterDecode``; the prefill writes each
-node's shards into that node's session.
+node's shards into that node's session. Both multi-host: ``kv_peer`` carries the decode's
+``node_sessions``/``shard_nodes``, every prefill node writes its shards into each decode node
+holding those heads (``kv_export.write_nodes``) and reports the bytes per decode node; node 0
+writes the metadata row into decode node 0 after every prefill node reported.
 
 Pure Python here; ``RankSender`` and ``DecodeRankNode`` reach JAX only through ``LocalKV`` and
 the runner.
