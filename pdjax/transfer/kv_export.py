@@ -290,6 +290,44 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                     np.concatenate(lens).tolist()))
 
 
+NodeShards = tuple[frozenset[int], ...] | None
+
+
+def node_shards(session_id: str, node_sessions: Sequence[str],
+                shard_nodes: Sequence[Sequence[int]]) -> list[tuple[str, NodeShards]]:
+    """Where a decode's KV goes: ``(session, per buffer the destination shards that node
+    holds)`` per decode node, node 0 (the metadata rows' node) last; ``[(session_id, None)]``
+    (every shard) for a one-process decode (``node_sessions`` empty). ``shard_nodes[b][s]``:
+    the node of shard ``s`` of buffer ``b`` (``RegisterDecode``, DESIGN.md §6)."""
+    if not node_sessions:
+        return [(session_id, None)]
+    return [(sid, tuple(frozenset(s for s, owner in enumerate(row) if owner == n)
+                        for row in shard_nodes))
+            for n, sid in reversed(list(enumerate(node_sessions)))]
+
+
+def write_nodes(engine: TransferEngine, src_layout: KVLayout, dst_layout: KVLayout,
+                writes: Sequence[tuple[str, NodeShards]], src_pages: Sequence[int],
+                dst_pages: Sequence[int], src_shards: Sequence[Collection[int]] | None = None,
+                meta: Sequence[Copy] = ()) -> tuple[list[int], int]:
+    """Write ``src_pages`` -> ``dst_pages`` into every decode node of ``writes``
+    (``node_shards``), each node's destination shards into its own session, one
+    ``batch_write`` per node in that order; ``meta`` (the metadata row) goes with the last
+    write (node 0's). ``src_shards`` as for ``build_copies`` (a multi-host prefill's node
+    writes only its own shards). Returns (payload bytes per decode node in node order, node 0
+    first; copies). ``TransferError`` from the engine, ``ValueError`` from ``build_copies``."""
+    node_bytes, n_copies = [], 0
+    for i, (session, shards) in enumerate(writes):
+        copies = build_copies(src_layout, dst_layout, src_pages, dst_pages,
+                              src_shards=src_shards, dst_shards=shards) if len(src_pages) else []
+        payload = copies + (list(meta) if i == len(writes) - 1 else [])
+        if payload:
+            engine.batch_write(session, payload)
+        node_bytes.append(sum(length for _, _, length in copies))
+        n_copies += len(copies)
+    return node_bytes[::-1], n_copies
+
+
 def _run_offsets(kind, sb, db, src_start, dst_start, run_len):
     """Byte offsets inside the shards of whole-page runs: ``[L, R]`` or ``[R]``."""
     bpp = sb.bytes_per_page

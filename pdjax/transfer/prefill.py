@@ -45,7 +45,7 @@ from pdjax.request import FinishReason, Request
 from pdjax.distributed import join as join_cluster
 from pdjax.transfer.bootstrap import BootstrapServer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
-from pdjax.transfer.kv_export import build_copies
+from pdjax.transfer.kv_export import write_nodes
 from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
                                       Refused, RoomFailure, Timeout, WriteFailed)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
@@ -407,16 +407,15 @@ class PrefillManager(RoleManager):
             meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
                                       peer.metadata_num_slots,
                                       peer.metadata_bytes_per_slot)] if last else []
+            t0 = time.perf_counter()
             if job is None:
-                t0 = time.perf_counter()
                 node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
-                # What the decode's shards receive: pages x its bytes per page, over its shards.
-                nbytes = sum(node_bytes)
             else:            # multi-host: every node's shards, then the metadata row
-                t0 = time.perf_counter()
-                nbytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst, meta,
-                                                job, self.args.transfer_timeout_s)
+                node_bytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst,
+                                                    meta, job, self.args.transfer_timeout_s)
             write_s = time.perf_counter() - t0
+            # What the decode's shards receive: pages x its bytes per page, over its shards.
+            nbytes = sum(node_bytes)
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
             with self.lock:
@@ -429,9 +428,8 @@ class PrefillManager(RoleManager):
             r.bytes += nbytes
             r.pages += len(src)
             r.copies += n_kv
-            if job is None:
-                r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
-                                                      node_bytes)]
+            r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
+                                                  node_bytes)]
             r.write_s += write_s
             r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
                              "write_s": write_s})
@@ -448,16 +446,8 @@ class PrefillManager(RoleManager):
         """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
         node's shards into its own session, node 0 last with the metadata row ``meta`` (the
         gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
-        node_bytes, n_kv = [], 0
-        writes = peer.node_writes()
-        for i, (session, shards) in enumerate(writes):
-            copies = build_copies(self.local_kv.layout, peer.layout, src, dst,
-                                  dst_shards=shards) if src else []
-            self.transfer_engine.batch_write(session, copies + (meta if i == len(writes) - 1
-                                                                else []))
-            node_bytes.append(sum(length for _, _, length in copies))
-            n_kv += len(copies)
-        return node_bytes[::-1], n_kv
+        return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
+                           peer.node_writes(), src, dst, meta=meta)
 
     def _send_notice(self, r: PrefillRoom, kind: str) -> None:
         peer = self.peers.get(r.peer_id)
@@ -499,10 +489,6 @@ class PrefillManager(RoleManager):
 
     def _on_register(self, msg: RegisterDecode) -> None:
         try:
-            if self.ranks is not None and msg.node_sessions:
-                raise ValueError("prefill refuses to pair: a multi-host prefill writes only to "
-                                 "a one-process decode (node_sessions has "
-                                 f"{len(msg.node_sessions)} nodes)")
             plan = self.ranks.plan() if self.ranks is not None else None
             peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
                                                 self.meta.bytes_per_slot,

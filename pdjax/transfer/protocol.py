@@ -497,7 +497,9 @@ class Heartbeat(Message):
 class RankWriteDone(Message):
     """A multi-host prefill's node ``node_rank`` (> 0) finished the KV writes of its own shards
     for chunk job ``job`` (node 0 numbered the job): ``ok`` with the payload ``bytes`` and copy
-    descriptors ``copies`` it wrote, or not, with ``reason`` (DESIGN.md §6)."""
+    descriptors ``copies`` it wrote, ``node_bytes[n]`` of the bytes into decode node ``n``
+    (one entry for a one-process decode; they sum to ``bytes``), or not, with ``reason``
+    (DESIGN.md §6)."""
 
     TYPE: ClassVar[MessageType] = MessageType.RANK_WRITE_DONE
     job: int
@@ -506,6 +508,7 @@ class RankWriteDone(Message):
     bytes: int = 0
     copies: int = 0
     reason: str = ""
+    node_bytes: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_int("job", self.job, 1, MAX_ROOM)
@@ -514,6 +517,15 @@ class RankWriteDone(Message):
         check_int("bytes", self.bytes, 0, MAX_ADDR)
         check_int("copies", self.copies, 0, MAX_ADDR)
         check_str("reason", self.reason, MAX_REASON, allow_empty=True)
+        nb, lo = self.node_bytes, 1 if self.ok else 0
+        if isinstance(nb, (str, bytes)) or not isinstance(nb, (list, tuple)) \
+                or not lo <= len(nb) <= MAX_SHARDS:
+            raise ProtocolError(f"field 'node_bytes': expected {lo}..{MAX_SHARDS} integers")
+        nb = tuple(check_int(f"node_bytes[{n}]", b, 0, MAX_ADDR) for n, b in enumerate(nb))
+        if nb and sum(nb) != self.bytes:
+            raise ProtocolError(f"field 'node_bytes': sums to {sum(nb)}, not bytes "
+                                f"({self.bytes})")
+        object.__setattr__(self, "node_bytes", nb)
 
 
 @dataclasses.dataclass(frozen=True)

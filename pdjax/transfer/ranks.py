@@ -21,7 +21,10 @@ every node's writes ended; the prefill's pages are released when the room conclu
 
 A multi-host decode (``DecodeRanks``, ``DecodeRankNode``, the diagram at the end) reports
 every node's shards and session to the prefill in ``RegisterDecode``; the prefill writes each
-node's shards into that node's session.
+node's shards into that node's session. Both multi-host: ``kv_peer`` carries the decode's
+``node_sessions``/``shard_nodes``, every prefill node writes its shards into each decode node
+holding those heads (``kv_export.write_nodes``) and reports the bytes per decode node; node 0
+writes the metadata row into decode node 0 after every prefill node reported.
 
 Pure Python here; ``RankSender`` and ``DecodeRankNode`` reach JAX only through ``LocalKV`` and
 the runner.
@@ -38,7 +41,8 @@ from typing import Any, Callable, Sequence
 
 from pdjax.transfer.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.transfer.engine import Copy, TransferError
-from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.kv_export import (KVLayout, NodeShards, build_copies, node_shards,
+                                      write_nodes)
 from pdjax.transfer.protocol import DecodeRankInfo, KVBufferDesc, RankWriteDone
 from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 
@@ -162,6 +166,30 @@ def layout_from_wire(name: str, obj: Any) -> KVLayout:
         raise RankError(str(e)) from None
 
 
+def decode_nodes_from_wire(session: str, sessions: Any, owners: Any, layout: KVLayout
+                           ) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """``kv_peer``'s ``node_sessions`` / ``shard_nodes`` (``RegisterDecode``'s, mirrored by
+    node 0; both empty for a one-process decode) with ``RankError`` naming the field: 2 to
+    ``MAX_SHARDS`` sessions, the first ``session`` (decode node 0's), and per buffer of
+    ``layout`` one node in ``[0, len(sessions))`` per shard."""
+    if sessions == [] and owners == []:
+        return (), ()
+    if not isinstance(sessions, list) or not 2 <= len(sessions) <= MAX_SHARDS or not all(
+            isinstance(sid, str) and 0 < len(sid) <= 256 for sid in sessions):
+        raise RankError(f"node_sessions: expected 2..{MAX_SHARDS} session strings")
+    if sessions[0] != session:
+        raise RankError("node_sessions[0]: not session (decode node 0's)")
+    if not isinstance(owners, list) or len(owners) != len(layout.buffers):
+        raise RankError(f"shard_nodes: expected one list per buffer ({len(layout.buffers)})")
+    for i, (row, b) in enumerate(zip(owners, layout.buffers)):
+        if not isinstance(row, list) or len(row) != len(b.shard_addrs) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n < len(sessions)
+                for n in row):
+            raise RankError(f"shard_nodes[{i}]: expected {len(b.shard_addrs)} integers in "
+                            f"[0, {len(sessions)})")
+    return tuple(sessions), tuple(map(tuple, owners))
+
+
 def rank_layouts(infos: Sequence[PrefillRankInfo], nnodes: int) -> dict[int, KVLayout]:
     """Each registered node's own layout (``PUT /route`` bodies); ``ValueError`` naming the
     nodes that have not registered their shards yet."""
@@ -204,11 +232,12 @@ class RankWrites:
             self._cond.notify_all()
             return True
 
-    def wait(self, job: int, timeout_s: float,
-             lost: Callable[[], str | None] = lambda: None) -> tuple[int, int, list[str]]:
-        """``(bytes, copies, failures)`` over every node's report of ``job``, once all came,
-        ``timeout_s`` passed or ``lost()`` says why the cluster broke (checked every
-        ``LOST_POLL_S``); a missing node is a failure naming it. Forgets the job."""
+    def wait(self, job: int, timeout_s: float, lost: Callable[[], str | None] = lambda: None,
+             dst_nodes: int = 1) -> tuple[list[int], int, list[str]]:
+        """``(bytes per decode node, copies, failures)`` over every node's report of ``job``,
+        once all came, ``timeout_s`` passed or ``lost()`` says why the cluster broke (checked
+        every ``LOST_POLL_S``); a missing node, or one whose ``node_bytes`` does not name
+        ``dst_nodes`` decode nodes, is a failure naming it. Forgets the job."""
         deadline = time.monotonic() + timeout_s
         why = None
         with self._cond:
@@ -220,10 +249,14 @@ class RankWrites:
                 self._cond.wait(min(left, LOST_POLL_S))
             got = self._jobs.pop(job)
         failures = [f"node {m.node_rank}: {m.reason}" for m in got.values() if not m.ok]
+        failures += [f"node {m.node_rank}: node_bytes names {len(m.node_bytes)} decode nodes, "
+                     f"not {dst_nodes}" for m in got.values()
+                     if m.ok and len(m.node_bytes) != dst_nodes]
         failures += [f"node {r}: no report of its KV writes "
                      f"({why or f'within {timeout_s:g} s'})" for r in self.ranks if r not in got]
-        ok = [m for m in got.values() if m.ok]
-        return sum(m.bytes for m in ok), sum(m.copies for m in ok), failures
+        ok = [m for m in got.values() if m.ok and len(m.node_bytes) == dst_nodes]
+        node_bytes = [sum(m.node_bytes[n] for m in ok) for n in range(dst_nodes)]
+        return node_bytes, sum(m.copies for m in ok), failures
 
     def pending(self) -> int:
         with self._cond:
@@ -278,50 +311,49 @@ class PrefillRanks:
                 send_peer = True
             else:
                 send_peer = False
-        if send_peer:
+        if send_peer:        # a multi-host decode: every node's session and shards' nodes
             self.cluster.send("kv_peer", peer=announced[1], session=peer.session_id,
                               reply=self.reply_endpoint, src=ranked.to_wire(),
                               dst={"kind": peer.layout.kind,
-                                   "buffers": [b.to_wire() for b in peer.layout.buffers]})
+                                   "buffers": [b.to_wire() for b in peer.layout.buffers]},
+                              node_sessions=list(peer.node_sessions),
+                              shard_nodes=[list(row) for row in peer.shard_nodes])
         job = self.writes.new_job()
         self.cluster.send("kv_write", job=job, peer=announced[1], src=list(src), dst=list(dst))
         return job
 
-    def own_copies(self, engine_id: str, src: Sequence[int], dst: Sequence[int]) -> list[Copy]:
-        """Node 0's copies of ``src`` -> ``dst`` into decode ``engine_id`` (its shards of the
-        plan, its addresses now). ``ValueError`` when that decode is not paired."""
-        with self._lock:
-            entry = self._plans.get(engine_id)
-        if entry is None:
-            raise ValueError(f"decode engine {engine_id!r} is not paired")
-        peer, ranked = entry
-        return build_copies(ranked.with_local(0, self.local_kv.layout), peer.layout, src, dst,
-                            src_shards=ranked.shards_of(0))
-
-    def join(self, job: int, timeout_s: float) -> tuple[int, int, list[str]]:
+    def join(self, job: int, timeout_s: float,
+             dst_nodes: int = 1) -> tuple[list[int], int, list[str]]:
         """``RankWrites.wait`` for ``job``, given up at once when a node went away."""
-        return self.writes.wait(job, timeout_s, lost=lambda: self.cluster.lost)
+        return self.writes.wait(job, timeout_s, lost=lambda: self.cluster.lost,
+                                dst_nodes=dst_nodes)
 
     def write(self, engine, engine_id: str, src: Sequence[int], dst: Sequence[int],
-              meta: list[Copy], job: int, timeout_s: float) -> tuple[int, int]:
-        """Transfer worker: write node 0's copies of ``src`` -> ``dst`` with ``engine``, wait
-        for every other node's report of ``job``, then write ``meta`` (the metadata row, or
-        nothing). Returns ``(bytes, copies)`` of the KV over every node; ``TransferError``
-        naming each node that failed (the metadata row is then never written)."""
+              meta: list[Copy], job: int, timeout_s: float) -> tuple[list[int], int]:
+        """Transfer worker: write node 0's copies of ``src`` -> ``dst`` with ``engine`` into
+        every node of decode ``engine_id`` (``write_nodes``), wait for every other node's
+        report of ``job``, then write ``meta`` (the metadata row, or nothing) into decode node
+        0's session: the row lands after every prefill node wrote every decode node's KV.
+        Returns (bytes of the KV per decode node over every prefill node, node 0 first;
+        copies); ``TransferError`` naming each node that failed (the metadata row is then
+        never written), ``ValueError`` when the decode is not paired."""
+        with self._lock:
+            entry = self._plans.get(engine_id)
+        if entry is None:            # the other nodes were told to write: wait for them
+            self.join(job, timeout_s)
+            raise ValueError(f"decode engine {engine_id!r} is not paired")
+        peer, ranked = entry
+        writes = node_shards(peer.session_id, peer.node_sessions, peer.shard_nodes)
         try:
-            with self._lock:
-                entry = self._plans.get(engine_id)
-            if entry is None:
-                raise ValueError(f"decode engine {engine_id!r} is not paired")
-            session = entry[0].session_id
-            copies = self.own_copies(engine_id, src, dst) if src else []
-            engine.batch_write(session, copies)
+            own, n_own = write_nodes(engine, ranked.with_local(0, self.local_kv.layout),
+                                     peer.layout, writes, src, dst,
+                                     src_shards=ranked.shards_of(0))
         finally:          # the other nodes were told to write: wait for them in any case
-            others, others_copies, failures = self.join(job, timeout_s)
+            others, n_others, failures = self.join(job, timeout_s, dst_nodes=len(writes))
         if failures:
             raise TransferError("; ".join(failures))
-        engine.batch_write(session, meta)
-        return sum(n for _, _, n in copies) + others, len(copies) + others_copies
+        engine.batch_write(peer.session_id, meta)
+        return [a + b for a, b in zip(own, others)], n_own + n_others
 
     def on_done(self, msg: RankWriteDone) -> bool:
         return self.writes.report(msg)
@@ -339,10 +371,11 @@ def rank_info(args, node_rank: int, channel, local_kv, engine) -> PrefillRankInf
 # ------------------------------------------------------------------------------ node R > 0
 @dataclasses.dataclass
 class _Peer:
-    session: str
+    session: str                               # decode node 0's
     reply: str
     ranked: RankedLayout
     layout: KVLayout
+    writes: list[tuple[str, NodeShards]]       # ``node_shards`` of the decode
 
 
 class RankSender:
@@ -424,8 +457,11 @@ class RankSender:
             self.reply = reply
             ranked = RankedLayout.from_wire(msg.get("src"), self.args.nnodes)
             ranked.with_local(self.rank, self.local_kv.layout)     # the plan's heads are ours
-            self.peers[index] = _Peer(session, reply, ranked, layout_from_wire("dst",
-                                                                               msg.get("dst")))
+            layout = layout_from_wire("dst", msg.get("dst"))
+            sessions, owners = decode_nodes_from_wire(session, msg.get("node_sessions", []),
+                                                      msg.get("shard_nodes", []), layout)
+            self.peers[index] = _Peer(session, reply, ranked, layout,
+                                      node_shards(session, sessions, owners))
         except ValueError as e:
             self.peers[index] = f"kv_peer {index} was refused: {e}"
             logger.error("PD prefill node %d: %s", self.rank, self.peers[index])
@@ -452,13 +488,15 @@ class RankSender:
             jax.block_until_ready(self.runner.caches)
             if self.local_kv.check_addresses():
                 self._generation += 1      # copies queued before were built for old addresses
-            copies = build_copies(peer.ranked.with_local(self.rank, self.local_kv.layout),
-                                  peer.layout, src, dst,
-                                  src_shards=peer.ranked.shards_of(self.rank)) if src else []
+            ranked = peer.ranked.with_local(self.rank, self.local_kv.layout)
+            mine = peer.ranked.shards_of(self.rank)
+            parts = [(session, build_copies(ranked, peer.layout, src, dst, src_shards=mine,
+                                            dst_shards=shards) if src else [])
+                     for session, shards in peer.writes]     # per decode node, node 0 last
         except (ValueError, TransferError) as e:
             self._reply(peer, job, ok=False, reason=f"kv_write refused: {e}")
             return
-        self._jobs.put((job, self._generation, peer, copies))
+        self._jobs.put((job, self._generation, peer, parts))
 
     # -- worker ----------------------------------------------------------------------------
     def _work(self) -> None:
@@ -466,29 +504,33 @@ class RankSender:
             item = self._jobs.get()
             if item is None:
                 return
-            job, generation, peer, copies = item
+            job, generation, peer, parts = item
             if generation != self._generation:
                 self._reply(peer, job, ok=False, reason=f"node {self.rank}'s KV cache moved "
                                                         "after a donated step")
                 continue
             try:
-                self.engine.batch_write(peer.session, copies)
+                for session, copies in parts:
+                    if copies:
+                        self.engine.batch_write(session, copies)
             except (TransferError, ValueError) as e:
-                self._reply(peer, job, ok=False, reason=f"KV write to {peer.session} failed: {e}")
+                self._reply(peer, job, ok=False, reason=f"KV write to {session} failed: {e}")
                 continue
-            self._reply(peer, job, ok=True, nbytes=sum(c[2] for c in copies),
-                        ncopies=len(copies))
+            node_bytes = [sum(c[2] for c in copies) for _, copies in reversed(parts)]
+            self._reply(peer, job, ok=True, node_bytes=node_bytes,
+                        ncopies=sum(len(copies) for _, copies in parts))
 
-    def _reply(self, peer, job: int, ok: bool, reason: str = "", nbytes: int = 0,
-               ncopies: int = 0) -> None:
+    def _reply(self, peer, job: int, ok: bool, reason: str = "",
+               node_bytes: Sequence[int] = (), ncopies: int = 0) -> None:
         reply = peer.reply if isinstance(peer, _Peer) else self.reply
         if not ok:
             logger.error("PD prefill node %d: job %d: %s", self.rank, job, reason)
         if reply is None:       # no kv_peer yet: node 0 times the job out
             return
         self.channel.send(reply, RankWriteDone(job=job, node_rank=self.rank, ok=ok,
-                                                    bytes=nbytes, copies=ncopies,
-                                                    reason=reason[:4000]))
+                                               bytes=sum(node_bytes), copies=ncopies,
+                                               reason=reason[:4000],
+                                               node_bytes=tuple(node_bytes)))
 
 
 # ------------------------------------------------------------------------------ decode

@@ -17,7 +17,7 @@ import numpy as np
 
 from pdjax.engine_io import GenerateOutput
 from pdjax.request import Request
-from pdjax.transfer.kv_export import KVLayout
+from pdjax.transfer.kv_export import KVLayout, NodeShards, node_shards
 from pdjax.transfer.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.protocol import KVPoll, RegisterDecode
@@ -42,15 +42,9 @@ class DecodePeer:
     node_sessions: tuple[str, ...] = ()
     shard_nodes: tuple[tuple[int, ...], ...] = ()
 
-    def node_writes(self) -> list[tuple[str, tuple[frozenset[int], ...] | None]]:
-        """``(session, per buffer the destination shards it holds)`` per decode node, node 0
-        (the metadata rows' node) last; one ``(session_id, None)`` (every shard) for one
-        process."""
-        if not self.node_sessions:
-            return [(self.session_id, None)]
-        return [(sid, tuple(frozenset(s for s, owner in enumerate(row) if owner == n)
-                            for row in self.shard_nodes))
-                for n, sid in reversed(list(enumerate(self.node_sessions)))]
+    def node_writes(self) -> list[tuple[str, NodeShards]]:
+        """``node_shards`` of this decode: per node its session and shards, node 0 last."""
+        return node_shards(self.session_id, self.node_sessions, self.shard_nodes)
 
     @classmethod
     def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,

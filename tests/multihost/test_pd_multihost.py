@@ -7,18 +7,25 @@ device each, so each node holds one of the tiny Llama's two KV heads), over Moon
 * a TP 1 prefill sending to a decode of two ``--role decode --nnodes 2`` nodes: each decode
   node reports its session and shards to node 0, whose registration carries them all; the
   prefill writes each node's head slice into that node's buffers, in the pages node 0's
-  scheduler reserved.
+  scheduler reserved;
+* the two-node prefill sending to the two-node decode: pages move rank to rank, each prefill
+  node writing its head into the decode node that holds it, the metadata row last from
+  prefill node 0 once both prefill nodes wrote.
 
 Greedy outputs equal the colocated engine's (DESIGN.md §5), and per room the bytes and copies
 are those of the plan: pages x the decode's bytes per page, one copy per page, layer, token
-slot and head slice. Every control frame is sealed with a shared secret.
+slot and head slice (a whole-shard slice: per contiguous run and layer). Every control frame
+is sealed with a shared secret. The clusters are module-scoped: each starts (and compiles)
+once, and the last test pairs the first two tests' multi-host sides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+import types
 
 import pytest
 
@@ -60,117 +67,205 @@ def _route(bport):
     return body if status == 200 else None
 
 
-def test_two_node_prefill_to_one_decode_equals_colocated(tiny_checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pd_multihost"))
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_checkpoints):
+    from pdjax.engine import Engine
+
+    with Engine(model_path=tiny_checkpoints["llama"], progress=False, **TINY_ARGS) as engine:
+        yield engine
+
+
+def _reference(engine, prompts, max_new):
+    outs = engine.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+                           sampling_params=[{"temperature": 0, "max_new_tokens": m}
+                                            for m in max_new])
+    return [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
+
+
+@contextlib.contextmanager
+def _pair(node0, node1):
+    """Node 0 healthy for the block; node 1 serves no HTTP."""
+    try:
+        with running([node0]):
+            yield
+    except BaseException:
+        print(f"==== {node1.name} log ====\n{node1.log_tail(80)}")
+        raise
+    finally:
+        node1.stop()
+
+
+@pytest.fixture(scope="module")
+def prefill2(tiny_checkpoints, logs):
+    """A prefill over two nodes, once node 1 registered (it retries until node 0's bootstrap
+    server is up, after warm-up, so within ~1 s)."""
     model = tiny_checkpoints["llama"]
-    logs = str(tmp_path)
     coord, http, bport = free_port(), free_port(), free_port()
     node0 = _prefill_node(model, 0, coord, http, bport, logs)
     node1 = _prefill_node(model, 1, coord, 0, bport, logs)
-    decode = pd_server("decode", "decode", model, logs,
-                       extra=["--disaggregation-secret", SECRET])
-    from pdjax.engine import Engine
-
-    rng = random.Random(1364)
-    lengths, max_new = [5, 17, 45], [6, 8, 5]
-    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
-    with Engine(model_path=model, progress=False, **TINY_ARGS) as colocated:
-        outs = colocated.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
-                                  sampling_params=[{"temperature": 0, "max_new_tokens": m}
-                                                   for m in max_new])
-    ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
-    try:
-        with running([node0, decode]):
-            # Each node registered its own shards (one head each) and its own session; node 1
-            # retries until node 0's bootstrap server is up (after warm-up), so within ~1 s.
-            route = wait_until(lambda: _route(bport), 10)
-            assert route is not None and route["tp_size"] == 2, route
-            ranks = sorted(route["ranks"], key=lambda r: r["tp_rank"])
-            assert [[b["shard_heads"] for b in r["kv_buffers"]] for r in ranks] == [
-                [[[0, 1]]] * 2, [[[1, 1]]] * 2]
-            assert len({r["session_id"] for r in ranks}) == 2
-            for k, (ids, m) in enumerate(zip(prompts, max_new)):
-                out = pd_pair(node0, decode, bport, ids, 5000 + k, m, stream=(k == 1))
-                assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
-                assert len(out["output_ids"]) == m
-            recent = {r["room"]: r for r in pd_state(node0)["recent"]}
-            for k, n in enumerate(lengths):
-                rec = recent[5000 + k]
-                assert rec["state"] == "Success", rec
-                pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
-                assert rec["pages"] == pages and rec["bytes"] == pages * BYTES_PER_PAGE, rec
-                # 2 buffers x 2 head slices (one per node), a copy per page, layer and token.
-                assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
-            # Node 0 wrote its half itself (plus the metadata rows); node 1 the other half.
-            engine = pd_state(node0)["engine"]
-            half = sum(recent[5000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
-            assert half <= engine["bytes"] < 2 * half, engine
-            for server in (node0, decode):
-                assert wait_until(lambda: at_baseline(server), 10), load(server)
-            assert load(decode)["num_prompt_tokens_computed"] == 0
-    except BaseException:
-        print(f"==== node1 log ====\n{node1.log_tail(80)}")
-        raise
-    finally:
-        node1.stop()
+    with _pair(node0, node1):
+        route = wait_until(lambda: _route(bport), 10)
+        yield types.SimpleNamespace(node0=node0, node1=node1, bport=bport, route=route)
 
 
-def test_one_prefill_to_two_node_decode_equals_colocated(tiny_checkpoints, tmp_path):
+@pytest.fixture(scope="module")
+def decode2(tiny_checkpoints, logs):
+    """A decode over two nodes; it computes no prompt: one token bucket (16) is enough, one
+    shape less to compile."""
     model = tiny_checkpoints["llama"]
-    logs = str(tmp_path)
-    coord, http, bport = free_port(), free_port(), free_port()
-    # A decode computes no prompt: one token bucket (16) is enough, one shape less to compile.
+    coord, http = free_port(), free_port()
     decode_args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
     node0 = _node("decode", model, 0, coord, http, logs, **decode_args)
     node1 = _node("decode", model, 1, coord, 0, logs, **decode_args)
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
-                        extra=["--disaggregation-secret", SECRET])
-    from pdjax.engine import Engine
+    with _pair(node0, node1):
+        yield types.SimpleNamespace(node0=node0, node1=node1)
 
+
+@pytest.fixture(scope="module")
+def decode1(tiny_checkpoints, logs):
+    decode = pd_server("decode", "decode", tiny_checkpoints["llama"], logs,
+                       extra=["--disaggregation-secret", SECRET])
+    with running([decode]):
+        yield decode
+
+
+@pytest.fixture(scope="module")
+def prefill1(tiny_checkpoints, logs):
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", tiny_checkpoints["llama"], logs,
+                        bootstrap_port=bport, extra=["--disaggregation-secret", SECRET])
+    with running([prefill]):
+        yield prefill
+
+
+def _runs(chunk) -> int:
+    """Contiguous (src, dst) page runs of one chunk."""
+    src, dst = chunk["src"], chunk["dst"]
+    return len(src) and 1 + sum(1 for i in range(1, len(src))
+                                if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
+
+
+def test_two_node_prefill_to_one_decode_equals_colocated(prefill2, decode1, colocated):
+    node0, decode, bport = prefill2.node0, decode1, prefill2.bport
+    rng = random.Random(1364)
+    lengths, max_new = [5, 17, 45], [6, 8, 5]
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    ref = _reference(colocated, prompts, max_new)
+    # Each node registered its own shards (one head each) and its own session.
+    route = prefill2.route
+    assert route is not None and route["tp_size"] == 2, route
+    ranks = sorted(route["ranks"], key=lambda r: r["tp_rank"])
+    assert [[b["shard_heads"] for b in r["kv_buffers"]] for r in ranks] == [
+        [[[0, 1]]] * 2, [[[1, 1]]] * 2]
+    assert len({r["session_id"] for r in ranks}) == 2
+    before = pd_state(node0)["engine"]["bytes"]
+    for k, (ids, m) in enumerate(zip(prompts, max_new)):
+        out = pd_pair(node0, decode, bport, ids, 5000 + k, m, stream=(k == 1))
+        assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
+        assert len(out["output_ids"]) == m
+    recent = {r["room"]: r for r in pd_state(node0)["recent"]}
+    for k, n in enumerate(lengths):
+        rec = recent[5000 + k]
+        assert rec["state"] == "Success", rec
+        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
+        assert rec["pages"] == pages and rec["bytes"] == pages * BYTES_PER_PAGE, rec
+        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE], rec      # one decode process
+        # 2 buffers x 2 head slices (one per node), a copy per page, layer and token.
+        assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+    # Node 0 wrote its half itself (plus the metadata rows); node 1 the other half.
+    moved = pd_state(node0)["engine"]["bytes"] - before
+    half = sum(recent[5000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
+    assert half <= moved < 2 * half, (moved, half)
+    for server in (node0, decode):
+        assert wait_until(lambda: at_baseline(server), 10), load(server)
+    assert load(decode)["num_prompt_tokens_computed"] == 0
+
+
+def test_one_prefill_to_two_node_decode_equals_colocated(prefill1, decode2, colocated):
+    node0, prefill, bport = decode2.node0, prefill1, prefill1.bootstrap_port
     rng = random.Random(1365)
     lengths, max_new = [6, 19, 41], [7, 5, 6]
     prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
-    with Engine(model_path=model, progress=False, **TINY_ARGS) as colocated:
-        outs = colocated.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
-                                  sampling_params=[{"temperature": 0, "max_new_tokens": m}
-                                                   for m in max_new])
-    ref = [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
-    try:
-        with running([node0, prefill]):
-            compared = []
-            for k, (ids, m) in enumerate(zip(prompts, max_new)):
-                out = pd_pair(prefill, node0, bport, ids, 6000 + k, m, stream=(k == 2))
-                assert len(out["output_ids"]) == m
-                compared.append(greedy_agrees(*ref[k], out["output_ids"]))
-            # Beyond the prefill's first token: the decode's own steps, over both nodes' heads.
-            assert max(compared) >= 2, compared
-            assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
-            recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
-            for k, n in enumerate(lengths):
-                rec = recent[6000 + k]
-                assert rec["state"] == "Success", rec
-                pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
-                assert pages >= 1 and rec["pages"] == pages, rec
-                assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
-                # Each decode node's shard (one head of K and V) got its half, in its session.
-                assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
-                # 2 buffers x 2 head slices (one per decode node), a copy per page, layer, token.
-                assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
-            # The decode registered both nodes' shards: the prefill wrote every byte it counted.
-            engine = pd_state(prefill)["engine"]
-            total = sum(recent[6000 + k]["bytes"] for k in range(len(lengths)))
-            assert total <= engine["bytes"], engine
-            assert wait_until(lambda: at_baseline(node0), 10), load(node0)
-            assert load(node0)["num_prompt_tokens_computed"] == 0
-            assert load(node0)["num_metadata_slots_used"] == 0
-            d_state = pd_state(node0)
-            assert [p["state"] for p in d_state["peers"]] == ["ready"], d_state["peers"]
-            assert d_state["num_rejected_messages"] == 0, d_state
-            nodes = d_state["nodes"]      # node 1 reported once: its cache never moved
-            assert [(n["node_rank"], n["generation"]) for n in nodes] == [(1, 0)], nodes
-            assert nodes[0]["session_id"] != d_state["session_id"], nodes   # its own engine
-            assert d_state["kv_shard_heads"] == [[[0, 1]]] * 2      # node 0: head 0 of K, V
-    except BaseException:
-        print(f"==== decode node1 log ====\n{node1.log_tail(80)}")
-        raise
-    finally:
-        node1.stop()
+    ref = _reference(colocated, prompts, max_new)
+    before = pd_state(prefill)["engine"]["bytes"]
+    compared = []
+    for k, (ids, m) in enumerate(zip(prompts, max_new)):
+        out = pd_pair(prefill, node0, bport, ids, 6000 + k, m, stream=(k == 2))
+        assert len(out["output_ids"]) == m
+        compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+    # Beyond the prefill's first token: the decode's own steps, over both nodes' heads.
+    assert max(compared) >= 2, compared
+    assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
+    recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
+    for k, n in enumerate(lengths):
+        rec = recent[6000 + k]
+        assert rec["state"] == "Success", rec
+        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
+        assert pages >= 1 and rec["pages"] == pages, rec
+        assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
+        # Each decode node's shard (one head of K and V) got its half, in its session.
+        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
+        # 2 buffers x 2 head slices (one per decode node), a copy per page, layer, token.
+        assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+    # The decode registered both nodes' shards: the prefill wrote every byte it counted.
+    total = sum(recent[6000 + k]["bytes"] for k in range(len(lengths)))
+    assert total <= pd_state(prefill)["engine"]["bytes"] - before
+    _decode_at_baseline(node0, f"127.0.0.1:{bport}", only=True)
+
+
+def _decode_at_baseline(node0, bootstrap, only):
+    """The decode's pages back, no prompt computed, its pairing with ``bootstrap`` (``only``:
+    the only prefill it paired with) and every other one ready, node 1 reported once."""
+    assert wait_until(lambda: at_baseline(node0), 10), load(node0)
+    assert load(node0)["num_prompt_tokens_computed"] == 0
+    assert load(node0)["num_metadata_slots_used"] == 0
+    d_state = pd_state(node0)
+    peers = {p["bootstrap"]: p["state"] for p in d_state["peers"]}
+    assert set(peers.values()) == {"ready"} and bootstrap in peers, peers
+    assert not only or len(peers) == 1, peers
+    assert d_state["num_rejected_messages"] == 0, d_state
+    nodes = d_state["nodes"]      # node 1 reported once: its cache never moved
+    assert [(n["node_rank"], n["generation"]) for n in nodes] == [(1, 0)], nodes
+    assert nodes[0]["session_id"] != d_state["session_id"], nodes   # its own engine
+    assert d_state["kv_shard_heads"] == [[[0, 1]]] * 2      # node 0: head 0 of K, V
+
+
+def test_two_node_prefill_to_two_node_decode_equals_colocated(prefill2, decode2, colocated):
+    p0, d0, bport = prefill2.node0, decode2.node0, prefill2.bport
+    rng = random.Random(1366)
+    lengths, max_new = [7, 23, 38], [6, 7, 5]
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    ref = _reference(colocated, prompts, max_new)
+    before = pd_state(p0)["engine"]["bytes"]
+    compared = []
+    for k, (ids, m) in enumerate(zip(prompts, max_new)):
+        out = pd_pair(p0, d0, bport, ids, 7000 + k, m, stream=(k == 0))
+        assert len(out["output_ids"]) == m
+        compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+    assert max(compared) >= 2, compared
+    assert wait_until(lambda: at_baseline(p0), 10), load(p0)
+    recent = {r["room"]: r for r in pd_state(p0)["recent"]}
+    for k, n in enumerate(lengths):
+        rec = recent[7000 + k]
+        assert rec["state"] == "Success", rec
+        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
+        assert pages >= 1 and rec["pages"] == pages, rec
+        assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
+        # Prefill node r's head lands in decode node r's shard: half the bytes per decode node.
+        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
+        # Head slices are whole shards on both sides: per chunk, 2 buffers x 2 slices (one per
+        # node pair) x a copy per contiguous page run and layer.
+        for chunk in rec["chunks"]:
+            assert chunk["copies"] == 2 * KV_HEADS * LAYERS * _runs(chunk), chunk
+        assert rec["copies"] == sum(c["copies"] for c in rec["chunks"]), rec
+    # Prefill node 0 wrote only its head (into decode node 0) and the metadata rows.
+    moved = pd_state(p0)["engine"]["bytes"] - before
+    half = sum(recent[7000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
+    assert half <= moved < 2 * half, (moved, half)
+    # This prefill and test 2's one-process one, when it ran, are both paired and ready.
+    _decode_at_baseline(d0, f"127.0.0.1:{bport}", only=False)

@@ -12,11 +12,12 @@ import types
 
 import pytest
 
+from pdjax.transfer.bootstrap import PrefillRankInfo
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.prefill import PrefillManager
 from pdjax.transfer.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
                                      RegisterDecode, decode_message)
-from pdjax.transfer.ranks import DecodeRankNode, DecodeRanks
+from pdjax.transfer.ranks import DecodeRankNode, DecodeRanks, PrefillRanks
 from pdjax.transfer.rooms import DecodePeer, PrefillRoom
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
@@ -203,17 +204,30 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
     assert [s for s, _ in pm.transfer_engine.writes] == ["s9"]
 
 
-def test_a_multi_host_prefill_refuses_a_multi_host_decode():
+def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     layout, sessions, owners = _merged()
     msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
                                      shard_nodes=owners))
     pm = PrefillManager.__new__(PrefillManager)
-    pm.ranks = object()                # a multi-host prefill
+    local_kv = types.SimpleNamespace(layout=_node(0), kv_dtype="float32", fingerprint="f")
+    bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
+        PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
+                        kv_dtype="float32", layout_fingerprint="f", session_id=f"p{r}",
+                        kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
+    pm.ranks = PrefillRanks(_Cluster(), bootstrap, local_kv, "tcp://127.0.0.1:1")
+    pm.local_kv, pm.page_size = local_kv, PS
+    pm.meta = types.SimpleNamespace(bytes_per_slot=64)
     told, rejected = [], []
     pm.send = lambda endpoint, m: told.append(m)
     pm._reject = rejected.append
     pm.peers, pm.lock = {}, threading.RLock()
     pm._on_register(msg)
-    assert not told[0].accepted and "a multi-host prefill writes only to a one-process decode" \
-        in told[0].reason and pm.peers == {}
+    assert told[0].accepted and rejected == [], told[0].reason
+    peer = pm.peers["d1"]
+    assert (peer.node_sessions, peer.shard_nodes) == (sessions, owners)
+    # The plan over both prefill nodes' shards, for kv_peer: each node writes both sessions.
+    job = pm.ranks.send_write("d1", [3], [7])
+    op, kv_peer = pm.ranks.cluster.sent[0]
+    assert op == "kv_peer" and kv_peer["node_sessions"] == ["s0", "s1"]
+    assert kv_peer["shard_nodes"] == [[0, 1]] * 2 and job == 1
     assert PrefillRoom(room=1, created_s=0.0).record()["node_bytes"] == []

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from pdjax.transfer.bootstrap import PrefillRankInfo
-from pdjax.transfer.engine import create_transfer_engine
-from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.engine import TransferError, create_transfer_engine
+from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
 from pdjax.transfer.lifecycle import WriteFailed
 from pdjax.transfer.prefill import PrefillManager
 from pdjax.transfer.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
@@ -114,26 +114,36 @@ def test_rank_registration_and_plan_round_trip_with_range_checks():
 
 
 def test_rank_write_done_round_trip_and_range_checks():
-    msg = RankWriteDone(job=3, node_rank=1, ok=True, bytes=4096, copies=64)
-    assert decode_message(msg.encode()) == msg
+    msg = RankWriteDone(job=3, node_rank=1, ok=True, bytes=4096, copies=64,
+                        node_bytes=(1024, 3072))
+    assert decode_message(msg.encode()) == msg and msg.node_bytes == (1024, 3072)
+    assert decode_message(RankWriteDone(job=3, node_rank=1, ok=False, reason="x").encode()
+                          ).node_bytes == ()
     for bad, field in ((dict(job=0), "job"), (dict(node_rank=0), "node_rank"),
-                       (dict(ok=1), "ok"), (dict(bytes=-1), "bytes")):
+                       (dict(ok=1), "ok"), (dict(bytes=-1), "bytes"),
+                       (dict(node_bytes=()), r"'node_bytes': expected 1\.\.1024"),
+                       (dict(node_bytes=(1, 2)), r"'node_bytes': sums to 3, not bytes \(0\)"),
+                       (dict(node_bytes=(-1,)), r"'node_bytes\[0\]'"),
+                       (dict(node_bytes=(0,) * 1025), "node_bytes"),
+                       (dict(node_bytes="7"), "node_bytes")):
         with pytest.raises(ProtocolError, match=field):
-            RankWriteDone(**{**dict(job=3, node_rank=1, ok=True), **bad})
+            RankWriteDone(**{**dict(job=3, node_rank=1, ok=True, node_bytes=(0,)), **bad})
 
 
 def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
     writes = RankWrites([1, 2])
+    ok = dict(ok=True, node_bytes=(0,))
     a, b = writes.new_job(), writes.new_job()
-    assert writes.report(RankWriteDone(job=a, node_rank=1, ok=True, bytes=10, copies=2))
-    assert not writes.report(RankWriteDone(job=a, node_rank=1, ok=True))      # twice
-    assert not writes.report(RankWriteDone(job=a, node_rank=3, ok=True))      # no such node
-    assert not writes.report(RankWriteDone(job=99, node_rank=2, ok=True))     # no such job
+    assert writes.report(RankWriteDone(job=a, node_rank=1, ok=True, bytes=10, copies=2,
+                                       node_bytes=(10,)))
+    assert not writes.report(RankWriteDone(job=a, node_rank=1, **ok))      # twice
+    assert not writes.report(RankWriteDone(job=a, node_rank=3, **ok))      # no such node
+    assert not writes.report(RankWriteDone(job=99, node_rank=2, **ok))     # no such job
     threading.Timer(0.05, writes.report, (RankWriteDone(job=a, node_rank=2, ok=True, bytes=5,
-                                                        copies=1),)).start()
-    assert writes.wait(a, 5.0) == (15, 3, [])
+                                                        copies=1, node_bytes=(5,)),)).start()
+    assert writes.wait(a, 5.0) == ([15], 3, [])
     assert writes.report(RankWriteDone(job=b, node_rank=2, ok=False, reason="rc=-1"))
-    assert writes.wait(b, 0.05) == (0, 0, ["node 2: rc=-1",
+    assert writes.wait(b, 0.05) == ([0], 0, ["node 2: rc=-1",
                                            "node 1: no report of its KV writes (within 0.05 s)"])
     c = writes.new_job()          # a node went away: no wait for the timeout
     t0 = time.monotonic()
@@ -141,8 +151,17 @@ def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
         "node 1: no report of its KV writes (node 2 went away)",
         "node 2: no report of its KV writes (node 2 went away)"]
     assert time.monotonic() - t0 < 1.0
+    # A two-node decode: bytes per decode node summed over the prefill nodes; a report naming
+    # another number of decode nodes is a failure, its bytes not counted.
+    d = writes.new_job()
+    writes.report(RankWriteDone(job=d, node_rank=1, ok=True, bytes=7, copies=3,
+                                node_bytes=(3, 4)))
+    writes.report(RankWriteDone(job=d, node_rank=2, ok=True, bytes=6, copies=2,
+                                node_bytes=(6,)))
+    assert writes.wait(d, 1.0, dst_nodes=2) == (
+        [3, 4], 3, ["node 2: node_bytes names 1 decode nodes, not 2"])
     assert writes.pending() == 0
-    assert not writes.report(RankWriteDone(job=b, node_rank=1, ok=True))      # too late
+    assert not writes.report(RankWriteDone(job=b, node_rank=1, **ok))      # too late
 
 
 class _Cluster:
@@ -170,7 +189,7 @@ def _manager(fail_node: bool):
     pm.ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
     peer = types.SimpleNamespace(session_id="decode:1", layout=DECODE, reply_endpoint="tcp://d:1",
                                  metadata_addr=0x5000, metadata_num_slots=4,
-                                 metadata_bytes_per_slot=64)
+                                 metadata_bytes_per_slot=64, node_sessions=(), shard_nodes=())
     pm.ranks.paired("d1", peer, pm.ranks.plan())
     pm.lock, pm.peers, pm.transfer_engine, pm.local_kv = threading.RLock(), {"d1": peer}, \
         engine, local_kv
@@ -182,7 +201,8 @@ def _manager(fail_node: bool):
     r = PrefillRoom(room=11, created_s=0.0, peer_id="d1", dst_slot=0, src_slot=0)
     job = pm.ranks.send_write("d1", [3, 4], [7, 8])
     pm.ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=not fail_node, bytes=4 * 512,
-                                   copies=32, reason="KV write to decode:1 failed: rc=-1"))
+                                   copies=32, reason="KV write to decode:1 failed: rc=-1",
+                                   node_bytes=() if fail_node else (4 * 512,)))
     return pm, r, job, engine, cluster
 
 
@@ -250,7 +270,142 @@ def test_a_follower_refuses_bad_commands_and_says_why():
     s.on_write({"job": 0, "peer": 1, "src": [3], "dst": [7]})     # no valid job: logged only
     assert len(s.channel.sent) == 5 and s._jobs.empty()
     s.on_write({"job": 7, "peer": 1, "src": [3, 4], "dst": [7, 8]})
-    job, generation, peer, copies = s._jobs.get_nowait()
-    assert job == 7 and peer.session == "decode:1" and len(copies) == 2 * 2 * LAYERS * PS
+    job, generation, peer, [(session, copies)] = s._jobs.get_nowait()
+    assert job == 7 and session == peer.session == "decode:1"
+    assert len(copies) == 2 * 2 * LAYERS * PS
     assert all(0x200000 <= src < 0x220000 for src, _, _ in copies)
     assert np.unique([d for _, d, _ in copies]).size == len(copies)
+
+
+# ----------------------------------------------- a multi-host prefill -> a multi-host decode
+def _decode_node(rank):
+    """Node ``rank`` of a decode over 2 nodes of a 4-head model, heads interleaved (node 0:
+    heads 0 and 2, node 1: heads 1 and 3, one shard each), so that every prefill node (heads
+    0-1, 2-3) writes into both decode nodes."""
+    base = 0x900000 + 0x100000 * rank
+    return KVLayout("layer_major", tuple(
+        _buf([base + k * 0x40000, base + k * 0x40000 + 0x20000], [(rank, 1), (rank + 2, 1)], 4)
+        for k in (0, 1)))
+
+
+def _prefill_node4(rank):
+    """Node ``rank`` of a TP 2 prefill of the 4-head model: heads ``2 rank``, ``2 rank + 1``."""
+    base = 0x100000 * (rank + 1)
+    return KVLayout("layer_major", (_buf([base], [(2 * rank, 2)], 4),
+                                    _buf([base + 0x10000], [(2 * rank, 2)], 4)))
+
+
+class _Recorder:
+    def __init__(self):
+        self.writes = []
+
+    def batch_write(self, session, copies):
+        self.writes.append((session, list(copies)))
+
+
+def test_two_node_prefill_to_two_node_decode_partitions_by_src_and_dst_node():
+    src = RankedLayout.from_ranks({0: _prefill_node4(0), 1: _prefill_node4(1)})
+    dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
+    assert dst.owners == ((0, 1, 0, 1),) * 2       # by first head: 0, 1, 2, 3
+    writes = node_shards("d0", ("d0", "d1"), dst.owners)
+    assert [s for s, _ in writes] == ["d1", "d0"]    # decode node 0 (the metadata row's) last
+    pages_src, pages_dst = [3, 4, 9], [7, 8, 2]
+    whole = build_copies(src.layout, dst.layout, pages_src, pages_dst)
+    parts, totals = {}, [0, 0]
+    for r in (0, 1):
+        engine = _Recorder()
+        node_bytes, n = write_nodes(engine, src.with_local(r, _prefill_node4(r)), dst.layout,
+                                    writes, pages_src, pages_dst, src_shards=src.shards_of(r))
+        assert [s for s, _ in engine.writes] == ["d1", "d0"]
+        for session, copies in engine.writes:
+            parts[(r, session)] = copies
+            node = int(session[1])
+            lo, hi = 0x100000 * (r + 1), 0x100000 * (r + 1) + 0x20000
+            assert copies and all(lo <= a < hi for a, _, _ in copies)       # its own memory
+            dlo = 0x900000 + 0x100000 * node
+            assert all(dlo <= d < dlo + 0x100000 for _, d, _ in copies)    # that node's
+            assert node_bytes[node] == sum(n for *_, n in copies)
+        assert n == sum(len(c) for _, c in engine.writes)
+        totals = [a + b for a, b in zip(totals, node_bytes)]
+    # Every copy of the one-process plan exactly once over the 4 (prefill node, decode node)
+    # pairs; each decode node gets pages x its bytes per page (half the heads).
+    assert len(parts) == 4
+    assert collections.Counter(whole) == collections.Counter(sum(parts.values(), []))
+    assert sum(len(c) for c in parts.values()) == len(whole)
+    per_node = len(pages_src) * LAYERS * sum(b.bytes_per_page * 2 for b in _decode_node(0).buffers)
+    assert totals == [per_node, per_node] and sum(totals) == sum(n for *_, n in whole)
+
+
+def test_a_follower_writes_each_decode_node_into_its_session_and_reports_per_node():
+    s = _sender()
+    s.local_kv = types.SimpleNamespace(layout=_prefill_node4(1), check_addresses=lambda: False)
+    s.engine = _Recorder()
+    src = RankedLayout.from_ranks({0: _prefill_node4(0), 1: _prefill_node4(1)})
+    dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
+    peer = {"peer": 1, "session": "d0", "reply": "tcp://n0:1", "src": src.to_wire(),
+            "dst": {"kind": "layer_major", "buffers": [b.to_wire() for b in dst.layout.buffers]},
+            "node_sessions": ["d0", "d1"], "shard_nodes": [list(o) for o in dst.owners]}
+    # Range checks of the mirrored decode nodes: a later kv_write says why it was refused.
+    for k, (edit, needle) in enumerate((
+            (dict(node_sessions=["d0"]), "node_sessions: expected 2..1024"),
+            (dict(node_sessions=["d9", "d1"]), "node_sessions[0]: not session"),
+            (dict(node_sessions=["d0", 7]), "node_sessions: expected"),
+            (dict(shard_nodes=[[0, 1, 0, 2]] * 2), "shard_nodes[0]: expected 4 integers in [0, 2)"),
+            (dict(shard_nodes=[[0, 1, 0, True]] * 2), "shard_nodes[0]"),
+            (dict(shard_nodes=[[0, 1, 0, 1]]), "shard_nodes: expected one list per buffer"),
+            (dict(shard_nodes=[]), "shard_nodes: expected one list per buffer")), start=2):
+        s.on_peer(dict(peer, peer=k, **edit))
+        s.on_write({"job": k, "peer": k, "src": [3], "dst": [7]})
+        assert not s.channel.sent[-1][1].ok and needle in s.channel.sent[-1][1].reason, \
+            s.channel.sent[-1][1].reason
+    s.on_peer(peer)
+    s.on_write({"job": 1, "peer": 1, "src": [3, 4, 9], "dst": [7, 8, 2]})
+    s._jobs.put(None)
+    s._work()
+    endpoint, done = s.channel.sent[-1]
+    assert endpoint == "tcp://n0:1" and done.ok and done.job == 1
+    assert [session for session, _ in s.engine.writes] == ["d1", "d0"]
+    want = write_nodes(_Recorder(), src.with_local(1, _prefill_node4(1)), dst.layout,
+                       node_shards("d0", ("d0", "d1"), dst.owners), [3, 4, 9], [7, 8, 2],
+                       src_shards=src.shards_of(1))
+    assert (list(done.node_bytes), done.copies) == want and done.bytes == sum(want[0])
+    assert want[0][0] == want[0][1] > 0
+
+
+def test_node_zero_writes_both_decode_nodes_then_the_row_into_node_zero():
+    cluster = _Cluster()
+    bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
+        PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
+                        kv_dtype="float32", layout_fingerprint="f", session_id=f"s{r}",
+                        kv_layout="layer_major", kv_buffers=_prefill_node4(r).buffers)
+        for r in (0, 1)])
+    local_kv = types.SimpleNamespace(layout=_prefill_node4(0), kv_dtype="float32",
+                                     fingerprint="f")
+    ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
+    dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
+    peer = types.SimpleNamespace(session_id="d0", layout=dst.layout, node_sessions=("d0", "d1"),
+                                 shard_nodes=dst.owners)
+    ranks.paired("x", peer, ranks.plan())
+    job = ranks.send_write("x", [3, 4], [7, 8])
+    kv_peer = cluster.sent[0][1]
+    assert kv_peer["node_sessions"] == ["d0", "d1"]
+    assert kv_peer["shard_nodes"] == [[0, 1, 0, 1]] * 2
+    other = (100, 60)           # node 1's report: its bytes into decode node 0 and 1
+    ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=True, bytes=160, copies=5,
+                                node_bytes=other))
+    engine = _Recorder()
+    meta = [(0x7000, 0x5000, 64)]
+    node_bytes, n = ranks.write(engine, "x", [3, 4], [7, 8], meta, job, 5.0)
+    own = sum(len(c) for _, c in engine.writes[:-1])
+    assert [s for s, _ in engine.writes] == ["d1", "d0", "d0"]
+    assert engine.writes[-1][1] == meta                 # the row alone, last, into node 0
+    half = 2 * LAYERS * sum(b.bytes_per_page for b in _decode_node(0).buffers)
+    assert node_bytes == [half + 100, half + 60] and n == own + 5
+    # A node reporting another number of decode nodes fails the chunk: no metadata row.
+    job = ranks.send_write("x", [3, 4], [7, 8])
+    ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=True, bytes=160, copies=5,
+                                node_bytes=(160,)))
+    engine = _Recorder()
+    with pytest.raises(TransferError, match="node 1: node_bytes names 1 decode nodes, not 2"):
+        ranks.write(engine, "x", [3, 4], [7, 8], meta, job, 5.0)
+    assert meta[0] not in sum((c for _, c in engine.writes), [])
