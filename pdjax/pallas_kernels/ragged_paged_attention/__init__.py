@@ -3,9 +3,8 @@
 All implementations share the batch contract of DESIGN.md §2 (documented in ``reference.py``).
 ``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu -> xla,
 tpu -> tpu, gpu -> gpu); the others force a path, e.g. a kernel in interpret mode on CPU
-(``impl="tpu", interpret=True``). ``"xla"`` (``xla.py``, per-request blocks; decode-only steps
-run ``decode.py``) is the CPU path and the fallback on any backend; ``"reference"`` (per-token
-gathers) is the kernels' oracle.
+(``impl="tpu", interpret=True``). ``"xla"`` (``xla.py``, per-request blocks) is the CPU path
+and the fallback on any backend; ``"reference"`` (per-token gathers) is the kernels' oracle.
 The kernel modules are imported on first use, so importing this package only needs jax.
 """
 
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import jax
 
-from pdjax.pallas_kernels.ragged_paged_attention.decode import ragged_paged_attention_decode
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
@@ -81,8 +79,7 @@ def ragged_paged_attention(
       interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
         kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
       decode_only: static promise that every row has q_len 1 (the decode entry point); the
-        xla impl then runs ``decode.py`` (no per-request tiles compiled). The other paths
-        ignore it.
+        xla path then compiles its decode part alone. The other paths ignore it.
 
     Returns:
       ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
@@ -96,8 +93,6 @@ def ragged_paged_attention(
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
-    if impl == "xla" and decode_only:
-        return ragged_paged_attention_decode(*args, **kwargs)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only)
     if impl == "tpu":
@@ -110,5 +105,4 @@ def ragged_paged_attention(
 
 
 __all__ = ["ATTENTION_IMPLS", "TRACED_BOUND_IMPLS", "ragged_paged_attention",
-           "ragged_paged_attention_decode", "ragged_paged_attention_reference",
-           "ragged_paged_attention_xla", "resolve_impl"]
+           "ragged_paged_attention_reference", "ragged_paged_attention_xla", "resolve_impl"]
