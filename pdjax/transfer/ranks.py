@@ -369,6 +369,27 @@ def rank_info(args, node_rank: int, channel, local_kv, engine) -> PrefillRankInf
 
 
 # ------------------------------------------------------------------------------ node R > 0
+def _node_data_plane(host, on_message: Callable, name: str, secret):
+    """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
+    at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
+    and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
+    to ``args.host``. ``host``: the follower's ``EngineCore``. Returns the three."""
+    from pdjax.transfer.channel import MessageChannel, advertise_host
+    from pdjax.transfer.engine import create_transfer_engine
+    from pdjax.transfer.local_kv import LocalKV
+    from pdjax.transfer.role import kv_head_repeat
+
+    args = host.args
+    kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
+    if args.disaggregation_transfer_backend != "fake" and args.disaggregation_ib_device:
+        kwargs["device_name"] = args.disaggregation_ib_device
+    engine = create_transfer_engine(args.disaggregation_transfer_backend,
+                                    advertise_host(args.host), **kwargs)
+    local_kv = LocalKV(host.runner, engine, "direct", -(-host.context_length // args.page_size),
+                       head_repeat=kv_head_repeat(host))
+    return engine, local_kv, MessageChannel(args.host, on_message, name, secret=secret)
+
+
 @dataclasses.dataclass
 class _Peer:
     session: str                               # decode node 0's
@@ -390,26 +411,14 @@ class RankSender:
 
     def __init__(self, host):
         from pdjax.distributed.node import endpoints
-        from pdjax.transfer.channel import MessageChannel, advertise_host
-        from pdjax.transfer.engine import create_transfer_engine
         from pdjax.transfer.frame_auth import resolve_secret
-        from pdjax.transfer.local_kv import LocalKV
-        from pdjax.transfer.role import kv_head_repeat
 
         args = self.args = host.args
         self.rank = args.node_rank
         self.runner = host.runner
-        backend = args.disaggregation_transfer_backend
-        kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
-        if backend != "fake" and args.disaggregation_ib_device:
-            kwargs["device_name"] = args.disaggregation_ib_device
-        self.engine = create_transfer_engine(backend, advertise_host(args.host), **kwargs)
-        self.local_kv = LocalKV(self.runner, self.engine, "direct",
-                                -(-host.context_length // args.page_size),
-                                head_repeat=kv_head_repeat(host))
         secret = resolve_secret(args.disaggregation_secret)
-        self.channel = MessageChannel(args.host, self._on_message, f"prefill-node-{self.rank}",
-                                      secret=secret)
+        self.engine, self.local_kv, self.channel = _node_data_plane(
+            host, self._on_message, f"prefill-node-{self.rank}", secret)
         self.peers: dict[int, _Peer | str] = {}     # index -> peer, or why it is unusable
         self.reply: str | None = None               # node 0's control channel (from kv_peer)
         self._generation = 0        # bumped when the cache moved: older queued copies are void
@@ -628,24 +637,13 @@ class DecodeRankNode:
     ``kv_check``), made in step order. ``host``: the follower's ``EngineCore``."""
 
     def __init__(self, host):
-        from pdjax.transfer.channel import MessageChannel, advertise_host
-        from pdjax.transfer.engine import create_transfer_engine
         from pdjax.transfer.frame_auth import resolve_secret
-        from pdjax.transfer.local_kv import LocalKV
-        from pdjax.transfer.role import kv_head_repeat
 
         args = self.args = host.args
         self.rank = args.node_rank
-        backend = args.disaggregation_transfer_backend
-        kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
-        if backend != "fake" and args.disaggregation_ib_device:
-            kwargs["device_name"] = args.disaggregation_ib_device
-        self.engine = create_transfer_engine(backend, advertise_host(args.host), **kwargs)
-        self.local_kv = LocalKV(host.runner, self.engine, "direct",
-                                -(-host.context_length // args.page_size),
-                                head_repeat=kv_head_repeat(host))
-        self.channel = MessageChannel(args.host, self._on_message, f"decode-node-{self.rank}",
-                                      secret=resolve_secret(args.disaggregation_secret))
+        self.engine, self.local_kv, self.channel = _node_data_plane(
+            host, self._on_message, f"decode-node-{self.rank}",
+            resolve_secret(args.disaggregation_secret))
         self.reply: str | None = None          # node 0's control channel (from kv_ranks)
         self.generation = 0
 
