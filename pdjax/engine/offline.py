@@ -51,6 +51,10 @@ class Engine:
                 raise ValueError("prompt: no prompt given")
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             ids_list = [self.tokenizer.encode(p) for p in prompts]
+            for i, ids in enumerate(ids_list):
+                if not ids:
+                    which = "prompt" if single else f"prompt[{i}]"
+                    raise ValueError(f"{which}: the text {prompts[i]!r} gives no tokens")
         else:
             ids_list = [input_ids] if single else list(input_ids)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
@@ -58,19 +62,25 @@ class Engine:
             raise ValueError("sampling_params: list length differs from the number of prompts")
         core = self.core
         accs: dict[str, OutputAccumulator] = {}
-        for ids, sp in zip(ids_list, sps):
-            sp = _sampling_params(sp or {})
-            for k in range(sp.n):
-                rid = uuid.uuid4().hex
-                one = dataclasses.replace(sp, n=1)
-                if sp.n > 1 and sp.seed is not None:
-                    one = dataclasses.replace(one, seed=sp.seed + k)
-                g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
-                                    top_logprobs_num=top_logprobs_num,
-                                    logprob_start_len=-1 if logprob_start_len is None else logprob_start_len)
-                core.add_request(g)
-                accs[rid] = OutputAccumulator(self.tokenizer, one,
-                                              RequestOutput(rid, list(ids)))
+        try:
+            for ids, sp in zip(ids_list, sps):
+                sp = _sampling_params(sp or {})
+                for k in range(sp.n):
+                    rid = uuid.uuid4().hex
+                    one = dataclasses.replace(sp, n=1)
+                    if sp.n > 1 and sp.seed is not None:
+                        one = dataclasses.replace(one, seed=sp.seed + k)
+                    g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
+                                        top_logprobs_num=top_logprobs_num,
+                                        logprob_start_len=-1 if logprob_start_len is None
+                                        else logprob_start_len)
+                    core.add_request(g)
+                    accs[rid] = OutputAccumulator(self.tokenizer, one,
+                                                  RequestOutput(rid, list(ids)))
+        except Exception:
+            for rid in accs:        # a bad prompt of a batch: the ones queued before it go too
+                core.abort_request(rid, "another prompt of the batch was refused")
+            raise
         pending = set(accs)
         while pending:
             for out in core.step():

@@ -225,6 +225,23 @@ def _openai_requests(body: dict[str, Any], prompts: list[list[int]], sp: Samplin
     return reqs
 
 
+# Accepted and not acted on (OpenAI's bookkeeping fields), but type-checked as OpenAI does.
+_STRING_ONLY_FIELDS = ("user", "service_tier", "prompt_cache_key", "safety_identifier")
+
+
+def _check_bookkeeping(body: dict[str, Any]) -> None:
+    """``user`` and the other fields above are strings; ``metadata`` maps strings to
+    strings. ``RequestError`` naming the field."""
+    for field in _STRING_ONLY_FIELDS:
+        if field in body:
+            check_str(field, body[field])
+    if "metadata" in body:
+        meta = body["metadata"]
+        if not isinstance(meta, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise RequestError("metadata must be an object of string values", "metadata")
+
+
 def _base_rid(body: dict[str, Any], response_id: str) -> tuple[str, str | None]:
     rid = body.get("rid")
     if rid is None:
@@ -237,6 +254,7 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/completions`` body. Raises ``RequestError``."""
     body = checked_body(body, _COMPLETION_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/completions")
     model = check_model(body, ctx)
+    _check_bookkeeping(body)
     if "prompt" not in body:
         raise RequestError("prompt is required", "prompt")
     prompt = body["prompt"]
@@ -311,6 +329,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         for key in m:
             if key not in _MESSAGE_FIELDS:
                 raise RequestError(f"{name}.{key} is not supported", "messages")
+        if "content" not in m and role != "assistant":    # an assistant turn may be calls only
+            raise RequestError(f"{name}.content is required for role {role!r}", "messages")
         content = m.get("content", "")
         if isinstance(content, list):
             parts = []
@@ -343,6 +363,7 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     (``apply_chat_template(add_generation_prompt=True)``). Raises ``RequestError``."""
     body = checked_body(body, _CHAT_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/chat/completions")
     model = check_model(body, ctx)
+    _check_bookkeeping(body)
     if "messages" not in body:
         raise RequestError("messages is required", "messages")
     messages = chat_messages(body["messages"])

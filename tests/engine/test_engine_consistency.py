@@ -3,6 +3,7 @@ chunk size, mixed batches, prefix-cache hits, a KV pool too small for the load; 
 after warm-up; seeded sampling independent of the batch."""
 
 import numpy as np
+import pytest
 
 from model_utils import assert_tokens_match, boundary_prompts, set_sched, top2_gaps_from_top_logprobs
 from pdjax.runner.model_runner import compile_count
@@ -128,6 +129,25 @@ def test_stop_conditions(llama_engine):
     out = llama_engine.generate(input_ids=long, sampling_params={**GREEDY, "max_new_tokens": 50})
     assert len(long) + len(out["output_ids"]) == llama_engine.core.context_length
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_refused_prompt_of_a_batch_leaves_nothing_queued(llama_engine):
+    """A text that gives no tokens is named as a prompt (not as input_ids); any refused prompt
+    of a batch takes the batch's earlier requests, already queued, out again."""
+    core = llama_engine.core
+    vocab = core.model_cfg.vocab_size
+    with pytest.raises(ValueError, match=r"^prompt: the text '' gives no tokens"):
+        llama_engine.generate("", {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match=r"^prompt\[1\]: the text '' gives no tokens"):
+        llama_engine.generate(["Hello", ""], {"max_new_tokens": 2})
+    with pytest.raises(ValueError, match=rf"input_ids: token id {vocab} is outside"):
+        llama_engine.generate(input_ids=[[5, 6, 7], [8, 9], [5, vocab]],
+                              sampling_params={"max_new_tokens": 2, "n": 2})
+    assert not core.scheduler.has_work and not core.scheduler.requests
+    assert core.scheduler.num_used_pages == core.scheduler.prefix_cache.num_cached_pages
+    out = llama_engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY,
+                                                                     "max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
 
 
 def test_one_request_failing_to_sample_fails_alone(llama_engine):

@@ -221,6 +221,16 @@ CASES = [
     (CHAT, b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud800"}]}',
      "messages"),
     (CMPL, b"[" * 100000, "malformed JSON"),
+    # OpenAI's own refusals, accepted before:
+    (CHAT, with_(CHAT, messages=[{"role": "user"}]), "messages[0].content is required"),
+    (CHAT, with_(CHAT, messages=[{"role": "system", "content": None},
+                                 {"role": "user", "content": "Hi"}]),
+     "messages[0].content is required"),
+    (CHAT, with_(CHAT, user=5), "user must be a string"),
+    (CMPL, with_(CMPL, user=["me"]), "user must be a string"),
+    (CMPL, with_(CMPL, safety_identifier=1), "safety_identifier must be a string"),
+    (CHAT, with_(CHAT, metadata={"k": 1}), "metadata must be an object of string values"),
+    (CHAT, with_(CHAT, metadata="tag"), "metadata must be an object"),
 ]
 
 
@@ -245,7 +255,11 @@ async def test_null_fields_and_defaults_are_accepted(make_client):
     body = with_(CHAT, tools=None, tool_choice="none", response_format={"type": "text"},
                  logit_bias={}, stop=None, seed=None, user="u1", n=None, top_k=-1,
                  stream_options=None, parallel_tool_calls=False, max_tokens=None,
-                 max_completion_tokens=3)
+                 max_completion_tokens=3, metadata={"team": "infra"}, service_tier="auto",
+                 prompt_cache_key="k", safety_identifier="s1",
+                 messages=[{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": None},
+                           {"role": "user", "content": "Again"}])
     resp = await client.post(CHAT, json=body)
     assert resp.status == 200, await resp.text()
     assert engine.submitted[-1].sampling_params.max_new_tokens == 3
