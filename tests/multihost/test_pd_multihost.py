@@ -150,12 +150,34 @@ def _runs(chunk) -> int:
                                 if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
 
 
-def test_two_node_prefill_to_one_decode_equals_colocated(prefill2, decode1, colocated):
-    node0, decode, bport = prefill2.node0, decode1, prefill2.bport
-    rng = random.Random(1364)
-    lengths, max_new = [5, 17, 45], [6, 8, 5]
+def _serve(prefill, decode, bport, colocated, *, seed, lengths, max_new, room0, stream_k):
+    """One prompt of each length through ``prefill`` -> ``decode`` in rooms ``room0 + k``
+    (prompt ``stream_k`` streamed), every output of its length. Returns the prefill's records
+    of the rooms (each a Success moving ``pages`` pages of the prompt's own, past the decode's
+    prefix hit), the pages, the tie-aware agreement with colocated per prompt, and the
+    prefill engine's bytes before."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
     ref = _reference(colocated, prompts, max_new)
+    before = pd_state(prefill)["engine"]["bytes"]
+    compared = []
+    for k, (ids, m) in enumerate(zip(prompts, max_new)):
+        out = pd_pair(prefill, decode, bport, ids, room0 + k, m, stream=(k == stream_k))
+        assert len(out["output_ids"]) == m
+        compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+    assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
+    recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
+    recs, pages = [recent[room0 + k] for k in range(len(lengths))], []
+    for rec, n in zip(recs, lengths):
+        assert rec["state"] == "Success", rec
+        pages.append(-(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE)
+        assert pages[-1] >= 1 and rec["pages"] == pages[-1], rec
+        assert rec["bytes"] == pages[-1] * BYTES_PER_PAGE, rec
+    return recs, pages, compared, before
+
+
+def test_two_node_prefill_to_one_decode_equals_colocated(prefill2, decode1, colocated):
+    node0, decode, bport = prefill2.node0, decode1, prefill2.bport
     # Each node registered its own shards (one head each) and its own session.
     route = prefill2.route
     assert route is not None and route["tp_size"] == 2, route
@@ -163,23 +185,17 @@ def test_two_node_prefill_to_one_decode_equals_colocated(prefill2, decode1, colo
     assert [[b["shard_heads"] for b in r["kv_buffers"]] for r in ranks] == [
         [[[0, 1]]] * 2, [[[1, 1]]] * 2]
     assert len({r["session_id"] for r in ranks}) == 2
-    before = pd_state(node0)["engine"]["bytes"]
-    for k, (ids, m) in enumerate(zip(prompts, max_new)):
-        out = pd_pair(node0, decode, bport, ids, 5000 + k, m, stream=(k == 1))
-        assert greedy_agrees(*ref[k], out["output_ids"]) >= 1
-        assert len(out["output_ids"]) == m
-    recent = {r["room"]: r for r in pd_state(node0)["recent"]}
-    for k, n in enumerate(lengths):
-        rec = recent[5000 + k]
-        assert rec["state"] == "Success", rec
-        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
-        assert rec["pages"] == pages and rec["bytes"] == pages * BYTES_PER_PAGE, rec
-        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE], rec      # one decode process
+    recs, pages, compared, before = _serve(node0, decode, bport, colocated, seed=1364,
+                                           lengths=[5, 17, 45], max_new=[6, 8, 5],
+                                           room0=5000, stream_k=1)
+    assert min(compared) >= 1, compared
+    for rec, n_pages in zip(recs, pages):
+        assert rec["node_bytes"] == [n_pages * BYTES_PER_PAGE], rec      # one decode process
         # 2 buffers x 2 head slices (one per node), a copy per page, layer and token.
-        assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+        assert rec["copies"] == 2 * KV_HEADS * n_pages * LAYERS * PAGE_SIZE, rec
     # Node 0 wrote its half itself (plus the metadata rows); node 1 the other half.
     moved = pd_state(node0)["engine"]["bytes"] - before
-    half = sum(recent[5000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
+    half = sum(pages) * BYTES_PER_PAGE // 2
     assert half <= moved < 2 * half, (moved, half)
     for server in (node0, decode):
         assert wait_until(lambda: at_baseline(server), 10), load(server)
@@ -188,33 +204,18 @@ def test_two_node_prefill_to_one_decode_equals_colocated(prefill2, decode1, colo
 
 def test_one_prefill_to_two_node_decode_equals_colocated(prefill1, decode2, colocated):
     node0, prefill, bport = decode2.node0, prefill1, prefill1.bootstrap_port
-    rng = random.Random(1365)
-    lengths, max_new = [6, 19, 41], [7, 5, 6]
-    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
-    ref = _reference(colocated, prompts, max_new)
-    before = pd_state(prefill)["engine"]["bytes"]
-    compared = []
-    for k, (ids, m) in enumerate(zip(prompts, max_new)):
-        out = pd_pair(prefill, node0, bport, ids, 6000 + k, m, stream=(k == 2))
-        assert len(out["output_ids"]) == m
-        compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+    recs, pages, compared, before = _serve(prefill, node0, bport, colocated, seed=1365,
+                                           lengths=[6, 19, 41], max_new=[7, 5, 6],
+                                           room0=6000, stream_k=2)
     # Beyond the prefill's first token: the decode's own steps, over both nodes' heads.
     assert max(compared) >= 2, compared
-    assert wait_until(lambda: at_baseline(prefill), 10), load(prefill)
-    recent = {r["room"]: r for r in pd_state(prefill)["recent"]}
-    for k, n in enumerate(lengths):
-        rec = recent[6000 + k]
-        assert rec["state"] == "Success", rec
-        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
-        assert pages >= 1 and rec["pages"] == pages, rec
-        assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
+    for rec, n_pages in zip(recs, pages):
         # Each decode node's shard (one head of K and V) got its half, in its session.
-        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
+        assert rec["node_bytes"] == [n_pages * BYTES_PER_PAGE // 2] * 2, rec
         # 2 buffers x 2 head slices (one per decode node), a copy per page, layer, token.
-        assert rec["copies"] == 2 * KV_HEADS * pages * LAYERS * PAGE_SIZE, rec
+        assert rec["copies"] == 2 * KV_HEADS * n_pages * LAYERS * PAGE_SIZE, rec
     # The decode registered both nodes' shards: the prefill wrote every byte it counted.
-    total = sum(recent[6000 + k]["bytes"] for k in range(len(lengths)))
-    assert total <= pd_state(prefill)["engine"]["bytes"] - before
+    assert sum(rec["bytes"] for rec in recs) <= pd_state(prefill)["engine"]["bytes"] - before
     _decode_at_baseline(node0, f"127.0.0.1:{bport}", only=True)
 
 
@@ -237,27 +238,13 @@ def _decode_at_baseline(node0, bootstrap, only):
 
 def test_two_node_prefill_to_two_node_decode_equals_colocated(prefill2, decode2, colocated):
     p0, d0, bport = prefill2.node0, decode2.node0, prefill2.bport
-    rng = random.Random(1366)
-    lengths, max_new = [7, 23, 38], [6, 7, 5]
-    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
-    ref = _reference(colocated, prompts, max_new)
-    before = pd_state(p0)["engine"]["bytes"]
-    compared = []
-    for k, (ids, m) in enumerate(zip(prompts, max_new)):
-        out = pd_pair(p0, d0, bport, ids, 7000 + k, m, stream=(k == 0))
-        assert len(out["output_ids"]) == m
-        compared.append(greedy_agrees(*ref[k], out["output_ids"]))
+    recs, pages, compared, before = _serve(p0, d0, bport, colocated, seed=1366,
+                                           lengths=[7, 23, 38], max_new=[6, 7, 5],
+                                           room0=7000, stream_k=0)
     assert max(compared) >= 2, compared
-    assert wait_until(lambda: at_baseline(p0), 10), load(p0)
-    recent = {r["room"]: r for r in pd_state(p0)["recent"]}
-    for k, n in enumerate(lengths):
-        rec = recent[7000 + k]
-        assert rec["state"] == "Success", rec
-        pages = -(-n // PAGE_SIZE) - rec["decode_prefix_len"] // PAGE_SIZE
-        assert pages >= 1 and rec["pages"] == pages, rec
-        assert rec["bytes"] == pages * BYTES_PER_PAGE, rec
+    for rec, n_pages in zip(recs, pages):
         # Prefill node r's head lands in decode node r's shard: half the bytes per decode node.
-        assert rec["node_bytes"] == [pages * BYTES_PER_PAGE // 2] * 2, rec
+        assert rec["node_bytes"] == [n_pages * BYTES_PER_PAGE // 2] * 2, rec
         # Head slices are whole shards on both sides: per chunk, 2 buffers x 2 slices (one per
         # node pair) x a copy per contiguous page run and layer.
         for chunk in rec["chunks"]:
@@ -265,7 +252,7 @@ def test_two_node_prefill_to_two_node_decode_equals_colocated(prefill2, decode2,
         assert rec["copies"] == sum(c["copies"] for c in rec["chunks"]), rec
     # Prefill node 0 wrote only its head (into decode node 0) and the metadata rows.
     moved = pd_state(p0)["engine"]["bytes"] - before
-    half = sum(recent[7000 + k]["pages"] for k in range(len(lengths))) * BYTES_PER_PAGE // 2
+    half = sum(pages) * BYTES_PER_PAGE // 2
     assert half <= moved < 2 * half, (moved, half)
     # This prefill and test 2's one-process one, when it ran, are both paired and ready.
     _decode_at_baseline(d0, f"127.0.0.1:{bport}", only=False)

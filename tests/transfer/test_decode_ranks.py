@@ -11,6 +11,7 @@ import threading
 import types
 
 import pytest
+from rank_fakes import FakeCluster
 
 from pdjax.transfer.bootstrap import PrefillRankInfo
 from pdjax.transfer.kv_export import KVLayout, build_copies
@@ -51,7 +52,7 @@ def _register(**kw):
 
 def _merged():
     """Both nodes' shards as ``DecodeRanks.layout`` gives them to ``RegisterDecode``."""
-    ranks = DecodeRanks(_Cluster())
+    ranks = DecodeRanks(FakeCluster())
     assert ranks.report(_info(1)) is None
     return ranks.layout(_node(0), "s0", 1.0)
 
@@ -60,17 +61,6 @@ def _info(rank=1, generation=0, layout=None):
     layout = layout or _node(rank)
     return DecodeRankInfo(node_rank=rank, session_id=f"s{rank}", kv_layout=layout.kind,
                           kv_buffers=layout.buffers, generation=generation)
-
-
-class _Cluster:
-    args = types.SimpleNamespace(nnodes=2)
-    lost = None
-
-    def __init__(self):
-        self.sent = []
-
-    def send(self, op, **fields):
-        self.sent.append((op, fields))
 
 
 def test_register_decode_carries_every_node_and_checks_the_fields():
@@ -124,7 +114,7 @@ def test_decode_rank_info_round_trip_and_range_checks():
 
 
 def test_node_zero_records_reports_in_generation_order_and_names_a_missing_node():
-    cluster = _Cluster()
+    cluster = FakeCluster()
     ranks = DecodeRanks(cluster)
     ranks.announce("tcp://n0:1")
     ranks.check()
@@ -214,7 +204,7 @@ def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
         PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
                         kv_dtype="float32", layout_fingerprint="f", session_id=f"p{r}",
                         kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
-    pm.ranks = PrefillRanks(_Cluster(), bootstrap, local_kv, "tcp://127.0.0.1:1")
+    pm.ranks = PrefillRanks(FakeCluster(), bootstrap, local_kv, "tcp://127.0.0.1:1")
     pm.local_kv, pm.page_size = local_kv, PS
     pm.meta = types.SimpleNamespace(bytes_per_slot=64)
     told, rejected = [], []

@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from rank_fakes import FakeCluster
 
 from pdjax.transfer.bootstrap import PrefillRankInfo
 from pdjax.transfer.engine import TransferError, create_transfer_engine
@@ -164,17 +165,6 @@ def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
     assert not writes.report(RankWriteDone(job=b, node_rank=1, **ok))      # too late
 
 
-class _Cluster:
-    args = types.SimpleNamespace(nnodes=2)
-    lost = None
-
-    def __init__(self):
-        self.sent = []
-
-    def send(self, op, **fields):
-        self.sent.append((op, fields))
-
-
 def _manager(fail_node: bool):
     """A ``PrefillManager`` with only what ``_write_chunk`` uses: node 0's half on the fake
     engine, node 1 answering the job as ``fail_node`` says."""
@@ -185,7 +175,7 @@ def _manager(fail_node: bool):
         PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
                         kv_dtype="float32", layout_fingerprint="f", session_id=f"s{r}",
                         kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
-    cluster = _Cluster()
+    cluster = FakeCluster()
     pm.ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
     peer = types.SimpleNamespace(session_id="decode:1", layout=DECODE, reply_endpoint="tcp://d:1",
                                  metadata_addr=0x5000, metadata_num_slots=4,
@@ -373,7 +363,7 @@ def test_a_follower_writes_each_decode_node_into_its_session_and_reports_per_nod
 
 
 def test_node_zero_writes_both_decode_nodes_then_the_row_into_node_zero():
-    cluster = _Cluster()
+    cluster = FakeCluster()
     bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
         PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
                         kv_dtype="float32", layout_fingerprint="f", session_id=f"s{r}",
