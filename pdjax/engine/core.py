@@ -23,7 +23,7 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import resolve_engine_config
-from pdjax.engine.startup import PhaseTimer
+from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
 from pdjax.jax_setup import enable_compilation_cache
@@ -101,7 +101,8 @@ class EngineCore:
         phase("backend")
         self.model_cfg, model = load_model(
             self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
-            load_format=args.load_format, attention_impl=config.attention_impl, interpret=args.pallas_interpret)
+            load_format=args.load_format, attention_impl=config.attention_impl,
+            interpret=args.pallas_interpret)
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
@@ -109,11 +110,7 @@ class EngineCore:
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
-        if self.context_length < self.sched_config.max_context_len:
-            logger.warning("context length %d cut to %d tokens: the KV pool holds %d pages of %d "
-                           "(raise --max-total-tokens for the full length)",
-                           self.sched_config.max_context_len, self.context_length,
-                           self.sched_config.num_pages, args.page_size)
+        warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = Buckets.create(
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
