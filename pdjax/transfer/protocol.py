@@ -236,6 +236,14 @@ class Message:
         return msgpack.packb(body, use_bin_type=True)
 
 
+def _kv_buffers_from_wire(bufs: Any) -> tuple[KVBufferDesc, ...]:
+    """The ``kv_buffers`` field of a message: 1..``MAX_BUFFERS`` ``KVBufferDesc`` maps, each
+    range-checked; ``ProtocolError`` naming the field."""
+    if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
+        raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
+    return tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b) for i, b in enumerate(bufs))
+
+
 @dataclasses.dataclass(frozen=True)
 class RegisterDecode(Message):
     """One-time registration of a decode engine with a prefill rank (decode -> prefill).
@@ -350,12 +358,7 @@ class RegisterDecode(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "RegisterDecode":
-        bufs = d.get("kv_buffers")
-        if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
-        d = dict(d, kv_buffers=tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b)
-                                     for i, b in enumerate(bufs)))
-        return cls(**d)
+        return cls(**dict(d, kv_buffers=_kv_buffers_from_wire(d.get("kv_buffers"))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,11 +567,7 @@ class DecodeRankInfo(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "DecodeRankInfo":
-        bufs = d.get("kv_buffers")
-        if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
-        return cls(**dict(d, kv_buffers=tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b)
-                                              for i, b in enumerate(bufs))))
+        return cls(**dict(d, kv_buffers=_kv_buffers_from_wire(d.get("kv_buffers"))))
 
 
 _MESSAGE_CLASSES: dict[str, type[Message]] = {
