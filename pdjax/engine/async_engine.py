@@ -298,6 +298,7 @@ class AsyncEngine:
                     if out is not None:
                         out.error = f"internal error: {e}"
                         self._push(out)
+                self.core.scheduler.evict_unlocked()
                 continue
             finally:
                 self.watchdog.step_ended()

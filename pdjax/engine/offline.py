@@ -82,15 +82,21 @@ class Engine:
                 core.abort_request(rid, "another prompt of the batch was refused")
             raise
         pending = set(accs)
-        while pending:
-            for out in core.step():
-                acc = accs.get(out.rid)
-                if acc is None or out.rid not in pending:
-                    continue
-                if acc.add(out).stop_string_hit:
-                    core.abort_request(out.rid)
-                if acc.finished:
-                    pending.discard(out.rid)
+        try:
+            while pending:
+                for out in core.step():
+                    acc = accs.get(out.rid)
+                    if acc is None or out.rid not in pending:
+                        continue
+                    if acc.add(out).stop_string_hit:
+                        core.abort_request(out.rid)
+                    if acc.finished:
+                        pending.discard(out.rid)
+        except Exception as e:      # a failed step: its requests go, and what it shared
+            for rid in pending:
+                core.abort_request(rid, f"internal error: {e}")
+            core.scheduler.evict_unlocked()
+            raise
         core.drain()      # the step in flight holds only rows of finished requests
         results = [self._result(acc.result, return_logprob) for acc in accs.values()]
         return results[0] if single and len(results) == 1 else results

@@ -182,6 +182,40 @@ class RadixCache:
             self._num_cached += len(leaf.pages)
             self._pages_in_tree.update(leaf.pages)
 
+    def extend_locked(self, node: Node, token_ids: Sequence[int],
+                      pages: Sequence[int]) -> Node | None:
+        """Share a running request's newly computed full pages (SGLang's
+        ``cache_unfinished_req``; vLLM caches a block when it schedules it).
+
+        ``pages[i]`` holds ``token_ids[i*page_size:(i+1)*page_size]``; the caller holds a lock on
+        ``node``, whose path root..``node`` must cache exactly the first pages of ``pages``. The
+        pages after them join the tree as a leaf under ``node``, the caller's lock moves to that
+        leaf, and the leaf is returned. Returns None (nothing changes) when the cache is
+        disabled, there is nothing new, or other page ids already hold part of the new range
+        (another request computed the same tokens: the caller keeps its pages and hands them
+        to ``insert`` when it ends). Raises ``ValueError`` if ``node`` is not in the tree or its
+        path is not the head of ``pages``, or for the page errors ``insert`` raises.
+        """
+        path = self._path(node)
+        num_pages = len(token_ids) // self.page_size
+        if len(pages) != num_pages:
+            raise ValueError(
+                f"pages: expected len(token_ids) // page_size = {num_pages} full pages, "
+                f"got {len(pages)}")
+        if not self.enabled:
+            return None
+        held = sum(len(n.pages) for n in path)
+        cached = self._peek(token_ids, num_pages)
+        if len(cached) < held or list(pages[:held]) != cached[:held]:
+            raise ValueError(f"pages: the path of {node!r} is not the head of {list(pages)}")
+        if len(cached) > held or held == num_pages:
+            return None
+        self.insert(token_ids, pages)
+        leaf, _ = self._descend(token_ids, num_pages)
+        self.lock(leaf)
+        self.unlock(node)
+        return leaf
+
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` unlocked pages, least recently used leaves first.
 

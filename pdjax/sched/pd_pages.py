@@ -87,7 +87,7 @@ class PDPageSets:
             return False
         req.prefix_node = node
         req.pages = list(pages) + self.allocator.alloc(new)
-        req.reserve_prebuilt(len(pages) * ps)
+        req.reserve_prebuilt(len(pages) * ps, len(pages))
         self._prealloc[req.rid] = req
         return True
 
@@ -139,8 +139,7 @@ class PDPageSets:
         if quarantine_key is not None and quarantine_key in self._quarantined:
             raise ValueError(f"quarantine key {quarantine_key!r} is already in use")
         del self._prealloc[req.rid]
-        k = req.num_cached_tokens // self.page_size
-        own = req.pages[k:]
+        own = req.pages[req.num_shared_pages:]
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
             req.prefix_node = None
@@ -149,6 +148,7 @@ class PDPageSets:
         elif own:
             self.allocator.free(own)
         req.pages = []
+        req.set_num_shared_pages(0)
         return own
 
     def release_quarantine(self, quarantine_key: Hashable) -> int:

@@ -15,7 +15,9 @@ Policy, per step:
    capped by ``max_prefill_tokens``) goes to prefill: first requests already being prefilled,
    then waiting ones in arrival order (head of line; no skipping), admitted only when the whole
    prompt's pages plus one fit. A prompt longer than ``chunked_prefill_size`` or the budget is
-   split into chunks; one chunked request at a time.
+   split into chunks; one chunked request at a time. A prefill row shares its full pages in
+   the prefix cache when it is scheduled, so a request admitted after it (in the same step too)
+   starts past the prefix they share (in-batch prefix sharing).
 3. With ``enable_mixed_chunk`` the decode rows and the prefill chunk share one forward (the
    ``mixed`` entry). Without it a step is either decode or prefill, alternating when both have
    work, so decode rows never wait more than one step (the fairness bound).
@@ -226,11 +228,15 @@ class Scheduler(PDPageSets):
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
             req.prefix_node = None
-        full = min(req.num_computed_tokens // self.page_size, len(req.pages))
+        # Shared pages are the cache's already (a forward launched after their scheduling
+        # writes their KV, even when the request is dropped before it reads them).
+        full = max(min(req.num_computed_tokens // self.page_size, len(req.pages)),
+                   req.num_shared_pages)
         self.prefix_cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
         if req.pages[full:]:
             self.allocator.free(req.pages[full:])
         req.pages = []
+        req.set_num_shared_pages(0)
 
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
@@ -312,7 +318,7 @@ class Scheduler(PDPageSets):
             return False
         req.prefix_node = node
         req.pages = list(pages)
-        req.start_running(len(pages) * ps)
+        req.start_running(len(pages) * ps, len(pages))
         self.running.append(req)
         return True
 
@@ -340,10 +346,29 @@ class Scheduler(PDPageSets):
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
                 break
             rows.append(ScheduledRow(req, req.num_computed_tokens, n))
+            self._share_computed(req, req.num_computed_tokens + n)
             budget -= n
             if n < remaining:
                 break          # one chunked request at a time
         return rows
+
+    def _share_computed(self, req: Request, num_tokens: int) -> None:
+        """The full pages of ``req``'s first ``num_tokens`` tokens, which this step computes,
+        join the prefix cache now: a request admitted later in this step, or after, reuses
+        them instead of computing the same prefix again (in-batch prefix sharing; vLLM caches
+        a block when it schedules it). A row of the same forward may attend to them: every
+        model writes a layer's KV for all the forward's tokens before any token of that layer
+        reads the cache (DESIGN.md §2)."""
+        full = min(num_tokens // self.page_size, len(req.pages))
+        if full <= req.num_shared_pages or req.prefix_node is None:
+            return
+        ids = req.all_ids[:full * self.page_size]
+        if PENDING_TOKEN in ids:
+            return
+        node = self.prefix_cache.extend_locked(req.prefix_node, ids, req.pages[:full])
+        if node is not None:
+            req.prefix_node = node
+            req.set_num_shared_pages(full)
 
     def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
         """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
@@ -471,6 +496,12 @@ class Scheduler(PDPageSets):
         self.requests.pop(req.rid, None)
         req.finish(reason)
 
+    def evict_unlocked(self) -> int:
+        """Evict every cached page no request holds; returns how many. For a failed step: the
+        pages its rows shared at scheduling may never have been written, and once its requests
+        are aborted nothing else tells them apart."""
+        return self.prefix_cache.evict(self.prefix_cache.num_evictable_pages)
+
     # ------------------------------------------------------------------ accounting
     @property
     def num_used_pages(self) -> int:
@@ -483,7 +514,8 @@ class Scheduler(PDPageSets):
         cached = set(self.prefix_cache.cached_pages())
         owned: list[int] = [p for pages in self._quarantined.values() for p in pages]
         for r in [*self.running, *self._held.values(), *self._prealloc.values()]:
-            k = r.num_cached_tokens // self.page_size
+            k = r.num_shared_pages
+            assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]
         owned_set = set(owned)

@@ -182,3 +182,63 @@ def test_max_new_tokens_zero_returns_no_tokens(llama_engine):
         assert o["output_ids"] == [] and o["text"] == ""
         assert o["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert not sched.has_work and sched.num_used_pages == 0
+
+
+def _shared_prefix_prompts(seed=21, prefix_len=37, tails=(3, 11, 1, 20, 6)):
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(5, 500, prefix_len).tolist()
+    return [prefix + rng.integers(5, 500, t).tolist() for t in tails]
+
+
+def test_a_batch_sharing_a_prefix_computes_it_once_with_the_same_tokens(llama_engine):
+    """In-batch prefix sharing: prompts of one batch with a common 37-token prefix compute it
+    once (the later ones start at its last full page, in the same forward) and give the
+    tokens and logprobs of a run without the prefix cache; with overlap on too."""
+    prompts = _shared_prefix_prompts()
+    set_sched(llama_engine, chunked_prefill_size=64, disable_radix_cache=True)
+    ref = _run(llama_engine, prompts)
+    assert [o["meta_info"]["cached_tokens"] for o in ref] == [0] * 5
+    core = llama_engine.core
+    for overlap in (False, True):
+        before = core.overlap
+        core.overlap = overlap
+        try:
+            sched = set_sched(llama_engine, chunked_prefill_size=64)
+            sched.prefix_cache.reset()
+            computed0 = sched.num_prompt_tokens_computed
+            outs = _run(llama_engine, prompts, check=True)
+        finally:
+            core.overlap = before
+        _assert_same(ref, outs, f"shared prefix, overlap {overlap}")
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        assert cached == [0, 32, 32, 32, 32], cached        # 4 full pages of 8 before position 37
+        assert sched.num_prompt_tokens_computed - computed0 == \
+            sum(len(p) for p in prompts) - sum(cached)
+        assert not sched.running and sched.num_used_pages == sched.prefix_cache.num_cached_pages
+
+
+def test_a_failed_step_leaves_no_unwritten_page_in_the_prefix_cache(llama_engine, monkeypatch):
+    """The forward of a step raises before it is launched: the pages its rows shared when
+    scheduled were never written, so they leave the prefix cache with the aborted requests;
+    the next run computes (and answers) the prompts afresh."""
+    prompts = _shared_prefix_prompts(seed=22)
+    sched = set_sched(llama_engine, chunked_prefill_size=64)
+    sched.prefix_cache.reset()
+    ref = _run(llama_engine, prompts)
+    sched.prefix_cache.reset()
+    runner = llama_engine.core.runner
+    real = runner.forward
+
+    def failing(*a, **k):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(runner, "forward", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        _run(llama_engine, prompts)
+    monkeypatch.setattr(runner, "forward", real)
+    assert not sched.running and not sched.waiting and not sched.requests
+    assert sched.prefix_cache.num_cached_pages == 0 and sched.num_used_pages == 0
+    sched.check_invariants()
+    again = _run(llama_engine, prompts, check=True)
+    _assert_same(ref, again, "after a failed step")
+    assert [o["meta_info"]["cached_tokens"] for o in again] == [0, 32, 32, 32, 32]

@@ -249,3 +249,51 @@ def test_reset():
         cache.lock(node)
     with pytest.raises(ValueError):
         RadixCache(0, alloc)
+
+
+def test_extend_locked_shares_a_running_requests_pages_and_moves_its_lock():
+    alloc, cache = make()
+    a = alloc.alloc(3)
+    # No match yet: the request holds the root; its first two full pages join the tree.
+    leaf = cache.extend_locked(cache.root, toks((1, 8)), a[:2])
+    assert leaf.pages == a[:2] and leaf.lock_ref == 1
+    assert cache.num_evictable_pages == 0 and cache.evict(5) == 0
+    # One more page computed: the lock moves from the old end to the new one.
+    leaf2 = cache.extend_locked(leaf, toks((1, 12)), a)
+    assert leaf2.pages == [a[2]] and leaf2.lock_ref == 1 and leaf.lock_ref == 1
+    assert cache.match_prefix(toks((1, 13)))[0] == a
+    # Nothing new to share.
+    assert cache.extend_locked(leaf2, toks((1, 12)), a) is None
+    cache.unlock(leaf2)
+    assert cache.num_evictable_pages == 3
+    check_tree(cache)
+
+
+def test_extend_locked_leaves_pages_that_another_request_computed_too():
+    alloc, cache = make()
+    first, second = alloc.alloc(2), alloc.alloc(2)
+    leaf = cache.extend_locked(cache.root, toks((1, 8)), first)
+    # `second` computed the same tokens without matching them: its pages stay its own.
+    assert cache.extend_locked(cache.root, toks((1, 8)), second) is None
+    assert cache.match_prefix(toks((1, 9)))[0] == first
+    assert not any(alloc.is_free(p) for p in second)
+    cache.unlock(leaf)
+    check_tree(cache)
+
+
+def test_extend_locked_errors_change_nothing():
+    alloc, cache = make()
+    a = alloc.alloc(2)
+    leaf = cache.extend_locked(cache.root, toks((1, 8)), a)
+    b = alloc.alloc(2)
+    with pytest.raises(ValueError, match="is not the head"):
+        cache.extend_locked(leaf, toks((1, 8), (9, 12)), b + [alloc.alloc(1)[0]])
+    with pytest.raises(ValueError, match="full pages"):
+        cache.extend_locked(leaf, toks((1, 12)), a)
+    assert cache.match_prefix(toks((1, 13)))[0] == a and leaf.lock_ref == 1
+    _, off_tree = make()
+    with pytest.raises(ValueError, match="not in the cache"):
+        cache.extend_locked(off_tree.root.__class__(99, None, [], [], 0), toks((1, 4)), [9])
+    _, disabled = make(enabled=False)
+    assert disabled.extend_locked(disabled.root, toks((1, 4)), [3]) is None
+    check_tree(cache)

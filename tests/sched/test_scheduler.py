@@ -283,3 +283,95 @@ def test_buckets_chosen_by_hand_must_hold_every_batch():
     for change, message in bad:
         with pytest.raises(ValueError, match=message):
             dataclasses.replace(few, **change).check_serves(limits)
+
+
+def _shared_prefix_reqs(prefix_len, tails, max_new=2):
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 100) for _ in range(prefix_len)]
+    return [Request(f"r{i}", prefix + [rng.randrange(3, 100) for _ in range(t)],
+                    SamplingParams(max_new_tokens=max_new, temperature=0))
+            for i, t in enumerate(tails)]
+
+
+def test_requests_of_one_step_share_a_prefix_computed_in_that_step():
+    """In-batch prefix sharing: the second request's first 12 tokens are in pages the first
+    one computes in the same forward, so it computes only its own tail."""
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=64))
+    a, b, c = _shared_prefix_reqs(13, [2, 5, 3])
+    for r in (a, b, c):
+        sched.add_request(r)
+    batch = sched.schedule()
+    assert [(r.req.rid, r.start, r.num_tokens) for r in batch.rows] == \
+        [("r0", 0, 15), ("r1", 12, 6), ("r2", 12, 4)]
+    assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 12, 12)
+    assert b.pages[:3] == a.pages[:3] == c.pages[:3]
+    # Their own full tail pages are shared too (b has 18 tokens, c 16).
+    assert (a.num_shared_pages, b.num_shared_pages, c.num_shared_pages) == (3, 4, 4)
+    sched.check_invariants()
+    sampled = {i: _fake_token(r.req) for i, r in enumerate(batch.rows) if r.samples}
+    sched.process_results(batch, sampled, _stop)
+    sched.check_invariants()
+    run_to_completion(sched)
+    assert sched.num_used_pages == sched.prefix_cache.num_cached_pages   # all pages back
+    # The same tokens as requests run one at a time without any cache.
+    for r in (a, b, c):
+        alone = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=64,
+                                          disable_radix_cache=True))
+        twin = Request(r.rid, list(r.prompt_ids), r.sampling_params)
+        alone.add_request(twin)
+        run_to_completion(alone)
+        assert twin.output_ids == r.output_ids
+
+
+def test_a_chunked_prompt_shares_its_pages_with_a_row_of_its_last_chunk_step():
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=8,
+                                      max_num_batched_tokens=16))
+    long, short = _shared_prefix_reqs(20, [4, 1])
+    sched.add_request(long)
+    sched.add_request(short)
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append([(r.req.rid, r.start, r.num_tokens) for r in batch.rows])
+        sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples},
+                              _stop)
+        sched.check_invariants()
+    # One chunked request at a time: short waits for long's last chunk, then matches the
+    # 20 tokens long has by the end of that same step.
+    assert steps == [[("r0", 0, 8)], [("r0", 8, 8)], [("r0", 16, 8), ("r1", 20, 1)]]
+    assert short.num_cached_tokens == 20 and short.pages[:5] == long.pages[:5]
+    run_to_completion(sched)
+
+
+def test_dropping_a_request_before_its_forward_keeps_the_pages_it_shared():
+    """Scheduled, its pages shared and matched by another row of the same step, then aborted
+    before the forward is launched: the forward still writes those pages (its batch was built),
+    so they stay in the cache, held by the request that matched them."""
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=64))
+    a, b = _shared_prefix_reqs(12, [3, 2])
+    sched.add_request(a)
+    sched.add_request(b)
+    batch = sched.schedule()
+    assert b.pages[:3] == a.pages[:3] and b.num_cached_tokens == 12
+    shared = a.pages[:3]
+    sched.abort_request("r0")
+    sched.check_invariants()
+    assert set(shared) <= sched.prefix_cache.cached_pages()
+    assert not any(sched.allocator.is_free(p) for p in shared)
+    assert sched.prefix_cache.evict(100) == 0 or set(shared) <= sched.prefix_cache.cached_pages()
+    sched.process_results(batch, {1: 5}, _stop)
+    run_to_completion(sched)
+    sched.check_invariants()
+
+
+def test_no_prefix_sharing_without_the_radix_cache():
+    sched = Scheduler(SchedulerConfig(num_pages=64, page_size=4, chunked_prefill_size=64,
+                                      disable_radix_cache=True))
+    a, b = _shared_prefix_reqs(12, [3, 2])
+    sched.add_request(a)
+    sched.add_request(b)
+    batch = sched.schedule()
+    assert [(r.start, r.num_tokens) for r in batch.rows] == [(0, 15), (0, 14)]
+    assert not set(a.pages) & set(b.pages)
+    run_to_completion(sched)
+    sched.check_invariants()
