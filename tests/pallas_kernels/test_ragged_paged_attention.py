@@ -553,3 +553,25 @@ def test_package_import_is_light():
                          check=True, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin",
                                           "PYTHONPATH": ":".join(sys.path)})
     assert out.stdout.strip() == "[]"
+
+
+def test_xla_path_picks_long_or_short_tiles_per_request(monkeypatch):
+    """Default tiles: each request takes long tiles (q_len and kv_len over the thresholds) or
+    short ones (lax.cond per request); both kinds in one batch equal the oracle. The thresholds
+    are scaled down to the test envelope (48 tokens, 96 cached tokens per request)."""
+    from pdjax.pallas_kernels.ragged_paged_attention import xla
+
+    for name, value in (("DEFAULT_Q_BLOCK", 16), ("DEFAULT_KV_BLOCK_TOKENS", 32),
+                        ("LONG_TILE_MIN_KV", 64), ("SHORT_Q_BLOCK", 8),
+                        ("SHORT_KV_BLOCK_TOKENS", 16)):
+        monkeypatch.setattr(xla, name, value)
+    for config in ("gqa3_d64_f32", "gqa4_d64_bf16_window_softcap"):
+        cfg = CONFIGS[config]
+        fn = jax.jit(functools.partial(
+            xla.ragged_paged_attention_xla, sm_scale=cfg.head_dim ** -0.5,
+            sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap))
+        # Two decode rows; long: (20, 90) and (17, 70); short: (5, 60), (4, 20) (q_len) and
+        # (16, 40) (kv_len under the threshold).
+        seqs = [(1, 40), (1, 77), (20, 90), (5, 60), (17, 70), (4, 20)]
+        _check_xla(cfg, fn, "long and short tiles", seqs, (2, 2, 6), seed=3)
+        _check_xla(cfg, fn, "short only", [(16, 40), (16, 80), (16, 33)], (0, 3, 3), seed=4)

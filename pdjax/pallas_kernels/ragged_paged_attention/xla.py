@@ -14,8 +14,10 @@ request's pages once per query token, so a prefill chunk of ``q`` tokens at cont
     flat tokens | d0 d1 d2 | c0 ....................... c255 | e0 ... e40 | pad ...
     tiles                  |  tile 0       |  tile 1         | tile 0     |
 
-Each tile reads its request's pages in KV blocks of ``kv_pages_per_block`` pages (one gather
-per block, shared by the tile's rows) and does one ``[q_block * G, D] x [D, kv_block]`` matmul
+Each request takes long tiles (128 rows over 512-token KV blocks) when its chunk and context
+are both long, short ones (32 rows over 64-token blocks) otherwise (table below). Each tile
+reads its request's pages in KV blocks of ``kv_pages_per_block`` pages (one gather per block,
+shared by the tile's rows) and does one ``[q_block * G, D] x [D, kv_block]`` matmul
 per KV head with an online softmax. All three loops (requests, tiles of a request, KV blocks
 up to the tile's last position) are ``fori_loop``s with traced bounds, so the cost is about
 ``q_len x kv_len`` per request (half of it skipped by causality) and neither the token bucket
@@ -32,9 +34,18 @@ import jax.numpy as jnp
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     _MASK_VALUE, ragged_paged_attention_reference, validate_inputs)
 
-DEFAULT_Q_BLOCK = 128        # query rows per tile (a 256-token chunk is two tiles)
+# Two tilings, chosen per request (measured on XLA CPU, one SmolLM2 layer, 9 query / 3 KV
+# heads of 64; ms): long tiles win only for a long chunk over a long context, short ones
+# everywhere else, by far when a step holds many short rows (in-batch prefix sharing).
+#                         256 @ ctx 2000   64 x4 @ ctx 1000   32 x8 @ ctx 64   256 fresh
+#   long  (128, 512)           24.8             24.6              25.0           4.8
+#   short (32, 64)             36.8             10.7               1.2           1.8
+DEFAULT_Q_BLOCK = 128        # query rows per long tile (a 256-token chunk is two tiles)
 DEFAULT_KV_BLOCK_TOKENS = 512
-SMALL_BUCKET_TOKENS = 16     # token buckets up to this use tiles of half the bucket
+LONG_TILE_MIN_KV = 1024      # long tiles for q_len >= DEFAULT_Q_BLOCK at kv_len >= this
+SHORT_Q_BLOCK = 32
+SHORT_KV_BLOCK_TOKENS = 64
+SMALL_BUCKET_TOKENS = 16     # token buckets up to this use short tiles of half the bucket
 
 
 def ragged_paged_attention_xla(
@@ -66,9 +77,11 @@ def ragged_paged_attention_xla(
         ``[0:decode_end)`` must have q_len 1; rows ``[decode_end:num_seqs)`` may have any q_len;
         rows from ``num_seqs`` on are padding and give 0.
       sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
-      q_block: query rows per tile (static; default ``min(T, 128)``, ``T // 2`` for
-        ``T <= 16``).
-      kv_pages_per_block: pages per KV block (static; default 512 tokens' worth, at most P).
+      q_block, kv_pages_per_block: query rows per tile and pages per KV block (static). When
+        either is given, every request takes those tiles (the other defaulting to 128 rows /
+        512 tokens' worth, at most P). By default each request picks (``lax.cond``) long tiles
+        (128 rows, 512 tokens) when its q_len is >= 128 and its kv_len >= 1024, short ones
+        (32 rows, or ``T // 2`` for ``T <= 16``; 64 tokens) otherwise.
       decode_only: static promise that every row has q_len 1: only the decode part is built
         (the reference, half the compile time of both parts).
 
@@ -88,27 +101,70 @@ def ragged_paged_attention_xla(
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs_pad, max_pages = page_indices.shape
     group = num_q_heads // num_kv_heads
-    if q_block is None:
-        # In the smallest buckets a mixed step's decode rows lead the stream and leave a chunk
-        # of at most about half of it: a full-width tile would spend half its rows on them.
-        q_block = min(num_tokens, DEFAULT_Q_BLOCK) if num_tokens > SMALL_BUCKET_TOKENS \
-            else max(1, num_tokens // 2)
-    q_block = min(num_tokens, q_block)
-    if kv_pages_per_block is None:
-        kv_pages_per_block = max(1, min(max_pages, DEFAULT_KV_BLOCK_TOKENS // page_size))
-    if q_block < 1 or kv_pages_per_block < 1:
-        raise ValueError(f"q_block ({q_block}) and kv_pages_per_block ({kv_pages_per_block}) "
-                         "must be >= 1")
-    num_kv_blocks = -(-max_pages // kv_pages_per_block)
-    pad = num_kv_blocks * kv_pages_per_block - max_pages
-    if pad:
-        page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))
-    kv_block = kv_pages_per_block * page_size
-
+    for name, v in (("q_block", q_block), ("kv_pages_per_block", kv_pages_per_block)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} ({v}) must be >= 1")
     decode_end = jnp.clip(distribution[0], 0, num_seqs_pad)
     num_seqs = jnp.clip(distribution[2], decode_end, num_seqs_pad)
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     qf = (q.astype(jnp.float32) * sm_scale).reshape(num_tokens, num_kv_heads, group, head_dim)
+    tiled = dict(qf=qf, k_cache=k_cache, v_cache=v_cache, layer=layer, kv_lens=kv_lens,
+                 page_indices=page_indices, cu_q_lens=cu_q_lens, q_lens=q_lens,
+                 sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+                 v_scale=v_scale)
+
+    def kv_pages(tokens):
+        return max(1, min(max_pages, tokens // page_size))
+
+    if q_block is not None or kv_pages_per_block is not None:
+        q_block = min(num_tokens, q_block or DEFAULT_Q_BLOCK)
+        kv_pages_per_block = kv_pages_per_block or kv_pages(DEFAULT_KV_BLOCK_TOKENS)
+        request_step = _tiles(q_block, kv_pages_per_block, **tiled)
+    else:
+        # In the smallest buckets a mixed step's decode rows lead the stream and leave a chunk
+        # of at most about half of it: a full-width tile would spend half its rows on them.
+        short_q = max(1, num_tokens // 2) if num_tokens <= SMALL_BUCKET_TOKENS \
+            else min(num_tokens, SHORT_Q_BLOCK)
+        short_step = _tiles(short_q, kv_pages(SHORT_KV_BLOCK_TOKENS), **tiled)
+        if num_tokens < DEFAULT_Q_BLOCK:
+            request_step = short_step
+        else:
+            long_step = _tiles(DEFAULT_Q_BLOCK, kv_pages(DEFAULT_KV_BLOCK_TOKENS), **tiled)
+
+            def request_step(r, out):
+                long = (q_lens[r] >= DEFAULT_Q_BLOCK) & (kv_lens[r] >= LONG_TILE_MIN_KV)
+                return jax.lax.cond(long, long_step, short_step, r, out)
+
+    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
+    out = jax.lax.fori_loop(decode_end, num_seqs, request_step, out)
+
+    # Decode rows: requests [0, decode_end) own tokens [0, decode_end) (q_len 1 each).
+    num_decode = min(num_tokens, num_seqs_pad)
+    rows = jnp.arange(num_seqs_pad, dtype=jnp.int32)
+    decode_kv_lens = jnp.where(rows < decode_end, kv_lens, 0)
+    decode_cu = jnp.minimum(cu_q_lens, cu_q_lens[decode_end])
+    out_decode = ragged_paged_attention_reference(
+        q[:num_decode], k_cache, v_cache, layer, decode_kv_lens, page_indices, decode_cu,
+        distribution, **opts)
+    own = (jnp.arange(num_decode) < cu_q_lens[decode_end])[:, None, None]
+    out = out.at[:num_decode].set(jnp.where(own, out_decode.astype(jnp.float32),
+                                            out[:num_decode]))
+    return out.astype(q.dtype)
+
+
+def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens, page_indices,
+           cu_q_lens, q_lens, sliding_window, soft_cap, k_scale, v_scale):
+    """``request_step(r, out)``: request ``r``'s rows in query tiles of ``q_block`` tokens,
+    each over KV blocks of ``kv_pages_per_block`` pages (online softmax), written into
+    ``out [T, QH, D]`` float32. ``qf`` is the scaled query ``[T, KVH, G, D]`` float32."""
+    num_tokens, num_kv_heads, group, head_dim = qf.shape
+    page_size = k_cache.shape[2]
+    num_kv_blocks = -(-page_indices.shape[1] // kv_pages_per_block)
+    pad = num_kv_blocks * kv_pages_per_block - page_indices.shape[1]
+    if pad:
+        page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))
+    kv_block = kv_pages_per_block * page_size
+    rows = group * q_block
 
     def kv_step(r, q_tile, pos, row_ok):
         """Online-softmax step over KV block ``b`` of request ``r`` for one tile."""
@@ -160,19 +216,18 @@ def ragged_paged_attention_xla(
         pos = kv_len - q_len + (t - start)                                         # [Bq]
         q_tile = jax.lax.dynamic_slice_in_dim(qf, ws, q_block)                   # [Bq, KVH, G, D]
         # GQA folded into the rows: row g * Bq + i is query head g of the group, token i.
-        q_tile = q_tile.transpose(1, 2, 0, 3).reshape(num_kv_heads, group * q_block, head_dim)
+        q_tile = q_tile.transpose(1, 2, 0, 3).reshape(num_kv_heads, rows, head_dim)
         first_pos = kv_len - q_len + (t0 - start)
         last_pos = kv_len - q_len + (t1 - 1 - start)
         lo = 0 if sliding_window is None else jnp.maximum(first_pos - sliding_window + 1, 0)
         hi = jnp.clip(last_pos // kv_block + 1, 0, num_kv_blocks)
-        rows = group * q_block
         init = (jnp.full((num_kv_heads, rows), _MASK_VALUE, jnp.float32),
                 jnp.zeros((num_kv_heads, rows), jnp.float32),
                 jnp.zeros((num_kv_heads, rows, head_dim), jnp.float32))
         _, l, acc = jax.lax.fori_loop(lo // kv_block, hi, kv_step(r, q_tile, pos, row_ok), init)
         o = acc / jnp.where(l > 0, l, 1.0)[..., None]                             # [KVH, G*Bq, D]
         o = o.reshape(num_kv_heads, group, q_block, head_dim)
-        o = o.transpose(2, 0, 1, 3).reshape(q_block, num_q_heads, head_dim)
+        o = o.transpose(2, 0, 1, 3).reshape(q_block, num_kv_heads * group, head_dim)
         old = jax.lax.dynamic_slice_in_dim(out, ws, q_block)
         return jax.lax.dynamic_update_slice_in_dim(
             out, jnp.where(row_ok[:, None, None], o, old), ws, axis=0)
@@ -181,18 +236,4 @@ def ragged_paged_attention_xla(
         num_tiles = (q_lens[r] + q_block - 1) // q_block
         return jax.lax.fori_loop(0, num_tiles, lambda u, o: tile_step(r, o, u), out)
 
-    out = jnp.zeros((num_tokens, num_q_heads, head_dim), jnp.float32)
-    out = jax.lax.fori_loop(decode_end, num_seqs, request_step, out)
-
-    # Decode rows: requests [0, decode_end) own tokens [0, decode_end) (q_len 1 each).
-    num_decode = min(num_tokens, num_seqs_pad)
-    rows = jnp.arange(num_seqs_pad, dtype=jnp.int32)
-    decode_kv_lens = jnp.where(rows < decode_end, kv_lens, 0)
-    decode_cu = jnp.minimum(cu_q_lens, cu_q_lens[decode_end])
-    out_decode = ragged_paged_attention_reference(
-        q[:num_decode], k_cache, v_cache, layer, decode_kv_lens, page_indices, decode_cu,
-        distribution, **opts)
-    own = (jnp.arange(num_decode) < cu_q_lens[decode_end])[:, None, None]
-    out = out.at[:num_decode].set(jnp.where(own, out_decode.astype(jnp.float32),
-                                            out[:num_decode]))
-    return out.astype(q.dtype)
+    return request_step
