@@ -41,7 +41,9 @@ def test_held_pages_outlive_the_finish_until_released():
     assert req.state == RequestState.FINISHED and s.held == {"p": req}
     assert len(req.pages) == 3 and s.num_used_pages == 3
     s.check_invariants()
-    assert s.prefix_cache.num_cached_pages == 0       # nothing cached while held
+    # The two full pages were shared when scheduled; the hold keeps them locked.
+    assert s.prefix_cache.num_cached_pages == 2 and s.prefix_cache.num_evictable_pages == 0
+    assert s.prefix_cache.evict(5) == 0
     assert s.release_held("p") and not s.release_held("p")
     s.check_invariants()
     assert s.prefix_cache.num_cached_pages == 2        # the two full pages, now evictable
