@@ -20,6 +20,8 @@ than what is still needed gives up only its tail pages, so ``evict(n)`` frees ex
 Ownership: the tree owns the pages in it; ``insert`` takes ownership of a finished request's
 full pages and hands back to the allocator the ones whose prefix was already cached (unless they
 are the very pages in the tree, which is the case for the prefix the request matched).
+``extend_locked`` takes a running request's newly computed full pages (at scheduling: in-batch
+prefix sharing) and moves the request's lock to their node.
 """
 
 from __future__ import annotations
