@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import os
 import sys
 import tempfile

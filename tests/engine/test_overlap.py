@@ -4,7 +4,6 @@
 finish ever reaches a client; no compile after warm-up."""
 
 import numpy as np
-import pytest
 
 from model_utils import assert_tokens_match, boundary_prompts, set_sched, top2_gaps_from_top_logprobs
 from pdjax.engine_io import GenerateRequest

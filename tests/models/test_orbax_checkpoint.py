@@ -29,7 +29,7 @@ def _forward(model, input_ids, caches, md):
 
 def _logits(model, prompts):
     """Logits ``[tokens, V]`` of every prompt token, the prompts as one prefill batch."""
-    pages, rows, nxt = [], [], 1
+    rows, nxt = [], 1
     for p in prompts:
         n = -(-len(p) // PAGE)
         rows.append(BatchRow(p, 0, list(range(nxt, nxt + n))))

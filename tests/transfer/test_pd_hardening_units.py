@@ -3,7 +3,6 @@ is handed back for its final output; sealed control frames (HMAC, replay, time w
 real ZMQ sockets; the router's sample limits and its 4xx pass-through against fake workers."""
 
 import asyncio
-import json
 import time
 
 import numpy as np

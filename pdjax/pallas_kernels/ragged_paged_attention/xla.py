@@ -113,15 +113,8 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows
         v = jnp.where(seen[..., None], v, 0.0)
         mask = seen[:, None, :] & own_head[None]                               # [n, QH, S*KVH]
         s = jnp.einsum("nqd,njd->nqj", qf, k)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(mask, s, _MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l_new = alpha * l + p.sum(axis=-1)
-        acc_new = alpha[..., None] * acc + jnp.einsum("nqj,njd->nqd", p, v)
-        return m_new, l_new, acc_new
+        return _softmax_step(s, mask, m, l, acc, lambda p: jnp.einsum("nqj,njd->nqd", p, v),
+                             soft_cap)
 
     init = (jnp.full((n, num_q_heads), _MASK_VALUE, jnp.float32),
             jnp.zeros((n, num_q_heads), jnp.float32),
@@ -291,15 +284,8 @@ def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens,
             k = k.transpose(1, 0, 2)                                             # [KVH, S, D]
             v = v.transpose(1, 0, 2)
             s = jnp.einsum("hmd,hsd->hms", q_tile, k)                            # [KVH, G*Bq, S]
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask, s, _MASK_VALUE)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-            alpha = jnp.exp(m - m_new)
-            l_new = alpha * l + p.sum(axis=-1)
-            acc_new = alpha[..., None] * acc + jnp.einsum("hms,hsd->hmd", p, v)  # [KVH, G*Bq, D]
-            return m_new, l_new, acc_new
+            return _softmax_step(s, mask, m, l, acc,
+                                 lambda p: jnp.einsum("hms,hsd->hmd", p, v), soft_cap)
         return body
 
     def tile_step(r, out, u):
@@ -335,3 +321,17 @@ def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens,
         return jax.lax.fori_loop(0, num_tiles, lambda u, o: tile_step(r, o, u), out)
 
     return request_step
+
+
+def _softmax_step(s, mask, m, l, acc, weighted_values, soft_cap):
+    """One online-softmax step over a block of keys: scores ``s [..., S]`` (counted where
+    ``mask``), running max ``m`` and sum ``l [...]`` and output ``acc [..., D]``;
+    ``weighted_values(p)`` is the probabilities ``p [..., S]`` times the block's values.
+    Returns the new ``(m, l, acc)``."""
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, _MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + weighted_values(p)
