@@ -358,7 +358,7 @@ class Scheduler(PDPageSets):
         them instead of computing the same prefix again (in-batch prefix sharing; vLLM caches
         a block when it schedules it). A row of the same forward may attend to them: every
         model writes a layer's KV for all the forward's tokens before any token of that layer
-        reads the cache (DESIGN.md §2)."""
+        reads the cache (DESIGN.md §3, "Prefix cache")."""
         full = min(num_tokens // self.page_size, len(req.pages))
         if full <= req.num_shared_pages or req.prefix_node is None:
             return
