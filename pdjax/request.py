@@ -290,10 +290,7 @@ class Request:
     """One sequence being served. ``pages`` lists the KV pages it holds, in position order.
 
     Counters: the first ``num_computed_tokens`` tokens of ``all_ids`` have KV in ``pages``
-    (``num_cached_tokens`` of them came from the prefix cache). The first ``num_shared_pages``
-    pages belong to the prefix cache, locked through ``prefix_node``: the prefix matched at
-    admission plus the full pages this request computed and shared while it runs (so that
-    other requests reuse them). ``is_prefilling`` is derived.
+    (``num_cached_tokens`` of them came from the prefix cache). ``is_prefilling`` is derived.
     They change only through the methods below (the scheduler and the engine call them).
     """
 
@@ -312,7 +309,6 @@ class Request:
     pages: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
-    num_shared_pages: int = 0
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
@@ -363,18 +359,15 @@ class Request:
         self.state = new
 
     # ------------------------------------------------------------------ lifecycle
-    def start_running(self, num_cached_tokens: int, num_shared_pages: int = 0) -> None:
-        """Admitted with ``num_cached_tokens`` tokens of KV from the prefix cache, held in its
-        first ``num_shared_pages`` pages."""
+    def start_running(self, num_cached_tokens: int) -> None:
+        """Admitted with ``num_cached_tokens`` tokens of KV from the prefix cache."""
         self.num_computed_tokens = self.num_cached_tokens = num_cached_tokens
-        self.num_shared_pages = num_shared_pages
         self.set_state(RequestState.RUNNING)
 
     def retract(self, step_id: int) -> None:
         """Back to the queue without pages: all KV is recomputed on readmission."""
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.num_shared_pages = 0
         self.num_retractions += 1
         self.last_scheduled_step = step_id     # not readmitted in the step that retracted it
         self.set_state(RequestState.WAITING)
@@ -397,10 +390,6 @@ class Request:
     def set_num_computed_tokens(self, n: int) -> None:
         """A forward computed KV up to position ``n`` (exclusive)."""
         self.num_computed_tokens = n
-
-    def set_num_shared_pages(self, n: int) -> None:
-        """The first ``n`` pages now belong to the prefix cache (0 once the pages are gone)."""
-        self.num_shared_pages = n
 
     def clamp_computed_to_known(self) -> None:
         """The newest token has no KV yet (what a step without overlap would have computed)."""
@@ -430,11 +419,10 @@ class Request:
             n += 1
         return n
 
-    def reserve_prebuilt(self, num_cached_tokens: int, num_shared_pages: int = 0) -> None:
-        """PD decode: pages reserved, ``num_cached_tokens`` of the prompt from the prefix cache
-        (its first ``num_shared_pages`` pages), the rest arriving from the prefill server."""
+    def reserve_prebuilt(self, num_cached_tokens: int) -> None:
+        """PD decode: pages reserved, ``num_cached_tokens`` of the prompt from the prefix cache,
+        the rest arriving from the prefill server."""
         self.num_cached_tokens = num_cached_tokens
-        self.num_shared_pages = num_shared_pages
         self.num_computed_tokens = 0
 
     def start_prebuilt(self, first_token_id: int, step_id: int) -> None:

@@ -115,6 +115,11 @@ class RadixCache:
         node, pages = self._descend(token_ids, num_pages)
         return pages, node
 
+    def num_path_pages(self, node: Node) -> int:
+        """Pages on the path root..``node`` (0 for the root); ``ValueError`` if ``node`` is no
+        longer in the tree."""
+        return sum(len(n.pages) for n in self._path(node))
+
     # ---- locking -------------------------------------------------------------------------
 
     def lock(self, node: Node) -> None:

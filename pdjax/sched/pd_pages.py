@@ -87,7 +87,7 @@ class PDPageSets:
             return False
         req.prefix_node = node
         req.pages = list(pages) + self.allocator.alloc(new)
-        req.reserve_prebuilt(len(pages) * ps, len(pages))
+        req.reserve_prebuilt(len(pages) * ps)
         self._prealloc[req.rid] = req
         return True
 
@@ -139,7 +139,7 @@ class PDPageSets:
         if quarantine_key is not None and quarantine_key in self._quarantined:
             raise ValueError(f"quarantine key {quarantine_key!r} is already in use")
         del self._prealloc[req.rid]
-        own = req.pages[req.num_shared_pages:]
+        own = req.pages[self.num_shared_pages(req):]
         if req.prefix_node is not None:
             self.prefix_cache.unlock(req.prefix_node)
             req.prefix_node = None
@@ -148,7 +148,6 @@ class PDPageSets:
         elif own:
             self.allocator.free(own)
         req.pages = []
-        req.set_num_shared_pages(0)
         return own
 
     def release_quarantine(self, quarantine_key: Hashable) -> int:

@@ -225,18 +225,17 @@ class Scheduler(PDPageSets):
 
     def _release(self, req: Request) -> None:
         """Return ``req``'s pages: full computed pages into the prefix cache, the rest freed."""
-        if req.prefix_node is not None:
-            self.prefix_cache.unlock(req.prefix_node)
-            req.prefix_node = None
         # Shared pages are the cache's already (a forward launched after their scheduling
         # writes their KV, even when the request is dropped before it reads them).
         full = max(min(req.num_computed_tokens // self.page_size, len(req.pages)),
-                   req.num_shared_pages)
+                   self.num_shared_pages(req))
+        if req.prefix_node is not None:
+            self.prefix_cache.unlock(req.prefix_node)
+            req.prefix_node = None
         self.prefix_cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
         if req.pages[full:]:
             self.allocator.free(req.pages[full:])
         req.pages = []
-        req.set_num_shared_pages(0)
 
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
@@ -318,7 +317,7 @@ class Scheduler(PDPageSets):
             return False
         req.prefix_node = node
         req.pages = list(pages)
-        req.start_running(len(pages) * ps, len(pages))
+        req.start_running(len(pages) * ps)
         self.running.append(req)
         return True
 
@@ -360,7 +359,7 @@ class Scheduler(PDPageSets):
         model writes a layer's KV for all the forward's tokens before any token of that layer
         reads the cache (DESIGN.md §3, "Prefix cache")."""
         full = min(num_tokens // self.page_size, len(req.pages))
-        if full <= req.num_shared_pages or req.prefix_node is None:
+        if req.prefix_node is None or full <= self.num_shared_pages(req):
             return
         ids = req.all_ids[:full * self.page_size]
         if PENDING_TOKEN in ids:
@@ -368,7 +367,6 @@ class Scheduler(PDPageSets):
         node = self.prefix_cache.extend_locked(req.prefix_node, ids, req.pages[:full])
         if node is not None:
             req.prefix_node = node
-            req.set_num_shared_pages(full)
 
     def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
         """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
@@ -496,6 +494,11 @@ class Scheduler(PDPageSets):
         self.requests.pop(req.rid, None)
         req.finish(reason)
 
+    def num_shared_pages(self, req: Request) -> int:
+        """How many of ``req.pages`` (from the first) belong to the prefix cache: the path
+        its lock holds, the prefix it matched plus the full pages it shared while running."""
+        return 0 if req.prefix_node is None else self.prefix_cache.num_path_pages(req.prefix_node)
+
     def evict_unlocked(self) -> int:
         """Evict every cached page no request holds; returns how many. For a failed step: the
         pages its rows shared at scheduling may never have been written, and once its requests
@@ -514,7 +517,7 @@ class Scheduler(PDPageSets):
         cached = set(self.prefix_cache.cached_pages())
         owned: list[int] = [p for pages in self._quarantined.values() for p in pages]
         for r in [*self.running, *self._held.values(), *self._prealloc.values()]:
-            k = r.num_shared_pages
+            k = self.num_shared_pages(r)
             assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]

@@ -262,6 +262,7 @@ def test_extend_locked_shares_a_running_requests_pages_and_moves_its_lock():
     leaf2 = cache.extend_locked(leaf, toks((1, 12)), a)
     assert leaf2.pages == [a[2]] and leaf2.lock_ref == 1 and leaf.lock_ref == 1
     assert cache.match_prefix(toks((1, 13)))[0] == a
+    assert (cache.num_path_pages(leaf2), cache.num_path_pages(cache.root)) == (3, 0)
     # Nothing new to share.
     assert cache.extend_locked(leaf2, toks((1, 12)), a) is None
     cache.unlock(leaf2)
