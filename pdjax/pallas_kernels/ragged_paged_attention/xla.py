@@ -84,10 +84,7 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows
     if pages_per_block is None:
         pages_per_block = max(1, DECODE_KV_BLOCK_TOKENS // page_size)
     pages_per_block = min(pages_per_block, max_pages)
-    num_blocks = -(-max_pages // pages_per_block)
-    table = page_indices[:n]
-    if num_blocks * pages_per_block > max_pages:
-        table = jnp.pad(table, ((0, 0), (0, num_blocks * pages_per_block - max_pages)))
+    table, num_blocks = _pad_to_blocks(page_indices[:n], pages_per_block)
     block = pages_per_block * page_size
     kv_len = jnp.where(jnp.arange(n) < num_rows, kv_lens[:n], 0)              # [n]
     qf = q.astype(jnp.float32) * sm_scale                                      # [n, QH, D]
@@ -197,7 +194,7 @@ def ragged_paged_attention_xla(
         return out.astype(q.dtype)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
-    num_seqs_pad, max_pages = page_indices.shape
+    max_pages = page_indices.shape[1]
     group = num_q_heads // num_kv_heads
     for name, v in (("q_block", q_block), ("kv_pages_per_block", kv_pages_per_block)):
         if v is not None and v < 1:
@@ -250,10 +247,7 @@ def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens,
     ``out [T, QH, D]`` float32. ``qf`` is the scaled query ``[T, KVH, G, D]`` float32."""
     num_tokens, num_kv_heads, group, head_dim = qf.shape
     page_size = k_cache.shape[2]
-    num_kv_blocks = -(-page_indices.shape[1] // kv_pages_per_block)
-    pad = num_kv_blocks * kv_pages_per_block - page_indices.shape[1]
-    if pad:
-        page_indices = jnp.pad(page_indices, ((0, 0), (0, pad)))
+    page_indices, num_kv_blocks = _pad_to_blocks(page_indices, kv_pages_per_block)
     kv_block = kv_pages_per_block * page_size
     rows = group * q_block
 
@@ -335,3 +329,11 @@ def _softmax_step(s, mask, m, l, acc, weighted_values, soft_cap):
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     alpha = jnp.exp(m - m_new)
     return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + weighted_values(p)
+
+
+def _pad_to_blocks(table, pages_per_block):
+    """``table [R, P]`` padded with page 0 to whole blocks of ``pages_per_block`` pages;
+    returns it and the number of blocks."""
+    num_blocks = -(-table.shape[1] // pages_per_block)
+    pad = num_blocks * pages_per_block - table.shape[1]
+    return (jnp.pad(table, ((0, 0), (0, pad))) if pad else table), num_blocks
