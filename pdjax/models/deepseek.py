@@ -249,7 +249,10 @@ class DeepseekForCausalLM(nnx.Module):
     TRACED_PAGES_BOUND_IMPLS = ()
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False):
+                 attention_impl: str | None = None, interpret: bool = False,
+                 unroll_layers: bool = False):
+        if unroll_layers:
+            raise ValueError("unroll_layers: DeepSeek-family models scan their layers only")
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret

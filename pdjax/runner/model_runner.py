@@ -136,6 +136,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.buckets = buckets
         self.chunk_size = chunk_size
+        if getattr(model, "unroll_layers", False):
+            model.layers.unstack()        # one array per layer, an unrolled forward
         self.graphdef, self.state = nnx.split(model)
         self.cache_specs = tuple(model.cache_spec(num_pages, page_size, kv_dtype))
         self.cache_shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}

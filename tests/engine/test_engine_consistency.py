@@ -242,3 +242,32 @@ def test_a_failed_step_leaves_no_unwritten_page_in_the_prefix_cache(llama_engine
     again = _run(llama_engine, prompts, check=True)
     _assert_same(ref, again, "after a failed step")
     assert [o["meta_info"]["cached_tokens"] for o in again] == [0, 32, 32, 32, 32]
+
+
+def test_unrolled_layers_give_the_same_tokens_and_no_compile_after_warmup(llama_engine,
+                                                                          tiny_checkpoints):
+    """``unroll_layers`` (one array per layer, an unrolled forward): the tokens and logprobs
+    of the scanned engine through chunks, mixed steps and decode, and every shape compiled at
+    warm-up."""
+    from pdjax.engine import Engine
+
+    prompts = boundary_prompts(12, seed=4)
+    set_sched(llama_engine, chunked_prefill_size=16, enable_mixed_chunk=True,
+              disable_radix_cache=True)
+    ref = _run(llama_engine, prompts)
+    eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=8, max_total_tokens=4096,
+                 max_running_requests=16, chunked_prefill_size=16, context_length=128,
+                 enable_mixed_chunk=True, disable_radix_cache=True, unroll_layers=True,
+                 progress=False)
+    try:
+        runner = eng.core.runner
+        wq = runner.state["layers"]["wq"].get_value()
+        assert isinstance(wq, tuple) and len(wq) == eng.core.model_cfg.num_layers
+        before = compile_count()
+        modes = []
+        outs = _run(eng, prompts, modes=modes, check=True)
+        _assert_same(ref, outs, "unrolled")
+        assert {"mixed", "decode"} <= set(modes)
+        assert compile_count() == before and runner.compiles_after_warmup == 0
+    finally:
+        eng.shutdown()

@@ -5,6 +5,7 @@ import pytest
 import torch
 import transformers
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from model_utils import assign_pages, new_cache, run_rows
 from pdjax.models.llama import kv_cache_spec
@@ -104,3 +105,61 @@ def test_bfloat16_close_to_float32(tiny_checkpoints):
     rel = np.abs(a - b[0]).max() / np.abs(a).max()
     assert rel < 0.05
     assert (np.argmax(a, -1) == np.argmax(b[0], -1)).mean() > 0.8
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_unrolled_layers_match_the_scan(tiny_checkpoints, name):
+    """``unroll_layers``: per-layer arrays (the stack's values, layer by layer) and a forward
+    whose logits equal the scan's, prefill and chunked decode alike."""
+    path = tiny_checkpoints[name]
+    cfg, scanned = load_model(path, dtype="float32", progress=False)
+    _, model = load_model(path, dtype="float32", progress=False, unroll_layers=True)
+    stacked = {n: np.asarray(getattr(model.layers, n)[...]) for n in ("wq", "w_down", "input_norm")}
+    model.layers.unstack()
+    model.layers.unstack()                        # idempotent
+    for n, want in stacked.items():
+        got = getattr(model.layers, n).get_value()
+        assert isinstance(got, tuple) and len(got) == cfg.num_layers
+        for i, w in enumerate(got):
+            np.testing.assert_array_equal(np.asarray(w), want[i])
+    prompts = _prompts(4)
+    for a, b in zip(_prefill_all(scanned, cfg, prompts), _prefill_all(model, cfg, prompts)):
+        assert np.abs(a).max() > 1.0
+        assert np.abs(a - b).max() < 1e-4, name
+    # A decode row after a chunk, next to another request: the cache the unrolled forward
+    # wrote per layer is the one it reads back.
+    prompt = _prompts(5, (21,))[0]
+    pages = assign_pages([len(prompt)], PAGE, 62, 7)[0]
+    out = []
+    for m in (scanned, model):
+        kc, vc = new_cache(cfg, 64, PAGE)
+        _, kc, vc = run_rows(m, [BatchRow(prompt[:20], 0, pages)], kc, vc, PAGE)
+        logits, _, _ = run_rows(m, [BatchRow([7, 8], 0, [63]), BatchRow(prompt[20:], 20, pages)],
+                                kc, vc, PAGE)
+        out.append(logits[1])
+    assert np.abs(out[0] - out[1]).max() < 1e-4
+
+
+def test_unrolled_layers_keep_the_tensor_parallel_split(tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    cfg1, model1 = load_model(path, dtype="float32", progress=False)
+    mesh = make_mesh(2)
+    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False,
+                                  unroll_layers=True)
+    model_tp.layers.unstack()
+    for w in model_tp.layers.wq.get_value():      # [H, QH * D], heads over "tp"
+        assert w.sharding.spec == P(None, "tp") and len(w.sharding.device_set) == 2
+        assert w.addressable_shards[0].data.shape == (w.shape[0], w.shape[1] // 2)
+    for w in model_tp.layers.w_down.get_value():  # [F, H], rows over "tp"
+        assert w.sharding.spec == P("tp", None)
+    prompts = _prompts(6)
+    ref = _prefill_all(model1, cfg1, prompts)
+    got = _prefill_all(model_tp, cfg_tp, prompts, mesh=mesh)
+    for a, b in zip(ref, got):
+        assert np.abs(a - b).max() < 1e-4
+
+
+def test_unroll_layers_is_refused_by_the_deepseek_family(tiny_checkpoints):
+    with pytest.raises(ValueError, match="unroll_layers"):
+        load_model(tiny_checkpoints["deepseek_v3"], dtype="float32", progress=False,
+                   unroll_layers=True)
