@@ -29,6 +29,7 @@ from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
     PATHS, BlockSizes, fallback_block_sizes, get_block_sizes, gpu_group_pad)
+from pdjax.pallas_kernels.ragged_paged_attention import xla as xla_module
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -294,16 +295,21 @@ DECODE_BATCHES = {
     "long": ([(1, 60), (1, 90), (1, 75), (1, 64), (1, 65)], (5, 5, 5)),
     "empty": ([], (0, 0, 0)),
 }
-# Above DECODE_FOLD_MAX_KV_HEADS the decode rows take the reference: that fallback too.
+# Above DECODE_FOLD_MAX_KV_HEADS the decode rows take head-major blocks by default.
 DECODE_CONFIGS = {**CONFIGS, "mha8_d64_f32": Config(8, 8, 64, jnp.float32, jnp.float32)}
 
 
+@pytest.mark.parametrize("layout", ["default", "head_major"])
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2], ids=str)
 @pytest.mark.parametrize("config", list(DECODE_CONFIGS))
-def test_xla_decode_only_matches_reference(config, pages_per_block):
-    """``decode_only=True`` (the decode entry point): the folded-heads decode path equals the
-    per-token oracle for GQA 1/3/4/8, bf16 and fp8 KV, sliding window and soft cap, on stream
-    lengths T = R (the decode bucket) and T > R (padding tokens), NaN in every unused slot."""
+def test_xla_decode_only_matches_reference(config, pages_per_block, layout, monkeypatch):
+    """``decode_only=True`` (the decode entry point): the decode path equals the per-token
+    oracle for GQA 1/3/4/8 and 8 KV heads, bf16 and fp8 KV, sliding window and soft cap, on
+    stream lengths T = R (the decode bucket) and T > R (padding tokens), NaN in every unused
+    slot; in both layouts (KV heads folded into the key axis, the default up to
+    ``DECODE_FOLD_MAX_KV_HEADS``, and head-major blocks)."""
+    if layout == "head_major":
+        monkeypatch.setattr(xla_module, "DECODE_FOLD_MAX_KV_HEADS", 0)
     cfg = DECODE_CONFIGS[config]
     shapes = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,

@@ -23,11 +23,13 @@ up to the tile's last position) are ``fori_loop``s with traced bounds, so the co
 ``q_len x kv_len`` per request (half of it skipped by causality) and neither the token bucket
 nor the pages-per-sequence bucket adds work. For a decode row one tile would waste
 ``q_block - 1`` rows, so decode rows take their own path (``decode_attention``): one gather per
-row per KV block of ``DECODE_KV_BLOCK_TOKENS``, read in the cache's token-major layout with the
-KV heads folded into the key axis, so that both products are one batched dot per block
-(``[QH, D] x [D, S * KVH]`` per row) with no transpose; the query heads' scores against other
-KV heads' keys are masked out (``KVH`` times the products' flops, small next to the gather's
-memory traffic, hence only up to ``DECODE_FOLD_MAX_KV_HEADS``; beyond it the reference).
+row per KV block of ``DECODE_KV_BLOCK_TOKENS``. Up to ``DECODE_FOLD_MAX_KV_HEADS`` KV heads the
+block is read in the cache's token-major layout with the KV heads folded into the key axis, so
+that both products are one batched dot per block (``[QH, D] x [D, S * KVH]`` per row) with no
+transpose; the query heads' scores against other KV heads' keys are masked out (``KVH`` times
+the products' flops, small next to the gather's memory traffic for few KV heads). Beyond it
+the block is transposed head-major once and both products are batched over (row, KV head)
+(``[G, D] x [D, S]``): exact flops for one copy of the block.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
-    _MASK_VALUE, ragged_paged_attention_reference, validate_inputs)
+    _MASK_VALUE, validate_inputs)
 
 # Two tilings, chosen per request (measured on XLA CPU, one SmolLM2 layer, 9 query / 3 KV
 # heads of 64; ms): long tiles win only for a long chunk over a long context, short ones
@@ -54,13 +56,19 @@ SMALL_BUCKET_TOKENS = 16     # token buckets up to this use short tiles of half 
 # layers: 39-41 ms, against 44-45 ms for 32 or 128 tokens, 62 ms for 256 and 50-52 ms through
 # the reference: the gather of a block is the cost, and a smaller block overshoots kv_len less).
 DECODE_KV_BLOCK_TOKENS = 64
-DECODE_FOLD_MAX_KV_HEADS = 4  # above it the folded products' waste (x KVH) outgrows the gain
+# Above it the folded products' waste (x KVH) outgrows the transpose it saves: Llama-3-8B's
+# heads (32 query, 8 KV, 128 wide), 8 rows at a 300-token context, one layer: 3.6 ms head-major
+# against 8.0 ms through the per-token reference; SmolLM2's (9, 3, 64), 16 rows: folded
+# 1.2-1.5 ms, head-major 1.2-1.3 ms (within the noise).
+DECODE_FOLD_MAX_KV_HEADS = 4
 
 
 def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows, *, sm_scale,
                      sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
                      pages_per_block=None):
-    """Attention of decode rows: token ``r`` is the only query of request ``r``.
+    """Attention of decode rows: token ``r`` is the only query of request ``r``; KV heads
+    folded into the key axis up to ``DECODE_FOLD_MAX_KV_HEADS`` of them, head-major blocks
+    beyond (module docstring).
 
     Args:
       q: ``[n, QH, D]`` the decode rows' queries (``n <= R``).
@@ -88,40 +96,56 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows
     block = pages_per_block * page_size
     kv_len = jnp.where(jnp.arange(n) < num_rows, kv_lens[:n], 0)              # [n]
     qf = q.astype(jnp.float32) * sm_scale                                      # [n, QH, D]
-    # Key axis j = token * KVH + kv head (the cache's own order); query head i = h * G + g.
-    key_token = jnp.arange(block * num_kv_heads, dtype=jnp.int32) // num_kv_heads
-    own_head = ((jnp.arange(num_q_heads) // group)[:, None]
-                == (jnp.arange(block * num_kv_heads) % num_kv_heads)[None, :])  # [QH, S*KVH]
+    fold = num_kv_heads <= DECODE_FOLD_MAX_KV_HEADS
+    if fold:
+        # Key axis j = token * KVH + kv head (the cache's own order); query head i = h * G + g.
+        key_token = jnp.arange(block * num_kv_heads, dtype=jnp.int32) // num_kv_heads
+        own_head = ((jnp.arange(num_q_heads) // group)[:, None]
+                    == (jnp.arange(block * num_kv_heads) % num_kv_heads)[None, :])  # [QH, S*KVH]
+        stats = (n, num_q_heads)
+    else:
+        qf = qf.reshape(n, num_kv_heads, group, head_dim)                      # [n, KVH, G, D]
+        key_token = jnp.arange(block, dtype=jnp.int32)
+        stats = (n, num_kv_heads, group)
 
     def body(b, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, b * pages_per_block, pages_per_block, 1)
-        k = k_cache[layer, pages].astype(jnp.float32).reshape(n, block * num_kv_heads, head_dim)
-        v = v_cache[layer, pages].astype(jnp.float32).reshape(n, block * num_kv_heads, head_dim)
+        k = k_cache[layer, pages].astype(jnp.float32)                         # [n, Pb, ps, KVH, D]
+        v = v_cache[layer, pages].astype(jnp.float32)
         if k_scale is not None:
             k = k * k_scale
         if v_scale is not None:
             v = v * v_scale
-        pos = b * block + key_token                                            # [S*KVH]
-        seen = pos[None, :] < kv_len[:, None]                                  # [n, S*KVH]
+        pos = b * block + key_token                                            # [S*KVH] or [S]
+        seen = pos[None, :] < kv_len[:, None]                                  # [n, S*KVH] or [n, S]
         if sliding_window is not None:
             seen &= pos[None, :] > kv_len[:, None] - 1 - sliding_window
-        # Unseen slots may hold NaN: 0 * NaN must not reach acc.
-        v = jnp.where(seen[..., None], v, 0.0)
-        mask = seen[:, None, :] & own_head[None]                               # [n, QH, S*KVH]
-        s = jnp.einsum("nqd,njd->nqj", qf, k)
-        return _softmax_step(s, mask, m, l, acc, lambda p: jnp.einsum("nqj,njd->nqd", p, v),
-                             soft_cap)
+        if fold:
+            k = k.reshape(n, block * num_kv_heads, head_dim)
+            v = v.reshape(n, block * num_kv_heads, head_dim)
+            # Unseen slots may hold NaN: 0 * NaN must not reach acc.
+            v = jnp.where(seen[..., None], v, 0.0)
+            mask = seen[:, None, :] & own_head[None]                           # [n, QH, S*KVH]
+            s = jnp.einsum("nqd,njd->nqj", qf, k)
+            return _softmax_step(s, mask, m, l, acc,
+                                 lambda p: jnp.einsum("nqj,njd->nqd", p, v), soft_cap)
+        k = k.reshape(n, block, num_kv_heads, head_dim).transpose(0, 2, 1, 3)  # [n, KVH, S, D]
+        v = v.reshape(n, block, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+        v = jnp.where(seen[:, None, :, None], v, 0.0)
+        s = jnp.einsum("nhgd,nhsd->nhgs", qf, k)                               # [n, KVH, G, S]
+        return _softmax_step(s, seen[:, None, None, :], m, l, acc,
+                             lambda p: jnp.einsum("nhgs,nhsd->nhgd", p, v), soft_cap)
 
-    init = (jnp.full((n, num_q_heads), _MASK_VALUE, jnp.float32),
-            jnp.zeros((n, num_q_heads), jnp.float32),
-            jnp.zeros((n, num_q_heads, head_dim), jnp.float32))
+    init = (jnp.full(stats, _MASK_VALUE, jnp.float32), jnp.zeros(stats, jnp.float32),
+            jnp.zeros((*stats, head_dim), jnp.float32))
     longest = jnp.max(kv_len)
     lo = 0 if sliding_window is None else jnp.maximum(
         jnp.min(jnp.where(kv_len > 0, kv_len, longest)) - sliding_window, 0) // block
     hi = jnp.minimum((longest + block - 1) // block, num_blocks)
     _, l, acc = jax.lax.fori_loop(lo, hi, body, init)
-    return acc / jnp.where(l > 0, l, 1.0)[..., None]
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(n, num_q_heads, head_dim)
 
 
 def ragged_paged_attention_xla(
@@ -178,12 +202,6 @@ def ragged_paged_attention_xla(
 
     def decode_rows(num_rows):
         """``[num_decode, QH, D]`` float32 of the first ``num_rows`` tokens (decode rows)."""
-        if k_cache.shape[3] > DECODE_FOLD_MAX_KV_HEADS:
-            rows = jnp.arange(num_seqs_pad, dtype=jnp.int32)
-            out = ragged_paged_attention_reference(
-                q[:num_decode], k_cache, v_cache, layer, jnp.where(rows < num_rows, kv_lens, 0),
-                page_indices, jnp.minimum(cu_q_lens, num_rows), distribution, **opts)
-            return out.astype(jnp.float32)
         return decode_attention(q[:num_decode], k_cache, v_cache, layer, kv_lens, page_indices,
                                 num_rows, pages_per_block=decode_pages_per_block, **opts)
 
