@@ -12,7 +12,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -159,13 +158,6 @@ def trace_files(output_dir: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------- servers
-
-def free_port() -> int:
-    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class ServerProcess:
     """A ``python -m <module> ARGS`` subprocess (``pdjax.serve`` by default), healthy once

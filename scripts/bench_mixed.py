@@ -75,7 +75,8 @@ def build_core(args):
         chunked_prefill_size=args.chunked_prefill_size, context_length=args.context_length,
         # The window accounting (the forwards between the arrival and the first token) is the
         # synchronous loop's; overlapped scheduling is measured by bench_step_overlap.py.
-        disable_overlap_schedule=True, skip_warmup_progress=True)
+        disable_overlap_schedule=True, skip_warmup_progress=True,
+        unroll_layers=args.unroll_layers)
     return EngineCore(server_args, progress=False)
 
 
@@ -326,6 +327,7 @@ def main(argv=None) -> dict[str, Any]:
         "decode_prompt_len": args.decode_prompt_len, "long_prompt_len": args.long_prompt_len,
         "chunked_prefill_size": args.chunked_prefill_size, "page_size": args.page_size,
         "steady_steps": args.steady_steps, "repeats": args.repeats,
+        "unroll_layers": args.unroll_layers,
         "engine_load_and_warmup_s": load_s, "warmup_s": core.warmup_s,
         "cost_model_seed_forwards": num_seeded,
         "steady_decode_step_ms": decode_step_ms, "target_itl_ms": targets_ms[0],
@@ -416,6 +418,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot-file", default=None, help="PNG of every decode request's gaps over time")
     p.add_argument("--step-trace-file", default=None,
                    help="JSON of every timed forward (for replaying the cost model)")
+    p.add_argument("--unroll-layers", action="store_true",
+                   help="the engine's --unroll-layers (one array per layer, an unrolled forward)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     for name in ("batch_size", "decode_prompt_len", "long_prompt_len", "chunked_prefill_size",

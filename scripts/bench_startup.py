@@ -27,8 +27,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (ROOT, ServerProcess, free_port, http_json, machine_info, now_iso,  # noqa: E402
+from bench_common import (ROOT, ServerProcess, http_json, machine_info, now_iso,  # noqa: E402
                           print_table, write_json)
+from pdjax.ports import free_port  # noqa: E402
 
 
 def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | None,

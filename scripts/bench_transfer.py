@@ -43,9 +43,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (ServerProcess, fetch_metrics, free_port, http_json, machine_info,  # noqa: E402
+from bench_common import (ServerProcess, fetch_metrics, http_json, machine_info,  # noqa: E402
                           metric_total, now_iso, print_table, ratio, write_json)
 from bench_serving import request_completion  # noqa: E402
+from pdjax.ports import free_port  # noqa: E402
 
 PD_COUNTERS = {"bytes": "pdjax:kv_transfer_total_bytes_total",
                "pages": "pdjax:kv_transfer_pages_total",

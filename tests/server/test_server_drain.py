@@ -3,7 +3,6 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,16 +11,12 @@ import aiohttp
 import pytest
 from server_fakes import parse_sse
 
+from pdjax.ports import free_port
+
 pytestmark = pytest.mark.asyncio
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def start_server(drain_timeout_s: float):

@@ -3,7 +3,6 @@
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -11,21 +10,16 @@ import time
 import pytest
 
 from pdjax.config import ServerArgs
+from pdjax.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "pdjax.serve", "--model-path", tiny_checkpoints["llama"],
-         "--port", str(_free_port()), "--tp-size", "64", "--skip-warmup-progress"],
+         "--port", str(free_port()), "--tp-size", "64", "--skip-warmup-progress"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "tp_size must be in" in proc.stderr and "failed to start" in proc.stderr

@@ -13,12 +13,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from pdjax.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE_SIZE = 4
@@ -28,12 +29,6 @@ TINY_ARGS = dict(page_size=PAGE_SIZE, max_total_tokens=2048, chunked_prefill_siz
 EOS = 2
 
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
