@@ -67,17 +67,27 @@ def test_paged_consistency_chunked_and_decode(tiny_checkpoints, name):
         assert np.abs(got - full).max() < 1e-4, (name, step)
 
 
-@pytest.mark.parametrize("name,tp", [("llama", 2), ("llama", 4), ("llama_tied", 2), ("qwen2", 2)])
-def test_tensor_parallel_matches_single_device(tiny_checkpoints, name, tp):
+@pytest.mark.parametrize("name,tp,unroll", [("llama", 2, False), ("llama", 4, False),
+                                             ("llama_tied", 2, False), ("qwen2", 2, False),
+                                             ("llama", 2, True)])
+def test_tensor_parallel_matches_single_device(tiny_checkpoints, name, tp, unroll):
     """TP over simulated CPU devices; llama (2 KV heads) at TP 4 and llama_tied (1 KV head)
-    replicate KV heads."""
+    replicate KV heads. ``unroll``: the per-layer arrays keep the stack's split."""
     path = tiny_checkpoints[name]
     cfg1, model1 = load_model(path, dtype="float32", progress=False)
     mesh = make_mesh(tp)
-    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False)
+    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False,
+                                  unroll_layers=unroll)
     assert cfg_tp.num_kv_heads == max(cfg1.num_kv_heads, tp)
     wq = model_tp.layers.wq[...]
     assert len(wq.sharding.device_set) == tp
+    if unroll:
+        model_tp.layers.unstack()
+        for w in model_tp.layers.wq.get_value():      # [H, QH * D], heads over "tp"
+            assert w.sharding.spec == P(None, "tp") and len(w.sharding.device_set) == tp
+            assert w.addressable_shards[0].data.shape == (w.shape[0], w.shape[1] // tp)
+        for w in model_tp.layers.w_down.get_value():  # [F, H], rows over "tp"
+            assert w.sharding.spec == P("tp", None)
     prompts = _prompts(2)
     ref = _prefill_all(model1, cfg1, prompts)
     got = _prefill_all(model_tp, cfg_tp, prompts, mesh=mesh)
@@ -138,25 +148,6 @@ def test_unrolled_layers_match_the_scan(tiny_checkpoints, name):
                                 kc, vc, PAGE)
         out.append(logits[1])
     assert np.abs(out[0] - out[1]).max() < 1e-4
-
-
-def test_unrolled_layers_keep_the_tensor_parallel_split(tiny_checkpoints):
-    path = tiny_checkpoints["llama"]
-    cfg1, model1 = load_model(path, dtype="float32", progress=False)
-    mesh = make_mesh(2)
-    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False,
-                                  unroll_layers=True)
-    model_tp.layers.unstack()
-    for w in model_tp.layers.wq.get_value():      # [H, QH * D], heads over "tp"
-        assert w.sharding.spec == P(None, "tp") and len(w.sharding.device_set) == 2
-        assert w.addressable_shards[0].data.shape == (w.shape[0], w.shape[1] // 2)
-    for w in model_tp.layers.w_down.get_value():  # [F, H], rows over "tp"
-        assert w.sharding.spec == P("tp", None)
-    prompts = _prompts(6)
-    ref = _prefill_all(model1, cfg1, prompts)
-    got = _prefill_all(model_tp, cfg_tp, prompts, mesh=mesh)
-    for a, b in zip(ref, got):
-        assert np.abs(a - b).max() < 1e-4
 
 
 def test_unroll_layers_is_refused_by_the_deepseek_family(tiny_checkpoints):
