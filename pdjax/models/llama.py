@@ -111,18 +111,20 @@ class DecoderLayers(nnx.Module):
         once nothing else holds them). Later forwards run the unrolled loop. Idempotent."""
         if self.unrolled:
             return
-        for name in layer_param_shapes(self.cfg):
-            var = getattr(self, name)
-            stacked = var.get_value()
-            sharding = stacked.sharding
-            if isinstance(sharding, NamedSharding):
-                spec = tuple(sharding.spec) + (None,) * (stacked.ndim - len(sharding.spec))
-                out = NamedSharding(sharding.mesh, P(*spec[1:]))
-            else:
-                out = sharding
-            split = jax.jit(lambda a: tuple(a[i] for i in range(a.shape[0])),
-                            out_shardings=out)
-            var.set_value(split(stacked))
+
+        def per_layer(sharding, ndim):
+            if not isinstance(sharding, NamedSharding):
+                return sharding
+            spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+            return NamedSharding(sharding.mesh, P(*spec[1:]))
+
+        names = list(layer_param_shapes(self.cfg))
+        stacked = {name: getattr(self, name).get_value() for name in names}
+        split = jax.jit(  # one executable for every parameter
+            lambda st: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in st.items()},
+            out_shardings={n: per_layer(a.sharding, a.ndim) for n, a in stacked.items()})
+        for name, layers in split(stacked).items():
+            getattr(self, name).set_value(layers)
         self.unrolled = True
 
 
