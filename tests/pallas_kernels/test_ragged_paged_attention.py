@@ -23,13 +23,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.ragged_paged_attention import (
     ATTENTION_IMPLS, ragged_paged_attention, resolve_impl)
+from pdjax.pallas_kernels.ragged_paged_attention import xla as xla_module
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     block_metadata, grid_size, merge_paths)
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
     PATHS, BlockSizes, fallback_block_sizes, get_block_sizes, gpu_group_pad)
-from pdjax.pallas_kernels.ragged_paged_attention import xla as xla_module
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -607,16 +607,14 @@ def test_xla_path_picks_long_or_short_tiles_per_request(monkeypatch):
     """Default tiles: each request takes long tiles (q_len and kv_len over the thresholds) or
     short ones (lax.cond per request); both kinds in one batch equal the oracle. The thresholds
     are scaled down to the test envelope (48 tokens, 96 cached tokens per request)."""
-    from pdjax.pallas_kernels.ragged_paged_attention import xla
-
     for name, value in (("DEFAULT_Q_BLOCK", 16), ("DEFAULT_KV_BLOCK_TOKENS", 32),
                         ("LONG_TILE_MIN_KV", 64), ("SHORT_Q_BLOCK", 8),
                         ("SHORT_KV_BLOCK_TOKENS", 16)):
-        monkeypatch.setattr(xla, name, value)
+        monkeypatch.setattr(xla_module, name, value)
     for config in ("gqa3_d64_f32", "gqa4_d64_bf16_window_softcap"):
         cfg = CONFIGS[config]
         fn = jax.jit(functools.partial(
-            xla.ragged_paged_attention_xla, sm_scale=cfg.head_dim ** -0.5,
+            ragged_paged_attention_xla, sm_scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap))
         # Two decode rows; long: (20, 90) and (17, 70); short: (5, 60), (4, 20) (q_len) and
         # (16, 40) (kv_len under the threshold).
