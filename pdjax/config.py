@@ -161,7 +161,7 @@ GRAMMAR_BACKENDS = ("llguidance", "none")
 DTYPES = ("auto", "float32", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
-ATTENTION_BACKENDS = ("auto", "reference", "xla", "tpu", "gpu")
+ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "tpu", "gpu")
 TRANSFER_PATHS = ("auto", "direct", "staging")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
@@ -229,8 +229,10 @@ class ModelArgs:
     context_length: int | None = _arg(None, "longest sequence served; default: the model's")
     random_seed: int = _arg(0, "seed of requests without their own seed")
     attention_backend: str | None = _arg(
-        None, "auto: the platform's (cpu: xla, the per-request jnp path; tpu/gpu: "
-              "Pallas kernels); reference: the per-token jnp oracle", ATTENTION_BACKENDS)
+        None, "auto: the platform's (cpu: cpu, the native decode kernel beside the "
+              "per-request jnp path, or xla, that jnp path alone, where no C++ compiler builds "
+              "it or tp_size > 1; tpu/gpu: Pallas kernels); reference: the per-token jnp oracle",
+        ATTENTION_BACKENDS)
     pallas_interpret: bool = _arg(
         False, "run forced Pallas kernels in interpret mode (CPU testing)")
     unroll_layers: bool = _arg(

@@ -7,9 +7,15 @@ import os
 import jax
 
 
-def default_compilation_cache_dir() -> str:
+def pdjax_cache_dir(*parts: str) -> str:
+    """``$PDJAX_CACHE_DIR`` (default ``~/.cache/pdjax``) joined with ``parts``: the root of
+    pdjax's on-disk caches (compilation cache, converted tokenizers, built CPU kernels)."""
     root = os.environ.get("PDJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdjax")
-    return os.path.join(root, "jax_compilation_cache")
+    return os.path.join(root, *parts)
+
+
+def default_compilation_cache_dir() -> str:
+    return pdjax_cache_dir("jax_compilation_cache")
 
 
 def enable_compilation_cache(cache_dir: str | None = None) -> str:

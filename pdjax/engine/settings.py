@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pdjax.config import ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
-from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
 from pdjax.sched.scheduler import SchedulerConfig
 
 _KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
@@ -23,7 +23,7 @@ class EngineConfig:
 
     ``model_path``: a local checkpoint path (a hub id resolved). ``dtype`` / ``kv_dtype``: JAX
     dtypes of the parameters and the KV cache. ``attention_impl``: ``reference``, ``xla``,
-    ``tpu`` or ``gpu``. ``scheduler.max_context_len``: ``context_length``, or the model's
+    ``cpu``, ``tpu`` or ``gpu`` (``auto`` under ``tp_size > 1`` never picks ``cpu``). ``scheduler.max_context_len``: ``context_length``, or the model's
     ``max_position_embeddings``. ``overlap``:
     overlapped scheduling (off with ``disable_overlap_schedule`` and for the prefill role,
     whose requests all end after one token).
@@ -36,6 +36,18 @@ class EngineConfig:
     attention_impl: str
     scheduler: SchedulerConfig
     overlap: bool
+
+
+def _attention_impl(args: ServerArgs) -> str:
+    """``args.attention_backend`` resolved; a single-device kernel is not picked for a TP mesh
+    (auto falls back to ``xla``; asked for by name it is an error)."""
+    impl = resolve_impl(args.attention_backend)
+    if impl in SINGLE_DEVICE_IMPLS and args.tp_size > 1:
+        if args.attention_backend not in (None, "auto"):
+            raise ValueError(f"attention_backend {impl!r} runs on one device; tp_size is "
+                             f"{args.tp_size} (use 'xla' or 'auto')")
+        return "xla"
+    return impl
 
 
 def resolve_engine_config(args: ServerArgs) -> EngineConfig:
@@ -60,6 +72,6 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
     return EngineConfig(
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
-        attention_impl=resolve_impl(args.attention_backend),
+        attention_impl=_attention_impl(args),
         scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill")

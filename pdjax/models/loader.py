@@ -20,6 +20,7 @@ import os
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from pdjax.jax_setup import pdjax_cache_dir
 from pdjax.models.checkpoint import (  # noqa: F401 (path, mesh and dtype helpers re-exported)
     checkpoint_architecture, default_model_path, is_gguf, make_mesh, read_gguf, read_gguf_config,
     read_hf_tensors, resolve_dtype, resolve_model_path)
@@ -130,8 +131,7 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
 # --------------------------------------------------------------------------- tokenizer
 
 def _cache_dir() -> str:
-    root = os.environ.get("PDJAX_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pdjax")
-    return os.path.join(root, "tokenizers")
+    return pdjax_cache_dir("tokenizers")
 
 
 def load_tokenizer(model_path: str | None = None):

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import pytest
 
 from pdjax.config import ARG_GROUPS, CacheArgs, ServerArgs
+from pdjax.engine import settings as settings_module
 from pdjax.engine.settings import resolve_engine_config
+from pdjax.pallas_kernels.ragged_paged_attention import cpu_kernel_available
 
 
 def test_flat_and_grouped_settings_are_one_value():
@@ -63,7 +65,7 @@ def test_resolve_engine_config(tiny_checkpoints):
     cfg = resolve_engine_config(ServerArgs(model_path=path, page_size=8, max_total_tokens=512,
                                            chunked_prefill_size=32))
     assert cfg.model_path == path and cfg.dtype == jnp.float32 and cfg.kv_dtype == jnp.float32
-    assert cfg.attention_impl == "xla" and cfg.overlap
+    assert cfg.attention_impl == ("cpu" if cpu_kernel_available() else "xla") and cfg.overlap
     s = cfg.scheduler
     assert (s.num_pages, s.page_size, s.chunked_prefill_size, s.page_aligned_chunks) == (
         65, 8, 32, False)
@@ -76,3 +78,14 @@ def test_resolve_engine_config(tiny_checkpoints):
         64, jnp.bfloat16, jnp.bfloat16)
     assert prefill.attention_impl == "reference" and not prefill.overlap
     assert prefill.scheduler.page_aligned_chunks
+
+
+def test_single_device_kernel_is_not_picked_for_tensor_parallel(tiny_checkpoints, monkeypatch):
+    """The native CPU kernel has no sharding rule: under tp_size > 1 auto falls back to the
+    jnp path, and asking for it by name is an error naming the field."""
+    monkeypatch.setattr(settings_module, "resolve_impl", lambda impl: "cpu")
+    path = tiny_checkpoints["llama"]
+    assert resolve_engine_config(ServerArgs(model_path=path, tp_size=2)).attention_impl == "xla"
+    assert resolve_engine_config(ServerArgs(model_path=path)).attention_impl == "cpu"
+    with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one device"):
+        resolve_engine_config(ServerArgs(model_path=path, tp_size=2, attention_backend="cpu"))

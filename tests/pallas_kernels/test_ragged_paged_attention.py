@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -21,8 +22,11 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from pdjax.pallas_kernels import ragged_paged_attention as rpa_package
 from pdjax.pallas_kernels.ragged_paged_attention import (
-    ATTENTION_IMPLS, ragged_paged_attention, resolve_impl)
+    ATTENTION_IMPLS, cpu_kernel_available, cpu_kernel_status, ragged_paged_attention,
+    resolve_impl)
+from pdjax.pallas_kernels.ragged_paged_attention import kernel_cpu
 from pdjax.pallas_kernels.ragged_paged_attention import xla as xla_module
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     block_metadata, grid_size, merge_paths)
@@ -299,17 +303,27 @@ DECODE_BATCHES = {
 DECODE_CONFIGS = {**CONFIGS, "mha8_d64_f32": Config(8, 8, 64, jnp.float32, jnp.float32)}
 
 
-@pytest.mark.parametrize("layout", ["default", "head_major"])
+def require_cpu_kernel():
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native kernel is registered for the CPU platform only")
+    if not cpu_kernel_available():
+        pytest.skip(f"native CPU kernel unavailable: {cpu_kernel_status()[1]}")
+
+
+@pytest.mark.parametrize("layout", ["default", "head_major", "native"])
 @pytest.mark.parametrize("pages_per_block", [None, 1, 2], ids=str)
 @pytest.mark.parametrize("config", list(DECODE_CONFIGS))
 def test_xla_decode_only_matches_reference(config, pages_per_block, layout, monkeypatch):
     """``decode_only=True`` (the decode entry point): the decode path equals the per-token
     oracle for GQA 1/3/4/8 and 8 KV heads, bf16 and fp8 KV, sliding window and soft cap, on
     stream lengths T = R (the decode bucket) and T > R (padding tokens), NaN in every unused
-    slot; in both layouts (KV heads folded into the key axis, the default up to
-    ``DECODE_FOLD_MAX_KV_HEADS``, and head-major blocks)."""
+    slot; in all three layouts (KV heads folded into the key axis, the default up to
+    ``DECODE_FOLD_MAX_KV_HEADS``; head-major blocks; the native CPU kernel, which keeps the jnp
+    path for the fp8 cache it does not take)."""
     if layout == "head_major":
         monkeypatch.setattr(xla_module, "DECODE_FOLD_MAX_KV_HEADS", 0)
+    if layout == "native":
+        require_cpu_kernel()
     cfg = DECODE_CONFIGS[config]
     shapes = dict(num_q_heads=cfg.num_q_heads, num_kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
@@ -317,7 +331,8 @@ def test_xla_decode_only_matches_reference(config, pages_per_block, layout, monk
     fn = jax.jit(functools.partial(
         ragged_paged_attention_xla, sm_scale=cfg.head_dim ** -0.5,
         sliding_window=cfg.sliding_window, soft_cap=cfg.soft_cap, k_scale=cfg.k_scale,
-        v_scale=cfg.v_scale, decode_pages_per_block=pages_per_block, decode_only=True))
+        v_scale=cfg.v_scale, decode_pages_per_block=pages_per_block, decode_only=True,
+        native_decode=layout == "native"))
     for seed, (name, (seqs, distribution)) in enumerate(DECODE_BATCHES.items()):
         for num_tokens in (NUM_SEQS, NUM_TOKENS):
             args = list(make_batch(seqs, distribution, seed=seed, **shapes))
@@ -334,14 +349,18 @@ def test_xla_decode_only_matches_reference(config, pages_per_block, layout, monk
 
 
 def test_xla_path_is_the_cpu_default():
-    """On CPU ``impl=None`` runs the xla path: no per-token gather of ``[T, pages, ...]``."""
+    """On CPU ``impl=None`` runs the xla path (with the native decode kernel where it builds):
+    no per-token gather of ``[T, pages, ...]``."""
     cfg = CONFIGS["gqa3_d64_f32"]
     args = make_batch(*BATCHES["mixed"], num_q_heads=9, num_kv_heads=3, head_dim=64,
                       dtype=jnp.float32, kv_dtype=jnp.float32)
     auto = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125))
     if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(np.asarray(auto(*args)),
-                                      np.asarray(xla_fn(cfg)(*args)))
+        native = jax.jit(functools.partial(ragged_paged_attention_xla, sm_scale=0.125,
+                                           native_decode=cpu_kernel_available()))
+        np.testing.assert_array_equal(np.asarray(auto(*args)), np.asarray(native(*args)))
+        np.testing.assert_allclose(np.asarray(auto(*args)), np.asarray(xla_fn(cfg)(*args)),
+                                   atol=cfg.tol, rtol=0)
     # The per-token oracle gathers [T=48, pages_per_block, ...]; the xla path never does
     # outside its decode rows (at most min(T, R) = 8 of them).
     def gather_rows(fn):
@@ -351,6 +370,116 @@ def test_xla_path_is_the_cpu_default():
                                                        sm_scale=0.125))
     assert NUM_TOKENS not in gather_rows(functools.partial(ragged_paged_attention_xla,
                                                            sm_scale=0.125))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_cpu_impl_matches_reference(config):
+    """``impl="cpu"`` (native decode rows, jnp tiles for the rest) equals the oracle on every
+    batch kind, and its decode rows really are the custom call: the lowered program calls the
+    kernel once, and ``impl="xla"`` never."""
+    require_cpu_kernel()
+    cfg = CONFIGS[config]
+    opts = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+                soft_cap=cfg.soft_cap, k_scale=cfg.k_scale, v_scale=cfg.v_scale)
+    fn = jax.jit(functools.partial(ragged_paged_attention, impl="cpu", **opts))
+    for seed, (name, (seqs, distribution)) in enumerate(BATCHES.items()):
+        _check_xla(cfg, fn, name, seqs, distribution, seed)
+    args = make_batch(*BATCHES["mixed"], num_q_heads=cfg.num_q_heads,
+                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
+                      kv_dtype=cfg.kv_dtype, k_scale=cfg.k_scale, v_scale=cfg.v_scale)
+    calls = fn.lower(*args).as_text().count(kernel_cpu.FFI_TARGET)
+    assert calls == (0 if cfg.kv_dtype == jnp.float8_e4m3fn else 1)
+    xla = jax.jit(functools.partial(ragged_paged_attention, impl="xla", **opts))
+    assert kernel_cpu.FFI_TARGET not in xla.lower(*args).as_text()
+
+
+def _decode_kernel_args(rows, kv_len, *, num_kv_heads=3, group=3, head_dim=64, seed=0):
+    """A 2-layer cache of 4-token pages (NaN everywhere) and ``rows`` decode rows of
+    ``kv_len`` keys on scattered pages, filled in for layer 1 only."""
+    rng = np.random.default_rng(seed)
+    page_size, layers = 4, 2
+    need = -(-kv_len // page_size)
+    num_pages = 1 + rows * need
+    k = np.full((layers, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v = k.copy()
+    table = rng.permutation(np.arange(1, num_pages)).reshape(rows, need).astype(np.int32)
+    for r in range(rows):
+        for t in range(kv_len):
+            page, slot = table[r, t // page_size], t % page_size
+            k[1, page, slot] = rng.standard_normal((num_kv_heads, head_dim))
+            v[1, page, slot] = rng.uniform(-0.5, 0.5, (num_kv_heads, head_dim))
+    q = rng.standard_normal((rows, num_kv_heads * group, head_dim)).astype(np.float32)
+    return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(1),
+            jnp.full((rows,), kv_len, jnp.int32), jnp.asarray(table))
+
+
+@pytest.mark.parametrize("rows,kv_len", [(1, 7), (40, 13)])
+def test_cpu_kernel_work_split_matches_jnp(rows, kv_len):
+    """One row splits into one item per KV head; 40 rows (more than 4 per thread on any
+    pool) are one item per row. Both equal the jnp decode path, for 1 to 8 KV heads and head
+    dims 8 and 72 (not multiples of the 64-float register chunks), with a sliding window."""
+    require_cpu_kernel()
+    for num_kv_heads, group, head_dim, window in ((3, 3, 64, None), (1, 4, 8, 5),
+                                                  (8, 1, 72, None), (2, 2, 16, 3)):
+        args = _decode_kernel_args(rows, kv_len, num_kv_heads=num_kv_heads, group=group,
+                                   head_dim=head_dim)
+        opts = dict(sm_scale=head_dim ** -0.5, sliding_window=window)
+        for num_rows in (rows, rows // 2):
+            got = kernel_cpu.decode_attention_cpu(*args, num_rows, **opts)
+            want = xla_module.decode_attention(*args, num_rows, **opts)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+            assert not np.asarray(got)[num_rows:].any()
+            if num_rows:
+                assert np.abs(np.asarray(got)[:num_rows]).max() > 0.01
+
+
+def test_cpu_kernel_clamps_indices_from_the_host():
+    """Page ids, layer, kv_lens and num_rows out of range address nothing outside the
+    buffers: page ids clamp to ``[0, num_pages)`` (as the Pallas kernels clamp them), the layer
+    to the stack, kv_len to the table's pages and num_rows to the rows."""
+    require_cpu_kernel()
+    q, k, v, layer, kv_lens, table = _decode_kernel_args(3, 8)
+    opts = dict(sm_scale=0.125)
+    base = np.asarray(kernel_cpu.decode_attention_cpu(q, k, v, layer, kv_lens, table, 3, **opts))
+    num_pages = k.shape[1]
+    # The last page id of every row pushed past either end of the pool.
+    hostile = table.at[:, -1].set(jnp.asarray([num_pages, 10 ** 9, -5], jnp.int32))
+    clamped = jnp.clip(hostile, 0, num_pages - 1)
+    got = kernel_cpu.decode_attention_cpu(q, k, v, layer, kv_lens, hostile, 3, **opts)
+    want = kernel_cpu.decode_attention_cpu(q, k, v, layer, kv_lens, clamped, 3, **opts)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    ref = xla_module.decode_attention(q, k, v, layer, kv_lens, clamped, 3, **opts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=0)
+    # Layer 7 of 2 reads layer 1; kv_len 10**6 reads the table's 2 pages; num_rows 99 is 3.
+    big = jnp.full((3,), 10 ** 6, jnp.int32)
+    got = kernel_cpu.decode_attention_cpu(q, k, v, jnp.int32(7), big, table, 99, **opts)
+    np.testing.assert_array_equal(np.asarray(got), base)
+
+
+def test_cpu_kernel_build_is_cached_and_reports_failure(tmp_path):
+    """A second build of the same source reuses the library (no compile); a compiler that
+    fails raises with its output, and ``impl="cpu"`` names the reason when the kernel is off."""
+    require_cpu_kernel()
+    cxx = kernel_cpu._compiler()
+    first = kernel_cpu.build_library(cxx, str(tmp_path))
+    mtime = first.stat().st_mtime_ns
+    assert kernel_cpu.build_library(cxx, str(tmp_path)) == first
+    assert first.stat().st_mtime_ns == mtime
+    with pytest.raises(RuntimeError, match="failed"):
+        kernel_cpu.build_library("/bin/false", str(tmp_path / "bad"))
+
+
+def test_cpu_kernel_switch_and_fallback():
+    """``PDJAX_CPU_KERNEL=0``: auto resolves to ``xla`` and ``impl="cpu"`` is an error that
+    says why (a fresh process: the status is decided once per process)."""
+    code = ("from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl\n"
+            "print(resolve_impl(None))\n"
+            "try:\n    resolve_impl('cpu')\nexcept ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "PDJAX_CPU_KERNEL": "0", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=env).stdout.splitlines()
+    assert out == ["xla", "impl='cpu': the native CPU kernel is unavailable "
+                          "(PDJAX_CPU_KERNEL=0)"]
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
@@ -473,14 +602,22 @@ def test_merge_paths_picks_owner_and_zeroes_padding():
     np.testing.assert_array_equal(merged, [1, 1, 2, 2, 2, 2, 3, 3, 3, 0, 0])
 
 
-def test_resolve_impl():
-    assert ATTENTION_IMPLS == ("auto", "reference", "xla", "tpu", "gpu")
-    platform_impl = {"cpu": "xla", "tpu": "tpu", "gpu": "gpu"}[jax.default_backend()]
+def test_resolve_impl(monkeypatch):
+    assert ATTENTION_IMPLS == ("auto", "reference", "xla", "cpu", "tpu", "gpu")
+    cpu = "cpu" if cpu_kernel_available() else "xla"
+    platform_impl = {"cpu": cpu, "tpu": "tpu", "gpu": "gpu"}[jax.default_backend()]
     assert resolve_impl(None) == resolve_impl("auto") == platform_impl
     for impl in ("reference", "xla", "tpu", "gpu"):
         assert resolve_impl(impl) == impl
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_impl("triton")
+    # Without the native kernel, auto keeps the jnp path and asking for it by name says why.
+    monkeypatch.setattr(rpa_package, "cpu_kernel_available", lambda: False)
+    monkeypatch.setattr(rpa_package, "cpu_kernel_status", lambda: (False, "no compiler"))
+    if jax.default_backend() == "cpu":
+        assert resolve_impl(None) == "xla"
+    with pytest.raises(ValueError, match=r"impl='cpu'.*unavailable \(no compiler\)"):
+        resolve_impl("cpu")
 
 
 def test_dispatch_reference_and_bad_inputs():

@@ -3,7 +3,8 @@ reference and the Pallas TPU and GPU kernels, plus the top-k selection.
 
 The contract is documented in ``reference.py``. ``impl`` follows
 ``ragged_paged_attention.resolve_impl`` (``None``/``"auto"`` by platform, or ``"reference"``,
-``"tpu"``, ``"gpu"``; ``"xla"``, the CPU default of GQA attention, runs the reference). The top-k itself is ``lax.top_k`` outside the kernels
+``"tpu"``, ``"gpu"``; ``"xla"`` and ``"cpu"``, the CPU paths of GQA attention, run the
+reference). The top-k itself is ``lax.top_k`` outside the kernels
 (``topk_positions``).
 """
 
@@ -48,7 +49,7 @@ def indexer_scores(
     """
     impl = resolve_impl(impl)
     args = (q, weights, k_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
-    if impl in ("reference", "xla"):      # no per-request jnp path of its own
+    if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return indexer_scores_reference(*args, sm_scale=sm_scale)
     if impl == "tpu":
         from pdjax.pallas_kernels.indexer.kernel_tpu import indexer_scores_tpu

@@ -3,8 +3,8 @@ the reference and the Pallas TPU and GPU kernels.
 
 The contract (absorbed MLA, DESIGN.md §2 metadata, top-k positions) is documented in
 ``reference.py``. ``impl`` follows ``ragged_paged_attention.resolve_impl``: ``None``/``"auto"``
-picks by platform, ``"reference"``, ``"tpu"`` or ``"gpu"`` force a path; ``"xla"`` (the CPU
-default of GQA attention) runs the reference here. The kernel modules are imported on first use.
+picks by platform, ``"reference"``, ``"tpu"`` or ``"gpu"`` force a path; ``"xla"`` and
+``"cpu"`` (the CPU paths of GQA attention) run the reference here. The kernel modules are imported on first use.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def mla_sparse_attention(
     impl = resolve_impl(impl)
     args = (q, kv_cache, layer, kv_lens, page_indices, cu_q_lens, distribution, topk_indices)
     kwargs = dict(sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
-    if impl in ("reference", "xla"):      # no per-request jnp path of its own
+    if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return mla_sparse_attention_reference(*args, **kwargs)
     if impl == "tpu":
         from pdjax.pallas_kernels.mla_sparse_attention.kernel_tpu import mla_sparse_attention_tpu

@@ -1,10 +1,12 @@
 """Ragged paged attention: one dispatch over the jnp paths and the Pallas TPU and GPU kernels.
 
 All implementations share the batch contract of DESIGN.md §2 (documented in ``reference.py``).
-``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu -> xla,
-tpu -> tpu, gpu -> gpu); the others force a path, e.g. a kernel in interpret mode on CPU
-(``impl="tpu", interpret=True``). ``"xla"`` (``xla.py``, per-request blocks) is the CPU path
-and the fallback on any backend; ``"reference"`` (per-token gathers) is the kernels' oracle.
+``impl`` picks one: ``None``/``"auto"`` follows the default backend's platform (cpu -> cpu, or
+xla where the native kernel cannot be built; tpu -> tpu, gpu -> gpu); the others force a path,
+e.g. a kernel in interpret mode on CPU (``impl="tpu", interpret=True``). ``"xla"`` (``xla.py``,
+per-request blocks) is the fallback on any backend; ``"cpu"`` is the same with the decode rows
+through the native CPU kernel (``kernel_cpu.cc``, one device only); ``"reference"`` (per-token
+gathers) is the kernels' oracle.
 The kernel modules are imported on first use, so importing this package only needs jax.
 """
 
@@ -12,21 +14,29 @@ from __future__ import annotations
 
 import jax
 
+from pdjax.pallas_kernels.ragged_paged_attention.kernel_cpu import (
+    cpu_kernel_available, cpu_kernel_status)
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     ragged_paged_attention_reference)
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
-ATTENTION_IMPLS = ("auto", "reference", "xla", "tpu", "gpu")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "cpu", "tpu", "gpu")
 # Implementations whose cost follows the traced kv_lens, not the pages-per-sequence shape.
-TRACED_BOUND_IMPLS = ("reference", "xla")
+TRACED_BOUND_IMPLS = ("reference", "xla", "cpu")
+# Implementations that run as one program over the whole cache: no sharding rule of their own,
+# so a tensor-parallel mesh takes the jnp path instead (``single_device_impl``).
+SINGLE_DEVICE_IMPLS = ("cpu",)
 
-_PLATFORM_IMPL = {"cpu": "xla", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+_PLATFORM_IMPL = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
 def resolve_impl(impl: str | None) -> str:
-    """Concrete implementation name for ``impl``: ``"reference"``, ``"xla"``, ``"tpu"`` or ``"gpu"``.
+    """Concrete implementation name for ``impl``: ``"reference"``, ``"xla"``, ``"cpu"``,
+    ``"tpu"`` or ``"gpu"``.
 
-    ``None`` and ``"auto"`` map the default backend's platform (``jax.default_backend()``).
+    ``None`` and ``"auto"`` map the default backend's platform (``jax.default_backend()``); on
+    the CPU that is ``"cpu"`` where the native kernel builds and loads (``kernel_cpu``), else
+    ``"xla"``. An explicit ``"cpu"`` that cannot be built is an error.
 
     Raises:
       ValueError: ``impl`` is not one of ``ATTENTION_IMPLS``, or auto meets an unknown platform.
@@ -35,13 +45,19 @@ def resolve_impl(impl: str | None) -> str:
         impl = "auto"
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS} or None, got {impl!r}")
+    if impl == "cpu" and not cpu_kernel_available():
+        raise ValueError(f"impl='cpu': the native CPU kernel is unavailable "
+                         f"({cpu_kernel_status()[1]})")
     if impl != "auto":
         return impl
     platform = jax.default_backend()
     if platform not in _PLATFORM_IMPL:
         raise ValueError(f"impl='auto' has no attention kernel for platform {platform!r}; "
                          f"pass impl explicitly (one of {ATTENTION_IMPLS})")
-    return _PLATFORM_IMPL[platform]
+    impl = _PLATFORM_IMPL[platform]
+    if impl == "cpu" and not cpu_kernel_available():
+        return "xla"
+    return impl
 
 
 def ragged_paged_attention(
@@ -93,8 +109,9 @@ def ragged_paged_attention(
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kwargs)
-    if impl == "xla":
-        return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only)
+    if impl in ("xla", "cpu"):
+        return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only,
+                                          native_decode=impl == "cpu")
     if impl == "tpu":
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
             ragged_paged_attention_tpu)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pdjax.pallas_kernels.ragged_paged_attention import kernel_cpu
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     _MASK_VALUE, validate_inputs)
 
@@ -167,6 +168,7 @@ def ragged_paged_attention_xla(
     kv_pages_per_block: int | None = None,
     decode_pages_per_block: int | None = None,
     decode_only: bool = False,
+    native_decode: bool = False,
 ) -> jax.Array:
     """Attention of every query row over its request's paged KV, per-request blocks.
 
@@ -187,6 +189,9 @@ def ragged_paged_attention_xla(
         ``DECODE_KV_BLOCK_TOKENS``' worth, at most P).
       decode_only: static promise that every row has q_len 1: only the decode part is built
         (half the compile time of both parts).
+      native_decode: static: the decode rows go through the native CPU kernel
+        (``kernel_cpu.decode_attention_cpu``, the ``"cpu"`` implementation) when it takes this
+        cache; the other rows keep the jnp tiles.
 
     Returns:
       ``[T, QH, D]`` in ``q.dtype``; padding rows are 0.
@@ -202,6 +207,9 @@ def ragged_paged_attention_xla(
 
     def decode_rows(num_rows):
         """``[num_decode, QH, D]`` float32 of the first ``num_rows`` tokens (decode rows)."""
+        if native_decode and kernel_cpu.supports(q, k_cache, k_scale, v_scale):
+            return kernel_cpu.decode_attention_cpu(q[:num_decode], k_cache, v_cache, layer,
+                                                   kv_lens, page_indices, num_rows, **opts)
         return decode_attention(q[:num_decode], k_cache, v_cache, layer, kv_lens, page_indices,
                                 num_rows, pages_per_block=decode_pages_per_block, **opts)
 
