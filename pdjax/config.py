@@ -10,6 +10,7 @@ value raises ``ValueError`` naming the field and the allowed range.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -235,13 +236,18 @@ class ModelArgs:
         ATTENTION_BACKENDS)
     pallas_interpret: bool = _arg(
         False, "run forced Pallas kernels in interpret mode (CPU testing)")
-    unroll_layers: bool = _arg(
-        False, "Llama family: one array per layer and an unrolled layer loop instead of a scan "
-               "over stacked layers (faster steps on XLA CPU, 3-5x the compile time per shape)")
+    unroll_layers: bool | None = _arg(
+        None, "Llama family: one array per layer and an unrolled layer loop instead of a scan "
+              "over stacked layers (faster decode steps on XLA CPU, 3-5x the compile time per "
+              "shape); default (auto): unrolled on the CPU backend, scanned elsewhere and for "
+              "DeepSeek-family models; --no-unroll-layers forces the scan")
 
     def __post_init__(self):
         _check_fields(self)
         _check_int(self, "tp_size", 1)
+        if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
+            raise ValueError(f"unroll_layers must be true, false or null (auto), "
+                             f"got {self.unroll_layers!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
 
@@ -502,6 +508,10 @@ class ServerArgs:
                 if f.type in ("bool", bool):
                     group.add_argument(flag, action="store_true", default=f.default,
                                        help=help_text)
+                    continue
+                if str(f.type) == "bool | None":   # auto unless --flag / --no-flag
+                    group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                       default=f.default, help=help_text)
                     continue
                 typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                     str(f.type), str)

@@ -418,8 +418,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot-file", default=None, help="PNG of every decode request's gaps over time")
     p.add_argument("--step-trace-file", default=None,
                    help="JSON of every timed forward (for replaying the cost model)")
-    p.add_argument("--unroll-layers", action="store_true",
-                   help="the engine's --unroll-layers (one array per layer, an unrolled forward)")
+    p.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's --unroll-layers / --no-unroll-layers (default: its auto)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     for name in ("batch_size", "decode_prompt_len", "long_prompt_len", "chunked_prefill_size",

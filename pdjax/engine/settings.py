@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from pdjax.config import ServerArgs
+from pdjax.config import ModelConfig, ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
 from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
 from pdjax.sched.scheduler import SchedulerConfig
@@ -26,7 +27,9 @@ class EngineConfig:
     ``cpu``, ``tpu`` or ``gpu`` (``auto`` under ``tp_size > 1`` never picks ``cpu``). ``scheduler.max_context_len``: ``context_length``, or the model's
     ``max_position_embeddings``. ``overlap``:
     overlapped scheduling (off with ``disable_overlap_schedule`` and for the prefill role,
-    whose requests all end after one token).
+    whose requests all end after one token). ``unroll_layers``: ``args.unroll_layers``, auto
+    (None) resolved to True for the Llama family on the CPU backend (its scan copies each
+    layer's weights before their matmuls there, DESIGN.md §2), False otherwise.
     """
 
     args: ServerArgs
@@ -36,6 +39,7 @@ class EngineConfig:
     attention_impl: str
     scheduler: SchedulerConfig
     overlap: bool
+    unroll_layers: bool
 
 
 def _attention_impl(args: ServerArgs) -> str:
@@ -56,7 +60,8 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
     Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
     platform has no kernel for."""
     model_path = resolve_model_path(args.model_path, args.revision)
-    model_len = checkpoint_config(model_path).max_position_embeddings
+    model_cfg = checkpoint_config(model_path)
+    model_len = model_cfg.max_position_embeddings
     dtype = resolve_dtype(args.dtype)
     sched, cache = args.scheduler, args.cache
     scheduler = SchedulerConfig(
@@ -74,4 +79,6 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
         attention_impl=_attention_impl(args),
         scheduler=scheduler,
-        overlap=not sched.disable_overlap_schedule and args.role != "prefill")
+        overlap=not sched.disable_overlap_schedule and args.role != "prefill",
+        unroll_layers=(args.unroll_layers if args.unroll_layers is not None
+                       else jax.default_backend() == "cpu" and isinstance(model_cfg, ModelConfig)))

@@ -246,27 +246,39 @@ def test_a_failed_step_leaves_no_unwritten_page_in_the_prefix_cache(llama_engine
 
 def test_unrolled_layers_give_the_same_tokens_and_no_compile_after_warmup(llama_engine,
                                                                           tiny_checkpoints):
-    """``unroll_layers`` (one array per layer, an unrolled forward): the tokens and logprobs
-    of the scanned engine through chunks, mixed steps and decode, and every shape compiled at
+    """``unroll_layers`` auto unrolls on CPU (one array per layer, an unrolled forward; the
+    package's engine) and False scans the stacked layers: the same tokens and logprobs through
+    chunks, mixed steps and decode, and every shape of the scanned engine compiled at
     warm-up."""
+    import jax
+
     from pdjax.engine import Engine
 
+    def layer_wq(eng):
+        return eng.core.runner.state["layers"]["wq"].get_value()
+
+    on_cpu = jax.default_backend() == "cpu"
+    assert llama_engine.core.config.unroll_layers is on_cpu
+    unrolled = layer_wq(llama_engine)
+    assert isinstance(unrolled, tuple) is on_cpu
+    if on_cpu:
+        assert len(unrolled) == llama_engine.core.model_cfg.num_layers
     prompts = boundary_prompts(12, seed=4)
     set_sched(llama_engine, chunked_prefill_size=16, enable_mixed_chunk=True,
               disable_radix_cache=True)
     ref = _run(llama_engine, prompts)
     eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=8, max_total_tokens=4096,
                  max_running_requests=16, chunked_prefill_size=16, context_length=128,
-                 enable_mixed_chunk=True, disable_radix_cache=True, unroll_layers=True,
+                 enable_mixed_chunk=True, disable_radix_cache=True, unroll_layers=False,
                  progress=False)
     try:
         runner = eng.core.runner
-        wq = runner.state["layers"]["wq"].get_value()
-        assert isinstance(wq, tuple) and len(wq) == eng.core.model_cfg.num_layers
+        wq = layer_wq(eng)
+        assert not isinstance(wq, tuple) and wq.shape[0] == eng.core.model_cfg.num_layers
         before = compile_count()
         modes = []
         outs = _run(eng, prompts, modes=modes, check=True)
-        _assert_same(ref, outs, "unrolled")
+        _assert_same(ref, outs, "scanned")
         assert {"mixed", "decode"} <= set(modes)
         assert compile_count() == before and runner.compiles_after_warmup == 0
     finally:

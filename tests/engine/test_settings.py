@@ -44,7 +44,9 @@ def test_one_cli_flag_per_setting_and_the_alias():
     ServerArgs.add_cli_args(parser)
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     names = {f.name for f in ServerArgs.settings()}
-    assert flags == {"--" + n.replace("_", "-") for n in names} | {"--disaggregation-mode"}
+    # Tri-state (auto by default) settings also have their --no- flag.
+    assert flags == {"--" + n.replace("_", "-") for n in names} | {"--disaggregation-mode",
+                                                                  "--no-unroll-layers"}
     args = ServerArgs.from_cli_args(parser.parse_args(
         ["--page-size", "32", "--enable-mixed-chunk", "--disaggregation-mode", "prefill",
          "--target-itl-ms", "25.5", "--attention-backend", "xla"]))
@@ -89,3 +91,25 @@ def test_single_device_kernel_is_not_picked_for_tensor_parallel(tiny_checkpoints
     assert resolve_engine_config(ServerArgs(model_path=path)).attention_impl == "cpu"
     with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one device"):
         resolve_engine_config(ServerArgs(model_path=path, tp_size=2, attention_backend="cpu"))
+
+
+def test_unroll_layers_auto_follows_platform_and_family(tiny_checkpoints):
+    """``unroll_layers`` None (auto) unrolls the Llama family on CPU only and never DeepSeek;
+    True / False are kept; the CLI has ``--unroll-layers`` / ``--no-unroll-layers`` with auto
+    by default; anything but a bool or None is a ValueError naming the field."""
+    import jax
+
+    on_cpu = jax.default_backend() == "cpu"
+    for name, auto in (("llama", on_cpu), ("qwen3", on_cpu), ("deepseek_v3", False)):
+        path = tiny_checkpoints[name]
+        assert resolve_engine_config(ServerArgs(model_path=path)).unroll_layers is auto, name
+        assert resolve_engine_config(ServerArgs(model_path=path,
+                                                unroll_layers=False)).unroll_layers is False
+    assert resolve_engine_config(ServerArgs(model_path=tiny_checkpoints["llama"],
+                                            unroll_layers=True)).unroll_layers is True
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for argv, want in (([], None), (["--unroll-layers"], True), (["--no-unroll-layers"], False)):
+        assert ServerArgs.from_cli_args(parser.parse_args(argv)).unroll_layers is want
+    with pytest.raises(ValueError, match="unroll_layers must be true, false or null"):
+        ServerArgs(unroll_layers=1)
