@@ -205,11 +205,13 @@ def record_steps(core) -> tuple[list[StepRecord], object]:
 def weight_read_bytes(core, rows: int) -> tuple[int, int]:
     """(bytes of every parameter, bytes a decode step of ``rows`` rows reads of them: all but
     the embedding table, of which only the rows' ids are gathered, unless tied to the head)."""
+    import jax
     from flax import nnx
 
     total = embed = 0
     for path, var in nnx.to_flat_state(core.runner.state):
-        nbytes = int(var.get_value().nbytes)
+        # A stack [L, ...], or its L per-layer arrays once unrolled (DecoderLayers.unstack).
+        nbytes = sum(int(a.nbytes) for a in jax.tree.leaves(var.get_value()))
         total += nbytes
         if path[0] == "embed_tokens":
             embed = nbytes

@@ -1,16 +1,18 @@
-// Paged decode attention for XLA CPU: an XLA FFI custom call (api_version 4).
+// Paged decode attention for XLA CPU: an XLA FFI custom call (handler PdjaxPagedDecodeAttention).
 //
 // One query token per row (the decode rows of DESIGN.md §2), read straight out of the stacked
-// paged cache [layers, num_pages, page_size, KVH, D] without gathering pages first. Each work
-// item is one (row, KV head): its G = QH / KVH query heads are scored against the row's keys
-// in one pass over its pages (each key read once for the whole group), the softmax is exact
-// (two passes over a per-item score buffer), and the values are read once more, again once
-// for the group. Items run on XLA's intra-op thread pool.
+// paged cache [layers, num_pages, page_size, KVH, D] without gathering pages first. A work item
+// is one row (or one KV head of a row when rows are few): pass 1 scores the item's keys page by
+// page, four keys and every query head of the item at a time, so each key row is read once; the
+// softmax is exact, over a per-item score buffer; pass 2 reads each value row once and adds it
+// into register-held output chunks. Both passes prefetch the next page as they go. Items run on
+// XLA's intra-op thread pool.
 //
 // Indices that come from the host (layer, page ids, kv lens, num_rows) are clamped to the
-// buffers' ranges before they address memory, as the jnp reference clamps its gathers.
+// buffers' ranges before they address memory (page ids to [0, num_pages), as the Pallas kernels
+// clamp them).
 //
-// Built by pdjax/pallas_kernels/cpu_build.py with the host compiler; see kernel_cpu.py.
+// Built on first use with the host compiler by kernel_cpu.py, which also states the contract.
 
 #include <algorithm>
 #include <atomic>
