@@ -24,10 +24,11 @@ class EngineConfig:
 
     ``model_path``: a local checkpoint path (a hub id resolved). ``dtype`` / ``kv_dtype``: JAX
     dtypes of the parameters and the KV cache. ``attention_impl``: ``reference``, ``xla``,
-    ``cpu``, ``tpu`` or ``gpu`` (``auto`` under ``tp_size > 1`` never picks ``cpu``). ``scheduler.max_context_len``: ``context_length``, or the model's
-    ``max_position_embeddings``. ``overlap``:
-    overlapped scheduling (off with ``disable_overlap_schedule`` and for the prefill role,
-    whose requests all end after one token). ``unroll_layers``: ``args.unroll_layers``, auto
+    ``cpu``, ``tpu`` or ``gpu`` (``auto`` under ``tp_size > 1`` never picks ``cpu``).
+    ``scheduler.max_context_len``: ``context_length``, or the model's
+    ``max_position_embeddings``. ``overlap``: overlapped scheduling (off with
+    ``disable_overlap_schedule`` and for the prefill role, whose requests all end after one
+    token). ``unroll_layers``: ``args.unroll_layers``, auto
     (None) resolved to True for the Llama family on the CPU backend (its scan copies each
     layer's weights before their matmuls there, DESIGN.md §2), False otherwise.
     """

@@ -24,7 +24,7 @@ ATTENTION_IMPLS = ("auto", "reference", "xla", "cpu", "tpu", "gpu")
 # Implementations whose cost follows the traced kv_lens, not the pages-per-sequence shape.
 TRACED_BOUND_IMPLS = ("reference", "xla", "cpu")
 # Implementations that run as one program over the whole cache: no sharding rule of their own,
-# so a tensor-parallel mesh takes the jnp path instead (``single_device_impl``).
+# so a tensor-parallel engine takes the jnp path instead (engine/settings.py).
 SINGLE_DEVICE_IMPLS = ("cpu",)
 
 _PLATFORM_IMPL = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
