@@ -172,7 +172,10 @@ class AsyncEngine:
                         warmup_s=round(self.core.warmup_s, 3),
                         compiled_shapes=len(self.core.runner.ready_keys),
                         forward_shapes=len(self.core.buckets.all_keys()),
-                        step_cost_model=self.core.cost_model.describe())
+                        step_cost_model=self.core.cost_model.describe(),
+                        # The settings' "auto" as resolved (engine/settings.py).
+                        attention_backend=self.core.config.attention_impl,
+                        unroll_layers=self.core.config.unroll_layers)
         return info
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:

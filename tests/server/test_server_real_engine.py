@@ -4,6 +4,7 @@ client on 127.0.0.1: completion, chat, streaming, logprobs, n=2, stop strings, d
 import asyncio
 import time
 
+import jax
 import openai
 import pytest
 import pytest_asyncio
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdjax.config import ServerArgs
 from pdjax.engine import AsyncEngine
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 from pdjax.server.app import create_app
 
 pytestmark = pytest.mark.asyncio
@@ -181,5 +183,8 @@ async def test_validation_then_valid_and_metrics_move(served):
     for bucket in cost["buckets"]:
         assert bucket["num_samples"] >= 1 and bucket["fixed_s"] == bucket["fixed_s"]  # not NaN
     assert info["target_itl_ms"] is None and info["max_num_batched_tokens"] is None
+    # "auto" settings are reported as resolved: the native kernel and unrolled layers on CPU.
+    on_cpu = jax.default_backend() == "cpu"
+    assert (info["attention_backend"], info["unroll_layers"]) == (resolve_impl(None), on_cpu)
     assert (await client.get("/health")).status == 200
     assert (await client.get("/health_generate")).status == 200
