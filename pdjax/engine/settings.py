@@ -28,9 +28,7 @@ class EngineConfig:
     ``scheduler.max_context_len``: ``context_length``, or the model's
     ``max_position_embeddings``. ``overlap``: overlapped scheduling (off with
     ``disable_overlap_schedule`` and for the prefill role, whose requests all end after one
-    token). ``unroll_layers``: ``args.unroll_layers``, auto
-    (None) resolved to True for the Llama family on the CPU backend (its scan copies each
-    layer's weights before their matmuls there, DESIGN.md §2), False otherwise.
+    token). ``unroll_layers``: ``args.unroll_layers`` with auto resolved (``_unroll_layers``).
     """
 
     args: ServerArgs
@@ -53,6 +51,14 @@ def _attention_impl(args: ServerArgs) -> str:
                              f"{args.tp_size} (use 'xla' or 'auto')")
         return "xla"
     return impl
+
+
+def _unroll_layers(args: ServerArgs, model_cfg) -> bool:
+    """``args.unroll_layers``; auto (None): the Llama family (its ``ModelConfig``) on the CPU
+    backend, where its scan copies each layer's weights (DESIGN.md §2)."""
+    if args.unroll_layers is not None:
+        return args.unroll_layers
+    return jax.default_backend() == "cpu" and isinstance(model_cfg, ModelConfig)
 
 
 def resolve_engine_config(args: ServerArgs) -> EngineConfig:
@@ -81,5 +87,4 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
         attention_impl=_attention_impl(args),
         scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill",
-        unroll_layers=(args.unroll_layers if args.unroll_layers is not None
-                       else jax.default_backend() == "cpu" and isinstance(model_cfg, ModelConfig)))
+        unroll_layers=_unroll_layers(args, model_cfg))

@@ -130,10 +130,6 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
 
 # --------------------------------------------------------------------------- tokenizer
 
-def _cache_dir() -> str:
-    return pdjax_cache_dir("tokenizers")
-
-
 def load_tokenizer(model_path: str | None = None):
     """The model's tokenizer and chat template (a transformers fast tokenizer).
 
@@ -148,7 +144,7 @@ def load_tokenizer(model_path: str | None = None):
         return AutoTokenizer.from_pretrained(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = os.path.join(_cache_dir(), key)
+    cached = os.path.join(pdjax_cache_dir("tokenizers"), key)
     if os.path.isfile(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cached)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
