@@ -241,13 +241,20 @@ class ModelArgs:
               "over stacked layers (faster decode steps on XLA CPU, 3-5x the compile time per "
               "shape); default (auto): unrolled on the CPU backend, scanned elsewhere and for "
               "DeepSeek-family models; --no-unroll-layers forces the scan")
+    cpu_matmul_kernel: bool | None = _arg(
+        None, "Llama family on one CPU device: pack the linear weights into panels and multiply "
+              "with the native CPU matmul kernel (built with the host's C++ compiler; it splits "
+              "each projection over the cores, where XLA runs a decode step's on one); default "
+              "(auto): on where it builds, on the CPU backend with tp_size 1 and float32 or "
+              "bfloat16 weights; --no-cpu-matmul-kernel keeps XLA's dots")
 
     def __post_init__(self):
         _check_fields(self)
         _check_int(self, "tp_size", 1)
-        if self.unroll_layers is not None and not isinstance(self.unroll_layers, bool):
-            raise ValueError(f"unroll_layers must be true, false or null (auto), "
-                             f"got {self.unroll_layers!r}")
+        for name in ("unroll_layers", "cpu_matmul_kernel"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true, false or null (auto), got {value!r}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")
 

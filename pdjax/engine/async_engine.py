@@ -175,7 +175,8 @@ class AsyncEngine:
                         step_cost_model=self.core.cost_model.describe(),
                         # The settings' "auto" as resolved (engine/settings.py).
                         attention_backend=self.core.config.attention_impl,
-                        unroll_layers=self.core.config.unroll_layers)
+                        unroll_layers=self.core.config.unroll_layers,
+                        cpu_matmul_kernel=self.core.config.cpu_matmul_kernel)
         return info
 
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None) -> str:

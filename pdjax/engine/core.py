@@ -102,7 +102,8 @@ class EngineCore:
         self.model_cfg, model = load_model(
             self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
             load_format=args.load_format, attention_impl=config.attention_impl,
-            interpret=args.pallas_interpret, unroll_layers=config.unroll_layers)
+            interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
+            cpu_matmul_kernel=config.cpu_matmul_kernel)
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from pdjax.config import ModelConfig, ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
+from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
 from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
 from pdjax.sched.scheduler import SchedulerConfig
 
@@ -29,6 +30,7 @@ class EngineConfig:
     ``max_position_embeddings``. ``overlap``: overlapped scheduling (off with
     ``disable_overlap_schedule`` and for the prefill role, whose requests all end after one
     token). ``unroll_layers``: ``args.unroll_layers`` with auto resolved (``_unroll_layers``).
+    ``cpu_matmul_kernel``: ``args.cpu_matmul_kernel`` resolved (``_cpu_matmul_kernel``).
     """
 
     args: ServerArgs
@@ -39,6 +41,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     overlap: bool
     unroll_layers: bool
+    cpu_matmul_kernel: bool
 
 
 def _attention_impl(args: ServerArgs) -> str:
@@ -59,6 +62,26 @@ def _unroll_layers(args: ServerArgs, model_cfg) -> bool:
     if args.unroll_layers is not None:
         return args.unroll_layers
     return jax.default_backend() == "cpu" and isinstance(model_cfg, ModelConfig)
+
+
+def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype) -> bool:
+    """``args.cpu_matmul_kernel``; auto (None): on for the Llama family on the CPU backend
+    with ``tp_size`` 1 and float32 or bfloat16 weights, where the kernel builds. Asked for
+    where it cannot run, a ``ValueError`` that names the field and says why."""
+    why = None
+    if jax.default_backend() != "cpu":
+        why = f"the backend is {jax.default_backend()}, not cpu"
+    elif not isinstance(model_cfg, ModelConfig):
+        why = "only Llama-family models pack their weights"
+    elif args.tp_size > 1:
+        why = f"it runs on one device; tp_size is {args.tp_size}"
+    elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        why = f"dtype {jnp.dtype(dtype).name} is not float32 or bfloat16"
+    elif not matmul_kernel_status()[0]:
+        why = f"the kernel is unavailable ({matmul_kernel_status()[1]})"
+    if why is not None and args.cpu_matmul_kernel:
+        raise ValueError(f"cpu_matmul_kernel: {why}")
+    return why is None and args.cpu_matmul_kernel is not False
 
 
 def resolve_engine_config(args: ServerArgs) -> EngineConfig:
@@ -87,4 +110,5 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
         attention_impl=_attention_impl(args),
         scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill",
-        unroll_layers=_unroll_layers(args, model_cfg))
+        unroll_layers=_unroll_layers(args, model_cfg),
+        cpu_matmul_kernel=_cpu_matmul_kernel(args, model_cfg, dtype))

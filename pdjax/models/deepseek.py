@@ -250,9 +250,11 @@ class DeepseekForCausalLM(nnx.Module):
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False,
-                 unroll_layers: bool = False):
+                 unroll_layers: bool = False, cpu_matmul_kernel: bool = False):
         if unroll_layers:
             raise ValueError("unroll_layers: DeepSeek-family models scan their layers only")
+        if cpu_matmul_kernel:
+            raise ValueError("cpu_matmul_kernel: DeepSeek-family models do not pack their weights")
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret

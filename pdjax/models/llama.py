@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from pdjax.config import ModelConfig
 from pdjax.models.attention import AttentionMetadata, paged_attention
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from pdjax.pallas_kernels.dense_cpu import pack_weight, packed_matmul
 from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
 
 
@@ -53,13 +54,22 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], P]]
     return shapes
 
 
+# The packed projections of ``pack_for_cpu`` and the weights each one concatenates (along the
+# output axis), so that q/k/v and gate/up are one matmul each.
+PACKED_GROUPS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+                 "w_down": ("w_down",)}
+
+
 class DecoderLayers(nnx.Module):
     """All decoder layers, parameters stacked as ``[L, ...]``, applied with ``lax.scan``; after
-    ``unstack``, a tuple of ``L`` per-layer arrays each, applied in an unrolled loop."""
+    ``unstack``, a tuple of ``L`` per-layer arrays each, applied in an unrolled loop. After
+    ``pack_for_cpu`` the linear weights are the packed groups of ``PACKED_GROUPS``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         self.unrolled = False
+        self.packed = False
+        self.param_names = tuple(layer_param_shapes(cfg))
         init = nnx.initializers.normal(0.02)
         for name, (shape, _) in layer_param_shapes(cfg).items():
             full = (cfg.num_layers, *shape)
@@ -73,13 +83,22 @@ class DecoderLayers(nnx.Module):
         QH, KVH, D = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
         inv_freq, rope_scale = rope_inv_freq(D, cfg.rope_theta, cfg.rope_params)
         inv_freq = jnp.asarray(inv_freq)
-        params = {name: getattr(self, name).get_value() for name in layer_param_shapes(cfg)}
+        params = {name: getattr(self, name).get_value() for name in self.param_names}
+        widths = self.packed_widths()
+
+        def linear(h, p, name):
+            if self.packed:
+                return packed_matmul(h, p[name], widths[name])
+            return h @ p[name]
 
         def layer_step(carry, xs):
             x, k_cache, v_cache = carry
             p, layer = xs
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-            q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            if self.packed:
+                q, k, v = jnp.split(linear(h, p, "wqkv"), [QH * D, (QH + KVH) * D], axis=-1)
+            else:
+                q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, QH, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
@@ -91,9 +110,13 @@ class DecoderLayers(nnx.Module):
             attn, k_cache, v_cache = paged_attention(
                 q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5,
                 impl=attention_impl, interpret=interpret)
-            x = x + attn.reshape(T, QH * D) @ p["wo"]
+            x = x + linear(attn.reshape(T, QH * D), p, "wo")
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+            if self.packed:
+                gate, up = jnp.split(linear(h, p, "w_gate_up"), 2, axis=-1)
+            else:
+                gate, up = h @ p["w_gate"], h @ p["w_up"]
+            x = x + linear(jax.nn.silu(gate) * up, p, "w_down")
             return (x, k_cache, v_cache), None
 
         carry = (x, k_cache, v_cache)
@@ -118,14 +141,42 @@ class DecoderLayers(nnx.Module):
             spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
             return NamedSharding(sharding.mesh, P(*spec[1:]))
 
-        names = list(layer_param_shapes(self.cfg))
-        stacked = {name: getattr(self, name).get_value() for name in names}
+        stacked = {name: getattr(self, name).get_value() for name in self.param_names}
         split = jax.jit(  # one executable for every parameter
             lambda st: {n: tuple(a[i] for i in range(a.shape[0])) for n, a in st.items()},
             out_shardings={n: per_layer(a.sharding, a.ndim) for n, a in stacked.items()})
         for name, layers in split(stacked).items():
             getattr(self, name).set_value(layers)
         self.unrolled = True
+
+    def packed_widths(self) -> dict[str, int]:
+        """Output width ``N`` of each packed group (the sum of its weights' widths)."""
+        shapes = layer_param_shapes(self.cfg)
+        return {g: sum(shapes[n][0][-1] for n in members) for g, members in PACKED_GROUPS.items()}
+
+    def pack_for_cpu(self) -> None:
+        """Replace the linear weights by the packed groups of ``PACKED_GROUPS``
+        (``dense_cpu.pack_weight`` of the members concatenated along the output axis), in
+        place, stacked or per layer as they are; later forwards multiply through
+        ``dense_cpu.packed_matmul``. One group at a time, so the peak is the weights plus one
+        group. One device only (the packed layout has no TP split). Idempotent."""
+        if self.packed:
+            return
+
+        def pack_group(members):
+            if self.unrolled:
+                return tuple(pack_weight(jnp.concatenate(ws, axis=-1)) for ws in zip(*members))
+            return pack_weight(jnp.concatenate(members, axis=-1))
+
+        pack = jax.jit(pack_group)
+        for group, members in PACKED_GROUPS.items():
+            packed = pack([getattr(self, n).get_value() for n in members])
+            for n in members:
+                delattr(self, n)
+            setattr(self, group, nnx.Param(packed))
+        linear = {n for members in PACKED_GROUPS.values() for n in members}
+        self.param_names = (*(n for n in self.param_names if n not in linear), *PACKED_GROUPS)
+        self.packed = True
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -135,7 +186,8 @@ class LlamaForCausalLM(nnx.Module):
     ``(logits [N, V] float32, k_cache, v_cache)``; caches are
     ``[L, num_pages, page_size, KVH, D]`` and come back updated (donate them).
     ``unroll_layers``: the engine unstacks the layer parameters before its first forward
-    (``DecoderLayers.unstack``; faster steps, longer compiles).
+    (``DecoderLayers.unstack``; faster steps, longer compiles). ``cpu_matmul_kernel``: the
+    engine then packs the linear weights for the native CPU matmul (``pack_for_cpu``).
     """
 
     # Attention implementations whose cost follows kv_lens, not the page-table width P, so
@@ -144,11 +196,13 @@ class LlamaForCausalLM(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False,
-                 unroll_layers: bool = False):
+                 unroll_layers: bool = False, cpu_matmul_kernel: bool = False):
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret
         self.unroll_layers = unroll_layers
+        self.cpu_matmul_kernel = cpu_matmul_kernel
+        self.packed = False
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
@@ -164,8 +218,25 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, h: jax.Array) -> jax.Array:
         """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32."""
         h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
+        if self.packed:
+            return packed_matmul(h, self.lm_head_packed[...], self.cfg.vocab_size
+                                 ).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
+
+    def pack_for_cpu(self) -> None:
+        """Pack the layers' linear weights (``DecoderLayers.pack_for_cpu``) and the LM head,
+        as ``lm_head_packed`` (a tied head is packed from the embedding's transpose, which stays
+        for the token lookup; an untied ``lm_head`` is replaced). Idempotent."""
+        if self.packed:
+            return
+        self.layers.pack_for_cpu()
+        tied = self.cfg.tie_word_embeddings
+        head = self.embed_tokens[...] if tied else self.lm_head[...]
+        self.lm_head_packed = nnx.Param(jax.jit(lambda w: pack_weight(w.T if tied else w))(head))
+        if not tied:
+            del self.lm_head
+        self.packed = True
 
     def cache_spec(self, num_pages: int, page_size: int, dtype) -> tuple:
         """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``)."""

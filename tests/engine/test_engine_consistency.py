@@ -246,23 +246,26 @@ def test_a_failed_step_leaves_no_unwritten_page_in_the_prefix_cache(llama_engine
 
 def test_unrolled_layers_give_the_same_tokens_and_no_compile_after_warmup(llama_engine,
                                                                           tiny_checkpoints):
-    """``unroll_layers`` auto unrolls on CPU (one array per layer, an unrolled forward; the
-    package's engine) and False scans the stacked layers: the same tokens and logprobs through
-    chunks, mixed steps and decode, and every shape of the scanned engine compiled at
-    warm-up."""
+    """``unroll_layers`` and ``cpu_matmul_kernel`` auto unroll the layers and pack their
+    linear weights on CPU (the package's engine: one packed array per layer, the native
+    matmul); both False scan the stacked layers through XLA's dots: the same tokens and
+    logprobs through chunks, mixed steps and decode, and every shape of the scanned engine
+    compiled at warm-up."""
     import jax
 
     from pdjax.engine import Engine
 
-    def layer_wq(eng):
-        return eng.core.runner.state["layers"]["wq"].get_value()
+    def layer_weight(eng, name):
+        return eng.core.runner.state["layers"][name].get_value()
 
     on_cpu = jax.default_backend() == "cpu"
-    assert llama_engine.core.config.unroll_layers is on_cpu
-    unrolled = layer_wq(llama_engine)
+    config = llama_engine.core.config
+    assert config.unroll_layers is on_cpu and config.cpu_matmul_kernel is on_cpu
+    unrolled = layer_weight(llama_engine, "wqkv" if on_cpu else "wq")
     assert isinstance(unrolled, tuple) is on_cpu
     if on_cpu:
         assert len(unrolled) == llama_engine.core.model_cfg.num_layers
+        assert "wq" not in llama_engine.core.runner.state["layers"]
     prompts = boundary_prompts(12, seed=4)
     set_sched(llama_engine, chunked_prefill_size=16, enable_mixed_chunk=True,
               disable_radix_cache=True)
@@ -270,10 +273,10 @@ def test_unrolled_layers_give_the_same_tokens_and_no_compile_after_warmup(llama_
     eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=8, max_total_tokens=4096,
                  max_running_requests=16, chunked_prefill_size=16, context_length=128,
                  enable_mixed_chunk=True, disable_radix_cache=True, unroll_layers=False,
-                 progress=False)
+                 cpu_matmul_kernel=False, progress=False)
     try:
         runner = eng.core.runner
-        wq = layer_wq(eng)
+        wq = layer_weight(eng, "wq")
         assert not isinstance(wq, tuple) and wq.shape[0] == eng.core.model_cfg.num_layers
         before = compile_count()
         modes = []

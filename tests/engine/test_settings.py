@@ -45,8 +45,8 @@ def test_one_cli_flag_per_setting_and_the_alias():
     flags = {s for a in parser._actions for s in a.option_strings} - {"-h", "--help"}
     names = {f.name for f in ServerArgs.settings()}
     # Tri-state (auto by default) settings also have their --no- flag.
-    assert flags == {"--" + n.replace("_", "-") for n in names} | {"--disaggregation-mode",
-                                                                  "--no-unroll-layers"}
+    assert flags == {"--" + n.replace("_", "-") for n in names} | {
+        "--disaggregation-mode", "--no-unroll-layers", "--no-cpu-matmul-kernel"}
     args = ServerArgs.from_cli_args(parser.parse_args(
         ["--page-size", "32", "--enable-mixed-chunk", "--disaggregation-mode", "prefill",
          "--target-itl-ms", "25.5", "--attention-backend", "xla"]))
@@ -113,3 +113,37 @@ def test_unroll_layers_auto_follows_platform_and_family(tiny_checkpoints):
         assert ServerArgs.from_cli_args(parser.parse_args(argv)).unroll_layers is want
     with pytest.raises(ValueError, match="unroll_layers must be true, false or null"):
         ServerArgs(unroll_layers=1)
+
+
+def test_cpu_matmul_kernel_auto_and_refusals(tiny_checkpoints):
+    """``cpu_matmul_kernel`` None (auto) packs the Llama family on one CPU device (the kernel
+    must build there), never DeepSeek, never under ``tp_size > 1``; asked for where it cannot
+    run it is a ValueError naming the field and the reason; the CLI has both flags."""
+    import jax
+
+    from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
+
+    on_cpu = jax.default_backend() == "cpu"
+    if on_cpu:
+        assert matmul_kernel_status()[0], matmul_kernel_status()[1]
+    for name, auto in (("llama", on_cpu), ("qwen3", on_cpu), ("deepseek_v3", False)):
+        path = tiny_checkpoints[name]
+        assert resolve_engine_config(ServerArgs(model_path=path)).cpu_matmul_kernel is auto, name
+        assert resolve_engine_config(ServerArgs(
+            model_path=path, cpu_matmul_kernel=False)).cpu_matmul_kernel is False
+    llama = tiny_checkpoints["llama"]
+    assert resolve_engine_config(ServerArgs(model_path=llama, tp_size=2)).cpu_matmul_kernel is False
+    refusals = [(dict(model_path=tiny_checkpoints["deepseek_v3"]), "only Llama-family"),
+                (dict(model_path=llama, tp_size=2), "one device; tp_size is 2")]
+    if not on_cpu:
+        refusals = [(dict(model_path=llama), "not cpu")]
+    for kwargs, reason in refusals:
+        with pytest.raises(ValueError, match=f"cpu_matmul_kernel: .*{reason}"):
+            resolve_engine_config(ServerArgs(cpu_matmul_kernel=True, **kwargs))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for argv, want in (([], None), (["--cpu-matmul-kernel"], True),
+                       (["--no-cpu-matmul-kernel"], False)):
+        assert ServerArgs.from_cli_args(parser.parse_args(argv)).cpu_matmul_kernel is want
+    with pytest.raises(ValueError, match="cpu_matmul_kernel must be true, false or null"):
+        ServerArgs(cpu_matmul_kernel="yes")

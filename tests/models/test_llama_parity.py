@@ -1,5 +1,6 @@
 """pdjax Llama/Qwen2/Qwen3 vs transformers on tiny random checkpoints, paged consistency, TP."""
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -151,6 +152,46 @@ def test_unrolled_layers_match_the_scan(tiny_checkpoints, name):
 
 
 def test_unroll_layers_is_refused_by_the_deepseek_family(tiny_checkpoints):
-    with pytest.raises(ValueError, match="unroll_layers"):
-        load_model(tiny_checkpoints["deepseek_v3"], dtype="float32", progress=False,
-                   unroll_layers=True)
+    for flag in ("unroll_layers", "cpu_matmul_kernel"):
+        with pytest.raises(ValueError, match=flag):
+            load_model(tiny_checkpoints["deepseek_v3"], dtype="float32", progress=False,
+                       **{flag: True})
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("unrolled", [False, True], ids=["scanned", "unrolled"])
+def test_packed_weights_match_xla_dots(tiny_checkpoints, name, unrolled):
+    """``pack_for_cpu`` (the native CPU matmul) on a stacked or unrolled model, with a tied or
+    untied LM head, q/k/v biases (Qwen2) and q/k norms (Qwen3): the unpacked weights are gone,
+    and prefill, chunked decode next to another request, and the cache it wrote give the XLA
+    forward's logits within float32 rounding."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native matmul is registered for the CPU platform only")
+    from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
+
+    assert matmul_kernel_status()[0], matmul_kernel_status()[1]
+    path = tiny_checkpoints[name]
+    cfg, plain = load_model(path, dtype="float32", progress=False)
+    _, model = load_model(path, dtype="float32", progress=False)
+    if unrolled:
+        model.layers.unstack()
+    model.pack_for_cpu()
+    model.pack_for_cpu()                          # idempotent
+    assert model.packed and not hasattr(model.layers, "wq") and not hasattr(model, "lm_head")
+    assert isinstance(model.layers.wqkv.get_value(), tuple) is unrolled
+    prompts = _prompts(6)
+    for a, b in zip(_prefill_all(plain, cfg, prompts), _prefill_all(model, cfg, prompts)):
+        assert np.abs(a).max() > 1.0
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
+    prompt = _prompts(5, (21,))[0]
+    pages = assign_pages([len(prompt)], PAGE, 62, 7)[0]
+    out = []
+    for m in (plain, model):
+        kc, vc = new_cache(cfg, 64, PAGE)
+        _, kc, vc = run_rows(m, [BatchRow(prompt[:20], 0, pages)], kc, vc, PAGE)
+        logits, _, _ = run_rows(m, [BatchRow([7, 8], 0, [63]), BatchRow(prompt[20:], 20, pages)],
+                                kc, vc, PAGE)
+        out.append((logits, np.asarray(kc)))
+    for a, b in zip(out[0][0], out[1][0]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
+    np.testing.assert_allclose(out[1][1], out[0][1], rtol=0, atol=1e-5)

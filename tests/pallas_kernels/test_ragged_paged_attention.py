@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from pdjax.pallas_kernels import cpu_build
 from pdjax.pallas_kernels import ragged_paged_attention as rpa_package
 from pdjax.pallas_kernels.ragged_paged_attention import (
     ATTENTION_IMPLS, cpu_kernel_available, cpu_kernel_status, ragged_paged_attention,
@@ -462,13 +463,13 @@ def test_cpu_kernel_build_is_cached_and_reports_failure(tmp_path):
     """A second build of the same source reuses the library (no compile); a compiler that
     fails raises with its output, and ``impl="cpu"`` names the reason when the kernel is off."""
     require_cpu_kernel()
-    cxx = kernel_cpu._compiler()
-    first = kernel_cpu.build_library(cxx, str(tmp_path))
+    cxx = cpu_build.compiler()
+    first = cpu_build.build_library(kernel_cpu.KERNEL_SOURCE, cxx, str(tmp_path))
     mtime = first.stat().st_mtime_ns
-    assert kernel_cpu.build_library(cxx, str(tmp_path)) == first
+    assert cpu_build.build_library(kernel_cpu.KERNEL_SOURCE, cxx, str(tmp_path)) == first
     assert first.stat().st_mtime_ns == mtime
     with pytest.raises(RuntimeError, match="failed"):
-        kernel_cpu.build_library("/bin/false", str(tmp_path / "bad"))
+        cpu_build.build_library(kernel_cpu.KERNEL_SOURCE, "/bin/false", str(tmp_path / "bad"))
 
 
 def test_cpu_kernel_switch_and_fallback():

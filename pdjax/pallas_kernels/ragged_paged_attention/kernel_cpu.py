@@ -7,116 +7,34 @@ step spent 42 of its 95 ms in attention that way (BENCHMARKS.md). The kernel rea
 keys and values once, in place in the stacked paged cache, for all the query heads of a KV head
 at a time (DESIGN.md §2).
 
-The source is compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``/``g++``)
-against the FFI headers that ship with jaxlib, for this CPU (``-march=native``), into
-``$PDJAX_CACHE_DIR/cpu_kernels/<hash>.so``; the hash covers the source, the flags, the compiler,
-jaxlib's version and the CPU, so a change of any of them builds anew. ``PDJAX_CPU_KERNEL=0``
-turns the kernel off. Where it cannot be built, ``cpu_kernel_status()`` says why and the
-attention dispatch (``resolve_impl``) keeps the jnp path.
+The source is compiled on first use by ``pdjax.pallas_kernels.cpu_build`` (the host's C++
+compiler, ``-march=native``, cached under ``$PDJAX_CACHE_DIR/cpu_kernels/``; ``PDJAX_CPU_KERNEL=0``
+turns it off). Where it cannot be built, ``cpu_kernel_status()`` says why and the attention
+dispatch (``resolve_impl``) keeps the jnp path.
 """
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.jax_setup import pdjax_cache_dir
-
-log = logging.getLogger(__name__)
+from pdjax.pallas_kernels.cpu_build import load_cpu_target
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel_cpu.cc")
 FFI_TARGET = "pdjax_paged_decode_attention"
 HANDLER_SYMBOL = "PdjaxPagedDecodeAttention"
-DISABLE_ENV = "PDJAX_CPU_KERNEL"
 CACHE_DTYPES = (jnp.float32, jnp.bfloat16)
-CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno",
-             "-ffp-contract=fast")
-BUILD_TIMEOUT_S = 300
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_identity() -> str:
-    """The CPU's model and feature flags (what ``-march=native`` compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def build_library(cxx: str, out_dir: str) -> Path:
-    """Compile ``kernel_cpu.cc`` into ``out_dir`` (once per key; concurrent builders wait on a
-    file lock and the first one's atomic rename); returns the shared library's path.
-
-    Raises:
-      RuntimeError: the compiler failed (its output in the message) or timed out.
-    """
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                             timeout=60).stdout
-    flags = (*CXX_FLAGS, f"-I{jax.ffi.include_dir()}")
-    key = hashlib.sha256("\0".join(
-        [KERNEL_SOURCE.read_text(), *flags, version, jax.lib.__version__, _cpu_identity()]
-    ).encode()).hexdigest()[:20]
-    os.makedirs(out_dir, exist_ok=True)
-    target = Path(out_dir) / f"kernel_cpu_{key}.so"
-    with open(os.path.join(out_dir, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        try:
-            proc = subprocess.run([cxx, *flags, str(KERNEL_SOURCE), "-o", tmp],
-                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cxx} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-            os.replace(tmp, target)
-        except subprocess.TimeoutExpired as e:
-            raise RuntimeError(f"{cxx} took over {BUILD_TIMEOUT_S} s") from e
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
 
 
 @functools.cache
 def cpu_kernel_status() -> tuple[bool, str]:
     """``(available, why)``: whether the kernel is built, loaded and registered with XLA for
     the CPU platform in this process (once; later calls return the first answer)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False, f"{DISABLE_ENV}=0"
-    cxx = _compiler()
-    if cxx is None:
-        return False, "no C++ compiler ($CXX, c++, g++ or clang++) on PATH"
-    try:
-        path = build_library(cxx, pdjax_cache_dir("cpu_kernels"))
-        lib = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(
-            FFI_TARGET, jax.ffi.pycapsule(getattr(lib, HANDLER_SYMBOL)), platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-        log.warning("CPU attention kernel unavailable, using the jnp path: %s", e)
-        return False, str(e)
-    return True, str(path)
+    return load_cpu_target(KERNEL_SOURCE, FFI_TARGET, HANDLER_SYMBOL)
 
 
 def cpu_kernel_available() -> bool:

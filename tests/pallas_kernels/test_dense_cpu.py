@@ -1,0 +1,89 @@
+"""The native CPU matmul over packed weights (``pdjax.pallas_kernels.dense_cpu``) against numpy
+in float64 (the packed model forward: tests/models/test_llama_parity.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdjax.pallas_kernels import dense_cpu
+from pdjax.pallas_kernels.dense_cpu import (PANEL, matmul_kernel_status, pack_weight,
+                                            packed_matmul, unpack_weight)
+
+
+def require_matmul_kernel():
+    """On the CPU backend the kernel must build (a missing compiler fails these tests); on
+    another default backend it is not registered, and they skip."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native kernel is registered for the CPU platform only")
+    assert matmul_kernel_status()[0], f"CPU matmul kernel unavailable: {matmul_kernel_status()[1]}"
+
+
+def _oracle(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("k,n", [(8, 8), (64, 24), (100, 25), (576, 1000), (37, 4800)])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 16, 17, 64, 257])
+def test_packed_matmul_matches_float64(m, k, n):
+    """Every row-block tail (1-7 rows past a multiple of the kernel's block), a last panel of
+    1-23 columns, and a work split of many claims (4,800 columns: 200 panels) equal
+    ``x @ w`` within float32 rounding of a K-term sum."""
+    require_matmul_kernel()
+    rng = np.random.default_rng(m * 1000 + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    got = np.asarray(jax.jit(packed_matmul, static_argnums=2)(x, pack_weight(w), n))
+    assert got.shape == (m, n) and got.dtype == np.float32
+    np.testing.assert_allclose(got, _oracle(x, w), rtol=0, atol=2e-6 * k ** 0.5 * 8)
+
+
+def test_packed_matmul_bfloat16_weights_leading_axes_and_dtype():
+    """bfloat16 weights are widened exactly (the result is the float32 product of the
+    bfloat16 values); ``x`` may have leading axes and a bfloat16 dtype, which the result
+    keeps."""
+    require_matmul_kernel()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((2, 5, 48), np.float32)
+    w = jnp.asarray(rng.standard_normal((48, 50), np.float32), jnp.bfloat16)
+    got = packed_matmul(jnp.asarray(x), pack_weight(w), 50)
+    assert got.shape == (2, 5, 50) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), _oracle(x, np.asarray(w, np.float32)),
+                               rtol=0, atol=1e-4)
+    xb = jnp.asarray(x, jnp.bfloat16)
+    got = packed_matmul(xb, pack_weight(w), 50)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               _oracle(np.asarray(xb, np.float32), np.asarray(w, np.float32)),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_pack_weight_layout_and_round_trip():
+    """Panel ``p`` holds columns ``[24p, 24p + 24)`` row by row, the last one zero-padded;
+    leading (layer) axes are kept; ``unpack_weight`` inverts it."""
+    w = np.arange(3 * 5 * 50, dtype=np.float32).reshape(3, 5, 50)
+    packed = np.asarray(pack_weight(jnp.asarray(w)))
+    assert packed.shape == (3, 3, 5, PANEL)
+    np.testing.assert_array_equal(packed[1, 2, 4, :2], w[1, 4, 48:50])
+    np.testing.assert_array_equal(packed[1, 2, :, 2:], 0)
+    np.testing.assert_array_equal(packed[2, 1, 3], w[2, 3, 24:48])
+    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(packed), 50)), w)
+
+
+def test_packed_matmul_is_one_custom_call_and_rejects_bad_weights(monkeypatch):
+    """The lowered program calls the kernel once; a weight that is not packed for ``x`` and
+    ``n`` is a ValueError naming ``w``; an unavailable kernel is a RuntimeError saying why."""
+    require_matmul_kernel()
+    x = jnp.ones((4, 16), jnp.float32)
+    w = pack_weight(jnp.ones((16, 30), jnp.float32))
+    text = jax.jit(packed_matmul, static_argnums=2).lower(x, w, 30).as_text()
+    assert text.count(dense_cpu.FFI_TARGET) == 1
+    for bad, n in ((w, 49), (w, 24), (w[:, :8], 30), (jnp.ones((16, 30)), 30),
+                   (w.astype(jnp.float16), 30)):
+        with pytest.raises(ValueError, match="w: a packed"):
+            packed_matmul(x, bad, n)
+    monkeypatch.setattr(dense_cpu, "matmul_kernel_status", lambda: (False, "no compiler"))
+    with pytest.raises(RuntimeError, match="no compiler"):
+        packed_matmul(x, w, 30)
