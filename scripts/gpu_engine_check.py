@@ -150,8 +150,10 @@ def engine_settings(plan: Plan, impl: str, *, interpret: bool, max_rows: int,
         requests = tuple(sorted({b for b, _ in plan.decode_cases} | {max_rows}))
     buckets = Buckets(token_buckets=(plan.chunk,), request_buckets=requests,
                       pages_per_seq_buckets=pages, max_rows=max_rows)
+    # XLA's dots, as on a GPU, also in the CPU dry run: the roofline counts the checkpoint's
+    # weights, not the CPU kernel's packed copies (engine/settings.py, cpu_matmul_kernel).
     return dict(dtype=plan.dtype, load_format="dummy", attention_backend=impl,
-                pallas_interpret=interpret, page_size=plan.page_size,
+                cpu_matmul_kernel=False, pallas_interpret=interpret, page_size=plan.page_size,
                 chunked_prefill_size=plan.chunk, context_length=plan.context_length,
                 max_running_requests=max_rows, max_total_tokens=max_total_tokens,
                 grammar_backend="none", skip_warmup_progress=True, progress=False,
