@@ -40,14 +40,20 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,1024,2000", help="prompt contexts (tokens cached)")
     ap.add_argument("--chunk", default="8,24", help="prompt tokens in the mixed step (comma list)")
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--attention-backend", default=None, help="attention impl: xla (the CPU default) or reference; both take the one "
-                    "pages-per-sequence bucket of a traced bound")
+    ap.add_argument("--attention-backend", default=None,
+                    help="attention impl (default: the platform's, cpu on CPU); xla, cpu and "
+                         "reference take the one pages-per-sequence bucket of a traced bound")
+    ap.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="unrolled layers (the CPU default; --no-unroll-layers: the scan)")
+    ap.add_argument("--cpu-matmul-kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="packed weights and the native matmul (the CPU default)")
     args = ap.parse_args()
 
     enable_compilation_cache()
     mesh = make_mesh(1)
     _, model = load_model(resolve_model_path(args.model_path), mesh=mesh, progress=False,
-                            attention_impl=args.attention_backend)
+                          attention_impl=args.attention_backend, unroll_layers=args.unroll_layers,
+                          cpu_matmul_kernel=args.cpu_matmul_kernel)
     ps = args.page_size
     buckets = Buckets.create(chunked_prefill_size=args.chunked_prefill_size,
                              max_running_requests=args.max_running_requests,

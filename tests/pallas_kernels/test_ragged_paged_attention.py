@@ -375,12 +375,18 @@ def test_xla_path_is_the_cpu_default():
                                                            sm_scale=0.125))
 
 
+@pytest.mark.parametrize("token_rows", [False, True], ids=["tiles", "token_rows"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_cpu_impl_matches_reference(config):
-    """``impl="cpu"`` (native decode rows, jnp tiles for the rest) equals the oracle on every
-    batch kind, and its decode rows really are the custom call: the lowered program calls the
-    kernel once, and ``impl="xla"`` never."""
+def test_cpu_impl_matches_reference(config, token_rows, monkeypatch):
+    """``impl="cpu"`` equals the oracle on every batch kind, both ways it runs: native decode
+    rows beside jnp tiles for the rest (a stream longer than ``NATIVE_TOKEN_ROWS_MAX``), and
+    every token a kernel row (``token_rows``, a stream up to it: the limit raised here past
+    the batches' 48 tokens); the lowered program calls the kernel once, ``impl="xla"`` never."""
     require_cpu_kernel()
+    if token_rows:
+        monkeypatch.setattr(xla_module, "NATIVE_TOKEN_ROWS_MAX", NUM_TOKENS)
+    else:
+        assert xla_module.NATIVE_TOKEN_ROWS_MAX < NUM_TOKENS
     cfg = CONFIGS[config]
     opts = dict(sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
                 soft_cap=cfg.soft_cap, k_scale=cfg.k_scale, v_scale=cfg.v_scale)
@@ -390,10 +396,26 @@ def test_cpu_impl_matches_reference(config):
     args = make_batch(*BATCHES["mixed"], num_q_heads=cfg.num_q_heads,
                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype,
                       kv_dtype=cfg.kv_dtype, k_scale=cfg.k_scale, v_scale=cfg.v_scale)
-    calls = fn.lower(*args).as_text().count(kernel_cpu.FFI_TARGET)
-    assert calls == (0 if cfg.kv_dtype == jnp.float8_e4m3fn else 1)
+    text = fn.lower(*args).as_text()
+    assert text.count(kernel_cpu.FFI_TARGET) == (0 if cfg.kv_dtype == jnp.float8_e4m3fn else 1)
+    # The tiles' request loop is a while loop; the token-rows program has none.
+    assert ("stablehlo.while" in text) is (not token_rows or cfg.kv_dtype == jnp.float8_e4m3fn)
     xla = jax.jit(functools.partial(ragged_paged_attention, impl="xla", **opts))
     assert kernel_cpu.FFI_TARGET not in xla.lower(*args).as_text()
+
+
+def test_token_rows_positions_and_padding():
+    """``token_rows``: each token gets its row's page table and kv_len ``position + 1`` (a
+    decode row its own kv_len, a chunk's tokens counting up to its row's kv_len); tokens past
+    the last row, and rows past ``num_seqs``, get 0."""
+    kv_lens = jnp.asarray([5, 9, 20, 7], jnp.int32)
+    pages = jnp.arange(4 * 3, dtype=jnp.int32).reshape(4, 3)
+    cu = jnp.asarray([0, 1, 2, 6, 6], jnp.int32)          # two decode rows, a 4-token chunk
+    kv, table = xla_module.token_rows(kv_lens, pages, cu, jnp.asarray([2, 3, 3], jnp.int32), 8)
+    np.testing.assert_array_equal(np.asarray(kv), [5, 9, 17, 18, 19, 20, 0, 0])
+    np.testing.assert_array_equal(np.asarray(table)[:6], np.asarray(pages)[[0, 1, 2, 2, 2, 2]])
+    kv, _ = xla_module.token_rows(kv_lens, pages, cu, jnp.asarray([2, 2, 2], jnp.int32), 8)
+    np.testing.assert_array_equal(np.asarray(kv), [5, 9, 0, 0, 0, 0, 0, 0])
 
 
 def _decode_kernel_args(rows, kv_len, *, num_kv_heads=3, group=3, head_dim=64, seed=0):
@@ -474,15 +496,18 @@ def test_cpu_kernel_build_is_cached_and_reports_failure(tmp_path):
 
 def test_cpu_kernel_switch_and_fallback():
     """``PDJAX_CPU_KERNEL=0``: auto resolves to ``xla`` and ``impl="cpu"`` is an error that
-    says why (a fresh process: the status is decided once per process)."""
+    says why; the matmul kernel is off too (a fresh process: the status is decided once per
+    process)."""
     code = ("from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl\n"
+            "from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status\n"
             "print(resolve_impl(None))\n"
-            "try:\n    resolve_impl('cpu')\nexcept ValueError as e:\n    print(e)\n")
+            "try:\n    resolve_impl('cpu')\nexcept ValueError as e:\n    print(e)\n"
+            "print(matmul_kernel_status())\n")
     env = {**os.environ, "PDJAX_CPU_KERNEL": "0", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env=env).stdout.splitlines()
     assert out == ["xla", "impl='cpu': the native CPU kernel is unavailable "
-                          "(PDJAX_CPU_KERNEL=0)"]
+                          "(PDJAX_CPU_KERNEL=0)", "(False, 'PDJAX_CPU_KERNEL=0')"]
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
