@@ -1,9 +1,10 @@
 """Build and register the native XLA CPU kernels (XLA FFI custom calls written in C++).
 
-Each kernel's source (``ragged_paged_attention/kernel_cpu.cc``, ``dense_cpu/kernel_cpu.cc``) is
-compiled on first use with the host's C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``)
-against the FFI headers that ship with jaxlib, for this CPU (``-march=native``), into
-``$PDJAX_CACHE_DIR/cpu_kernels/<name>_<hash>.so``; the hash covers the source, the flags, the
+Each kernel's source (``ragged_paged_attention/kernel_cpu.cc``, ``dense_cpu/kernel_cpu.cc``, both
+including ``cpu_kernel_common.h``) is compiled on first use with the host's C++ compiler
+(``$CXX``, else ``c++``/``g++``/``clang++``) against the FFI headers that ship with jaxlib, for
+this CPU (``-march=native``), into
+``$PDJAX_CACHE_DIR/cpu_kernels/<name>_<hash>.so``; the hash covers the sources, the flags, the
 compiler, jaxlib's version and the CPU, so a change of any of them builds anew. Concurrent
 builders (several servers starting at once) wait on a file lock and the first one's atomic
 rename. ``PDJAX_CPU_KERNEL=0`` turns every native kernel off.
@@ -32,6 +33,7 @@ DISABLE_ENV = "PDJAX_CPU_KERNEL"
 CXX_FLAGS = ("-O3", "-march=native", "-std=gnu++17", "-shared", "-fPIC", "-fno-math-errno",
              "-ffp-contract=fast")
 BUILD_TIMEOUT_S = 300
+COMMON_HEADER = Path(__file__).with_name("cpu_kernel_common.h")   # included by every kernel
 
 
 def compiler() -> str | None:
@@ -63,7 +65,8 @@ def build_library(source: Path, cxx: str, out_dir: str) -> Path:
                              timeout=60).stdout
     flags = (*CXX_FLAGS, f"-I{jax.ffi.include_dir()}")
     key = hashlib.sha256("\0".join(
-        [source.read_text(), *flags, version, jax.lib.__version__, _cpu_identity()]
+        [source.read_text(), COMMON_HEADER.read_text(), *flags, version, jax.lib.__version__,
+         _cpu_identity()]
     ).encode()).hexdigest()[:20]
     os.makedirs(out_dir, exist_ok=True)
     name = source.parent.name

@@ -139,16 +139,20 @@ def test_unrolled_layers_match_the_scan(tiny_checkpoints, name):
         assert np.abs(a - b).max() < 1e-4, name
     # A decode row after a chunk, next to another request: the cache the unrolled forward
     # wrote per layer is the one it reads back.
+    (want, _), (got, _) = (_chunk_then_decode(m, cfg) for m in (scanned, model))
+    assert np.abs(want[1] - got[1]).max() < 1e-4
+
+
+def _chunk_then_decode(model, cfg):
+    """A 20-token chunk, then its last token as a decode row next to another request's two
+    tokens: ``(per-row logits of the second forward, the K cache after it)``."""
     prompt = _prompts(5, (21,))[0]
     pages = assign_pages([len(prompt)], PAGE, 62, 7)[0]
-    out = []
-    for m in (scanned, model):
-        kc, vc = new_cache(cfg, 64, PAGE)
-        _, kc, vc = run_rows(m, [BatchRow(prompt[:20], 0, pages)], kc, vc, PAGE)
-        logits, _, _ = run_rows(m, [BatchRow([7, 8], 0, [63]), BatchRow(prompt[20:], 20, pages)],
-                                kc, vc, PAGE)
-        out.append(logits[1])
-    assert np.abs(out[0] - out[1]).max() < 1e-4
+    kc, vc = new_cache(cfg, 64, PAGE)
+    _, kc, vc = run_rows(model, [BatchRow(prompt[:20], 0, pages)], kc, vc, PAGE)
+    logits, kc, _ = run_rows(model, [BatchRow([7, 8], 0, [63]), BatchRow(prompt[20:], 20, pages)],
+                             kc, vc, PAGE)
+    return logits, np.asarray(kc)
 
 
 def test_unroll_layers_is_refused_by_the_deepseek_family(tiny_checkpoints):
@@ -183,15 +187,7 @@ def test_packed_weights_match_xla_dots(tiny_checkpoints, name, unrolled):
     for a, b in zip(_prefill_all(plain, cfg, prompts), _prefill_all(model, cfg, prompts)):
         assert np.abs(a).max() > 1.0
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
-    prompt = _prompts(5, (21,))[0]
-    pages = assign_pages([len(prompt)], PAGE, 62, 7)[0]
-    out = []
-    for m in (plain, model):
-        kc, vc = new_cache(cfg, 64, PAGE)
-        _, kc, vc = run_rows(m, [BatchRow(prompt[:20], 0, pages)], kc, vc, PAGE)
-        logits, _, _ = run_rows(m, [BatchRow([7, 8], 0, [63]), BatchRow(prompt[20:], 20, pages)],
-                                kc, vc, PAGE)
-        out.append((logits, np.asarray(kc)))
-    for a, b in zip(out[0][0], out[1][0]):
+    (want, want_k), (got, got_k) = (_chunk_then_decode(m, cfg) for m in (plain, model))
+    for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-4 * np.abs(a).max())
-    np.testing.assert_allclose(out[1][1], out[0][1], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(got_k, want_k, rtol=0, atol=1e-5)

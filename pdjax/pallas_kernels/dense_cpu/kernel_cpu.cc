@@ -15,50 +15,30 @@
 // prefetches ahead of it measured slower). Each output is one sum over K in order, so results
 // differ from XLA's dot only by float32 rounding (DESIGN.md §5).
 //
-// Built on first use with the host compiler by pdjax/pallas_kernels/cpu_build.py; the contract
-// is in dense_cpu/__init__.py.
+// Built on first use with the host compiler by pdjax/pallas_kernels/cpu_build.py (with
+// cpu_kernel_common.h); the contract is in dense_cpu/__init__.py.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 
-#include "xla/ffi/api/ffi.h"
+#include "../cpu_kernel_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
+using pdjax_cpu::f32x8;
+using pdjax_cpu::kLanes;
+using pdjax_cpu::load8;
+using pdjax_cpu::store8;
+
 constexpr int64_t kPanel = 3 * kLanes;  // output columns per panel
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // 32 vector registers: 24 accumulators
 #else
 constexpr int kRows = 4;  // 16 vector registers: 12 accumulators
 #endif
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f32x8 load8(const uint16_t* p) {  // bfloat16 is the upper half of a float32
-  u16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 struct Problem {
   int64_t m, n, k, panels;
@@ -117,50 +97,16 @@ void run_panel(const Problem& pb, int64_t p) {
   if (m0 < pb.m) tail_block<T>(pb, p, m0, cols, static_cast<int>(pb.m - m0));
 }
 
-// Panels [0, total) claimed in groups from a shared counter by the calling thread and by
-// helpers on the pool; the caller waits only for groups some thread has claimed, so a pool
-// whose threads are all busy (or a helper that starts after the work is done) never blocks it.
-struct WorkQueue {
-  int64_t total;
-  int64_t per_claim;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-template <typename T>
-void run_panels(const Problem& pb, WorkQueue& wq) {
-  for (;;) {
-    const int64_t first = wq.next.fetch_add(wq.per_claim);
-    if (first >= wq.total) return;
-    const int64_t last = std::min(first + wq.per_claim, wq.total);
-    for (int64_t p = first; p < last; ++p) run_panel<T>(pb, p);
-    if (wq.done.fetch_add(last - first) + (last - first) == wq.total) {
-      std::lock_guard<std::mutex> lock(wq.mu);
-      wq.cv.notify_all();
-    }
-  }
-}
-
+// Panels claimed from a shared counter by the calling thread and the pool's threads, about 8
+// claims a thread: few enough that the counter stays cold, enough to even out.
 template <typename T>
 void run_problem(const Problem& pb, ffi::ThreadPool pool) {
-  // The calling thread works too: one helper fewer than the pool's threads.
+  const int64_t panels = (pb.n + kPanel - 1) / kPanel;
+  if (pb.m == 0) return;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  auto wq = std::make_shared<WorkQueue>();
-  wq->total = (pb.n + kPanel - 1) / kPanel;
-  if (wq->total == 0 || pb.m == 0) return;
-  // About 8 claims a thread: few enough that the counter stays cold, enough to even out.
-  wq->per_claim = std::max<int64_t>(1, wq->total / (8 * threads));
-  const int64_t claims = (wq->total + wq->per_claim - 1) / wq->per_claim;
-  const int64_t helpers = std::min<int64_t>(threads - 1, claims - 1);
-  // Helpers copy the problem: a helper that starts after the call returned touches only its
-  // own copy and the shared queue, and claims nothing.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([pb, wq] { run_panels<T>(pb, *wq); });
-  run_panels<T>(pb, *wq);
-  std::unique_lock<std::mutex> lock(wq->mu);
-  wq->cv.wait(lock, [&] { return wq->done.load() == wq->total; });
+  pdjax_cpu::parallel_for(pool, panels, panels / (8 * threads), [pb](int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; ++p) run_panel<T>(pb, p);
+  });
 }
 
 ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -181,16 +127,10 @@ ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   pb.x = x.typed_data();
   pb.w = w.untyped_data();
   pb.y = y->typed_data();
-  switch (w.element_type()) {
-    case ffi::F32:
-      run_problem<float>(pb, pool);
-      break;
-    case ffi::BF16:
-      run_problem<uint16_t>(pb, pool);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("packed_matmul: w must be float32 or bfloat16");
-  }
+  const bool ok = pdjax_cpu::with_float_type(w.element_type(), [&](auto element) {
+    run_problem<decltype(element)>(pb, pool);
+  });
+  if (!ok) return ffi::Error::InvalidArgument("packed_matmul: w must be float32 or bfloat16");
   return ffi::Error::Success();
 }
 

@@ -12,50 +12,29 @@
 // buffers' ranges before they address memory (page ids to [0, num_pages), as the Pallas kernels
 // clamp them).
 //
-// Built on first use with the host compiler by kernel_cpu.py, which also states the contract.
+// Built on first use with the host compiler by kernel_cpu.py (with ../cpu_kernel_common.h),
+// which also states the contract.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "../cpu_kernel_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// GCC/Clang vector extensions: 8 float32 lanes, one AVX2 register (two SSE/NEON ones).
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
+using pdjax_cpu::f32x8;
+using pdjax_cpu::kLanes;
+using pdjax_cpu::load8;
+using pdjax_cpu::store8;
+
 constexpr int64_t kKeysPerBlock = 4;  // keys scored together (independent FMA chains)
 constexpr int64_t kMaxChunk = 8;      // vectors of a head's output held in registers
 constexpr int64_t kCacheLine = 64;
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-// bfloat16 is the upper half of a float32.
-inline f32x8 load8(const uint16_t* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float hsum(f32x8 v) {
   float s = 0;
@@ -294,53 +273,21 @@ void attend_item(const Problem& pb, int64_t r, int64_t h0, int64_t h1, Scratch& 
     for (int64_t d = 0; d < D; ++d) out[g * D + d] *= scratch.inv_sum[g];
 }
 
-// Work items [0, total) claimed from a shared counter by the calling thread and by helpers
-// scheduled on the pool. The caller waits only for items some thread has claimed, so a pool
-// whose threads are all busy (or a helper that starts after the work is done) never blocks it.
-struct WorkQueue {
-  int64_t total;
-  int64_t heads_per_item;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
-template <typename T>
-void run_items(const Problem& pb, WorkQueue& wq) {
-  thread_local Scratch scratch;
-  const int64_t items_per_row = pb.kv_heads / wq.heads_per_item;
-  for (;;) {
-    const int64_t item = wq.next.fetch_add(1);
-    if (item >= wq.total) return;
-    const int64_t h0 = (item % items_per_row) * wq.heads_per_item;
-    attend_item<T>(pb, item / items_per_row, h0, h0 + wq.heads_per_item, scratch);
-    if (wq.done.fetch_add(1) + 1 == wq.total) {
-      std::lock_guard<std::mutex> lock(wq.mu);
-      wq.cv.notify_all();
-    }
-  }
-}
-
 template <typename T>
 void run_problem(const Problem& pb, ffi::ThreadPool pool) {
-  // The calling thread works too: one helper fewer than the pool's threads (more only
-  // oversubscribe the cores; measured slower).
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  auto wq = std::make_shared<WorkQueue>();
   // Whole rows (each page read front to back once) when there are rows enough to keep every
   // thread busy; one KV head per item otherwise.
-  wq->heads_per_item = pb.rows >= 4 * threads ? pb.kv_heads : 1;
-  wq->total = pb.rows * (pb.kv_heads / wq->heads_per_item);
-  if (wq->total == 0) return;
-  const int64_t helpers = std::min<int64_t>(threads - 1, wq->total - 1);
-  // Helpers copy the problem: a helper that starts after the call returned touches only its
-  // own copy and the shared queue, and claims nothing.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([pb, wq] { run_items<T>(pb, *wq); });
-  run_items<T>(pb, *wq);
-  std::unique_lock<std::mutex> lock(wq->mu);
-  wq->cv.wait(lock, [&] { return wq->done.load() == wq->total; });
+  const int64_t heads_per_item = pb.rows >= 4 * threads ? pb.kv_heads : 1;
+  const int64_t items_per_row = pb.kv_heads / heads_per_item;
+  pdjax_cpu::parallel_for(pool, pb.rows * items_per_row, 1,
+                          [pb, heads_per_item, items_per_row](int64_t first, int64_t last) {
+    thread_local Scratch scratch;
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t h0 = (item % items_per_row) * heads_per_item;
+      attend_item<T>(pb, item / items_per_row, h0, h0 + heads_per_item, scratch);
+    }
+  });
 }
 
 ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -386,16 +333,10 @@ ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   pb.kv_lens = kv_lens.typed_data();
   pb.page_indices = page_indices.typed_data();
   pb.out = out->typed_data();
-  switch (k_cache.element_type()) {
-    case ffi::F32:
-      run_problem<float>(pb, pool);
-      break;
-    case ffi::BF16:
-      run_problem<uint16_t>(pb, pool);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("decode_attention: cache dtype not float32/bfloat16");
-  }
+  const bool ok = pdjax_cpu::with_float_type(k_cache.element_type(), [&](auto element) {
+    run_problem<decltype(element)>(pb, pool);
+  });
+  if (!ok) return ffi::Error::InvalidArgument("decode_attention: cache dtype not float32/bfloat16");
   return ffi::Error::Success();
 }
 
