@@ -44,18 +44,18 @@ inline f32x8 load8(const uint16_t* p) {
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Calls fn(float{}) for a float32 buffer and fn(uint16_t{}) for a bfloat16 one (the element
-// type the kernels read); false for any other dtype.
+// type the kernels read); any other dtype is an InvalidArgument error saying `what`.
 template <typename Fn>
-bool with_float_type(ffi::DataType type, Fn fn) {
+ffi::Error with_float_type(ffi::DataType type, const char* what, Fn fn) {
   switch (type) {
     case ffi::F32:
       fn(float{});
-      return true;
+      return ffi::Error::Success();
     case ffi::BF16:
       fn(uint16_t{});
-      return true;
+      return ffi::Error::Success();
     default:
-      return false;
+      return ffi::Error::InvalidArgument(what);
   }
 }
 

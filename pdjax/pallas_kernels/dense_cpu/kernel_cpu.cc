@@ -127,11 +127,9 @@ ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   pb.x = x.typed_data();
   pb.w = w.untyped_data();
   pb.y = y->typed_data();
-  const bool ok = pdjax_cpu::with_float_type(w.element_type(), [&](auto element) {
-    run_problem<decltype(element)>(pb, pool);
-  });
-  if (!ok) return ffi::Error::InvalidArgument("packed_matmul: w must be float32 or bfloat16");
-  return ffi::Error::Success();
+  auto run = [&](auto element) { run_problem<decltype(element)>(pb, pool); };
+  return pdjax_cpu::with_float_type(w.element_type(),
+                                    "packed_matmul: w must be float32 or bfloat16", run);
 }
 
 }  // namespace

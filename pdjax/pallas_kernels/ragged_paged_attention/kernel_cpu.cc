@@ -333,11 +333,9 @@ ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   pb.kv_lens = kv_lens.typed_data();
   pb.page_indices = page_indices.typed_data();
   pb.out = out->typed_data();
-  const bool ok = pdjax_cpu::with_float_type(k_cache.element_type(), [&](auto element) {
-    run_problem<decltype(element)>(pb, pool);
-  });
-  if (!ok) return ffi::Error::InvalidArgument("decode_attention: cache dtype not float32/bfloat16");
-  return ffi::Error::Success();
+  auto run = [&](auto element) { run_problem<decltype(element)>(pb, pool); };
+  return pdjax_cpu::with_float_type(k_cache.element_type(),
+                                    "decode_attention: cache dtype not float32/bfloat16", run);
 }
 
 }  // namespace
