@@ -183,8 +183,9 @@ async def test_validation_then_valid_and_metrics_move(served):
     for bucket in cost["buckets"]:
         assert bucket["num_samples"] >= 1 and bucket["fixed_s"] == bucket["fixed_s"]  # not NaN
     assert info["target_itl_ms"] is None and info["max_num_batched_tokens"] is None
-    # "auto" settings are reported as resolved: the native kernel and unrolled layers on CPU.
+    # "auto" settings are reported as resolved: the native kernels and unrolled layers on CPU.
     on_cpu = jax.default_backend() == "cpu"
-    assert (info["attention_backend"], info["unroll_layers"]) == (resolve_impl(None), on_cpu)
+    assert (info["attention_backend"], info["unroll_layers"], info["cpu_matmul_kernel"]) == (
+        resolve_impl(None), on_cpu, on_cpu)
     assert (await client.get("/health")).status == 200
     assert (await client.get("/health_generate")).status == 200
