@@ -16,6 +16,8 @@ dim, ``F`` MLP width, ``V`` vocabulary, ``L`` layers. Linear weights are stored 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -84,21 +86,23 @@ class DecoderLayers(nnx.Module):
         inv_freq, rope_scale = rope_inv_freq(D, cfg.rope_theta, cfg.rope_params)
         inv_freq = jnp.asarray(inv_freq)
         params = {name: getattr(self, name).get_value() for name in self.param_names}
-        widths = self.packed_widths()
+        shapes = layer_param_shapes(cfg)
 
-        def linear(h, p, name):
-            if self.packed:
-                return packed_matmul(h, p[name], widths[name])
-            return h @ p[name]
+        def project(h, p, group):
+            """``h`` times each weight of ``PACKED_GROUPS[group]``: one matmul each, or one
+            fused matmul through the packed group, split along its output axis."""
+            members = PACKED_GROUPS[group]
+            if not self.packed:
+                return [h @ p[n] for n in members]
+            widths = [shapes[n][0][-1] for n in members]
+            out = packed_matmul(h, p[group], sum(widths))
+            return jnp.split(out, list(itertools.accumulate(widths[:-1])), axis=-1)
 
         def layer_step(carry, xs):
             x, k_cache, v_cache = carry
             p, layer = xs
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
-            if self.packed:
-                q, k, v = jnp.split(linear(h, p, "wqkv"), [QH * D, (QH + KVH) * D], axis=-1)
-            else:
-                q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+            q, k, v = project(h, p, "wqkv")
             if cfg.attention_bias:
                 q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
             q, k, v = q.reshape(T, QH, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
@@ -110,13 +114,12 @@ class DecoderLayers(nnx.Module):
             attn, k_cache, v_cache = paged_attention(
                 q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5,
                 impl=attention_impl, interpret=interpret)
-            x = x + linear(attn.reshape(T, QH * D), p, "wo")
+            (out,) = project(attn.reshape(T, QH * D), p, "wo")
+            x = x + out
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
-            if self.packed:
-                gate, up = jnp.split(linear(h, p, "w_gate_up"), 2, axis=-1)
-            else:
-                gate, up = h @ p["w_gate"], h @ p["w_up"]
-            x = x + linear(jax.nn.silu(gate) * up, p, "w_down")
+            gate, up = project(h, p, "w_gate_up")
+            (down,) = project(jax.nn.silu(gate) * up, p, "w_down")
+            x = x + down
             return (x, k_cache, v_cache), None
 
         carry = (x, k_cache, v_cache)
@@ -148,11 +151,6 @@ class DecoderLayers(nnx.Module):
         for name, layers in split(stacked).items():
             getattr(self, name).set_value(layers)
         self.unrolled = True
-
-    def packed_widths(self) -> dict[str, int]:
-        """Output width ``N`` of each packed group (the sum of its weights' widths)."""
-        shapes = layer_param_shapes(self.cfg)
-        return {g: sum(shapes[n][0][-1] for n in members) for g, members in PACKED_GROUPS.items()}
 
     def pack_for_cpu(self) -> None:
         """Replace the linear weights by the packed groups of ``PACKED_GROUPS``
