@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.sched.batch import BatchRow, build_flat_batch
@@ -102,3 +103,13 @@ def set_sched(engine, **changes):
     core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes),
                                cost_model=core.cost_model)
     return core.scheduler
+
+
+def require_matmul_kernel():
+    """The native CPU matmul's tests: on the CPU backend the kernel must build (a missing
+    compiler fails them); on another default backend it is not registered, and they skip."""
+    from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
+
+    if jax.default_backend() != "cpu":
+        pytest.skip("the native matmul is registered for the CPU platform only")
+    assert matmul_kernel_status()[0], f"CPU matmul kernel unavailable: {matmul_kernel_status()[1]}"

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pdjax.config import ModelConfig, ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
-from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
+from pdjax.pallas_kernels.dense_cpu import WEIGHT_DTYPES, matmul_kernel_status
 from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
 from pdjax.sched.scheduler import SchedulerConfig
 
@@ -68,6 +68,8 @@ def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype) -> bool:
     """``args.cpu_matmul_kernel``; auto (None): on for the Llama family on the CPU backend
     with ``tp_size`` 1 and float32 or bfloat16 weights, where the kernel builds. Asked for
     where it cannot run, a ``ValueError`` that names the field and says why."""
+    if args.cpu_matmul_kernel is False:
+        return False                  # nothing to check, and no kernel to build
     why = None
     if jax.default_backend() != "cpu":
         why = f"the backend is {jax.default_backend()}, not cpu"
@@ -75,13 +77,13 @@ def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype) -> bool:
         why = "only Llama-family models pack their weights"
     elif args.tp_size > 1:
         why = f"it runs on one device; tp_size is {args.tp_size}"
-    elif jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    elif jnp.dtype(dtype) not in map(jnp.dtype, WEIGHT_DTYPES):
         why = f"dtype {jnp.dtype(dtype).name} is not float32 or bfloat16"
     elif not matmul_kernel_status()[0]:
         why = f"the kernel is unavailable ({matmul_kernel_status()[1]})"
     if why is not None and args.cpu_matmul_kernel:
         raise ValueError(f"cpu_matmul_kernel: {why}")
-    return why is None and args.cpu_matmul_kernel is not False
+    return why is None
 
 
 def resolve_engine_config(args: ServerArgs) -> EngineConfig:

@@ -200,7 +200,6 @@ class LlamaForCausalLM(nnx.Module):
         self.interpret = interpret
         self.unroll_layers = unroll_layers
         self.cpu_matmul_kernel = cpu_matmul_kernel
-        self.packed = False
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
@@ -222,6 +221,11 @@ class LlamaForCausalLM(nnx.Module):
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 
+    @property
+    def packed(self) -> bool:
+        """Whether ``pack_for_cpu`` has run (the layers and the LM head pack together)."""
+        return self.layers.packed
+
     def pack_for_cpu(self) -> None:
         """Pack the layers' linear weights (``DecoderLayers.pack_for_cpu``) and the LM head,
         as ``lm_head_packed`` (a tied head is packed from the embedding's transpose, which stays
@@ -234,7 +238,6 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head_packed = nnx.Param(jax.jit(lambda w: pack_weight(w.T if tied else w))(head))
         if not tied:
             del self.lm_head
-        self.packed = True
 
     def cache_spec(self, num_pages: int, page_size: int, dtype) -> tuple:
         """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``)."""

@@ -1,6 +1,5 @@
 """pdjax Llama/Qwen2/Qwen3 vs transformers on tiny random checkpoints, paged consistency, TP."""
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -8,7 +7,7 @@ import transformers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from model_utils import assign_pages, new_cache, run_rows
+from model_utils import assign_pages, new_cache, require_matmul_kernel, run_rows
 from pdjax.models.llama import kv_cache_spec
 from pdjax.models.loader import load_model, make_mesh
 from pdjax.sched.batch import BatchRow
@@ -169,11 +168,7 @@ def test_packed_weights_match_xla_dots(tiny_checkpoints, name, unrolled):
     untied LM head, q/k/v biases (Qwen2) and q/k norms (Qwen3): the unpacked weights are gone,
     and prefill, chunked decode next to another request, and the cache it wrote give the XLA
     forward's logits within float32 rounding."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("the native matmul is registered for the CPU platform only")
-    from pdjax.pallas_kernels.dense_cpu import matmul_kernel_status
-
-    assert matmul_kernel_status()[0], matmul_kernel_status()[1]
+    require_matmul_kernel()
     path = tiny_checkpoints[name]
     cfg, plain = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False)

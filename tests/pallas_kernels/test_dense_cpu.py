@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 
 from pdjax.pallas_kernels import dense_cpu
-from pdjax.pallas_kernels.dense_cpu import (PANEL, matmul_kernel_status, pack_weight,
-                                            packed_matmul, unpack_weight)
-
-
-def require_matmul_kernel():
-    """On the CPU backend the kernel must build (a missing compiler fails these tests); on
-    another default backend it is not registered, and they skip."""
-    if jax.default_backend() != "cpu":
-        pytest.skip("the native kernel is registered for the CPU platform only")
-    assert matmul_kernel_status()[0], f"CPU matmul kernel unavailable: {matmul_kernel_status()[1]}"
+from model_utils import require_matmul_kernel
+from pdjax.pallas_kernels.dense_cpu import PANEL, pack_weight, packed_matmul
 
 
 def _oracle(x, w):
@@ -62,14 +54,15 @@ def test_packed_matmul_bfloat16_weights_leading_axes_and_dtype():
 
 def test_pack_weight_layout_and_round_trip():
     """Panel ``p`` holds columns ``[24p, 24p + 24)`` row by row, the last one zero-padded;
-    leading (layer) axes are kept; ``unpack_weight`` inverts it."""
+    leading (layer) axes are kept; putting the panels side by side again gives the weight."""
     w = np.arange(3 * 5 * 50, dtype=np.float32).reshape(3, 5, 50)
     packed = np.asarray(pack_weight(jnp.asarray(w)))
     assert packed.shape == (3, 3, 5, PANEL)
     np.testing.assert_array_equal(packed[1, 2, 4, :2], w[1, 4, 48:50])
     np.testing.assert_array_equal(packed[1, 2, :, 2:], 0)
     np.testing.assert_array_equal(packed[2, 1, 3], w[2, 3, 24:48])
-    np.testing.assert_array_equal(np.asarray(unpack_weight(jnp.asarray(packed), 50)), w)
+    side_by_side = np.moveaxis(packed, -3, -2).reshape(3, 5, 3 * PANEL)
+    np.testing.assert_array_equal(side_by_side[..., :50], w)
 
 
 def test_packed_matmul_is_one_custom_call_and_rejects_bad_weights(monkeypatch):

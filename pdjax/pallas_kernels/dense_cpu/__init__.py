@@ -48,12 +48,6 @@ def pack_weight(w: jax.Array) -> jax.Array:
     return jnp.moveaxis(w, -2, -3)
 
 
-def unpack_weight(w: jax.Array, n: int) -> jax.Array:
-    """The inverse of ``pack_weight``: ``[..., P, K, PANEL]`` -> ``[..., K, n]``."""
-    *lead, P, K, _ = w.shape
-    return jnp.moveaxis(w, -3, -2).reshape(*lead, K, P * PANEL)[..., :n]
-
-
 def packed_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
     """``x [..., K] @ W`` for ``W [K, n]`` given packed (``w = pack_weight(W)``,
     ``[P, K, PANEL]``, float32 or bfloat16).

@@ -41,7 +41,7 @@ constexpr int kRows = 4;  // 16 vector registers: 12 accumulators
 #endif
 
 struct Problem {
-  int64_t m, n, k, panels;
+  int64_t m, n, k;
   const float* x;
   const void* w;
   float* y;
@@ -120,9 +120,9 @@ ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi
   pb.m = xd[0];
   pb.k = xd[1];
   pb.n = yd[1];
-  pb.panels = wd[0];
-  if (wd[1] != pb.k || wd[2] != kPanel || yd[0] != pb.m || pb.n > pb.panels * kPanel ||
-      pb.n <= (pb.panels - 1) * kPanel)
+  const int64_t panels = wd[0];
+  if (wd[1] != pb.k || wd[2] != kPanel || yd[0] != pb.m || pb.n > panels * kPanel ||
+      pb.n <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("packed_matmul: shapes of x, w and y do not match");
   pb.x = x.typed_data();
   pb.w = w.untyped_data();
