@@ -133,6 +133,7 @@ def run_round(core, args, mixed: bool, seed: int, profiler: StepProfiler | None 
                                     batch.pages_per_seq(core.args.page_size))
             trace.append({"key": dataclasses.asdict(key), "num_tokens": batch.num_tokens,
                           "num_cached_tokens": batch.num_cached_tokens,
+                          "num_chunk_pairs": batch.num_chunk_pairs,
                           "measured_s": core.forward_time_s - last_fwd[0],
                           "predicted_s": batch.predicted_time_s})
         last_fwd[0] = core.forward_time_s

@@ -528,7 +528,7 @@ class EngineCore:
             return
         self.last_forward_device_s = t_done - start
         self.cost_model.observe(done.key, done.batch.num_tokens, done.batch.num_cached_tokens,
-                                t_done - start)
+                                t_done - start, done.batch.num_chunk_pairs)
 
     def _penalty_slot(self, req: Request) -> int:
         """``req``'s penalty slot; a new one (set from its known tokens) if it has none. A slot

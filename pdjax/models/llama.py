@@ -95,7 +95,7 @@ class DecoderLayers(nnx.Module):
             if not self.packed:
                 return [h @ p[n] for n in members]
             widths = [shapes[n][0][-1] for n in members]
-            out = packed_matmul(h, p[group], sum(widths))
+            out = packed_matmul(h, p[group], sum(widths), num_rows=md.cu_q_lens[-1])
             return jnp.split(out, list(itertools.accumulate(widths[:-1])), axis=-1)
 
         def layer_step(carry, xs):

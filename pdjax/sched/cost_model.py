@@ -7,13 +7,18 @@ dynamic choice as future work). Here the profile is fitted online, from every ti
 For every bucket key (entry point and padded shape, ``pdjax.sched.buckets.BucketKey``) a
 least-squares fit with exponential forgetting (the load of the machine drifts) is kept:
 
-    t(key, n, c) = a_key + b_key * n + g_key * c     n: new tokens of the step
-                                                      c: cached tokens, sum over rows of the
-                                                         row's start (context read, not written)
+    t(key, n, c, q) = a_key + b_key * n + g_key * c + h_key * q
+        n: new tokens of the step (padding excluded)
+        c: cached tokens, sum over rows of the row's start (context read, not written)
+        q: chunk attention pairs, sum over the rows of more than one token (prompt chunks) of
+           the context each new token attends, n_r * start_r + n_r (n_r + 1) / 2: a chunk's
+           attention grows with its tokens times its context, which n and c alone cannot
+           price once a chunk may end anywhere inside its bucket
 
 A key with few samples leans on a pooled fit per entry point, over every bucket of that entry,
 
-    t(entry, T, n, c) = a + a_T * T + b * n + g * c   T: the bucket's padded token count
+    t(entry, T, n, c, q) = a + a_T * T + b * n + g * c + h * q   T: the bucket's padded
+                                                                    token count
 
 which is also the key fit's ridge prior, so a bucket never timed still gets a prediction from its
 neighbours, and a bucket timed once is not judged on one sample. The fits learn the shape of
@@ -21,10 +26,11 @@ the cost; a load factor (an exponential average of measured / fitted time over e
 scales every prediction, so a shared machine whose load doubles a step's time is tracked
 within a few steps (on the replayed SmolLM2 trace of tests/sched/data the median error of the
 online prediction drops from 0.2-0.4 to about 0.1 with it). Features are scaled
-(``n / token_scale``, ``c / cached_scale``) so the ridge weights mean the same for every term.
+(``n / token_scale``, ``c / cached_scale``, ``q / (token_scale * cached_scale)``) so the ridge
+weights mean the same for every term.
 
 A point prediction is exceeded by about half the steps it plans. ``margin(forward_mode)`` is an
-upper quantile (``plan_quantile``, 0.9 by default) of the recent ratios measured / predicted of
+upper quantile (``plan_quantile``, 0.98 by default) of the recent ratios measured / predicted of
 that mode's entry point, each prediction made just before its forward was observed; the
 scheduler plans ``prediction x margin`` against its target, so about that share of steps ends
 inside it.
@@ -125,7 +131,7 @@ class StepCostModel:
                  token_scale: float = 256.0, cached_scale: float = 4096.0,
                  key_forget: float = 0.97, pool_forget: float = 0.95,
                  prior_strength: float = 0.05, load_smoothing: float = 0.5,
-                 plan_quantile: float = 0.9, residual_window: int = 64):
+                 plan_quantile: float = 0.98, residual_window: int = 128):
         for name, v in (("token_scale", token_scale), ("cached_scale", cached_scale),
                         ("prior_strength", prior_strength)):
             if not v > 0:
@@ -157,18 +163,25 @@ class StepCostModel:
         self.num_observed = 0
 
     # ------------------------------------------------------------------ fitting
+    def _features(self, num_tokens: int, num_cached_tokens: int, num_chunk_pairs: int
+                  ) -> list[float]:
+        return [1.0, num_tokens / self.token_scale, num_cached_tokens / self.cached_scale,
+                num_chunk_pairs / (self.token_scale * self.cached_scale)]
+
     def observe(self, key: Hashable, num_tokens: int, num_cached_tokens: int,
-                seconds: float) -> None:
+                seconds: float, num_chunk_pairs: int = 0) -> None:
         """Add one timed forward of bucket ``key``: ``num_tokens`` new tokens (padding
-        excluded), ``num_cached_tokens`` context tokens read, ``seconds`` wall time of the
-        forward with its device work finished. Non-finite or negative times are ignored."""
+        excluded), ``num_cached_tokens`` context tokens read, ``num_chunk_pairs`` the chunks'
+        attention pairs (``q`` above; ``ScheduledBatch.num_chunk_pairs``), ``seconds`` wall
+        time of the forward with its device work finished. Non-finite or negative times are
+        ignored."""
         if not (seconds >= 0 and seconds < float("inf")):
             return
-        n, c = num_tokens / self.token_scale, num_cached_tokens / self.cached_scale
+        x = self._features(num_tokens, num_cached_tokens, num_chunk_pairs)
         t = key.num_tokens / self.token_scale
         with self._lock:
             coef = self._key_coef(key)
-            fitted = None if coef is None else coef[0] + coef[1] * n + coef[2] * c
+            fitted = None if coef is None else sum(a * b for a, b in zip(coef, x))
             if fitted is not None and fitted > 0:
                 # What predict_key said for this forward (before this sample moves the fit).
                 res = self._residuals.get(key.entry)
@@ -180,37 +193,38 @@ class StepCostModel:
                 self.load_factor = (1 - a) * self.load_factor + a * ratio
             fit = self._keys.get(key)
             if fit is None:
-                fit = self._keys[key] = _RidgeFit(3, self.key_forget)
-            fit.add([1.0, n, c], seconds)
+                fit = self._keys[key] = _RidgeFit(4, self.key_forget)
+            fit.add(x, seconds)
             pool = self._pools.get(key.entry)
             if pool is None:
-                pool = self._pools[key.entry] = _RidgeFit(4, self.pool_forget)
-            pool.add([1.0, t, n, c], seconds)
+                pool = self._pools[key.entry] = _RidgeFit(5, self.pool_forget)
+            pool.add([1.0, t, *x[1:]], seconds)
             self._coef.clear()
             self.num_observed += 1
 
     def _pool_coef(self, entry: str) -> list[float] | None:
         if ("pool", entry) not in self._coef:
             pool = self._pools.get(entry)
-            self._coef[("pool", entry)] = None if pool is None else pool.solve([0.0] * 4, 1e-3)
+            self._coef[("pool", entry)] = None if pool is None else pool.solve([0.0] * 5, 1e-3)
         return self._coef[("pool", entry)]
 
     def _key_coef(self, key: Hashable) -> list[float] | None:
-        """``[a, b, g]`` of ``key`` in scaled units, or None when its entry has no data."""
+        """``[a, b, g, h]`` of ``key`` in scaled units, or None when its entry has no data."""
         if key in self._coef:
             return self._coef[key]
         pool = self._pool_coef(key.entry)
         if pool is None:
             coef = None
         else:
-            prior = [pool[0] + pool[1] * key.num_tokens / self.token_scale, pool[2], pool[3]]
+            prior = [pool[0] + pool[1] * key.num_tokens / self.token_scale, *pool[2:]]
             fit = self._keys.get(key)
             coef = prior if fit is None else fit.solve(prior, self.prior_strength)
         self._coef[key] = coef
         return coef
 
     # ------------------------------------------------------------------ prediction
-    def predict_key(self, key: Hashable, num_tokens: int, num_cached_tokens: int) -> float | None:
+    def predict_key(self, key: Hashable, num_tokens: int, num_cached_tokens: int,
+                    num_chunk_pairs: int = 0) -> float | None:
         """Predicted seconds of a forward of bucket ``key``; None before any data on its entry
         point. Never negative."""
         with self._lock:
@@ -218,19 +232,18 @@ class StepCostModel:
             load = self.load_factor
         if coef is None:
             return None
-        t = coef[0] + coef[1] * num_tokens / self.token_scale \
-            + coef[2] * num_cached_tokens / self.cached_scale
-        return max(0.0, t * load)
+        x = self._features(num_tokens, num_cached_tokens, num_chunk_pairs)
+        return max(0.0, sum(a * b for a, b in zip(coef, x)) * load)
 
     def predict(self, forward_mode: str, num_tokens: int, num_rows: int, pages_per_seq: int,
-                num_cached_tokens: int) -> float | None:
+                num_cached_tokens: int, num_chunk_pairs: int = 0) -> float | None:
         """Predicted seconds of a step the scheduler is planning (``forward_mode`` as in
         ``ScheduledBatch``); None when nothing is known yet or no bucket holds the step."""
         try:
             key = self.pick_key(forward_mode, num_tokens, num_rows, pages_per_seq)
         except ValueError:
             return None
-        return self.predict_key(key, num_tokens, num_cached_tokens)
+        return self.predict_key(key, num_tokens, num_cached_tokens, num_chunk_pairs)
 
     def margin(self, forward_mode: str) -> float:
         """Factor (>= 1) a planned step's prediction is multiplied by before it is compared with
@@ -252,21 +265,22 @@ class StepCostModel:
 
     def describe(self) -> dict[str, Any]:
         """The current coefficients, for ``/get_server_info``: per entry point the pooled fit,
-        per key its own (seconds, seconds per token, seconds per cached token)."""
+        per key its own (seconds, seconds per token, per cached token, per chunk pair)."""
         with self._lock:
             pools = {e: self._pool_coef(e) for e in sorted(self._pools)}
             keys = {k: (self._key_coef(k), self._keys[k].num_samples) for k in self._keys}
-        s_n, s_c = self.token_scale, self.cached_scale
+        s_n, s_c, s_q = self.token_scale, self.cached_scale, self.token_scale * self.cached_scale
         out: dict[str, Any] = {"num_observed": self.num_observed, "load_factor": self.load_factor,
                                "plan_quantile": self.plan_quantile, "entries": {}, "buckets": []}
         for e, c in pools.items():
             out["entries"][e] = {"fixed_s": c[0], "per_bucket_token_s": c[1] / s_n,
                                  "per_token_s": c[2] / s_n, "per_cached_token_s": c[3] / s_c,
+                                 "per_chunk_pair_s": c[4] / s_q,
                                  "num_samples": self._pools[e].num_samples,
                                  "margin": self._entry_margin(e)}
         for k, (c, num) in sorted(keys.items(), key=lambda kv: repr(kv[0])):
             desc = {f: getattr(k, f) for f in getattr(k, "__dataclass_fields__", {})} or {"key": repr(k)}
             desc.update(fixed_s=c[0], per_token_s=c[1] / s_n, per_cached_token_s=c[2] / s_c,
-                        num_samples=num)
+                        per_chunk_pair_s=c[3] / s_q, num_samples=num)
             out["buckets"].append(desc)
         return out

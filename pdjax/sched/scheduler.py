@@ -24,9 +24,9 @@ Policy, per step:
 4. With ``target_itl_ms`` and decode rows in a mixed step, the prefill gets only as many tokens
    as the cost model (``pdjax.sched.cost_model``) predicts fit in the target next to the decode
    rows (Sarathi-Serve's stall-free batching): the step is filled up to the largest compiled
-   token bucket that fits, never a new shape, planned against an upper quantile of the model's
-   errors. The first prefill row still advances every step (no starvation): by the fill of the
-   smallest bucket next to the decode rows (a sub-page chunk is fine in a colocated step), by
+   token bucket that fits, never a new shape (the chunk may end anywhere inside it), planned
+   against an upper quantile of the model's errors. The first prefill row still advances every
+   step (no starvation): by at least one token (a sub-page chunk is fine in a colocated step),
    one page for page-aligned chunks; with nothing decoding, prefill gets the whole chunk.
    Before any forward is timed, the chunk is unconstrained.
 
@@ -110,6 +110,12 @@ class ScheduledRow:
         return self.req.all_ids[self.start:self.start + self.num_tokens]
 
 
+def chunk_pairs(rows) -> int:
+    """``ScheduledBatch.num_chunk_pairs`` of ``rows`` (``ScheduledRow``s)."""
+    return sum(r.num_tokens * r.start + r.num_tokens * (r.num_tokens + 1) // 2
+               for r in rows if r.num_tokens > 1)
+
+
 @dataclasses.dataclass
 class ScheduledBatch:
     forward_mode: str             # "decode" | "prefill_chunk" | "mixed"
@@ -125,6 +131,12 @@ class ScheduledBatch:
     def num_cached_tokens(self) -> int:
         """Context tokens the rows read from the cache (the sum of their starts)."""
         return sum(r.start for r in self.rows)
+
+    @property
+    def num_chunk_pairs(self) -> int:
+        """Context tokens the prompt chunks' new tokens attend, summed over them (the cost
+        model's ``q``): ``n * start + n (n + 1) / 2`` per row of ``n > 1`` tokens."""
+        return chunk_pairs(self.rows)
 
     def pages_per_seq(self, page_size: int) -> int:
         """Most pages one row reaches after this step."""
@@ -275,7 +287,7 @@ class Scheduler(PDPageSets):
         if self.cost_model is not None:
             batch.predicted_time_s = self.cost_model.predict(
                 mode, batch.num_tokens, len(rows), batch.pages_per_seq(self.page_size),
-                batch.num_cached_tokens)
+                batch.num_cached_tokens, batch.num_chunk_pairs)
         return batch
 
     def _schedule_decode(self, decode_reqs: list[Request]) -> list[ScheduledRow]:
@@ -370,40 +382,64 @@ class Scheduler(PDPageSets):
 
     def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
         """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
-        next to ``rows``. Candidates fill a compiled token bucket exactly (or take ``n_max``);
-        the largest one whose prediction times the cost model's ``margin`` (an upper quantile
-        of its recent errors) fits wins. None fits: 0 for a later prefill row; the first one
-        still advances (no starvation) by the smallest step there is, the fill of the smallest
-        bucket holding ``rows`` plus one token (the padding would cost as much as the tokens),
-        or, for page-aligned chunks (PD prefill), one page plus the rest of the bucket that page
-        lands in. Nothing timed yet: ``n_max``.
+        next to ``rows``: the most whose prediction times the cost model's ``margin`` (an upper
+        quantile of its recent errors) fits. The step stays in a compiled token bucket (the
+        largest bucket whose smallest fill fits, then a bisection inside it: a prediction grows
+        with the tokens); the chunk may end anywhere inside its bucket, since the cost model
+        prices the real tokens and each bucket's fixed cost, padding included (the CPU matmul
+        skips padding rows, XLA's dots do not). None fits: 0 for a later prefill row; the first
+        one still advances (no starvation) by the least there is, one token (one page for
+        page-aligned chunks, PD prefill), or by the rest of that token's bucket where the
+        prediction says the padding would cost as much as the tokens (within 1%). Nothing timed
+        yet: ``n_max``.
 
-            decode rows  | chunk of req ...............|  pad
-            <- tokens0 ->|<- n = bucket - tokens0 ---->|       (bucket = a compiled token count)
+            decode rows  | chunk of req ........|  pad
+            <- tokens0 ->|<- n --------------->|        (one compiled token bucket)
         """
         ps = self.page_size
         start = req.num_computed_tokens
         tokens0 = sum(r.num_tokens for r in rows)
         cached0 = sum(r.start for r in rows) + start
+        pairs0 = chunk_pairs(rows)
         pages0 = max(-(-(r.start + r.num_tokens) // ps) for r in rows)
         target_s = self.config.target_itl_ms / 1000.0 / self.cost_model.margin("mixed")
-        buckets = self.cost_model.token_buckets
-        fills = {b - tokens0 for b in buckets if 0 < b - tokens0 < n_max}
-        for n in sorted(fills | {n_max}, reverse=True):
+
+        def predict(n: int) -> float | None:
             pages = max(pages0, -(-(start + n) // ps))
-            # Padding is priced as real tokens (dense matmuls run on the whole bucket), so a
-            # short last chunk is never under-predicted.
-            padded = next((b for b in buckets if b >= tokens0 + n), tokens0 + n)
-            t = self.cost_model.predict("mixed", padded, len(rows) + 1, pages, cached0)
+            pairs = pairs0 + (n * start + n * (n + 1) // 2 if n > 1 else 0)
+            return self.cost_model.predict("mixed", tokens0 + n, len(rows) + 1, pages, cached0,
+                                           pairs)
+
+        def fits(n: int) -> bool:
+            t = predict(n)
+            return t is not None and t <= target_s
+
+        buckets = self.cost_model.token_buckets
+        for i in reversed(range(len(buckets))):
+            lo = max(1, (buckets[i - 1] if i else 0) - tokens0 + 1)
+            hi = min(n_max, buckets[i] - tokens0)
+            if hi < lo:
+                continue
+            t = predict(hi)
             if t is None:
                 return n_max
             if t <= target_s:
-                return n
+                return hi
+            if not fits(lo):
+                continue
+            while hi - lo > 1:            # lo fits, hi does not
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+            return lo
         if not first:
             return 0
         least = min(n_max, ps) if self.config.page_aligned_chunks else 1
-        floor = next((b for b in buckets if b >= tokens0 + least), tokens0 + least)
-        return max(least, min(n_max, floor - tokens0))
+        fill = min(n_max, next((b for b in buckets if b >= tokens0 + least), tokens0 + least)
+                   - tokens0)
+        t_least, t_fill = predict(least), predict(fill)
+        if t_least is not None and t_fill is not None and t_fill <= 1.01 * t_least:
+            return fill
+        return least
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],

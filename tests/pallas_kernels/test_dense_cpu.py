@@ -32,6 +32,24 @@ def test_packed_matmul_matches_float64(m, k, n):
     np.testing.assert_allclose(got, _oracle(x, w), rtol=0, atol=2e-6 * k ** 0.5 * 8)
 
 
+@pytest.mark.parametrize("num_rows,m", [(0, 16), (1, 16), (8, 16), (9, 16), (15, 16),
+                                        (16, 16), (40, 16), (-3, 16), (5, 5)])
+def test_packed_matmul_num_rows_computes_the_first_rows_and_zeros_the_rest(num_rows, m):
+    """Only the first ``num_rows`` rows (a step's real tokens; traced, so one executable serves
+    every count) are multiplied; the padding rows come back 0 even where ``x`` holds NaN
+    there, and counts outside ``[0, M]`` are clamped."""
+    require_matmul_kernel()
+    rng = np.random.default_rng(num_rows + 100)
+    x = rng.standard_normal((m, 64), np.float32)
+    w = rng.standard_normal((64, 50), np.float32)
+    used = min(max(num_rows, 0), m)
+    x[used:] = np.nan
+    f = jax.jit(packed_matmul, static_argnums=2)
+    got = np.asarray(f(x, pack_weight(w), 50, jnp.int32(num_rows)))
+    np.testing.assert_allclose(got[:used], _oracle(x[:used], w), rtol=0, atol=1e-4)
+    assert np.array_equal(got[used:], np.zeros((m - used, 50), np.float32))
+
+
 def test_packed_matmul_bfloat16_weights_leading_axes_and_dtype():
     """bfloat16 weights are widened exactly (the result is the float32 product of the
     bfloat16 values); ``x`` may have leading axes and a bfloat16 dtype, which the result

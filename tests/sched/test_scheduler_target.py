@@ -23,16 +23,24 @@ BUCKETS = Buckets.create(chunked_prefill_size=CHUNK, max_running_requests=8, max
 
 class FakeClock:
     """A forward's "measured" time: 2 ms + 0.1 ms per padded token + 1 us per cached token
-    (the shape of a CPU forward: padded matmuls plus attention over the context)."""
+    (the shape of XLA's forward: padded matmuls plus attention over the context).
+    ``padding_free``: the 0.1 ms is per real token, and each bucket costs 0.01 ms per padded
+    token on top (the CPU matmul kernel skips padding rows); ``per_pair_s``: per chunk
+    attention pair (``ScheduledBatch.num_chunk_pairs``)."""
 
-    def __init__(self, fixed_s=2e-3, per_token_s=1e-4, per_cached_s=1e-6):
+    def __init__(self, fixed_s=2e-3, per_token_s=1e-4, per_cached_s=1e-6, padding_free=False,
+                 per_pair_s=0.0):
         self.fixed_s, self.per_token_s, self.per_cached_s = fixed_s, per_token_s, per_cached_s
+        self.padding_free, self.per_pair_s = padding_free, per_pair_s
         self.token_buckets = BUCKETS.token_buckets
         self.now_s = 0.0
 
-    def cost(self, mode, num_tokens, num_rows, pages_per_seq, num_cached_tokens):
+    def cost(self, mode, num_tokens, num_rows, pages_per_seq, num_cached_tokens,
+             num_chunk_pairs=0):
         key = BUCKETS.pick(mode, num_tokens, num_rows, pages_per_seq)
-        return self.fixed_s + self.per_token_s * key.num_tokens + self.per_cached_s * num_cached_tokens
+        tokens = (num_tokens + 0.1 * key.num_tokens) if self.padding_free else key.num_tokens
+        return (self.fixed_s + self.per_token_s * tokens + self.per_cached_s * num_cached_tokens
+                + self.per_pair_s * num_chunk_pairs)
 
     predict = cost          # a perfect cost model
 
@@ -41,7 +49,7 @@ class FakeClock:
 
     def run(self, batch):
         t = self.cost(batch.forward_mode, batch.num_tokens, len(batch.rows),
-                      batch.pages_per_seq(PAGE), batch.num_cached_tokens)
+                      batch.pages_per_seq(PAGE), batch.num_cached_tokens, batch.num_chunk_pairs)
         self.now_s += t
         return t
 
@@ -201,9 +209,9 @@ def test_page_aligned_chunks_and_prefix_hits_under_a_target():
     calls = []
 
     class Recording(FakeClock):
-        def predict(self, mode, num_tokens, num_rows, pages, cached):
+        def predict(self, mode, num_tokens, num_rows, pages, cached, pairs=0):
             calls.append((mode, num_tokens, cached))
-            return super().cost(mode, num_tokens, num_rows, pages, cached)
+            return super().cost(mode, num_tokens, num_rows, pages, cached, pairs)
 
     rec = Recording()
     sched = _sched(rec, 5.4, page_aligned_chunks=True)
@@ -254,7 +262,7 @@ def test_real_cost_model_learns_the_clock_and_then_keeps_the_target():
             t = clock.run(batch)
             key = BUCKETS.pick(batch.forward_mode, batch.num_tokens, len(batch.rows),
                                batch.pages_per_seq(PAGE))
-            model.observe(key, batch.num_tokens, batch.num_cached_tokens, t)
+            model.observe(key, batch.num_tokens, batch.num_cached_tokens, t, batch.num_chunk_pairs)
             if batch.forward_mode == "mixed":
                 over.append(t > 5.4e-3 + 1e-9)
             sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
@@ -338,7 +346,7 @@ def test_noisy_steps_planned_against_the_margin_stay_inside_the_target(model_cls
             t = clock.run(batch)
             model.observe(BUCKETS.pick(batch.forward_mode, batch.num_tokens, len(batch.rows),
                                        batch.pages_per_seq(PAGE)),
-                          batch.num_tokens, batch.num_cached_tokens, t)
+                          batch.num_tokens, batch.num_cached_tokens, t, batch.num_chunk_pairs)
             if batch.forward_mode == "mixed":
                 over.append(t > target_ms / 1000)
             sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
@@ -346,3 +354,52 @@ def test_noisy_steps_planned_against_the_margin_stay_inside_the_target(model_cls
     print(f"\n{model_cls.__name__}: {share:.3f} of {len(over) - 20} mixed steps over the target")
     assert len(over) > 90
     assert least_over <= share <= most_over
+
+
+def _chunk_cost(clock, batch, n):
+    """``clock``'s cost of ``batch`` with its prompt row (the last) holding ``n`` tokens."""
+    *rows, last = batch.rows
+    start = last.start
+    tokens = sum(r.num_tokens for r in rows) + n
+    pages = max([-(-(r.start + r.num_tokens) // PAGE) for r in rows] + [-(-(start + n) // PAGE)])
+    pairs = n * start + n * (n + 1) // 2 if n > 1 else 0
+    return clock.cost("mixed", tokens, len(batch.rows), pages, batch.num_cached_tokens, pairs)
+
+
+def test_padding_free_steps_end_the_chunk_inside_its_bucket_at_the_most_that_fits():
+    """Where padding rows cost (almost) nothing, a chunk ends wherever the target is reached,
+    not at a bucket's fill: every planned chunk fits and one more token would not, as the
+    chunk's attention pairs (tokens x context) grow late in the prompt."""
+    clock = FakeClock(padding_free=True, per_pair_s=2e-7)
+    target_ms = 5.4
+    sched = _sched(clock, target_ms)
+    _start_decoders(sched, clock)
+    sched.add_request(_req("long", 300, 1))
+    chunks, inside = [], 0
+    while True:
+        batch, t = _step(sched, clock)
+        prefill = batch.rows[-1]
+        assert [r.kind for r in batch.rows[:4]] == ["decode"] * 4 and len(batch.rows) == 5
+        assert t <= target_ms / 1000 + 1e-12 and batch.predicted_time_s == pytest.approx(t)
+        chunks.append(prefill.num_tokens)
+        if prefill.kind == "last":
+            break
+        assert _chunk_cost(clock, batch, prefill.num_tokens + 1) > target_ms / 1000
+        inside += batch.num_tokens not in BUCKETS.token_buckets
+    assert sum(chunks) == 300
+    assert inside > len(chunks) // 2           # most chunks end inside their bucket
+    assert chunks[0] > chunks[-2] >= 1         # the chunk shrinks as its context grows
+
+
+@pytest.mark.parametrize("page_aligned, least", [(False, 1), (True, PAGE)])
+def test_padding_free_over_target_steps_advance_by_the_least(page_aligned, least):
+    """Nothing fits and padding costs nothing: the prompt advances by one token (one page when
+    chunks are page-aligned), not by the rest of the bucket, which would cost more."""
+    clock = FakeClock(padding_free=True)
+    sched = _sched(clock, 1.0, page_aligned_chunks=page_aligned)     # 2 ms fixed: none fits
+    _start_decoders(sched, clock, n=4, max_new=1000)
+    sched.add_request(_req("long", 40, 1))
+    for _ in range(3):
+        batch, _ = _step(sched, clock)
+        assert [r.kind for r in batch.rows[:4]] == ["decode"] * 4
+        assert batch.rows[-1].num_tokens == least

@@ -48,13 +48,17 @@ def pack_weight(w: jax.Array) -> jax.Array:
     return jnp.moveaxis(w, -2, -3)
 
 
-def packed_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
+def packed_matmul(x: jax.Array, w: jax.Array, n: int, num_rows: jax.Array | None = None
+                  ) -> jax.Array:
     """``x [..., K] @ W`` for ``W [K, n]`` given packed (``w = pack_weight(W)``,
     ``[P, K, PANEL]``, float32 or bfloat16).
 
     ``x`` may be any float dtype and have leading axes; it is computed in float32 and the result,
     ``[..., n]``, has ``x``'s dtype. Each output is one float32 sum over K, so it matches
-    ``x @ W`` within float32 rounding.
+    ``x @ W`` within float32 rounding. ``num_rows`` (an int32 scalar or ``[1]`` array, traced):
+    only the first ``num_rows`` rows of ``x`` flattened to ``[M, K]`` are multiplied, the
+    others' outputs are 0 (a step's padding tokens, ``cu_q_lens[-1]`` onwards, cost nothing);
+    values outside ``[0, M]`` are clamped. None: every row.
 
     Raises:
       RuntimeError: the kernel is not available (``matmul_kernel_status()`` says why).
@@ -70,6 +74,8 @@ def packed_matmul(x: jax.Array, w: jax.Array, n: int) -> jax.Array:
         raise ValueError(f"w: a packed [P, {K}, {PANEL}] float32/bfloat16 weight for n={n} "
                          f"expected, got {w.dtype} {w.shape}")
     x2 = x.reshape(-1, K).astype(jnp.float32)
+    rows = jnp.full((1,), x2.shape[0], jnp.int32) if num_rows is None else \
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32)
     call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x2, w).reshape(*lead, n).astype(x.dtype)
+    return call(x2, w, rows).reshape(*lead, n).astype(x.dtype)

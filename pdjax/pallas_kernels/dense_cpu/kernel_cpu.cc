@@ -2,10 +2,13 @@
 //
 // y [M, N] f32 = x [M, K] f32 @ w, with w given packed: [P, K, 24] float32 or bfloat16, panel
 // p holding the output columns [24p, 24p + 24) of a [K, N] weight (the last panel
-// zero-padded; pack_weight in dense_cpu/__init__.py). XLA CPU runs a dot of a few rows on one
-// thread, so a model's projections use one of the cores; and a column panel of a row-major
-// [K, N] weight is a column of 96-byte pieces one row apart, which the hardware prefetcher does
-// not follow. Packed, a panel is one contiguous stream. Panels are claimed from a shared
+// zero-padded; pack_weight in dense_cpu/__init__.py). Only the first `rows` rows of x are
+// multiplied (rows [1] int32, clamped to [0, M]); the rest of y is zero. A step's token stream
+// is padded to a compiled bucket, and its padding rows cost nothing here.
+//
+// XLA CPU runs a dot of a few rows on one thread, so a model's projections use one of the
+// cores; and a column panel of a row-major [K, N] weight is a column of 96-byte pieces one row
+// apart, which the hardware prefetcher does not follow. Packed, a panel is one contiguous stream. Panels are claimed from a shared
 // counter by the calling thread and by helpers on XLA's intra-op pool, so every core streams
 // its own share.
 //
@@ -110,23 +113,26 @@ void run_problem(const Problem& pb, ffi::ThreadPool pool) {
 }
 
 ffi::Error packed_matmul_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                              ffi::ResultBuffer<ffi::F32> y) {
+                              ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument("packed_matmul: x, w, y must be rank 2, 3, 2");
+  if (rows.element_count() != 1)
+    return ffi::Error::InvalidArgument("packed_matmul: rows must hold one int32");
   Problem pb;
-  pb.m = xd[0];
   pb.k = xd[1];
   pb.n = yd[1];
   const int64_t panels = wd[0];
-  if (wd[1] != pb.k || wd[2] != kPanel || yd[0] != pb.m || pb.n > panels * kPanel ||
+  if (wd[1] != pb.k || wd[2] != kPanel || yd[0] != xd[0] || pb.n > panels * kPanel ||
       pb.n <= (panels - 1) * kPanel)
     return ffi::Error::InvalidArgument("packed_matmul: shapes of x, w and y do not match");
+  pb.m = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   pb.x = x.typed_data();
   pb.w = w.untyped_data();
   pb.y = y->typed_data();
+  std::memset(pb.y + pb.m * pb.n, 0, (xd[0] - pb.m) * pb.n * sizeof(float));
   auto run = [&](auto element) { run_problem<decltype(element)>(pb, pool); };
   return pdjax_cpu::with_float_type(w.element_type(),
                                     "packed_matmul: w must be float32 or bfloat16", run);
@@ -139,4 +145,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PdjaxPackedMatmul, packed_matmul_impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // w [P, K, 24]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [1]: rows to compute
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
