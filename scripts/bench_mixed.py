@@ -90,15 +90,14 @@ def _request(ids: list[int], max_new_tokens: int):
 
 def decode_tokens_needed(args) -> int:
     """Tokens each decode request must be allowed: steady steps, the arrival window (at most
-    two steps per chunk; under a target a chunk may be the smallest token bucket's room next to
-    the decode rows, ``Buckets.create``'s first bucket of 16 tokens doubled until it holds them),
-    the tail, and slack for the initial prefill steps."""
-    bucket = 16
-    while bucket <= args.batch_size:
-        bucket *= 2
-    least_chunk = max(1, min(bucket, args.chunked_prefill_size) - args.batch_size)
-    chunks = -(-args.long_prompt_len // least_chunk)
-    return args.steady_steps + 2 * chunks + args.tail_steps + 8
+    two steps per chunk; under a target a chunk may be a single token, the planner's floor),
+    the tail, and slack for the initial prefill steps. With ``--context-length`` given, capped
+    to the room it leaves after the decode prompt: the decode requests may then finish before
+    the long prompt's first token, and the arrival window ends with them."""
+    need = args.steady_steps + 2 * args.long_prompt_len + args.tail_steps + 8
+    if args.context_length is not None:
+        need = min(need, args.context_length - args.decode_prompt_len - 1)
+    return need
 
 
 def run_round(core, args, mixed: bool, seed: int, profiler: StepProfiler | None = None,

@@ -21,6 +21,7 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
     out = tmp_path / "mixed.json"
     result = bench_mixed.main([
         "--model-path", tiny_checkpoints["llama"], *TINY_FLAGS,
+        "--context-length", "512",   # decode requests outlast a prompt advancing by 1 token
         "--batch-size", "4", "--decode-prompt-len", "16", "--long-prompt-len", "100",
         "--steady-steps", "8", "--repeats", "4", "--output-file", str(out),
         "--profile-dir", str(tmp_path / "trace"), "--profile-steps", "2",
