@@ -8,9 +8,9 @@
 //
 // XLA CPU runs a dot of a few rows on one thread, so a model's projections use one of the
 // cores; and a column panel of a row-major [K, N] weight is a column of 96-byte pieces one row
-// apart, which the hardware prefetcher does not follow. Packed, a panel is one contiguous stream. Panels are claimed from a shared
-// counter by the calling thread and by helpers on XLA's intra-op pool, so every core streams
-// its own share.
+// apart, which the hardware prefetcher does not follow. Packed, a panel is one contiguous
+// stream. Panels are claimed from a shared counter by the calling thread and by helpers on
+// XLA's intra-op pool, so every core streams its own share.
 //
 // Per panel, each block of kRows rows of x is multiplied into kRows x 3 register accumulators
 // (8 float32 lanes each) over the whole of K: the panel is read from memory by the first block
