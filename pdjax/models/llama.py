@@ -87,6 +87,7 @@ class DecoderLayers(nnx.Module):
         inv_freq = jnp.asarray(inv_freq)
         params = {name: getattr(self, name).get_value() for name in self.param_names}
         shapes = layer_param_shapes(cfg)
+        num_real_tokens = md.cu_q_lens[-1]     # the packed matmul skips the padding rows
 
         def project(h, p, group):
             """``h`` times each weight of ``PACKED_GROUPS[group]``: one matmul each, or one
@@ -95,7 +96,7 @@ class DecoderLayers(nnx.Module):
             if not self.packed:
                 return [h @ p[n] for n in members]
             widths = [shapes[n][0][-1] for n in members]
-            out = packed_matmul(h, p[group], sum(widths), num_rows=md.cu_q_lens[-1])
+            out = packed_matmul(h, p[group], sum(widths), num_rows=num_real_tokens)
             return jnp.split(out, list(itertools.accumulate(widths[:-1])), axis=-1)
 
         def layer_step(carry, xs):

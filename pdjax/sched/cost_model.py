@@ -149,6 +149,7 @@ class StepCostModel:
         self.pick_key = pick_key
         self.token_buckets = tuple(token_buckets)
         self.token_scale, self.cached_scale = float(token_scale), float(cached_scale)
+        self.pair_scale = self.token_scale * self.cached_scale
         self.key_forget, self.pool_forget = key_forget, pool_forget
         self.prior_strength = prior_strength
         self.load_smoothing = load_smoothing
@@ -166,7 +167,7 @@ class StepCostModel:
     def _features(self, num_tokens: int, num_cached_tokens: int, num_chunk_pairs: int
                   ) -> list[float]:
         return [1.0, num_tokens / self.token_scale, num_cached_tokens / self.cached_scale,
-                num_chunk_pairs / (self.token_scale * self.cached_scale)]
+                num_chunk_pairs / self.pair_scale]
 
     def observe(self, key: Hashable, num_tokens: int, num_cached_tokens: int,
                 seconds: float, num_chunk_pairs: int = 0) -> None:
@@ -269,7 +270,7 @@ class StepCostModel:
         with self._lock:
             pools = {e: self._pool_coef(e) for e in sorted(self._pools)}
             keys = {k: (self._key_coef(k), self._keys[k].num_samples) for k in self._keys}
-        s_n, s_c, s_q = self.token_scale, self.cached_scale, self.token_scale * self.cached_scale
+        s_n, s_c, s_q = self.token_scale, self.cached_scale, self.pair_scale
         out: dict[str, Any] = {"num_observed": self.num_observed, "load_factor": self.load_factor,
                                "plan_quantile": self.plan_quantile, "entries": {}, "buckets": []}
         for e, c in pools.items():

@@ -110,10 +110,11 @@ class ScheduledRow:
         return self.req.all_ids[self.start:self.start + self.num_tokens]
 
 
-def chunk_pairs(rows) -> int:
-    """``ScheduledBatch.num_chunk_pairs`` of ``rows`` (``ScheduledRow``s)."""
-    return sum(r.num_tokens * r.start + r.num_tokens * (r.num_tokens + 1) // 2
-               for r in rows if r.num_tokens > 1)
+def chunk_pairs(num_tokens: int, start: int) -> int:
+    """Context tokens a row of ``num_tokens`` new tokens from position ``start`` attends,
+    summed over its tokens, if it is a prompt chunk (more than one token), else 0: the cost
+    model's ``q`` term of one row."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2 if num_tokens > 1 else 0
 
 
 @dataclasses.dataclass
@@ -136,7 +137,7 @@ class ScheduledBatch:
     def num_chunk_pairs(self) -> int:
         """Context tokens the prompt chunks' new tokens attend, summed over them (the cost
         model's ``q``): ``n * start + n (n + 1) / 2`` per row of ``n > 1`` tokens."""
-        return chunk_pairs(self.rows)
+        return sum(chunk_pairs(r.num_tokens, r.start) for r in self.rows)
 
     def pages_per_seq(self, page_size: int) -> int:
         """Most pages one row reaches after this step."""
@@ -400,15 +401,14 @@ class Scheduler(PDPageSets):
         start = req.num_computed_tokens
         tokens0 = sum(r.num_tokens for r in rows)
         cached0 = sum(r.start for r in rows) + start
-        pairs0 = chunk_pairs(rows)
+        pairs0 = sum(chunk_pairs(r.num_tokens, r.start) for r in rows)
         pages0 = max(-(-(r.start + r.num_tokens) // ps) for r in rows)
         target_s = self.config.target_itl_ms / 1000.0 / self.cost_model.margin("mixed")
 
         def predict(n: int) -> float | None:
             pages = max(pages0, -(-(start + n) // ps))
-            pairs = pairs0 + (n * start + n * (n + 1) // 2 if n > 1 else 0)
             return self.cost_model.predict("mixed", tokens0 + n, len(rows) + 1, pages, cached0,
-                                           pairs)
+                                           pairs0 + chunk_pairs(n, start))
 
         def fits(n: int) -> bool:
             t = predict(n)

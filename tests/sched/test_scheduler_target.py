@@ -363,7 +363,7 @@ def _chunk_cost(clock, batch, n):
     start = last.start
     tokens = sum(r.num_tokens for r in rows) + n
     pages = max([-(-(r.start + r.num_tokens) // PAGE) for r in rows] + [-(-(start + n) // PAGE)])
-    pairs = n * start + n * (n + 1) // 2 if n > 1 else 0
+    pairs = n * start + n * (n + 1) // 2        # n > 1: a prompt chunk's attention pairs
     return clock.cost("mixed", tokens, len(batch.rows), pages, batch.num_cached_tokens, pairs)
 
 
