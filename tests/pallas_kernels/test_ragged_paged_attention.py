@@ -420,22 +420,23 @@ def test_token_rows_positions_and_padding():
 
 def _decode_kernel_args(rows, kv_len, *, num_kv_heads=3, group=3, head_dim=64, seed=0):
     """A 2-layer cache of 4-token pages (NaN everywhere) and ``rows`` decode rows of
-    ``kv_len`` keys on scattered pages, filled in for layer 1 only."""
+    ``kv_len`` keys (an int, or one per row) on scattered pages, filled in for layer 1 only."""
     rng = np.random.default_rng(seed)
     page_size, layers = 4, 2
-    need = -(-kv_len // page_size)
+    kv_lens = np.broadcast_to(np.asarray(kv_len, np.int32), (rows,))
+    need = -(-int(kv_lens.max()) // page_size)
     num_pages = 1 + rows * need
     k = np.full((layers, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
     v = k.copy()
     table = rng.permutation(np.arange(1, num_pages)).reshape(rows, need).astype(np.int32)
     for r in range(rows):
-        for t in range(kv_len):
+        for t in range(kv_lens[r]):
             page, slot = table[r, t // page_size], t % page_size
             k[1, page, slot] = rng.standard_normal((num_kv_heads, head_dim))
             v[1, page, slot] = rng.uniform(-0.5, 0.5, (num_kv_heads, head_dim))
     q = rng.standard_normal((rows, num_kv_heads * group, head_dim)).astype(np.float32)
     return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(1),
-            jnp.full((rows,), kv_len, jnp.int32), jnp.asarray(table))
+            jnp.asarray(kv_lens), jnp.asarray(table))
 
 
 @pytest.mark.parametrize("rows,kv_len", [(1, 7), (40, 13)])
@@ -456,6 +457,25 @@ def test_cpu_kernel_work_split_matches_jnp(rows, kv_len):
             assert not np.asarray(got)[num_rows:].any()
             if num_rows:
                 assert np.abs(np.asarray(got)[:num_rows]).max() > 0.01
+
+
+@pytest.mark.parametrize("long_row", [0, 17, 39])
+def test_cpu_kernel_unbalanced_rows_match_jnp(long_row):
+    """40 rows, one of them far longer than the rest (a prompt token after decode rows): that
+    row splits into one item per KV head and the items run longest first. Every row still
+    equals the jnp decode path, wherever the long row sits, with rows past num_rows 0."""
+    require_cpu_kernel()
+    kv_lens = np.full(40, 5, np.int32)
+    kv_lens[long_row] = 97
+    kv_lens[3] = 0
+    args = _decode_kernel_args(40, kv_lens)
+    opts = dict(sm_scale=64 ** -0.5, sliding_window=None)
+    for num_rows in (40, long_row + 1):
+        got = np.asarray(kernel_cpu.decode_attention_cpu(*args, num_rows, **opts))
+        want = np.asarray(xla_module.decode_attention(*args, num_rows, **opts))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        assert not got[num_rows:].any() and not got[3].any()
+        assert np.abs(got[long_row]).max() > 0.01
 
 
 def test_cpu_kernel_clamps_indices_from_the_host():
