@@ -14,7 +14,7 @@ import pytest
 from pdjax.request import Request, SamplingParams
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
-from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig, chunk_pairs
 
 PAGE = 4
 CHUNK = 64
@@ -363,7 +363,7 @@ def _chunk_cost(clock, batch, n):
     start = last.start
     tokens = sum(r.num_tokens for r in rows) + n
     pages = max([-(-(r.start + r.num_tokens) // PAGE) for r in rows] + [-(-(start + n) // PAGE)])
-    pairs = n * start + n * (n + 1) // 2        # n > 1: a prompt chunk's attention pairs
+    pairs = sum(chunk_pairs(r.num_tokens, r.start) for r in rows) + chunk_pairs(n, start)
     return clock.cost("mixed", tokens, len(batch.rows), pages, batch.num_cached_tokens, pairs)
 
 
