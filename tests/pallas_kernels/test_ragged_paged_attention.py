@@ -478,6 +478,64 @@ def test_cpu_kernel_unbalanced_rows_match_jnp(long_row):
         assert np.abs(got[long_row]).max() > 0.01
 
 
+def _token_group_kernel_args(rows, *, num_kv_heads, group, head_dim, seed=0):
+    """Kernel rows as ``token_rows`` lays out a mixed step: ``rows`` is a list of
+    ``(request, kv_len)``, every row of a request sharing that request's page table (4-token
+    pages, scattered; the cache NaN outside the filled keys, layer 1 only)."""
+    rng = np.random.default_rng(seed)
+    page_size, layers = 4, 2
+    longest = {}
+    for req, kv_len in rows:
+        longest[req] = max(longest.get(req, 0), kv_len)
+    need = max(-(-n // page_size) for n in longest.values())
+    num_pages = 1 + len(longest) * need
+    k = np.full((layers, num_pages, page_size, num_kv_heads, head_dim), np.nan, np.float32)
+    v = k.copy()
+    free = iter(rng.permutation(np.arange(1, num_pages)))
+    tables = {}
+    for req, n in longest.items():
+        tables[req] = np.asarray([next(free) for _ in range(need)], np.int32)
+        for t in range(n):
+            page, slot = tables[req][t // page_size], t % page_size
+            k[1, page, slot] = rng.standard_normal((num_kv_heads, head_dim))
+            v[1, page, slot] = rng.uniform(-0.5, 0.5, (num_kv_heads, head_dim))
+    q = rng.standard_normal((len(rows), num_kv_heads * group, head_dim)).astype(np.float32)
+    kv_lens = np.asarray([n for _, n in rows], np.int32)
+    table = np.stack([tables[req] for req, _ in rows])
+    return (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(1),
+            jnp.asarray(kv_lens), jnp.asarray(table))
+
+
+def test_cpu_kernel_token_groups_match_jnp():
+    """Consecutive rows of one prompt chunk (one page table, kv_len one more each) run as
+    token groups of up to 8 tokens that read their keys once for all their rows: a 13-token
+    chunk (groups of 8 and 5) and a 2-token one after 3 decode rows, a row of the first
+    request that does not continue the chunk, and padding rows. Every row equals the jnp
+    decode path, for several head layouts, with and without a sliding window (the rows of a
+    group then start at different keys) and a soft cap, in float32 and bfloat16."""
+    require_cpu_kernel()
+    chunk = [(0, 40 + i) for i in range(13)]
+    rows = [(1, 9), (2, 30), (3, 1)] + chunk + [(4, 6), (4, 7), (0, 20), (0, 21)]
+    rows += [(5, 0)] * 3
+    for num_kv_heads, group, head_dim, window, cap in ((3, 3, 64, None, None),
+                                                       (3, 3, 64, 6, None),
+                                                       (1, 4, 8, None, 5.0), (2, 2, 16, 3, 5.0),
+                                                       (8, 1, 72, None, None)):
+        q, k, v, layer, kv_lens, table = _token_group_kernel_args(
+            rows, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim)
+        opts = dict(sm_scale=head_dim ** -0.5, sliding_window=window, soft_cap=cap)
+        for dtype, atol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)):
+            kc, vc = k.astype(dtype), v.astype(dtype)
+            num_rows = len(rows) - 3
+            got = np.asarray(kernel_cpu.decode_attention_cpu(q, kc, vc, layer, kv_lens, table,
+                                                             num_rows, **opts))
+            want = np.asarray(xla_module.decode_attention(q, kc, vc, layer, kv_lens, table,
+                                                          num_rows, **opts))
+            np.testing.assert_allclose(got, want, atol=atol, rtol=0)
+            assert not got[num_rows:].any()
+            assert np.abs(got[:num_rows]).max(axis=(1, 2)).min() > 0.01
+
+
 def test_cpu_kernel_clamps_indices_from_the_host():
     """Page ids, layer, kv_lens and num_rows out of range address nothing outside the
     buffers: page ids clamp to ``[0, num_pages)`` (as the Pallas kernels clamp them), the layer
