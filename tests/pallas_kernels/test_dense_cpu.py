@@ -20,9 +20,10 @@ def _oracle(x, w):
 @pytest.mark.parametrize("k,n", [(8, 8), (64, 24), (100, 25), (576, 1000), (37, 4800)])
 @pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 16, 17, 64, 257])
 def test_packed_matmul_matches_float64(m, k, n):
-    """Every row-block tail (1-7 rows past a multiple of the kernel's block), a last panel of
-    1-23 columns, and a work split of many claims (4,800 columns: 200 panels) equal
-    ``x @ w`` within float32 rounding of a K-term sum."""
+    """Row blocks of every kind (one block of 1, 3, 7, 8 or 9 rows; 16 as 8 + 8, 17 as 9 + 8
+    or 5 + 4 + 4 + 4 for a 4-row block; 64 and 257 as many), a last panel of 1-23 columns, and
+    a work split of many claims (4,800 columns: 200 panels) equal ``x @ w`` within float32
+    rounding of a K-term sum."""
     require_matmul_kernel()
     rng = np.random.default_rng(m * 1000 + n)
     x = rng.standard_normal((m, k), np.float32)

@@ -12,9 +12,9 @@
 // stream. Panels are claimed from a shared counter by the calling thread and by helpers on
 // XLA's intra-op pool, so every core streams its own share.
 //
-// Per panel, each block of kRows rows of x is multiplied into kRows x 3 register accumulators
-// (8 float32 lanes each) over the whole of K: the panel is read from memory by the first block
-// and from cache by the others (the hardware prefetcher follows the one stream; software
+// Per panel, each block of at most kRows rows of x (run_panel) is multiplied into 3 register
+// accumulators a row (8 float32 lanes each) over the whole of K: the panel is read from memory
+// by the first block and from cache by the others (the hardware prefetcher follows the one stream; software
 // prefetches ahead of it measured slower). Each output is one sum over K in order, so results
 // differ from XLA's dot only by float32 rounding (DESIGN.md §5).
 //
@@ -38,7 +38,7 @@ using pdjax_cpu::store8;
 
 constexpr int64_t kPanel = 3 * kLanes;  // output columns per panel
 #if defined(__AVX512F__)
-constexpr int kRows = 8;  // 32 vector registers: 24 accumulators
+constexpr int kRows = 9;  // 32 vector registers: 27 accumulators, 3 weights, 1 broadcast
 #else
 constexpr int kRows = 4;  // 16 vector registers: 12 accumulators
 #endif
@@ -84,20 +84,28 @@ void panel_block(const Problem& pb, int64_t p, int64_t m0, int64_t cols) {
   }
 }
 
-template <typename T, int R = kRows - 1>
-void tail_block(const Problem& pb, int64_t p, int64_t m0, int64_t cols, int rows) {
+// panel_block for a block of `rows` rows, 1 <= rows <= kRows.
+template <typename T, int R = kRows>
+void row_block(const Problem& pb, int64_t p, int64_t m0, int64_t cols, int rows) {
   if constexpr (R > 0) {
     if (rows == R) return panel_block<T, R>(pb, p, m0, cols);
-    tail_block<T, R - 1>(pb, p, m0, cols, rows);
+    row_block<T, R - 1>(pb, p, m0, cols, rows);
   }
 }
 
+// The m rows in the fewest blocks of at most kRows, of near-equal size (16 rows: 8 + 8, not
+// 9 + 7): every block after the first reads the panel again from cache and converts it
+// again, so the count of blocks is the cost (a mixed step's 8 decode rows and 1 prompt
+// token, 9 rows, take one block on AVX-512 instead of 8 + 1).
 template <typename T>
 void run_panel(const Problem& pb, int64_t p) {
   const int64_t cols = std::min(kPanel, pb.n - p * kPanel);
-  int64_t m0 = 0;
-  for (; m0 + kRows <= pb.m; m0 += kRows) panel_block<T, kRows>(pb, p, m0, cols);
-  if (m0 < pb.m) tail_block<T>(pb, p, m0, cols, static_cast<int>(pb.m - m0));
+  const int64_t blocks = (pb.m + kRows - 1) / kRows;
+  for (int64_t b = 0, m0 = 0; b < blocks; ++b) {
+    const int64_t m1 = pb.m * (b + 1) / blocks;
+    row_block<T>(pb, p, m0, cols, static_cast<int>(m1 - m0));
+    m0 = m1;
+  }
 }
 
 // Panels claimed from a shared counter by the calling thread and the pool's threads, about 8
