@@ -398,8 +398,10 @@ class DeepseekForCausalLM(nnx.Module):
                                 impl=self.attention_impl, interpret=self.interpret)
         return topk_positions(scores, k), k_cache
 
-    def compute_logits(self, h: jax.Array) -> jax.Array:
-        """``h [N, Hd]`` (pre-norm hidden states) -> logits ``[N, V]`` float32."""
+    def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """``h [N, Hd]`` (pre-norm hidden states) -> logits ``[N, V]`` float32 (every row:
+        ``num_rows``, the real ones, is taken for the Llama family's signature; this head
+        is an XLA dot)."""
         h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)

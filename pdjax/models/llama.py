@@ -213,12 +213,14 @@ class LlamaForCausalLM(nnx.Module):
         return self.layers(x, k_cache, v_cache, md, attention_impl=self.attention_impl,
                            interpret=self.interpret)
 
-    def compute_logits(self, h: jax.Array) -> jax.Array:
-        """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32."""
+    def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32. ``num_rows``
+        (int32 scalar, traced; None: all): rows from it on are padding, whose logits the
+        packed CPU head leaves 0 instead of computing (the XLA dot computes every row)."""
         h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
         if self.packed:
-            return packed_matmul(h, self.lm_head_packed[...], self.cfg.vocab_size
-                                 ).astype(jnp.float32)
+            return packed_matmul(h, self.lm_head_packed[...], self.cfg.vocab_size,
+                                 num_rows=num_rows).astype(jnp.float32)
         w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
         return (h @ w).astype(jnp.float32)
 

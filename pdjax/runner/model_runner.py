@@ -69,6 +69,16 @@ def _abstract(tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
+def real_logits_rows(logits_indices: jax.Array) -> jax.Array:
+    """How many entries of a ``FlatBatch.logits_indices`` ``[N]`` int32 (traced) are real:
+    ``build_flat_batch`` lists them as strictly increasing token indices and pads with 0s
+    after them, so the count is one more than the number of rises (1 when there is none).
+    The LM head multiplies only those rows (``compute_logits(num_rows=...)``): a mixed step of
+    8 decode rows and a prompt chunk has 9 logits rows in a bucket of 16, and SmolLM2's head
+    over the 7 padding rows cost about 3.7 ms of a 35 ms step on this CPU."""
+    return 1 + jnp.sum(logits_indices[1:] > logits_indices[:-1]).astype(jnp.int32)
+
+
 def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
              prev_tokens, md, logits_indices, sp, max_rows):
     # Placeholders: a decode row whose input token the previous step sampled (overlap, not yet
@@ -76,7 +86,7 @@ def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, pr
     input_ids = jnp.where(prev_idx >= 0, prev_tokens[jnp.maximum(prev_idx, 0)], input_ids)
     model = nnx.merge(graphdef, state)
     hidden, caches = model.paged_forward(input_ids, caches, md)
-    logits = model.compute_logits(hidden[logits_indices])
+    logits = model.compute_logits(hidden[logits_indices], num_rows=real_logits_rows(logits_indices))
     out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
     return out, hidden, caches, penalty_counts, logits
 
