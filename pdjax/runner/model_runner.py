@@ -86,7 +86,8 @@ def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, pr
     input_ids = jnp.where(prev_idx >= 0, prev_tokens[jnp.maximum(prev_idx, 0)], input_ids)
     model = nnx.merge(graphdef, state)
     hidden, caches = model.paged_forward(input_ids, caches, md)
-    logits = model.compute_logits(hidden[logits_indices], num_rows=real_logits_rows(logits_indices))
+    logits = model.compute_logits(hidden[logits_indices],
+                                  num_rows=real_logits_rows(logits_indices))
     out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
     return out, hidden, caches, penalty_counts, logits
 

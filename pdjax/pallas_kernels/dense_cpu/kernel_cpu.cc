@@ -14,9 +14,9 @@
 //
 // Per panel, each block of at most kRows rows of x (run_panel) is multiplied into 3 register
 // accumulators a row (8 float32 lanes each) over the whole of K: the panel is read from memory
-// by the first block and from cache by the others (the hardware prefetcher follows the one stream; software
-// prefetches ahead of it measured slower). Each output is one sum over K in order, so results
-// differ from XLA's dot only by float32 rounding (DESIGN.md §5).
+// by the first block and from cache by the others (the hardware prefetcher follows the one
+// stream; software prefetches ahead of it measured slower). Each output is one sum over K in
+// order, so results differ from XLA's dot only by float32 rounding (DESIGN.md §5).
 //
 // Built on first use with the host compiler by pdjax/pallas_kernels/cpu_build.py (with
 // cpu_kernel_common.h); the contract is in dense_cpu/__init__.py.

@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "../cpu_kernel_common.h"
@@ -186,11 +187,15 @@ template <int64_t NQ, typename T>
 void weigh_rows(const float* p, int64_t row_stride, int64_t key_stride, const T* v,
                 int64_t token_stride, int64_t run, float* out, int64_t D) {
   for (int64_t d0 = 0; d0 < D; d0 += kVectorsPerBlock * kLanes) {
+    auto block = [&](auto nc) {
+      weigh_block<NQ, decltype(nc)::value>(p, row_stride, key_stride, v, token_stride, run, out,
+                                           D, d0);
+    };
     switch (std::min(D - d0, kVectorsPerBlock * kLanes) / kLanes) {
-      case 4: weigh_block<NQ, 4>(p, row_stride, key_stride, v, token_stride, run, out, D, d0); break;
-      case 3: weigh_block<NQ, 3>(p, row_stride, key_stride, v, token_stride, run, out, D, d0); break;
-      case 2: weigh_block<NQ, 2>(p, row_stride, key_stride, v, token_stride, run, out, D, d0); break;
-      default: weigh_block<NQ, 1>(p, row_stride, key_stride, v, token_stride, run, out, D, d0); break;
+      case 4: block(std::integral_constant<int64_t, 4>{}); break;
+      case 3: block(std::integral_constant<int64_t, 3>{}); break;
+      case 2: block(std::integral_constant<int64_t, 2>{}); break;
+      default: block(std::integral_constant<int64_t, 1>{}); break;
     }
   }
 }
@@ -354,8 +359,10 @@ template <typename T>
 void widen_run(const T* src, int64_t token_stride, int64_t D, int64_t run, float* dst,
                const T* next) {
   for (int64_t i = 0; i < run; ++i) {
-    if (next != nullptr) prefetch_l2(next + i * token_stride, D * static_cast<int64_t>(sizeof(T)));
-    for (int64_t d = 0; d < D; d += kLanes) store8(dst + i * D + d, load8(src + i * token_stride + d));
+    if (next != nullptr)
+      prefetch_l2(next + i * token_stride, D * static_cast<int64_t>(sizeof(T)));
+    for (int64_t d = 0; d < D; d += kLanes)
+      store8(dst + i * D + d, load8(src + i * token_stride + d));
   }
 }
 
@@ -434,7 +441,8 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
     for (int64_t t = 0; t < n; ++t)
       for (int64_t g = 0; g < G; ++g) {
         const float* q = pb.q + ((it.r0 + t) * pb.q_heads + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * Mp + t * G + g] = q[d] * pb.sm_scale * pb.k_scale;
+        for (int64_t d = 0; d < D; ++d)
+          qt[d * Mp + t * G + g] = q[d] * pb.sm_scale * pb.k_scale;
       }
     // Pass 1: scores [n_keys, Mp].
     const T* k_head = layer_of<T>(pb, pb.k_cache) + h * D;
@@ -450,7 +458,8 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
       }
     });
     if (pb.soft_cap > 0)
-      for (int64_t e = 0; e < n_keys * Mp; ++e) sc[e] = pb.soft_cap * std::tanh(sc[e] / pb.soft_cap);
+      for (int64_t e = 0; e < n_keys * Mp; ++e)
+        sc[e] = pb.soft_cap * std::tanh(sc[e] / pb.soft_cap);
     // Softmax down each column (query row m) over its own keys [key_lo[m], key_hi[m]);
     // probability 0 elsewhere (padding columns: all keys, their scores are 0).
     std::fill(mx, mx + Mp, -INFINITY);
@@ -470,11 +479,12 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
     runs.each([&](int64_t s, int64_t off, int64_t next, int64_t run) {
       widen_run(v_head + off, token_stride, D, run, tile, next < 0 ? nullptr : v_head + next);
       const float* p = sc + s * Mp;
+      const float* values = tile;
       for (int64_t m = 0; m < M; m += kRowsPerBlock) {
         switch (std::min(M - m, kRowsPerBlock)) {
-          case 3: weigh_rows<3>(p + m, 1, Mp, static_cast<const float*>(tile), D, run, acc + m * D, D); break;
-          case 2: weigh_rows<2>(p + m, 1, Mp, static_cast<const float*>(tile), D, run, acc + m * D, D); break;
-          default: weigh_rows<1>(p + m, 1, Mp, static_cast<const float*>(tile), D, run, acc + m * D, D); break;
+          case 3: weigh_rows<3>(p + m, 1, Mp, values, D, run, acc + m * D, D); break;
+          case 2: weigh_rows<2>(p + m, 1, Mp, values, D, run, acc + m * D, D); break;
+          default: weigh_rows<1>(p + m, 1, Mp, values, D, run, acc + m * D, D); break;
         }
       }
     });
