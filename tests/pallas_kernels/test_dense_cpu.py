@@ -20,8 +20,9 @@ def _oracle(x, w):
 @pytest.mark.parametrize("k,n", [(8, 8), (64, 24), (100, 25), (576, 1000), (37, 4800)])
 @pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 16, 17, 64, 257])
 def test_packed_matmul_matches_float64(m, k, n):
-    """Row blocks of every kind (one block of 1, 3, 7, 8 or 9 rows; 16 as 8 + 8, 17 as 9 + 8
-    or 5 + 4 + 4 + 4 for a 4-row block; 64 and 257 as many), a last panel of 1-23 columns, and
+    """Row blocks of every kind (with AVX-512's blocks of at most 9: one block of 1, 3, 7, 8 or
+    9 rows, 16 as 8 + 8, 17 as 8 + 9; with 4: 17 as 3 + 3 + 4 + 3 + 4; 64 and 257 as many
+    blocks), a last panel of 1-23 columns, and
     a work split of many claims (4,800 columns: 200 panels) equal ``x @ w`` within float32
     rounding of a K-term sum."""
     require_matmul_kernel()

@@ -536,6 +536,25 @@ def test_cpu_kernel_token_groups_match_jnp():
             assert np.abs(got[:num_rows]).max(axis=(1, 2)).min() > 0.01
 
 
+def test_cpu_kernel_token_group_reads_each_row_through_its_own_pages():
+    """A row's output depends only on the table slots it reads. Three rows at kv_lens 3, 4
+    and 5 (4-token pages) that agree on those slots form one token group even though the first
+    row's second slot, which it never reads, names another page (as a per-row zero-padded
+    table would): every row still equals the jnp decode path over its own table."""
+    require_cpu_kernel()
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 10, 4, 3, 64)).astype(np.float32)
+    v = rng.uniform(-0.5, 0.5, (1, 10, 4, 3, 64)).astype(np.float32)
+    table = np.asarray([[7, 9], [7, 8], [7, 8]], np.int32)
+    kv_lens = np.asarray([3, 4, 5], np.int32)
+    q = rng.standard_normal((3, 9, 64)).astype(np.float32)
+    args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.int32(0), jnp.asarray(kv_lens),
+            jnp.asarray(table), 3)
+    got = np.asarray(kernel_cpu.decode_attention_cpu(*args, sm_scale=0.125))
+    want = np.asarray(xla_module.decode_attention(*args, sm_scale=0.125))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
 def test_cpu_kernel_clamps_indices_from_the_host():
     """Page ids, layer, kv_lens and num_rows out of range address nothing outside the
     buffers: page ids clamp to ``[0, num_pages)`` (as the Pallas kernels clamp them), the layer

@@ -414,7 +414,9 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
   const int64_t first = *std::min_element(rows_lo, rows_lo + n);
   const int64_t kv_len = rows_hi[n - 1], n_keys = kv_len - first;
   const int64_t token_stride = pb.kv_heads * D;
-  const PageRuns runs{pb, pb.page_indices + it.r0 * pb.max_pages, first, kv_len};
+  // The last row's table: continues_group matched each row's pages with the next row's, so
+  // the last row's holds every earlier row's pages (and the rest of the group's keys).
+  const PageRuns runs{pb, pb.page_indices + (it.r1 - 1) * pb.max_pages, first, kv_len};
   scratch.tile.resize(pb.page_size * D);
   float* tile = scratch.tile.data();
   scratch.q.resize(D * Mp);
@@ -499,7 +501,7 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
 }
 
 // Whether row r + 1 continues row r's token group: the next token of the same chunk (one key
-// more, the same page table over every page it reads).
+// more, the same page table over every page row r + 1 reads, so over all of row r's too).
 bool continues_group(const Problem& pb, int64_t r) {
   if (r + 1 >= pb.num_rows) return false;
   int64_t first, a, b;
