@@ -75,7 +75,10 @@ def exit_process(code: int):
     for that)."""
     jax = sys.modules.get("jax")
     if jax is not None and jax.distributed.is_initialized():
-        jax.distributed.shutdown()
+        try:
+            jax.distributed.shutdown()
+        except Exception:          # a peer already gone: the exit code still stands
+            logging.getLogger(__name__).exception("leaving jax.distributed failed")
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
