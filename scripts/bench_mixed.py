@@ -203,9 +203,22 @@ def _stats(samples_s: list[float]) -> dict[str, float | None]:
             "num_samples": len(samples_s)}
 
 
-def summarize_setting(rounds: list[dict]) -> dict[str, Any]:
+#: Issue 13's bound: arrival ITL p99 at most this many times the steady ITL p99.
+ITL_BOUND_FACTOR = 1.5
+
+
+def summarize_setting(rounds: list[dict], target_itl_ms: float | None = None) -> dict[str, Any]:
+    """Figures of one setting over its rounds (``run_round``'s dicts). With ``target_itl_ms``
+    also the share of arrival gaps longer than the target (what the planner promises to keep
+    small) and the target over issue 13's bound (``ITL_BOUND_FACTOR`` x the steady ITL p99):
+    above 1, a step the planner fits to its target already breaks the bound."""
     steady = _stats([x for r in rounds for x in r["steady_itl_s"]])
-    arrival = _stats([x for r in rounds for x in r["arrival_itl_s"]])
+    arrival_s = [x for r in rounds for x in r["arrival_itl_s"]]
+    arrival = _stats(arrival_s)
+    bound_ms = None if steady["p99"] is None else ITL_BOUND_FACTOR * steady["p99"]
+    over = None
+    if target_itl_ms is not None and arrival_s:
+        over = sum(1000 * x > target_itl_ms for x in arrival_s) / len(arrival_s)
     steps: collections.Counter = collections.Counter()
     for r in rounds:
         steps.update(r["window_steps"])
@@ -219,6 +232,10 @@ def summarize_setting(rounds: list[dict]) -> dict[str, Any]:
         "ratio_p50_to_steady_p50": ratio(arrival["p50"], steady["p50"]),
         "ratio_p99_to_steady_p99": ratio(arrival["p99"], steady["p99"]),
         "ratio_max_to_steady_p50": ratio(arrival["max"], steady["p50"]),
+        "itl_bound_ms": bound_ms,
+        "target_itl_ms": target_itl_ms,
+        "target_over_bound": None if target_itl_ms is None else ratio(target_itl_ms, bound_ms),
+        "arrival_share_over_target": over,
         "long_prompt_ttft_ms": summarize_ms(r["ttft_s"] for r in rounds)["median"],
         "window_throughput_tok_s": statistics.median(r["window_throughput"] for r in rounds),
         "arrival_p99_per_round_ms": [_stats(r["arrival_itl_s"])["p99"] for r in rounds],
@@ -333,8 +350,8 @@ def main(argv=None) -> dict[str, Any]:
         "steady_decode_step_ms": decode_step_ms, "target_itl_ms": targets_ms[0],
         "target_factor": targets_ms[0] / decode_step_ms,
     }
-    for name, _, _ in plan:
-        result[name] = summarize_setting(rounds[name])
+    for name, _, target in plan:
+        result[name] = summarize_setting(rounds[name], target)
     result["compiles_after_warmup"] = core.runner.compiles_after_warmup - compiles0
     off, on, tgt = result["mixed_off"], result["mixed_on"], result["mixed_on_target"]
     result["arrival_p99_on_over_off"] = ratio(on["arrival_itl_ms"]["p99"], off["arrival_itl_ms"]["p99"])
@@ -373,7 +390,11 @@ def main(argv=None) -> dict[str, Any]:
                  ("Arrival ITL p99 (ms):", r["arrival_itl_ms"]["p99"]),
                  ("Arrival ITL max (ms):", r["arrival_itl_ms"]["max"]),
                  ("Arrival p99 / steady p99:", r["ratio_p99_to_steady_p99"]),
-                 ("Long prompt TTFT (ms):", r["long_prompt_ttft_ms"]),
+                 (f"Bound {ITL_BOUND_FACTOR} x steady p99 (ms):", r["itl_bound_ms"])]
+        if target is not None:
+            rows += [("Target / bound:", r["target_over_bound"]),
+                     ("Arrival gaps over the target:", r["arrival_share_over_target"])]
+        rows += [("Long prompt TTFT (ms):", r["long_prompt_ttft_ms"]),
                  ("Window throughput (tok/s):", r["window_throughput_tok_s"]),
                  ("Host overhead fraction:", r["window_host_overhead"]["host_overhead_fraction"])]
     rows += [("-- on / off --", ""), ("Arrival ITL p99 ratio:", result["arrival_p99_on_over_off"]),

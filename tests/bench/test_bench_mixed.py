@@ -14,7 +14,29 @@ from bench_settings import TINY_FLAGS
 SETTING_FIELDS = ("steady_itl_ms", "arrival_itl_ms", "ratio_p50_to_steady_p50",
                   "ratio_p99_to_steady_p99", "ratio_max_to_steady_p50", "long_prompt_ttft_ms",
                   "arrival_p99_per_round_ms", "window_forward_modes", "window_host_overhead",
-                  "window_throughput_tok_s")
+                  "window_throughput_tok_s", "itl_bound_ms", "target_itl_ms", "target_over_bound",
+                  "arrival_share_over_target")
+
+
+def _round(steady_s, arrival_s):
+    return {"steady_itl_s": steady_s, "arrival_itl_s": arrival_s, "ttft_s": 1.0,
+            "window_steps": {"mixed": len(arrival_s)}, "window_throughput": 10.0,
+            "window_host": {"num_steps": 1, "host_time_per_step_ms": 1.0,
+                            "forward_time_per_step_ms": 9.0}}
+
+
+def test_summarize_setting_bound_and_gaps_over_the_target():
+    # steady gaps all 40 ms: p99 40, bound 60 ms; arrival gaps 50, 55, 65, 70 ms over two rounds
+    rounds = [_round([0.040] * 5, [0.050, 0.065]), _round([0.040] * 5, [0.055, 0.070])]
+    r = bench_mixed.summarize_setting(rounds, target_itl_ms=62.0)
+    assert r["itl_bound_ms"] == pytest.approx(60.0)
+    assert r["target_over_bound"] == pytest.approx(62.0 / 60.0)
+    assert r["arrival_share_over_target"] == pytest.approx(0.5)      # 65 and 70 of 4 gaps
+    assert r["arrival_itl_ms"]["num_samples"] == 4
+    assert r["arrival_p99_per_round_ms"] == pytest.approx([64.85, 69.85])
+    untargeted = bench_mixed.summarize_setting(rounds)
+    assert untargeted["itl_bound_ms"] == pytest.approx(60.0)
+    assert untargeted["target_over_bound"] is None and untargeted["arrival_share_over_target"] is None
 
 
 def test_bench_mixed_small(tiny_checkpoints, tmp_path):
@@ -43,6 +65,9 @@ def test_bench_mixed_small(tiny_checkpoints, tmp_path):
     assert [r["target_itl_ms"] for r in result["target_sweep"]] == pytest.approx(
         [2 * result["steady_decode_step_ms"], 4 * result["steady_decode_step_ms"]])
     assert result["cost_model"]["extend"]["num_samples"] > 6
+    assert result["mixed_on_target"]["target_itl_ms"] == result["target_itl_ms"]
+    assert 0 <= result["mixed_on_target"]["arrival_share_over_target"] <= 1
+    assert result["mixed_off"]["arrival_share_over_target"] is None
     off, on, tgt = result["mixed_off"], result["mixed_on"], result["mixed_on_target"]
     for r in (off, on, tgt):
         for f in SETTING_FIELDS:
