@@ -28,7 +28,9 @@ first token; with mixed batches off, the last such gap spans the final prefill c
 after it) as p50/p99/max, the ratio of
 each to the steady state, the long prompt's TTFT, the forward kinds in the window, and host
 overhead (scheduling + batch building + sampling vs forward), and the window throughput
-(decode tokens plus the long prompt's tokens over the window). JSON with ``--output-file``;
+(decode tokens plus the long prompt's tokens over the window); issue 13's bound (1.5 x the
+steady ITL p99) and, under a target, the target over that bound and the share of arrival gaps
+over the target. JSON with ``--output-file``;
 ``--plot-file`` draws every decoding request's inter-token gaps over time (PNG, matplotlib);
 ``--step-trace-file`` keeps every timed forward (key, tokens, cached tokens, measured and
 predicted seconds) for replaying the cost model.
