@@ -1,20 +1,22 @@
-"""MLA attention (dense or top-k sparse) over the paged latent cache as a Pallas TPU kernel.
+"""MLA attention (dense or top-k sparse) over the paged latent cache as Pallas TPU kernels.
 
 One program per query token, all heads at once (``[H, Dl + Dr]`` rows: H is 16..128 for the
-DeepSeek family, enough rows for the MXU). The latent pool stays in HBM (``pl.ANY``); the
-program gathers its candidate rows ``block_tokens`` at a time into a double-buffered VMEM
-buffer and runs an online softmax:
+DeepSeek family, enough rows for the MXU), an online softmax over blocks of ``block_tokens``
+cached rows.
 
-    sparse: topk[t, c*B + j] = position i  --row DMA-->  buf[slot, j]
-            pool[layer, page_indices[r, i // page_size], i % page_size]
-            (empty / non-causal entries: the row is zero-filled, its score masked)
-    dense:  chunk c = positions [c*B, (c+1)*B): whole pages DMA'd,
+    dense:  chunk c = positions [c*B, (c+1)*B): whole pages DMA'd from the pool in HBM
+            (``pl.ANY``) into a double-buffered VMEM buffer,
             page_indices[r, c*B/ps + k] --page DMA--> buf[slot, k*ps:(k+1)*ps]
+    sparse: rows gathered by XLA, per group of tokens, into a contiguous array,
+            rows[t, j] = pool[layer, page_indices[r, i // ps], i % ps],  i = topk[t, j]
+            (unselectable entries zero), streamed in [B, D] blocks by the Pallas pipeline;
+            blocks past the token's last selectable entry are neither fetched nor computed.
 
-The top-k list of the token arrives twice, laid out ``[chunks, B]``: in SMEM (scalars for DMA
-addresses) and in VMEM (one lane vector per chunk for the score mask). Entries past the last
-selectable one are never visited. Per-token metadata (request, position) and the page table
-come by scalar prefetch.
+Why the sparse path does not DMA rows itself: Mosaic slices a tiled dimension (a page's token
+axis: tiles of 8 rows, 16 for bf16) only at tile boundaries, so a one-row DMA out of a page (or
+into row j of a VMEM buffer) does not compile for any TPU ("Offsets along tiled dimensions
+must be aligned to tiles"); XLA's gather addresses single rows. Per-token metadata (request,
+position) and the page table come by scalar prefetch (dense).
 """
 
 from __future__ import annotations
@@ -32,173 +34,155 @@ from pdjax.pallas_kernels.mla_sparse_attention.reference import (
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
 _LANES = 128
+# Gathered top-k rows alive at once (sparse path): DeepSeek-V3.2 groups 64 tokens of 2.25 MiB.
+GATHER_BUDGET_BYTES = 256 << 20
 
 
-def _kernel(
+def _dense_kernel(
     # Scalar prefetch (SMEM).
     layer_ref,         # [1] int32
     tok_req_ref,       # [T] int32 request of each token (0 for padding)
     tok_pos_ref,       # [T] int32 position of each token (-1 for padding)
-    tok_len_ref,       # [T] int32 sparse: top-k entries up to the last selectable one
     kv_lens_ref,       # [R] int32
     page_indices_ref,  # [R * P] int32, clipped to [0, num_pages)
-    *refs,
-    sparse: bool,
+    q_ref,             # [H, D] VMEM block
+    kv_hbm,            # [L, N, page_size, D] HBM (pl.ANY)
+    o_ref,             # [H, Dl] VMEM block
+    buf,               # [2, B, D] kv dtype
+    sems,              # DMA semaphores [2]
+    m_ref, l_ref,      # [H, 128] f32 running max / denominator
+    acc_ref,           # [H, Dl] f32 running numerator
+    *,
     page_size: int,
     pages_per_seq: int,
     sm_scale: float,
     kv_lora_rank: int,
 ):
-    if sparse:
-        (topk_smem,    # [NC, B] int32 SMEM block: top-k positions of this token, by chunk
-         topk_vmem,    # [NC, B] int32 VMEM block: the same, one lane vector per chunk
-         q_ref,        # [H, D] VMEM block
-         kv_hbm,       # [L, N, page_size, D] HBM (pl.ANY)
-         o_ref,        # [H, Dl] VMEM block
-         buf,          # [2, B, D] kv dtype
-         sems,         # DMA semaphores [2]
-         m_ref, l_ref,  # [H, 128] f32 running max / denominator
-         acc_ref) = refs  # [H, Dl] f32 running numerator
-    else:
-        q_ref, kv_hbm, o_ref, buf, sems, m_ref, l_ref, acc_ref = refs
     t = pl.program_id(0)
     block = buf.shape[1]
-    num_heads = q_ref.shape[0]
-    compute_dtype = q_ref.dtype
-    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
     layer = layer_ref[0]
     req = tok_req_ref[t]
     pos = tok_pos_ref[t]
     kv_len = kv_lens_ref[req]
     row_base = req * pages_per_seq
+    pages_per_block = block // page_size
+    used_pages = lax.div(kv_len + page_size - 1, page_size)
+    num_chunks = jnp.where(pos >= 0, lax.div(pos + block, block), 0)
 
-    if sparse:
-        # Entries past the last selectable one (usually the -1 tail) are never fetched.
-        num_entries = tok_len_ref[t]
-        num_chunks = lax.div(num_entries + block - 1, block)
+    def page_copy(c, slot, k):
+        p = c * pages_per_block + k
+        page = page_indices_ref[row_base + jnp.minimum(p, pages_per_seq - 1)]
+        needed = (p * page_size <= pos) & (p < used_pages)
+        dst = pl.ds(pl.multiple_of(k * page_size, page_size), page_size)
+        return needed, pltpu.make_async_copy(kv_hbm.at[layer, page], buf.at[slot, dst],
+                                             sems.at[slot])
 
-        def entry_ok(i):
-            return (i >= 0) & (i <= pos) & (i < kv_len)
+    def for_each_page(c, slot, action):
+        def body(k, carry):
+            needed, copy = page_copy(c, slot, k)
 
-        def row_copy(c, slot, j):
-            i = topk_smem[c, j]
-            page = page_indices_ref[row_base + jnp.minimum(lax.div(jnp.maximum(i, 0), page_size),
-                                                           pages_per_seq - 1)]
-            off = lax.rem(jnp.maximum(i, 0), page_size)
-            return entry_ok(i), pltpu.make_async_copy(
-                kv_hbm.at[layer, page, pl.ds(off, 1)], buf.at[slot, pl.ds(j, 1)], sems.at[slot])
-
-        def rows_in(c):
-            return jnp.minimum(num_entries - c * block, block)
-
-        def start_fetch(c, slot):
-            # Rows of empty entries stay zero (NaN-free values for p @ v); the store is issued
-            # before the DMAs that overwrite the selected rows.
-            buf[slot] = jnp.zeros(buf.shape[1:], buf.dtype)
-
-            def body(j, carry):
-                ok, copy = row_copy(c, slot, j)
-
-                @pl.when(ok)
-                def _():
-                    copy.start()
-                return carry
-            lax.fori_loop(0, rows_in(c), body, 0)
-
-        def wait_fetch(c, slot):
-            def body(j, carry):
-                ok, copy = row_copy(c, slot, j)
-
-                @pl.when(ok)
-                def _():
-                    copy.wait()
-                return carry
-            lax.fori_loop(0, rows_in(c), body, 0)
-
-        def chunk_mask(c):
-            idx = topk_vmem[pl.ds(c, 1), :]                                     # [1, B]
-            return entry_ok(idx), None
-    else:
-        pages_per_block = block // page_size
-        used_pages = lax.div(kv_len + page_size - 1, page_size)
-        num_chunks = jnp.where(pos >= 0, lax.div(pos + block, block), 0)
-
-        def page_copy(c, slot, k):
-            p = c * pages_per_block + k
-            page = page_indices_ref[row_base + jnp.minimum(p, pages_per_seq - 1)]
-            needed = (p * page_size <= pos) & (p < used_pages)
-            dst = pl.ds(pl.multiple_of(k * page_size, page_size), page_size)
-            return needed, pltpu.make_async_copy(kv_hbm.at[layer, page], buf.at[slot, dst],
-                                                 sems.at[slot])
-
-        def for_each_page(c, slot, action):
-            def body(k, carry):
-                needed, copy = page_copy(c, slot, k)
-
-                @pl.when(needed)
-                def _():
-                    action(copy)
-                return carry
-            lax.fori_loop(0, pages_per_block, body, 0)
-
-        def start_fetch(c, slot):
-            for_each_page(c, slot, lambda cp: cp.start())
-
-        def wait_fetch(c, slot):
-            for_each_page(c, slot, lambda cp: cp.wait())
-
-        def chunk_mask(c):
-            base = c * block
-            row = base + lax.broadcasted_iota(jnp.int32, (1, block), 1)
-            col = base + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-            return (row <= pos) & (row < kv_len), (col <= pos) & (col < kv_len)
+            @pl.when(needed)
+            def _():
+                action(copy)
+            return carry
+        lax.fori_loop(0, pages_per_block, body, 0)
 
     def compute(c, slot):
-        mask, col_mask = chunk_mask(c)                                        # [1, B], [B, 1]
-        kv = buf[slot]                                                         # [B, D]
-        if kv.dtype != compute_dtype:
-            kv = kv.astype(jnp.float32).astype(compute_dtype)
-        v = kv[:, :kv_lora_rank]
-        if col_mask is not None:
-            # Slots past the token's position were not fetched (stale or NaN).
-            v = jnp.where(col_mask, v, jnp.zeros_like(v))
-        q = q_ref[...]
-        s = lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) * sm_scale       # [H, B]
-        s = jnp.where(mask, s, MASK_VALUE)
-        m_prev = m_ref[...][:, :1]
-        l_prev = l_ref[...][:, :1]
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_prev - m_new)
-        l_ref[...] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True),
-                                      (num_heads, _LANES))
-        m_ref[...] = jnp.broadcast_to(m_new, (num_heads, _LANES))
-        pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
-                             precision=precision, preferred_element_type=jnp.float32)
-        acc_ref[...] = alpha * acc_ref[...] + pv
+        base = c * block
+        row = base + lax.broadcasted_iota(jnp.int32, (1, block), 1)
+        col = base + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
+        # Slots past the token's position were not fetched (stale or NaN): zero their values.
+        kv = buf[slot]
+        _online_softmax_step(q_ref[...], kv, (row <= pos) & (row < kv_len),
+                             (col <= pos) & (col < kv_len), m_ref, l_ref, acc_ref,
+                             sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
 
-    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+    _init_state(m_ref, l_ref, acc_ref)
 
     @pl.when(num_chunks > 0)
     def _walk():
-        start_fetch(0, 0)
+        for_each_page(0, 0, lambda cp: cp.start())
 
         def body(c, carry):
             slot = lax.rem(c, 2)
 
             @pl.when(c + 1 < num_chunks)
             def _():
-                start_fetch(c + 1, 1 - slot)
+                for_each_page(c + 1, 1 - slot, lambda cp: cp.start())
 
-            wait_fetch(c, slot)
+            for_each_page(c, slot, lambda cp: cp.wait())
             compute(c, slot)
             return carry
 
         lax.fori_loop(0, num_chunks, body, 0)
 
+    _write_output(o_ref, l_ref, acc_ref)
+
+
+def _sparse_kernel(
+    num_chunks_ref,    # [G] int32 scalar prefetch: chunks up to the last selectable entry
+    q_ref,             # [H, D] VMEM block of token t
+    rows_ref,          # [B, D] VMEM block: chunk c of token t's gathered rows (0 if empty)
+    mask_ref,          # [1, B] int32 VMEM block: 1 where the entry is selectable
+    o_ref,             # [H, Dl] VMEM block
+    m_ref, l_ref,      # [H, 128] f32 running max / denominator
+    acc_ref,           # [H, Dl] f32 running numerator
+    *,
+    sm_scale: float,
+    kv_lora_rank: int,
+):
+    t, c = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(c == 0)
+    def _():
+        _init_state(m_ref, l_ref, acc_ref)
+
+    @pl.when(c < num_chunks_ref[t])
+    def _():
+        _online_softmax_step(q_ref[...], rows_ref[...], mask_ref[...] != 0, None, m_ref, l_ref,
+                             acc_ref, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+
+    @pl.when(c == pl.num_programs(1) - 1)
+    def _():
+        _write_output(o_ref, l_ref, acc_ref)
+
+
+def _init_state(m_ref, l_ref, acc_ref):
+    m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+
+def _online_softmax_step(q, kv, mask, col_mask, m_ref, l_ref, acc_ref, *, sm_scale: float,
+                         kv_lora_rank: int):
+    """One block of the online softmax: ``q [H, D]`` against ``kv [B, D]`` rows, ``mask
+    [1, B]`` bool (selectable columns), ``col_mask [B, 1]`` (rows whose values may be read;
+    None when every unselectable row is already zero)."""
+    num_heads = q.shape[0]
+    compute_dtype = q.dtype
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    if kv.dtype != compute_dtype:
+        kv = kv.astype(jnp.float32).astype(compute_dtype)
+    v = kv[:, :kv_lora_rank]
+    if col_mask is not None:
+        v = jnp.where(col_mask, v, jnp.zeros_like(v))
+    s = lax.dot_general(q, kv, (((1,), (1,)), ((), ())), precision=precision,
+                        preferred_element_type=jnp.float32) * sm_scale           # [H, B]
+    s = jnp.where(mask, s, MASK_VALUE)
+    m_prev = m_ref[...][:, :1]
+    l_prev = l_ref[...][:, :1]
+    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = jnp.broadcast_to(alpha * l_prev + jnp.sum(p, axis=1, keepdims=True),
+                                  (num_heads, _LANES))
+    m_ref[...] = jnp.broadcast_to(m_new, (num_heads, _LANES))
+    pv = lax.dot_general(p.astype(compute_dtype), v, (((1,), (0,)), ((), ())),
+                         precision=precision, preferred_element_type=jnp.float32)
+    acc_ref[...] = alpha * acc_ref[...] + pv
+
+
+def _write_output(o_ref, l_ref, acc_ref):
     l = l_ref[...][:, :1]
     o_ref[...] = (acc_ref[...] / jnp.where(l > 0.0, l, 1.0)).astype(o_ref.dtype)
 
@@ -217,6 +201,7 @@ def mla_sparse_attention_tpu(
     kv_lora_rank: int,
     interpret: bool | pltpu.InterpretParams = False,
     block_sizes: MlaBlockSizes | None = None,
+    gather_budget_bytes: int = GATHER_BUDGET_BYTES,
 ) -> jax.Array:
     """Pallas TPU MLA attention; contract of ``mla_sparse_attention_reference``.
 
@@ -228,6 +213,8 @@ def mla_sparse_attention_tpu(
       sm_scale: softmax scale; kv_lora_rank: value width ``Dl``.
       interpret: False on TPU; True or ``pltpu.InterpretParams`` to run on CPU.
       block_sizes: override of ``tuning.get_block_sizes``.
+      gather_budget_bytes: sparse only: the most bytes of gathered rows alive at once; tokens
+        go through in groups of a power of two that fit (at least one token).
 
     Returns:
       ``[T, H, Dl]`` in ``q.dtype``; padding rows are 0.
@@ -245,29 +232,24 @@ def mla_sparse_attention_tpu(
     span = topk_indices.shape[1] if sparse else pages_per_seq * page_size
     bs = block_sizes or get_block_sizes("tpu", num_heads=num_heads, dim=dim,
                                         page_size=page_size, span=span)
-    block = bs.block_tokens
-    if block % page_size:
-        raise ValueError(f"block_tokens ({block}) must be a multiple of page_size ({page_size})")
+    if bs.block_tokens % page_size:
+        raise ValueError(f"block_tokens ({bs.block_tokens}) must be a multiple of page_size "
+                         f"({page_size})")
     req, pos, kv_len, flat_pages, layer_arr = kernel_metadata(
         kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
-    num_entries = topk_scan_lengths(topk_indices, pos, kv_len)
-
-    token_block = lambda t, *_: (t, 0, 0)   # noqa: E731
-    in_specs, args = [], []
     if sparse:
-        topk, num_chunks = pad_topk(topk_indices, block)
-        topk = topk.reshape(num_tokens, num_chunks, block)
-        in_specs += [pl.BlockSpec((None, num_chunks, block), token_block,
-                                  memory_space=pltpu.SMEM),
-                     pl.BlockSpec((None, num_chunks, block), token_block)]
-        args += [topk, topk]
-    in_specs += [pl.BlockSpec((None, num_heads, dim), token_block),
-                 pl.BlockSpec(memory_space=pl.ANY)]
-    args += [q, kv_cache]
+        return _sparse_attention(q, kv_cache, layer_arr, req, pos, kv_len, flat_pages,
+                                 topk_indices, pages_per_seq=pages_per_seq,
+                                 block=bs.block_tokens, sm_scale=float(sm_scale),
+                                 kv_lora_rank=kv_lora_rank, interpret=interpret,
+                                 gather_budget_bytes=gather_budget_bytes)
+    block = bs.block_tokens
+    token_block = lambda t, *_: (t, 0, 0)   # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=6,
+        num_scalar_prefetch=5,
         grid=(num_tokens,),
-        in_specs=in_specs,
+        in_specs=[pl.BlockSpec((None, num_heads, dim), token_block),
+                  pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((None, num_heads, kv_lora_rank), token_block),
         scratch_shapes=[
             pltpu.VMEM((2, block, dim), kv_cache.dtype),
@@ -277,14 +259,90 @@ def mla_sparse_attention_tpu(
             pltpu.VMEM((num_heads, kv_lora_rank), jnp.float32),
         ],
     )
-    kernel = functools.partial(_kernel, sparse=sparse, page_size=page_size,
-                               pages_per_seq=pages_per_seq, sm_scale=float(sm_scale),
-                               kv_lora_rank=kv_lora_rank)
+    kernel = functools.partial(_dense_kernel, page_size=page_size, pages_per_seq=pages_per_seq,
+                               sm_scale=float(sm_scale), kv_lora_rank=kv_lora_rank)
     return pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_heads, kv_lora_rank), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
-        name="mla_sparse_attention_tpu" if sparse else "mla_dense_attention_tpu",
-    )(layer_arr, req, pos, num_entries, kv_lens, flat_pages, *args)
+        name="mla_dense_attention_tpu",
+    )(layer_arr, req, pos, kv_lens, flat_pages, q, kv_cache)
+
+
+def _sparse_attention(q, kv_cache, layer_arr, req, pos, kv_len, flat_pages, topk_indices, *,
+                      pages_per_seq: int, block: int, sm_scale: float, kv_lora_rank: int,
+                      interpret, gather_budget_bytes: int) -> jax.Array:
+    """The top-k path: rows gathered by XLA in token groups, then ``_sparse_kernel``.
+
+    Mosaic DMAs slice tiled dimensions only at tile boundaries (8 or 16 rows), and a top-k
+    entry is one row of a page, so the kernel cannot fetch it from the paged pool itself.
+    XLA's gather can: per group of tokens it gathers their selected rows into a contiguous
+    ``[G, K, D]`` array (unselectable entries zeroed, so NaN in unused slots cannot leak), and
+    the kernel streams it in ``[block, D]`` blocks through the usual pipeline, skipping the
+    blocks past a token's last selectable entry. The groups bound that array to
+    ``gather_budget_bytes`` (DeepSeek-V3.2: 2048 x 576 bf16 = 2.25 MiB per token).
+    """
+    num_tokens, num_heads, dim = q.shape
+    page_size = kv_cache.shape[2]
+    span = topk_indices.shape[1]
+    if span <= block:           # one chunk: the block is the whole (padded) list
+        block = -(-span // 8) * 8
+    topk, num_chunks = pad_topk(topk_indices, block)
+    width = num_chunks * block
+    row_bytes = width * dim * kv_cache.dtype.itemsize
+    group = 1 << max(0, (max(1, gather_budget_bytes // row_bytes)).bit_length() - 1)
+    group = min(group, 1 << max(0, (num_tokens - 1).bit_length()))
+    num_groups = -(-num_tokens // group)
+    pad = num_groups * group - num_tokens
+    lengths = topk_scan_lengths(topk, pos, kv_len)
+
+    def padded(x, value):
+        return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=value)
+
+    token_block = lambda t, *_: (t, 0, 0)   # noqa: E731
+    kernel = functools.partial(_sparse_kernel, sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
+    attend = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(group, num_chunks),
+            in_specs=[
+                pl.BlockSpec((None, num_heads, dim), token_block),
+                # Past a token's last chunk the block index stays put: no further DMA.
+                pl.BlockSpec((None, block, dim), lambda t, c, n: (
+                    t, jnp.minimum(c, jnp.maximum(n[t] - 1, 0)), 0)),
+                pl.BlockSpec((None, 1, block), lambda t, c, n: (
+                    t, 0, jnp.minimum(c, jnp.maximum(n[t] - 1, 0)))),
+            ],
+            out_specs=pl.BlockSpec((None, num_heads, kv_lora_rank), token_block),
+            scratch_shapes=[
+                pltpu.VMEM((num_heads, _LANES), jnp.float32),
+                pltpu.VMEM((num_heads, _LANES), jnp.float32),
+                pltpu.VMEM((num_heads, kv_lora_rank), jnp.float32),
+            ],
+        ),
+        out_shape=jax.ShapeDtypeStruct((group, num_heads, kv_lora_rank), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="mla_sparse_attention_tpu",
+    )
+
+    def one_group(xs):
+        q_g, topk_g, req_g, pos_g, kv_len_g, len_g = xs
+        ok = (topk_g >= 0) & (topk_g <= pos_g[:, None]) & (topk_g < kv_len_g[:, None])
+        safe = jnp.maximum(topk_g, 0)
+        slot = req_g[:, None] * pages_per_seq + jnp.minimum(safe // page_size, pages_per_seq - 1)
+        rows = kv_cache[layer_arr[0], flat_pages[slot], safe % page_size]        # [G, K', D]
+        rows = jnp.where(ok[..., None], rows, jnp.zeros((), rows.dtype))
+        chunks = lax.div(len_g + block - 1, block)
+        return attend(chunks, q_g, rows, ok.astype(jnp.int32)[:, None, :])
+
+    xs = (padded(q, 0), padded(topk, -1), padded(req, 0), padded(pos, -1), padded(kv_len, 0),
+          padded(lengths, 0))
+    if num_groups == 1:
+        return one_group(xs)[:num_tokens]
+    grouped = jax.tree.map(lambda x: x.reshape(num_groups, group, *x.shape[1:]), xs)
+    out = lax.map(one_group, grouped)
+    return out.reshape(num_groups * group, num_heads, kv_lora_rank)[:num_tokens]
