@@ -21,12 +21,18 @@ from pdjax.constrained.grammar import GrammarSpec
 # SGLang's constrained-decoding sampling params (at most one per request) -> grammar kind.
 GRAMMAR_PARAMS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 
+# The widths every integer field is stored in on its way to the device: token ids, top-k and
+# counts are int32 arrays, seeds 63-bit (issue 32: a Python int past them was a 500).
+INT32_MAX = (1 << 31) - 1
+SEED_LIMIT = 1 << 63
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, with SGLang's field names.
 
-    ``top_k = -1`` means no top-k limit (0 is rejected, as SGLang does).
+    ``top_k = -1`` means no top-k limit (0 is rejected, as SGLang does). Every integer field
+    has explicit bounds (token ids and ``top_k`` at most ``INT32_MAX``, ``seed`` below 2**63).
     Frozen: a layer that needs other values builds a copy (``dataclasses.replace``). ``stop`` and
     ``stop_token_ids`` are stored as tuples (a list or a single string is accepted).
     ``max_new_tokens = None`` means up to the context length. ``seed`` makes sampling
@@ -124,8 +130,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         num("top_k", self.top_k, integer=True)
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.top_k == 0 or not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, {INT32_MAX}], got "
+                             f"{self.top_k}")
         num("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
@@ -139,11 +146,12 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or list of them, got {self.stop!r}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
                    for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"stop_token_ids must be integers in [0, {INT32_MAX}], got "
+                             f"{self.stop_token_ids!r}")
         num("seed", self.seed, integer=True, allow_none=True)
-        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         num("n", self.n, integer=True)
         if not 1 <= self.n <= 64:
@@ -189,12 +197,16 @@ def _parse_logit_bias(raw: Any) -> dict[int, float] | None:
     out: dict[int, float] = {}
     limit = SamplingParams.LOGIT_BIAS_LIMIT
     for key, bias in raw.items():
-        if isinstance(key, str) and key.isascii() and key.isdigit():
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
             tok = int(key)
         elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
             tok = key
         else:
-            raise ValueError(f"logit_bias: key {key!r} is not a token id (a non-negative integer)")
+            raise ValueError(f"logit_bias: key {key!r:.40} is not a token id (an integer in "
+                             f"[0, {INT32_MAX}])")
+        if tok > INT32_MAX:
+            raise ValueError(f"logit_bias: key {key!r} is not a token id (an integer in "
+                             f"[0, {INT32_MAX}])")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
                 or not math.isfinite(bias) or not -limit <= bias <= limit:
             raise ValueError(f"logit_bias: the bias of token {key!r} must be a number in "

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from pdjax.detokenizer import TokenTexts
 from pdjax.engine_io import GenerateRequest
-from pdjax.request import FinishReason
+from pdjax.request import INT32_MAX, FinishReason
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
@@ -146,7 +146,7 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     top_n = _per_prompt("top_logprobs_num", body.get("top_logprobs_num"), batch, n, 0,
                         lambda nm, v: check_int(nm, v, 0, MAX_TOP_LOGPROBS))
     start = _per_prompt("logprob_start_len", body.get("logprob_start_len"), batch, n, -1,
-                        lambda nm, v: check_int(nm, v, -1))
+                        lambda nm, v: check_int(nm, v, -1, INT32_MAX))
     for i in range(batch):
         if start[i] >= len(prompts[i]):
             raise RequestError(f"logprob_start_len = {start[i]} must be below the prompt length "

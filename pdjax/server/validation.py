@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Callable
 
 from pdjax.constrained.grammar import GrammarSpec
-from pdjax.request import SamplingParams
+from pdjax.request import INT32_MAX, SEED_LIMIT, SamplingParams
 from pdjax.server.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
@@ -66,7 +66,10 @@ def check_bool(name: str, v: Any) -> bool:
 
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """``v`` if an integer in ``[lo, hi]`` (None: unbounded), else ``RequestError``."""
+    """``v`` if an integer in ``[lo, hi]``, else ``RequestError`` naming ``name``. Every
+    integer a request carries is read through here or ``SamplingParams.validate`` with both
+    bounds explicit (issue 32): an unbounded Python int must never reach a C long or an int32
+    array. ``None`` leaves a side open for the callers that bound it themselves."""
     if not is_int(v):
         raise RequestError(f"{name} must be an integer, got {v!r}", name)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -223,7 +226,7 @@ def sample_params(sp: SamplingParams, j: int) -> SamplingParams:
     """A private copy for sample ``j`` of a prompt (the engine may change its copy, e.g. the PD
     prefill role forces ``max_new_tokens=1``). With a ``seed``, sample ``j`` uses ``seed + j``
     so that the ``n`` samples differ while staying reproducible."""
-    seed = sp.seed if sp.seed is None or j == 0 else sp.seed + j
+    seed = sp.seed if sp.seed is None or j == 0 else (sp.seed + j) % SEED_LIMIT
     return dataclasses.replace(sp, seed=seed)
 
 

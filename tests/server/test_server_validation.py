@@ -294,3 +294,109 @@ async def test_garbage_never_breaks_the_server(make_client):
         assert resp.status in (200, 400), (path, body, resp.status, await resp.text())
     for path in (CMPL, CHAT, GEN):
         assert (await client.post(path, json=VALID[path])).status == 200
+
+
+# Every integer field, on every endpoint: (path, field named in the error, body for a value v).
+# Issue 32: ``top_k = 10**30`` was a 500 ("Python int too large to convert to C long").
+_LP = {"return_logprob": True}
+INT_FIELDS = [
+    (GEN, "top_k", lambda v: {"text": "Hi", "sampling_params": {"top_k": v}}),
+    (GEN, "n", lambda v: {"text": "Hi", "sampling_params": {"n": v}}),
+    (GEN, "seed", lambda v: {"text": "Hi", "sampling_params": {"seed": v}}),
+    (GEN, "max_new_tokens", lambda v: {"text": "Hi", "sampling_params": {"max_new_tokens": v}}),
+    (GEN, "stop_token_ids", lambda v: {"text": "Hi", "sampling_params": {"stop_token_ids": [v]}}),
+    (GEN, "logit_bias", lambda v: {"text": "Hi", "sampling_params": {"logit_bias": {str(v): 1}}}),
+    (GEN, "logit_bias", lambda v: {"text": "Hi", "sampling_params": {"logit_bias": {v: 1}}}),
+    (GEN, "top_logprobs_num", lambda v: {"text": "Hi", **_LP, "top_logprobs_num": v}),
+    (GEN, "logprob_start_len", lambda v: {"text": "Hi", **_LP, "logprob_start_len": v}),
+    (GEN, "input_ids", lambda v: {"input_ids": [1, v]}),
+    (GEN, "input_ids", lambda v: {"input_ids": [[1], [v]]}),
+    (GEN, "bootstrap_room", lambda v: {"text": "Hi", "bootstrap_room": v}),
+    (GEN, "bootstrap_room", lambda v: {"text": ["a", "b"], "bootstrap_room": [1, v]}),
+    (GEN, "bootstrap_port", lambda v: {"text": "Hi", "bootstrap_port": v}),
+    (CMPL, "top_k", lambda v: with_(CMPL, top_k=v)),
+    (CMPL, "n", lambda v: with_(CMPL, n=v)),
+    (CMPL, "seed", lambda v: with_(CMPL, seed=v)),
+    (CMPL, "max_tokens", lambda v: with_(CMPL, max_tokens=v)),
+    (CMPL, "stop_token_ids", lambda v: with_(CMPL, stop_token_ids=[v])),
+    (CMPL, "logit_bias", lambda v: with_(CMPL, logit_bias={str(v): 1})),
+    (CMPL, "logprobs", lambda v: with_(CMPL, logprobs=v)),
+    (CMPL, "prompt", lambda v: with_(CMPL, prompt=[1, v])),
+    (CMPL, "prompt", lambda v: with_(CMPL, prompt=[[1], [v]])),
+    (CMPL, "bootstrap_room", lambda v: with_(CMPL, bootstrap_room=v)),
+    (CMPL, "bootstrap_port", lambda v: with_(CMPL, bootstrap_port=v)),
+    (CHAT, "top_k", lambda v: with_(CHAT, top_k=v)),
+    (CHAT, "n", lambda v: with_(CHAT, n=v)),
+    (CHAT, "seed", lambda v: with_(CHAT, seed=v)),
+    (CHAT, "max_tokens", lambda v: with_(CHAT, max_tokens=v)),
+    (CHAT, "max_completion_tokens", lambda v: with_(CHAT, max_completion_tokens=v)),
+    (CHAT, "stop_token_ids", lambda v: with_(CHAT, stop_token_ids=[v])),
+    (CHAT, "logit_bias", lambda v: with_(CHAT, logit_bias={str(v): 1})),
+    (CHAT, "top_logprobs", lambda v: with_(CHAT, logprobs=True, top_logprobs=v)),
+    (CHAT, "bootstrap_room", lambda v: with_(CHAT, bootstrap_room=v)),
+    ("/detokenize", "tokens", lambda v: {"tokens": [1, v]}),
+]
+HUGE = [2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, -(2 ** 63) - 1, -(10 ** 30)]
+DIGITS = "9" * 5000          # over Python's 4300-digit int parsing limit
+
+
+@pytest.mark.parametrize("path,field,make", INT_FIELDS,
+                         ids=[f"{p.rsplit('/', 1)[-1]}-{f}-{i}"
+                              for i, (p, f, _) in enumerate(INT_FIELDS)])
+async def test_every_integer_field_is_range_checked(make_client, path, field, make):
+    """An integer outside the field's range (int32 token ids and counts, int64 seeds and rooms)
+    is a 400 naming the field, never a 500 or a value the engine cannot hold; the server keeps
+    serving. ``seed`` and ``max_new_tokens`` accept 2**31 (their ranges are wider)."""
+    client, engine = await make_client()
+    for v in HUGE:
+        if v == 2 ** 31 and field in ("seed", "bootstrap_room"):
+            continue
+        data = json.dumps(make(v))
+        resp = await client.post(path, data=data, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, (path, field, v, await resp.text())
+        err = (await resp.json())["error"]
+        assert field in err["message"] and err["code"] == 400, (v, err)
+    assert engine.submitted == []
+    if path != "/detokenize":
+        resp = await client.post(path, json=VALID[path])
+        assert resp.status == 200, await resp.text()
+
+
+async def test_an_integer_of_5000_digits_is_a_400(make_client):
+    """Python refuses to parse an int of over 4300 digits: in the JSON body or in a
+    ``logit_bias`` key it is still a 400, never a 500."""
+    client, engine = await make_client()
+    for path, raw in ((GEN, '{"text": "Hi", "sampling_params": {"top_k": %s}}' % DIGITS),
+                      (CMPL, '{"prompt": "Hi", "logit_bias": {"%s": 1}}' % DIGITS),
+                      (CHAT, '{"messages": [{"role": "user", "content": "Hi"}], '
+                             '"logit_bias": {"%s": 1}}' % DIGITS)):
+        resp = await client.post(path, data=raw, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, (path, await resp.text())
+    assert engine.submitted == []
+
+
+async def test_the_router_answers_400_for_every_out_of_range_integer(make_client):
+    """Through the PD router (its own sample-count checks, then the workers' parsers): an
+    out-of-range integer is the workers' 400 naming the field, on every endpoint."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdjax.router import PDRouter, create_router_app
+
+    prefill, p_engine = await make_client()
+    decode, d_engine = await make_client()
+    router = PDRouter([(str(prefill.make_url("")), 8998)], [str(decode.make_url(""))])
+    rclient = TestClient(TestServer(create_router_app(router)))
+    await rclient.start_server()
+    try:
+        for path, field, make in INT_FIELDS:
+            if field.startswith("bootstrap_"):
+                continue                  # the router sets them itself
+            for v in (10 ** 30, -(10 ** 30)):
+                resp = await rclient.post(path, json=make(v))
+                assert resp.status == 400, (path, field, v, await resp.text())
+                assert field in (await resp.json())["error"]["message"]
+        assert p_engine.submitted == [] and d_engine.submitted == []
+        resp = await rclient.post(GEN, json={"text": "Hi", "sampling_params": {"top_k": 5}})
+        assert resp.status == 200, await resp.text()
+    finally:
+        await rclient.close()
