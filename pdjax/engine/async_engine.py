@@ -218,10 +218,12 @@ class AsyncEngine:
                 try:
                     core.add_request(req)
                 except ValueError as e:
+                    # Bad input is a 400; a room another request holds a 409 (RoomConflict).
+                    status = getattr(e, "status_code", 400)
                     if core.disagg is not None:
                         core.disagg.on_rejected(req, str(e))   # PD: the peer hears of it at once
                     self._push(GenerateOutput(req.rid, [], finished=True, error=str(e),
-                                              finish_reason=FinishReason.abort(str(e), 400)))
+                                              finish_reason=FinishReason.abort(str(e), status)))
             case RejectRooms(rooms, message, status_code):
                 if core.disagg is not None:
                     for room in rooms:

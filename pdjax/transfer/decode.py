@@ -53,7 +53,7 @@ from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
                                       PairingFailed, PeerLost, PeerState, Refused,
-                                      RemoteFailure, RoomFailure, Timeout)
+                                      RemoteFailure, RoomConflict, RoomFailure, Timeout)
 from pdjax.transfer.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
                                      RegisterDecode, RegisterResult, TransferRequest,
                                      TransferStatus)
@@ -102,8 +102,8 @@ class DecodeManager(RoleManager):
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
         """Queue a PD request (always True: the decode owns every request until its KV is
-        in). Raises ``ValueError`` for missing/bad bootstrap fields, a duplicate room or a
-        prompt over the context length."""
+        in). Raises ``ValueError`` for missing/bad bootstrap fields or a prompt over the context
+        length, ``RoomConflict`` (HTTP 409) for a room another request holds here."""
         fake = g.bootstrap_host == FAKE_BOOTSTRAP_HOST
         room = None
         if not fake:
@@ -121,8 +121,8 @@ class DecodeManager(RoleManager):
         with self.lock:
             if room is not None:
                 if room in self.room_owner:
-                    raise ValueError(f"bootstrap_room {room} is already in use on this decode "
-                                     f"server (duplicate room)")
+                    raise RoomConflict(f"bootstrap_room {room} is already in use on this "
+                                       f"decode server (duplicate room)")
                 self.room_owner[room] = req.rid
                 port = g.bootstrap_port or self.args.disaggregation_bootstrap_port
                 peer_key = (g.bootstrap_host, int(port))

@@ -48,9 +48,22 @@ def peer_transition(old: PeerState, new: PeerState) -> PeerState:
 
 class RoomFailure(Exception):
     """Why a room failed; ``str()`` is the message for logs and clients. The base class is
-    the ``other`` label."""
+    the ``other`` label. ``status_code``: the HTTP status both clients of the room get when
+    the failure is the client's own mistake (a 4xx); None means a server fault (500)."""
 
     label: ClassVar[str] = "other"
+    status_code: ClassVar[int | None] = None
+
+
+ROOM_CONFLICT_STATUS = 409
+
+
+class RoomConflict(ValueError):
+    """A request names a ``bootstrap_room`` that another request holds (or held) on this
+    server: the client's mistake, refused with HTTP 409 Conflict and the room named (issue
+    32). A ``ValueError`` so that every caller of ``add_request`` refuses it as bad input."""
+
+    status_code = ROOM_CONFLICT_STATUS
 
 
 class Timeout(RoomFailure):
@@ -90,9 +103,11 @@ class CacheMoved(RoomFailure):
 
 
 class PromptMismatch(RoomFailure):
-    """The room is bound to another prompt (its length or digest differ)."""
+    """The room is bound to another prompt (its length or digest differ): two requests reused
+    one client-chosen room, a 409 on both sides (issue 32)."""
 
     label = "prompt_mismatch"
+    status_code = ROOM_CONFLICT_STATUS
 
 
 class MetadataGate(RoomFailure):

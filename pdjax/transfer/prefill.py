@@ -47,7 +47,8 @@ from pdjax.transfer.bootstrap import BootstrapServer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import write_nodes
 from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
-                                      Refused, RoomFailure, Timeout, WriteFailed)
+                                      Refused, RoomConflict, RoomFailure, Timeout,
+                                      WriteFailed)
 from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
                                      RegisterDecode, RegisterResult, TransferRequest,
                                      TransferStatus)
@@ -94,7 +95,8 @@ class PrefillManager(RoleManager):
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
         """Take a PD request into the bootstrap queue (True), or leave a warm-up request with
         the fake host 2.2.2.2 to the scheduler (False). Forces ``max_new_tokens = 1``.
-        Raises ``ValueError`` for a missing/bad/duplicate ``bootstrap_room``."""
+        Raises ``ValueError`` for a missing or bad ``bootstrap_room``, ``RoomConflict`` (HTTP
+        409) for a room another request holds or that failed here."""
         req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
         if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             return False
@@ -109,11 +111,15 @@ class PrefillManager(RoleManager):
         with self.lock:
             r = self.rooms.get(room)
             if r is not None and r.req is not None:
-                raise ValueError(f"bootstrap_room {room} is already in use on this prefill "
-                                 f"server (duplicate room)")
+                raise RoomConflict(f"bootstrap_room {room} is already in use on this prefill "
+                                   f"server (duplicate room)")
             if r is not None and r.state == KVPoll.Failed:
-                raise ValueError(f"bootstrap_room {room} already failed on this prefill "
-                                 f"server: {r.fail_reason}")
+                # A client room that failed (e.g. a prompt mismatch) is not used again until
+                # its tombstone expires; a refusal keeps its own status.
+                cls = RoomConflict if r.status_code in (0, RoomConflict.status_code) \
+                    else ValueError
+                raise cls(f"bootstrap_room {room} already failed on this prefill "
+                          f"server: {r.fail_reason}")
             r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
             r.req = req
             r.created_s = now
@@ -245,6 +251,8 @@ class PrefillManager(RoleManager):
             return
         self._set_state(r, KVPoll.Failed)
         r.failure = failure
+        if failure.status_code is not None and not r.status_code:
+            r.status_code = failure.status_code   # the client's mistake: a 4xx on both sides
         reason = str(failure)
         logger.warning("PD prefill: bootstrap_room %d failed: %s", r.room, reason)
         self.metrics.on_failure(failure.label)

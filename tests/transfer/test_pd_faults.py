@@ -155,7 +155,7 @@ def test_duplicate_rooms_are_refused_at_once(cluster):
                                       for r in pd_state(d2)["rooms"]), 10)
         t0 = time.monotonic()
         status, dup = post(d2.url + "/generate", body)
-        assert status == 400 and "duplicate" in _error_text(dup) and time.monotonic() - t0 < 2
+        assert status == 409 and "duplicate" in _error_text(dup) and time.monotonic() - t0 < 2
         # The original request still completes once its prefill half arrives.
         status, pre = post(p2.url + "/generate", body)
         assert status == 200, pre
@@ -167,7 +167,7 @@ def test_duplicate_rooms_are_refused_at_once(cluster):
         waiting = pool.submit(post, p2.url + "/generate", body2)
         assert wait_until(lambda: load(p2)["num_pd_rooms"] == 1, 5)
         status, dup = post(p2.url + "/generate", dict(body2, rid="dup-room-copy"))
-        assert status == 400 and "duplicate" in _error_text(dup)
+        assert status == 409 and "duplicate" in _error_text(dup)
         post(p2.url + "/abort_request", {"rid": "dup-room-original"})
         status, out = waiting.result()
         assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "abort"

@@ -161,7 +161,8 @@ def rogue(hard):
 
 def test_reused_room_never_decodes_another_prompt(hard):
     """Item 1: a decode-only request holds room R; a pair with another prompt of the same
-    length reuses R. The prefill refuses to write it (the digest differs) and both fail."""
+    length reuses R. The prefill refuses to write it (the digest differs) and both fail, with
+    409 Conflict naming the room (the client's mistake, issue 32; it was a 500)."""
     p, d = hard["p"], hard["d"]
     before = _before(hard)
     room = next(_rooms)
@@ -173,16 +174,47 @@ def test_reused_room_never_decodes_another_prompt(hard):
                                       for r in pd_state(d)["rooms"]), 10)
         body = pd_body(other, room, hard["bport"])
         ds, db = post(d.url + "/generate", body)
-        assert ds == 400 and "duplicate" in _msg(db), db
+        assert ds == 409 and "duplicate" in _msg(db) and f"bootstrap_room {room}" in _msg(db)
         ps, pb = post(p.url + "/generate", body)
-        assert ps == 500 and "another prompt" in _msg(pb), pb
+        assert ps == 409 and "another prompt" in _msg(pb), pb
         status, out = lone.result(timeout=10)
-    assert status == 500 and "another prompt" in _msg(out), out
+    assert status == 409 and "another prompt" in _msg(out), out
+    assert f"bootstrap_room {room}" in _msg(out)
     # The room stays failed on the prefill: a late page list for it fails at once, too.
     t0 = time.monotonic()
     ds, db = post(d.url + "/generate", body)
-    assert ds == 500 and "another prompt" in _msg(db) and time.monotonic() - t0 < 5, db
+    assert ds == 409 and "another prompt" in _msg(db) and time.monotonic() - t0 < 5, db
     _assert_baseline(hard, before)
+
+
+def test_two_pairs_reusing_one_room_at_once_get_409_never_500(hard):
+    """Issue 32: two direct prefill+decode pairs send different prompts with one
+    client-chosen room at the same instant. Whatever order the four requests land in, every
+    answer is a 200 or a 409 naming the room (one side used to answer 500 "bound to another
+    prompt"); at most one pair succeeds, on both sides, and both servers come back to
+    baseline."""
+    p, d = hard["p"], hard["d"]
+    _before(hard)
+    for _ in range(3):
+        room = next(_rooms)
+        prompts = [_ids(30), _ids(30)]
+        bodies = [pd_body(ids, room, hard["bport"]) for ids in prompts]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futs = [(k, pool.submit(post, url + "/generate", bodies[k], 60.0))
+                    for k in (0, 1) for url in (p.url, d.url)]
+            results = [(k, f.result()) for k, f in futs]
+        ok_pairs = set()
+        for k, (status, out) in results:
+            assert status in (200, 409), (k, status, out)
+            if status == 409:
+                assert f"bootstrap_room {room}" in _msg(out), out
+            else:
+                ok_pairs.add(k)
+        assert len(ok_pairs) <= 1, results
+        if ok_pairs:                      # the pair that won answered on both sides
+            (k,) = ok_pairs
+            assert [r[1][0] for r in results if r[0] == k] == [200, 200], results
+    _assert_baseline(hard)            # idle: what a success cached is evictable
 
 
 def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
