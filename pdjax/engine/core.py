@@ -22,7 +22,7 @@ from pdjax.constrained.grammar import bitmask_words
 from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
-from pdjax.engine.settings import resolve_engine_config
+from pdjax.engine.settings import make_buckets, resolve_engine_config
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -112,13 +112,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
-        self.buckets = Buckets.create(
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_running_requests=args.max_running_requests,
-            max_pages_per_seq=-(-self.context_length // args.page_size),
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            traced_pages_bound=config.attention_impl
-            in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
+        self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
         if buckets is not None:
             buckets.check_serves(self.buckets)
             self.buckets = buckets

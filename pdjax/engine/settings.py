@@ -14,6 +14,7 @@ from pdjax.config import ModelConfig, ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
 from pdjax.pallas_kernels.dense_cpu import WEIGHT_DTYPES, matmul_kernel_status
 from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
+from pdjax.sched.buckets import Buckets
 from pdjax.sched.scheduler import SchedulerConfig
 
 _KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
@@ -44,10 +45,10 @@ class EngineConfig:
     cpu_matmul_kernel: bool
 
 
-def _attention_impl(args: ServerArgs) -> str:
+def _attention_impl(args: ServerArgs, platform: str) -> str:
     """``args.attention_backend`` resolved; a single-device kernel is not picked for a TP mesh
     (auto falls back to ``xla``; asked for by name it is an error)."""
-    impl = resolve_impl(args.attention_backend)
+    impl = resolve_impl(args.attention_backend, platform)
     if impl in SINGLE_DEVICE_IMPLS and args.tp_size > 1:
         if args.attention_backend not in (None, "auto"):
             raise ValueError(f"attention_backend {impl!r} runs on one device; tp_size is "
@@ -56,23 +57,23 @@ def _attention_impl(args: ServerArgs) -> str:
     return impl
 
 
-def _unroll_layers(args: ServerArgs, model_cfg) -> bool:
+def _unroll_layers(args: ServerArgs, model_cfg, platform: str) -> bool:
     """``args.unroll_layers``; auto (None): the Llama family (its ``ModelConfig``) on the CPU
     backend, where its scan copies each layer's weights (DESIGN.md §2)."""
     if args.unroll_layers is not None:
         return args.unroll_layers
-    return jax.default_backend() == "cpu" and isinstance(model_cfg, ModelConfig)
+    return platform == "cpu" and isinstance(model_cfg, ModelConfig)
 
 
-def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype) -> bool:
+def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype, platform: str) -> bool:
     """``args.cpu_matmul_kernel``; auto (None): on for the Llama family on the CPU backend
     with ``tp_size`` 1 and float32 or bfloat16 weights, where the kernel builds. Asked for
     where it cannot run, a ``ValueError`` that names the field and says why."""
     if args.cpu_matmul_kernel is False:
         return False                  # nothing to check, and no kernel to build
     why = None
-    if jax.default_backend() != "cpu":
-        why = f"the backend is {jax.default_backend()}, not cpu"
+    if platform != "cpu":
+        why = f"the backend is {platform}, not cpu"
     elif not isinstance(model_cfg, ModelConfig):
         why = "only Llama-family models pack their weights"
     elif args.tp_size > 1:
@@ -86,15 +87,18 @@ def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype) -> bool:
     return why is None
 
 
-def resolve_engine_config(args: ServerArgs) -> EngineConfig:
-    """Resolve ``args`` (reads the checkpoint's config from its metadata, no tensor).
+def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> EngineConfig:
+    """Resolve ``args`` (reads the checkpoint's config from its metadata, no tensor) for
+    ``platform`` (``"cpu"``, ``"tpu"``, ``"gpu"``; default: the default backend's; the
+    abstract engine of ``pdjax.aot`` passes its target's).
 
     Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
     platform has no kernel for."""
+    platform = platform or jax.default_backend()
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = checkpoint_config(model_path)
     model_len = model_cfg.max_position_embeddings
-    dtype = resolve_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype, platform)
     sched, cache = args.scheduler, args.cache
     scheduler = SchedulerConfig(
         num_pages=cache.num_pages, page_size=cache.page_size,
@@ -109,8 +113,21 @@ def resolve_engine_config(args: ServerArgs) -> EngineConfig:
     return EngineConfig(
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
-        attention_impl=_attention_impl(args),
+        attention_impl=_attention_impl(args, platform),
         scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill",
-        unroll_layers=_unroll_layers(args, model_cfg),
-        cpu_matmul_kernel=_cpu_matmul_kernel(args, model_cfg, dtype))
+        unroll_layers=_unroll_layers(args, model_cfg, platform),
+        cpu_matmul_kernel=_cpu_matmul_kernel(args, model_cfg, dtype, platform))
+
+
+def make_buckets(args: ServerArgs, context_length: int, attention_impl: str,
+                 model) -> Buckets:
+    """The engine's shape buckets (DESIGN.md §2) for requests of up to ``context_length``
+    tokens: the jnp attention paths (``model.TRACED_PAGES_BOUND_IMPLS``) need one
+    pages-per-sequence bucket, the Pallas kernels a few. ``model``: the model or its class."""
+    return Buckets.create(
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_running_requests=args.max_running_requests,
+        max_pages_per_seq=-(-context_length // args.page_size),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        traced_pages_bound=attention_impl in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))

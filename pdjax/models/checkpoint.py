@@ -247,10 +247,11 @@ def make_mesh(tp_size: int = 1, devices=None) -> Mesh:
     return Mesh(np.array(devices[:tp_size]), ("tp",))
 
 
-def resolve_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
-    """``auto`` -> float32 on CPU (XLA CPU bf16 matmuls are slow), bfloat16 on accelerators."""
+def resolve_dtype(dtype: str | jnp.dtype, platform: str | None = None) -> jnp.dtype:
+    """``auto`` -> float32 on CPU (XLA CPU bf16 matmuls are slow), bfloat16 on accelerators;
+    ``platform`` defaults to the default backend's."""
     if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
     names = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
     if isinstance(dtype, str):
         if dtype not in names:

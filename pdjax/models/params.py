@@ -28,6 +28,20 @@ def abstract_params(make_model: Callable[[], nnx.Module]) -> dict[str, jax.Shape
             for path, var in flat.items()}
 
 
+def abstract_model(model: nnx.Module, specs: dict[str, PartitionSpec], mesh: Mesh):
+    """``(graphdef, state)`` of an abstract ``model`` (``nnx.eval_shape``: nothing allocated)
+    with every parameter a ``jax.ShapeDtypeStruct`` carrying ``NamedSharding(mesh,
+    specs[path])``, ready to be traced and compiled for ``mesh``'s devices, compile-only ones
+    included (``pdjax.aot``)."""
+    graphdef, state = nnx.split(model)
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                           sharding=NamedSharding(mesh, specs[_key(path)])))
+    return graphdef, nnx.from_flat_state(flat)
+
+
 def random_params(make_model: Callable[[], nnx.Module], specs: dict[str, PartitionSpec],
                   mesh: Mesh) -> dict[str, jax.Array]:
     """Every parameter of ``make_model()`` as the model's own initializers make it (Llama:

@@ -10,7 +10,6 @@ every new executable, whether or not the persistent cache then serves the binary
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import threading
@@ -20,14 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
-from pdjax.sched.batch import FlatBatch, build_flat_batch
+from pdjax.runner.entry_points import EntryPoints
+from pdjax.sched.batch import FlatBatch
 from pdjax.sched.buckets import BucketKey, Buckets
 
 logger = logging.getLogger(__name__)
@@ -63,66 +62,9 @@ def background_compile_count() -> int:
     return _background_compile_count
 
 
-def _abstract(tree):
-    """``jax.ShapeDtypeStruct`` (shape, dtype, sharding) of every array in ``tree``: what a
-    lowering needs, readable while another thread donates the arrays themselves."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
-def real_logits_rows(logits_indices: jax.Array) -> jax.Array:
-    """How many entries of a ``FlatBatch.logits_indices`` ``[N]`` int32 (traced) are real:
-    ``build_flat_batch`` lists them as strictly increasing token indices and pads with 0s
-    after them, so the count is one more than the number of rises (1 when there is none).
-    The LM head multiplies only those rows (``compute_logits(num_rows=...)``): a mixed step of
-    8 decode rows and a prompt chunk has 9 logits rows in a bucket of 16, and SmolLM2's head
-    over the 7 padding rows cost about 3.7 ms of a 35 ms step on this CPU."""
-    return 1 + jnp.sum(logits_indices[1:] > logits_indices[:-1]).astype(jnp.int32)
-
-
-def _forward(graphdef, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
-             prev_tokens, md, logits_indices, sp, max_rows):
-    # Placeholders: a decode row whose input token the previous step sampled (overlap, not yet
-    # known on the host) names that token's row in the previous step's ``tokens``.
-    input_ids = jnp.where(prev_idx >= 0, prev_tokens[jnp.maximum(prev_idx, 0)], input_ids)
-    model = nnx.merge(graphdef, state)
-    hidden, caches = model.paged_forward(input_ids, caches, md)
-    logits = model.compute_logits(hidden[logits_indices],
-                                  num_rows=real_logits_rows(logits_indices))
-    out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
-    return out, hidden, caches, penalty_counts, logits
-
-
-# Two entry points over the same model, each its own jit (its own executables per bucket):
-# decode, and extend (prefill_chunk and mixed batches: the same function of the same shapes).
-def _decode(graphdef, max_rows, state, caches, penalty_counts, prompt_seen, input_ids, prev_idx,
-            prev_tokens, md, logits_indices, sp):
-    md = dataclasses.replace(md, decode_only=True)      # static: no code for longer rows
-    out, _, caches, counts, logits = _forward(graphdef, state, caches, penalty_counts,
-                                              prompt_seen, input_ids, prev_idx, prev_tokens, md,
-                                              logits_indices, sp, max_rows)
-    return out, None, caches, counts, logits
-
-
-def _extend(graphdef, max_rows, *args):
-    return _forward(graphdef, *args, max_rows)
-
-
-def _resample(max_rows, logits, sp, prompt_seen, penalty_counts, first: StepOutputs, redo):
-    """Sample rows ``redo [R]`` bool of a forward's ``logits [R, V]`` again with ``sp`` (the
-    split grammar path, DESIGN.md §3); the other rows keep ``first``'s results."""
-    out, penalty_counts = device_sampler.sample(logits, sp, prompt_seen, penalty_counts, max_rows)
-    R = logits.shape[0]
-    redo_padded = jnp.zeros((max_rows,), bool).at[:R].set(redo)
-    merged = StepOutputs(jnp.where(redo_padded, out.tokens, first.tokens),
-                         jnp.where(redo, out.token_logprob, first.token_logprob),
-                         jnp.where(redo[:, None], out.top_ids, first.top_ids),
-                         jnp.where(redo[:, None], out.top_logprobs, first.top_logprobs))
-    return merged, penalty_counts
-
-
-def _prompt_logprobs(graphdef, state, hidden, indices, target_ids, want_top):
-    logits = nnx.merge(graphdef, state).compute_logits(hidden[indices])
-    return device_sampler.prompt_logprobs(logits, target_ids, want_top)
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+    """Zeros of ``shape``'s shape and dtype, made on the devices of its sharding."""
+    return jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=shape.sharding)()
 
 
 class ModelRunner:
@@ -153,34 +95,21 @@ class ModelRunner:
             model.pack_for_cpu()          # linear weights packed for the native CPU matmul
         self.graphdef, self.state = nnx.split(model)
         self.cache_specs = tuple(model.cache_spec(num_pages, page_size, kv_dtype))
-        self.cache_shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}
-        self.caches = {}
-        for spec in self.cache_specs:
-            zeros = jax.jit(lambda spec=spec: jnp.zeros(spec.shape, spec.dtype),
-                            out_shardings=self.cache_shardings[spec.name])
-            self.caches[spec.name] = zeros()
-        self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
-        replicated = NamedSharding(mesh, P())
         self.max_rows = buckets.max_rows
-        # One penalty slot per request that can run at once, plus the null slot 0.
-        self.num_penalty_slots = buckets.max_rows + 1
-        vocab = self.cfg.vocab_size
-        self.prompt_seen = jax.device_put(np.zeros((self.num_penalty_slots, vocab), bool), replicated)
-        self.penalty_counts = jax.device_put(np.zeros((self.num_penalty_slots, vocab), np.int32),
-                                             replicated)
-        # The previous step's sampled ids when no step came before (placeholders unused).
-        self.no_prev_tokens = jax.device_put(np.zeros(self.max_rows, np.int32), replicated)
-        self._entries = {
-            name: jax.jit(fn, static_argnums=(0, 1), donate_argnums=(3, 4),
-                          out_shardings=(replicated, None, self.cache_shardings, replicated,
-                                         None))
-            for name, fn in (("decode", _decode), ("extend", _extend))}
-        self._resample = jax.jit(_resample, static_argnums=0, donate_argnums=4,
-                                 out_shardings=(replicated, replicated))
+        # The jits and their lowerings from shapes (the same code pdjax.aot compiles).
+        self.jits = EntryPoints(self.graphdef, mesh, self.cache_specs, max_rows=self.max_rows,
+                                vocab_size=self.cfg.vocab_size, page_size=page_size,
+                                chunk_size=chunk_size)
+        self.cache_shardings = self.jits.cache_shardings
+        self.num_penalty_slots = self.jits.num_penalty_slots
+        self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
+        # Zeros of exactly the shapes and shardings the lowerings take. Slot 0 of the penalty
+        # tables is the null slot; no_prev_tokens stands for the previous step's sampled ids
+        # when no step came before (placeholders unused).
+        caches, counts, seen, no_prev = self.jits.abstract_device_state()
+        self.caches, self.penalty_counts, self.prompt_seen, self.no_prev_tokens = jax.tree.map(
+            _zeros, (caches, counts, seen, no_prev))
         self.resample_rows: tuple[int, ...] = ()     # logits rows warm-up compiled resample for
-        self._prompt_lp = jax.jit(_prompt_logprobs, static_argnums=0, out_shardings=replicated)
-        self._init_slot = jax.jit(device_sampler.init_penalty_slot, donate_argnums=(0, 1),
-                                  out_shardings=(replicated, replicated))
         # BucketKey, or ("resample", entry, rows) -> AOT executable (warm-up)
         self._compiled = {}
         # Keys the request path may use: compiled, with their prompt-logprobs (and resample)
@@ -188,7 +117,6 @@ class ModelRunner:
         self.ready_keys: frozenset = frozenset()
         self._background: threading.Thread | None = None
         self._stop_background = threading.Event()
-        self._gather_jit = self._scatter_jit = None
         self.warmup_done = False
         self.compiles_after_warmup = 0
         self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
@@ -196,10 +124,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batches
     def make_batch(self, key: BucketKey, rows) -> FlatBatch:
-        n_logits = key.num_rows
-        return build_flat_batch(rows, page_size=self.page_size, num_tokens_pad=key.num_tokens,
-                                num_rows_pad=key.num_rows, pages_per_seq_pad=key.pages_per_seq,
-                                num_logits_pad=n_logits, chunk_size=self.chunk_size)
+        return self.jits.example_batch(key, rows)
 
     def forward(self, key: BucketKey, fb: FlatBatch, sampling: SamplingInputs | None = None,
                 prev_idx: np.ndarray | None = None, prev_tokens: jax.Array | None = None,
@@ -245,26 +170,16 @@ class ModelRunner:
         compiled = self._compiled.get(("resample", entry, logits.shape[0]))
         args = (logits, sampling, self.prompt_seen, self.penalty_counts, first, redo)
         out, self.penalty_counts = (compiled(*args) if compiled is not None
-                                    else self._resample(self.max_rows, *args))
+                                    else self.jits.resample(self.max_rows, *args))
         self._check_compiles(before, ("resample", entry, logits.shape[0]))
         return out
 
     def lower(self, key: BucketKey):
         """The lowered forward of bucket ``key`` (``jax.stages.Lowered``; tests read its text).
-        Device state enters as its shapes and shardings only (``_abstract``), so a background
+        Device state enters as its shapes and shardings only (``abstract``), so a background
         thread may lower while the engine thread runs forwards."""
-        fb = self.make_batch(key, [])
-        md = AttentionMetadata(*(jnp.asarray(a) for a in (
-            fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices, fb.distribution)))
-        sampling = device_sampler.build_sampling_inputs([], key.num_rows,
-                                                        vocab_size=self.cfg.vocab_size)
-        state, caches, counts, seen, no_prev = _abstract(
-            (self.state, self.caches, self.penalty_counts, self.prompt_seen, self.no_prev_tokens))
-        return self._entries[key.entry].trace(
-            self.graphdef, self.max_rows, state, caches, counts, seen,
-            jnp.asarray(fb.input_ids), jnp.full(key.num_tokens, -1, jnp.int32),
-            no_prev, md, jnp.asarray(fb.logits_indices),
-            SamplingInputs(*(jnp.asarray(a) for a in sampling))).lower()
+        return self.jits.lower_forward(key, self.state, self.caches, self.penalty_counts,
+                                       self.prompt_seen, self.no_prev_tokens)
 
     def _check_compiles(self, before: int, key) -> None:
         if self.warmup_done and compile_count() != before:
@@ -283,7 +198,7 @@ class ModelRunner:
         idx[:len(indices)] = indices
         tgt = np.zeros(n, np.int32)
         tgt[:len(target_ids)] = target_ids
-        out = self._prompt_lp(self.graphdef, self.state, hidden, jnp.asarray(idx), jnp.asarray(tgt),
+        out = self.jits.prompt_logprobs(self.graphdef, self.state, hidden, jnp.asarray(idx), jnp.asarray(tgt),
                               jnp.asarray(bool(want_top)))
         self._check_compiles(before, ("prompt_logprobs", n))
         return out
@@ -295,7 +210,7 @@ class ModelRunner:
         seen[np.asarray(prompt_ids, np.int64)] = True
         counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab).astype(np.int32)
         before = compile_count()
-        self.prompt_seen, self.penalty_counts = self._init_slot(
+        self.prompt_seen, self.penalty_counts = self.jits.init_penalty_slot(
             self.prompt_seen, self.penalty_counts, jnp.int32(slot), jnp.asarray(seen),
             jnp.asarray(counts[:vocab]))
         self._check_compiles(before, "init_penalty_slot")
@@ -306,7 +221,7 @@ class ModelRunner:
         first, and dropped: they are static); the jit itself for a key warm-up did not compile."""
         compiled = self._compiled.get(key)
         if compiled is None:
-            return self._entries[key.entry]
+            return self.jits.forwards[key.entry]
         return lambda graphdef, max_rows, *args: compiled(*args)
 
     def _lower(self, key: BucketKey):
@@ -314,13 +229,7 @@ class ModelRunner:
 
     def _lower_resample(self, first: StepOutputs, logits):
         """The lowered ``resample`` for a forward's outputs ``first`` and ``logits [R, V]``."""
-        num_rows = logits.shape[0]
-        sampling = device_sampler.build_sampling_inputs([], num_rows,
-                                                        vocab_size=self.cfg.vocab_size)
-        seen, counts = _abstract((self.prompt_seen, self.penalty_counts))
-        return self._resample.trace(
-            self.max_rows, logits, SamplingInputs(*(jnp.asarray(a) for a in sampling)),
-            seen, counts, first, jnp.zeros(num_rows, bool)).lower()
+        return self.jits.lower_resample(first, logits, self.prompt_seen, self.penalty_counts)
 
     def _compile_all(self, jobs, threads: int, progress: bool, desc: str) -> None:
         """Compile ``(key, lowered)`` jobs on ``threads`` threads into ``_compiled``."""
@@ -423,7 +332,7 @@ class ModelRunner:
                     # the forward's own output sharding so the request path hits its cache.
                     info = outs[1]
                     hidden = jax.device_put(jnp.zeros(info.shape, info.dtype), info.sharding)
-                    jax.block_until_ready(self._prompt_lp(
+                    jax.block_until_ready(self.jits.prompt_logprobs(
                         self.graphdef, self.state, hidden, jnp.zeros(key.num_tokens, jnp.int32),
                         jnp.zeros(key.num_tokens, jnp.int32), jnp.asarray(True)))
                 resample_key = ("resample", key.entry, key.num_rows)
@@ -468,28 +377,14 @@ class ModelRunner:
         """The KV buffers in ``cache_specs`` order (what PD registers and copies)."""
         return [self.caches[s.name] for s in self.cache_specs]
 
-    def _page_jits(self):
-        if self._gather_jit is None:
-            def gather(caches, idx):
-                return {k: jnp.take(v, idx, axis=1) for k, v in caches.items()}
-
-            def scatter(caches, idx, parts):
-                return {k: v.at[:, idx].set(parts[k].astype(v.dtype)) for k, v in caches.items()}
-
-            self._gather_jit = jax.jit(gather)
-            self._scatter_jit = jax.jit(scatter, donate_argnums=0, out_shardings=self.cache_shardings)
-        return self._gather_jit, self._scatter_jit
-
     def gather_pages(self, page_idx: np.ndarray) -> list[np.ndarray]:
         """Host copies of pages ``page_idx [n]`` int32 of every buffer: ``[layers, n, ...]``
         each, in ``cache_specs`` order (PD staging). One executable per ``n``."""
-        gather, _ = self._page_jits()
-        out = gather(self.caches, jnp.asarray(page_idx, jnp.int32))
+        out = self.jits.gather_pages(self.caches, jnp.asarray(page_idx, jnp.int32))
         return [np.asarray(out[s.name]) for s in self.cache_specs]
 
     def scatter_pages(self, page_idx: np.ndarray, parts: list[np.ndarray]) -> None:
         """Write ``parts`` (as ``gather_pages`` returns them) into pages ``page_idx``; the cache
         is donated. Padding entries of ``page_idx`` should point at the null page 0."""
-        _, scatter = self._page_jits()
         named = {s.name: p for s, p in zip(self.cache_specs, parts)}
-        self.caches = scatter(self.caches, jnp.asarray(page_idx, jnp.int32), named)
+        self.caches = self.jits.scatter_pages(self.caches, jnp.asarray(page_idx, jnp.int32), named)

@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 TRANSFER_PATHS = ("auto", "direct", "staging")
 
 
-def _page_buckets(max_pages: int) -> list[int]:
+def page_buckets(max_pages: int) -> list[int]:
+    """Page counts the staging gather and scatter are compiled for: powers of two up to the
+    first one >= ``max_pages``."""
     out, b = [], 1
     while b < max_pages:
         out.append(b)
@@ -142,7 +144,7 @@ class LocalKV:
     # -- staging path --------------------------------------------------------------------
     def _padded(self, pages: Sequence[int]) -> np.ndarray:
         n = len(pages)
-        size = next(b for b in _page_buckets(max(n, self.max_pages_per_seq)) if b >= n)
+        size = next(b for b in page_buckets(max(n, self.max_pages_per_seq)) if b >= n)
         idx = np.zeros(size, np.int32)          # padding reads/writes the null page 0
         idx[:n] = pages
         return idx
@@ -151,7 +153,7 @@ class LocalKV:
         """Compile the staging gather and scatter for every page bucket (no-op when direct)."""
         if self.mode != "staging":
             return
-        for b in _page_buckets(self.max_pages_per_seq):
+        for b in page_buckets(self.max_pages_per_seq):
             idx = np.zeros(b, np.int32)
             self.runner.scatter_pages(idx, self.runner.gather_pages(idx))
 

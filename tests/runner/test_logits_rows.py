@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from pdjax.runner.model_runner import real_logits_rows
+from pdjax.runner.entry_points import real_logits_rows
 from pdjax.sched.batch import BatchRow, build_flat_batch
 
 

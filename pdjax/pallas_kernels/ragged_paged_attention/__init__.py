@@ -30,13 +30,14 @@ SINGLE_DEVICE_IMPLS = ("cpu",)
 _PLATFORM_IMPL = {"cpu": "cpu", "tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
-def resolve_impl(impl: str | None) -> str:
+def resolve_impl(impl: str | None, platform: str | None = None) -> str:
     """Concrete implementation name for ``impl``: ``"reference"``, ``"xla"``, ``"cpu"``,
     ``"tpu"`` or ``"gpu"``.
 
-    ``None`` and ``"auto"`` map the default backend's platform (``jax.default_backend()``); on
-    the CPU that is ``"cpu"`` where the native kernel builds and loads (``kernel_cpu``), else
-    ``"xla"``. An explicit ``"cpu"`` that cannot be built is an error.
+    ``None`` and ``"auto"`` map ``platform`` (default: the default backend's,
+    ``jax.default_backend()``; ``pdjax.aot`` passes its target's); on the CPU that is ``"cpu"``
+    where the native kernel builds and loads (``kernel_cpu``), else ``"xla"``. An explicit
+    ``"cpu"`` that cannot be built is an error.
 
     Raises:
       ValueError: ``impl`` is not one of ``ATTENTION_IMPLS``, or auto meets an unknown platform.
@@ -50,7 +51,7 @@ def resolve_impl(impl: str | None) -> str:
                          f"({cpu_kernel_status()[1]})")
     if impl != "auto":
         return impl
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     if platform not in _PLATFORM_IMPL:
         raise ValueError(f"impl='auto' has no attention kernel for platform {platform!r}; "
                          f"pass impl explicitly (one of {ATTENTION_IMPLS})")
