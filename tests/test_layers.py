@@ -11,7 +11,7 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
     server       server (the HTTP API; sees the engine as an EngineClient)
-    entrypoints  entrypoints, serve, router (+ router_pool), convert, the package root
+    entrypoints  entrypoints, serve, router (+ router_pool), convert, aot, the package root
 
 Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows, and are skipped.
 """
@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),
     ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router", "pdjax.router_pool",
-                     "pdjax.convert", "pdjax")),
+                     "pdjax.convert", "pdjax.aot", "pdjax")),
 ]
 
 

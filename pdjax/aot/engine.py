@@ -1,0 +1,242 @@
+"""The abstract engine: every executable a server compiles, built from shapes only, for a
+``Target`` (compile-only TPU or GPU devices; DESIGN.md §7).
+
+``AbstractEngine(args, target)`` resolves ``args`` as ``EngineCore`` does, but for the target's
+platform (``resolve_engine_config(args, platform)``: Pallas kernels, bfloat16, a scan over
+layers, no CPU kernels), reads only the checkpoint's config (an HF folder, a GGUF header, an
+Orbax checkpoint's config, or a folder holding nothing but ``config.json``), and builds the
+model with ``nnx.eval_shape``: every parameter is a ``jax.ShapeDtypeStruct`` with its TP
+sharding on the target's mesh, and so are the KV cache and the sampler's tables
+(``EntryPoints.abstract_device_state``). ``entries()`` lists what a server of these settings
+compiles, and ``compile_entry`` lowers and compiles one for the target, reporting the
+compiler's own ``memory_analysis`` and the kernels in the executable.
+
+    entry                 one executable per                      compiled by the server at
+    decode / extend       BucketKey (Buckets.all_keys)            warm-up (ModelRunner.warmup)
+    prompt_logprobs       extend token bucket                     warm-up
+    resample              (entry, logits rows)                    warm-up with overlap
+    init_penalty_slot     -                                       warm-up
+    gather / scatter      staging page bucket (transfer path)     LocalKV.warmup (staging)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from pdjax.aot.targets import Target
+from pdjax.config import ServerArgs
+from pdjax.engine.settings import make_buckets, resolve_engine_config
+from pdjax.models.loader import checkpoint_architecture, checkpoint_config
+from pdjax.models.params import abstract_model
+from pdjax.models.registry import model_family
+from pdjax.runner.entry_points import EntryPoints
+from pdjax.sched.buckets import BucketKey
+from pdjax.sched.scheduler import Scheduler
+from pdjax.transfer.local_kv import page_buckets
+
+# Kernel names as they appear in a compiled executable's text (Pallas names its calls).
+_KERNEL_NAMES = re.compile(
+    r"\b((?:ragged_paged_attention|mla_sparse_attention|mla_dense_attention|indexer_scores)"
+    r"_(?:tpu|gpu)(?:_\w+)?)\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One executable to compile: ``kind`` (the table above), ``name`` (unique, printable),
+    ``key`` (the ``BucketKey`` for forwards) and ``lower`` (returns ``jax.stages.Lowered``)."""
+
+    kind: str
+    name: str
+    lower: Callable[[], Any]
+    key: BucketKey | None = None
+
+
+@dataclasses.dataclass
+class CompiledEntry:
+    """What compiling one ``Entry`` gave. Bytes are per chip, from the compiler's
+    ``memory_analysis()``: ``argument_bytes`` (weights, KV cache, inputs), ``output_bytes``,
+    ``alias_bytes`` (outputs that reuse a donated argument: the KV cache), ``temp_bytes``
+    (scratch the executable needs while it runs), ``code_bytes``. ``kernels``: the Pallas
+    kernels it calls. ``error``: the compiler's message when it failed (the rest is then 0)."""
+
+    kind: str
+    name: str
+    seconds: float
+    kernels: tuple[str, ...] = ()
+    argument_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    temp_bytes: int = 0
+    code_bytes: int = 0
+    error: str | None = None
+    executable: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class AbstractEngine:
+    """A server's executables for ``target``, without weights or device arrays.
+
+    Args:
+      args: the serving settings (``ServerArgs``: model, page size, pool, buckets, TP).
+      target: where to compile (``pdjax.aot.targets``); its first ``args.tp_size`` devices
+        form the ``tp`` mesh.
+
+    Raises:
+      ValueError: a checkpoint whose config cannot be read, a TP size the target does not have
+        or the model cannot split (named field).
+    """
+
+    def __init__(self, args: ServerArgs, target: Target):
+        if args.tp_size > len(target.devices):
+            raise ValueError(f"tp_size: {args.tp_size} devices asked, {target.name} has "
+                             f"{len(target.devices)}")
+        self.args = args
+        self.target = target
+        self.config = config = resolve_engine_config(args, platform=target.platform)
+        self.family = model_family(checkpoint_architecture(config.model_path))
+        self.mesh = Mesh(np.array(target.devices[:args.tp_size]), ("tp",))
+        self.model_cfg = self.family.run_config(checkpoint_config(config.model_path),
+                                                args.tp_size)
+        model = nnx.eval_shape(lambda: self.family.model_class(
+            self.model_cfg, dtype=config.dtype, rngs=nnx.Rngs(0),
+            attention_impl=config.attention_impl, interpret=False))
+        self.graphdef, self.state = abstract_model(
+            model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)
+        self.context_length = Scheduler(config.scheduler).max_request_tokens
+        self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
+        self.cache_specs = tuple(model.cache_spec(args.num_pages, args.page_size,
+                                                  config.kv_dtype))
+        self.jits = EntryPoints(self.graphdef, self.mesh, self.cache_specs,
+                                max_rows=self.buckets.max_rows,
+                                vocab_size=self.model_cfg.vocab_size, page_size=args.page_size,
+                                chunk_size=args.chunked_prefill_size)
+        (self.caches, self.penalty_counts, self.prompt_seen,
+         self.no_prev_tokens) = self.jits.abstract_device_state()
+
+    def device_context(self):
+        """Trace under the target's default device: Pallas's TPU lowering reads the chip
+        generation from the default device (the CPU otherwise)."""
+        return jax.default_device(self.target.devices[0])
+
+    # ------------------------------------------------------------------ sizes
+    def weight_bytes_per_chip(self) -> int:
+        """Bytes of the parameters one chip holds (its shards of every array)."""
+        return sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(self.state))
+
+    def kv_bytes_per_page_per_chip(self) -> int:
+        """Bytes one KV page takes on one chip, over every buffer and layer."""
+        return sum(_shard_bytes(c) for c in self.caches.values()) // self.args.num_pages
+
+    # ------------------------------------------------------------------ entries
+    def entries(self, which: str = "all") -> list[Entry]:
+        """What a server of these settings compiles: ``"all"`` (every bucket and helper
+        executable) or ``"core"`` (``Buckets.core_keys``: the largest decode and extend shapes,
+        which hold every batch, and their helpers)."""
+        if which not in ("all", "core"):
+            raise ValueError(f"entries: 'all' or 'core', got {which!r}")
+        keys = self.buckets.all_keys() if which == "all" else self.buckets.core_keys()
+        out = [Entry(k.entry, f"{k.entry} T={k.num_tokens} R={k.num_rows} P={k.pages_per_seq}",
+                     functools_partial(self._lower_forward, k), k) for k in keys]
+        for tokens in sorted({k.num_tokens for k in keys if k.entry == "extend"}):
+            out.append(Entry("prompt_logprobs", f"prompt_logprobs T={tokens}",
+                             functools_partial(self._lower_prompt_logprobs, tokens)))
+        for entry, rows in sorted({(k.entry, k.num_rows) for k in keys}):
+            out.append(Entry("resample", f"resample {entry} R={rows}",
+                             functools_partial(self._lower_resample, entry, rows)))
+        out.append(Entry("init_penalty_slot", "init_penalty_slot", lambda: (
+            self.jits.lower_init_penalty_slot(self.prompt_seen, self.penalty_counts))))
+        max_pages = -(-self.context_length // self.args.page_size)
+        pages = page_buckets(max_pages) if which == "all" else page_buckets(max_pages)[-1:]
+        for n in pages:
+            gather = functools_partial(lambda n: self.jits.lower_page_copies(self.caches, n)[0], n)
+            scatter = functools_partial(lambda n: self.jits.lower_page_copies(self.caches, n)[1],
+                                        n)
+            out += [Entry("gather_pages", f"gather_pages n={n}", gather),
+                    Entry("scatter_pages", f"scatter_pages n={n}", scatter)]
+        return out
+
+    def _lower_forward(self, key: BucketKey):
+        return self.jits.lower_forward(key, self.state, self.caches, self.penalty_counts,
+                                       self.prompt_seen, self.no_prev_tokens)
+
+    def _forward_outputs(self, entry: str, rows: int):
+        """The shapes and shardings of a forward's ``(StepOutputs, hidden, ..., logits)`` for
+        the smallest bucket of ``entry`` with ``rows`` logits rows (what resample and prompt
+        logprobs take), from its lowering's output info (no compile)."""
+        key = next(k for k in self.buckets.all_keys() if k.entry == entry and k.num_rows == rows)
+        with self.device_context():
+            return self._lower_forward(key).out_info
+
+    def _lower_resample(self, entry: str, rows: int):
+        out = self._forward_outputs(entry, rows)
+        first, logits = _sharded(out[0], self.jits.replicated), _sharded(out[4],
+                                                                          self.jits.replicated)
+        return self.jits.lower_resample(first, logits, self.prompt_seen, self.penalty_counts)
+
+    def _lower_prompt_logprobs(self, tokens: int):
+        key = next(k for k in self.buckets.all_keys()
+                   if k.entry == "extend" and k.num_tokens == tokens)
+        with self.device_context():
+            hidden = self._lower_forward(key).out_info[1]
+        return self.jits.lower_prompt_logprobs(self.state,
+                                               _sharded(hidden, self.jits.replicated))
+
+    # ------------------------------------------------------------------ compiling
+    def compile_entry(self, entry: Entry) -> CompiledEntry:
+        """Lower and compile ``entry`` for the target; a compiler error is reported in
+        ``CompiledEntry.error`` with the entry's name, not raised."""
+        t0 = time.monotonic()
+        try:
+            with self.device_context():
+                compiled = entry.lower().compile()
+        except Exception as e:  # noqa: BLE001 (the compiler's error is the result)
+            return CompiledEntry(entry.kind, entry.name, time.monotonic() - t0,
+                                 error=f"{type(e).__name__}: {e}")
+        seconds = time.monotonic() - t0
+        stats = compiled.memory_analysis()
+        text = _executable_text(compiled)
+        return CompiledEntry(
+            entry.kind, entry.name, seconds,
+            kernels=tuple(sorted(set(_KERNEL_NAMES.findall(text)))),
+            argument_bytes=int(stats.argument_size_in_bytes),
+            output_bytes=int(stats.output_size_in_bytes),
+            alias_bytes=int(stats.alias_size_in_bytes),
+            temp_bytes=int(stats.temp_size_in_bytes),
+            code_bytes=int(stats.generated_code_size_in_bytes),
+            executable=compiled)
+
+
+def functools_partial(fn, *args):
+    return lambda: fn(*args)
+
+
+def _shard_bytes(leaf) -> int:
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
+def _sharded(tree, default_sharding):
+    """``out_info`` shapes with a sharding each (outputs left to the compiler get
+    ``default_sharding``)."""
+    def one(info):
+        sharding = getattr(info, "sharding", None) or default_sharding
+        return jax.ShapeDtypeStruct(info.shape, info.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def _executable_text(compiled) -> str:
+    with contextlib.suppress(Exception):
+        return compiled.as_text() or ""
+    return ""
