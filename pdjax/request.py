@@ -328,7 +328,7 @@ class Request:
     num_retractions: int = 0
     last_scheduled_step: int = 0
     seed_for_sampling: int = 0    # sampling_params.seed, or a random one drawn at arrival
-    reported_cached_tokens: int | None = None   # PD decode: the prefill's prefix-cache hit
+    reported_cached_tokens: int | None = None   # PD decode: the longer of both prefix hits
     grammar: Any = None           # GrammarMatcher of sampling_params.grammar (engine thread)
 
     def __post_init__(self):
@@ -355,7 +355,8 @@ class Request:
     @property
     def num_cached_tokens_reported(self) -> int:
         """Prompt tokens served from a prefix cache (``cached_tokens`` in usage); on a PD decode
-        server, the prefill's hit (``reported_cached_tokens``), as colocated would report."""
+        server ``reported_cached_tokens``: the longer of the prefill's and the decode's prefix
+        hits (DESIGN.md §4)."""
         cached = self.num_cached_tokens if self.reported_cached_tokens is None \
             else self.reported_cached_tokens
         return max(0, min(cached, self.num_prompt_tokens))
@@ -456,5 +457,6 @@ class Request:
         self.prompt_top_logprobs.append(top)
 
     def set_reported_cached_tokens(self, n: int) -> None:
-        """PD decode: the prefill's prefix-cache hit, reported as ``cached_tokens``."""
+        """PD decode: the prefix the request reused (the longer of the prefill's and the
+        decode's hits), reported as ``cached_tokens``."""
         self.reported_cached_tokens = n

@@ -358,9 +358,11 @@ class DecodeManager(RoleManager):
             self.local_kv.stage_in(r.dst_pages)
             self.meta.free(r.slot)
             r.slot = None
-            # What the prefill served from its prefix cache, as colocated reports it; the
-            # decode's own prefix hit only saved transfer bytes (issue 16, item 5).
-            req.set_reported_cached_tokens(row.cached_tokens)
+            # What the request reused: the longer of the two prefix hits. Below the prefill's
+            # hit no KV was computed, below the decode's none was computed for it here or
+            # moved (DESIGN.md §4; issue 32: the prefill's hit alone said 0 of 9 where the
+            # decode reused 8).
+            req.set_reported_cached_tokens(max(row.cached_tokens, r.decode_prefix_len))
         tokens, lps, tops = [token], [], []
         if req.sampling_params.max_new_tokens == 0:
             # Nothing to decode (colocated finishes such a request without a forward): the

@@ -285,8 +285,10 @@ def test_router_passes_client_errors_through(hard):
     _assert_baseline(hard)
 
 
-def test_cached_tokens_report_the_prefill_prefix_hit(hard):
-    """Item 5: ``cached_tokens`` is what the prefill served from its cache, as colocated."""
+def test_cached_tokens_report_what_the_request_reused(hard):
+    """Item 5 and issue 32: ``cached_tokens`` is the longer of the prefill's prefix hit (as
+    colocated) and the decode's (DESIGN.md §4): a flushed prefill behind a warm decode used
+    to say 0 where the decode reused the whole prompt's full pages."""
     router, p, d = hard["router"].url, hard["p"], hard["d"]
     ids = _ids(40)
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
@@ -300,7 +302,19 @@ def test_cached_tokens_report_the_prefill_prefix_hit(hard):
     _assert_baseline(hard)
     assert post(p.url + "/flush_cache", {})[0] == 200          # prefill cold, decode warm
     status, out = post(router + "/generate", body)
-    assert status == 200 and out["meta_info"]["cached_tokens"] == 0
+    assert status == 200 and out["meta_info"]["cached_tokens"] == len(ids)   # 10 full pages
+    _assert_baseline(hard)
+    # The issue's case, through the OpenAI API: 9 prompt tokens, the decode reuses 8.
+    short = _ids(9)
+    cmpl = {"prompt": short, "max_tokens": 2, "temperature": 0}
+    status, out = post(router + "/v1/completions", cmpl)
+    assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    _assert_baseline(hard)
+    assert post(p.url + "/flush_cache", {})[0] == 200
+    status, out = post(router + "/v1/completions", cmpl)
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens"] == 9
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 8
     _assert_baseline(hard)
 
 

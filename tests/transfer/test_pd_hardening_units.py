@@ -205,7 +205,8 @@ async def test_router_passes_worker_4xx_through_and_502s_failures(p, d, want, ne
 
 def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
     """Item 5: a decode request whose prompt hit 8 tokens of the decode's own prefix cache
-    reports the prefill's hit from the metadata row; page accounting keeps the decode's."""
+    reports ``reported_cached_tokens`` (what ``_commit`` sets from the metadata row and the
+    decode's hit); page accounting keeps the decode's."""
     s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,
                                   chunked_prefill_size=16))
     warm = _req("warm", 12)
