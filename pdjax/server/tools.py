@@ -6,7 +6,9 @@ ignores them (its prompt is the same with and without) gets the parser's instruc
 system message instead, so the model still sees the functions. ``tool_choice="required"`` or a
 named function is enforced: ``ChatTools.grammar_spec`` is the grammar of exactly the calls the
 choice allows, and the engine decodes under it (structured outputs, ``pdjax.constrained``), so
-the answer is always a parseable call whose arguments validate. Without enforcement
+the answer is always a parseable call whose arguments validate; with no ``--tool-call-parser``
+the calls are bare JSON objects (``GRAMMAR_CALL_PARSER``), as vLLM serves them. Without
+enforcement
 (``enforced=False``, parser tests) the start of a call is appended to the prompt instead
 (``ToolCallParser.forced_prefix``): the model continues inside a call, which steers only.
 
@@ -25,6 +27,12 @@ from pdjax.server.errors import RequestError
 from pdjax.server.parsers import ToolCallParser, create_tool_call_parser
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
+# Without ``--tool-call-parser``, ``required`` and a named function are still served, as vLLM
+# serves them (structured outputs over the tools' schemas; only ``auto`` needs a parser): the
+# grammar then writes bare JSON call objects, ``{"name": ..., "parameters": {...}}`` joined by
+# ``"; "`` (Llama 3.1's JSON tool format, the nearest to vLLM's ``[{"name", "parameters"}]``),
+# and this parser reads them back: the grammar fixes the format, so nothing is guessed.
+GRAMMAR_CALL_PARSER = "llama3"
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 TOOL_CHOICES = ("none", "auto", "required")
@@ -109,7 +117,9 @@ def _check_tool(i: int, tool: Any) -> dict[str, Any]:
 def parse_tools(body: dict[str, Any], tool_call_parser: str | None) -> ChatTools | None:
     """Validate ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (null fields already
     removed). None when no tool may be called (no tools, or ``tool_choice="none"``).
-    ``tool_call_parser``: the server's ``--tool-call-parser`` (tools need one)."""
+    ``tool_call_parser``: the server's ``--tool-call-parser``; ``auto`` (the default with
+    tools) needs one, ``required`` and a named function do not (``GRAMMAR_CALL_PARSER``).
+    Raises ``RequestError`` naming the field."""
     tools = body.get("tools", [])
     if not isinstance(tools, list):
         raise RequestError("tools must be a list of function tools", "tools")
@@ -142,11 +152,13 @@ def parse_tools(body: dict[str, Any], tool_call_parser: str | None) -> ChatTools
         return None
     if not tools:
         raise RequestError(f"tool_choice {choice!r} needs tools", "tool_choice")
-    if tool_call_parser is None:
-        raise RequestError("tools need a tool-call parser: start the server with "
-                           "--tool-call-parser (hermes, qwen25 or llama3)", "tools")
+    if tool_call_parser is None and choice == "auto":
+        raise RequestError('tool_choice "auto" needs a tool-call parser: start the server '
+                           'with --tool-call-parser (hermes, qwen25 or llama3), or ask for '
+                           '"required" or a named function', "tool_choice")
     return ChatTools(tools=tools, choice=choice, function_name=function_name,
-                     max_calls=None if parallel else 1, parser_name=tool_call_parser,
+                     max_calls=None if parallel else 1,
+                     parser_name=tool_call_parser or GRAMMAR_CALL_PARSER,
                      enforced=choice != "auto")
 
 

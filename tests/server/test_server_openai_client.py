@@ -65,7 +65,7 @@ async def test_openai_client_sees_errors(make_openai):
     with pytest.raises(openai.BadRequestError) as info:
         await oa.chat.completions.create(model="fake-model", messages=MSG, temperature=-1)
     assert "temperature" in str(info.value)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         await oa.chat.completions.create(model="fake-model", messages=MSG, tools=[
             {"type": "function", "function": {"name": "f", "parameters": {}}}])
     engine.fail_after = 2

@@ -269,3 +269,49 @@ async def test_auto_tool_choice_with_a_biased_call_gives_tool_calls(call_token, 
     chat = await oa.chat.completions.create(**dict(kw, logit_bias=None, max_tokens=8))
     assert not chat.choices[0].message.tool_calls
     assert engine.core.runner.compiles_after_warmup == before
+
+
+@pytest.mark.parametrize("choice,parallel", [
+    ("required", False), ("required", True),
+    ({"type": "function", "function": {"name": "get_weather"}}, True)])
+async def test_required_and_named_need_no_tool_call_parser(make_client, real_engine,
+                                                           short_tools_template, choice,
+                                                           parallel):
+    """Issue 32: as in vLLM, ``required`` and a named function are structured outputs over the
+    tools' schemas and need no ``--tool-call-parser`` (they were a 400 "tools need a tool-call
+    parser"); the grammar writes bare JSON calls, read back into ``tool_calls``. ``auto`` still
+    needs the parser: a 400 naming ``tool_choice``."""
+    client, engine = await make_client(real_engine)             # no tool_call_parser
+    oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
+                            max_retries=0)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    try:
+        for seed in range(2):
+            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
+                      tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
+                      temperature=0 if seed == 0 else 1.0)
+            chat = await oa.chat.completions.create(**kw)
+            msg = chat.choices[0].message
+            got = [[c.function.name, c.function.arguments] for c in msg.tool_calls or []]
+            calls: dict[int, list] = {}
+            async for chunk in await oa.chat.completions.create(stream=True, **kw):
+                for c in chunk.choices:
+                    for tc in c.delta.tool_calls or []:
+                        if tc.id is not None:
+                            calls[tc.index] = [tc.function.name, tc.function.arguments]
+                        else:
+                            calls[tc.index][1] += tc.function.arguments
+            for answer in (got, list(calls.values())):
+                assert answer, (seed, msg)
+                if not parallel or isinstance(choice, dict):
+                    assert len(answer) == 1 and chat.choices[0].finish_reason == "tool_calls"
+                for name, args in answer:
+                    if isinstance(choice, dict):
+                        assert name == "get_weather"
+                    jsonschema.validate(json.loads(args), params[name])
+            assert not msg.content, msg        # the whole answer is calls
+        with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            await oa.chat.completions.create(model=engine.served_model_name, messages=MSG,
+                                             tools=TOOLS, max_tokens=4)
+    finally:
+        await oa.close()
