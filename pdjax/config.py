@@ -234,6 +234,10 @@ class ModelArgs:
               "per-request jnp path, or xla, that jnp path alone, where no C++ compiler builds "
               "it or tp_size > 1; tpu/gpu: Pallas kernels); reference: the per-token jnp oracle",
         ATTENTION_BACKENDS)
+    aot_executables: str | None = _arg(
+        None, "folder of executables written by python -m pdjax.aot --serialize: each bucket "
+              "whose lowered module matches one (same shapes, model, jax and device kind) is "
+              "loaded instead of compiled; the others compile as usual")
     pallas_interpret: bool = _arg(
         False, "run forced Pallas kernels in interpret mode (CPU testing)")
     unroll_layers: bool | None = _arg(

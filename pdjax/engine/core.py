@@ -123,7 +123,8 @@ class EngineCore:
         self.scheduler.cost_model = self.cost_model
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
                                   kv_dtype=config.kv_dtype, buckets=self.buckets,
-                                  chunk_size=args.chunked_prefill_size)
+                                  chunk_size=args.chunked_prefill_size,
+                                  executables_dir=args.aot_executables)
         phase("kv_cache")
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)

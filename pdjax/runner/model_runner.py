@@ -26,6 +26,7 @@ from pdjax.models.attention import AttentionMetadata
 from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.runner.entry_points import EntryPoints
+from pdjax.runner.executables import ExecutableStore
 from pdjax.sched.batch import FlatBatch
 from pdjax.sched.buckets import BucketKey, Buckets
 
@@ -82,7 +83,8 @@ class ModelRunner:
     """
 
     def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
-                 buckets: Buckets, chunk_size: int | None = None):
+                 buckets: Buckets, chunk_size: int | None = None,
+                 executables_dir: str | None = None):
         self.cfg = model.cfg
         self.mesh = mesh
         self.page_size = page_size
@@ -110,6 +112,13 @@ class ModelRunner:
         self.caches, self.penalty_counts, self.prompt_seen, self.no_prev_tokens = jax.tree.map(
             _zeros, (caches, counts, seen, no_prev))
         self.resample_rows: tuple[int, ...] = ()     # logits rows warm-up compiled resample for
+        # Executables of ``python -m pdjax.aot --serialize`` loaded instead of compiled.
+        self.executables = (ExecutableStore(executables_dir, mesh.devices.flat[0].device_kind,
+                                            devices=mesh.devices.flat)
+                            if executables_dir else None)
+        if self.executables is not None and self.executables.reason is not None:
+            logger.warning("aot_executables %s not used: %s", executables_dir,
+                           self.executables.reason)
         # BucketKey, or ("resample", entry, rows) -> AOT executable (warm-up)
         self._compiled = {}
         # Keys the request path may use: compiled, with their prompt-logprobs (and resample)
@@ -231,11 +240,20 @@ class ModelRunner:
         """The lowered ``resample`` for a forward's outputs ``first`` and ``logits [R, V]``."""
         return self.jits.lower_resample(first, logits, self.prompt_seen, self.penalty_counts)
 
+    def _compile(self, lowered):
+        """``lowered``'s executable: loaded from ``aot_executables`` when one matches it,
+        compiled otherwise."""
+        if self.executables is not None:
+            loaded = self.executables.load(lowered)
+            if loaded is not None:
+                return loaded
+        return lowered.compile()
+
     def _compile_all(self, jobs, threads: int, progress: bool, desc: str) -> None:
         """Compile ``(key, lowered)`` jobs on ``threads`` threads into ``_compiled``."""
         with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
                 tqdm(total=len(jobs), desc=desc, disable=not progress, unit="shape") as bar:
-            futures = {pool.submit(low.compile): key for key, low in jobs}
+            futures = {pool.submit(self._compile, low): key for key, low in jobs}
             for future in concurrent.futures.as_completed(futures):
                 self._compiled[futures[future]] = future.result()
                 bar.update()
@@ -322,7 +340,7 @@ class ModelRunner:
             for key in keys:
                 if self._stop_background.is_set():
                     return
-                compiled = self._lower(key).compile()
+                compiled = self._compile(self._lower(key))
                 # The forward's outputs as shapes with the executable's own output shardings.
                 outs = jax.tree.map(lambda info, sharding: jax.ShapeDtypeStruct(
                     info.shape, info.dtype, sharding=sharding),
@@ -337,7 +355,8 @@ class ModelRunner:
                         jnp.zeros(key.num_tokens, jnp.int32), jnp.asarray(True)))
                 resample_key = ("resample", key.entry, key.num_rows)
                 if split_sampling and resample_key not in self._compiled:
-                    self._compiled[resample_key] = self._lower_resample(outs[0], outs[4]).compile()
+                    self._compiled[resample_key] = self._compile(
+                        self._lower_resample(outs[0], outs[4]))
                     self.resample_rows = tuple(sorted({*self.resample_rows, key.num_rows}))
                 self._compiled[key] = compiled
                 self.ready_keys = self.ready_keys | {key}

@@ -1,0 +1,127 @@
+"""What ``python -m pdjax.aot`` prints: a table of the compiled entries and a per-chip HBM
+budget, both from the compiler's ``memory_analysis`` (DESIGN.md §7).
+
+    usable        = mem_fraction x HBM per chip
+    weights       = the parameter shards one chip holds (their shard shapes)
+    other args    = the largest forward's argument bytes (compiler) - weights - KV pool
+    largest temp  = the largest temp bytes over every compiled entry (compiler)
+    KV pages      = (usable - weights - other args - largest temp) // KV bytes per page per chip
+
+The KV pool the entries were compiled with is replaced by what fits: the cache is donated
+(``alias_bytes``) so its size does not change the temp a step needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdjax.aot.engine import AbstractEngine, CompiledEntry
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class HbmBudget:
+    """Per-chip HBM budget in bytes (the module docstring's formula); ``kv_pages`` may be
+    negative (the model does not fit); ``kv_tokens = kv_pages * page_size``;
+    ``fits_one_context``: at least one request of the full context length fits."""
+
+    hbm_bytes: int
+    mem_fraction: float
+    weight_bytes: int
+    other_argument_bytes: int
+    largest_temp_bytes: int
+    largest_temp_entry: str
+    kv_bytes_per_page: int
+    page_size: int
+    context_length: int
+    kv_pages: int
+    dp: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return max(0, self.kv_pages) * self.page_size
+
+    @property
+    def fits_one_context(self) -> bool:
+        return self.kv_pages >= -(-self.context_length // self.page_size) + 1
+
+
+def hbm_budget(engine: AbstractEngine, results: list[CompiledEntry], *, mem_fraction: float,
+               dp: int = 1) -> HbmBudget:
+    """The budget of ``engine``'s chips from ``results`` (its compiled entries).
+
+    Raises:
+      ValueError: ``mem_fraction`` outside (0, 1], or no forward compiled.
+    """
+    if not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+    forwards = [r for r in results if r.ok and r.kind in ("decode", "extend")]
+    if not forwards:
+        raise ValueError("no forward compiled: no budget")
+    compiled = [r for r in results if r.ok]
+    weights = engine.weight_bytes_per_chip()
+    page_bytes = engine.kv_bytes_per_page_per_chip()
+    pool = page_bytes * engine.args.num_pages
+    other = max(r.argument_bytes for r in forwards) - weights - pool
+    temp = max(compiled, key=lambda r: r.temp_bytes)
+    usable = int(mem_fraction * engine.target.hbm_bytes)
+    pages = (usable - weights - max(0, other) - temp.temp_bytes) // page_bytes
+    return HbmBudget(engine.target.hbm_bytes, mem_fraction, weights, other, temp.temp_bytes,
+                     temp.name, page_bytes, engine.args.page_size, engine.context_length,
+                     int(pages), dp)
+
+
+def format_entries(results: list[CompiledEntry]) -> str:
+    """One line per compiled entry: name, compile seconds, kernels, argument / temp MiB."""
+    lines = [f"{'entry':34s} {'compile s':>9s} {'args MiB':>10s} {'temp MiB':>9s}  kernels"]
+    for r in results:
+        if r.ok:
+            kernels = ", ".join(r.kernels) or "-"
+            lines.append(f"{r.name:34s} {r.seconds:9.1f} {r.argument_bytes / _MIB:10.1f} "
+                         f"{r.temp_bytes / _MIB:9.1f}  {kernels}")
+        else:
+            lines.append(f"{r.name:34s} {r.seconds:9.1f} {'FAILED':>10s} {'':9s}  "
+                         f"{r.error.splitlines()[0][:300]}")
+    return "\n".join(lines)
+
+
+def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
+    """The per-chip HBM budget and how many KV pages / tokens fit."""
+    b = budget
+    chips = engine.args.tp_size * b.dp
+    lines = [
+        f"HBM per chip ({engine.target.device_kind}, {chips} chips: TP {engine.args.tp_size}"
+        f" x DP {b.dp}):",
+        f"  HBM {b.hbm_bytes / _GIB:.1f} GiB x mem_fraction {b.mem_fraction} = "
+        f"{b.mem_fraction * b.hbm_bytes / _GIB:.2f} GiB usable",
+        f"  weights            {b.weight_bytes / _GIB:9.2f} GiB",
+        f"  other arguments    {b.other_argument_bytes / _GIB:9.2f} GiB",
+        f"  largest temp       {b.largest_temp_bytes / _GIB:9.2f} GiB ({b.largest_temp_entry})",
+        f"  KV per page        {b.kv_bytes_per_page / 1024:9.1f} KiB ({b.page_size} tokens)",
+    ]
+    if b.kv_pages <= 0:
+        lines.append(f"  DOES NOT FIT: {-b.kv_pages * b.kv_bytes_per_page / _GIB:.2f} GiB short "
+                     "before the first KV page")
+    else:
+        lines.append(f"  KV pool            {b.kv_pages} pages = {b.kv_tokens} tokens per "
+                     f"replica ({b.kv_tokens * b.dp} over {b.dp} replica(s)); "
+                     f"{b.kv_pages * b.kv_bytes_per_page / _GIB:.2f} GiB")
+        lines.append(f"  one request of {b.context_length} tokens "
+                     f"{'fits' if b.fits_one_context else 'does NOT fit'}")
+    return "\n".join(lines)
+
+
+def as_json(engine: AbstractEngine, results: list[CompiledEntry],
+            budget: HbmBudget | None) -> dict:
+    """The run as a JSON-able dict: target, settings, entries, budget (``--json``)."""
+    entries = [{k: v for k, v in dataclasses.asdict(r).items() if k != "executable"}
+               for r in results]
+    return {"target": engine.target.name, "device_kind": engine.target.device_kind,
+            "model_path": engine.config.model_path, "tp_size": engine.args.tp_size,
+            "page_size": engine.args.page_size, "context_length": engine.context_length,
+            "entries": entries,
+            "budget": None if budget is None else {**dataclasses.asdict(budget),
+                                                   "kv_tokens": budget.kv_tokens,
+                                                   "fits_one_context": budget.fits_one_context}}

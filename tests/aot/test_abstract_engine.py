@@ -1,0 +1,119 @@
+"""The abstract engine of ``pdjax.aot`` builds exactly what a server compiles: on the CPU (a
+Target of the host's devices) every forward it lowers has the ModelRunner's module text, and
+its serialized executables are what a runner started with ``aot_executables`` runs."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from pdjax.aot import report
+from pdjax.aot.__main__ import main as aot_main
+from pdjax.aot.engine import AbstractEngine, Entry
+from pdjax.aot.targets import Target
+from pdjax.config import ServerArgs
+from pdjax.models.loader import load_model, make_mesh
+from pdjax.runner.executables import ExecutableStore, fingerprint, save_executables
+from pdjax.runner.model_runner import ModelRunner
+from pdjax.sched.batch import BatchRow
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "pdjax", "aot", "configs")
+TINY_LLAMA = os.path.join(CONFIGS, "tiny-llama")
+SETTINGS = dict(model_path=TINY_LLAMA, max_total_tokens=512, context_length=128,
+                chunked_prefill_size=64, max_running_requests=4, attention_backend="xla",
+                unroll_layers=False, cpu_matmul_kernel=False, dtype="float32",
+                load_format="dummy", grammar_backend="none")
+
+
+def cpu_target(tp: int = 1) -> Target:
+    return Target("cpu", "cpu", tuple(jax.devices("cpu")), "cpu", 1 << 30)
+
+
+def dummy_runner(engine: AbstractEngine, **kwargs) -> ModelRunner:
+    args = engine.args
+    _, model = load_model(TINY_LLAMA, dtype="float32", mesh=make_mesh(args.tp_size),
+                          load_format="dummy", attention_impl="xla")
+    return ModelRunner(model, make_mesh(args.tp_size), num_pages=args.num_pages,
+                       page_size=args.page_size, kv_dtype=engine.config.kv_dtype,
+                       buckets=engine.buckets, chunk_size=args.chunked_prefill_size, **kwargs)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_forwards_lower_to_the_runners_modules(tp):
+    engine = AbstractEngine(ServerArgs(**SETTINGS, tp_size=tp), cpu_target())
+    runner = dummy_runner(engine)
+    forwards = [e for e in engine.entries("all") if e.key is not None]
+    assert {e.key for e in forwards} == set(engine.buckets.all_keys())
+    for entry in forwards[:: max(1, len(forwards) // 4)]:
+        assert fingerprint(entry.lower()) == fingerprint(runner.lower(entry.key)), entry.name
+    # The budget's sizes are the runner's real arrays' (per device).
+    kv = sum(a.addressable_shards[0].data.nbytes for a in runner.caches.values())
+    assert engine.kv_bytes_per_page_per_chip() * engine.args.num_pages == kv
+    weights = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(runner.state))
+    assert engine.weight_bytes_per_chip() == weights
+
+
+def test_serialized_executables_match_by_module(tmp_path):
+    engine = AbstractEngine(ServerArgs(**SETTINGS), cpu_target())
+    entries = engine.entries("core")
+    results = [engine.compile_entry(e) for e in entries]
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    forward = next(r for r in results if r.kind == "extend")
+    assert forward.argument_bytes > engine.weight_bytes_per_chip() > 0
+    save_executables(engine, results, str(tmp_path))
+    store = ExecutableStore(str(tmp_path), device_kind=jax.devices("cpu")[0].device_kind,
+                            devices=jax.devices("cpu")[:1])
+    assert len(store.manifest["entries"]) == len(entries)     # two resamples share a module
+    # XLA CPU executables lose their kernels when deserialized: the store refuses the platform.
+    assert store.reason == "CPU executables do not survive serialization"
+    store.reason = None               # the matching itself, as on an accelerator
+    assert store.load(entries[0].lower()) is not None and store.num_loaded == 1
+    other = AbstractEngine(ServerArgs(**{**SETTINGS, "max_running_requests": 8}), cpu_target())
+    assert store.load(other.entries("core")[0].lower()) is None    # another bucket: compiled
+    # A runner pointed at the folder compiles (and runs) as usual on the CPU.
+    runner = dummy_runner(engine, executables_dir=str(tmp_path))
+    runner.warmup(progress=False, core_only=True)
+    runner.stop_background(None)
+    assert runner.executables.num_loaded == 0 and runner.warmup_done
+    row = BatchRow(input_ids=[5, 6, 7, 8, 9], start_pos=0, pages=[1])
+    key = engine.buckets.pick("prefill_chunk", 5, 1, 1, ready=runner.ready_keys)
+    tokens = np.asarray(runner.forward(key, runner.make_batch(key, [row]))[0].tokens)
+    assert 0 <= tokens[0] < 512
+
+
+def test_store_refuses_other_versions(tmp_path):
+    engine = AbstractEngine(ServerArgs(**SETTINGS), cpu_target())
+    results = [engine.compile_entry(e) for e in engine.entries("core")[:1]]
+    save_executables(engine, results, str(tmp_path))
+    store = ExecutableStore(str(tmp_path), device_kind="NVIDIA H200")
+    assert store.reason is not None and "device_kind" in store.reason
+    assert store.load(engine.entries("core")[0].lower()) is None
+    with pytest.raises(ValueError, match="aot_executables"):
+        ExecutableStore(str(tmp_path / "missing"), device_kind="cpu")
+
+
+def test_failed_compile_names_the_entry_and_fails_the_run(monkeypatch, capsys):
+    engine = AbstractEngine(ServerArgs(**SETTINGS), cpu_target())
+
+    def broken():
+        raise RuntimeError("Mosaic failed to compile TPU kernel: offsets not aligned")
+    result = engine.compile_entry(Entry("decode", "decode T=4 R=4 P=8", broken))
+    assert not result.ok and "Mosaic failed" in result.error and result.name == "decode T=4 R=4 P=8"
+    assert "FAILED" in report.format_entries([result])
+    assert aot_main(["--topology", "v9x:1x1", "--model-path", TINY_LLAMA]) == 2
+    assert "topology" in capsys.readouterr().err
+
+
+def test_budget_arithmetic():
+    engine = AbstractEngine(ServerArgs(**SETTINGS), cpu_target())
+    results = [engine.compile_entry(e) for e in engine.entries("core")]
+    budget = report.hbm_budget(engine, results, mem_fraction=0.5)
+    page = engine.kv_bytes_per_page_per_chip()
+    usable = (1 << 30) // 2
+    want = (usable - engine.weight_bytes_per_chip() - max(0, budget.other_argument_bytes)
+            - budget.largest_temp_bytes) // page
+    assert budget.kv_pages == want > 0 and budget.fits_one_context
+    assert budget.largest_temp_bytes == max(r.temp_bytes for r in results)
+    with pytest.raises(ValueError, match="mem_fraction"):
+        report.hbm_budget(engine, results, mem_fraction=1.5)
