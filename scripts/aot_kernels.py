@@ -1,0 +1,30 @@
+"""Compile every attention kernel for a real GPU or TPU from this CPU (deviceless AOT).
+
+The (kernel, model shape, KV dtype, page size, TP, token bucket) matrix of
+``pdjax.aot.kernel_matrix``: ragged paged attention (Llama-3 8B, Llama-3 70B at TP 8, Qwen3
+30B-A3B, SmolLM2; bf16 and fp8 KV; pages 16/32/64; decode and 2048-token mixed buckets), MLA
+dense and sparse and the DSA indexer with its top-k (DeepSeek-V3 at TP 1 and 8). Prints compile
+seconds and pass/fail per case; exits 1 if any case fails. Each target needs its own venv:
+
+    CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
+        /work/venvs/cuda/bin/python scripts/aot_kernels.py --gpu h200      # jax[cuda12]
+    PYTHONPATH=. /work/venvs/tpu/bin/python scripts/aot_kernels.py --topology v5e:2x2  # jax[tpu]
+
+Options: ``--kernels rpa mla_dense mla_sparse indexer``, ``--models llama3-8b ...``,
+``--page-sizes 16 64``.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if "--gpu" in sys.argv:
+    # Before JAX starts its backends: no GPU is looked for and no driver checked.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+from pdjax.aot.kernel_matrix import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
