@@ -154,3 +154,35 @@ def test_whole_matrix_compiles(target):
     failed = [f"{r.case.label}: {r.error}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert all(r.kernel_calls == (3 if r.case.kernel == "rpa" else 1) for r in results)
+
+
+def test_compile_catches_what_lowering_cannot(target):
+    """Block sizes whose K/V stages overflow shared memory lower fine for ``cuda`` but the
+    compile refuses them against the target's 227 KiB (``shared_memory_per_block_optin``)."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import ragged_paged_attention_gpu
+    from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes
+
+    sharding = NamedSharding(Mesh(target.devices[:1], ("x",)), PartitionSpec())
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    cache = spec((2, 257, 16, 1, 128), jnp.bfloat16)
+    args = (spec((64, 8, 128), jnp.bfloat16), cache, cache, spec((), jnp.int32),
+            spec((64,), jnp.int32), spec((64, 16), jnp.int32), spec((65,), jnp.int32),
+            spec((3,), jnp.int32))
+    # 4 stages x 1024 rows x (K + V) x 128 x 2 bytes = 2 MiB of stages, far over 227 KiB.
+    huge = {path: BlockSizes(1 if path == "decode" else 16, kv_tokens=1024, num_stages=4)
+            for path in ("decode", "prefill", "mixed")}
+    fn = jax.jit(functools.partial(ragged_paged_attention_gpu, sm_scale=0.1, block_sizes=huge))
+    with jax.default_device(target.devices[0]):
+        lowered = fn.trace(*args).lower()
+        assert lowered.as_text().count(TRITON_CALL) == 3
+        with pytest.raises(Exception, match=r"Shared memory size limit exceeded.*available: "
+                                            r"232448"):
+            lowered.compile()
