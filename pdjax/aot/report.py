@@ -116,8 +116,10 @@ def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
 def as_json(engine: AbstractEngine, results: list[CompiledEntry],
             budget: HbmBudget | None) -> dict:
     """The run as a JSON-able dict: target, settings, entries, budget (``--json``)."""
-    entries = [{k: v for k, v in dataclasses.asdict(r).items() if k != "executable"}
-               for r in results]
+    entries = [{f.name: getattr(r, f.name) for f in dataclasses.fields(r)
+                if f.name != "executable"} for r in results]
+    for e in entries:
+        e["kernels"] = list(e["kernels"])
     return {"target": engine.target.name, "device_kind": engine.target.device_kind,
             "model_path": engine.config.model_path, "tp_size": engine.args.tp_size,
             "page_size": engine.args.page_size, "context_length": engine.context_length,

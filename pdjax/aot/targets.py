@@ -69,6 +69,8 @@ def tpu_target(topology: str) -> Target:
                          "'jax[tpu]' (in its own virtualenv; scripts/aot_env.sh tpu)") from e
     from jax.experimental import topologies
 
+    # Compile-only: several processes may load libtpu at once (no chip is opened).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
     chip = topology.split(":")[0].split("-")[0]
     chip = {"v5litepod": "v5e", "v6litepod": "v6e"}.get(chip, chip)

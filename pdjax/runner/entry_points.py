@@ -182,11 +182,12 @@ class EntryPoints:
                                                         vocab_size=self.vocab_size)
         state, caches, counts, seen, no_prev = abstract(
             (state, caches, penalty_counts, prompt_seen, no_prev_tokens))
-        return self.forwards[key.entry].trace(
-            self.graphdef, self.max_rows, state, caches, counts, seen,
-            np.asarray(fb.input_ids), np.full(key.num_tokens, -1, np.int32),
-            no_prev, md, np.asarray(fb.logits_indices),
-            SamplingInputs(*(np.asarray(a) for a in sampling))).lower()
+        with jax.set_mesh(self.mesh):       # the kernels' TP shard_map reads it (tp_shard.py)
+            return self.forwards[key.entry].trace(
+                self.graphdef, self.max_rows, state, caches, counts, seen,
+                np.asarray(fb.input_ids), np.full(key.num_tokens, -1, np.int32),
+                no_prev, md, np.asarray(fb.logits_indices),
+                SamplingInputs(*(np.asarray(a) for a in sampling))).lower()
 
     def lower_resample(self, first: StepOutputs, logits, prompt_seen, penalty_counts):
         """The lowered ``resample`` for a forward's outputs ``first`` and ``logits [R, V]``
@@ -201,9 +202,10 @@ class EntryPoints:
     def lower_prompt_logprobs(self, state, hidden):
         """The lowered prompt-logprobs of ``hidden [T, H]`` (an extend forward's output)."""
         n = hidden.shape[0]
-        return self.prompt_logprobs.trace(
-            self.graphdef, abstract(state), abstract(hidden), np.zeros(n, np.int32),
-            np.zeros(n, np.int32), np.asarray(True)).lower()
+        with jax.set_mesh(self.mesh):
+            return self.prompt_logprobs.trace(
+                self.graphdef, abstract(state), abstract(hidden), np.zeros(n, np.int32),
+                np.zeros(n, np.int32), np.asarray(True)).lower()
 
     def lower_init_penalty_slot(self, prompt_seen, penalty_counts):
         S = jax.ShapeDtypeStruct

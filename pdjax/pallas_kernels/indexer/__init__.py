@@ -11,7 +11,10 @@ reference). The top-k itself is ``lax.top_k`` outside the kernels
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.indexer.reference import indexer_scores_reference, topk_positions
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
@@ -52,10 +55,13 @@ def indexer_scores(
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return indexer_scores_reference(*args, sm_scale=sm_scale)
     if impl == "tpu":
-        from pdjax.pallas_kernels.indexer.kernel_tpu import indexer_scores_tpu
-        return indexer_scores_tpu(*args, sm_scale=sm_scale, interpret=interpret)
-    from pdjax.pallas_kernels.indexer.kernel_gpu import indexer_scores_gpu
-    return indexer_scores_gpu(*args, sm_scale=sm_scale, interpret=interpret)
+        from pdjax.pallas_kernels.indexer.kernel_tpu import indexer_scores_tpu as kernel
+    else:
+        from pdjax.pallas_kernels.indexer.kernel_gpu import indexer_scores_gpu as kernel
+    # The indexer is replicated under TP: every device scores every head (tp_shard.py).
+    run = tp_map(lambda *a: kernel(*a, sm_scale=sm_scale, interpret=interpret),
+                 in_specs=(P(),) * 8, out_specs=P())
+    return run(q, weights, k_cache, jnp.asarray(layer, jnp.int32), *args[4:])
 
 
 __all__ = ["indexer_scores", "indexer_scores_reference", "topk_positions"]

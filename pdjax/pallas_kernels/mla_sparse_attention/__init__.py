@@ -10,7 +10,10 @@ picks by platform, ``"reference"``, ``"tpu"`` or ``"gpu"`` force a path; ``"xla"
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.mla_sparse_attention.reference import mla_sparse_attention_reference
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
@@ -56,10 +59,17 @@ def mla_sparse_attention(
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return mla_sparse_attention_reference(*args, **kwargs)
     if impl == "tpu":
-        from pdjax.pallas_kernels.mla_sparse_attention.kernel_tpu import mla_sparse_attention_tpu
-        return mla_sparse_attention_tpu(*args, **kwargs, interpret=interpret)
-    from pdjax.pallas_kernels.mla_sparse_attention.kernel_gpu import mla_sparse_attention_gpu
-    return mla_sparse_attention_gpu(*args, **kwargs, interpret=interpret)
+        from pdjax.pallas_kernels.mla_sparse_attention.kernel_tpu import (
+            mla_sparse_attention_tpu as kernel)
+    else:
+        from pdjax.pallas_kernels.mla_sparse_attention.kernel_gpu import (
+            mla_sparse_attention_gpu as kernel)
+    # Under TP each device runs the kernel on its heads over the replicated latent cache.
+    heads = P(None, "tp", None)
+    run = tp_map(lambda *a: kernel(*a, **kwargs, interpret=interpret),
+                 in_specs=(heads, P(), P(), P(), P(), P(), P(), None if topk_indices is None
+                           else P()), out_specs=heads)
+    return run(q, kv_cache, jnp.asarray(layer, jnp.int32), *args[3:])
 
 
 __all__ = ["mla_sparse_attention", "mla_sparse_attention_reference"]

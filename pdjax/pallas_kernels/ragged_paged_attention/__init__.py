@@ -12,8 +12,13 @@ The kernel modules are imported on first use, so importing this package only nee
 
 from __future__ import annotations
 
-import jax
+import functools
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.ragged_paged_attention.kernel_cpu import (
     cpu_kernel_available, cpu_kernel_status)
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
@@ -115,11 +120,15 @@ def ragged_paged_attention(
                                           native_decode=impl == "cpu")
     if impl == "tpu":
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
-            ragged_paged_attention_tpu)
-        return ragged_paged_attention_tpu(*args, **kwargs, interpret=interpret)
-    from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import (
-        ragged_paged_attention_gpu)
-    return ragged_paged_attention_gpu(*args, **kwargs, interpret=interpret)
+            ragged_paged_attention_tpu as kernel)
+    else:
+        from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import (
+            ragged_paged_attention_gpu as kernel)
+    # Under TP each device runs the kernel on its query heads and KV heads (tp_shard.py).
+    heads, cache = P(None, "tp", None), P(None, None, None, "tp", None)
+    run = tp_map(functools.partial(kernel, **kwargs, interpret=interpret),
+                 in_specs=(heads, cache, cache, P(), P(), P(), P(), P()), out_specs=heads)
+    return run(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])
 
 
 __all__ = ["ATTENTION_IMPLS", "TRACED_BOUND_IMPLS", "ragged_paged_attention",

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The virtualenv that compiles for TPUs on this (CPU) machine: .venv-tpu with jax[tpu] (libtpu,
+# a registry wheel) at the project venv's jax version, and pdjax itself (editable). Idempotent.
+# The GPU compiler (jax[cuda12], about 3 GB of CUDA wheels) is not installed here by default:
+#   bash scripts/aot_env.sh tpu     (default)   -> .venv-tpu
+#   bash scripts/aot_env.sh cuda                -> .venv-cuda   (CUDA_VISIBLE_DEVICES=-1 to use)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+KIND="${1:-tpu}"
+PY="${PDJAX_PYTHON:-python3.11}"
+command -v "$PY" >/dev/null || PY=python3
+JAX_VERSION="$(.venv/bin/python -c 'import jax; print(jax.__version__)' 2>/dev/null || echo 0.10.2)"
+case "$KIND" in
+  tpu) VENV=.venv-tpu; EXTRA="jax[tpu]==$JAX_VERSION" ;;
+  cuda) VENV=.venv-cuda; EXTRA="jax[cuda12]==$JAX_VERSION" ;;
+  *) echo "usage: $0 [tpu|cuda]" >&2; exit 2 ;;
+esac
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+STAMP="$VENV/.pdjax-installed-$JAX_VERSION"
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "$EXTRA" -e .
+  touch "$STAMP"
+fi
+echo "$VENV"
