@@ -16,6 +16,7 @@ Entry points (DESIGN.md §2): ``decode`` and ``extend`` (prefill chunks and mixe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -167,6 +168,13 @@ class EntryPoints:
                                 pages_per_seq_pad=key.pages_per_seq, num_logits_pad=key.num_rows,
                                 chunk_size=self.chunk_size)
 
+    def kernel_mesh(self):
+        """The mesh context the Pallas kernels' TP ``shard_map`` reads (``tp_shard.py``) on an
+        accelerator; on the CPU (the jnp paths, partitioned by XLA) no context, as before."""
+        if self.mesh.devices.flat[0].platform == "cpu":
+            return contextlib.nullcontext()
+        return jax.set_mesh(self.mesh)
+
     # ------------------------------------------------------------------ lowerings
     # Example inputs are numpy arrays: only their shapes and dtypes reach the trace, and no
     # device (a compile-only one cannot hold an array) is asked to hold them.
@@ -182,7 +190,7 @@ class EntryPoints:
                                                         vocab_size=self.vocab_size)
         state, caches, counts, seen, no_prev = abstract(
             (state, caches, penalty_counts, prompt_seen, no_prev_tokens))
-        with jax.set_mesh(self.mesh):       # the kernels' TP shard_map reads it (tp_shard.py)
+        with self.kernel_mesh():
             return self.forwards[key.entry].trace(
                 self.graphdef, self.max_rows, state, caches, counts, seen,
                 np.asarray(fb.input_ids), np.full(key.num_tokens, -1, np.int32),
@@ -202,7 +210,7 @@ class EntryPoints:
     def lower_prompt_logprobs(self, state, hidden):
         """The lowered prompt-logprobs of ``hidden [T, H]`` (an extend forward's output)."""
         n = hidden.shape[0]
-        with jax.set_mesh(self.mesh):
+        with self.kernel_mesh():
             return self.prompt_logprobs.trace(
                 self.graphdef, abstract(state), abstract(hidden), np.zeros(n, np.int32),
                 np.zeros(n, np.int32), np.asarray(True)).lower()
