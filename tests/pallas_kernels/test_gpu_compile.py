@@ -186,3 +186,27 @@ def test_compile_catches_what_lowering_cannot(target):
         with pytest.raises(Exception, match=r"Shared memory size limit exceeded.*available: "
                                             r"232448"):
             lowered.compile()
+
+
+def test_gpu_tiles_of_128_by_128_take_8_warps():
+    """The H200 compile showed every head_dim-128 prefill/mixed kernel of 128-row tiles over 4
+    warps spilling (ptxas: 255 registers, 136-232 bytes of spill stores: Llama-3 8B fp8 or
+    page 32/64, Llama-3 70B TP 8, Qwen3-30B-A3B); 8 warps do not spill. The GPU table no
+    longer depends on the page size (rows are gathered), and warps follow the tile."""
+    from pdjax.pallas_kernels.ragged_paged_attention.tuning import get_block_sizes, gpu_group_pad
+
+    def sizes(path, group, page_size, kv_bits, head_dim=128):
+        return get_block_sizes("gpu", path, head_dim=head_dim, group=group,
+                               page_size=page_size, kv_bits=kv_bits, max_pages=512,
+                               num_tokens=2048)
+
+    for group, kv_bits, page_size in ((4, 8, 16), (4, 16, 64), (8, 16, 16), (8, 8, 32)):
+        for path in ("prefill", "mixed"):
+            bs = sizes(path, group, page_size, kv_bits)
+            rows = bs.q_tokens * gpu_group_pad(group, bs.q_tokens)
+            assert bs.num_warps == (8 if rows * 128 > 32 * 4 * 64 else 4), (path, group, bs)
+        assert sizes("prefill", group, page_size, kv_bits).num_warps == 8
+    assert sizes("mixed", 4, 64, 16).num_warps == 4           # 64-row tile: 4 warps suffice
+    assert sizes("prefill", 3, 64, 16, head_dim=64).num_warps == 4
+    for path in ("decode", "prefill", "mixed"):
+        assert sizes(path, 4, 64, 16) == sizes(path, 4, 16, 16)

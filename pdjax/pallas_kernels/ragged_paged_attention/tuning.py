@@ -11,7 +11,9 @@ Legal sizes:
     ``q_tokens`` is the number of decode rows (decode path) or query tokens per block.
   * GPU (Triton): ``kv_tokens`` is a power of two >= 16 (any page size: rows are gathered);
     ``q_tokens * group_pad`` (``group_pad`` = the GQA group rounded up to a power of two, at
-    least 16 rows for tensor-core dots) is a power of two.
+    least 16 rows for tensor-core dots) is a power of two. The GPU table is keyed by page
+    size 16 whatever the cache's page size, and ``num_warps`` is raised until the float32
+    accumulator tile takes at most 64 registers a thread (a 128 x 128 tile needs 8 warps).
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def _fit_tpu(bs: BlockSizes, page_size: int, max_pages: int, num_tokens: int,
 # Shared memory the Triton pipeliner may spend on K/V stages (H100/H200 have 227 KiB per block;
 # leave room for the Q tile and layout conversions).
 _GPU_KV_SMEM_BYTES = 96 * 1024
+# Accumulator floats per thread the Triton kernel holds without spilling: a [128, 128] tile
+# over 4 warps (128 per thread) spills on sm_90 (ptxas: 255 registers, ~200 bytes of spill
+# stores, compiled for H100/H200 by pdjax.aot.kernel_matrix); over 8 warps (64) it does not,
+# nor does [64, 128] over 4 warps.
+_GPU_ACC_PER_THREAD = 64
+_GPU_MAX_WARPS = 8
 
 
 def _fit_gpu(bs: BlockSizes, group: int, head_dim: int, kv_bits: int, num_tokens: int,
@@ -108,7 +116,11 @@ def _fit_gpu(bs: BlockSizes, group: int, head_dim: int, kv_bits: int, num_tokens
     stage_bytes = 2 * head_dim * kv_bits // 8          # one K row and one V row
     while kv_tokens > 16 and bs.num_stages * kv_tokens * stage_bytes > _GPU_KV_SMEM_BYTES:
         kv_tokens //= 2
-    return dataclasses.replace(bs, q_tokens=q_tokens, kv_tokens=kv_tokens)
+    # Enough warps that the float32 accumulator tile [rows, head_dim] stays in registers.
+    rows = q_tokens * gpu_group_pad(group, q_tokens)
+    num_warps = max(bs.num_warps, min(_GPU_MAX_WARPS, pow2_ceil(
+        -(-rows * head_dim // (32 * _GPU_ACC_PER_THREAD)))))
+    return dataclasses.replace(bs, q_tokens=q_tokens, kv_tokens=kv_tokens, num_warps=num_warps)
 
 
 def fallback_block_sizes(backend: str, path: str, head_dim: int, page_size: int) -> BlockSizes:
@@ -148,7 +160,8 @@ def get_block_sizes(backend: str, path: str, *, head_dim: int, group: int, page_
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    bs = _TABLE.get((backend, path, head_dim, page_size, kv_bits))
+    # The GPU kernel gathers K/V rows one by one, so its tiles do not depend on the page size.
+    bs = _TABLE.get((backend, path, head_dim, 16 if backend == "gpu" else page_size, kv_bits))
     if bs is None:
         bs = fallback_block_sizes(backend, path, head_dim, page_size)
     if backend == "tpu":
