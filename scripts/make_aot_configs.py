@@ -58,8 +58,7 @@ def main() -> None:
     out_root = parser.parse_args().out_dir
     configs = {name: (cls, kw) for name, (cls, kw) in REAL.items()}
     for name, tiny_name in TINY.items():
-        cls, overrides, _ = tiny.CONFIGS[tiny_name]
-        configs[name] = (cls, {**tiny._COMMON, **overrides})
+        configs[name] = tiny.config_kwargs(tiny_name)
     for name, (cls, kw) in configs.items():
         cfg = getattr(transformers, cls)(**kw)
         cfg.architectures = [cls.replace("Config", "ForCausalLM")]

@@ -79,6 +79,12 @@ CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def config_kwargs(name: str) -> tuple[str, dict]:
+    """``(transformers config class name, keyword arguments)`` of checkpoint ``name``."""
+    cls_name, overrides, _ = CONFIGS[name]
+    return cls_name, {**_COMMON, **overrides}
+
+
 def make_tokenizer(out_dir: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

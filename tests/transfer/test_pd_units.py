@@ -11,6 +11,8 @@ from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import _merge_input_logprobs, parse_prefill_args
 from pdjax.server.validation import num_samples
+from pdjax.models.loader import make_mesh
+from pdjax.runner.entry_points import EntryPoints
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.fake import FakeTransferEngine
@@ -106,11 +108,11 @@ class _Runner(ModelRunner):
     def __init__(self, shape, dtype=jnp.float32):
         L, N, ps, h, d = shape
         self.cache_specs = gqa_cache_spec(L, h, d, num_pages=N, page_size=ps, dtype=dtype)
-        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        self.cache_shardings = {s.name: dev for s in self.cache_specs}
+        self.jits = EntryPoints(None, make_mesh(1), self.cache_specs, max_rows=1, vocab_size=1,
+                                page_size=ps)
+        self.cache_shardings = self.jits.cache_shardings
         rng = np.random.default_rng(0)
         self.caches = {s.name: jnp.asarray(rng.standard_normal(shape), dtype) for s in self.cache_specs}
-        self._gather_jit = self._scatter_jit = None
 
 
 def test_staging_path_round_trip_and_direct_addresses():
