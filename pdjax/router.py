@@ -46,6 +46,7 @@ from aiohttp import web
 
 from pdjax.server.app import listening
 from pdjax.server.errors import RequestError
+from pdjax.server.errors import error_body
 from pdjax.server.http_json import (CLIENT_MAX_SIZE, SSE_HEADERS, error_response,
                                     read_json_object)
 from pdjax.router_pool import POLICIES, WorkerPool, draw_room
@@ -151,6 +152,9 @@ class PDRouter:
         for (pool, i), (status, body) in zip(pools, results):
             if status == 200:
                 pool.set_kv_usage(i, body)
+                pool.mark_up(i)
+            else:              # unreachable or not serving (a restart warming up): skip it
+                pool.mark_down(i)
 
     async def _poll_loads(self) -> None:
         while True:
@@ -195,6 +199,16 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict,
                 headers: dict) -> tuple[int, bytes, str]:
     async with session.post(url, json=body, headers=headers) as resp:
         return resp.status, await resp.read(), resp.headers.get("Content-Type", "")
+
+
+async def _post_worker(router: "PDRouter", pool: WorkerPool, i: int, url: str, body: dict,
+                       headers: dict) -> tuple[int, bytes, str]:
+    """``_post`` to worker ``i`` of ``pool``; a connection failure marks it down."""
+    try:
+        return await _post(router.session, url, body, headers)
+    except (aiohttp.ClientConnectionError, OSError):
+        pool.mark_down(i)
+        raise
 
 
 def _error_text(raw: bytes) -> str:
@@ -249,13 +263,14 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
         raise
     headers = {h: request.headers[h] for h in _FORWARD_HEADERS if h in request.headers}
     merge = path == "/generate" and bool(body.get("return_logprob"))
-    session = router.session
-    p_task = asyncio.create_task(_post(session, p_url + path, body, headers))
+    p_task = asyncio.create_task(_post_worker(router, router.prefill_pool, p_i, p_url + path,
+                                              body, headers))
     # The prefill's work is over when it answers (its KV is sent); the decode's at the end.
     p_task.add_done_callback(lambda _t: router.prefill_pool.release(p_i))
     if body.get("stream"):
-        return await _stream(request, router, p_task, d_url + path, body, headers, merge)
-    d_task = asyncio.create_task(_post(session, d_url + path, body, headers))
+        return await _stream(request, router, p_task, d_i, body, headers, merge)
+    d_task = asyncio.create_task(_post_worker(router, router.decode_pool, d_i, d_url + path,
+                                              body, headers))
     try:
         done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
         if p_task in done and not d_task.done():
@@ -324,9 +339,10 @@ def _result(task: asyncio.Task) -> tuple[int, bytes, str]:
         return 502, json.dumps({"error": {"message": f"{type(e).__name__}: {e}"}}).encode(), ""
 
 
-async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, d_url: str,
+async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, d_i: int,
                   body: dict, headers: dict, merge: bool) -> web.StreamResponse:
     session = router.session
+    d_url = router.decodes[d_i] + request.path
 
     async def open_decode() -> aiohttp.ClientResponse:
         return await session.post(d_url, json=body, headers=headers)
@@ -344,6 +360,8 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             d_resp = await d_open
         except (aiohttp.ClientError, OSError) as e:
             router.num_errors += 1
+            if isinstance(e, (aiohttp.ClientConnectionError, OSError)):
+                router.decode_pool.mark_down(d_i)
             return _error(f"decode server {d_url} unreachable: {e}", 502)
         if d_resp.status != 200:
             router.num_errors += 1
@@ -359,13 +377,24 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
                 prefill_obj = _first_sse_json(p_raw)
         resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
         await resp.prepare(request)
-        async for line in d_resp.content:
-            if prefill_obj is not None and line.startswith(b"data: ") \
-                    and line.strip() != b"data: [DONE]":
-                with contextlib.suppress(ValueError):
-                    obj = _merge_input_logprobs(json.loads(line[6:]), prefill_obj)
-                    line = b"data: " + json.dumps(obj).encode() + b"\n"
-            await resp.write(line)
+        try:
+            async for line in d_resp.content:
+                if prefill_obj is not None and line.startswith(b"data: ") \
+                        and line.strip() != b"data: [DONE]":
+                    with contextlib.suppress(ValueError):
+                        obj = _merge_input_logprobs(json.loads(line[6:]), prefill_obj)
+                        line = b"data: " + json.dumps(obj).encode() + b"\n"
+                await resp.write(line)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            # The decode went away mid-stream: the client gets an error event, never a
+            # stream that just stops (issue 32).
+            router.num_errors += 1
+            router.decode_pool.mark_down(d_i)
+            err = error_body(f"decode server {d_url} failed mid-stream: "
+                             f"{type(e).__name__}: {e}", 502, None, "router_error")
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+            await resp.write_eof()
+            return resp
         await resp.write_eof()
         router.let_finish(p_task)       # the decode streamed to the end: see _generate
         return resp

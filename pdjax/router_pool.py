@@ -6,6 +6,7 @@ Pure Python (no I/O): the router feeds it outstanding counts and ``/get_load`` a
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from pdjax.server.validation import MAX_ROOM
@@ -26,9 +27,14 @@ class WorkerPool:
     (``acquire``/``release``); ``kv_usage[i]``: the share of its KV pool in use, from its last
     ``/get_load`` (``set_kv_usage``; 0 until the first poll). ``choose()`` returns the index
     to use: ``load_aware`` takes the fewest outstanding, then the lowest ``kv_usage``, then
-    the first in round-robin order; ``round_robin`` ignores load. Raises ``ValueError`` for an
-    unknown policy or no workers.
+    the first in round-robin order; ``round_robin`` ignores load. A worker the router could
+    not reach (``mark_down``) is skipped for ``DOWN_HOLD_S`` or until its next good
+    ``/get_load`` (``mark_up``), unless every worker is down: a dead worker has no requests
+    outstanding, so without this the fewest-outstanding rule would send it the most (issue
+    32). Raises ``ValueError`` for an unknown policy or no workers.
     """
+
+    DOWN_HOLD_S = 2.0
 
     def __init__(self, urls: list[str], policy: str = "load_aware"):
         if policy not in POLICIES:
@@ -40,11 +46,23 @@ class WorkerPool:
         self.outstanding = [0] * len(urls)
         self.kv_usage = [0.0] * len(urls)
         self.num_chosen = [0] * len(urls)
+        self.down_until = [0.0] * len(urls)
         self._next = 0
 
-    def choose(self) -> int:
+    def mark_down(self, i: int, now: float | None = None) -> None:
+        """Worker ``i`` could not be reached: skip it for ``DOWN_HOLD_S`` seconds."""
+        now = time.monotonic() if now is None else now
+        self.down_until[i] = now + self.DOWN_HOLD_S
+
+    def mark_up(self, i: int) -> None:
+        """Worker ``i`` answered ``/get_load``: choose it again."""
+        self.down_until[i] = 0.0
+
+    def choose(self, now: float | None = None) -> int:
         n = len(self.urls)
+        now = time.monotonic() if now is None else now
         order = [(self._next + k) % n for k in range(n)]
+        order = [j for j in order if self.down_until[j] <= now] or order
         if self.policy == "load_aware":
             i = min(order, key=lambda j: (self.outstanding[j], self.kv_usage[j]))
         else:
@@ -69,6 +87,7 @@ class WorkerPool:
             self.kv_usage[i] = float(value)
 
     def state(self) -> list[dict[str, Any]]:
-        return [{"url": u, "outstanding": o, "kv_usage": k, "num_chosen": c}
-                for u, o, k, c in zip(self.urls, self.outstanding, self.kv_usage,
-                                      self.num_chosen)]
+        now = time.monotonic()
+        return [{"url": u, "outstanding": o, "kv_usage": k, "num_chosen": c, "down": d > now}
+                for u, o, k, c, d in zip(self.urls, self.outstanding, self.kv_usage,
+                                         self.num_chosen, self.down_until)]

@@ -9,6 +9,8 @@ and prints a table of compile seconds and pass/fail::
     PYTHONPATH=. /work/venvs/cuda/bin/python -m pdjax.aot.kernel_matrix --gpu h200
     PYTHONPATH=. /work/venvs/tpu/bin/python -m pdjax.aot.kernel_matrix --topology v5e:2x2
 
+``--ptxas DIR`` (GPU) adds each case's registers and spill stores a thread (``ptx_spills``).
+
 Kernel shapes are per device: a TP-8 case carries the heads one device holds (the kernels are
 custom calls without a sharding rule; the model shards heads around them). A case passes when
 the compile succeeds and the optimized HLO holds the kernel's custom call (``KERNEL_CALLS``),
@@ -23,9 +25,12 @@ import functools
 import sys
 import time
 import traceback
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from pdjax.aot.targets import Target, resolve_target
+
+if TYPE_CHECKING:
+    from pdjax.aot.ptx_spills import PtxWatcher
 
 # The custom call each platform's Pallas kernels become in the compiled HLO.
 KERNEL_CALLS = {"gpu": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
@@ -111,7 +116,9 @@ class CaseResult:
     """Outcome of one case: ``ok`` (compiled and the kernel's custom call is in the HLO),
     ``compile_s`` (trace + lower + compile, seconds), ``kernel_calls`` (how many of the
     kernel custom calls the compiled HLO holds), per-device ``argument_bytes`` /
-    ``temp_bytes`` from ``memory_analysis()`` (-1 when not given), ``error`` (first line)."""
+    ``temp_bytes`` from ``memory_analysis()`` (-1 when not given), ``error`` (first line);
+    GPU with a PTX dump (``--ptxas``): the most ``registers`` a thread and ``spill_bytes``
+    (spill stores a thread) over the case's kernels, from ``ptx_spills`` (-1: not measured)."""
 
     case: KernelCase
     ok: bool
@@ -120,6 +127,8 @@ class CaseResult:
     argument_bytes: int = -1
     temp_bytes: int = -1
     error: str = ""
+    registers: int = -1
+    spill_bytes: int = -1
 
 
 def kernel_cases(models: Iterable[AttentionShape] = MODEL_SHAPES,
@@ -240,11 +249,20 @@ def run_case(case: KernelCase, target: Target) -> CaseResult:
 
 
 def run_matrix(target: Target, cases: Iterable[KernelCase],
-               on_result: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
-    """``run_case`` over ``cases`` in order; ``on_result`` sees each result as it comes."""
+               on_result: Callable[[CaseResult], None] | None = None,
+               ptx: PtxWatcher | None = None) -> list[CaseResult]:
+    """``run_case`` over ``cases`` in order; ``on_result`` sees each result as it comes.
+    ``ptx``: a ``ptx_spills.PtxWatcher`` on XLA's dump folder, to add each case's registers
+    and spills."""
     results = []
     for case in cases:
         result = run_case(case, target)
+        if ptx is not None:
+            kernels = ptx.new_kernels()
+            if kernels:
+                result = dataclasses.replace(
+                    result, registers=max(k.registers for k in kernels),
+                    spill_bytes=max(k.spill_bytes for k in kernels))
         results.append(result)
         if on_result is not None:
             on_result(result)
@@ -253,17 +271,19 @@ def run_matrix(target: Target, cases: Iterable[KernelCase],
 
 TABLE_HEADER = (f"{'kernel':<11} {'model':<14} {'tp':>2} {'kv dtype':<13} {'page':>4} "
                 f"{'bucket':<6} {'T':>5} {'R':>4} {'compile_s':>9} {'calls':>5} "
-                f"{'temp_MiB':>8}  result")
+                f"{'temp_MiB':>8} {'regs':>4} {'spill':>5}  result")
 
 
 def format_row(r: CaseResult) -> str:
     """One table row of a result (the error's first line when it failed)."""
     c = r.case
     temp = f"{r.temp_bytes / 2**20:8.1f}" if r.temp_bytes >= 0 else f"{'-':>8}"
+    regs = f"{r.registers:>4} {r.spill_bytes:>5}" if r.registers >= 0 else f"{'-':>4} {'-':>5}"
     status = "ok" if r.ok else "FAIL " + r.error.splitlines()[0][:160] if r.error else "FAIL"
     return (f"{c.kernel:<11} {c.shape.model:<14} {c.shape.tp:>2} {c.kv_dtype:<13} "
             f"{c.page_size:>4} {c.bucket.name:<6} {c.bucket.num_tokens:>5} "
-            f"{c.bucket.num_seqs:>4} {r.compile_s:9.2f} {r.kernel_calls:>5} {temp}  {status}")
+            f"{c.bucket.num_seqs:>4} {r.compile_s:9.2f} {r.kernel_calls:>5} {temp} {regs}  "
+            f"{status}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +298,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="only these kernels (default: all)")
     parser.add_argument("--page-sizes", nargs="+", type=int, default=list(PAGE_SIZES))
     parser.add_argument("--models", nargs="+", help="only these models (default: all)")
+    parser.add_argument("--ptxas", metavar="DUMP_DIR",
+                        help="GPU: dump XLA's PTX there and report each case's registers and "
+                             "spill stores a thread (ptxas -v); must start before JAX does")
     args = parser.parse_args(argv)
 
+    watcher = None
+    if args.ptxas:
+        from pdjax.aot.ptx_spills import PtxWatcher, enable_ptx_dump, ptxas_path
+        if args.gpu is None:
+            parser.error("--ptxas needs --gpu")
+        if ptxas_path() is None:
+            parser.error("--ptxas: no ptxas (pip install 'jax[cuda12]' brings it)")
+        enable_ptx_dump(args.ptxas)
+        watcher = PtxWatcher(args.ptxas, ptxas_path())
     target = resolve_target(topology=args.topology, gpu=args.gpu)
     models = [m for m in MODEL_SHAPES if not args.models or m.model in args.models]
     cases = kernel_cases(models, args.page_sizes, kernels=args.kernels)
@@ -287,11 +319,17 @@ def main(argv: list[str] | None = None) -> int:
           f"({target.platform}); {len(cases)} cases", flush=True)
     print(TABLE_HEADER, flush=True)
     start = time.perf_counter()
-    results = run_matrix(target, cases, on_result=lambda r: print(format_row(r), flush=True))
+    results = run_matrix(target, cases, on_result=lambda r: print(format_row(r), flush=True),
+                         ptx=watcher)
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)}/{len(results)} compiled in "
           f"{time.perf_counter() - start:.1f} s (compile seconds summed: "
           f"{sum(r.compile_s for r in results):.1f})", flush=True)
+    spilled = [r for r in results if r.spill_bytes > 0]
+    if watcher is not None:
+        print(f"{len(spilled)} cases spill registers" + "".join(
+            f"\n  {r.case.label}: {r.spill_bytes} bytes a thread at {r.registers} registers"
+            for r in spilled), flush=True)
     for r in failed:
         print(f"\nFAILED {r.case.label}:\n{r.error}", flush=True)
     return 1 if failed else 0

@@ -210,3 +210,27 @@ def test_gpu_tiles_of_128_by_128_take_8_warps():
     assert sizes("prefill", 3, 64, 16, head_dim=64).num_warps == 4
     for path in ("decode", "prefill", "mixed"):
         assert sizes(path, 4, 64, 16) == sizes(path, 4, 16, 16)
+
+
+@needs_cuda
+def test_matrix_cli_reports_no_spills_for_llama70b_tp8(tmp_path):
+    """The CLI with ``--ptxas``: Llama-3 70B at TP 8 (8 query heads on 1 KV head, head_dim
+    128), page 16, both KV dtypes and buckets: every case compiles and no kernel spills (before
+    the warps rule its prefill and mixed kernels spilled 136-232 bytes a thread)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), CUDA_VISIBLE_DEVICES="-1",
+               JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1")
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdjax.aot.kernel_matrix", "--gpu", "h200", "--kernels", "rpa",
+         "--models", "llama3-70b", "--page-sizes", "16", "--ptxas", str(tmp_path / "dump")],
+        capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("rpa ")]
+    assert len(rows) == 4 and all(row[-1] == "ok" for row in rows)
+    # columns: ... calls temp_MiB regs spill result
+    assert all(int(row[-5]) == 3 and 0 < int(row[-3]) <= 255 and int(row[-2]) == 0
+               for row in rows), rows
+    assert "4/4 compiled" in out.stdout and "0 cases spill registers" in out.stdout

@@ -2,7 +2,6 @@
 under its invariant check, the staging path of ``LocalKV``, and the router's request
 arithmetic."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -155,3 +155,64 @@ async def test_a_prefill_slower_than_its_decode_is_never_cancelled():
         await rs.close()
         for w in servers:
             await w.close()
+
+
+def test_pool_skips_a_worker_marked_down_until_it_is_up_or_its_hold_ends():
+    pool = WorkerPool(["a", "b"])
+    pool.mark_down(0, now=100.0)
+    assert [pool.choose(now=100.5) for _ in range(3)] == [1, 1, 1]   # 0 idle but down
+    assert pool.choose(now=100.0 + WorkerPool.DOWN_HOLD_S) in (0, 1)  # the hold ended
+    pool.mark_down(0, now=200.0)
+    pool.mark_down(1, now=200.0)
+    assert {pool.choose(now=200.1) for _ in range(4)} == {0, 1}      # all down: all of them
+    pool.mark_up(1)
+    pool.mark_down(0, now=300.0)
+    assert pool.choose(now=300.1) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_dead_decode_is_skipped_and_a_stream_it_breaks_ends_with_an_error_event():
+    """Issue 32: a decode that was killed has no requests outstanding, so the fewest-outstanding
+    rule sent it every new request (each a 502) until it came back; after one connection
+    failure (or a failed ``/get_load``) the router skips it. A decode that dies mid-stream
+    leaves the client an SSE error event, not a stream that just stops."""
+    served = {name: [] for name in ("p0", "d0", "d1")}
+    workers = {n: _worker(0.0, 0.0, served[n]) for n in served}
+
+    async def dying_stream(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"text": "a", "output_ids": [1], "meta_info": {}}\n\n')
+        request.transport.close()              # the process dies: no finish, no [DONE]
+        return resp
+
+    broken = web.Application()
+    broken.router.add_post("/generate", dying_stream)
+    workers["d2"] = TestServer(broken)
+    for w in workers.values():
+        await w.start_server()
+    url = {n: str(w.make_url("")).rstrip("/") for n, w in workers.items()}
+    dead = "http://127.0.0.1:1"                    # nothing listens there
+    router = PDRouter([(url["p0"], 8998)], [dead, url["d1"]], load_poll_interval_s=60)
+    rs = TestServer(create_router_app(router))
+    await rs.start_server()
+    try:
+        async with aiohttp.ClientSession() as s:
+            statuses = []
+            for _ in range(6):
+                async with s.post(rs.make_url("/generate"), json={"text": "hi"}) as r:
+                    statuses.append(r.status)
+            assert statuses.count(502) <= 1 and statuses.count(200) >= 5, statuses
+            assert len(served["d1"]) >= 5
+            router.decodes[1] = url["d2"]          # d1's address now leads to a dying decode
+            router.decode_pool.mark_down(0)
+            async with s.post(rs.make_url("/generate"), json={"text": "hi", "stream": True}) as r:
+                assert r.status == 200
+                raw = (await r.read()).decode()
+            events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+            assert '"output_ids": [1]' in events[0]
+            assert "failed mid-stream" in events[-1] and '"error"' in events[-1], events
+    finally:
+        await rs.close()
+        for w in workers.values():
+            await w.close()
