@@ -65,8 +65,14 @@ echo "== engine check"
 start=$SECONDS
 # Most of the device's memory for the 16 GB model and its 35 GB KV pool (JAX's default: 75%).
 # shellcheck disable=SC2086  # GPU_CHECK_ENGINE_ARGS is a list of words
+AOT_DIR="${GPU_CHECK_AOT_DIR:-.aot-h200}"
+AOT_ARGS=()
+if [[ -f "$AOT_DIR/gpu/manifest.json" ]]; then
+  AOT_ARGS=(--aot-executables "$AOT_DIR")
+  echo "loading executables from $AOT_DIR where they match"
+fi
 XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}" \
   "$PY" scripts/gpu_engine_check.py ${OUT:+--json "$OUT/gpu_engine_check.json"} \
-  ${GPU_CHECK_ENGINE_ARGS:-}
+  ${AOT_ARGS[@]+"${AOT_ARGS[@]}"} ${GPU_CHECK_ENGINE_ARGS:-}
 echo "engine check took $((SECONDS - start)) s"
 echo "gpu_check: all steps passed in $((SECONDS - total_start)) s"

@@ -380,6 +380,49 @@ def print_report(result: dict) -> None:
           f"{', '.join(f'{k} {v:.1f} s' for k, v in result['engine_start_s'].items())})")
 
 
+def with_executables(settings: dict, folder: str | None, impl: str) -> dict:
+    """``settings`` with ``aot_executables`` set to ``folder/impl`` when given."""
+    return settings if folder is None else {**settings,
+                                            "aot_executables": os.path.join(folder, impl)}
+
+
+def serialize_executables(out_dir: str, target_name: str, max_batch: int | None) -> int:
+    """Compile the full plan's two engines (the XLA path and the Pallas GPU path) for the GPU
+    target ``target_name`` on this host, without a GPU (``pdjax.aot``), and write their
+    executables to ``out_dir/xla`` and ``out_dir/gpu``: ``gpu_check.sh`` then measures
+    instead of compiling. They load only under the same jax/jaxlib as here (the lent H200:
+    jax 0.11.2 with CUDA 13, Python 3.12; DESIGN.md §7). Returns the exit status."""
+    from pdjax.aot.engine import AbstractEngine
+    from pdjax.aot.targets import gpu_target
+    from pdjax.config import ServerArgs
+    from pdjax.runner.executables import save_executables
+
+    plan = FULL
+    if max_batch is not None:
+        plan = dataclasses.replace(plan, decode_cases=tuple(
+            c for c in plan.decode_cases if c[0] <= max_batch))
+    target = gpu_target(target_name, num_gpus=1)
+    rng = np.random.default_rng(0)
+    compare = random_prompts(rng, plan.compare_lengths, plan.model["vocab_size"])
+    failed = 0
+    with tempfile.TemporaryDirectory(prefix="pdjax_gpu_check_") as folder:
+        write_model_dir(folder, plan.model)
+        for impl, settings in (("xla", xla_engine_settings(plan, compare)),
+                               ("gpu", kernel_engine_settings(plan, False))):
+            settings = dict(settings)
+            buckets = settings.pop("buckets")
+            settings.pop("progress")
+            engine = AbstractEngine(ServerArgs(model_path=folder, **settings), target,
+                                    buckets=buckets)
+            results = [engine.compile_entry(e) for e in engine.entries("all")]
+            for r in results:
+                print(f"{impl} {r.name}: {'ok' if r.ok else 'FAILED'} in {r.seconds:.1f} s"
+                      + ("" if r.ok else f": {r.error.splitlines()[0][:200]}"), flush=True)
+            failed += sum(not r.ok for r in results)
+            print(save_executables(engine, results, os.path.join(out_dir, impl)), flush=True)
+    return 1 if failed else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", default=None,
@@ -392,7 +435,17 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch", type=int, default=None,
                         help="drop decode cases above this batch (a smaller GPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--aot-executables", default=None, metavar="DIR",
+                        help="load the executables --serialize wrote (DIR/xla, DIR/gpu) "
+                             "instead of compiling them, where they match")
+    parser.add_argument("--serialize", default=None, metavar="DIR",
+                        help="on a host without a GPU (jax with the CUDA plugin, e.g. the "
+                             "device's own jax version): compile both engines' executables "
+                             "for --target and write them to DIR, then exit")
+    parser.add_argument("--target", default="h200", help="GPU target of --serialize")
     args = parser.parse_args(argv)
+    if args.serialize:
+        return serialize_executables(args.serialize, args.target, args.max_batch)
 
     import jax
 
@@ -428,7 +481,8 @@ def main(argv=None) -> int:
 
         # 1. the jnp/XLA path (the reference), only for the comparison; freed before the next
         t0 = time.perf_counter()
-        engine = Engine(folder, **xla_engine_settings(plan, compare))
+        engine = Engine(folder, **with_executables(xla_engine_settings(plan, compare),
+                                                   args.aot_executables, "xla"))
         result["engine_start_s"]["xla"] = time.perf_counter() - t0
         ref = run_comparison(engine, compare, plan.compare_tokens)
         engine.shutdown()
@@ -438,7 +492,8 @@ def main(argv=None) -> int:
 
         # 2. the Pallas GPU kernel path: the comparison, then the figures
         t0 = time.perf_counter()
-        engine = Engine(folder, **kernel_engine_settings(plan, interpret))
+        engine = Engine(folder, **with_executables(kernel_engine_settings(plan, interpret),
+                                                   args.aot_executables, "gpu"))
         result["engine_start_s"]["gpu"] = time.perf_counter() - t0
         core = engine.core
         result["model"]["param_bytes"] = weight_read_bytes(core, 1)[0]
@@ -454,6 +509,8 @@ def main(argv=None) -> int:
                   f"({time.perf_counter() - t_start:.1f} s)", flush=True)
         result["prefill"] = run_prefill(engine, rng, plan, peak_tflops)
         result["compiles_after_warmup"] = core.runner.compiles_after_warmup
+        result["executables_loaded"] = (core.runner.executables.num_loaded
+                                        if core.runner.executables is not None else 0)
         engine.shutdown()
     result["total_s"] = time.perf_counter() - t_start
     # Packages the GPU host lacks (DESIGN.md §5): the colocated engine path must not need them.

@@ -92,13 +92,15 @@ class AbstractEngine:
       args: the serving settings (``ServerArgs``: model, page size, pool, buckets, TP).
       target: where to compile (``pdjax.aot.targets``); its first ``args.tp_size`` devices
         form the ``tp`` mesh.
+      buckets: the shapes to compile instead of those ``make_buckets`` derives from ``args``
+        (as ``EngineCore(buckets=...)``; ``ValueError`` when they cannot hold every batch).
 
     Raises:
       ValueError: a checkpoint whose config cannot be read, a TP size the target does not have
         or the model cannot split (named field).
     """
 
-    def __init__(self, args: ServerArgs, target: Target):
+    def __init__(self, args: ServerArgs, target: Target, buckets=None):
         if args.tp_size > len(target.devices):
             raise ValueError(f"tp_size: {args.tp_size} devices asked, {target.name} has "
                              f"{len(target.devices)}")
@@ -116,6 +118,10 @@ class AbstractEngine:
             model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)
         self.context_length = Scheduler(config.scheduler).max_request_tokens
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
+        if buckets is not None:
+            buckets.check_serves(self.buckets)
+            self.buckets = buckets
+        self._lowered = {}                    # BucketKey -> its lowered forward (lowered once)
         self.cache_specs = tuple(model.cache_spec(args.num_pages, args.page_size,
                                                   config.kv_dtype))
         self.jits = EntryPoints(self.graphdef, self.mesh, self.cache_specs,
@@ -168,8 +174,11 @@ class AbstractEngine:
         return out
 
     def _lower_forward(self, key: BucketKey):
-        return self.jits.lower_forward(key, self.state, self.caches, self.penalty_counts,
-                                       self.prompt_seen, self.no_prev_tokens)
+        if key not in self._lowered:
+            self._lowered[key] = self.jits.lower_forward(
+                key, self.state, self.caches, self.penalty_counts, self.prompt_seen,
+                self.no_prev_tokens)
+        return self._lowered[key]
 
     def _forward_outputs(self, entry: str, rows: int):
         """The shapes and shardings of a forward's ``(StepOutputs, hidden, ..., logits)`` for

@@ -117,3 +117,20 @@ def test_budget_arithmetic():
     assert budget.largest_temp_bytes == max(r.temp_bytes for r in results)
     with pytest.raises(ValueError, match="mem_fraction"):
         report.hbm_budget(engine, results, mem_fraction=1.5)
+
+
+def test_buckets_override_is_checked():
+    from pdjax.sched.buckets import Buckets
+
+    args = ServerArgs(**SETTINGS)
+    default = AbstractEngine(args, cpu_target()).buckets
+    few = Buckets(token_buckets=(default.token_buckets[-1],),
+                  request_buckets=(default.request_buckets[-1],),
+                  pages_per_seq_buckets=default.pages_per_seq_buckets[-1:],
+                  max_rows=default.max_rows)
+    engine = AbstractEngine(args, cpu_target(), buckets=few)
+    assert [e.key for e in engine.entries("all") if e.key is not None] == few.all_keys()
+    short = Buckets(token_buckets=(16,), request_buckets=few.request_buckets,
+                    pages_per_seq_buckets=few.pages_per_seq_buckets, max_rows=few.max_rows)
+    with pytest.raises(ValueError, match="token_buckets"):
+        AbstractEngine(args, cpu_target(), buckets=short)
