@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import sys
 import urllib.parse
@@ -126,6 +127,11 @@ class PDRouter:
                 max(len(self.prefills), len(self.decodes)) > 1:   # a choice to make
             self._poller = asyncio.create_task(self._poll_loads())
 
+    def mark_down(self, pool: WorkerPool, i: int) -> None:
+        """A request could not reach worker ``i`` of ``pool``: skip it until the poller reads
+        its ``/get_load`` again (``WorkerPool.DOWN_HOLD_S`` without a poller)."""
+        pool.mark_down(i, hold_s=math.inf if self._poller is not None else None)
+
     def let_finish(self, task: asyncio.Task) -> None:
         """Keep ``task`` (a prefill's ``_post``) running after its request was answered; it
         ends when the prefill answers or the session times out, and ``close`` cancels it."""
@@ -154,7 +160,7 @@ class PDRouter:
                 pool.set_kv_usage(i, body)
                 pool.mark_up(i)
             else:              # unreachable or not serving (a restart warming up): skip it
-                pool.mark_down(i)
+                pool.mark_down(i, hold_s=math.inf)
 
     async def _poll_loads(self) -> None:
         while True:
@@ -207,7 +213,7 @@ async def _post_worker(router: "PDRouter", pool: WorkerPool, i: int, url: str, b
     try:
         return await _post(router.session, url, body, headers)
     except (aiohttp.ClientConnectionError, OSError):
-        pool.mark_down(i)
+        router.mark_down(pool, i)
         raise
 
 
@@ -361,7 +367,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
         except (aiohttp.ClientError, OSError) as e:
             router.num_errors += 1
             if isinstance(e, (aiohttp.ClientConnectionError, OSError)):
-                router.decode_pool.mark_down(d_i)
+                router.mark_down(router.decode_pool, d_i)
             return _error(f"decode server {d_url} unreachable: {e}", 502)
         if d_resp.status != 200:
             router.num_errors += 1
@@ -389,7 +395,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             # The decode went away mid-stream: the client gets an error event, never a
             # stream that just stops (issue 32).
             router.num_errors += 1
-            router.decode_pool.mark_down(d_i)
+            router.mark_down(router.decode_pool, d_i)
             err = error_body(f"decode server {d_url} failed mid-stream: "
                              f"{type(e).__name__}: {e}", 502, None, "router_error")
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")

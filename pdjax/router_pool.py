@@ -28,8 +28,8 @@ class WorkerPool:
     ``/get_load`` (``set_kv_usage``; 0 until the first poll). ``choose()`` returns the index
     to use: ``load_aware`` takes the fewest outstanding, then the lowest ``kv_usage``, then
     the first in round-robin order; ``round_robin`` ignores load. A worker the router could
-    not reach (``mark_down``) is skipped for ``DOWN_HOLD_S`` or until its next good
-    ``/get_load`` (``mark_up``), unless every worker is down: a dead worker has no requests
+    not reach (``mark_down``) is skipped for ``DOWN_HOLD_S`` (until its next good ``/get_load``,
+    ``mark_up``, when the router polls), unless every worker is down: a dead worker has no requests
     outstanding, so without this the fewest-outstanding rule would send it the most (issue
     32). Raises ``ValueError`` for an unknown policy or no workers.
     """
@@ -49,10 +49,11 @@ class WorkerPool:
         self.down_until = [0.0] * len(urls)
         self._next = 0
 
-    def mark_down(self, i: int, now: float | None = None) -> None:
-        """Worker ``i`` could not be reached: skip it for ``DOWN_HOLD_S`` seconds."""
+    def mark_down(self, i: int, now: float | None = None, hold_s: float | None = None) -> None:
+        """Worker ``i`` could not be reached: skip it for ``hold_s`` seconds (default
+        ``DOWN_HOLD_S``; ``math.inf``: until ``mark_up``, for a router that polls it)."""
         now = time.monotonic() if now is None else now
-        self.down_until[i] = now + self.DOWN_HOLD_S
+        self.down_until[i] = now + (self.DOWN_HOLD_S if hold_s is None else hold_s)
 
     def mark_up(self, i: int) -> None:
         """Worker ``i`` answered ``/get_load``: choose it again."""

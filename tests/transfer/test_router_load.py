@@ -168,6 +168,12 @@ def test_pool_skips_a_worker_marked_down_until_it_is_up_or_its_hold_ends():
     pool.mark_up(1)
     pool.mark_down(0, now=300.0)
     assert pool.choose(now=300.1) == 1
+    # A polling router holds it down until its /get_load answers (a hold that ran out while
+    # the worker was still dead sent it a burst of requests).
+    pool.mark_down(0, now=400.0, hold_s=float("inf"))
+    assert {pool.choose(now=400.0 + 10 * WorkerPool.DOWN_HOLD_S) for _ in range(3)} == {1}
+    pool.mark_up(0)
+    assert {pool.choose(now=500.0) for _ in range(4)} == {0, 1}
 
 
 @pytest.mark.asyncio
