@@ -39,6 +39,7 @@ import logging
 import math
 import random
 import sys
+import time
 import urllib.parse
 from typing import Any
 
@@ -152,13 +153,14 @@ class PDRouter:
         """Read every worker's ``/get_load`` once into the pools' ``kv_usage``."""
         pools = [(self.prefill_pool, i) for i in range(len(self.prefills))] + \
             [(self.decode_pool, i) for i in range(len(self.decodes))]
+        polled_at = time.monotonic()
         results = await asyncio.gather(*(_get_json(self, pool.urls[i] + "/get_load",
                                                    timeout_s=self.load_poll_interval_s * 2)
                                          for pool, i in pools))
         for (pool, i), (status, body) in zip(pools, results):
             if status == 200:
                 pool.set_kv_usage(i, body)
-                pool.mark_up(i)
+                pool.mark_up(i, polled_at)
             else:              # unreachable or not serving (a restart warming up): skip it
                 pool.mark_down(i, hold_s=math.inf)
 

@@ -47,6 +47,7 @@ class WorkerPool:
         self.kv_usage = [0.0] * len(urls)
         self.num_chosen = [0] * len(urls)
         self.down_until = [0.0] * len(urls)
+        self.down_at = [0.0] * len(urls)
         self._next = 0
 
     def mark_down(self, i: int, now: float | None = None, hold_s: float | None = None) -> None:
@@ -54,10 +55,13 @@ class WorkerPool:
         ``DOWN_HOLD_S``; ``math.inf``: until ``mark_up``, for a router that polls it)."""
         now = time.monotonic() if now is None else now
         self.down_until[i] = now + (self.DOWN_HOLD_S if hold_s is None else hold_s)
+        self.down_at[i] = now
 
-    def mark_up(self, i: int) -> None:
-        """Worker ``i`` answered ``/get_load``: choose it again."""
-        self.down_until[i] = 0.0
+    def mark_up(self, i: int, polled_at: float) -> None:
+        """Worker ``i`` answered a ``/get_load`` sent at ``polled_at`` (monotonic): choose it
+        again, unless it was marked down after that poll went out (a stale answer)."""
+        if polled_at >= self.down_at[i]:
+            self.down_until[i] = 0.0
 
     def choose(self, now: float | None = None) -> int:
         n = len(self.urls)

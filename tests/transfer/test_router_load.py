@@ -165,14 +165,16 @@ def test_pool_skips_a_worker_marked_down_until_it_is_up_or_its_hold_ends():
     pool.mark_down(0, now=200.0)
     pool.mark_down(1, now=200.0)
     assert {pool.choose(now=200.1) for _ in range(4)} == {0, 1}      # all down: all of them
-    pool.mark_up(1)
+    pool.mark_up(1, polled_at=250.0)
     pool.mark_down(0, now=300.0)
     assert pool.choose(now=300.1) == 1
     # A polling router holds it down until its /get_load answers (a hold that ran out while
     # the worker was still dead sent it a burst of requests).
     pool.mark_down(0, now=400.0, hold_s=float("inf"))
     assert {pool.choose(now=400.0 + 10 * WorkerPool.DOWN_HOLD_S) for _ in range(3)} == {1}
-    pool.mark_up(0)
+    pool.mark_up(0, polled_at=399.0)          # a poll sent before it went down: stale
+    assert pool.choose(now=450.0) == 1
+    pool.mark_up(0, polled_at=401.0)
     assert {pool.choose(now=500.0) for _ in range(4)} == {0, 1}
 
 
