@@ -11,7 +11,10 @@ seconds and pass/fail per case; exits 1 if any case fails. Each target needs its
     PYTHONPATH=. /work/venvs/tpu/bin/python scripts/aot_kernels.py --topology v5e:2x2  # jax[tpu]
 
 Options: ``--kernels rpa mla_dense mla_sparse indexer``, ``--models llama3-8b ...``,
-``--page-sizes 16 64``.
+``--page-sizes 16 64``; ``--ptxas DUMP_DIR`` (GPU) adds registers and spill stores a thread
+per case. Where another process holds libtpu's lock (``/tmp/libtpu_lockfile``), a TPU run
+needs ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. The whole GPU matrix (84 cases) took 161-282 s a GPU
+on this 2-core machine (2026-12-04, shared with other jobs).
 """
 
 import os
