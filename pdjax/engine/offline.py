@@ -10,7 +10,7 @@ from pdjax.config import ServerArgs
 from pdjax.engine.core import EngineCore
 from pdjax.engine_io import GenerateRequest
 from pdjax.output import OutputAccumulator, RequestOutput
-from pdjax.request import SamplingParams
+from pdjax.request import SEED_LIMIT, SamplingParams
 
 
 def _sampling_params(sp) -> SamplingParams:
@@ -69,7 +69,7 @@ class Engine:
                     rid = uuid.uuid4().hex
                     one = dataclasses.replace(sp, n=1)
                     if sp.n > 1 and sp.seed is not None:
-                        one = dataclasses.replace(one, seed=sp.seed + k)
+                        one = dataclasses.replace(one, seed=(sp.seed + k) % SEED_LIMIT)
                     g = GenerateRequest(rid, list(ids), one, return_logprob=return_logprob,
                                         top_logprobs_num=top_logprobs_num,
                                         logprob_start_len=-1 if logprob_start_len is None

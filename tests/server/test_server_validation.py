@@ -400,3 +400,16 @@ async def test_the_router_answers_400_for_every_out_of_range_integer(make_client
         assert resp.status == 200, await resp.text()
     finally:
         await rclient.close()
+
+
+async def test_the_largest_seed_with_n_samples_wraps_within_63_bits(make_client):
+    """``seed`` may be 2**63 - 1; sample ``j`` of ``n`` uses ``seed + j``, which wraps below
+    2**63 instead of failing the request (issue 32)."""
+    client, engine = await make_client()
+    top = 2 ** 63 - 1
+    for path, body in ((CMPL, with_(CMPL, seed=top, n=3)), (CHAT, with_(CHAT, seed=top, n=3)),
+                       (GEN, {"text": "Hi", "sampling_params": {"seed": top, "n": 3}})):
+        engine.submitted.clear()
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, (path, await resp.text())
+        assert sorted(r.sampling_params.seed for r in engine.submitted) == [0, 1, top]
