@@ -2,9 +2,10 @@
 
 The (kernel, model shape, KV dtype, page size, TP, token bucket) matrix of
 ``pdjax.aot.kernel_matrix``: ragged paged attention (Llama-3 8B, Llama-3 70B at TP 8, Qwen3
-30B-A3B, SmolLM2; bf16 and fp8 KV; pages 16/32/64; decode and 2048-token mixed buckets), MLA
-dense and sparse and the DSA indexer with its top-k (DeepSeek-V3 at TP 1 and 8). Prints compile
-seconds and pass/fail per case; exits 1 if any case fails. Each target needs its own venv:
+32B at TP 4, SmolLM2; bf16 and fp8 KV; pages 16/32/64; decode and 2048-token mixed buckets),
+MLA dense and sparse and the DSA indexer with its top-k (DeepSeek-V3.2 and GLM-5 at TP 1 and
+8). Prints compile seconds and pass/fail per case; exits 1 if any case fails. Each target
+needs its own venv:
 
     CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
         /work/venvs/cuda/bin/python scripts/aot_kernels.py --gpu h200      # jax[cuda12]
@@ -13,7 +14,7 @@ seconds and pass/fail per case; exits 1 if any case fails. Each target needs its
 Options: ``--kernels rpa mla_dense mla_sparse indexer``, ``--models llama3-8b ...``,
 ``--page-sizes 16 64``; ``--ptxas DUMP_DIR`` (GPU) adds registers and spill stores a thread
 per case. Where another process holds libtpu's lock (``/tmp/libtpu_lockfile``), a TPU run
-needs ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. The whole GPU matrix (84 cases) took 161-282 s a GPU
+needs ``ALLOW_MULTIPLE_LIBTPU_LOAD=1``. Its first 84 cases (all but GLM-5) took 161-282 s a GPU
 on this 2-core machine (2026-12-04, shared with other jobs).
 """
 

@@ -60,17 +60,21 @@ class AttentionShape:
     index_topk: int = 0
 
 
-# The supported models' attention at the TP degrees their head counts allow (config.json
-# values of the Hugging Face checkpoints; heads divided by TP).
+# The supported models' attention at TP degrees their head counts allow (the config.json
+# values of pdjax/aot/configs; query and KV heads divided by TP, the indexer is replicated).
+_DSV32 = dict(kv_lora_rank=512, rope_dim=64, index_heads=64, index_head_dim=128,
+              index_topk=2048)
+_GLM5 = dict(kv_lora_rank=512, rope_dim=64, index_heads=32, index_head_dim=128,
+             index_topk=2048)
 MODEL_SHAPES = (
     AttentionShape("llama3-8b", 1, "gqa", 32, 32, num_kv_heads=8, head_dim=128),
     AttentionShape("llama3-70b", 8, "gqa", 64 // 8, 80, num_kv_heads=8 // 8, head_dim=128),
-    AttentionShape("qwen3-30b-a3b", 1, "gqa", 32, 48, num_kv_heads=4, head_dim=128),
+    AttentionShape("qwen3-32b", 4, "gqa", 64 // 4, 64, num_kv_heads=8 // 4, head_dim=128),
     AttentionShape("smollm2-135m", 1, "gqa", 9, 30, num_kv_heads=3, head_dim=64),
-    AttentionShape("deepseek-v3", 1, "mla", 128, 61, kv_lora_rank=512, rope_dim=64,
-                   index_heads=64, index_head_dim=128, index_topk=2048),
-    AttentionShape("deepseek-v3", 8, "mla", 128 // 8, 61, kv_lora_rank=512, rope_dim=64,
-                   index_heads=64, index_head_dim=128, index_topk=2048),
+    AttentionShape("deepseek-v3.2", 1, "mla", 128, 61, **_DSV32),
+    AttentionShape("deepseek-v3.2", 8, "mla", 128 // 8, 61, **_DSV32),
+    AttentionShape("glm-5", 1, "mla", 64, 78, **_GLM5),
+    AttentionShape("glm-5", 8, "mla", 64 // 8, 78, **_GLM5),
 )
 
 
@@ -269,7 +273,7 @@ def run_matrix(target: Target, cases: Iterable[KernelCase],
     return results
 
 
-TABLE_HEADER = (f"{'kernel':<11} {'model':<14} {'tp':>2} {'kv dtype':<13} {'page':>4} "
+TABLE_HEADER = (f"{'kernel':<11} {'model':<13} {'tp':>2} {'kv dtype':<13} {'page':>4} "
                 f"{'bucket':<6} {'T':>5} {'R':>4} {'compile_s':>9} {'calls':>5} "
                 f"{'temp_MiB':>8} {'regs':>4} {'spill':>5}  result")
 
@@ -280,7 +284,7 @@ def format_row(r: CaseResult) -> str:
     temp = f"{r.temp_bytes / 2**20:8.1f}" if r.temp_bytes >= 0 else f"{'-':>8}"
     regs = f"{r.registers:>4} {r.spill_bytes:>5}" if r.registers >= 0 else f"{'-':>4} {'-':>5}"
     status = "ok" if r.ok else "FAIL " + r.error.splitlines()[0][:160] if r.error else "FAIL"
-    return (f"{c.kernel:<11} {c.shape.model:<14} {c.shape.tp:>2} {c.kv_dtype:<13} "
+    return (f"{c.kernel:<11} {c.shape.model:<13} {c.shape.tp:>2} {c.kv_dtype:<13} "
             f"{c.page_size:>4} {c.bucket.name:<6} {c.bucket.num_tokens:>5} "
             f"{c.bucket.num_seqs:>4} {r.compile_s:9.2f} {r.kernel_calls:>5} {temp} {regs}  "
             f"{status}")

@@ -9,7 +9,7 @@ which are plain Python::
     CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
         /work/venvs/cuda/bin/python -m pytest tests/pallas_kernels/test_gpu_compile.py
 
-``PDJAX_GPU_COMPILE_ALL=1`` compiles the whole ``pdjax.aot.kernel_matrix`` matrix (84 cases
+``PDJAX_GPU_COMPILE_ALL=1`` compiles the whole ``pdjax.aot.kernel_matrix`` matrix (120 cases
 per GPU, a few minutes) instead of the representative subset.
 """
 
@@ -74,17 +74,21 @@ def test_missing_plugin_is_a_clear_error():
 
 def test_matrix_covers_the_supported_models():
     cases = km.kernel_cases()
-    # 4 GQA shapes x 3 pages x 2 buckets x 2 dtypes + 2 MLA shapes x 3 pages x 2 buckets x 3.
-    assert len(cases) == 4 * 3 * 2 * 2 + 2 * 3 * 2 * 3 == 84
+    # 4 GQA shapes x 3 pages x 2 buckets x 2 dtypes + 4 MLA shapes x 3 pages x 2 buckets x 3.
+    assert len(cases) == 4 * 3 * 2 * 2 + 4 * 3 * 2 * 3 == 120
     rpa = {(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim)
            for c in cases if c.kernel == "rpa"}
-    assert rpa == {(32, 8, 128), (8, 1, 128), (32, 4, 128), (9, 3, 64)}
+    assert rpa == {(32, 8, 128), (8, 1, 128), (16, 2, 128), (9, 3, 64)}
     assert {c.kv_dtype for c in cases if c.kernel == "rpa"} == {"bfloat16", "float8_e4m3fn"}
     assert {c.page_size for c in cases} == {16, 32, 64}
-    mla = {(c.kernel, c.shape.num_q_heads) for c in cases if c.shape.family == "mla"}
-    assert mla == {(k, h) for k in ("mla_dense", "mla_sparse", "indexer") for h in (128, 16)}
-    assert {c.shape.index_topk for c in cases if c.kernel == "indexer"} == {2048}
-    assert len({c.label for c in cases}) == 84
+    mla = {(c.kernel, c.shape.model, c.shape.num_q_heads) for c in cases
+           if c.shape.family == "mla"}
+    assert mla == {(k, m, h) for k in ("mla_dense", "mla_sparse", "indexer")
+                   for m, h in (("deepseek-v3.2", 128), ("deepseek-v3.2", 16), ("glm-5", 64),
+                                ("glm-5", 8))}
+    assert {(c.shape.index_heads, c.shape.index_topk) for c in cases
+            if c.kernel == "indexer"} == {(64, 2048), (32, 2048)}
+    assert len({c.label for c in cases}) == 120
 
 
 @needs_cuda
@@ -113,14 +117,16 @@ SUBSET = [
     (_case("rpa", "llama3-8b", 1, "bfloat16", 16, "decode"), 3),
     (_case("rpa", "llama3-8b", 1, "float8_e4m3fn", 64, "mixed"), 3),
     (_case("rpa", "llama3-70b", 8, "float8_e4m3fn", 32, "decode"), 3),
-    (_case("rpa", "qwen3-30b-a3b", 1, "bfloat16", 64, "mixed"), 3),
+    (_case("rpa", "qwen3-32b", 4, "bfloat16", 64, "mixed"), 3),
     (_case("rpa", "smollm2-135m", 1, "bfloat16", 16, "mixed"), 3),
     (_case("rpa", "smollm2-135m", 1, "float8_e4m3fn", 64, "decode"), 3),
-    (_case("mla_dense", "deepseek-v3", 1, "bfloat16", 64, "decode"), 1),
-    (_case("mla_sparse", "deepseek-v3", 1, "bfloat16", 64, "mixed"), 1),
-    (_case("mla_sparse", "deepseek-v3", 8, "bfloat16", 16, "decode"), 1),
-    (_case("mla_dense", "deepseek-v3", 8, "bfloat16", 32, "mixed"), 1),
-    (_case("indexer", "deepseek-v3", 1, "bfloat16", 64, "mixed"), 1),
+    (_case("mla_dense", "deepseek-v3.2", 1, "bfloat16", 64, "decode"), 1),
+    (_case("mla_sparse", "deepseek-v3.2", 1, "bfloat16", 64, "mixed"), 1),
+    (_case("mla_sparse", "deepseek-v3.2", 8, "bfloat16", 16, "decode"), 1),
+    (_case("mla_dense", "deepseek-v3.2", 8, "bfloat16", 32, "mixed"), 1),
+    (_case("indexer", "deepseek-v3.2", 1, "bfloat16", 64, "mixed"), 1),
+    (_case("mla_sparse", "glm-5", 8, "bfloat16", 64, "mixed"), 1),
+    (_case("indexer", "glm-5", 1, "bfloat16", 16, "decode"), 1),
 ]
 
 
