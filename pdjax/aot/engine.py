@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import time
 from typing import Any, Callable
@@ -154,23 +155,22 @@ class AbstractEngine:
             raise ValueError(f"entries: 'all' or 'core', got {which!r}")
         keys = self.buckets.all_keys() if which == "all" else self.buckets.core_keys()
         out = [Entry(k.entry, f"{k.entry} T={k.num_tokens} R={k.num_rows} P={k.pages_per_seq}",
-                     functools_partial(self._lower_forward, k), k) for k in keys]
+                     functools.partial(self._lower_forward, k), k) for k in keys]
         for tokens in sorted({k.num_tokens for k in keys if k.entry == "extend"}):
             out.append(Entry("prompt_logprobs", f"prompt_logprobs T={tokens}",
-                             functools_partial(self._lower_prompt_logprobs, tokens)))
+                             functools.partial(self._lower_prompt_logprobs, tokens)))
         for entry, rows in sorted({(k.entry, k.num_rows) for k in keys}):
             out.append(Entry("resample", f"resample {entry} R={rows}",
-                             functools_partial(self._lower_resample, entry, rows)))
+                             functools.partial(self._lower_resample, entry, rows)))
         out.append(Entry("init_penalty_slot", "init_penalty_slot", lambda: (
             self.jits.lower_init_penalty_slot(self.prompt_seen, self.penalty_counts))))
         max_pages = -(-self.context_length // self.args.page_size)
         pages = page_buckets(max_pages) if which == "all" else page_buckets(max_pages)[-1:]
         for n in pages:
-            gather = functools_partial(lambda n: self.jits.lower_page_copies(self.caches, n)[0], n)
-            scatter = functools_partial(lambda n: self.jits.lower_page_copies(self.caches, n)[1],
-                                        n)
-            out += [Entry("gather_pages", f"gather_pages n={n}", gather),
-                    Entry("scatter_pages", f"scatter_pages n={n}", scatter)]
+            out += [Entry("gather_pages", f"gather_pages n={n}",
+                          functools.partial(self._lower_page_copy, n, 0)),
+                    Entry("scatter_pages", f"scatter_pages n={n}",
+                          functools.partial(self._lower_page_copy, n, 1))]
         return out
 
     def _lower_forward(self, key: BucketKey):
@@ -180,11 +180,20 @@ class AbstractEngine:
                 self.no_prev_tokens)
         return self._lowered[key]
 
+    def _lower_page_copy(self, num_pages: int, which: int):
+        return self.jits.lower_page_copies(self.caches, num_pages)[which]
+
+    def _forward_key(self, match) -> BucketKey:
+        """A bucket ``match(key)`` accepts: one already lowered if any (lowering a real-size
+        model takes minutes), else the first in ``Buckets.all_keys`` order."""
+        lowered = [k for k in self._lowered if match(k)]
+        return lowered[0] if lowered else next(k for k in self.buckets.all_keys() if match(k))
+
     def _forward_outputs(self, entry: str, rows: int):
-        """The shapes and shardings of a forward's ``(StepOutputs, hidden, ..., logits)`` for
-        the smallest bucket of ``entry`` with ``rows`` logits rows (what resample and prompt
-        logprobs take), from its lowering's output info (no compile)."""
-        key = next(k for k in self.buckets.all_keys() if k.entry == entry and k.num_rows == rows)
+        """The shapes and shardings of a forward's ``(StepOutputs, hidden, ..., logits)`` for a
+        bucket of ``entry`` with ``rows`` logits rows (what resample takes), from its
+        lowering's output info (no compile)."""
+        key = self._forward_key(lambda k: k.entry == entry and k.num_rows == rows)
         with self.device_context():
             return self._lower_forward(key).out_info
 
@@ -195,8 +204,7 @@ class AbstractEngine:
         return self.jits.lower_resample(first, logits, self.prompt_seen, self.penalty_counts)
 
     def _lower_prompt_logprobs(self, tokens: int):
-        key = next(k for k in self.buckets.all_keys()
-                   if k.entry == "extend" and k.num_tokens == tokens)
+        key = self._forward_key(lambda k: k.entry == "extend" and k.num_tokens == tokens)
         with self.device_context():
             hidden = self._lower_forward(key).out_info[1]
         return self.jits.lower_prompt_logprobs(self.state,
@@ -225,10 +233,6 @@ class AbstractEngine:
             temp_bytes=int(stats.temp_size_in_bytes),
             code_bytes=int(stats.generated_code_size_in_bytes),
             executable=compiled)
-
-
-def functools_partial(fn, *args):
-    return lambda: fn(*args)
 
 
 def _shard_bytes(leaf) -> int:
