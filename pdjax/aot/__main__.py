@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -26,20 +27,39 @@ def build_parser() -> argparse.ArgumentParser:
                                           "v5p:2x2x1, v5p:4x4x4, v4:2x2x1, ...")
     where.add_argument("--gpu", help="NVIDIA target config in pdjax/aot/gpu_targets: h100, h200")
     target.add_argument("--dp", type=int, default=1,
-                        help="data-parallel replicas (each a server of --tp-size chips); they "
-                             "multiply the chips and the KV tokens, not a chip's budget")
+                        help="data-parallel replicas (each a server of --tp-size chips of the "
+                             "target); they multiply the chips and the KV tokens, not a chip's "
+                             "budget (default: 1)")
     target.add_argument("--mem-fraction", type=float, default=0.9,
-                        help="share of each chip's HBM the server may use (SGLang's "
-                             "--mem-fraction-static)")
+                        help="share of each chip's HBM the server may use, in (0, 1] (SGLang's "
+                             "--mem-fraction-static; default: 0.9)")
     target.add_argument("--entries", choices=("all", "core"), default="all",
                         help="all: every bucket and helper executable; core: the largest decode "
-                             "and extend shapes (which hold every batch) and their helpers")
+                             "and extend shapes (which hold every batch) and their helpers "
+                             "(default: all)")
     target.add_argument("--serialize", metavar="DIR",
                         help="write the executables and a manifest to DIR "
                              "(ModelRunner loads them with --aot-executables DIR)")
     target.add_argument("--json", metavar="FILE", help="write the table and budget as JSON")
-    ServerArgs.add_cli_args(parser)
+    # The settings that fix what compiles: model, KV cache, scheduler (buckets).
+    ServerArgs.add_cli_args(parser, only=("model", "cache", "scheduler"))
     return parser
+
+
+def _check_outputs(ns) -> None:
+    """Refuse --mem-fraction, --dp, --json and --serialize before anything compiles
+    (``ValueError`` naming the flag)."""
+    if not 0 < ns.mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {ns.mem_fraction}")
+    if ns.dp < 1:
+        raise ValueError(f"dp must be >= 1, got {ns.dp}")
+    if ns.json is not None:
+        folder = os.path.dirname(os.path.abspath(ns.json))
+        if not os.path.isdir(folder):
+            raise ValueError(f"json: folder {folder} does not exist")
+    if ns.serialize is not None and os.path.exists(ns.serialize) \
+            and not os.path.isdir(ns.serialize):
+        raise ValueError(f"serialize: {ns.serialize} exists and is not a folder")
 
 
 def main(argv=None) -> int:
@@ -47,14 +67,20 @@ def main(argv=None) -> int:
     ns = parser.parse_args(argv)
     try:
         args = ServerArgs.from_cli_args(ns)
-        if ns.dp < 1:
-            raise ValueError(f"dp must be >= 1, got {ns.dp}")
+        _check_outputs(ns)
         from pdjax.aot.targets import gpu_target, tpu_target
 
+        chips = args.tp_size * ns.dp
         if ns.gpu is not None:
-            target = gpu_target(ns.gpu, num_gpus=min(8, max(1, args.tp_size * ns.dp)))
+            if chips > 8:
+                raise ValueError(f"dp: TP {args.tp_size} x DP {ns.dp} = {chips} GPUs; one "
+                                 "host holds at most 8 (size one replica: --dp 1)")
+            target = gpu_target(ns.gpu, num_gpus=chips)
         else:
             target = tpu_target(ns.topology)
+            if chips > len(target.devices):
+                raise ValueError(f"dp: TP {args.tp_size} x DP {ns.dp} = {chips} chips; "
+                                 f"{target.name} has {len(target.devices)}")
         from pdjax.aot.engine import AbstractEngine
 
         engine = AbstractEngine(args, target)

@@ -108,6 +108,9 @@ class AbstractEngine:
         self.args = args
         self.target = target
         self.config = config = resolve_engine_config(args, platform=target.platform)
+        if config.attention_impl not in (target.platform, "xla", "reference"):
+            raise ValueError(f"attention_backend: {config.attention_impl!r} does not run on "
+                             f"{target.platform} (auto, xla or reference)")
         self.family = model_family(checkpoint_architecture(config.model_path))
         self.mesh = Mesh(np.array(target.devices[:args.tp_size]), ("tp",))
         self.model_cfg = self.family.run_config(checkpoint_config(config.model_path),

@@ -87,27 +87,37 @@ def format_entries(results: list[CompiledEntry]) -> str:
     return "\n".join(lines)
 
 
+def _size(num_bytes: int) -> str:
+    """Bytes in GiB, or MiB below one GiB."""
+    if abs(num_bytes) >= _GIB:
+        return f"{num_bytes / _GIB:.2f} GiB"
+    return f"{num_bytes / _MIB:.1f} MiB"
+
+
 def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
     """The per-chip HBM budget and how many KV pages / tokens fit."""
     b = budget
-    chips = engine.args.tp_size * b.dp
+    tp = engine.args.tp_size
+    chips = tp * b.dp
+    spare = len(engine.target.devices) - chips
     lines = [
-        f"HBM per chip ({engine.target.device_kind}, {chips} chips: TP {engine.args.tp_size}"
-        f" x DP {b.dp}):",
-        f"  HBM {b.hbm_bytes / _GIB:.1f} GiB x mem_fraction {b.mem_fraction} = "
-        f"{b.mem_fraction * b.hbm_bytes / _GIB:.2f} GiB usable",
-        f"  weights            {b.weight_bytes / _GIB:9.2f} GiB",
-        f"  other arguments    {b.other_argument_bytes / _GIB:9.2f} GiB",
-        f"  largest temp       {b.largest_temp_bytes / _GIB:9.2f} GiB ({b.largest_temp_entry})",
+        f"HBM per chip ({engine.target.device_kind}; {chips} chip{'s' * (chips > 1)}: "
+        f"TP {tp} x DP {b.dp}" + (f"; {spare} of {engine.target.name}'s chips unused"
+                                  if spare > 0 else "") + "):",
+        f"  HBM {_size(b.hbm_bytes)} x mem_fraction {b.mem_fraction} = "
+        f"{_size(int(b.mem_fraction * b.hbm_bytes))} usable",
+        f"  weights            {_size(b.weight_bytes):>12s}",
+        f"  other arguments    {_size(b.other_argument_bytes):>12s}",
+        f"  largest temp       {_size(b.largest_temp_bytes):>12s} ({b.largest_temp_entry})",
         f"  KV per page        {b.kv_bytes_per_page / 1024:9.1f} KiB ({b.page_size} tokens)",
     ]
     if b.kv_pages <= 0:
-        lines.append(f"  DOES NOT FIT: {-b.kv_pages * b.kv_bytes_per_page / _GIB:.2f} GiB short "
+        lines.append(f"  DOES NOT FIT: {_size(-b.kv_pages * b.kv_bytes_per_page)} short "
                      "before the first KV page")
     else:
-        lines.append(f"  KV pool            {b.kv_pages} pages = {b.kv_tokens} tokens per "
-                     f"replica ({b.kv_tokens * b.dp} over {b.dp} replica(s)); "
-                     f"{b.kv_pages * b.kv_bytes_per_page / _GIB:.2f} GiB")
+        total = f" ({b.kv_tokens * b.dp} over {b.dp} replicas)" if b.dp > 1 else ""
+        lines.append(f"  KV pool            {b.kv_pages} pages = {b.kv_tokens} tokens{total}; "
+                     f"{_size(b.kv_pages * b.kv_bytes_per_page)}")
         lines.append(f"  one request of {b.context_length} tokens "
                      f"{'fits' if b.fits_one_context else 'does NOT fit'}")
     return "\n".join(lines)

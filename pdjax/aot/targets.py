@@ -28,7 +28,7 @@ HBM_BYTES_PER_CHIP = {
     "v4": 32 << 30, "v5e": 16 << 30, "v5p": 95 << 30, "v6e": 32 << 30,
     "h100": 80 << 30, "h200": 141 << 30,
 }
-_TPU_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e|v5litepod|v6litepod|v5|v6)[:-]\d+(x\d+){0,2}$")
+_TPU_TOPOLOGY = re.compile(r"^(v4|v5e|v5p|v6e)[:-]\d+(x\d+){0,2}$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +71,12 @@ def tpu_target(topology: str) -> Target:
 
     # Compile-only: several processes may load libtpu at once (no chip is opened).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    except Exception as e:  # noqa: BLE001 (libtpu's own refusal of the name)
+        raise ValueError(f"topology: libtpu refuses {topology!r}: "
+                         f"{str(e).splitlines()[0]}") from e
     chip = topology.split(":")[0].split("-")[0]
-    chip = {"v5litepod": "v5e", "v6litepod": "v6e"}.get(chip, chip)
     return Target(topology, "tpu", tuple(desc.devices), chip, HBM_BYTES_PER_CHIP[chip])
 
 
@@ -106,7 +109,8 @@ def _cuda_plugin_missing() -> str | None:
         try:
             import jax_plugins.xla_cuda13  # noqa: F401
         except ImportError:
-            return ("pip install 'jax[cuda12]' (in its own virtualenv; no GPU or driver is "
+            return ("bash scripts/aot_env.sh cuda, or pip install 'jax[cuda12]' in its own "
+                    "virtualenv (no GPU or driver is "
                     "needed to compile)")
     return None
 
@@ -143,7 +147,10 @@ def gpu_target(name: str, num_gpus: int = 8) -> Target:
     # topology "slices x hosts x gpus per host": one host holding num_gpus GPUs.
     desc = topologies.get_topology_desc(platform="cuda", target_config=target_config,
                                         topology=f"1x1x{num_gpus}")
-    return Target(key, "gpu", tuple(desc.devices), key, HBM_BYTES_PER_CHIP[key])
+    # HBM as the target config says the driver reports it (the spec sheet's 141 GB is more).
+    memory = re.search(r"device_memory_size:\s*(\d+)", target_config)
+    hbm = int(memory.group(1)) if memory else HBM_BYTES_PER_CHIP[key]
+    return Target(key, "gpu", tuple(desc.devices), key, hbm)
 
 
 def resolve_target(topology: str | None = None, gpu: str | None = None) -> Target:

@@ -97,6 +97,11 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
     platform = platform or jax.default_backend()
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = checkpoint_config(model_path)
+    attention_impl = _attention_impl(args, platform)
+    if (attention_impl in ("tpu", "gpu") and not isinstance(model_cfg, ModelConfig)
+            and args.cache.kv_cache_dtype == "fp8_e4m3"):
+        raise ValueError("kv_cache_dtype: the MLA kernels take a float32 or bfloat16 latent "
+                         "cache, not fp8_e4m3")
     model_len = model_cfg.max_position_embeddings
     dtype = resolve_dtype(args.dtype, platform)
     sched, cache = args.scheduler, args.cache
@@ -113,7 +118,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
     return EngineConfig(
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
-        attention_impl=_attention_impl(args, platform),
+        attention_impl=attention_impl,
         scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill",
         unroll_layers=_unroll_layers(args, model_cfg, platform),

@@ -134,3 +134,25 @@ def test_buckets_override_is_checked():
                     pages_per_seq_buckets=few.pages_per_seq_buckets, max_rows=few.max_rows)
     with pytest.raises(ValueError, match="token_buckets"):
         AbstractEngine(args, cpu_target(), buckets=short)
+
+
+def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
+    base = ["--topology", "v5e:2x2", "--model-path", TINY_LLAMA]
+    for extra, field in ((["--mem-fraction", "1.5"], "mem_fraction"),
+                         (["--mem-fraction", "0"], "mem_fraction"), (["--dp", "0"], "dp"),
+                         (["--json", str(tmp_path / "no" / "x.json")], "json"),
+                         (["--serialize", __file__], "serialize")):
+        assert aot_main(base + extra) == 2, extra
+        assert capsys.readouterr().err.startswith(f"error: {field}"), extra
+    with pytest.raises(ValueError, match="attention_backend: 'tpu' does not run on cpu"):
+        AbstractEngine(ServerArgs(**{**SETTINGS, "attention_backend": "tpu"}), cpu_target())
+    from pdjax.engine.settings import resolve_engine_config
+
+    mla = os.path.join(CONFIGS, "tiny-deepseek-v3.2")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        resolve_engine_config(ServerArgs(model_path=mla, kv_cache_dtype="fp8_e4m3"), "tpu")
+    # GQA takes an fp8 cache on the kernels; MLA on the CPU path keeps it.
+    assert resolve_engine_config(ServerArgs(model_path=TINY_LLAMA, kv_cache_dtype="fp8_e4m3"),
+                                 "tpu").attention_impl == "tpu"
+    assert resolve_engine_config(ServerArgs(model_path=mla, kv_cache_dtype="fp8_e4m3"),
+                                 "cpu").attention_impl in ("cpu", "xla")

@@ -197,9 +197,11 @@ def test_decode_abort_during_transfer_waits_for_the_prefill_ack(cluster):
     assert time.monotonic() - t0 < DRAIN_S
     assert wait_until(lambda: at_baseline(d2), 5)
     assert load(d2)["num_cached_pages"] == cached     # aborted pages never enter the cache
-    # The prefill learned of the abort: its half of the room fails at once.
+    # The prefill learned of the abort: its half of the room fails at once, and the room is
+    # not taken again (409 naming it, the reused-room rule).
     status, late = post(p2.url + "/generate", body)
-    assert status == 400 and "aborted by the decode server" in _error_text(late)
+    assert status == 409 and "aborted by the decode server" in _error_text(late)
+    assert f"bootstrap_room {room}" in _error_text(late)
     assert wait_until(lambda: at_baseline(p2), 5)
     _serves(cluster)
 
