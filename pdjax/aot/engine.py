@@ -136,9 +136,8 @@ class AbstractEngine:
          self.no_prev_tokens) = self.jits.abstract_device_state()
 
     def device_context(self):
-        """Trace under the target's default device: Pallas's TPU lowering reads the chip
-        generation from the default device (the CPU otherwise)."""
-        return jax.default_device(self.target.devices[0])
+        """``Target.device_context`` of the target (tracing needs it)."""
+        return self.target.device_context()
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes_per_chip(self) -> int:
@@ -171,9 +170,9 @@ class AbstractEngine:
         pages = page_buckets(max_pages) if which == "all" else page_buckets(max_pages)[-1:]
         for n in pages:
             out += [Entry("gather_pages", f"gather_pages n={n}",
-                          functools.partial(self._lower_page_copy, n, 0)),
+                          functools.partial(self.jits.lower_gather_pages, self.caches, n)),
                     Entry("scatter_pages", f"scatter_pages n={n}",
-                          functools.partial(self._lower_page_copy, n, 1))]
+                          functools.partial(self.jits.lower_scatter_pages, self.caches, n))]
         return out
 
     def _lower_forward(self, key: BucketKey):
@@ -182,9 +181,6 @@ class AbstractEngine:
                 key, self.state, self.caches, self.penalty_counts, self.prompt_seen,
                 self.no_prev_tokens)
         return self._lowered[key]
-
-    def _lower_page_copy(self, num_pages: int, which: int):
-        return self.jits.lower_page_copies(self.caches, num_pages)[which]
 
     def _forward_key(self, match) -> BucketKey:
         """A bucket ``match(key)`` accepts: one already lowered if any (lowering a real-size

@@ -222,7 +222,7 @@ def compile_case(case: KernelCase, target: Target):
     """Trace, lower and compile one case for ``target``'s first device; returns the compiled
     executable. The inputs are ShapeDtypeStructs replicated on a one-device mesh, so the
     lowering platform is the target's; the Pallas lowering asks the default device for its
-    kind, hence ``jax.default_device``."""
+    kind, hence ``Target.device_context``."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -230,7 +230,7 @@ def compile_case(case: KernelCase, target: Target):
     mesh = Mesh(target.devices[:1], ("tp",))
     sharding = NamedSharding(mesh, PartitionSpec())
     specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in args]
-    with jax.default_device(target.devices[0]):
+    with target.device_context():
         return jax.jit(fn).trace(*specs).lower().compile()
 
 

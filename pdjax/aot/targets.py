@@ -51,6 +51,13 @@ class Target:
     def device_kind(self) -> str:
         return self.devices[0].device_kind
 
+    def device_context(self):
+        """Trace, lower and compile under this: Pallas's lowering reads the chip (TPU
+        generation, GPU kind) from the default device, which is the CPU otherwise."""
+        import jax
+
+        return jax.default_device(self.devices[0])
+
 
 def tpu_target(topology: str) -> Target:
     """Compile-only TPU devices of ``topology`` (``"v5e:2x2"``, ``"v6e:4x4"``, ``"v5p:2x2x1"``,
@@ -101,7 +108,7 @@ def gpu_environment() -> dict[str, str]:
     return {key: os.environ[key] for key in env}
 
 
-def _cuda_plugin_missing() -> str | None:
+def cuda_plugin_missing() -> str | None:
     """Why the CUDA PJRT plugin cannot be used here, or None when it can."""
     try:
         import jax_plugins.xla_cuda12  # noqa: F401
@@ -137,7 +144,7 @@ def gpu_target(name: str, num_gpus: int = 8) -> Target:
     if not isinstance(num_gpus, int) or not 1 <= num_gpus <= 8:
         raise ValueError(f"num_gpus must be an int in [1, 8], got {num_gpus!r}")
     gpu_environment()
-    missing = _cuda_plugin_missing()
+    missing = cuda_plugin_missing()
     if missing is not None:
         raise ValueError(f"gpu: compiling for {key} needs the CUDA plugin: {missing}")
     with open(os.path.join(GPU_TARGETS_DIR, key + ".txtpb")) as f:

@@ -221,12 +221,17 @@ class EntryPoints:
             abstract(prompt_seen), abstract(penalty_counts), S((), jnp.int32),
             S((self.vocab_size,), jnp.bool_), S((self.vocab_size,), jnp.int32)).lower()
 
-    def lower_page_copies(self, caches, num_pages: int):
-        """The lowered staging ``(gather, scatter)`` of ``num_pages`` pages of ``caches``."""
+    def lower_gather_pages(self, caches, num_pages: int):
+        """The lowered staging gather of ``num_pages`` pages of ``caches``."""
+        return self.gather_pages.trace(abstract(caches), self._page_idx(num_pages)).lower()
+
+    def lower_scatter_pages(self, caches, num_pages: int):
+        """The lowered staging scatter of ``num_pages`` pages into ``caches``."""
         caches = abstract(caches)
-        idx = jax.ShapeDtypeStruct((num_pages,), jnp.int32, sharding=self.replicated)
-        gather = self.gather_pages.trace(caches, idx).lower()
         parts = {name: jax.ShapeDtypeStruct((c.shape[0], num_pages, *c.shape[2:]), c.dtype,
                                             sharding=c.sharding)
                  for name, c in caches.items()}
-        return gather, self.scatter_pages.trace(caches, idx, parts).lower()
+        return self.scatter_pages.trace(caches, self._page_idx(num_pages), parts).lower()
+
+    def _page_idx(self, num_pages: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((num_pages,), jnp.int32, sharding=self.replicated)

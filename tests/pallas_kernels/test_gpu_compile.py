@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 from pdjax.aot import kernel_matrix as km
-from pdjax.aot.targets import _cuda_plugin_missing, gpu_environment, gpu_target, gpu_target_names
+from pdjax.aot.targets import cuda_plugin_missing, gpu_environment, gpu_target, gpu_target_names
 
 gpu_environment()     # before any backend starts: no device is looked for, no driver checked
-CUDA_MISSING = _cuda_plugin_missing()
+CUDA_MISSING = cuda_plugin_missing()
 needs_cuda = pytest.mark.skipif(CUDA_MISSING is not None,
                                 reason=f"CUDA plugin missing ({CUDA_MISSING})")
 TRITON_CALL = km.KERNEL_CALLS["gpu"]
