@@ -1,4 +1,5 @@
-"""JSON schemas of many shapes for structured-output tests (host walks, engine, server)."""
+"""JSON schemas of many shapes for structured-output tests (host walks, engine, server), and
+the tools of the tool_choice tests with the openai client's view of their calls."""
 
 # Random walks need bounded languages: objects close their keys (additionalProperties false)
 # and strings have a maxLength or a pattern, else a walk may never end.
@@ -69,3 +70,39 @@ def bounded_integers(schema, lo=-99, hi=999):
 
 # What a model's outputs are checked against (engine and server tests).
 MODEL_SCHEMAS = [bounded_integers(s) for s in SCHEMAS]
+
+
+# Two tools with bounded arguments (a forced call always ends inside a small max_tokens).
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+async def chat_tool_calls(oa, stream: bool, **kw):
+    """``([[name, arguments], ...], finish_reason, content)`` of one chat completion through
+    the openai client ``oa``; streamed calls are assembled from their deltas as a client does
+    (the first delta of a call has its id and name, the arguments follow in pieces)."""
+    if not stream:
+        choice = (await oa.chat.completions.create(**kw)).choices[0]
+        return ([[c.function.name, c.function.arguments]
+                 for c in choice.message.tool_calls or []], choice.finish_reason,
+                choice.message.content)
+    calls, finish, content = {}, None, ""
+    async for chunk in await oa.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                if tc.id is not None:
+                    calls[tc.index] = [tc.function.name, tc.function.arguments]
+                else:
+                    calls[tc.index][1] += tc.function.arguments
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return list(calls.values()), finish, content

@@ -3,8 +3,8 @@ in ``.venv-tpu`` (jax[tpu], made by ``scripts/aot_env.sh``) compiles the core en
 tiny Llama, DeepSeek-V3.2 and GLM-5 for TPU v5e and v6e with libtpu's real compiler (Mosaic for
 the Pallas kernels). A kernel that stops compiling fails this test, naming the entry.
 
-Without ``.venv-tpu`` the test fails (run ``bash scripts/aot_env.sh``), unless
-``PDJAX_SKIP_TPU_AOT=1`` says to skip it."""
+Without ``.venv-tpu`` the test fails (run ``bash scripts/aot_env.sh``; the README's test
+command does)."""
 
 import json
 import os
@@ -27,8 +27,6 @@ KERNELS = {
 
 @pytest.fixture(scope="module")
 def tpu_python():
-    if os.environ.get("PDJAX_SKIP_TPU_AOT") == "1":
-        pytest.skip("PDJAX_SKIP_TPU_AOT=1")
     if not os.path.exists(TPU_PYTHON):
         pytest.fail("no .venv-tpu: run bash scripts/aot_env.sh (scripts/run_tests.sh does)")
     return TPU_PYTHON

@@ -12,7 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from grammar_cases import MODEL_SCHEMAS
+from grammar_cases import MODEL_SCHEMAS, TOOL_PARAMS, TOOLS, chat_tool_calls
 from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import GrammarSpec
 from pdjax.engine import AsyncEngine
@@ -22,16 +22,6 @@ from pdjax.server.app import create_app
 pytestmark = pytest.mark.asyncio
 
 MSG = [{"role": "user", "content": "Reply in JSON."}]
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
-                                         "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
-]
 
 
 @pytest.fixture(scope="module")
@@ -153,29 +143,12 @@ async def test_regex_generate_matches_in_full(served, stream):
 async def test_tool_choice_required_and_named_always_give_a_valid_call(served, short_tools_template,
                                                                       choice, parallel):
     _, oa, engine = served
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for seed in range(4):
         for stream in (False, True):
             kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
                       tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
                       temperature=0 if seed == 0 else 1.0)
-            if stream:
-                calls: dict[int, list] = {}
-                finish = None
-                async for chunk in await oa.chat.completions.create(stream=True, **kw):
-                    for c in chunk.choices:
-                        for tc in c.delta.tool_calls or []:
-                            if tc.id is not None:
-                                calls[tc.index] = [tc.function.name, tc.function.arguments]
-                            else:
-                                calls[tc.index][1] += tc.function.arguments
-                        finish = c.finish_reason or finish
-                got = list(calls.values())
-            else:
-                chat = await oa.chat.completions.create(**kw)
-                finish = chat.choices[0].finish_reason
-                got = [[c.function.name, c.function.arguments]
-                       for c in chat.choices[0].message.tool_calls or []]
+            got, finish, _ = await chat_tool_calls(oa, stream, **kw)
             assert got, (seed, stream)
             if not parallel or isinstance(choice, dict):     # one call, then the grammar ends
                 assert finish == "tool_calls" and len(got) == 1, (seed, stream, got)
@@ -184,7 +157,7 @@ async def test_tool_choice_required_and_named_always_give_a_valid_call(served, s
             for name, args in got:
                 if isinstance(choice, dict):
                     assert name == "add"
-                jsonschema.validate(json.loads(args), params[name])
+                jsonschema.validate(json.loads(args), TOOL_PARAMS[name])
 
 
 @pytest.mark.parametrize("body,field", [
@@ -284,32 +257,22 @@ async def test_required_and_named_need_no_tool_call_parser(make_client, real_eng
     client, engine = await make_client(real_engine)             # no tool_call_parser
     oa = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused",
                             max_retries=0)
-    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     try:
         for seed in range(2):
             kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
                       tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
                       temperature=0 if seed == 0 else 1.0)
-            chat = await oa.chat.completions.create(**kw)
-            msg = chat.choices[0].message
-            got = [[c.function.name, c.function.arguments] for c in msg.tool_calls or []]
-            calls: dict[int, list] = {}
-            async for chunk in await oa.chat.completions.create(stream=True, **kw):
-                for c in chunk.choices:
-                    for tc in c.delta.tool_calls or []:
-                        if tc.id is not None:
-                            calls[tc.index] = [tc.function.name, tc.function.arguments]
-                        else:
-                            calls[tc.index][1] += tc.function.arguments
-            for answer in (got, list(calls.values())):
-                assert answer, (seed, msg)
+            got, finish, content = await chat_tool_calls(oa, False, **kw)
+            streamed, _, _ = await chat_tool_calls(oa, True, **kw)
+            for answer in (got, streamed):
+                assert answer, (seed, got, content)
                 if not parallel or isinstance(choice, dict):
-                    assert len(answer) == 1 and chat.choices[0].finish_reason == "tool_calls"
+                    assert len(answer) == 1 and finish == "tool_calls"
                 for name, args in answer:
                     if isinstance(choice, dict):
                         assert name == "get_weather"
-                    jsonschema.validate(json.loads(args), params[name])
-            assert not msg.content, msg        # the whole answer is calls
+                    jsonschema.validate(json.loads(args), TOOL_PARAMS[name])
+            assert not content, (got, content)        # the whole answer is calls
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             await oa.chat.completions.create(model=engine.served_model_name, messages=MSG,
                                              tools=TOOLS, max_tokens=4)

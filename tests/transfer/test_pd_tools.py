@@ -8,21 +8,11 @@ import json
 import jsonschema
 import openai
 import pytest
+from grammar_cases import TOOL_PARAMS, TOOLS, chat_tool_calls
 from pd_harness import (at_baseline, free_port, pd_router, pd_server, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 4},
-                                         "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}},
-]
-PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +38,12 @@ def pd(tiny_checkpoints, tmp_path_factory):
 
 
 async def _calls(oa, stream, **kw):
-    """``[(name, arguments)]`` and the finish reason of one chat completion."""
+    """``[[name, arguments]]`` and the finish reason of one chat completion; a non-streamed
+    answer has no text beside its calls."""
+    calls, finish, content = await chat_tool_calls(oa, stream, **kw)
     if not stream:
-        chat = await oa.chat.completions.create(**kw)
-        choice = chat.choices[0]
-        assert not choice.message.content, choice
-        return ([(c.function.name, c.function.arguments)
-                 for c in choice.message.tool_calls or []], choice.finish_reason)
-    calls, finish = {}, None
-    async for chunk in await oa.chat.completions.create(stream=True, **kw):
-        for c in chunk.choices:
-            for tc in c.delta.tool_calls or []:
-                if tc.id is not None:
-                    calls[tc.index] = [tc.function.name, tc.function.arguments]
-                else:
-                    calls[tc.index][1] += tc.function.arguments
-            finish = c.finish_reason or finish
-    return [tuple(v) for v in calls.values()], finish
+        assert not content, (calls, content)
+    return calls, finish
 
 
 @pytest.mark.asyncio
@@ -82,7 +61,7 @@ async def test_required_and_named_tool_choice_through_pd_without_a_parser(pd):
                 name, args = got[0]
                 if isinstance(choice, dict):
                     assert name == "add"
-                jsonschema.validate(json.loads(args), PARAMS[name])
+                jsonschema.validate(json.loads(args), TOOL_PARAMS[name])
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             await oa.chat.completions.create(model=pd["model"], messages=msgs, tools=TOOLS,
                                              max_tokens=4)
