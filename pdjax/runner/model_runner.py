@@ -102,8 +102,6 @@ class ModelRunner:
         self.jits = EntryPoints(self.graphdef, mesh, self.cache_specs, max_rows=self.max_rows,
                                 vocab_size=self.cfg.vocab_size, page_size=page_size,
                                 chunk_size=chunk_size)
-        self.cache_shardings = self.jits.cache_shardings
-        self.num_penalty_slots = self.jits.num_penalty_slots
         self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
         # Zeros of exactly the shapes and shardings the lowerings take. Slot 0 of the penalty
         # tables is the null slot; no_prev_tokens stands for the previous step's sampled ids
@@ -130,6 +128,11 @@ class ModelRunner:
         self.compiles_after_warmup = 0
         self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
         self.warmup_barrier = None            # callable() between compiling and running (multi-host)
+
+    @property
+    def num_penalty_slots(self) -> int:
+        """Penalty table rows: one per request that can run at once, plus the null slot 0."""
+        return self.jits.num_penalty_slots
 
     # ------------------------------------------------------------------ batches
     def make_batch(self, key: BucketKey, rows) -> FlatBatch:

@@ -109,7 +109,6 @@ class _Runner(ModelRunner):
         self.cache_specs = gqa_cache_spec(L, h, d, num_pages=N, page_size=ps, dtype=dtype)
         self.jits = EntryPoints(None, make_mesh(1), self.cache_specs, max_rows=1, vocab_size=1,
                                 page_size=ps)
-        self.cache_shardings = self.jits.cache_shardings
         rng = np.random.default_rng(0)
         self.caches = {s.name: jnp.asarray(rng.standard_normal(shape), dtype) for s in self.cache_specs}
 
