@@ -106,7 +106,7 @@ def build_inputs(case: Case, *, page_size: int = 16, layers: int = 2, dtype=jnp.
         start += n
     cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     key_q, key_k, key_v = jax.random.split(jax.random.key(seed), 3)
-    pool = (layers, num_pages, page_size, num_kv_heads, head_dim)
+    pool = (layers, num_pages, page_size, num_kv_heads * head_dim)      # the engine's rows
     q = jax.random.normal(key_q, (int(cu_q_lens[-1]), num_q_heads, head_dim), dtype)
     k = jax.random.normal(key_k, pool, dtype)
     # |v| <= 0.5 keeps every output in [-0.5, 0.5], where one bf16 ulp (1.95e-3) is below the

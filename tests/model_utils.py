@@ -22,7 +22,7 @@ def _forward(model, input_ids, kc, vc, md, logits_indices):
 
 
 def new_cache(cfg, num_pages, page_size, dtype=jnp.float32, sharding=None):
-    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
     kc = jnp.zeros(shape, dtype)
     if sharding is not None:
         kc = jax.device_put(kc, sharding)

@@ -39,6 +39,7 @@ from pdjax.engine.settings import make_buckets, resolve_engine_config
 from pdjax.models.loader import checkpoint_architecture, checkpoint_config
 from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
+from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.runner.entry_points import EntryPoints
 from pdjax.sched.buckets import BucketKey
 from pdjax.sched.scheduler import Scheduler
@@ -127,7 +128,8 @@ class AbstractEngine:
             self.buckets = buckets
         self._lowered = {}                    # BucketKey -> its lowered forward (lowered once)
         self.cache_specs = tuple(model.cache_spec(args.num_pages, args.page_size,
-                                                  config.kv_dtype))
+                                                  config.kv_dtype,
+                                                  row_align=kv_row_align(target.platform)))
         self.jits = EntryPoints(self.graphdef, self.mesh, self.cache_specs,
                                 max_rows=self.buckets.max_rows,
                                 vocab_size=self.model_cfg.vocab_size, page_size=args.page_size,

@@ -187,7 +187,7 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
     if case.kernel == "rpa":
         from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
         scale = None if kv_dtype.itemsize == 2 else 0.5   # fp8 KV carries a static scale
-        cache = ((s.layers, num_pages, case.page_size, s.num_kv_heads, s.head_dim), kv_dtype)
+        cache = ((s.layers, num_pages, case.page_size, s.num_kv_heads * s.head_dim), kv_dtype)
         args = [((t, s.num_q_heads, s.head_dim), jnp.bfloat16), cache, cache, *meta]
         fn = functools.partial(ragged_paged_attention, sm_scale=s.head_dim ** -0.5,
                                k_scale=scale, v_scale=scale, impl=platform)

@@ -36,11 +36,13 @@ class AttentionMetadata:
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's ``k, v [T, KVH, D]`` into ``[layers, pages, page_size, KVH, D]``."""
+    """Scatter this step's ``k, v [T, KVH, D]`` into the rows of ``[layers, pages, page_size,
+    KVH * D]`` (the cache layout of ``cache_spec.gqa_cache_spec``)."""
     page_size = k_cache.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
-    k_cache = k_cache.at[layer, page, offset].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, page, offset].set(v.astype(v_cache.dtype))
+    rows = k_cache.shape[3:]
+    k_cache = k_cache.at[layer, page, offset].set(k.reshape(-1, *rows).astype(k_cache.dtype))
+    v_cache = v_cache.at[layer, page, offset].set(v.reshape(-1, *rows).astype(v_cache.dtype))
     return k_cache, v_cache
 
 

@@ -36,17 +36,23 @@ class CacheBufferSpec:
       shape: ``(layers, num_pages, page_size, *row)``.
       dtype: element dtype.
       partition: TP partition spec of the array (``P()`` = replicated on every rank).
+      row_heads: heads side by side in a row (``shape[3:]``): GQA's KV heads, which TP splits
+        between shards; 1 for a buffer with one head (replicated).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: jnp.dtype
     partition: P = P()
+    row_heads: int = 1
 
     def __post_init__(self):
         if len(self.shape) < 4 or any(not isinstance(d, int) or d < 1 for d in self.shape):
             raise ValueError(f"CacheBufferSpec {self.name!r}: shape must be (layers, num_pages, "
                              f"page_size, *row) of positive ints, got {self.shape}")
+        if self.row_heads < 1 or self.shape[3] % self.row_heads:
+            raise ValueError(f"CacheBufferSpec {self.name!r}: row_heads {self.row_heads} does "
+                             f"not divide the row of {self.shape}")
 
     @property
     def num_layers(self) -> int:
@@ -95,9 +101,17 @@ def allocate_caches(specs, mesh=None) -> dict[str, jax.Array]:
 
 def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
                    page_size: int, dtype=jnp.float32) -> tuple[CacheBufferSpec, ...]:
-    """The two buffers of a GQA model (``k_cache``, ``v_cache`` ``[L, N, ps, KVH, D]``, KV heads
-    split over ``tp``), in the same description as the MLA caches."""
-    shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-    part = P(None, None, None, "tp", None)
-    return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part),
-            CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part))
+    """The two buffers of a GQA model, in the same description as the MLA caches.
+
+    ``k_cache``, ``v_cache``: ``[L, N, ps, KVH * D]``, a token's KV heads side by side in one
+    row, the row split between heads over ``tp``. The same memory as ``[L, N, ps, KVH, D]``,
+    but on TPU a page of rows is whole (16, 128) tiles whenever ``KVH * D`` (per shard) is a
+    multiple of 128, where a 5-dim pool puts (KVH, D) in the tiled dimensions (Llama-3-70B at
+    TP 8, one KV head per shard, needed 53 GB of temporaries on v6e; DESIGN.md §7)::
+
+        row of token t:  [ head 0: D lanes | head 1: D lanes | ... ]   (shard j: heads j*KVH/tp..)
+    """
+    shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
+    part = P(None, None, None, "tp")
+    return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part, num_kv_heads),
+            CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part, num_kv_heads))

@@ -39,6 +39,7 @@ from pdjax.models.cache_spec import CacheBufferSpec
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
+from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 
 LATENT_NORM_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not the config's
@@ -199,9 +200,12 @@ def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> j
 
 
 def _write_rows(cache: jax.Array, layer, rows: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter ``rows [T, *row]`` into ``cache [layers, pages, page_size, *row]`` at ``layer``."""
+    """Scatter ``rows [T, D]`` into ``cache [layers, pages, page_size, W]`` at ``layer``; rows
+    narrower than the cache's (``W > D``: lanes padded on TPU, ``pallas_kernels/lanes.py``)
+    are written with zeros in the pad."""
     page_size = cache.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
+    rows = pad_last_dim(rows, cache.shape[-1])
     return cache.at[layer, page, offset].set(rows.astype(cache.dtype))
 
 
@@ -267,12 +271,13 @@ class DeepseekForCausalLM(nnx.Module):
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
 
     # ------------------------------------------------------------------ cache
-    def cache_spec(self, num_pages: int, page_size: int, dtype=None) -> tuple[CacheBufferSpec, ...]:
+    def cache_spec(self, num_pages: int, page_size: int, dtype=None,
+                   row_align: int = 1) -> tuple[CacheBufferSpec, ...]:
         """The KV buffers this model reads and writes; see ``deepseek_cache_spec``."""
         if dtype is None:
             dtype = self.embed_tokens[...].dtype
         return deepseek_cache_spec(self.cfg, num_pages=num_pages, page_size=page_size,
-                                   dtype=dtype)
+                                   dtype=dtype, row_align=row_align)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, caches: dict[str, jax.Array],
@@ -413,23 +418,25 @@ class DeepseekForCausalLM(nnx.Module):
 
 
 def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
-                        dtype=jnp.float32) -> tuple[CacheBufferSpec, ...]:
+                        dtype=jnp.float32, row_align: int = 1) -> tuple[CacheBufferSpec, ...]:
     """KV buffers of an MLA model, replicated across TP ranks.
 
     ``latent [L, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` always;
     ``indexer_k [Li, num_pages, page_size, index_head_dim]`` with DSA, where ``Li`` counts the
-    ``"full"`` indexer layers (slot ``j`` is the ``j``-th full layer). Raises ``ValueError``
-    for a non-positive ``num_pages`` or ``page_size``.
+    ``"full"`` indexer layers (slot ``j`` is the ``j``-th full layer). Rows are padded with
+    zero lanes to a multiple of ``row_align`` (``lanes.kv_row_align``: 128 on TPU, so 576-wide
+    latent rows are 640). Raises ``ValueError`` for a non-positive ``num_pages``,
+    ``page_size`` or ``row_align``.
     """
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
     dtype = jnp.dtype(dtype)
-    specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size, cfg.latent_dim),
-                             dtype)]
+    specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size,
+                                        aligned_width(cfg.latent_dim, row_align)), dtype)]
     if cfg.has_indexer:
         specs.append(CacheBufferSpec(
             "indexer_k", (len(cfg.full_indexer_layers), num_pages, page_size,
-                          cfg.index_head_dim), dtype))
+                          aligned_width(cfg.index_head_dim, row_align)), dtype))
     return tuple(specs)
 
 

@@ -183,7 +183,8 @@ class LlamaForCausalLM(nnx.Module):
 
     ``__call__(input_ids [T] int32, k_cache, v_cache, md, logits_indices [N] int32)`` returns
     ``(logits [N, V] float32, k_cache, v_cache)``; caches are
-    ``[L, num_pages, page_size, KVH, D]`` and come back updated (donate them).
+    ``[L, num_pages, page_size, KVH * D]`` (``gqa_cache_spec``) and come back updated (donate
+    them).
     ``unroll_layers``: the engine unstacks the layer parameters before its first forward
     (``DecoderLayers.unstack``; faster steps, longer compiles). ``cpu_matmul_kernel``: the
     engine then packs the linear weights for the native CPU matmul (``pack_for_cpu``).
@@ -242,9 +243,13 @@ class LlamaForCausalLM(nnx.Module):
         if not tied:
             del self.lm_head
 
-    def cache_spec(self, num_pages: int, page_size: int, dtype) -> tuple:
-        """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``)."""
+    def cache_spec(self, num_pages: int, page_size: int, dtype, row_align: int = 1) -> tuple:
+        """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``).
+        ``row_align`` is ignored: TP splits a GQA row between heads, so it is not padded
+        (``pallas_kernels/lanes.py``)."""
         from pdjax.models.cache_spec import gqa_cache_spec
+
+        del row_align
 
         cfg = self.cfg
         return gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
@@ -275,5 +280,5 @@ def param_partition_specs(cfg: ModelConfig, tp_size: int) -> dict[str, P]:
 
 
 def kv_cache_spec() -> P:
-    """KV cache ``[L, pages, page_size, KVH, D]``: KV heads split over ``tp``."""
-    return P(None, None, None, "tp", None)
+    """KV cache rows ``[L, pages, page_size, KVH * D]``: split between KV heads over ``tp``."""
+    return P(None, None, None, "tp")

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from pdjax.models.attention import AttentionMetadata
+from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.runner.entry_points import EntryPoints
@@ -72,7 +73,7 @@ class ModelRunner:
     """Runs forwards of ``FlatBatch``es on ``mesh``; owns the KV cache.
 
     KV cache: ``caches``, one layer-major array per buffer of ``model.cache_spec`` (GQA:
-    ``k_cache``/``v_cache`` ``[layers, num_pages, page_size, KVH, D]``, KV heads over ``tp``),
+    ``k_cache``/``v_cache`` ``[layers, num_pages, page_size, KVH * D]``, split between KV heads over ``tp``),
     donated to every forward. Sampling runs inside the forward (``device_sampler``): ``forward``
     returns ``StepOutputs`` on the device, of which the host fetches the sampled ids (and the
     logprob rows asked for), and the logits, which ``resample`` draws some rows of again (the
@@ -96,7 +97,8 @@ class ModelRunner:
         if getattr(model, "cpu_matmul_kernel", False):
             model.pack_for_cpu()          # linear weights packed for the native CPU matmul
         self.graphdef, self.state = nnx.split(model)
-        self.cache_specs = tuple(model.cache_spec(num_pages, page_size, kv_dtype))
+        self.cache_specs = tuple(model.cache_spec(
+            num_pages, page_size, kv_dtype, row_align=kv_row_align(mesh.devices.flat[0].platform)))
         self.max_rows = buckets.max_rows
         # The jits and their lowerings from shapes (the same code pdjax.aot compiles).
         self.jits = EntryPoints(self.graphdef, mesh, self.cache_specs, max_rows=self.max_rows,

@@ -23,7 +23,9 @@ Only ``export_kv_layout``, ``shard_addresses``, ``kv_layout_fingerprint`` and
 array's methods), so the grouping and copy building can be used by pure-Python code.
 
 A sharded array has one buffer per addressable device; shards are ordered by the global index
-they hold (then device id). Only the head dimension (dim 3) may be sharded.
+they hold (then device id). Only the head dimension (dim 3) may be sharded: heads
+``[.., heads, head_dim]``, or rows of ``row_heads`` heads ``[.., heads * head_dim]`` (GQA's
+cache), split between heads.
 
 Different TP sizes (DESIGN.md §4): every shard says which logical KV heads it holds
 (``KVBufferDesc.shard_heads``), and ``plan_head_slices`` maps each destination shard's heads
@@ -390,37 +392,57 @@ def shard_addresses(array: Any) -> tuple[int, ...]:
         raise ValueError(f"array: cannot read its buffer address ({e})") from e
 
 
-HEAD_DIM = 3     # [layers, pages, page_size, heads, head_dim]: the only dimension TP shards
+HEAD_DIM = 3     # [layers, pages, page_size, heads, head_dim] or [.., heads * head_dim]
 
 
-def _logical_heads(arr: Any, head_repeat: int, name: str) -> int:
-    """KV heads of the checkpoint behind ``arr``: 1 for a buffer without a head dimension."""
-    if arr.ndim <= HEAD_DIM + 1:
+def _head_axis(arr: Any, row_heads: int | None, name: str) -> tuple[int, int] | None:
+    """``(physical heads, elements per head along dimension 3)`` of an array with heads, or None
+    for a buffer of one head (replicated): ``[.., heads, head_dim]`` has ``(shape[3], 1)``, rows
+    ``[.., heads * head_dim]`` with ``row_heads`` heads ``(row_heads, head_dim)``."""
+    if arr.ndim > HEAD_DIM + 1:
+        return arr.shape[HEAD_DIM], 1
+    if row_heads is None or row_heads == 1 or arr.ndim <= HEAD_DIM:
+        return None
+    if isinstance(row_heads, bool) or not isinstance(row_heads, int) or row_heads < 1 \
+            or arr.shape[HEAD_DIM] % row_heads:
+        raise ValueError(f"row_heads: {row_heads!r} does not divide the {arr.shape[HEAD_DIM]}-wide "
+                         f"rows of {name}")
+    return row_heads, arr.shape[HEAD_DIM] // row_heads
+
+
+def _logical_heads(axis: tuple[int, int] | None, head_repeat: int, name: str) -> int:
+    """KV heads of the checkpoint behind an array: 1 for a buffer without heads."""
+    if axis is None:
         return 1
     if isinstance(head_repeat, bool) or not isinstance(head_repeat, int) or head_repeat < 1 \
-            or arr.shape[HEAD_DIM] % head_repeat:
-        raise ValueError(f"head_repeat: {head_repeat!r} does not divide the {arr.shape[HEAD_DIM]} "
+            or axis[0] % head_repeat:
+        raise ValueError(f"head_repeat: {head_repeat!r} does not divide the {axis[0]} "
                          f"KV heads of {name}")
-    return arr.shape[HEAD_DIM] // head_repeat
+    return axis[0] // head_repeat
 
 
-def _shard_heads(arr: Any, shard: Any, head_repeat: int, name: str) -> tuple[int, int]:
+def _shard_heads(arr: Any, shard: Any, axis: tuple[int, int] | None, head_repeat: int,
+                 name: str) -> tuple[int, int]:
     """``(start, count)`` of the logical heads one shard holds (``tp_model_config`` replicates
     each head ``head_repeat`` times, so physical head ``j`` is logical head
     ``j // head_repeat``). Raises ``ValueError`` for a split a head range cannot describe."""
     for dim in range(2, arr.ndim):
         whole = shard.data.shape[dim] == arr.shape[dim]
-        if not whole and (dim != HEAD_DIM or arr.ndim <= HEAD_DIM + 1):
+        if not whole and (dim != HEAD_DIM or axis is None):
             raise ValueError(f"{name}: sharded over dimension {dim} (shard {shard.data.shape} "
                              f"of {arr.shape}); only KV heads (dimension {HEAD_DIM} of "
-                             f"[layers, pages, page_size, heads, head_dim]) may be sharded; "
+                             f"[layers, pages, page_size, heads(, head_dim)]) may be sharded; "
                              f"replicate buffers without heads")
-    if arr.ndim <= HEAD_DIM + 1:
+    if axis is None:
         return 0, 1
+    unit = axis[1]
     sl = shard.index[HEAD_DIM]
     lo = 0 if sl.start is None else sl.start
     hi = arr.shape[HEAD_DIM] if sl.stop is None else sl.stop
-    count = hi - lo
+    if lo % unit or hi % unit:
+        raise ValueError(f"{name}: shard {shard.data.shape} of {arr.shape} splits a head "
+                         f"({unit} elements)")
+    lo, count = lo // unit, (hi - lo) // unit
     if head_repeat > 1:
         if count != 1:
             raise ValueError(f"{name}: a shard with {count} replicated heads "
@@ -429,24 +451,34 @@ def _shard_heads(arr: Any, shard: Any, head_repeat: int, name: str) -> tuple[int
     return lo, count
 
 
+def _row_heads_of(row_heads: Sequence[int] | None, count: int) -> list[int | None]:
+    if row_heads is None:
+        return [None] * count
+    if len(row_heads) != count:
+        raise ValueError(f"row_heads: {len(row_heads)} entries for {count} arrays")
+    return list(row_heads)
+
+
 def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
-                     head_repeat: int = 1) -> KVLayout:
+                     head_repeat: int = 1, row_heads: Sequence[int] | None = None) -> KVLayout:
     """Describe JAX KV arrays by address: ``KVLayout`` with one ``KVBufferDesc`` per array.
 
     ``arrays[i]``: a JAX array shaped ``[num_layers, num_pages, page_size, heads, head_dim]``
     or ``[num_layers, num_pages, page_size, row]`` (``layer_major``; ``page_major`` swaps the
     first two), any dtype, row-major on its device, sharded (if at all) only over the heads
-    (dimension 3); a buffer without heads is one head on every shard. ``head_repeat``: how
-    often ``tp_model_config`` repeated each KV head (1 = none). Register ``layout.regions()``
-    with the transfer engine afterwards. Raises ``ValueError`` naming the array for a bad rank,
-    a split other than over heads, a non-row-major device layout, or a deleted/donated array.
+    (dimension 3). A row holds ``row_heads[i]`` heads side by side (GQA's
+    ``[.., heads * head_dim]``, ``CacheBufferSpec.row_heads``); a row of one head (the default)
+    is one head on every shard. ``head_repeat``: how often ``tp_model_config`` repeated each KV
+    head (1 = none). Register ``layout.regions()`` with the transfer engine afterwards. Raises
+    ``ValueError`` naming the array for a bad rank, a split other than between heads, a
+    non-row-major device layout, or a deleted/donated array.
     """
     if kind not in KV_LAYOUTS:
         raise ValueError(f"kind: {kind!r} not in {KV_LAYOUTS}")
     if not arrays:
         raise ValueError("arrays: at least one KV array is required")
     buffers = []
-    for i, arr in enumerate(arrays):
+    for i, (arr, rh) in enumerate(zip(arrays, _row_heads_of(row_heads, len(arrays)))):
         name = f"arrays[{i}]"
         if arr.ndim < 3:
             raise ValueError(f"{name}: expected [layers, pages, page_size, ...] (>= 3 dims), "
@@ -457,8 +489,9 @@ def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
             if tuple(s.data.shape[:2]) != tuple(arr.shape[:2]):
                 raise ValueError(f"{name}: sharded over its layer/page dimensions "
                                  f"(shard {s.data.shape} of {arr.shape}); shard heads only")
-        num_heads = _logical_heads(arr, head_repeat, name)
-        heads = tuple(_shard_heads(arr, s, head_repeat, name) for s in shards)
+        axis = _head_axis(arr, rh, name)
+        num_heads = _logical_heads(axis, head_repeat, name)
+        heads = tuple(_shard_heads(arr, s, axis, head_repeat, name) for s in shards)
         _check_row_major(shards[0].data, name)
         num_layers, num_pages = (arr.shape[0], arr.shape[1]) if kind == "layer_major" \
             else (arr.shape[1], arr.shape[0])
@@ -472,22 +505,27 @@ def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
 
 
 def kv_layout_fingerprint(arrays: Sequence[Any], kind: str = "layer_major",
-                          head_repeat: int = 1) -> str:
+                          head_repeat: int = 1, row_heads: Sequence[int] | None = None) -> str:
     """A short hex digest of the KV cache two sides must share to pair, whatever their TP.
 
     Covers the layout kind and, per array, the shape without the page dimension with the
-    *logical* KV head count (before ``tp_model_config``'s replication), and the dtype. Pool
-    sizes (num_pages) and the head split over shards are left out: each side sizes its own
-    pool, and ``plan_head_slices`` maps the head ranges at pairing time (issue 14).
+    *logical* KV head count (before ``tp_model_config``'s replication), and the dtype; rows of
+    ``row_heads`` heads count as ``[.., heads, head_dim]``. Pool sizes (num_pages) and the head
+    split over shards are left out: each side sizes its own pool, and ``plan_head_slices`` maps
+    the head ranges at pairing time.
     """
     if kind not in KV_LAYOUTS:
         raise ValueError(f"kind: {kind!r} not in {KV_LAYOUTS}")
     page_dim = 1 if kind == "layer_major" else 0
     parts = [kind]
-    for i, arr in enumerate(arrays):
+    for i, (arr, rh) in enumerate(zip(arrays, _row_heads_of(row_heads, len(arrays)))):
+        name = f"arrays[{i}]"
         shape = list(arr.shape)
-        if arr.ndim > HEAD_DIM + 1:
-            shape[HEAD_DIM] = _logical_heads(arr, head_repeat, f"arrays[{i}]")
+        axis = _head_axis(arr, rh, name)
+        if axis is not None:
+            # Rows of heads read as [.., heads, head_dim]: the same memory, the same fingerprint.
+            shape[HEAD_DIM:] = [_logical_heads(axis, head_repeat, name),
+                                *(shape[HEAD_DIM + 1:] or [axis[1]])]
         shape = [d for j, d in enumerate(shape) if j != page_dim]
         parts.append(f"{shape}|{np.dtype(arr.dtype).name}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]

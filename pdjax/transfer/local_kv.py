@@ -61,10 +61,11 @@ def _aligned_zeros(shape, dtype) -> np.ndarray:
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
-def _mirror_desc(m: np.ndarray) -> KVBufferDesc:
-    """One unsharded host mirror ``[L, pages, page_size, (heads, head_dim | row)]``."""
+def _mirror_desc(m: np.ndarray, row_heads: int) -> KVBufferDesc:
+    """One unsharded host mirror ``[L, pages, page_size, (heads, head_dim | row)]``, a row
+    holding ``row_heads`` heads."""
     bytes_per_page = math.prod(m.shape[2:]) * m.dtype.itemsize
-    heads = m.shape[3] if m.ndim >= 5 else 1
+    heads = m.shape[3] if m.ndim >= 5 else row_heads
     return KVBufferDesc(shard_addrs=(int(m.ctypes.data),), num_layers=m.shape[0],
                         num_pages=m.shape[1], bytes_per_page=bytes_per_page, num_heads=heads,
                         head_bytes=bytes_per_page // (m.shape[2] * heads))
@@ -89,7 +90,10 @@ class LocalKV:
         self.engine = engine
         arrays = self._arrays()
         self.head_repeat = head_repeat
-        self.fingerprint = kv_layout_fingerprint(arrays, head_repeat=head_repeat)
+        # Heads side by side in a row (GQA's [.., KVH * D]), per buffer.
+        self.row_heads = [s.row_heads for s in runner.cache_specs]
+        self.fingerprint = kv_layout_fingerprint(arrays, head_repeat=head_repeat,
+                                                 row_heads=self.row_heads)
         self.kv_dtype = np.dtype(arrays[0].dtype).name
         self.num_pages = int(arrays[0].shape[1])
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
@@ -97,7 +101,8 @@ class LocalKV:
         self.mode = "staging"
         if mode != "staging":
             try:
-                self.layout = export_kv_layout(arrays, head_repeat=head_repeat)
+                self.layout = export_kv_layout(arrays, head_repeat=head_repeat,
+                                               row_heads=self.row_heads)
                 self.mode = "direct"
             except ValueError as e:
                 if mode == "direct":
@@ -108,7 +113,8 @@ class LocalKV:
             if len(arrays[0].addressable_shards) != 1:
                 raise ValueError("the staging path supports one shard per KV array (tp_size 1)")
             self.mirrors = [_aligned_zeros(a.shape, a.dtype) for a in arrays]
-            self.layout = KVLayout("layer_major", tuple(_mirror_desc(m) for m in self.mirrors))
+            self.layout = KVLayout("layer_major", tuple(
+                _mirror_desc(m, h) for m, h in zip(self.mirrors, self.row_heads)))
         register_kv_layout(engine, self.layout)
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
                                   for b in self.layout.buffers)
@@ -134,7 +140,8 @@ class LocalKV:
         if not changed_addresses(arrays, self.layout):
             return False
         unregister_kv_layout(self.engine, self.layout)
-        self.layout = export_kv_layout(arrays, head_repeat=self.head_repeat)
+        self.layout = export_kv_layout(arrays, head_repeat=self.head_repeat,
+                                       row_heads=self.row_heads)
         register_kv_layout(self.engine, self.layout)
         self.num_address_changes += 1
         logger.warning("KV cache moved after a donated step: re-registered (%d so far)",

@@ -25,8 +25,8 @@ def _pow2(n, lo):
     return p
 
 
-def new_caches(model, num_pages=NUM_PAGES, page_size=PAGE):
-    return allocate_caches(model.cache_spec(num_pages, page_size))
+def new_caches(model, num_pages=NUM_PAGES, page_size=PAGE, row_align=1):
+    return allocate_caches(model.cache_spec(num_pages, page_size, row_align=row_align))
 
 
 def _inputs(rows, page_size, tokens, pages, chunk_size):

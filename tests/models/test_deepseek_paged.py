@@ -15,6 +15,7 @@ from pdjax.models.cache_spec import bytes_per_page
 from pdjax.models.deepseek import DeepseekForCausalLM, deepseek_cache_spec
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.loader import load_model, make_mesh
+from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.sched.batch import BatchRow
 
 BUCKET = dict(tokens=64, pages=16)
@@ -94,7 +95,8 @@ def test_chunked_prefill_in_mixed_batches_gives_same_tokens(tiny_checkpoints, na
 def test_pallas_kernels_inside_the_model(tiny_checkpoints, name, impl):
     """The model with the interpreted Pallas kernels (dense MLA attention for V3; the indexer
     and sparse MLA attention for GLM-5) equals the reference path on a mixed batch whose
-    prompt is longer than index_topk."""
+    prompt is longer than index_topk. The TPU kernels read the TPU layout: rows padded to
+    whole lanes (``lanes.kv_row_align("tpu")``)."""
     path = tiny_checkpoints[name]
     _, ref_model = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False, attention_impl=impl,
@@ -102,8 +104,8 @@ def test_pallas_kernels_inside_the_model(tiny_checkpoints, name, impl):
     prompt, other = prompts(11, (20, 3))
     pages, other_pages = assign_pages([len(prompt), len(other) + 1], PAGE, 96, seed=2)
     out = []
-    for m in (ref_model, model):
-        caches = new_caches(m)
+    for m, align in ((ref_model, 1), (model, kv_row_align(impl))):
+        caches = new_caches(m, row_align=align)
         _, caches = run_rows(m, [BatchRow(other, 0, other_pages)], caches, tokens=24, pages=6)
         got, _ = run_rows(m, [BatchRow([9], len(other), other_pages),
                               BatchRow(prompt, 0, pages, logits_start=0)], caches,
@@ -142,6 +144,31 @@ def test_model_with_kernels_lowers_for_accelerators(tiny_checkpoints, platform, 
     assert text.count(marker) == 4
 
 
+def test_lane_padded_caches_give_the_same_logits(tiny_checkpoints):
+    """Latent and indexer rows padded with zero lanes to 128 (the TPU layout) give the logits
+    of the compact rows, through a prefill and decode steps (the pad is written as zeros and
+    the queries are padded to match)."""
+    _, model = load_model(tiny_checkpoints["glm_moe_dsa_long"], dtype="float32", progress=False)
+    prompt = prompts(6, (30,))[0]
+    pages = assign_pages([len(prompt)], PAGE, 96, seed=4)[0]
+    out = []
+    for align in (1, 128):
+        caches = new_caches(model, row_align=align)
+        assert caches["latent"].shape[-1] == (48 if align == 1 else 128)
+        assert caches["indexer_k"].shape[-1] == (32 if align == 1 else 128)
+        got, caches = run_rows(model, [BatchRow(prompt[:24], 0, pages, logits_start=0)],
+                               caches, **BUCKET)
+        rows = [got[0]]
+        for pos in range(24, len(prompt)):
+            got, caches = run_rows(model, [BatchRow([prompt[pos]], pos, pages)], caches,
+                                   **BUCKET)
+            rows.append(got[0])
+        assert not np.asarray(caches["latent"])[..., 48:].any()      # the pad stays zero
+        out.append(np.concatenate(rows))
+    assert out[0].shape == (30, model.cfg.vocab_size)
+    assert np.abs(out[0] - out[1]).max() < 1e-5
+
+
 def test_tensor_parallel_matches_single_device(tiny_checkpoints):
     path = tiny_checkpoints["glm_moe_dsa_long"]
     _, model1 = load_model(path, dtype="float32", progress=False)
@@ -165,6 +192,8 @@ def test_cache_spec_bytes_per_page(tiny_checkpoints):
     v3 = DeepseekConfig.from_hf_dir(tiny_checkpoints["deepseek_v3"])
     bf16 = deepseek_cache_spec(v3, num_pages=10, page_size=16, dtype=jnp.bfloat16)
     assert [s.name for s in bf16] == ["latent"] and bf16[0].bytes_per_page == 3 * 16 * 48 * 2
+    tpu = deepseek_cache_spec(v3, num_pages=10, page_size=16, dtype=jnp.bfloat16, row_align=128)
+    assert tpu[0].shape == (3, 10, 16, 128)        # 48 lanes padded to one whole lane tile
     with pytest.raises(ValueError, match="caches is missing"):
         model(jnp.zeros(16, jnp.int32), {"latent": latent.zeros()}, None, jnp.zeros(1, jnp.int32))
 

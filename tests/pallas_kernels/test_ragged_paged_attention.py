@@ -60,8 +60,10 @@ BATCHES = {
 
 
 def make_batch(seqs, distribution, *, num_q_heads, num_kv_heads, head_dim, dtype, kv_dtype,
-               k_scale=None, v_scale=None, seed=0):
-    """Inputs in the fixed envelope; pages are a random permutation, NaN where unused."""
+               k_scale=None, v_scale=None, seed=0, rows=True):
+    """Inputs in the fixed envelope; pages are a random permutation, NaN where unused. The
+    caches are the engine's rows ``[L, N, ps, KVH * D]``, or with ``rows=False`` the same
+    values as ``[L, N, ps, KVH, D]``."""
     rng = np.random.default_rng(seed)
     q_lens = np.zeros(NUM_SEQS, np.int32)
     kv_lens = np.zeros(NUM_SEQS, np.int32)
@@ -94,6 +96,8 @@ def make_batch(seqs, distribution, *, num_q_heads, num_kv_heads, head_dim, dtype
             last = page_indices[r, need[r] - 1]
             k[:, last, tail:] = np.nan
             v[:, last, tail:] = np.nan
+    if rows:
+        k, v = k.reshape(*shape[:3], -1), v.reshape(*shape[:3], -1)
     return (jnp.asarray(q, dtype), jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype),
             jnp.int32(1), jnp.asarray(kv_lens), jnp.asarray(page_indices),
             jnp.asarray(cu_q_lens), jnp.asarray(distribution, jnp.int32))
@@ -760,11 +764,35 @@ def test_dispatch_reference_and_bad_inputs():
         with pytest.raises(ValueError, match="k_scale"):
             ragged_paged_attention(*args, sm_scale=0.125, impl=impl, interpret=True,
                                    k_scale=jnp.float32(0.5))
+    wide_q = jnp.zeros((NUM_TOKENS, 9, 128), jnp.float32)            # 128 does not split 192
+    for impl in ("reference", "xla", "tpu", "gpu"):
+        with pytest.raises(ValueError, match=r"head_dim of q \(128\) does not fit k_cache"):
+            ragged_paged_attention(wide_q, *args[1:], sm_scale=0.125, impl=impl, interpret=True)
     odd_d = [jnp.zeros((NUM_TOKENS, 9, 48), jnp.float32),
              jnp.zeros((1, 4, PAGE_SIZE, 3, 48), jnp.float32)]
     with pytest.raises(ValueError, match="head_dim must be a power of two"):
         ragged_paged_attention(odd_d[0], odd_d[1], odd_d[1], *args[3:], sm_scale=0.1,
                                impl="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "cpu", "tpu", "gpu"])
+def test_rows_and_head_split_caches_give_the_same_output(impl):
+    """The engine's rows ``[L, N, ps, KVH * D]`` and the same memory as ``[L, N, ps, KVH, D]``
+    are one cache to every implementation: the outputs are equal, bit for bit."""
+    if impl == "cpu":
+        require_cpu_kernel()
+    shapes = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=jnp.float32,
+                  kv_dtype=jnp.float32)
+    as_rows = make_batch(*BATCHES["mixed"], **shapes)
+    as_heads = make_batch(*BATCHES["mixed"], **shapes, rows=False)
+    assert as_rows[1].shape == (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, 128)
+    assert as_heads[1].shape == (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, 2, 64)
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125, impl=impl,
+                                   interpret=True))
+    with kernel_device(impl):
+        out = np.asarray(fn(*as_rows))
+        np.testing.assert_array_equal(out, np.asarray(fn(*as_heads)))
+    assert np.isfinite(out).all() and np.abs(out).max() > 0.01
 
 
 def test_tuning_table_and_fallback():

@@ -27,7 +27,12 @@ def _kv(seed, shape=SHAPE):
 
 def _head_sharded(x, n=2):
     mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))
-    return jax.device_put(x, NamedSharding(mesh, P(None, None, None, "tp", None)))
+    return jax.device_put(x, NamedSharding(mesh, P(None, None, None, "tp", *[None] * (x.ndim - 4))))
+
+
+def _rows(x):
+    """``[.., heads, head_dim]`` as the engine's GQA rows ``[.., heads * head_dim]``."""
+    return x.reshape(*x.shape[:3], -1)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +129,11 @@ def test_fingerprint_ignores_pool_size_only():
     four = jnp.zeros((L, PAGES, PAGE_SIZE, 2 * HEADS, HEAD_DIM), jnp.bfloat16)
     assert kv_layout_fingerprint([four]) != base
     assert kv_layout_fingerprint([four], head_repeat=2) == base
+    # Rows of heads are the same memory, so the same fingerprint; read as one head they differ.
+    assert kv_layout_fingerprint([_rows(_kv(0))], row_heads=[HEADS]) == base
+    assert kv_layout_fingerprint([_head_sharded(_rows(_kv(0)))], row_heads=[HEADS]) == base
+    assert kv_layout_fingerprint([_rows(four)], head_repeat=2, row_heads=[2 * HEADS]) == base
+    assert kv_layout_fingerprint([_rows(_kv(0))]) != base
     assert len(base) == 16
 
 
@@ -222,16 +232,46 @@ def test_export_head_ranges_replication_and_unsharded_rows():
         export_kv_layout([by_dim])
 
 
+def test_export_rows_of_heads():
+    """GQA rows ``[.., heads * head_dim]`` split between heads describe the same head ranges
+    and bytes as ``[.., heads, head_dim]``; a split inside a head or a bad ``row_heads`` is
+    refused, naming it."""
+    for x, heads in ((_kv(15), None), (_rows(_kv(15)), [HEADS])):
+        whole = export_kv_layout([x], row_heads=heads).buffers[0]
+        split = export_kv_layout([_head_sharded(x)], row_heads=heads).buffers[0]
+        assert (whole.num_heads, whole.shard_heads, whole.head_bytes) == (HEADS, ((0, 2),),
+                                                                          HEAD_DIM * 2)
+        assert (split.num_heads, split.shard_heads, split.head_bytes) == (HEADS,
+                                                                          ((0, 1), (1, 1)),
+                                                                          HEAD_DIM * 2)
+    rep = _head_sharded(jnp.zeros((L, PAGES, PAGE_SIZE, 2 * HEAD_DIM), jnp.bfloat16))
+    desc = export_kv_layout([rep], head_repeat=2, row_heads=[2]).buffers[0]
+    assert (desc.num_heads, desc.shard_heads) == (1, ((0, 1), (0, 1)))
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    quarter = jax.device_put(_rows(_kv(16)), NamedSharding(mesh, P(None, None, None, "tp")))
+    with pytest.raises(ValueError, match=r"arrays\[0\]: .* splits a head"):
+        export_kv_layout([quarter], row_heads=[HEADS])
+    with pytest.raises(ValueError, match="row_heads: 3 does not divide"):
+        export_kv_layout([_rows(_kv(16))], row_heads=[3])
+    with pytest.raises(ValueError, match="row_heads: 1 entries for 2 arrays"):
+        export_kv_layout([_kv(16), _kv(17)], row_heads=[HEADS])
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["heads", "rows"])
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
-def test_mooncake_moves_head_slices_between_tp_sizes(engines, src_tp, dst_tp):
+def test_mooncake_moves_head_slices_between_tp_sizes(engines, src_tp, dst_tp, rows):
     """Prefill TP ``src_tp`` -> decode TP ``dst_tp`` by Mooncake: the decode's arrays, read
-    through JAX, equal the prefill's pages; one copy per page, layer, token and head slice."""
+    through JAX, equal the prefill's pages; one copy per page, layer, token and head slice.
+    The same with the engine's GQA rows ``[.., heads * head_dim]``."""
     a, b = engines
-    place = {1: lambda x: x, 2: _head_sharded}
+    view = _rows if rows else (lambda x: x)
+    heads = [HEADS, HEADS] if rows else None
+    place = {1: view, 2: lambda x: _head_sharded(view(x))}
     src_k, src_v = place[src_tp](_kv(20)), place[src_tp](_kv(21))
     dst_k = place[dst_tp](jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
     dst_v = place[dst_tp](jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
-    src_layout, dst_layout = export_kv_layout([src_k, src_v]), export_kv_layout([dst_k, dst_v])
+    src_layout = export_kv_layout([src_k, src_v], row_heads=heads)
+    dst_layout = export_kv_layout([dst_k, dst_v], row_heads=heads)
     register_kv_layout(a, src_layout)
     register_kv_layout(b, dst_layout)
     try:

@@ -110,17 +110,20 @@ class _Runner(ModelRunner):
         self.jits = EntryPoints(None, make_mesh(1), self.cache_specs, max_rows=1, vocab_size=1,
                                 page_size=ps)
         rng = np.random.default_rng(0)
-        self.caches = {s.name: jnp.asarray(rng.standard_normal(shape), dtype) for s in self.cache_specs}
+        self.caches = {s.name: jnp.asarray(rng.standard_normal(s.shape), dtype)
+                       for s in self.cache_specs}
 
 
 def test_staging_path_round_trip_and_direct_addresses():
     shape = (2, 9, PS, 2, 8)                       # [layers, pages, page_size, heads, dim]
     src, dst = _Runner(shape), _Runner(shape)
-    dst.caches = {k: jnp.zeros(shape) for k in dst.caches}
+    dst.caches = {s.name: jnp.zeros(s.shape) for s in dst.cache_specs}
     engine = FakeTransferEngine()
     out = LocalKV(src, engine, "staging", max_pages_per_seq=4)
     into = LocalKV(dst, FakeTransferEngine(), "staging", max_pages_per_seq=4)
     assert out.mode == into.mode == "staging"
+    # The mirrors are rows of 2 heads: a staging side pairs with a direct side head by head.
+    assert [(d.num_heads, d.head_bytes) for d in out.layout.buffers] == [(2, 8 * 4)] * 2
     assert out.bytes_per_page == 2 * 2 * PS * 2 * 8 * 4 and out.num_layer_buffers == 4
     out.warmup()
     into.warmup()

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.indexer.reference import indexer_scores_reference, topk_positions
+from pdjax.pallas_kernels.lanes import pad_last_dim
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -38,7 +39,8 @@ def indexer_scores(
     Args:
       q: ``[T, index_n_heads, index_head_dim]`` (RoPE applied); weights: ``[T, index_n_heads]``
         (``weights_proj(x) * n_heads ** -0.5``).
-      k_cache: ``[layers, num_pages, page_size, index_head_dim]``, this step's keys written.
+      k_cache: ``[layers, num_pages, page_size, W]``, ``W = index_head_dim`` or wider (rows
+        padded with zero lanes on TPU, ``pallas_kernels/lanes.py``), this step's keys written.
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       sm_scale: scale inside the relu (``index_head_dim ** -0.5``).
       impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``.
@@ -51,6 +53,8 @@ def indexer_scores(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
+    if k_cache.ndim == 4 and k_cache.shape[3] > q.shape[-1]:
+        q = pad_last_dim(q, k_cache.shape[3])     # zero query lanes over the rows' pad
     args = (q, weights, k_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return indexer_scores_reference(*args, sm_scale=sm_scale)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pdjax.pallas_kernels.lanes import pad_last_dim
 from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.mla_sparse_attention.reference import mla_sparse_attention_reference
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
@@ -37,8 +38,9 @@ def mla_sparse_attention(
 
     Args:
       q: ``[T, H, kv_lora_rank + rope_dim]`` float32 or bfloat16.
-      kv_cache: ``[layers, num_pages, page_size, kv_lora_rank + rope_dim]``, this step's rows
-        already written.
+      kv_cache: ``[layers, num_pages, page_size, W]``, ``W = kv_lora_rank + rope_dim`` or
+        wider (rows padded with zero lanes on TPU, ``pallas_kernels/lanes.py``: the query is
+        padded to match), this step's rows already written.
       layer: int32 scalar; kv_lens ``[R]``, page_indices ``[R, P]``, cu_q_lens ``[R+1]``,
         distribution ``[3]``: DESIGN.md §2 metadata (int32).
       topk_indices: ``[T, K]`` int32 sequence positions per token (``-1`` = empty), or None
@@ -54,6 +56,8 @@ def mla_sparse_attention(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
+    if kv_cache.ndim == 4 and kv_cache.shape[3] > q.shape[-1]:
+        q = pad_last_dim(q, kv_cache.shape[3])    # zero query lanes over the rows' pad
     args = (q, kv_cache, layer, kv_lens, page_indices, cu_q_lens, distribution, topk_indices)
     kwargs = dict(sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own

@@ -89,8 +89,10 @@ def ragged_paged_attention(
 
     Args:
       q: ``[T, num_q_heads, head_dim]`` float32 or bfloat16.
-      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads, head_dim]``, this step's
-        K/V already written; float32, bfloat16 or float8_e4m3fn (kernels).
+      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads * head_dim]`` (the
+        engine's layout: KV heads side by side in a row, DESIGN.md §2), this step's K/V already
+        written; float32, bfloat16 or float8_e4m3fn (kernels). ``[.., num_kv_heads,
+        head_dim]`` is the same memory and is accepted too (a copy on TPU).
       layer: int32 scalar, the layer of the stacked caches to read.
       kv_lens: ``[R]`` int32; page_indices: ``[R, P]`` int32; cu_q_lens: ``[R+1]`` int32;
       distribution: ``[3]`` int32 ``(decode_end, prefill_end, num_seqs)`` (DESIGN.md §2).
@@ -125,7 +127,7 @@ def ragged_paged_attention(
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_gpu import (
             ragged_paged_attention_gpu as kernel)
     # Under TP each device runs the kernel on its query heads and KV heads (tp_shard.py).
-    heads, cache = P(None, "tp", None), P(None, None, None, "tp", None)
+    heads, cache = P(None, "tp", None), P(None, None, None, "tp", *[None] * (k_cache.ndim - 4))
     run = tp_map(functools.partial(kernel, **kwargs, interpret=interpret),
                  in_specs=(heads, cache, cache, P(), P(), P(), P(), P()), out_specs=heads)
     return run(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])

@@ -130,13 +130,16 @@ def run_kernel_paths(platform: str, call_path, q, k_cache, v_cache, layer, kv_le
     (``block_sizes[path]`` or the ``platform``'s tuning table), and merge the paths' rows.
 
     ``call_path(path, bs, q, k_cache, v_cache, layer [] int32, kv_lens, flat_pages [R * P],
-    cu_q_lens, distribution, **kwargs)`` returns ``[T, num_q_heads, head_dim]``; ``kwargs``
+    cu_q_lens, distribution, **kwargs)`` (the caches in the layout the kernel took) returns ``[T, num_q_heads, head_dim]``; ``kwargs``
     carries ``sm_scale``, ``sliding_window``, ``soft_cap``, ``k_scale``, ``v_scale`` and
     ``interpret``. Raises ``ValueError`` naming the field."""
+    from pdjax.pallas_kernels.ragged_paged_attention.reference import num_kv_heads_of
+
     check_kernel_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution,
                         kwargs["k_scale"], kwargs["v_scale"])
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    num_pages, page_size = k_cache.shape[1:3]
+    num_kv_heads = num_kv_heads_of(k_cache, head_dim)
     kv_bits = jnp.dtype(k_cache.dtype).itemsize * 8
     flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
     layer = jnp.asarray(layer, jnp.int32).reshape(())

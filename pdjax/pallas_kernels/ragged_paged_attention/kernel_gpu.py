@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.reference import split_kv_heads
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes, gpu_group_pad
 
 
@@ -210,8 +211,9 @@ def ragged_paged_attention_gpu(
 
     Args:
       q: ``[T, num_q_heads, head_dim]`` float32 or bfloat16; head_dim a power of two >= 16.
-      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads, head_dim]`` float32,
-        bfloat16 or float8_e4m3fn; rows of ``layer`` are gathered in place.
+      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads * head_dim]`` (or
+        ``[.., num_kv_heads, head_dim]``) float32, bfloat16 or float8_e4m3fn; rows of ``layer``
+        are gathered in place.
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       sm_scale, sliding_window, soft_cap: as in the reference (static).
       k_scale, v_scale: static dequantization scales of the cache (fp8 KV), or None.
@@ -230,6 +232,8 @@ def ragged_paged_attention_gpu(
     if not _is_pow2(head_dim) or head_dim < 16:
         raise ValueError(
             f"head_dim must be a power of two >= 16 for the GPU kernel, got {head_dim}")
+    # The kernel indexes heads as a dimension; row-major, the view costs nothing.
+    k_cache, v_cache = split_kv_heads(k_cache, head_dim), split_kv_heads(v_cache, head_dim)
     return run_kernel_paths(
         "gpu", _call_path, q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
         distribution, block_sizes=block_sizes, sm_scale=sm_scale, sliding_window=sliding_window,

@@ -5,9 +5,15 @@ each with its own block sizes from ``tuning.py``. A program owns one block of ``
 query tokens (all query heads) and walks the requests that own those tokens; for each request
 it streams the needed KV blocks from the stacked pool, which stays in HBM (``pl.ANY``):
 
-    pool [layers, num_pages, page_size, Hkv, D]   (HBM)
-      page_indices[s, kb*ppb + i] --DMA--> k_buf[slot, i*page_size:(i+1)*page_size, :, :]
-    k_buf, v_buf [2 slots, kv_tokens, Hkv, D]     (VMEM, double-buffered)
+    pool [layers, num_pages, page_size, Hkv * D]  (HBM; KV heads side by side in a row)
+      page_indices[s, kb*ppb + i] --DMA--> k_buf[slot, i*page_size:(i+1)*page_size, :]
+    k_buf, v_buf [2 slots, kv_tokens, Hkv * D]    (VMEM, double-buffered)
+    head h of a block = k_buf[slot, :, h*D:(h+1)*D]
+
+The pool is taken as rows so that a page is whole (16, 128) tiles whenever ``Hkv * D`` is a
+multiple of 128. ``[.., page_size, Hkv, D]`` puts (Hkv, D) in the tiled minor dimensions: with
+one KV head per shard a tile holds one of its 16 sublanes, in HBM and in the VMEM buffers, and
+the real-size compile of Llama-3-70B at TP 8 needed 53 GB of temporaries for it (DESIGN.md §7).
 
 The next (request, KV block) item is prefetched into the other slot while the current one is
 computed. Pages past a request's ``kv_lens`` are never fetched; rows of a block that belong to
@@ -32,6 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.reference import join_kv_heads
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes
 
 _LANES = 128
@@ -62,13 +69,13 @@ def _kernel(
     cu_q_lens_ref,     # [R + 1] int32
     # Inputs.
     q_ref,             # [BQ, Hq, D] VMEM block
-    k_hbm_ref,         # [L, N, page_size, Hkv, D] HBM (pl.ANY)
-    v_hbm_ref,         # [L, N, page_size, Hkv, D] HBM (pl.ANY)
+    k_hbm_ref,         # [L, N, page_size, Hkv * D] HBM (pl.ANY)
+    v_hbm_ref,         # [L, N, page_size, Hkv * D] HBM (pl.ANY)
     # Output.
     o_ref,             # [BQ, Hq, D] VMEM block
     # Scratch.
-    k_buf,             # [2, BK, Hkv, D] kv dtype
-    v_buf,             # [2, BK, Hkv, D] kv dtype
+    k_buf,             # [2, BK, Hkv * D] kv dtype
+    v_buf,             # [2, BK, Hkv * D] kv dtype
     sems,              # DMA semaphores [2 slots, 2 (k, v)]
     m_ref,             # decode [Hkv, BQ, G, 128] / else [Hkv, BQ*G, 128] f32 running max
     l_ref,             # same shape, running denominator
@@ -88,7 +95,7 @@ def _kernel(
     b = pl.program_id(0)
     q_tokens = q_ref.shape[0]
     head_dim = q_ref.shape[2]
-    kv_tokens, num_kv_heads = k_buf.shape[1], k_buf.shape[2]
+    kv_tokens, num_kv_heads = k_buf.shape[1], k_buf.shape[2] // head_dim
     pages_per_block = kv_tokens // page_size
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
@@ -192,8 +199,9 @@ def _kernel(
             if sliding_window is not None:
                 mask = mask & (kv_pos > pos - sliding_window)
         for h in range(num_kv_heads):
-            k = _to_compute(k_buf[slot, :, h, :], compute_dtype)                  # [BK, D]
-            v = _to_compute(v_buf[slot, :, h, :], compute_dtype)
+            lanes = pl.ds(h * head_dim, head_dim)
+            k = _to_compute(k_buf[slot, :, lanes], compute_dtype)                 # [BK, D]
+            v = _to_compute(v_buf[slot, :, lanes], compute_dtype)
             # Slots past kv_len may hold NaN (stale or unused pages): 0 * NaN would leak.
             v = jnp.where(kv_ok_col, v, jnp.zeros_like(v))
             heads = pl.ds(h * group, group)
@@ -249,7 +257,8 @@ def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, p
                cu_q_lens, distribution, *, sm_scale, sliding_window, soft_cap, k_scale,
                v_scale, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, _ = k_cache.shape
+    _, _, page_size, row = k_cache.shape
+    num_kv_heads = row // head_dim
     num_seqs, pages_per_seq = kv_lens.shape[0], page_indices.shape[0] // kv_lens.shape[0]
     group = num_q_heads // num_kv_heads
     decode = path == "decode"
@@ -275,8 +284,8 @@ def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, p
         in_specs=[block, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=block,
         scratch_shapes=[
-            pltpu.VMEM((2, kv_tokens, num_kv_heads, head_dim), k_cache.dtype),
-            pltpu.VMEM((2, kv_tokens, num_kv_heads, head_dim), v_cache.dtype),
+            pltpu.VMEM((2, kv_tokens, row), k_cache.dtype),
+            pltpu.VMEM((2, kv_tokens, row), v_cache.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
             pltpu.VMEM((num_kv_heads, *rows, _LANES), jnp.float32),
             pltpu.VMEM((num_kv_heads, *rows, _LANES), jnp.float32),
@@ -322,8 +331,10 @@ def ragged_paged_attention_tpu(
 
     Args:
       q: ``[T, num_q_heads, head_dim]`` float32 or bfloat16.
-      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads, head_dim]`` float32,
-        bfloat16 or float8_e4m3fn; stay in HBM, pages of ``layer`` are DMA'd.
+      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads * head_dim]`` float32,
+        bfloat16 or float8_e4m3fn; stay in HBM, pages of ``layer`` are DMA'd. A
+        ``[.., num_kv_heads, head_dim]`` cache is taken as rows too, but on TPU that reshape
+        is a copy of the whole pool: pass rows.
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       sm_scale, sliding_window, soft_cap: as in the reference (static).
       k_scale, v_scale: static dequantization scales of the cache (fp8 KV), or None.
@@ -337,6 +348,7 @@ def ragged_paged_attention_tpu(
     Raises:
       ValueError: shapes, dtypes or scales outside the contract.
     """
+    k_cache, v_cache = join_kv_heads(k_cache), join_kv_heads(v_cache)
     return run_kernel_paths(
         "tpu", _call_path, q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
         distribution, block_sizes=block_sizes, sm_scale=sm_scale, sliding_window=sliding_window,

@@ -24,18 +24,50 @@ import jax.numpy as jnp
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def num_kv_heads_of(k_cache: jax.Array, head_dim: int) -> int:
+    """KV heads of a cache in either layout (see ``validate_inputs``)."""
+    return k_cache.shape[3] if k_cache.ndim == 5 else k_cache.shape[3] // head_dim
+
+
+def split_kv_heads(cache: jax.Array, head_dim: int) -> jax.Array:
+    """``[L, N, ps, Hkv * D]`` rows as ``[L, N, ps, Hkv, D]`` (the same memory; a free reshape
+    of a row-major array); a 5-dim cache is returned as it is. Raises ``ValueError`` when
+    ``head_dim`` does not divide the rows."""
+    if cache.ndim == 5:
+        return cache
+    if cache.ndim != 4 or cache.shape[3] % head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) does not fit k_cache {cache.shape}")
+    return cache.reshape(*cache.shape[:3], cache.shape[3] // head_dim, head_dim)
+
+
+def join_kv_heads(cache: jax.Array) -> jax.Array:
+    """``[L, N, ps, Hkv, D]`` as rows ``[L, N, ps, Hkv * D]``; a 4-dim cache as it is. (Free on
+    a row-major array; on TPU a 5-dim cache's tiled layout is not the rows', so XLA copies.)"""
+    if cache.ndim == 4:
+        return cache
+    return cache.reshape(*cache.shape[:3], cache.shape[3] * cache.shape[4])
+
+
 def validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution):
-    """Check static shapes and dtypes of the contract; raises ``ValueError`` naming the field."""
+    """Check static shapes and dtypes of the contract; raises ``ValueError`` naming the field.
+
+    The caches come in either of two views of the same memory: the engine's rows
+    ``[layers, num_pages, page_size, num_kv_heads * head_dim]`` (KV heads side by side in a
+    row: a page is whole (16, 128) TPU tiles whenever ``num_kv_heads * head_dim`` is a
+    multiple of 128, DESIGN.md §7), or ``[layers, num_pages, page_size, num_kv_heads,
+    head_dim]``."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
-    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+    if k_cache.ndim not in (4, 5) or k_cache.shape != v_cache.shape:
         raise ValueError(
-            "k_cache and v_cache must both be [layers, num_pages, page_size, num_kv_heads, "
-            f"head_dim], got {k_cache.shape} and {v_cache.shape}")
+            "k_cache and v_cache must both be [layers, num_pages, page_size, num_kv_heads * "
+            f"head_dim] (or [.., num_kv_heads, head_dim]), got {k_cache.shape} and "
+            f"{v_cache.shape}")
     num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_cache.shape[3]
-    if k_cache.shape[4] != head_dim:
-        raise ValueError(f"head_dim of q ({head_dim}) and k_cache ({k_cache.shape[4]}) differ")
+    width = k_cache.shape[4] if k_cache.ndim == 5 else k_cache.shape[3]
+    if (k_cache.ndim == 5 and width != head_dim) or width % head_dim:
+        raise ValueError(f"head_dim of q ({head_dim}) does not fit k_cache {k_cache.shape}")
+    num_kv_heads = num_kv_heads_of(k_cache, head_dim)
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -80,7 +112,8 @@ def ragged_paged_attention_reference(
 
     Args:
       q: ``[T, num_q_heads, head_dim]`` queries (any float dtype), flat token stream.
-      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads, head_dim]``; this step's
+      k_cache, v_cache: ``[layers, num_pages, page_size, num_kv_heads * head_dim]`` (or
+        ``[.., num_kv_heads, head_dim]``, the same memory; ``validate_inputs``); this step's
         new K/V must already be written. Unused pages may hold anything, NaN included.
       layer: int32 scalar, which layer of the caches to read.
       kv_lens: ``[R]`` int32, cached tokens per request after this step (0 for padding rows).
@@ -101,6 +134,7 @@ def ragged_paged_attention_reference(
     validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens, num_q_heads, head_dim = q.shape
+    k_cache, v_cache = split_kv_heads(k_cache, head_dim), split_kv_heads(v_cache, head_dim)
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     max_pages = page_indices.shape[1]

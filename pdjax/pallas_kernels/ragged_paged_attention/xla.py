@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from pdjax.pallas_kernels.ragged_paged_attention import kernel_cpu
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
-    _MASK_VALUE, validate_inputs)
+    _MASK_VALUE, split_kv_heads, validate_inputs)
 
 # Two tilings, chosen per request (measured on XLA CPU, one SmolLM2 layer, 9 query / 3 KV
 # heads of 64; ms): long tiles win only for a long chunk over a long context, short ones
@@ -182,7 +182,8 @@ def ragged_paged_attention_xla(
     Args:
       q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens: as in
         ``ragged_paged_attention_reference`` (shapes ``[T, QH, D]``, ``[layers, num_pages,
-        page_size, KVH, D]`` twice, int32 scalar, ``[R]``, ``[R, P]``, ``[R+1]``).
+        page_size, KVH * D]`` (or ``[.., KVH, D]``) twice, int32 scalar, ``[R]``, ``[R, P]``,
+        ``[R+1]``).
       distribution: ``[3]`` int32 ``(decode_end, prefill_end, num_seqs)``: rows
         ``[0:decode_end)`` must have q_len 1; rows ``[decode_end:num_seqs)`` may have any q_len;
         rows from ``num_seqs`` on are padding and give 0.
@@ -208,6 +209,7 @@ def ragged_paged_attention_xla(
       ValueError: inputs outside the contract (named field), or a non-positive block size.
     """
     validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    k_cache, v_cache = split_kv_heads(k_cache, q.shape[2]), split_kv_heads(v_cache, q.shape[2])
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                 k_scale=k_scale, v_scale=v_scale)
     num_seqs_pad = page_indices.shape[0]
