@@ -91,10 +91,6 @@ class ModelRunner:
         self.num_pages = num_pages
         self.buckets = buckets
         self.chunk_size = chunk_size
-        if getattr(model, "unroll_layers", False):
-            model.layers.unstack()        # one array per layer, an unrolled forward
-        if getattr(model, "cpu_matmul_kernel", False):
-            model.pack_for_cpu()          # linear weights packed for the native CPU matmul
         self.graphdef, self.state = nnx.split(model)
         self.cache_specs = tuple(model.cache_spec(num_pages, page_size, kv_dtype))
         self.max_rows = buckets.max_rows
