@@ -1,4 +1,4 @@
-"""The whole engine on one NVIDIA GPU (issue 12): a random-weight model of Llama-3-8B's shape
+"""The whole engine on one NVIDIA GPU: a random-weight model of Llama-3-8B's shape
 in bfloat16 through the real ``Engine`` -> ``EngineCore`` -> ``ModelRunner`` path.
 
 Nothing is downloaded: a config.json and a word-level tokenizer of the model's vocabulary are

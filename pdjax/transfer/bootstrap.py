@@ -1,6 +1,6 @@
 """Bootstrap plane: the prefill's HTTP directory of its ranks, and the client side.
 
-DESIGN.md §4 plane 1, reference/sglang_pd_notes.md §1. The prefill server runs one
+DESIGN.md §4 plane 1 (SGLang's bootstrap server and its routes). The prefill server runs one
 ``BootstrapServer`` (aiohttp, on its own event loop in a daemon thread, default port 8998):
 
     PUT /route    a prefill rank registers: rank_ip, rank_port (its ZMQ PULL port), tp_rank,

@@ -104,7 +104,7 @@ class CacheMoved(RoomFailure):
 
 class PromptMismatch(RoomFailure):
     """The room is bound to another prompt (its length or digest differ): two requests reused
-    one client-chosen room, a 409 on both sides (issue 32)."""
+    one client-chosen room, a 409 on both sides."""
 
     label = "prompt_mismatch"
     status_code = ROOM_CONFLICT_STATUS

@@ -50,8 +50,8 @@ from pdjax.transfer.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PE
                                  check_bool, check_digest, check_endpoint, check_int,
                                  check_pages, check_room, check_str, pack_pages, unpack_pages)
 
-# 2: TransferRequest binds the room to the prompt (issue 16); 3: KV buffers carry their
-# shards' KV head ranges (PD between different TP sizes, issue 14).
+# 2: TransferRequest binds the room to the prompt; 3: KV buffers carry their
+# shards' KV head ranges (PD between different TP sizes).
 PROTOCOL_VERSION = 3
 
 class IllegalTransition(RuntimeError):

@@ -95,7 +95,7 @@ class RoleManager(abc.ABC):
         self.recent: collections.deque = collections.deque(maxlen=RECENT_ROOMS)
         self.num_rejected_messages = 0
         self.num_auth_rejected: dict[str, int] = {}
-        # Control-plane authentication (issue 16): the bootstrap writes and every ZMQ frame.
+        # Control-plane authentication: the bootstrap writes and every ZMQ frame.
         self.secret = resolve_secret(self.args.disaggregation_secret)
         if self.secret is None:
             logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "

@@ -88,7 +88,7 @@ def check_endpoint(name: str, value: Any) -> str:
 def prompt_digest(token_ids: Sequence[int]) -> bytes:
     """What identifies a prompt across servers: BLAKE2b (16 bytes) of its token ids as
     little-endian int32. The decode sends it with its page list, the prefill refuses a room whose
-    prompt differs, and the metadata row carries it back (issue 16, item 1)."""
+    prompt differs, and the metadata row carries it back."""
     arr = np.asarray(token_ids, dtype="<i4")
     return hashlib.blake2b(arr.tobytes(), digest_size=PROMPT_DIGEST_BYTES).digest()
 

@@ -1,4 +1,4 @@
-"""Issue 16 without processes: a lone decode request the scheduler finishes inside schedule()
+"""PD hardening without processes: a lone decode request the scheduler finishes inside schedule()
 is handed back for its final output; sealed control frames (HMAC, replay, time window) over
 real ZMQ sockets; the router's sample limits and its 4xx pass-through against fake workers."""
 
@@ -204,7 +204,7 @@ async def test_router_passes_worker_4xx_through_and_502s_failures(p, d, want, ne
 
 
 def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
-    """Item 5: a decode request whose prompt hit 8 tokens of the decode's own prefix cache
+    """A decode request whose prompt hit 8 tokens of the decode's own prefix cache
     reports ``reported_cached_tokens`` (what ``_commit`` sets from the metadata row and the
     decode's hit); page accounting keeps the decode's."""
     s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,
