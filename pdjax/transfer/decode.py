@@ -46,21 +46,21 @@ from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.pd.bootstrap import (BootstrapError, IncompatiblePeerError,
+                                check_bootstrap_health, check_compatible,
+                                fetch_prefill_info)
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
+                                PairingFailed, PeerLost, PeerState, Refused,
+                                RemoteFailure, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
+                               RegisterDecode, RegisterResult, TransferRequest,
+                               TransferStatus)
+from pdjax.pd.rooms import DecodeRoom, PrefillPeer
+from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
-from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
-                                      check_bootstrap_health, check_compatible,
-                                      fetch_prefill_info)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
-from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
-                                      PairingFailed, PeerLost, PeerState, Refused,
-                                      RemoteFailure, RoomConflict, RoomFailure, Timeout)
-from pdjax.transfer.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus)
 from pdjax.transfer.ranks import DecodeRanks
 from pdjax.transfer.role import RoleManager, check_room, error_output
-from pdjax.transfer.rooms import DecodeRoom, PrefillPeer
-from pdjax.transfer.wire import prompt_digest
 
 logger = logging.getLogger(__name__)
 

@@ -50,9 +50,9 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
+from pdjax.pd.protocol import KVBufferDesc
+from pdjax.pd.wire import KV_LAYOUTS, validate_pages
 from pdjax.transfer.engine import Copy, TransferEngine
-from pdjax.transfer.protocol import KVBufferDesc
-from pdjax.transfer.wire import KV_LAYOUTS, validate_pages
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,22 +40,23 @@ from typing import Any
 
 import numpy as np
 
-from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.request import FinishReason, Request
 from pdjax.distributed import join as join_cluster
-from pdjax.transfer.bootstrap import BootstrapServer
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.pd.bootstrap import BootstrapServer
+from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
+                                Refused, RoomConflict, RoomFailure, Timeout,
+                                WriteFailed)
+from pdjax.pd.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
+                               RegisterDecode, RegisterResult, TransferRequest,
+                               TransferStatus)
+from pdjax.pd.rooms import PrefillRoom
+from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
+from pdjax.request import FinishReason, Request
+from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import write_nodes
-from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
-                                      Refused, RoomConflict, RoomFailure, Timeout,
-                                      WriteFailed)
-from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus)
 from pdjax.transfer.ranks import PrefillRanks, rank_info
 from pdjax.transfer.role import RoleManager, check_room, error_output
-from pdjax.transfer.rooms import DecodePeer, PrefillRoom
-from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 
 logger = logging.getLogger(__name__)
 

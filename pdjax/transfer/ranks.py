@@ -39,12 +39,12 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from pdjax.transfer.bootstrap import PrefillRankInfo, register_prefill_rank
+from pdjax.pd.bootstrap import PrefillRankInfo, register_prefill_rank
+from pdjax.pd.protocol import DecodeRankInfo, KVBufferDesc, RankWriteDone
+from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_export import (KVLayout, NodeShards, build_copies, node_shards,
                                       write_nodes)
-from pdjax.transfer.protocol import DecodeRankInfo, KVBufferDesc, RankWriteDone
-from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 
 logger = logging.getLogger(__name__)
 
@@ -411,7 +411,7 @@ class RankSender:
 
     def __init__(self, host):
         from pdjax.distributed.node import endpoints
-        from pdjax.transfer.frame_auth import resolve_secret
+        from pdjax.pd.frame_auth import resolve_secret
 
         args = self.args = host.args
         self.rank = args.node_rank
@@ -637,7 +637,7 @@ class DecodeRankNode:
     ``kv_check``), made in step order. ``host``: the follower's ``EngineCore``."""
 
     def __init__(self, host):
-        from pdjax.transfer.frame_auth import resolve_secret
+        from pdjax.pd.frame_auth import resolve_secret
 
         args = self.args = host.args
         self.rank = args.node_rank

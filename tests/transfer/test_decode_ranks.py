@@ -13,13 +13,14 @@ import types
 import pytest
 from rank_fakes import FakeCluster
 
-from pdjax.transfer.bootstrap import PrefillRankInfo
+from pdjax.pd.bootstrap import PrefillRankInfo
+from pdjax.pd.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
+                               RegisterDecode, decode_message)
+from pdjax.pd.rooms import PrefillRoom
+from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.prefill import PrefillManager
-from pdjax.transfer.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
-                                     RegisterDecode, decode_message)
 from pdjax.transfer.ranks import DecodeRankNode, DecodeRanks, PrefillRanks
-from pdjax.transfer.rooms import DecodePeer, PrefillRoom
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
 

@@ -18,12 +18,12 @@ import zmq
 from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline, count_runs, free_port, load,
                         pd_body, pd_server, pd_state, post, running, wait_until)
 
-from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
+from pdjax.pd.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
+from pdjax.pd.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.wire import prompt_digest
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
-from pdjax.transfer.wire import prompt_digest
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16

@@ -16,13 +16,13 @@ import zmq
 from pd_harness import (PAGE_SIZE, child_env, free_port, get, load, metric_value, pd_body,
                         pd_router, pd_server, pd_state, post, running, wait_until)
 
-from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
-                                      fetch_prefill_info)
+from pdjax.pd.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
+                                fetch_prefill_info)
+from pdjax.pd.frame_auth import FrameSealer
+from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, RegisterDecode,
+                               RegisterResult, TransferRequest)
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.frame_auth import FrameSealer
-from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, RegisterDecode,
-                                     RegisterResult, TransferRequest)
 
 pytestmark = pytest.mark.slow
 SECRET = "issue-16-shared-secret"

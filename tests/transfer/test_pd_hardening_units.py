@@ -10,14 +10,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from pdjax.pd.frame_auth import AuthError, FrameAuthenticator, FrameSealer
+from pdjax.pd.protocol import Heartbeat
+from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import PDRouter, create_router_app
-from pdjax.server.validation import checked_num_samples
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.server.validation import checked_num_samples
 from pdjax.transfer.channel import MessageChannel
-from pdjax.transfer.frame_auth import AuthError, FrameAuthenticator, FrameSealer
-from pdjax.transfer.protocol import Heartbeat
-from pdjax.transfer.wire import prompt_digest
 from pdjax.transfer.pd_metrics import PDMetrics
 
 PS = 4

@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 from rank_fakes import FakeCluster
 
-from pdjax.transfer.bootstrap import PrefillRankInfo
+from pdjax.pd.bootstrap import PrefillRankInfo
+from pdjax.pd.lifecycle import WriteFailed
+from pdjax.pd.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
+                               TransferStatus, decode_message)
+from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
-from pdjax.transfer.lifecycle import WriteFailed
 from pdjax.transfer.prefill import PrefillManager
-from pdjax.transfer.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
-                                     TransferStatus, decode_message)
 from pdjax.transfer.ranks import (PrefillRanks, RankedLayout, RankError, RankSender,
                                   RankWrites, rank_layouts)
-from pdjax.transfer.rooms import PrefillRoom
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
 

@@ -34,8 +34,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdjax.transfer.protocol import PROTOCOL_VERSION, KVBufferDesc
-from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
+from pdjax.pd.protocol import PROTOCOL_VERSION, KVBufferDesc
+from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -43,12 +43,12 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from pdjax.transfer.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_PAGE,
-                                 MAX_BYTES_PER_SLOT, MAX_FRAME_BYTES, MAX_HEADS, MAX_LAYERS,
-                                 MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON, MAX_ROOM,
-                                 MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
-                                 check_bool, check_digest, check_endpoint, check_int,
-                                 check_pages, check_room, check_str, pack_pages, unpack_pages)
+from pdjax.pd.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_PAGE,
+                           MAX_BYTES_PER_SLOT, MAX_FRAME_BYTES, MAX_HEADS, MAX_LAYERS,
+                           MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON, MAX_ROOM,
+                           MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
+                           check_bool, check_digest, check_endpoint, check_int,
+                           check_pages, check_room, check_str, pack_pages, unpack_pages)
 
 # 2: TransferRequest binds the room to the prompt; 3: KV buffers carry their
 # shards' KV head ranges (PD between different TP sizes).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from pdjax.transfer.protocol import IllegalTransition
+from pdjax.pd.protocol import IllegalTransition
 
 
 class PeerState(str, enum.Enum):

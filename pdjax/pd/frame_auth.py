@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 
-from pdjax.transfer.wire import ProtocolError
+from pdjax.pd.wire import ProtocolError
 
 # Frame authentication. A sealed frame is
 #
