@@ -34,7 +34,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdjax.pd.protocol import PROTOCOL_VERSION, KVBufferDesc
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import PROTOCOL_VERSION
 from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
 
 logger = logging.getLogger(__name__)

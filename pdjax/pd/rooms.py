@@ -17,7 +17,7 @@ import numpy as np
 
 from pdjax.engine_io import GenerateOutput
 from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
-from pdjax.pd.protocol import KVPoll
+from pdjax.pd.lifecycle import KVPoll
 from pdjax.request import Request
 
 

@@ -155,3 +155,17 @@ def check_pages(name: str, value: Any) -> tuple[int, ...]:
         if int(arr.min()) >= 0 and int(arr.max()) <= MAX_PAGES:
             return tuple(arr.tolist())
     return tuple(check_int(f"{name}[{i}]", p, 0, MAX_PAGES) for i, p in enumerate(value))
+
+
+def check_keys(where: str, d: dict, allowed: set[str], optional: set[str] = frozenset()) -> None:
+    """``d``'s keys are strings, every one of ``allowed`` and none outside ``allowed`` and
+    ``optional``; ``ProtocolError`` naming ``where`` and the field otherwise."""
+    for k in d:
+        if not isinstance(k, str):
+            raise ProtocolError(f"{where}: non-string key {k!r}")
+    unknown = sorted(set(d) - allowed - optional)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {unknown}")
+    missing = sorted(allowed - set(d))
+    if missing:
+        raise ProtocolError(f"field {missing[0]!r}: missing in {where}")

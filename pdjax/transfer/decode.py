@@ -52,9 +52,9 @@ from pdjax.pd.bootstrap import (BootstrapError, IncompatiblePeerError,
 from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
                                 PairingFailed, PeerLost, PeerState, Refused,
                                 RemoteFailure, RoomConflict, RoomFailure, Timeout)
-from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
-                               RegisterDecode, RegisterResult, TransferRequest,
-                               TransferStatus)
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request

@@ -50,7 +50,7 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
-from pdjax.pd.protocol import KVBufferDesc
+from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.wire import KV_LAYOUTS, validate_pages
 from pdjax.transfer.engine import Copy, TransferEngine
 

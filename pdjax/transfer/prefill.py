@@ -46,9 +46,9 @@ from pdjax.pd.bootstrap import BootstrapServer
 from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
                                 Refused, RoomConflict, RoomFailure, Timeout,
                                 WriteFailed)
-from pdjax.pd.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
-                               RegisterDecode, RegisterResult, TransferRequest,
-                               TransferStatus)
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 from pdjax.request import FinishReason, Request

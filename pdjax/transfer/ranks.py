@@ -40,7 +40,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from pdjax.pd.bootstrap import PrefillRankInfo, register_prefill_rank
-from pdjax.pd.protocol import DecodeRankInfo, KVBufferDesc, RankWriteDone
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import DecodeRankInfo, RankWriteDone
 from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_ROOM, MAX_SHARDS
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_export import (KVLayout, NodeShards, build_copies, node_shards,

@@ -5,7 +5,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from pdjax.pd.protocol import KVBufferDesc, ProtocolError
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import ProtocolError
 from pdjax.transfer.kv_export import KVLayout, build_copies, group_contiguous_runs
 
 

@@ -14,8 +14,8 @@ import pytest
 from rank_fakes import FakeCluster
 
 from pdjax.pd.bootstrap import PrefillRankInfo
-from pdjax.pd.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
-                               RegisterDecode, decode_message)
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import DecodeRankInfo, ProtocolError, RegisterDecode, decode_message
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.kv_export import KVLayout, build_copies

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import corrupt_backend
-from pdjax.pd.protocol import KVBufferDesc
+from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import (FAKE_BOOTSTRAP_HOST, TransferError, available_backends,
                                    backend_for_bootstrap_host, create_transfer_engine)
 from pdjax.transfer.fake import FakeTransferEngine

@@ -36,7 +36,7 @@ def test_failure_labels_are_distinct_and_the_message_is_the_text():
 
 
 def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
-    from pdjax.pd.protocol import KVPoll
+    from pdjax.pd.lifecycle import KVPoll
     from pdjax.pd.rooms import PrefillRoom
 
     r = PrefillRoom(room=9, created_s=0.0)

@@ -19,8 +19,10 @@ from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline, count_runs, free_port
                         pd_body, pd_server, pd_state, post, running, wait_until)
 
 from pdjax.pd.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
-from pdjax.pd.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, RegisterDecode, RegisterResult, TransferRequest,
+                               TransferStatus)
 from pdjax.pd.wire import prompt_digest
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers

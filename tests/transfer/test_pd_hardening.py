@@ -19,8 +19,9 @@ from pd_harness import (PAGE_SIZE, child_env, free_port, get, load, metric_value
 from pdjax.pd.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
                                 fetch_prefill_info)
 from pdjax.pd.frame_auth import FrameSealer
-from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, RegisterDecode,
-                               RegisterResult, TransferRequest)
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, RegisterDecode, RegisterResult,
+                               TransferRequest)
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
 

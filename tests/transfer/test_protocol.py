@@ -6,10 +6,11 @@ import pytest
 
 from pdjax.pd import protocol as P
 from pdjax.pd import wire as W
-from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, IllegalTransition,
-                               KVBufferDesc, KVPoll, ProtocolError, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus,
-                               decode_message, encode_message)
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.lifecycle import IllegalTransition, KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, ProtocolError, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus, decode_message,
+                               encode_message)
 from pdjax.pd.wire import find_duplicates, validate_pages
 
 

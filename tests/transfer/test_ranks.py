@@ -15,9 +15,10 @@ import pytest
 from rank_fakes import FakeCluster
 
 from pdjax.pd.bootstrap import PrefillRankInfo
+from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.lifecycle import WriteFailed
-from pdjax.pd.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
-                               TransferStatus, decode_message)
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import ProtocolError, RankWriteDone, TransferStatus, decode_message
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
