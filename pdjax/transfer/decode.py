@@ -31,7 +31,7 @@ and for every running or preallocated request. Requests are preallocated in arri
 running requests or quarantined come back) and fails only by ``waiting_timeout_s``.
 
 Over several hosts (``--nnodes > 1``, DESIGN.md §6) this is node 0: it pairs only once every
-other node reported its KV shards (``transfer/ranks.py``, ``DecodeRanks``), and registers them
+other node reported its KV shards (``transfer/decode_ranks.py``, ``DecodeRanks``), and registers them
 all; the prefill writes each node's shards itself.
 """
 
@@ -58,8 +58,8 @@ from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, Registe
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
+from pdjax.transfer.decode_ranks import DecodeRanks
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
-from pdjax.transfer.ranks import DecodeRanks
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)

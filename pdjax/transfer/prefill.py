@@ -55,7 +55,7 @@ from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import write_nodes
-from pdjax.transfer.ranks import PrefillRanks, rank_info
+from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""A multi-host prefill's data plane without processes (``transfer/ranks.py``, DESIGN.md §6):
+"""A multi-host prefill's data plane without processes (``transfer/prefill_ranks.py``, DESIGN.md §6):
 the plan over every node's shards, each node's part of the copies (the parts partition the
 one-process plan), the messages' range checks, node 0's wait for every node's report, and a
 chunk whose other node fails: the room fails, the metadata row is never written."""
@@ -23,8 +23,8 @@ from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
 from pdjax.transfer.prefill import PrefillManager
-from pdjax.transfer.ranks import (PrefillRanks, RankedLayout, RankError, RankSender,
-                                  RankWrites, rank_layouts)
+from pdjax.transfer.prefill_ranks import PrefillRanks, RankSender, RankWrites
+from pdjax.transfer.ranks import RankedLayout, RankError, rank_layouts
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
 
