@@ -25,21 +25,31 @@ import jax.numpy as jnp
 
 from pdjax.models.linear import PackedWeight
 from pdjax.pallas_kernels.dense_cpu import WEIGHT_DTYPES, matmul_kernel_status
-from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
+from pdjax.pallas_kernels.ragged_paged_attention import (ATTENTION_IMPLS, SINGLE_DEVICE_IMPLS,
+                                                         resolve_impl)
 
 @dataclasses.dataclass(frozen=True)
 class PlatformProfile:
     """The resolved CPU-path choices for one platform (module docstring).
 
-    ``platform``: ``cpu``, ``tpu`` or ``gpu``. ``attention_impl``: ``reference``, ``xla``,
-    ``cpu``, ``tpu`` or ``gpu``. ``unroll_layers`` / ``cpu_matmul_kernel``: the weight layout
-    that ``prepare_model`` applies after loading.
+    ``platform``: the JAX backend (``cpu``, ``tpu``, ``gpu``). ``attention_impl``:
+    ``reference``, ``xla``, ``cpu``, ``tpu`` or ``gpu``. ``unroll_layers`` /
+    ``cpu_matmul_kernel``: the weight layout that ``prepare_model`` applies after loading.
+    Raises ``ValueError`` naming the field for an unresolved or unknown value.
     """
 
     platform: str
     attention_impl: str
     unroll_layers: bool = False
     cpu_matmul_kernel: bool = False
+
+    def __post_init__(self):
+        if self.attention_impl not in ATTENTION_IMPLS or self.attention_impl == "auto":
+            raise ValueError(f"attention_impl must be a resolved implementation "
+                             f"({', '.join(ATTENTION_IMPLS[1:])}); got {self.attention_impl!r}")
+        for name in ("unroll_layers", "cpu_matmul_kernel"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
 
     @classmethod
     def resolve(cls, platform: str, *, attention_backend: str | None = None,
