@@ -9,7 +9,8 @@ import dataclasses
 from typing import Any
 
 from pdjax.pd.wire import (MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_PAGE, MAX_HEADS, MAX_LAYERS,
-                           MAX_PAGES, MAX_SHARDS, ProtocolError, check_int, check_keys)
+                           MAX_PAGES, MAX_SHARDS, ProtocolError, check_int, check_keys,
+                           check_list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,12 +45,7 @@ class KVBufferDesc:
     head_bytes: int = 0
 
     def __post_init__(self):
-        addrs = self.shard_addrs
-        if isinstance(addrs, (str, bytes)) or not isinstance(addrs, (list, tuple)):
-            raise ProtocolError("field 'shard_addrs': expected a list of addresses")
-        if not 1 <= len(addrs) <= MAX_SHARDS:
-            raise ProtocolError(f"field 'shard_addrs': {len(addrs)} shards outside "
-                                f"[1, {MAX_SHARDS}]")
+        addrs = check_list("shard_addrs", self.shard_addrs, 1, MAX_SHARDS, "shards")
         object.__setattr__(self, "shard_addrs", tuple(
             check_int(f"shard_addrs[{i}]", a, 1, MAX_ADDR) for i, a in enumerate(addrs)))
         check_int("num_layers", self.num_layers, 1, MAX_LAYERS)

@@ -50,7 +50,7 @@ from pdjax.pd.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_SLOT
                            MAX_FRAME_BYTES, MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON,
                            MAX_ROOM, MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
                            check_bool, check_digest, check_endpoint, check_int, check_keys,
-                           check_pages, check_room, check_str, pack_pages, unpack_pages)
+                           check_list, check_pages, check_room, check_str, pack_pages, unpack_pages)
 
 # 2: TransferRequest binds the room to the prompt; 3: KV buffers carry their
 # shards' KV head ranges (PD between different TP sizes).
@@ -137,12 +137,7 @@ class RegisterDecode(Message):
         check_str("engine_session_id", self.engine_session_id)
         check_int("tp_size", self.tp_size, 1, MAX_SHARDS)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
-        bufs = self.kv_buffers
-        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)):
-            raise ProtocolError("field 'kv_buffers': expected a list")
-        if not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': {len(bufs)} buffers outside "
-                                f"[1, {MAX_BUFFERS}]")
+        bufs = check_list("kv_buffers", self.kv_buffers, 1, MAX_BUFFERS, "buffers")
         for i, b in enumerate(bufs):
             if not isinstance(b, KVBufferDesc):
                 raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")
@@ -401,10 +396,7 @@ class DecodeRankInfo(Message):
         check_str("session_id", self.session_id)
         if self.kv_layout not in KV_LAYOUTS:
             raise ProtocolError(f"field 'kv_layout': {self.kv_layout!r} not in {KV_LAYOUTS}")
-        bufs = self.kv_buffers
-        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)) \
-                or not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': expected 1..{MAX_BUFFERS} buffers")
+        bufs = check_list("kv_buffers", self.kv_buffers, 1, MAX_BUFFERS, "buffers")
         for i, b in enumerate(bufs):
             if not isinstance(b, KVBufferDesc):
                 raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")

@@ -169,3 +169,13 @@ def check_keys(where: str, d: dict, allowed: set[str], optional: set[str] = froz
     missing = sorted(allowed - set(d))
     if missing:
         raise ProtocolError(f"field {missing[0]!r}: missing in {where}")
+
+
+def check_list(name: str, value: Any, lo: int, hi: int, items: str) -> tuple:
+    """``value`` as a tuple: a list or tuple (not a str or bytes) of ``lo``..``hi`` ``items``
+    (a plural noun for the message); ``ProtocolError`` naming the field otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"field {name!r}: expected a list of {items}")
+    if not lo <= len(value) <= hi:
+        raise ProtocolError(f"field {name!r}: {len(value)} {items} outside [{lo}, {hi}]")
+    return tuple(value)
