@@ -150,7 +150,7 @@ class DecoderLayers(nnx.Module):
         (one weight of the group's name, e.g. ``PackedWeight.from_linear``), in place, stacked
         or per layer as they are. One group at a time, so the peak is the weights plus one
         group. Idempotent."""
-        if "wqkv" in self.param_names:
+        if "wq" not in self.param_names:      # fused already
             return
         unrolled = _is_unrolled(self.input_norm.get_value())
 
@@ -218,7 +218,7 @@ class LlamaForCausalLM(nnx.Module):
         """Store the layers' linear weights (``DecoderLayers.fuse_linear_weights``) and the LM
         head as ``fuse`` makes them: ``lm_head = fuse([head])``, a tied head from the
         embedding's transpose (the embedding stays for the token lookup). Idempotent."""
-        if "wqkv" in self.layers.param_names:
+        if "wq" not in self.layers.param_names:      # fused already
             return
         self.layers.fuse_linear_weights(fuse)
         tied = self.cfg.tie_word_embeddings
