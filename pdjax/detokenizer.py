@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings (DESIGN.md §1, issue 4).
+"""Incremental detokenization with stop strings (DESIGN.md §1).
 
 Per request: token ids go in as they are sampled, text deltas come out. Two things are held
 back until they are settled:

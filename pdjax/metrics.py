@@ -1,4 +1,4 @@
-"""Prometheus metrics of one pdjax server, exposed on ``/metrics`` (DESIGN.md §1, issue 4).
+"""Prometheus metrics of one pdjax server, exposed on ``/metrics`` (DESIGN.md §1).
 
 Names follow SGLang's ``sglang:*`` metrics with a ``pdjax:`` prefix. Each ``Metrics`` owns its
 own ``CollectorRegistry``, so several servers (or tests) in one process never share counters.
@@ -73,7 +73,7 @@ class Metrics:
       step_time_predicted_seconds, step_time_seconds
         Histograms, seconds: the cost model's forecast of each forward (when it had one) and the
         measured forward (with overlap: the device time the engine attributes to it, when
-        known), for the stall-free budget of ``--target-itl-ms`` (issue 13).
+        known), for the stall-free budget of ``--target-itl-ms``.
     """
 
     def __init__(self) -> None:

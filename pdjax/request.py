@@ -22,7 +22,8 @@ from pdjax.constrained.grammar import GrammarSpec
 GRAMMAR_PARAMS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"}
 
 # The widths every integer field is stored in on its way to the device: token ids, top-k and
-# counts are int32 arrays, seeds 63-bit (issue 32: a Python int past them was a 500).
+# counts are int32 arrays, seeds 63-bit (a Python int past them would fail deep in numpy or
+# XLA as a 500, not a 400 naming the field).
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
 

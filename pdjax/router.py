@@ -1,4 +1,4 @@
-"""``python -m pdjax.router``: a minimal PD router (DESIGN.md §4, reference/sglang_pd_notes.md §9).
+"""``python -m pdjax.router``: a minimal PD router (DESIGN.md §4, the router).
 
     python -m pdjax.router --prefill http://127.0.0.1:30001 8998 --decode http://127.0.0.1:30002 \\
         [--prefill URL [BOOTSTRAP_PORT] ...] [--decode URL ...] --host 127.0.0.1 --port 30000
@@ -395,7 +395,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
                 await resp.write(line)
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             # The decode went away mid-stream: the client gets an error event, never a
-            # stream that just stops (issue 32).
+            # stream that just stops.
             router.num_errors += 1
             router.mark_down(router.decode_pool, d_i)
             err = error_body(f"decode server {d_url} failed mid-stream: "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Load and faults through the PD router: 2 prefill + 2 decode servers on 127.0.0.1, a mixed
 workload at a fixed concurrency, while one prefill and one decode server are killed with
-SIGKILL and restarted (issue 32).
+SIGKILL and restarted.
 
     python scripts/bench_faults.py                                  # tiny model, 500 x 64
     python scripts/bench_faults.py --num-requests 40 --concurrency 8 --kill-rounds 1

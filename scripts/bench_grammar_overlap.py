@@ -1,6 +1,6 @@
 """Device idle time between forwards when the batch holds grammar rows, before and after the
-split grammar sampling (issue 15, item "with overlap scheduling, the mask for step N+1 is
-filled while step N runs"; DESIGN.md §3, "Grammars").
+split grammar sampling (with overlap scheduling the mask for step N+1 is filled while step N
+runs; DESIGN.md §3, "Grammars").
 
 One offline ``Engine`` (overlap on); the same ``--batch`` greedy regex-constrained requests run
 in three modes, alternating ``--repeats`` times:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The Sarathi-Serve experiment at this machine's scale: decode ITL while a long prompt arrives,
 with mixed batches off, on, and on with a token budget sized to an ITL target
-(``--enable-mixed-chunk --target-itl-ms``, issue 13), in one process so the ratios are fair.
+(``--enable-mixed-chunk --target-itl-ms``), in one process so the ratios are fair.
 
 ``--batch-size`` (B) requests decode steadily; then one ``--long-prompt-len`` (L) prompt
 arrives. Its prefill is chunked by ``--chunked-prefill-size`` (C). Without mixed batches the
@@ -28,7 +28,7 @@ first token; with mixed batches off, the last such gap spans the final prefill c
 after it) as p50/p99/max, the ratio of
 each to the steady state, the long prompt's TTFT, the forward kinds in the window, and host
 overhead (scheduling + batch building + sampling vs forward), and the window throughput
-(decode tokens plus the long prompt's tokens over the window); issue 13's bound (1.5 x the
+(decode tokens plus the long prompt's tokens over the window); the stall-free bound (1.5 x the
 steady ITL p99) and, under a target, the target over that bound and the share of arrival gaps
 over the target. JSON with ``--output-file``;
 ``--plot-file`` draws every decoding request's inter-token gaps over time (PNG, matplotlib);
@@ -205,14 +205,14 @@ def _stats(samples_s: list[float]) -> dict[str, float | None]:
             "num_samples": len(samples_s)}
 
 
-#: Issue 13's bound: arrival ITL p99 at most this many times the steady ITL p99.
+#: The stall-free bound (DESIGN.md §3): arrival ITL p99 at most this many times the steady ITL p99.
 ITL_BOUND_FACTOR = 1.5
 
 
 def summarize_setting(rounds: list[dict], target_itl_ms: float | None = None) -> dict[str, Any]:
     """Figures of one setting over its rounds (``run_round``'s dicts). With ``target_itl_ms``
     also the share of arrival gaps longer than the target (what the planner promises to keep
-    small) and the target over issue 13's bound (``ITL_BOUND_FACTOR`` x the steady ITL p99):
+    small) and the target over the stall-free bound (``ITL_BOUND_FACTOR`` x the steady ITL p99):
     above 1, a step the planner fits to its target already breaks the bound."""
     steady = _stats([x for r in rounds for x in r["steady_itl_s"]])
     arrival_s = [x for r in rounds for x in r["arrival_itl_s"]]

@@ -8,7 +8,7 @@ tokenizer converted from the GGUF) both start empty; the warm runs reuse the col
 After ``/health`` turns 200, one short greedy request is sent at once (its latency, while the
 rest of the shapes may still compile in the background) and ``/get_server_info`` is polled
 until every forward shape is compiled (``compiled_shapes == forward_shapes``). The server's own lines (``pdjax warm-up: ... N forward shapes`` and the start-up phases) are
-copied from its log, so the figure comes with the shape count and its breakdown. Targets (issue 12): cold <= 60 s, warm <= 20 s for the default server.
+copied from its log, so the figure comes with the shape count and its breakdown. Targets: cold <= 60 s, warm <= 20 s for the default server.
 
     python scripts/bench_startup.py                      # default server: SmolLM2, 8k context
     python scripts/bench_startup.py --warm-runs 2 -- --context-length 1024

@@ -1,5 +1,5 @@
 """Host share of an engine step, and with overlapped scheduling the time the device waits for
-the host between forwards (issue 12, "What must be shown").
+the host between forwards (what shows that the overlap hides the host).
 
 One offline ``Engine``; the same ``--batch`` greedy requests run twice, first with
 ``--disable-overlap-schedule`` semantics (``core.overlap = False``), then overlapped. The window

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """pdjax against the systems a user could pick instead, on the same prompts and weights: the
-offline workload of issue 12 and single-stream decode.
+offline workload of BENCHMARKS.md and single-stream decode.
 
 Workload: ``--num-prompts`` chat prompts (the model's chat template around a user message)
 whose lengths are spread evenly over ``--min-input-len``..``--max-input-len`` tokens (default

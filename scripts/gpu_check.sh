@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real (not interpreted) check of pdjax on one NVIDIA GPU host (issue 12):
+# Real (not interpreted) check of pdjax on one NVIDIA GPU host:
 #   1. the kernel tests of tests/pallas_kernels, with the GPU kernel compiled through Triton;
 #   2. scripts/gpu_kernel_bench.py: the attention kernel's HBM GB/s (decode) and TFLOP/s
 #      (prefill) against the device's peak;

@@ -1,4 +1,4 @@
-"""The whole engine on one NVIDIA GPU (issue 12): a random-weight model of Llama-3-8B's shape
+"""The whole engine on one NVIDIA GPU: a random-weight model of Llama-3-8B's shape
 in bfloat16 through the real ``Engine`` -> ``EngineCore`` -> ``ModelRunner`` path.
 
 Nothing is downloaded: a config.json and a word-level tokenizer of the model's vocabulary are
@@ -151,7 +151,7 @@ def engine_settings(plan: Plan, impl: str, *, interpret: bool, max_rows: int,
     buckets = Buckets(token_buckets=(plan.chunk,), request_buckets=requests,
                       pages_per_seq_buckets=pages, max_rows=max_rows)
     # XLA's dots, as on a GPU, also in the CPU dry run: the roofline counts the checkpoint's
-    # weights, not the CPU kernel's packed copies (engine/settings.py, cpu_matmul_kernel).
+    # weights, not the CPU kernel's packed copies (models/platform.py, cpu_matmul_kernel).
     return dict(dtype=plan.dtype, load_format="dummy", attention_backend=impl,
                 cpu_matmul_kernel=False, pallas_interpret=interpret, page_size=plan.page_size,
                 chunked_prefill_size=plan.chunk, context_length=plan.context_length,

@@ -1,5 +1,5 @@
 """The pure-Python wheels ``scripts/gpu_check.sh`` needs on a GPU host that has no package
-registry (issue 12): built here, carried with the tree, installed there for what is missing.
+registry: built here, carried with the tree, installed there for what is missing.
 
 The GPU host has jax (CUDA), flax, orbax, aiohttp, msgpack, prometheus-client, tokenizers and
 transformers (so numpy, tqdm, safetensors, huggingface_hub, pyyaml too). The engine check

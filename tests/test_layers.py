@@ -4,9 +4,9 @@ never loads JAX, and no module reaches into another package's privates.
 Layers, lowest first; a module may import its own layer and the ones below, never above:
 
     control      config, request, engine_io, engine_roles, detokenizer, output, metrics,
-                 constrained, sched, kv, transfer.protocol / wire / frame_auth (the control
-                 protocol), transfer.engine (the transfer-engine interface), distributed.wire
-                 (the multi-host messages)   (pure Python: no JAX)
+                 constrained, sched, kv, pd (the PD control protocol, its checks, auth, room
+                 lifecycle and records, the bootstrap), transfer.engine (the transfer-engine
+                 interface), distributed.wire (the multi-host messages)   (pure Python: no JAX)
     device       jax_setup, models, pallas_kernels, runner, distributed (multi-host)
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
@@ -34,8 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("pdjax.config", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
                  "pdjax.sched",
-                 "pdjax.kv", "pdjax.transfer.protocol", "pdjax.transfer.wire",
-                 "pdjax.transfer.frame_auth", "pdjax.transfer.engine", "pdjax.distributed.wire")),
+                 "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),
     ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner",
                 "pdjax.distributed")),
     ("transfer", ("pdjax.transfer",)),
@@ -137,7 +136,7 @@ def test_the_checker_sees_an_upward_import():
 
 def test_control_plane_loads_no_jax():
     control = sorted(n for n in MODULES if layer_of(n) == 0)
-    assert "pdjax.transfer.protocol" in control and "pdjax.sched.scheduler" in control
+    assert "pdjax.pd.protocol" in control and "pdjax.sched.scheduler" in control
     code = ("import sys\n" + "".join(f"import {n}\n" for n in control)
             + "bad = sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.'))\n"
             + "assert not bad, bad\n")

@@ -297,7 +297,7 @@ class Cluster:
         goes away; a malformed message or a failed call exits 1 (the step sequence is broken,
         so the leader must see this node gone). ``handlers``: op -> callable(msg) for the
         messages that are not runner calls (a multi-host prefill's ``kv_peer`` / ``kv_write``,
-        ``transfer/ranks.py``), made in step order; they report their own errors. Never
+        ``transfer/prefill_ranks.py``), made in step order; they report their own errors. Never
         returns."""
         mirror = FollowerCalls(runner)
         handlers = handlers or {}

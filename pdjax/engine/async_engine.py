@@ -145,7 +145,7 @@ class AsyncEngine:
 
     def pd_reject(self, rooms: list[int], message: str, status_code: int = 400) -> None:
         """The HTTP server refused a request for these bootstrap rooms before it reached the
-        engine: a prefill fails the rooms and tells their decode at once (issue 16, item 3)."""
+        engine: a prefill fails the rooms and tells their decode at once."""
         if rooms:
             self._call(RejectRooms(tuple(rooms), message, status_code))
 

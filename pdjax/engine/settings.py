@@ -12,8 +12,7 @@ import jax.numpy as jnp
 
 from pdjax.config import ModelConfig, ServerArgs
 from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
-from pdjax.pallas_kernels.dense_cpu import WEIGHT_DTYPES, matmul_kernel_status
-from pdjax.pallas_kernels.ragged_paged_attention import SINGLE_DEVICE_IMPLS, resolve_impl
+from pdjax.models.platform import PlatformProfile
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.scheduler import SchedulerConfig
 
@@ -25,66 +24,34 @@ class EngineConfig:
     """``ServerArgs`` with nothing left to resolve.
 
     ``model_path``: a local checkpoint path (a hub id resolved). ``dtype`` / ``kv_dtype``: JAX
-    dtypes of the parameters and the KV cache. ``attention_impl``: ``reference``, ``xla``,
-    ``cpu``, ``tpu`` or ``gpu`` (``auto`` under ``tp_size > 1`` never picks ``cpu``).
-    ``scheduler.max_context_len``: ``context_length``, or the model's
-    ``max_position_embeddings``. ``overlap``: overlapped scheduling (off with
-    ``disable_overlap_schedule`` and for the prefill role, whose requests all end after one
-    token). ``unroll_layers``: ``args.unroll_layers`` with auto resolved (``_unroll_layers``).
-    ``cpu_matmul_kernel``: ``args.cpu_matmul_kernel`` resolved (``_cpu_matmul_kernel``).
+    dtypes of the parameters and the KV cache. ``profile``: the platform's attention kernel
+    and weight layout, every "auto" resolved (``models/platform.py``; ``attention_impl``,
+    ``unroll_layers`` and ``cpu_matmul_kernel`` read it; ``auto`` under ``tp_size > 1``
+    never picks the ``cpu`` attention kernel). ``scheduler.max_context_len``:
+    ``context_length``, or the model's ``max_position_embeddings``. ``overlap``: overlapped
+    scheduling (off with ``disable_overlap_schedule`` and for the prefill role, whose requests
+    all end after one token).
     """
 
     args: ServerArgs
     model_path: str
     dtype: Any
     kv_dtype: Any
-    attention_impl: str
+    profile: PlatformProfile
     scheduler: SchedulerConfig
     overlap: bool
-    unroll_layers: bool
-    cpu_matmul_kernel: bool
 
+    @property
+    def attention_impl(self) -> str:
+        return self.profile.attention_impl
 
-def _attention_impl(args: ServerArgs, platform: str) -> str:
-    """``args.attention_backend`` resolved; a single-device kernel is not picked for a TP mesh
-    (auto falls back to ``xla``; asked for by name it is an error)."""
-    impl = resolve_impl(args.attention_backend, platform)
-    if impl in SINGLE_DEVICE_IMPLS and args.tp_size > 1:
-        if args.attention_backend not in (None, "auto"):
-            raise ValueError(f"attention_backend {impl!r} runs on one device; tp_size is "
-                             f"{args.tp_size} (use 'xla' or 'auto')")
-        return "xla"
-    return impl
+    @property
+    def unroll_layers(self) -> bool:
+        return self.profile.unroll_layers
 
-
-def _unroll_layers(args: ServerArgs, model_cfg, platform: str) -> bool:
-    """``args.unroll_layers``; auto (None): the Llama family (its ``ModelConfig``) on the CPU
-    backend, where its scan copies each layer's weights (DESIGN.md §2)."""
-    if args.unroll_layers is not None:
-        return args.unroll_layers
-    return platform == "cpu" and isinstance(model_cfg, ModelConfig)
-
-
-def _cpu_matmul_kernel(args: ServerArgs, model_cfg, dtype, platform: str) -> bool:
-    """``args.cpu_matmul_kernel``; auto (None): on for the Llama family on the CPU backend
-    with ``tp_size`` 1 and float32 or bfloat16 weights, where the kernel builds. Asked for
-    where it cannot run, a ``ValueError`` that names the field and says why."""
-    if args.cpu_matmul_kernel is False:
-        return False                  # nothing to check, and no kernel to build
-    why = None
-    if platform != "cpu":
-        why = f"the backend is {platform}, not cpu"
-    elif not isinstance(model_cfg, ModelConfig):
-        why = "only Llama-family models pack their weights"
-    elif args.tp_size > 1:
-        why = f"it runs on one device; tp_size is {args.tp_size}"
-    elif jnp.dtype(dtype) not in map(jnp.dtype, WEIGHT_DTYPES):
-        why = f"dtype {jnp.dtype(dtype).name} is not float32 or bfloat16"
-    elif not matmul_kernel_status()[0]:
-        why = f"the kernel is unavailable ({matmul_kernel_status()[1]})"
-    if why is not None and args.cpu_matmul_kernel:
-        raise ValueError(f"cpu_matmul_kernel: {why}")
-    return why is None
+    @property
+    def cpu_matmul_kernel(self) -> bool:
+        return self.profile.cpu_matmul_kernel
 
 
 def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> EngineConfig:
@@ -97,13 +64,16 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
     platform = platform or jax.default_backend()
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = checkpoint_config(model_path)
-    attention_impl = _attention_impl(args, platform)
-    if (attention_impl in ("tpu", "gpu") and not isinstance(model_cfg, ModelConfig)
+    dtype = resolve_dtype(args.dtype, platform)
+    profile = PlatformProfile.resolve(
+        platform, attention_backend=args.attention_backend, unroll_layers=args.unroll_layers,
+        cpu_matmul_kernel=args.cpu_matmul_kernel, tp_size=args.tp_size, dtype=dtype,
+        layer_stack=isinstance(model_cfg, ModelConfig))
+    if (profile.attention_impl in ("tpu", "gpu") and not isinstance(model_cfg, ModelConfig)
             and args.cache.kv_cache_dtype == "fp8_e4m3"):
         raise ValueError("kv_cache_dtype: the MLA kernels take a float32 or bfloat16 latent "
                          "cache, not fp8_e4m3")
     model_len = model_cfg.max_position_embeddings
-    dtype = resolve_dtype(args.dtype, platform)
     sched, cache = args.scheduler, args.cache
     scheduler = SchedulerConfig(
         num_pages=cache.num_pages, page_size=cache.page_size,
@@ -118,11 +88,8 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
     return EngineConfig(
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
-        attention_impl=attention_impl,
-        scheduler=scheduler,
-        overlap=not sched.disable_overlap_schedule and args.role != "prefill",
-        unroll_layers=_unroll_layers(args, model_cfg, platform),
-        cpu_matmul_kernel=_cpu_matmul_kernel(args, model_cfg, dtype, platform))
+        profile=profile, scheduler=scheduler,
+        overlap=not sched.disable_overlap_schedule and args.role != "prefill")
 
 
 def make_buckets(args: ServerArgs, context_length: int, attention_impl: str,

@@ -3,8 +3,8 @@ DESIGN.md §6): a supervisor and its worker.
 
 The worker joins the cluster, builds the runner as node 0's engine does and follows node 0
 (``pdjax.distributed.Cluster.follow``) until it shuts down or goes away; a prefill node also
-registers and writes its own KV shards (``pdjax.transfer.ranks.RankSender``), a decode node
-reports its own to node 0 for the prefill to write (``pdjax.transfer.ranks.DecodeRankNode``).
+registers and writes its own KV shards (``pdjax.transfer.prefill_ranks.RankSender``), a decode node
+reports its own to node 0 for the prefill to write (``pdjax.transfer.decode_ranks.DecodeRankNode``).
 The supervisor exists because JAX's coordination client aborts the worker (SIGABRT) as soon as node 0's coordinator
 is gone, before the heartbeat can say so: the supervisor then reports that the leader went
 away (its heartbeat port no longer answers) and exits 1. Signals to the supervisor reach the
@@ -65,7 +65,8 @@ def _work(args) -> None:
         exit_now(2, f"node {args.node_rank}: {type(e).__name__}: {e}")
     handlers = None
     if args.role in ("prefill", "decode"):     # this node's own KV shards (DESIGN.md §6)
-        from pdjax.transfer.ranks import DecodeRankNode, RankSender
+        from pdjax.transfer.decode_ranks import DecodeRankNode
+        from pdjax.transfer.prefill_ranks import RankSender
 
         try:
             handlers = (RankSender if args.role == "prefill" else DecodeRankNode)(core).handlers

@@ -27,7 +27,7 @@ import subprocess
 import sys
 
 from pdjax.config import ServerArgs
-from pdjax.transfer.frame_auth import SECRET_ENV
+from pdjax.pd.frame_auth import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

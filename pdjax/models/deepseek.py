@@ -253,12 +253,7 @@ class DeepseekForCausalLM(nnx.Module):
     TRACED_PAGES_BOUND_IMPLS = ()
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False,
-                 unroll_layers: bool = False, cpu_matmul_kernel: bool = False):
-        if unroll_layers:
-            raise ValueError("unroll_layers: DeepSeek-family models scan their layers only")
-        if cpu_matmul_kernel:
-            raise ValueError("cpu_matmul_kernel: DeepSeek-family models do not pack their weights")
+                 attention_impl: str | None = None, interpret: bool = False):
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret

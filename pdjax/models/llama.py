@@ -3,9 +3,8 @@
 One module serves the three architectures; they differ only in rows of ``ModelConfig``:
 Qwen2 adds q/k/v biases, Qwen3 adds per-head RMSNorm on q and k. Layer parameters are stacked
 on a leading ``[layers]`` axis and the forward is a ``lax.scan`` over layers that carries the
-stacked KV cache (compile time independent of depth; DESIGN.md §2). ``unroll_layers`` trades
-that for speed: ``DecoderLayers.unstack`` splits the stacked parameters into one array per
-layer and the forward becomes a Python loop over them (MaxText's ``scan_layers=False``). On XLA
+stacked KV cache (compile time independent of depth; DESIGN.md §2). ``unstack_layers`` trades
+that for speed: it splits the stacked parameters into one array per layer and the forward becomes a Python loop over them (MaxText's ``scan_layers=False``). On XLA
 CPU a scan copies each layer's weight slice out of the stack before its matmuls (a dynamic
 slice feeding a library call cannot be read in place): SmolLM2's 30 layers, 16 decode rows,
 118-128 ms a step scanned against 96-108 ms unrolled, for 3-5x the compile time per shape.
@@ -16,8 +15,6 @@ dim, ``F`` MLP width, ``V`` vocabulary, ``L`` layers. Linear weights are stored 
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -27,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from pdjax.config import ModelConfig
 from pdjax.models.attention import AttentionMetadata, paged_attention
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
-from pdjax.pallas_kernels.dense_cpu import pack_weight, packed_matmul
+from pdjax.models.linear import linear, linear_group
 from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
 
 
@@ -56,21 +53,24 @@ def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], P]]
     return shapes
 
 
-# The packed projections of ``pack_for_cpu`` and the weights each one concatenates (along the
-# output axis), so that q/k/v and gate/up are one matmul each.
-PACKED_GROUPS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+# Linear weights that multiply the same input, by the name of their fused product: a weight
+# format may store each group as one weight (one matmul; ``fuse_linear_weights``).
+LINEAR_GROUPS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
                  "w_down": ("w_down",)}
+
+
+def _is_unrolled(value) -> bool:
+    """A layer parameter split by ``DecoderLayers.unstack``: a tuple of per-layer arrays."""
+    return isinstance(value, tuple)
 
 
 class DecoderLayers(nnx.Module):
     """All decoder layers, parameters stacked as ``[L, ...]``, applied with ``lax.scan``; after
     ``unstack``, a tuple of ``L`` per-layer arrays each, applied in an unrolled loop. After
-    ``pack_for_cpu`` the linear weights are the packed groups of ``PACKED_GROUPS``."""
+    ``fuse_linear_weights`` the linear weights are the fused groups of ``LINEAR_GROUPS``."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.unrolled = False
-        self.packed = False
         self.param_names = tuple(layer_param_shapes(cfg))
         init = nnx.initializers.normal(0.02)
         for name, (shape, _) in layer_param_shapes(cfg).items():
@@ -86,18 +86,10 @@ class DecoderLayers(nnx.Module):
         inv_freq, rope_scale = rope_inv_freq(D, cfg.rope_theta, cfg.rope_params)
         inv_freq = jnp.asarray(inv_freq)
         params = {name: getattr(self, name).get_value() for name in self.param_names}
-        shapes = layer_param_shapes(cfg)
-        num_real_tokens = md.cu_q_lens[-1]     # the packed matmul skips the padding rows
+        num_real_tokens = md.cu_q_lens[-1]     # rows from here on are the bucket's padding
 
         def project(h, p, group):
-            """``h`` times each weight of ``PACKED_GROUPS[group]``: one matmul each, or one
-            fused matmul through the packed group, split along its output axis."""
-            members = PACKED_GROUPS[group]
-            if not self.packed:
-                return [h @ p[n] for n in members]
-            widths = [shapes[n][0][-1] for n in members]
-            out = packed_matmul(h, p[group], sum(widths), num_rows=num_real_tokens)
-            return jnp.split(out, list(itertools.accumulate(widths[:-1])), axis=-1)
+            return linear_group(h, p, group, LINEAR_GROUPS[group], num_real_tokens)
 
         def layer_step(carry, xs):
             x, k_cache, v_cache = carry
@@ -124,7 +116,7 @@ class DecoderLayers(nnx.Module):
             return (x, k_cache, v_cache), None
 
         carry = (x, k_cache, v_cache)
-        if self.unrolled:
+        if _is_unrolled(params["input_norm"]):
             for i in range(cfg.num_layers):
                 carry, _ = layer_step(carry, ({name: w[i] for name, w in params.items()}, i))
             return carry
@@ -135,8 +127,9 @@ class DecoderLayers(nnx.Module):
     def unstack(self) -> None:
         """Split every stacked ``[L, ...]`` parameter into a tuple of ``L`` arrays, in place,
         each keeping the stack's sharding of its other axes (the stacked buffers are freed
-        once nothing else holds them). Later forwards run the unrolled loop. Idempotent."""
-        if self.unrolled:
+        once nothing else holds them). Later forwards run the unrolled loop. Idempotent; run
+        it before ``fuse_linear_weights``."""
+        if _is_unrolled(self.input_norm.get_value()):
             return
 
         def per_layer(sharding, ndim):
@@ -151,31 +144,29 @@ class DecoderLayers(nnx.Module):
             out_shardings={n: per_layer(a.sharding, a.ndim) for n, a in stacked.items()})
         for name, layers in split(stacked).items():
             getattr(self, name).set_value(layers)
-        self.unrolled = True
 
-    def pack_for_cpu(self) -> None:
-        """Replace the linear weights by the packed groups of ``PACKED_GROUPS``
-        (``dense_cpu.pack_weight`` of the members concatenated along the output axis), in
-        place, stacked or per layer as they are; later forwards multiply through
-        ``dense_cpu.packed_matmul``. One group at a time, so the peak is the weights plus one
-        group. One device only (the packed layout has no TP split). Idempotent."""
-        if self.packed:
+    def fuse_linear_weights(self, fuse) -> None:
+        """Replace the members of each ``LINEAR_GROUPS`` group by ``fuse(member weights)``
+        (one weight of the group's name, e.g. ``PackedWeight.from_linear``), in place, stacked
+        or per layer as they are. One group at a time, so the peak is the weights plus one
+        group. Idempotent."""
+        if "wq" not in self.param_names:      # fused already
             return
+        unrolled = _is_unrolled(self.input_norm.get_value())
 
-        def pack_group(members):
-            if self.unrolled:
-                return tuple(pack_weight(jnp.concatenate(ws, axis=-1)) for ws in zip(*members))
-            return pack_weight(jnp.concatenate(members, axis=-1))
+        def fuse_group(members):
+            if unrolled:
+                return tuple(fuse(list(ws)) for ws in zip(*members))
+            return fuse(members)
 
-        pack = jax.jit(pack_group)
-        for group, members in PACKED_GROUPS.items():
-            packed = pack([getattr(self, n).get_value() for n in members])
+        fuse_jit = jax.jit(fuse_group)
+        for group, members in LINEAR_GROUPS.items():
+            fused = fuse_jit([getattr(self, n).get_value() for n in members])
             for n in members:
                 delattr(self, n)
-            setattr(self, group, nnx.Param(packed))
-        linear = {n for members in PACKED_GROUPS.values() for n in members}
-        self.param_names = (*(n for n in self.param_names if n not in linear), *PACKED_GROUPS)
-        self.packed = True
+            setattr(self, group, nnx.Param(fused))
+        linears = {n for members in LINEAR_GROUPS.values() for n in members}
+        self.param_names = (*(n for n in self.param_names if n not in linears), *LINEAR_GROUPS)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -185,9 +176,9 @@ class LlamaForCausalLM(nnx.Module):
     ``(logits [N, V] float32, k_cache, v_cache)``; caches are
     ``[L, num_pages, page_size, KVH * D]`` (``gqa_cache_spec``) and come back updated (donate
     them).
-    ``unroll_layers``: the engine unstacks the layer parameters before its first forward
-    (``DecoderLayers.unstack``; faster steps, longer compiles). ``cpu_matmul_kernel``: the
-    engine then packs the linear weights for the native CPU matmul (``pack_for_cpu``).
+    Weight layouts (chosen by the platform profile after loading, ``models/platform.py``):
+    ``unstack_layers`` (faster steps on XLA CPU, longer compiles) and ``fuse_linear_weights``
+    (another weight format, e.g. ``linear.PackedWeight``); the forward reads whichever it holds.
     """
 
     # Attention implementations whose cost follows kv_lens, not the page-table width P, so
@@ -195,13 +186,10 @@ class LlamaForCausalLM(nnx.Module):
     TRACED_PAGES_BOUND_IMPLS = TRACED_BOUND_IMPLS
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False,
-                 unroll_layers: bool = False, cpu_matmul_kernel: bool = False):
+                 attention_impl: str | None = None, interpret: bool = False):
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret
-        self.unroll_layers = unroll_layers
-        self.cpu_matmul_kernel = cpu_matmul_kernel
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
@@ -216,32 +204,27 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32. ``num_rows``
-        (int32 scalar, traced; None: all): rows from it on are padding, whose logits the
-        packed CPU head leaves 0 instead of computing (the XLA dot computes every row)."""
+        (int32 scalar, traced; None: all): rows from it on are padding, which a packed head
+        leaves 0 instead of computing (``linear``). A tied head is the embedding's transpose
+        until ``fuse_linear_weights`` gives the model its own ``lm_head``."""
         h = rms_norm(h, self.norm[...], self.cfg.rms_norm_eps)
-        if self.packed:
-            return packed_matmul(h, self.lm_head_packed[...], self.cfg.vocab_size,
-                                 num_rows=num_rows).astype(jnp.float32)
-        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return (h @ w).astype(jnp.float32)
+        w = self.lm_head.get_value() if hasattr(self, "lm_head") else self.embed_tokens[...].T
+        return linear(h, w, num_rows).astype(jnp.float32)
 
-    @property
-    def packed(self) -> bool:
-        """Whether ``pack_for_cpu`` has run (the layers and the LM head pack together)."""
-        return self.layers.packed
+    def unstack_layers(self) -> None:
+        """One array per layer and an unrolled forward (``DecoderLayers.unstack``)."""
+        self.layers.unstack()
 
-    def pack_for_cpu(self) -> None:
-        """Pack the layers' linear weights (``DecoderLayers.pack_for_cpu``) and the LM head,
-        as ``lm_head_packed`` (a tied head is packed from the embedding's transpose, which stays
-        for the token lookup; an untied ``lm_head`` is replaced). Idempotent."""
-        if self.packed:
+    def fuse_linear_weights(self, fuse) -> None:
+        """Store the layers' linear weights (``DecoderLayers.fuse_linear_weights``) and the LM
+        head as ``fuse`` makes them: ``lm_head = fuse([head])``, a tied head from the
+        embedding's transpose (the embedding stays for the token lookup). Idempotent."""
+        if "wq" not in self.layers.param_names:      # fused already
             return
-        self.layers.pack_for_cpu()
+        self.layers.fuse_linear_weights(fuse)
         tied = self.cfg.tie_word_embeddings
         head = self.embed_tokens[...] if tied else self.lm_head[...]
-        self.lm_head_packed = nnx.Param(jax.jit(lambda w: pack_weight(w.T if tied else w))(head))
-        if not tied:
-            del self.lm_head
+        self.lm_head = nnx.Param(jax.jit(lambda w: fuse([w.T if tied else w]))(head))
 
     def cache_spec(self, num_pages: int, page_size: int, dtype, row_align: int = 1) -> tuple:
         """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``).

@@ -26,6 +26,7 @@ from pdjax.models.checkpoint import (  # noqa: F401 (path, mesh and dtype helper
     read_hf_tensors, resolve_dtype, resolve_model_path)
 from pdjax.models.orbax_checkpoint import is_orbax_checkpoint, read_marker, restore_params
 from pdjax.models.params import abstract_params, place_params, random_params
+from pdjax.models.platform import prepare_model
 from pdjax.models.registry import ModelFamily, Params, model_family
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,8 @@ def checkpoint_config(path: str):
 
 
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
-               progress: bool = True, load_format: str = "auto", **model_kwargs):
+               progress: bool = True, load_format: str = "auto", unroll_layers: bool = False,
+               cpu_matmul_kernel: bool = False, **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
     The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
@@ -113,19 +115,24 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
     than the checkpoint's when TP replicates KV heads), DeepSeek-V3 / V3.2 / GLM-5 give
     ``(DeepseekConfig, DeepseekForCausalLM)``. ``model_path`` may be an HF folder, a GGUF file
     or a pdjax Orbax checkpoint. ``load_format``: ``auto`` reads the weights, ``dummy`` makes
-    random ones of the checkpoint's config (``load_dummy_model``). Raises ``ValueError``
-    naming the file, tensor or architecture that is wrong.
+    random ones of the checkpoint's config (``load_dummy_model``). ``unroll_layers`` /
+    ``cpu_matmul_kernel``: the weight layout of the platform profile, applied once loaded
+    (``platform.prepare_model``). Raises ``ValueError`` naming the file, tensor, architecture
+    or layout that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
-    if load_format == "dummy":
-        return load_dummy_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
-    if load_format != "auto":
+    if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be one of auto, dummy; got {load_format!r}")
-    if is_orbax_checkpoint(path):
-        return load_orbax_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
-    family, cfg, params, _ = read_params(path, progress)
-    return build_model(family, cfg, params, mesh, dtype, **model_kwargs)
+    if load_format == "dummy":
+        run_cfg, model = load_dummy_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+    elif is_orbax_checkpoint(path):
+        run_cfg, model = load_orbax_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+    else:
+        family, cfg, params, _ = read_params(path, progress)
+        run_cfg, model = build_model(family, cfg, params, mesh, dtype, **model_kwargs)
+    prepare_model(model, unroll_layers=unroll_layers, cpu_matmul_kernel=cpu_matmul_kernel)
+    return run_cfg, model
 
 
 # --------------------------------------------------------------------------- tokenizer

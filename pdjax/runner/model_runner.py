@@ -92,10 +92,6 @@ class ModelRunner:
         self.num_pages = num_pages
         self.buckets = buckets
         self.chunk_size = chunk_size
-        if getattr(model, "unroll_layers", False):
-            model.layers.unstack()        # one array per layer, an unrolled forward
-        if getattr(model, "cpu_matmul_kernel", False):
-            model.pack_for_cpu()          # linear weights packed for the native CPU matmul
         self.graphdef, self.state = nnx.split(model)
         self.cache_specs = tuple(model.cache_spec(
             num_pages, page_size, kv_dtype, row_align=kv_row_align(mesh.devices.flat[0].platform)))

@@ -1,5 +1,5 @@
 """The aiohttp application of the HTTP server (routes, API key, errors) and its run loop
-(issue 4, DESIGN.md §4).
+(DESIGN.md §4).
 
 ``run_server`` handles SIGTERM by draining: new generation requests get 503, running ones may
 finish until ``drain_timeout_s``, the rest are aborted, then it returns 0.

@@ -69,7 +69,7 @@ class StartupReporter(Protocol):
 @runtime_checkable
 class PDRejecter(Protocol):
     """A PD role: ``pd_reject(rooms, message, status_code)`` fails those bootstrap rooms so
-    that the peer server hears of a refused request at once (issue 16, item 3)."""
+    that the peer server hears of a refused request at once."""
 
     def pd_reject(self, rooms: list[int], message: str, status_code: int = 400) -> None: ...
 

@@ -1,4 +1,4 @@
-"""The HTTP handlers: SGLang-native and OpenAI-compatible endpoints (issue 4, DESIGN.md §4).
+"""The HTTP handlers: SGLang-native and OpenAI-compatible endpoints (DESIGN.md §4).
 
     client --HTTP--> handler --GenerateRequest per sample--> engine.generate()  (engine thread)
                        ^                                          |
@@ -82,7 +82,7 @@ async def _stream(request: web.Request, group: RequestGroup,
 
 async def _parse(state: ServerState, parse: Callable, body: Any):
     """``parse(body, ctx)`` off the event loop. A refused PD request also fails its bootstrap
-    rooms in the engine, so that the peer server hears of it at once (issue 16, item 3)."""
+    rooms in the engine, so that the peer server hears of it at once."""
     try:
         return await asyncio.to_thread(parse, body, state.ctx)
     except RequestError as e:

@@ -51,7 +51,7 @@ _NATIVE_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "custom_logit_processor": lambda v: False, "token_ids_logprob": lambda v: v == [],
     "return_hidden_states": lambda v: v is False, "routed_dp_rank": lambda v: v == 0,
     "data_parallel_rank": lambda v: v == 0, "disagg_prefill_dp_rank": lambda v: v == 0,
-    # Sent with their defaults by sglang-router (PD mode, issue 5).
+    # Sent with their defaults by sglang-router (PD mode).
     "background": lambda v: v is False, "no_logs": lambda v: isinstance(v, bool),
     "return_bytes": lambda v: v is False, "return_entropy": lambda v: v is False,
 }

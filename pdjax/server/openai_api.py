@@ -99,7 +99,7 @@ _OPENAI_DEFAULT_ONLY: dict[str, Callable[[Any], bool]] = {
     "prediction": lambda v: False, "reasoning_effort": lambda v: False,
     "web_search_options": lambda v: False, "regex": lambda v: False,
     "json_schema": lambda v: False, "ebnf": lambda v: False,
-    # Sent with their defaults by sglang-router (PD mode, issue 5); the two reasoning
+    # Sent with their defaults by sglang-router (PD mode); the two reasoning
     # switches act on chat requests only.
     "no_stop_trim": lambda v: v is False, "continue_final_message": lambda v: v is False,
     "return_hidden_states": lambda v: v is False,

@@ -68,7 +68,7 @@ def check_bool(name: str, v: Any) -> bool:
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     """``v`` if an integer in ``[lo, hi]``, else ``RequestError`` naming ``name``. Every
     integer a request carries is read through here or ``SamplingParams.validate`` with both
-    bounds explicit (issue 32): an unbounded Python int must never reach a C long or an int32
+    bounds explicit: an unbounded Python int must never reach a C long or an int32
     array. ``None`` leaves a side open for the callers that bound it themselves."""
     if not is_int(v):
         raise RequestError(f"{name} must be an integer, got {v!r}", name)
@@ -215,7 +215,7 @@ def check_grammar(spec: GrammarSpec | None, ctx: ServingContext) -> None:
 def clamp_default_max_new(sp: SamplingParams, prompt_len: int,
                           ctx: ServingContext) -> SamplingParams:
     """The default ``max_new_tokens`` (the client did not set it) cut to what the context
-    leaves after the prompt, as SGLang does (issue 16, item 6). Returns a copy."""
+    leaves after the prompt, as SGLang does. Returns a copy."""
     left = max(1, ctx.context_length - prompt_len)
     if sp.max_new_tokens is None or sp.max_new_tokens <= left:
         return sp
@@ -251,7 +251,7 @@ def _per_sample(name: str, value: Any, num: int, check: Callable[[str, Any], Any
 def _check_bootstrap_host(name: str, v: Any) -> str:
     check_str(name, v, allow_empty=False)
     if v == FAKE_BOOTSTRAP_HOST:
-        # The fake host makes a decode read pages nothing wrote (issue 16, item 8).
+        # The fake host makes a decode read pages nothing wrote.
         raise RequestError(f"{name}: {v} is reserved for the server's own warm-up and health "
                            f"probe", name)
     return v
@@ -282,7 +282,7 @@ def pd_fields(body: dict[str, Any], num: int) -> tuple[list, list, list]:
 def checked_num_samples(path: str, body: dict[str, Any]) -> int:
     """``num_samples``, refused before any room is drawn when it is over the servers' limits:
     ``RequestError`` (a ``ValueError``) naming the field for ``n`` above ``MAX_N``, a batch above
-    ``MAX_BATCH_SIZE`` or more than ``MAX_SAMPLES`` samples in all (issue 16, item 7)."""
+    ``MAX_BATCH_SIZE`` or more than ``MAX_SAMPLES`` samples in all."""
     if path == "/generate":
         sp = body.get("sampling_params")
         sps = sp if isinstance(sp, list) else [sp]

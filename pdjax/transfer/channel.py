@@ -2,7 +2,7 @@
 
 Each server binds one PULL socket on a free port (its ``rank_port``) and answers peers through
 PUSH sockets, one per peer endpoint, created on first use. Every message is one frame holding
-one msgpack map (``pdjax.transfer.protocol``); a receiver thread decodes it and hands the typed
+one msgpack map (``pdjax.pd.protocol``); a receiver thread decodes it and hands the typed
 message to the role's handler. A frame that does not parse (wrong frame count, bad msgpack,
 unknown type, a field out of range) is counted, logged and dropped: the server keeps serving.
 With a shared ``secret`` every frame is sealed on send and authenticated before parsing (HMAC,
@@ -25,10 +25,10 @@ from typing import Callable
 
 import zmq
 
-from pdjax.transfer.frame_auth import (AUTH_PREFIX_BYTES, AuthError, FrameAuthenticator,
-                                       FrameSealer)
-from pdjax.transfer.protocol import Message, decode_message
-from pdjax.transfer.wire import MAX_FRAME_BYTES, ProtocolError
+from pdjax.pd.frame_auth import (AUTH_PREFIX_BYTES, AuthError, FrameAuthenticator,
+                                 FrameSealer)
+from pdjax.pd.protocol import Message, decode_message
+from pdjax.pd.wire import MAX_FRAME_BYTES, ProtocolError
 
 logger = logging.getLogger(__name__)
 

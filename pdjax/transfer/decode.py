@@ -1,4 +1,4 @@
-"""The decode side of PD disaggregation (DESIGN.md §4, reference/sglang_pd_notes.md §1-§5).
+"""The decode side of PD disaggregation (DESIGN.md §4).
 
 A decode server reserves pages for a prompt, tells the prefill where to write them, waits for
 the KV and the metadata row, then continues generation from the second token without ever
@@ -12,7 +12,7 @@ computing the prompt. One ``DecodeRoom`` per request:
     any state --(timeout, refused pairing, prefill Failed/Abort, lost heartbeat, client abort,
                  metadata room or prompt digest mismatch)--> Failed: the client gets an error
 
-Safety rules (SGLang's bug history, reference/sglang_pd_notes.md §12):
+Safety rules (each one a bug SGLang once shipped; DESIGN.md §4):
 * pages of a failed or aborted transfer never enter the prefix cache;
 * when this side gives up on a transfer the prefill may still be writing (client abort,
   timeout, lost prefill, KV cache moved), the pages and the metadata slot are quarantined until
@@ -22,7 +22,7 @@ Safety rules (SGLang's bug history, reference/sglang_pd_notes.md §12):
 * a failed prefill is not failed forever: its peer entry is dropped, and the next request
   bootstraps again (a restarted prefill has a new ZMQ port);
 * the page list carries the prompt's length and digest, and the metadata row must carry the
-  same digest back: a room reused by another prompt never commits foreign KV (issue 16).
+  same digest back: a room reused by another prompt never commits foreign KV.
 
 Admission (SGLang's ``pop_preallocated``, simplified): a request is preallocated when the pool
 can free its prompt pages minus the decode-side prefix hit, plus
@@ -31,7 +31,7 @@ and for every running or preallocated request. Requests are preallocated in arri
 running requests or quarantined come back) and fails only by ``waiting_timeout_s``.
 
 Over several hosts (``--nnodes > 1``, DESIGN.md §6) this is node 0: it pairs only once every
-other node reported its KV shards (``transfer/ranks.py``, ``DecodeRanks``), and registers them
+other node reported its KV shards (``transfer/decode_ranks.py``, ``DecodeRanks``), and registers them
 all; the prefill writes each node's shards itself.
 """
 
@@ -46,21 +46,21 @@ from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.pd.bootstrap import (BootstrapError, IncompatiblePeerError,
+                                check_bootstrap_health, check_compatible,
+                                fetch_prefill_info)
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
+                                PairingFailed, PeerLost, PeerState, Refused,
+                                RemoteFailure, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.rooms import DecodeRoom, PrefillPeer
+from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
-from pdjax.transfer.bootstrap import (BootstrapError, IncompatiblePeerError,
-                                      check_bootstrap_health, check_compatible,
-                                      fetch_prefill_info)
+from pdjax.transfer.decode_ranks import DecodeRanks
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
-from pdjax.transfer.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
-                                      PairingFailed, PeerLost, PeerState, Refused,
-                                      RemoteFailure, RoomConflict, RoomFailure, Timeout)
-from pdjax.transfer.protocol import (Abort, AbortAck, DecodeRankInfo, KVPoll, Message,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus)
-from pdjax.transfer.ranks import DecodeRanks
 from pdjax.transfer.role import RoleManager, check_room, error_output
-from pdjax.transfer.rooms import DecodeRoom, PrefillPeer
-from pdjax.transfer.wire import prompt_digest
 
 logger = logging.getLogger(__name__)
 
@@ -293,7 +293,7 @@ class DecodeManager(RoleManager):
             if not s.reserve_prebuilt(req, 0):
                 if s.has_quarantine:
                     # Pages a late write may still hit come back by ack or drain timeout: wait
-                    # like any request that does not fit yet (issue 16, item 11).
+                    # like any request that does not fit yet.
                     return False, None
                 return False, self._fail(r, DoesNotFit(f"the prompt of {req.num_prompt_tokens} "
                                                        f"tokens does not fit the decode KV pool"))
@@ -360,8 +360,8 @@ class DecodeManager(RoleManager):
             r.slot = None
             # What the request reused: the longer of the two prefix hits. Below the prefill's
             # hit no KV was computed, below the decode's none was computed for it here or
-            # moved (DESIGN.md §4; issue 32: the prefill's hit alone said 0 of 9 where the
-            # decode reused 8).
+            # moved (DESIGN.md §4; the prefill's hit alone would report 0 of 9 tokens where
+            # the decode reused 8).
             req.set_reported_cached_tokens(max(row.cached_tokens, r.decode_prefix_len))
         tokens, lps, tops = [token], [], []
         if req.sampling_params.max_new_tokens == 0:

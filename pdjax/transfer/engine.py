@@ -5,7 +5,7 @@ memory (DESIGN.md §4, plane 3). Callers describe the work as copies ``(src_addr
 length)`` (addresses are raw uint64 pointers, lengths in bytes); ``kv_export.build_copies``
 makes them from page lists. ``batch_write`` is synchronous and cuts the work into batches of at
 most ``max_batch`` copies, because Mooncake rejects more than 1024 queued transfers per peer by
-default (reference/transfer_engines.md, pitfall 1).
+default.
 
 Backends are created by name through ``create_transfer_engine``:
 

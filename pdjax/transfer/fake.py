@@ -1,7 +1,7 @@
 """The ``fake`` transfer backend: accepts writes, copies nothing, counts them.
 
-Used for warm-up requests (bootstrap host ``2.2.2.2``, SGLang's convention; see
-reference/sglang_pd_notes.md §8) and in tests of the PD queues that must not depend on a real
+Used for warm-up requests (bootstrap host ``2.2.2.2``, SGLang's convention for a
+server's own warm-up, DESIGN.md §4) and in tests of the PD queues that must not depend on a real
 data plane. ``set_failure`` makes every later write raise ``TransferError``, for fault tests.
 Pure Python; never imports JAX.
 """

@@ -1,6 +1,6 @@
 """KV buffers by address: export JAX arrays' shard pointers, and turn page lists into copies.
 
-DESIGN.md §4 (data plane) and reference/sglang_pd_notes.md §7. A KV buffer is one JAX array per
+DESIGN.md §4 (data plane). A KV buffer is one JAX array per
 kind (K, V, a latent cache, an indexer key cache ...), stacked over layers. Two layouts:
 
     layer_major  [num_layers, num_pages, page_size, ...]   (what the scan over layers carries)
@@ -52,9 +52,9 @@ from typing import Any, Collection, Sequence
 
 import numpy as np
 
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.wire import KV_LAYOUTS, validate_pages
 from pdjax.transfer.engine import Copy, TransferEngine
-from pdjax.transfer.protocol import KVBufferDesc
-from pdjax.transfer.wire import KV_LAYOUTS, validate_pages
 
 
 @dataclasses.dataclass(frozen=True)

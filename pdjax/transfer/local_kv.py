@@ -30,11 +30,11 @@ from typing import Sequence
 
 import numpy as np
 
+from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import TransferEngine
 from pdjax.transfer.kv_export import (KVLayout, changed_addresses, export_kv_layout,
                                       kv_layout_fingerprint, register_kv_layout,
                                       unregister_kv_layout)
-from pdjax.transfer.protocol import KVBufferDesc
 
 logger = logging.getLogger(__name__)
 

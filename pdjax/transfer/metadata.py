@@ -1,10 +1,10 @@
 """MetadataBuffers: a fixed pool of host-memory slots for the prefill -> decode handoff.
 
-DESIGN.md §4 step 5, reference/sglang_pd_notes.md §6. Prefill writes one row into its own slot
+DESIGN.md §4 step 5 (SGLang's MetadataBuffers). Prefill writes one row into its own slot
 after sampling the first token, then copies the row into the decode's slot with the last KV
 chunk. Decode accepts the transfer only if the row's ``bootstrap_room`` equals the request's room
 and its ``prompt_digest`` the digest of the request's prompt (the metadata gate; the digest binds
-the KV to the prompt, not just to a room a client chose, issue 16); 0 means "not written", so
+the KV to the prompt, not just to a room a client chose); 0 means "not written", so
 rooms start at 1 and a slot is zeroed before it is handed out again (SGLang PR 27374: a stale
 room caused false corruption aborts).
 

@@ -1,6 +1,6 @@
 """The ``mooncake`` transfer backend, over Mooncake Transfer Engine (DESIGN.md §4).
 
-Setup that worked here (reference/transfer_engines.md §1): ``initialize(hostname,
+Setup that worked here: ``initialize(hostname,
 "P2PHANDSHAKE", protocol, device_name)`` (never ``initialize_ext``), no etcd; the peer id is
 ``"hostname:rpc_port"`` with the port read back from ``get_rpc_port()`` (the port in the
 hostname is ignored). The ``protocol`` argument does not pick the transport: Mooncake uses RDMA

@@ -1,4 +1,4 @@
-"""The prefill side of PD disaggregation (DESIGN.md §4, reference/sglang_pd_notes.md §2-§4).
+"""The prefill side of PD disaggregation (DESIGN.md §4).
 
 A prefill server computes a prompt's KV and its first token, copies the KV page by page into
 pages a decode server reserved, then the metadata row (first token, logprobs, room), and only
@@ -40,22 +40,23 @@ from typing import Any
 
 import numpy as np
 
-from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.request import FinishReason, Request
 from pdjax.distributed import join as join_cluster
-from pdjax.transfer.bootstrap import BootstrapServer
+from pdjax.engine_io import GenerateOutput, GenerateRequest
+from pdjax.pd.bootstrap import BootstrapServer
+from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
+                                Refused, RoomConflict, RoomFailure, Timeout,
+                                WriteFailed)
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.rooms import PrefillRoom
+from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
+from pdjax.request import FinishReason, Request
+from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
 from pdjax.transfer.kv_export import write_nodes
-from pdjax.transfer.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
-                                      Refused, RoomConflict, RoomFailure, Timeout,
-                                      WriteFailed)
-from pdjax.transfer.protocol import (Abort, AbortAck, KVPoll, Message, RankWriteDone,
-                                     RegisterDecode, RegisterResult, TransferRequest,
-                                     TransferStatus)
-from pdjax.transfer.ranks import PrefillRanks, rank_info
+from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
 from pdjax.transfer.role import RoleManager, check_room, error_output
-from pdjax.transfer.rooms import DecodePeer, PrefillRoom
-from pdjax.transfer.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class PrefillManager(RoleManager):
             return False
         room = check_room(g.bootstrap_room, self.role)
         if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
-            # Raised to the caller, whose ``on_rejected`` tells the decode (issue 16, item 3).
+            # Raised to the caller, whose ``on_rejected`` tells the decode.
             raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
                              f"context length {self.scheduler.max_request_tokens}")
         if req.rid in self.rooms_by_rid or req.rid in self.scheduler.requests:
@@ -130,7 +131,7 @@ class PrefillManager(RoleManager):
     def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
         """This server refused the request for ``room`` (a bad field, a prompt over the context
         length): fail the room at once and tell its decode, whose client gets the same status
-        instead of waiting out its transfer timeout (issue 16, item 3). A room that belongs to
+        instead of waiting out its transfer timeout. A room that belongs to
         another request (a duplicate) or already failed is left alone. Engine thread."""
         if isinstance(room, bool) or not isinstance(room, int) or not 1 <= room <= MAX_ROOM:
             return
@@ -201,7 +202,7 @@ class PrefillManager(RoleManager):
         req = r.req
         if r.prompt_len != req.num_prompt_tokens or r.prompt_digest != prompt_digest(req.prompt_ids):
             # The room is the only key the two halves share: a room reused by another prompt
-            # must not write its KV into pages reserved for the first (issue 16, item 1).
+            # must not write its KV into pages reserved for the first.
             self._fail(r, PromptMismatch(
                 f"bootstrap_room {r.room} is bound to another prompt: the decode reserved "
                 f"pages for {r.prompt_len} tokens with another digest, this request has "

@@ -27,15 +27,15 @@ from typing import Any, Callable
 
 from pdjax.engine_io import GenerateOutput
 from pdjax.engine_roles import RoleHost
+from pdjax.pd.frame_auth import resolve_secret
+from pdjax.pd.protocol import Message
+from pdjax.pd.wire import MAX_ROOM
 from pdjax.request import FinishReason
 from pdjax.transfer.channel import MessageChannel, advertise_host
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, create_transfer_engine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
 from pdjax.transfer.pd_metrics import PDMetrics
-from pdjax.transfer.frame_auth import resolve_secret
-from pdjax.transfer.protocol import Message
-from pdjax.transfer.wire import MAX_ROOM
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class RoleManager(abc.ABC):
         self.recent: collections.deque = collections.deque(maxlen=RECENT_ROOMS)
         self.num_rejected_messages = 0
         self.num_auth_rejected: dict[str, int] = {}
-        # Control-plane authentication (issue 16): the bootstrap writes and every ZMQ frame.
+        # Control-plane authentication: the bootstrap writes and every ZMQ frame.
         self.secret = resolve_secret(self.args.disaggregation_secret)
         if self.secret is None:
             logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "

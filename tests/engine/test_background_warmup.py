@@ -1,4 +1,4 @@
-"""Lazy warm-up (issue 12): the server compiles the core shapes before it is ready and the
+"""Lazy warm-up: the server compiles the core shapes before it is ready and the
 rest on a background thread. A request arriving before the background set is done runs on a
 larger compiled shape: same tokens as a fully warmed engine, and no compile on the request
 path, then or after the background set completes."""

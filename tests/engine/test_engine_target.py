@@ -1,6 +1,6 @@
 """Stall-free mixed batches on the real engine (tiny Llama): whatever chunk sizes the ITL
 target picks, greedy tokens match the unmixed run tie-aware (DESIGN.md §5), output and prompt
-logprobs agree within 1e-4, and nothing compiles after warm-up (issue 13)."""
+logprobs agree within 1e-4, and nothing compiles after warm-up."""
 
 import numpy as np
 

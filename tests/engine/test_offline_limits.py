@@ -1,4 +1,4 @@
-"""The offline ``Engine`` and integer fields past their device widths (issue 32): a ``top_k``
+"""The offline ``Engine`` and integer fields past their device widths: a ``top_k``
 over int32 is a ``ValueError`` naming it (the device's int32 array could not hold it), and the
 largest seed with ``n`` samples wraps below 2**63 instead of failing."""
 

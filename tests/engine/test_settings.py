@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from pdjax.config import ARG_GROUPS, CacheArgs, ServerArgs
-from pdjax.engine import settings as settings_module
 from pdjax.engine.settings import resolve_engine_config
+from pdjax.models import platform as platform_module
 from pdjax.pallas_kernels.ragged_paged_attention import cpu_kernel_available
 
 
@@ -85,7 +85,7 @@ def test_resolve_engine_config(tiny_checkpoints):
 def test_single_device_kernel_is_not_picked_for_tensor_parallel(tiny_checkpoints, monkeypatch):
     """The native CPU kernel has no sharding rule: under tp_size > 1 auto falls back to the
     jnp path, and asking for it by name is an error naming the field."""
-    monkeypatch.setattr(settings_module, "resolve_impl", lambda impl, platform=None: "cpu")
+    monkeypatch.setattr(platform_module, "resolve_impl", lambda impl, platform=None: "cpu")
     path = tiny_checkpoints["llama"]
     assert resolve_engine_config(ServerArgs(model_path=path, tp_size=2)).attention_impl == "xla"
     assert resolve_engine_config(ServerArgs(model_path=path)).attention_impl == "cpu"

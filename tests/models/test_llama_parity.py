@@ -8,8 +8,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from model_utils import assign_pages, new_cache, require_matmul_kernel, run_rows
+from pdjax.models.linear import PackedWeight
 from pdjax.models.llama import kv_cache_spec
 from pdjax.models.loader import load_model, make_mesh
+from pdjax.models.platform import prepare_model
 from pdjax.sched.batch import BatchRow
 
 PAGE = 4
@@ -76,13 +78,12 @@ def test_tensor_parallel_matches_single_device(tiny_checkpoints, name, tp, unrol
     path = tiny_checkpoints[name]
     cfg1, model1 = load_model(path, dtype="float32", progress=False)
     mesh = make_mesh(tp)
-    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False,
-                                  unroll_layers=unroll)
+    cfg_tp, model_tp = load_model(path, dtype="float32", mesh=mesh, progress=False)
     assert cfg_tp.num_kv_heads == max(cfg1.num_kv_heads, tp)
     wq = model_tp.layers.wq[...]
     assert len(wq.sharding.device_set) == tp
     if unroll:
-        model_tp.layers.unstack()
+        prepare_model(model_tp, unroll_layers=True)
         for w in model_tp.layers.wq.get_value():      # [H, QH * D], heads over "tp"
             assert w.sharding.spec == P(None, "tp") and len(w.sharding.device_set) == tp
             assert w.addressable_shards[0].data.shape == (w.shape[0], w.shape[1] // tp)
@@ -124,9 +125,8 @@ def test_unrolled_layers_match_the_scan(tiny_checkpoints, name):
     path = tiny_checkpoints[name]
     cfg, scanned = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False, unroll_layers=True)
-    stacked = {n: np.asarray(getattr(model.layers, n)[...]) for n in ("wq", "w_down", "input_norm")}
-    model.layers.unstack()
-    model.layers.unstack()                        # idempotent
+    stacked = {n: np.asarray(getattr(scanned.layers, n)[...]) for n in ("wq", "w_down", "input_norm")}
+    model.unstack_layers()                        # idempotent
     for n, want in stacked.items():
         got = getattr(model.layers, n).get_value()
         assert isinstance(got, tuple) and len(got) == cfg.num_layers
@@ -164,7 +164,7 @@ def test_unroll_layers_is_refused_by_the_deepseek_family(tiny_checkpoints):
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
 @pytest.mark.parametrize("unrolled", [False, True], ids=["scanned", "unrolled"])
 def test_packed_weights_match_xla_dots(tiny_checkpoints, name, unrolled):
-    """``pack_for_cpu`` (the native CPU matmul) on a stacked or unrolled model, with a tied or
+    """``cpu_matmul_kernel`` (``PackedWeight``, the native CPU matmul) on a stacked or unrolled model, with a tied or
     untied LM head, q/k/v biases (Qwen2) and q/k norms (Qwen3): the unpacked weights are gone,
     and prefill, chunked decode next to another request, and the cache it wrote give the XLA
     forward's logits within float32 rounding."""
@@ -172,12 +172,12 @@ def test_packed_weights_match_xla_dots(tiny_checkpoints, name, unrolled):
     path = tiny_checkpoints[name]
     cfg, plain = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False)
-    if unrolled:
-        model.layers.unstack()
-    model.pack_for_cpu()
-    model.pack_for_cpu()                          # idempotent
-    assert model.packed and not hasattr(model.layers, "wq") and not hasattr(model, "lm_head")
-    assert isinstance(model.layers.wqkv.get_value(), tuple) is unrolled
+    prepare_model(model, unroll_layers=unrolled, cpu_matmul_kernel=True)
+    model.fuse_linear_weights(PackedWeight.from_linear)      # idempotent
+    assert not hasattr(model.layers, "wq") and isinstance(model.lm_head.get_value(), PackedWeight)
+    wqkv = model.layers.wqkv.get_value()
+    assert isinstance(wqkv, tuple) is unrolled
+    assert all(isinstance(w, PackedWeight) for w in (wqkv if unrolled else (wqkv,)))
     prompts = _prompts(6)
     for a, b in zip(_prefill_all(plain, cfg, prompts), _prefill_all(model, cfg, prompts)):
         assert np.abs(a).max() > 1.0

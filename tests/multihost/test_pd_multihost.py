@@ -1,4 +1,4 @@
-"""Multi-host PD roles (DESIGN.md §6, issue 14), TP 2 over two processes on 127.0.0.1 (one CPU
+"""Multi-host PD roles (DESIGN.md §6), TP 2 over two processes on 127.0.0.1 (one CPU
 device each, so each node holds one of the tiny Llama's two KV heads), over Mooncake TCP:
 
 * a prefill of two ``--role prefill --nnodes 2`` nodes sending to a TP 1 decode process: each

@@ -1,4 +1,4 @@
-"""Stall-free mixed steps (``target_itl_ms``, issue 13) with a fake clock: the scheduler never
+"""Stall-free mixed steps (``target_itl_ms``) with a fake clock: the scheduler never
 plans a mixed step over the target, fills the largest compiled token bucket that fits where
 padding costs as much as tokens and ends the chunk inside its bucket where padding is free,
 keeps a waiting prompt moving every step (by one token or the smallest bucket's fill; a page

@@ -1,4 +1,4 @@
-"""Issue 16: native and OpenAI fields through the same checks, the default max_new_tokens on a
+"""PD inputs: native and OpenAI fields through the same checks, the default max_new_tokens on a
 short context, the fake PD host refused from clients, and the n / batch limits."""
 
 import json

@@ -250,7 +250,7 @@ async def test_auto_tool_choice_with_a_biased_call_gives_tool_calls(call_token, 
 async def test_required_and_named_need_no_tool_call_parser(make_client, real_engine,
                                                            short_tools_template, choice,
                                                            parallel):
-    """Issue 32: as in vLLM, ``required`` and a named function are structured outputs over the
+    """As in vLLM, ``required`` and a named function are structured outputs over the
     tools' schemas and need no ``--tool-call-parser`` (they were a 400 "tools need a tool-call
     parser"); the grammar writes bare JSON calls, read back into ``tool_calls``. ``auto`` still
     needs the parser: a 400 naming ``tool_choice``."""

@@ -297,7 +297,7 @@ async def test_garbage_never_breaks_the_server(make_client):
 
 
 # Every integer field, on every endpoint: (path, field named in the error, body for a value v).
-# Issue 32: ``top_k = 10**30`` was a 500 ("Python int too large to convert to C long").
+# A regression: ``top_k = 10**30`` was a 500 ("Python int too large to convert to C long").
 _LP = {"return_logprob": True}
 INT_FIELDS = [
     (GEN, "top_k", lambda v: {"text": "Hi", "sampling_params": {"top_k": v}}),
@@ -404,7 +404,7 @@ async def test_the_router_answers_400_for_every_out_of_range_integer(make_client
 
 async def test_the_largest_seed_with_n_samples_wraps_within_63_bits(make_client):
     """``seed`` may be 2**63 - 1; sample ``j`` of ``n`` uses ``seed + j``, which wraps below
-    2**63 instead of failing the request (issue 32)."""
+    2**63 instead of failing the request."""
     client, engine = await make_client()
     top = 2 ** 63 - 1
     for path, body in ((CMPL, with_(CMPL, seed=top, n=3)), (CHAT, with_(CHAT, seed=top, n=3)),

@@ -31,8 +31,8 @@ class CorruptingMooncakeTransferEngine(MooncakeTransferEngine):
     """Mooncake, then one flipped byte in the destination of the first KV copy of every
     ``batch_write``.
 
-    It exists to prove that the decode side really uses the transferred KV (issue 5: "a test
-    transfer backend that flips one byte of the KV changes the output"). After the real write
+    It exists to prove that the decode side really uses the transferred KV (a transfer
+    backend that flips one byte of the KV must change the output). After the real write
     has landed, it reads byte ``corrupt_offset`` (clamped to the copy) of the first copy whose
     *source* lies in a region registered with label ``corrupt_label`` (default ``"kv"``, so the
     metadata row is never touched), XORs it with ``corrupt_xor`` and writes that one byte over

@@ -6,11 +6,11 @@ import urllib.request
 
 import pytest
 
-from pdjax.transfer.bootstrap import (BootstrapError, BootstrapServer, IncompatiblePeerError,
-                                      PrefillRankInfo, PrefillServerInfo, check_bootstrap_health,
-                                      check_compatible, fetch_prefill_info,
-                                      register_prefill_rank)
-from pdjax.transfer.protocol import PROTOCOL_VERSION
+from pdjax.pd.bootstrap import (BootstrapError, BootstrapServer, IncompatiblePeerError,
+                                PrefillRankInfo, PrefillServerInfo, check_bootstrap_health,
+                                check_compatible, fetch_prefill_info,
+                                register_prefill_rank)
+from pdjax.pd.protocol import PROTOCOL_VERSION
 
 HOST = "127.0.0.1"
 

@@ -5,8 +5,9 @@ import ctypes
 import numpy as np
 import pytest
 
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import ProtocolError
 from pdjax.transfer.kv_export import KVLayout, build_copies, group_contiguous_runs
-from pdjax.transfer.protocol import KVBufferDesc, ProtocolError
 
 
 def test_group_runs_examples():

@@ -1,4 +1,4 @@
-"""A multi-host decode's data plane without processes (``transfer/ranks.py``, DESIGN.md §6):
+"""A multi-host decode's data plane without processes (``transfer/decode_ranks.py``, DESIGN.md §6):
 ``RegisterDecode``'s node fields and ``DecodeRankInfo`` (range checks naming the field), node
 0's record of the other nodes' reports, the follower's reports, and the prefill writing each
 decode node's shards into that node's session (the parts partition the one-process plan, the
@@ -13,13 +13,15 @@ import types
 import pytest
 from rank_fakes import FakeCluster
 
-from pdjax.transfer.bootstrap import PrefillRankInfo
+from pdjax.pd.bootstrap import PrefillRankInfo
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import DecodeRankInfo, ProtocolError, RegisterDecode, decode_message
+from pdjax.pd.rooms import PrefillRoom
+from pdjax.transfer.decode_peer import DecodePeer
+from pdjax.transfer.decode_ranks import DecodeRankNode, DecodeRanks
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.prefill import PrefillManager
-from pdjax.transfer.protocol import (DecodeRankInfo, KVBufferDesc, ProtocolError,
-                                     RegisterDecode, decode_message)
-from pdjax.transfer.ranks import DecodeRankNode, DecodeRanks, PrefillRanks
-from pdjax.transfer.rooms import DecodePeer, PrefillRoom
+from pdjax.transfer.prefill_ranks import PrefillRanks
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
 

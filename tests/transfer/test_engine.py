@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import corrupt_backend
+from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import (FAKE_BOOTSTRAP_HOST, TransferError, available_backends,
                                    backend_for_bootstrap_host, create_transfer_engine)
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.kv_export import KVLayout, build_copies
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.protocol import KVBufferDesc
 
 HOST = "127.0.0.1"
 
@@ -257,7 +257,7 @@ def test_mooncake_cross_process_write_and_dead_peer(mooncake_pair):
 
 def test_transfer_package_never_imports_jax():
     code = ("import sys\n"
-            "import pdjax.transfer.protocol, pdjax.transfer.bootstrap, pdjax.transfer.engine\n"
+            "import pdjax.pd.protocol, pdjax.pd.bootstrap, pdjax.transfer.engine\n"
             "import pdjax.transfer.fake, pdjax.transfer.mooncake, pdjax.transfer.metadata\n"
             "import pdjax.transfer.kv_export\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")

@@ -123,7 +123,7 @@ def test_fingerprint_ignores_pool_size_only():
         != base
     assert kv_layout_fingerprint([jnp.zeros((L + 1,) + SHAPE[1:], jnp.bfloat16)]) != base
     assert kv_layout_fingerprint([_kv(0), _kv(1)]) != base
-    # TP-independent (issue 14): a head split pairs, the head mapping is checked by the plan;
+    # TP-independent: a head split pairs, the head mapping is checked by the plan;
     # tp_model_config's replicated heads count as the checkpoint's.
     assert kv_layout_fingerprint([_head_sharded(_kv(0))]) == base
     four = jnp.zeros((L, PAGES, PAGE_SIZE, 2 * HEADS, HEAD_DIM), jnp.bfloat16)

@@ -1,10 +1,10 @@
-"""Peer states and typed room failures (``pdjax/transfer/lifecycle.py``); pure Python."""
+"""Peer states and typed room failures (``pdjax/pd/lifecycle.py``); pure Python."""
 
 import pytest
 
-from pdjax.transfer import lifecycle
-from pdjax.transfer.lifecycle import (IllegalTransition, PeerState, RoomFailure,
-                                      peer_transition)
+from pdjax.pd import lifecycle
+from pdjax.pd.lifecycle import (IllegalTransition, PeerState, RoomFailure,
+                                peer_transition)
 
 
 def test_peer_transitions_are_checked():
@@ -36,8 +36,8 @@ def test_failure_labels_are_distinct_and_the_message_is_the_text():
 
 
 def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
-    from pdjax.transfer.protocol import KVPoll
-    from pdjax.transfer.rooms import PrefillRoom
+    from pdjax.pd.lifecycle import KVPoll
+    from pdjax.pd.rooms import PrefillRoom
 
     r = PrefillRoom(room=9, created_s=0.0)
     r.report(lifecycle.WriteFailed("KV write to decode s failed: rc=-1"))
@@ -56,7 +56,7 @@ def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
 
 
 def test_prefill_peer_moves_along_its_table():
-    from pdjax.transfer.rooms import PrefillPeer
+    from pdjax.pd.rooms import PrefillPeer
 
     p = PrefillPeer("10.0.0.1", 8998, "decode-x-0")
     assert p.state is PeerState.CONNECTING and p.reason == ""

@@ -1,6 +1,6 @@
 """PD disaggregation of a tiny DSA model (GLM-5 style: MLA latent cache + lightning-indexer key
 cache, top-k shared across layers): greedy tokens equal the colocated engine's, and the bytes
-moved per page are the latent plus the indexer bytes (issue 7)."""
+moved per page are the latent plus the indexer bytes."""
 
 import json
 import os
@@ -27,7 +27,7 @@ def dsa_pd(tiny_checkpoints, tmp_path_factory):
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, **ARGS)
     decode = pd_server("decode", "decode", model, logs, **ARGS)
-    # A TP 2 prefill for the same decode (issue 14): the latent and indexer caches are not
+    # A TP 2 prefill for the same decode: the latent and indexer caches are not
     # head-sharded, so each of its 2 devices holds a full replica.
     bport2 = free_port()
     prefill_tp2 = pd_server("prefill_tp2", "prefill", model, logs, bootstrap_port=bport2,
@@ -83,7 +83,7 @@ def test_dsa_pd_matches_colocated_and_moves_latent_plus_indexer_bytes(dsa_pd):
 
 
 def test_dsa_tp2_prefill_to_tp1_decode_moves_whole_replica_pages(dsa_pd):
-    """MLA rule (issue 14): a replicated latent/indexer cache pairs across TP sizes; each page
+    """MLA rule: a replicated latent/indexer cache pairs across TP sizes; each page
     is read from one replica as whole-page runs, so bytes and copies equal the TP 1 pair's."""
     import concurrent.futures
 

@@ -1,5 +1,5 @@
 """PD disaggregation end to end: a prefill server, a decode server and the router, three real
-processes on 127.0.0.1 with the Mooncake backend (issue 5), checked against the colocated
+processes on 127.0.0.1 with the Mooncake backend, checked against the colocated
 engine; then sglang-router (PyPI) in front of the same two servers."""
 
 import collections

@@ -1,4 +1,4 @@
-"""PD faults and the data plane under stress, on real processes (issue 5):
+"""PD faults and the data plane under stress, on real processes:
 
 * P2 (prefill): fragmented free list, engine batches of at most 16 copies, 6 s bootstrap
   timeout; D2 (decode): fragmented free list, the staging path, 0.5 s heartbeats, 4 s drain
@@ -18,12 +18,14 @@ import zmq
 from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline, count_runs, free_port, load,
                         pd_body, pd_server, pd_state, post, running, wait_until)
 
-from pdjax.transfer.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
+from pdjax.pd.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, RegisterDecode, RegisterResult, TransferRequest,
+                               TransferStatus)
+from pdjax.pd.wire import prompt_digest
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.protocol import (Abort, AbortAck, KVBufferDesc, KVPoll, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus)
-from pdjax.transfer.wire import prompt_digest
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16
@@ -266,7 +268,7 @@ def test_rogue_decode_out_of_pool_pages_write_failure_and_refused_pairing(cluste
         refused = rogue.register(page_size=8)
         assert not refused.accepted and "page_size" in refused.reason
         # TP 2 shards (one of the 2 KV heads each) whose heads are half as wide as the
-        # prefill's: the head-slice plan cannot map them, so the pairing is refused (issue 14).
+        # prefill's: the head-slice plan cannot map them, so the pairing is refused.
         narrow = tuple(KVBufferDesc(shard_addrs=((1 << 20) + 4096 * i, (1 << 21) + 4096 * i),
                                     num_layers=2, num_pages=8, bytes_per_page=PAGE_SIZE * 8 * 4,
                                     num_heads=2, shard_heads=((0, 1), (1, 1)), head_bytes=32)

@@ -1,4 +1,4 @@
-"""PD across TP sizes and a fleet, as real processes on 127.0.0.1 (issue 14).
+"""PD across TP sizes and a fleet, as real processes on 127.0.0.1.
 
 Four servers from one start: prefill TP 1 (P1), prefill TP 2 (P2), decode TP 1 (D1), decode
 TP 2 (D2), each TP 2 process with 2 simulated CPU devices. The tiny Llama has 2 KV heads, so

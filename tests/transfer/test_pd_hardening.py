@@ -1,4 +1,4 @@
-"""PD hardening (issue 16) on three real processes: prefill HP (context 64, the secret from
+"""PD hardening on three real processes: prefill HP (context 64, the secret from
 ``PDJAX_DISAGGREGATION_SECRET``), decode HD (a 32-page pool, ``--disaggregation-secret``,
 4 s drain timeout) and the pdjax router; the test process also plays a prefill (with the
 secret) that never writes KV, and a client without it.
@@ -16,13 +16,14 @@ import zmq
 from pd_harness import (PAGE_SIZE, child_env, free_port, get, load, metric_value, pd_body,
                         pd_router, pd_server, pd_state, post, running, wait_until)
 
-from pdjax.transfer.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
-                                      fetch_prefill_info)
+from pdjax.pd.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
+                                fetch_prefill_info)
+from pdjax.pd.frame_auth import FrameSealer
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, RegisterDecode, RegisterResult,
+                               TransferRequest)
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.frame_auth import FrameSealer
-from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, KVBufferDesc, RegisterDecode,
-                                     RegisterResult, TransferRequest)
 
 pytestmark = pytest.mark.slow
 SECRET = "issue-16-shared-secret"
@@ -160,9 +161,9 @@ def rogue(hard):
 
 
 def test_reused_room_never_decodes_another_prompt(hard):
-    """Item 1: a decode-only request holds room R; a pair with another prompt of the same
+    """A decode-only request holds room R; a pair with another prompt of the same
     length reuses R. The prefill refuses to write it (the digest differs) and both fail, with
-    409 Conflict naming the room (the client's mistake, issue 32; it was a 500)."""
+    409 Conflict naming the room (the client's mistake; it was a 500)."""
     p, d = hard["p"], hard["d"]
     before = _before(hard)
     room = next(_rooms)
@@ -188,7 +189,7 @@ def test_reused_room_never_decodes_another_prompt(hard):
 
 
 def test_two_pairs_reusing_one_room_at_once_get_409_never_500(hard):
-    """Issue 32: two direct prefill+decode pairs send different prompts with one
+    """A regression: two direct prefill+decode pairs send different prompts with one
     client-chosen room at the same instant. Whatever order the four requests land in, every
     answer is a 200 or a 409 naming the room (one side used to answer 500 "bound to another
     prompt"); at most one pair succeeds, on both sides, and both servers come back to
@@ -218,7 +219,7 @@ def test_two_pairs_reusing_one_room_at_once_get_409_never_500(hard):
 
 
 def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
-    """Item 2: a decode-only request reserves 15 of the 32 decode pages; a running request
+    """A decode-only request reserves 15 of the 32 decode pages; a running request
     then fills the other 17 and cannot get one more. It finishes with reason length and its
     client gets the answer (it used to wait forever)."""
     d = hard["d"]
@@ -244,7 +245,7 @@ def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
 
 
 def test_prefill_refusal_reaches_the_decode_at_once(hard):
-    """Item 3: a prompt over the prefill's context (but not the decode's) is refused by the
+    """A prompt over the prefill's context (but not the decode's) is refused by the
     prefill with 400; the decode hears of it through the room and answers the same 400 at
     once (it used to wait out its 30 s transfer timeout and answer 500)."""
     before = _before(hard)
@@ -264,7 +265,7 @@ def test_prefill_refusal_reaches_the_decode_at_once(hard):
 
 
 def test_router_passes_client_errors_through(hard):
-    """Item 4: through the router a 4xx from either server is that 4xx with its message,
+    """Through the router a 4xx from either server is that 4xx with its message,
     whichever answers first; never 502."""
     router = hard["router"].url
     before = _before(hard)
@@ -286,7 +287,7 @@ def test_router_passes_client_errors_through(hard):
 
 
 def test_cached_tokens_report_what_the_request_reused(hard):
-    """Item 5 and issue 32: ``cached_tokens`` is the longer of the prefill's prefix hit (as
+    """``cached_tokens`` is the longer of the prefill's prefix hit (as
     colocated) and the decode's (DESIGN.md §4): a flushed prefill behind a warm decode used
     to say 0 where the decode reused the whole prompt's full pages."""
     router, p, d = hard["router"].url, hard["p"], hard["d"]
@@ -323,7 +324,7 @@ def test_cached_tokens_report_what_the_request_reused(hard):
 
 
 def test_router_bounds_samples_and_nesting(hard):
-    """Item 7: n and batch sizes over the limits, and deep nesting, are 400 at once."""
+    """``n`` and batch sizes over the limits, and deep nesting, are 400 at once."""
     router = hard["router"].url
     before = _before(hard)
     for body, field in (({"text": "a", "sampling_params": {"n": 10 ** 20}}, "n"),
@@ -352,7 +353,7 @@ def test_router_bounds_samples_and_nesting(hard):
 
 
 def test_fake_bootstrap_host_is_refused_from_clients(hard):
-    """Item 8: 2.2.2.2 is the servers' own warm-up host; from a client it is a 400."""
+    """2.2.2.2 is the servers' own warm-up host; from a client it is a 400."""
     before = _before(hard)
     for server in (hard["d"], hard["p"]):
         body = dict(pd_body(_ids(10), next(_rooms), hard["bport"]), bootstrap_host="2.2.2.2")
@@ -364,7 +365,7 @@ def test_fake_bootstrap_host_is_refused_from_clients(hard):
 
 
 def test_control_plane_needs_the_secret(hard):
-    """Item 9: bootstrap writes and ZMQ frames without the secret, with a wrong one, replayed,
+    """Bootstrap writes and ZMQ frames without the secret, with a wrong one, replayed,
     tampered or stale are refused and counted; pairing keeps working."""
     p, d, bport = hard["p"], hard["d"], hard["bport"]
     before = _before(hard)
@@ -425,7 +426,7 @@ def test_control_plane_needs_the_secret(hard):
 
 
 def test_quarantined_pages_make_a_new_request_wait(hard, rogue):
-    """Item 11: 25 of the 32 decode pages wait out the drain lease of an aborted transfer (the
+    """25 of the 32 decode pages wait out the drain lease of an aborted transfer (the
     rogue prefill never acks); a new request that needs them waits in the queue and is served
     when they come back, instead of failing at once with "does not fit"."""
     d = hard["d"]

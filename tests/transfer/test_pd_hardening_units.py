@@ -1,4 +1,4 @@
-"""Issue 16 without processes: a lone decode request the scheduler finishes inside schedule()
+"""PD hardening without processes: a lone decode request the scheduler finishes inside schedule()
 is handed back for its final output; sealed control frames (HMAC, replay, time window) over
 real ZMQ sockets; the router's sample limits and its 4xx pass-through against fake workers."""
 
@@ -10,14 +10,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from pdjax.pd.frame_auth import AuthError, FrameAuthenticator, FrameSealer
+from pdjax.pd.protocol import Heartbeat
+from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import PDRouter, create_router_app
-from pdjax.server.validation import checked_num_samples
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.server.validation import checked_num_samples
 from pdjax.transfer.channel import MessageChannel
-from pdjax.transfer.frame_auth import AuthError, FrameAuthenticator, FrameSealer
-from pdjax.transfer.protocol import Heartbeat
-from pdjax.transfer.wire import prompt_digest
 from pdjax.transfer.pd_metrics import PDMetrics
 
 PS = 4
@@ -204,7 +204,7 @@ async def test_router_passes_worker_4xx_through_and_502s_failures(p, d, want, ne
 
 
 def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
-    """Item 5: a decode request whose prompt hit 8 tokens of the decode's own prefix cache
+    """A decode request whose prompt hit 8 tokens of the decode's own prefix cache
     reports ``reported_cached_tokens`` (what ``_commit`` sets from the metadata row and the
     decode's hit); page accounting keeps the decode's."""
     s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,

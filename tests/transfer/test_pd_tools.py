@@ -1,4 +1,4 @@
-"""Tool calls through PD without ``--tool-call-parser`` (issue 32): a prefill, a decode and the
+"""Tool calls through PD without ``--tool-call-parser``: a prefill, a decode and the
 pdjax router, real processes on 127.0.0.1, asked with the ``openai`` client. ``required`` and a
 named function are structured outputs over the tools' schemas, as in vLLM: the prefill's first
 token and the decode's tokens follow the call grammar, and the answer carries ``tool_calls``."""

@@ -4,13 +4,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from pdjax.transfer import protocol as P
-from pdjax.transfer import wire as W
-from pdjax.transfer.protocol import (Abort, AbortAck, Heartbeat, IllegalTransition,
-                                     KVBufferDesc, KVPoll, ProtocolError, RegisterDecode,
-                                     RegisterResult, TransferRequest, TransferStatus,
-                                     decode_message, encode_message)
-from pdjax.transfer.wire import find_duplicates, validate_pages
+from pdjax.pd import protocol as P
+from pdjax.pd import wire as W
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.lifecycle import IllegalTransition, KVPoll
+from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, ProtocolError, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus, decode_message,
+                               encode_message)
+from pdjax.pd.wire import find_duplicates, validate_pages
 
 
 def _register(**over):

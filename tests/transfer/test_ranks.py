@@ -1,4 +1,4 @@
-"""A multi-host prefill's data plane without processes (``transfer/ranks.py``, DESIGN.md §6):
+"""A multi-host prefill's data plane without processes (``transfer/prefill_ranks.py``, DESIGN.md §6):
 the plan over every node's shards, each node's part of the copies (the parts partition the
 one-process plan), the messages' range checks, node 0's wait for every node's report, and a
 chunk whose other node fails: the room fails, the metadata row is never written."""
@@ -14,16 +14,17 @@ import numpy as np
 import pytest
 from rank_fakes import FakeCluster
 
-from pdjax.transfer.bootstrap import PrefillRankInfo
+from pdjax.pd.bootstrap import PrefillRankInfo
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.lifecycle import WriteFailed
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.protocol import ProtocolError, RankWriteDone, TransferStatus, decode_message
+from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
-from pdjax.transfer.lifecycle import WriteFailed
 from pdjax.transfer.prefill import PrefillManager
-from pdjax.transfer.protocol import (KVBufferDesc, KVPoll, ProtocolError, RankWriteDone,
-                                     TransferStatus, decode_message)
-from pdjax.transfer.ranks import (PrefillRanks, RankedLayout, RankError, RankSender,
-                                  RankWrites, rank_layouts)
-from pdjax.transfer.rooms import PrefillRoom
+from pdjax.transfer.prefill_ranks import PrefillRanks, RankSender, RankWrites
+from pdjax.transfer.ranks import RankedLayout, RankError, rank_layouts
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
 

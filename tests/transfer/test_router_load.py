@@ -180,7 +180,7 @@ def test_pool_skips_a_worker_marked_down_until_it_is_up_or_its_hold_ends():
 
 @pytest.mark.asyncio
 async def test_a_dead_decode_is_skipped_and_a_stream_it_breaks_ends_with_an_error_event():
-    """Issue 32: a decode that was killed has no requests outstanding, so the fewest-outstanding
+    """A regression: a decode that was killed has no requests outstanding, so the fewest-outstanding
     rule sent it every new request (each a 502) until it came back; after one connection
     failure (or a failed ``/get_load``) the router skips it. A decode that dies mid-stream
     leaves the client an SSE error event, not a stream that just stops."""

@@ -30,7 +30,8 @@ Message flow (the room is the key everywhere; rooms are in [1, 2**63); 0 means "
 With a shared secret (``--disaggregation-secret``) every frame is sealed (``frame_auth.py``:
 an HMAC-SHA256 over a sender id, a per-sender counter, a timestamp and the body, checked before
 the body is parsed; a seen counter (replay) and a timestamp outside the window are refused).
-The limits and field checks are in ``wire.py``.
+The limits and field checks are in ``wire.py``, the KV buffer descriptions the registrations
+carry in ``kv_buffers.py``, the room state ``KVPoll`` (an int on the wire) in ``lifecycle.py``.
 
 Pure Python (msgpack + numpy); never imports JAX.
 """
@@ -39,62 +40,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import msgpack
 
-from pdjax.transfer.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_PAGE,
-                                 MAX_BYTES_PER_SLOT, MAX_FRAME_BYTES, MAX_HEADS, MAX_LAYERS,
-                                 MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON, MAX_ROOM,
-                                 MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
-                                 check_bool, check_digest, check_endpoint, check_int,
-                                 check_pages, check_room, check_str, pack_pages, unpack_pages)
+from pdjax.pd.kv_buffers import KVBufferDesc, kv_buffers_from_wire
+from pdjax.pd.lifecycle import KVPoll
+from pdjax.pd.wire import (KV_LAYOUTS, MAX_ADDR, MAX_BUFFERS, MAX_BYTES_PER_SLOT,
+                           MAX_FRAME_BYTES, MAX_PAGE_SIZE, MAX_PAGES, MAX_PROMPT_LEN, MAX_REASON,
+                           MAX_ROOM, MAX_SHARDS, MAX_SLOTS, METADATA_ROW_ALIGN, ProtocolError,
+                           check_bool, check_digest, check_endpoint, check_int, check_keys,
+                           check_list, check_pages, check_room, check_str, pack_pages, unpack_pages)
 
-# 2: TransferRequest binds the room to the prompt (issue 16); 3: KV buffers carry their
-# shards' KV head ranges (PD between different TP sizes, issue 14).
+# 2: TransferRequest binds the room to the prompt; 3: KV buffers carry their
+# shards' KV head ranges (PD between different TP sizes).
 PROTOCOL_VERSION = 3
-
-class IllegalTransition(RuntimeError):
-    """A state change a transition table does not allow (a bug in the caller, never a peer's
-    input)."""
-
-
-class KVPoll(enum.IntEnum):
-    """Transfer state of one room, on either side (SGLang's order and values).
-
-    The numeric order makes a MIN over ranks the most conservative state, and ``Failed`` is 0 so
-    that any failing rank fails the whole room.
-    """
-
-    Failed = 0
-    Bootstrapping = 1
-    WaitingForInput = 2
-    Transferring = 3
-    Success = 4
-
-    @staticmethod
-    def transition(old: "KVPoll", new: "KVPoll") -> "KVPoll":
-        """``new`` if a room may move ``old -> new``; ``IllegalTransition`` otherwise. The table::
-
-            Bootstrapping -> WaitingForInput -> Transferring -> Success
-                  '---------------'------------------'------------'--> Failed (final)
-
-        ``Success -> Failed``: on the prefill a room whose Success reached the decode still
-        fails until its last job ended (a client abort, a moved cache); only its own client
-        hears of that.
-        """
-        if new not in _KVPOLL_TRANSITIONS[old]:
-            raise IllegalTransition(f"room state {old.name} -> {new.name} is not allowed")
-        return new
-
-
-_KVPOLL_TRANSITIONS = {
-    KVPoll.Bootstrapping: frozenset({KVPoll.WaitingForInput, KVPoll.Failed}),
-    KVPoll.WaitingForInput: frozenset({KVPoll.Transferring, KVPoll.Failed}),
-    KVPoll.Transferring: frozenset({KVPoll.Success, KVPoll.Failed}),
-    KVPoll.Success: frozenset({KVPoll.Failed}),
-    KVPoll.Failed: frozenset(),
-}
 
 
 class MessageType(str, enum.Enum):
@@ -115,107 +75,6 @@ class MessageType(str, enum.Enum):
 # Messages.
 
 
-@dataclasses.dataclass(frozen=True)
-class KVBufferDesc:
-    """One KV buffer (one kind, e.g. K or V, all layers) as seen by the transfer engine.
-
-    ``shard_addrs``: base address of each addressable shard, in shard order (one per device for a
-    sharded array). Layer-major layout: the shard holds ``[num_layers, num_pages, page bytes]``
-    contiguously, so page ``p`` of layer ``l`` starts at
-    ``base + (l * num_pages + p) * bytes_per_page``. Page-major layout swaps the two leading
-    dimensions. Units: bytes; addresses are uint64.
-
-    Heads (PD between different TP sizes, DESIGN.md §4): the buffer holds ``num_heads`` logical
-    KV heads (the checkpoint's, before any replication); shard ``i`` holds heads
-    ``[start, start + count)`` for ``(start, count) = shard_heads[i]``, and one page of one
-    layer of a shard is ``[page_size, count, head_bytes]`` row-major::
-
-        token t, local head j  ->  offset (t * count + j) * head_bytes
-
-    A buffer that is not head-sharded (an MLA latent, an indexer key cache) is one head
-    (``num_heads = 1``) held by every shard. Defaults (also for fields left out on the wire):
-    one head held by every shard, one piece per page (``head_bytes = bytes_per_page``). Every
-    shard holds the same head count.
-    """
-
-    shard_addrs: tuple[int, ...]
-    num_layers: int
-    num_pages: int
-    bytes_per_page: int
-    num_heads: int = 1
-    shard_heads: tuple[tuple[int, int], ...] = ()
-    head_bytes: int = 0
-
-    def __post_init__(self):
-        addrs = self.shard_addrs
-        if isinstance(addrs, (str, bytes)) or not isinstance(addrs, (list, tuple)):
-            raise ProtocolError("field 'shard_addrs': expected a list of addresses")
-        if not 1 <= len(addrs) <= MAX_SHARDS:
-            raise ProtocolError(f"field 'shard_addrs': {len(addrs)} shards outside "
-                                f"[1, {MAX_SHARDS}]")
-        object.__setattr__(self, "shard_addrs", tuple(
-            check_int(f"shard_addrs[{i}]", a, 1, MAX_ADDR) for i, a in enumerate(addrs)))
-        check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
-        check_int("num_pages", self.num_pages, 2, MAX_PAGES)
-        check_int("bytes_per_page", self.bytes_per_page, 1, MAX_BYTES_PER_PAGE)
-        check_int("num_heads", self.num_heads, 1, MAX_HEADS)
-        heads = self.shard_heads
-        if not heads:
-            heads = ((0, self.num_heads),) * len(addrs)
-        if isinstance(heads, (str, bytes)) or not isinstance(heads, (list, tuple)) \
-                or len(heads) != len(addrs):
-            raise ProtocolError(f"field 'shard_heads': expected one [start, count] per shard "
-                                f"({len(addrs)})")
-        checked = []
-        for i, h in enumerate(heads):
-            if not isinstance(h, (list, tuple)) or len(h) != 2:
-                raise ProtocolError(f"field 'shard_heads[{i}]': expected [start, count]")
-            start = check_int(f"shard_heads[{i}].start", h[0], 0, self.num_heads - 1)
-            count = check_int(f"shard_heads[{i}].count", h[1], 1, self.num_heads - start)
-            checked.append((start, count))
-        if len({c for _, c in checked}) != 1:
-            raise ProtocolError(f"field 'shard_heads': shards hold different head counts "
-                                f"{[c for _, c in checked]}")
-        object.__setattr__(self, "shard_heads", tuple(checked))
-        count = checked[0][1]
-        head_bytes = self.head_bytes or self.bytes_per_page // count
-        check_int("head_bytes", head_bytes, 1, self.bytes_per_page)
-        if self.bytes_per_page % (count * head_bytes):
-            raise ProtocolError(f"field 'head_bytes': bytes_per_page {self.bytes_per_page} is "
-                                f"not a whole number of tokens of {count} heads x {head_bytes} B")
-        object.__setattr__(self, "head_bytes", head_bytes)
-
-    @property
-    def heads_per_shard(self) -> int:
-        return self.shard_heads[0][1]
-
-    @property
-    def tokens_per_page(self) -> int:
-        """Token slots in one page (the page size, when ``head_bytes`` is one head's row)."""
-        return self.bytes_per_page // (self.heads_per_shard * self.head_bytes)
-
-    def to_wire(self) -> dict:
-        return {"shard_addrs": list(self.shard_addrs), "num_layers": self.num_layers,
-                "num_pages": self.num_pages, "bytes_per_page": self.bytes_per_page,
-                "num_heads": self.num_heads, "shard_heads": [list(h) for h in self.shard_heads],
-                "head_bytes": self.head_bytes}
-
-    @classmethod
-    def from_wire(cls, name: str, d: Any) -> "KVBufferDesc":
-        if not isinstance(d, dict):
-            raise ProtocolError(f"field {name!r}: expected a map")
-        _check_keys(name, d, {"shard_addrs", "num_layers", "num_pages", "bytes_per_page"},
-                    optional={"num_heads", "shard_heads", "head_bytes"})
-        heads = d.get("shard_heads", [])
-        if not isinstance(heads, list):
-            raise ProtocolError(f"{name}: field 'shard_heads': expected a list")
-        try:
-            return cls(**dict(d, shard_heads=tuple(
-                tuple(h) if isinstance(h, list) else h for h in heads)))
-        except ProtocolError as e:
-            raise ProtocolError(f"{name}: {e}") from None
-
-
 class Message:
     """Base of all control messages: ``encode()`` to one msgpack frame."""
 
@@ -234,14 +93,6 @@ class Message:
         body["v"] = PROTOCOL_VERSION
         body["t"] = self.TYPE.value
         return msgpack.packb(body, use_bin_type=True)
-
-
-def _kv_buffers_from_wire(bufs: Any) -> tuple[KVBufferDesc, ...]:
-    """The ``kv_buffers`` field of a message: 1..``MAX_BUFFERS`` ``KVBufferDesc`` maps, each
-    range-checked; ``ProtocolError`` naming the field."""
-    if not isinstance(bufs, list) or not 1 <= len(bufs) <= MAX_BUFFERS:
-        raise ProtocolError(f"field 'kv_buffers': expected a list of 1..{MAX_BUFFERS} maps")
-    return tuple(KVBufferDesc.from_wire(f"kv_buffers[{i}]", b) for i, b in enumerate(bufs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,12 +137,7 @@ class RegisterDecode(Message):
         check_str("engine_session_id", self.engine_session_id)
         check_int("tp_size", self.tp_size, 1, MAX_SHARDS)
         check_int("tp_rank", self.tp_rank, 0, self.tp_size - 1)
-        bufs = self.kv_buffers
-        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)):
-            raise ProtocolError("field 'kv_buffers': expected a list")
-        if not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': {len(bufs)} buffers outside "
-                                f"[1, {MAX_BUFFERS}]")
+        bufs = check_list("kv_buffers", self.kv_buffers, 1, MAX_BUFFERS, "buffers")
         for i, b in enumerate(bufs):
             if not isinstance(b, KVBufferDesc):
                 raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")
@@ -358,7 +204,7 @@ class RegisterDecode(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "RegisterDecode":
-        return cls(**dict(d, kv_buffers=_kv_buffers_from_wire(d.get("kv_buffers"))))
+        return cls(**dict(d, kv_buffers=kv_buffers_from_wire(d.get("kv_buffers"))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -550,10 +396,7 @@ class DecodeRankInfo(Message):
         check_str("session_id", self.session_id)
         if self.kv_layout not in KV_LAYOUTS:
             raise ProtocolError(f"field 'kv_layout': {self.kv_layout!r} not in {KV_LAYOUTS}")
-        bufs = self.kv_buffers
-        if isinstance(bufs, (str, bytes)) or not isinstance(bufs, (list, tuple)) \
-                or not 1 <= len(bufs) <= MAX_BUFFERS:
-            raise ProtocolError(f"field 'kv_buffers': expected 1..{MAX_BUFFERS} buffers")
+        bufs = check_list("kv_buffers", self.kv_buffers, 1, MAX_BUFFERS, "buffers")
         for i, b in enumerate(bufs):
             if not isinstance(b, KVBufferDesc):
                 raise ProtocolError(f"field 'kv_buffers[{i}]': expected KVBufferDesc")
@@ -567,7 +410,7 @@ class DecodeRankInfo(Message):
 
     @classmethod
     def from_wire(cls, d: dict) -> "DecodeRankInfo":
-        return cls(**dict(d, kv_buffers=_kv_buffers_from_wire(d.get("kv_buffers"))))
+        return cls(**dict(d, kv_buffers=kv_buffers_from_wire(d.get("kv_buffers"))))
 
 
 _MESSAGE_CLASSES: dict[str, type[Message]] = {
@@ -575,18 +418,6 @@ _MESSAGE_CLASSES: dict[str, type[Message]] = {
     for cls in (RegisterDecode, RegisterResult, TransferRequest, TransferStatus, Abort,
                 AbortAck, Heartbeat, RankWriteDone, DecodeRankInfo)
 }
-
-
-def _check_keys(where: str, d: dict, allowed: set[str], optional: set[str] = frozenset()) -> None:
-    for k in d:
-        if not isinstance(k, str):
-            raise ProtocolError(f"{where}: non-string key {k!r}")
-    unknown = sorted(set(d) - allowed - optional)
-    if unknown:
-        raise ProtocolError(f"{where}: unknown field(s) {unknown}")
-    missing = sorted(allowed - set(d))
-    if missing:
-        raise ProtocolError(f"field {missing[0]!r}: missing in {where}")
 
 
 def encode_message(msg: Message) -> bytes:
@@ -629,7 +460,7 @@ def decode_message(frame: bytes | bytearray | memoryview) -> Message:
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
     optional = {f.name for f in dataclasses.fields(cls)} - required
-    _check_keys(cls.TYPE.value, body, required, optional)
+    check_keys(cls.TYPE.value, body, required, optional)
     try:
         return cls.from_wire(body)
     except ProtocolError:

@@ -1,6 +1,6 @@
 """Bootstrap plane: the prefill's HTTP directory of its ranks, and the client side.
 
-DESIGN.md §4 plane 1, reference/sglang_pd_notes.md §1. The prefill server runs one
+DESIGN.md §4 plane 1 (SGLang's bootstrap server and its routes). The prefill server runs one
 ``BootstrapServer`` (aiohttp, on its own event loop in a daemon thread, default port 8998):
 
     PUT /route    a prefill rank registers: rank_ip, rank_port (its ZMQ PULL port), tp_rank,
@@ -34,8 +34,9 @@ from typing import Any
 
 from aiohttp import web
 
-from pdjax.transfer.protocol import PROTOCOL_VERSION, KVBufferDesc
-from pdjax.transfer.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.protocol import PROTOCOL_VERSION
+from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 

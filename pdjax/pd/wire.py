@@ -88,7 +88,7 @@ def check_endpoint(name: str, value: Any) -> str:
 def prompt_digest(token_ids: Sequence[int]) -> bytes:
     """What identifies a prompt across servers: BLAKE2b (16 bytes) of its token ids as
     little-endian int32. The decode sends it with its page list, the prefill refuses a room whose
-    prompt differs, and the metadata row carries it back (issue 16, item 1)."""
+    prompt differs, and the metadata row carries it back."""
     arr = np.asarray(token_ids, dtype="<i4")
     return hashlib.blake2b(arr.tobytes(), digest_size=PROMPT_DIGEST_BYTES).digest()
 
@@ -155,3 +155,27 @@ def check_pages(name: str, value: Any) -> tuple[int, ...]:
         if int(arr.min()) >= 0 and int(arr.max()) <= MAX_PAGES:
             return tuple(arr.tolist())
     return tuple(check_int(f"{name}[{i}]", p, 0, MAX_PAGES) for i, p in enumerate(value))
+
+
+def check_keys(where: str, d: dict, allowed: set[str], optional: set[str] = frozenset()) -> None:
+    """``d``'s keys are strings, every one of ``allowed`` and none outside ``allowed`` and
+    ``optional``; ``ProtocolError`` naming ``where`` and the field otherwise."""
+    for k in d:
+        if not isinstance(k, str):
+            raise ProtocolError(f"{where}: non-string key {k!r}")
+    unknown = sorted(set(d) - allowed - optional)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown field(s) {unknown}")
+    missing = sorted(allowed - set(d))
+    if missing:
+        raise ProtocolError(f"field {missing[0]!r}: missing in {where}")
+
+
+def check_list(name: str, value: Any, lo: int, hi: int, items: str) -> tuple:
+    """``value`` as a tuple: a list or tuple (not a str or bytes) of ``lo``..``hi`` ``items``
+    (a plural noun for the message); ``ProtocolError`` naming the field otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise ProtocolError(f"field {name!r}: expected a list of {items}")
+    if not lo <= len(value) <= hi:
+        raise ProtocolError(f"field {name!r}: {len(value)} {items} outside [{lo}, {hi}]")
+    return tuple(value)

@@ -1,8 +1,8 @@
 """The records the PD roles keep per room and per peer (DESIGN.md §4).
 
-Prefill: ``PrefillRoom`` (one ``bootstrap_room``) and ``DecodePeer`` (a registered decode).
-Decode: ``DecodeRoom`` (one PD request) and ``PrefillPeer`` (one prefill server, with its
-``PeerState``). Each record notes which fields helper threads write (under the manager's
+Prefill: ``PrefillRoom`` (one ``bootstrap_room``; a registered decode, whose KV layout must
+pair with this prefill's, is ``transfer.decode_peer.DecodePeer``). Decode: ``DecodeRoom`` (one
+PD request) and ``PrefillPeer`` (one prefill server, with its ``PeerState``). Each record notes which fields helper threads write (under the manager's
 lock); the rest belongs to the engine thread. States move along checked tables
 (``KVPoll.transition``, ``lifecycle.peer_transition``); failures are ``RoomFailure``s.
 """
@@ -16,65 +16,12 @@ from typing import Any
 import numpy as np
 
 from pdjax.engine_io import GenerateOutput
+from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
+from pdjax.pd.lifecycle import KVPoll
 from pdjax.request import Request
-from pdjax.transfer.kv_export import KVLayout, NodeShards, node_shards
-from pdjax.transfer.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
-from pdjax.transfer.local_kv import LocalKV
-from pdjax.transfer.protocol import KVPoll, RegisterDecode
 
 
 # ------------------------------------------------------------------------------ prefill side
-@dataclasses.dataclass
-class DecodePeer:
-    """A registered decode engine: where its KV pool and metadata slots are.
-
-    ``node_sessions``/``shard_nodes``: a multi-host decode's transfer session per node and the
-    node of each shard of ``layout`` (``RegisterDecode``); empty for one process.
-    """
-
-    engine_id: str
-    reply_endpoint: str
-    session_id: str
-    layout: KVLayout
-    metadata_addr: int
-    metadata_num_slots: int
-    metadata_bytes_per_slot: int
-    node_sessions: tuple[str, ...] = ()
-    shard_nodes: tuple[tuple[int, ...], ...] = ()
-
-    def node_writes(self) -> list[tuple[str, NodeShards]]:
-        """``node_shards`` of this decode: per node its session and shards, node 0 last."""
-        return node_shards(self.session_id, self.node_sessions, self.shard_nodes)
-
-    @classmethod
-    def from_registration(cls, msg: RegisterDecode, local_kv: LocalKV, page_size: int,
-                          metadata_bytes_per_slot: int,
-                          src_layout: KVLayout | None = None) -> "DecodePeer":
-        """The peer a ``RegisterDecode`` describes, if it pairs with this prefill's KV
-        (``local_kv``, ``page_size``; ``src_layout``: the shards of every node of a multi-host
-        prefill, default ``local_kv.layout``) and metadata rows; ``ValueError`` ("prefill
-        refuses to pair: ...", every mismatch named) otherwise."""
-        problems = []
-        ours = {"page_size": page_size, "kv_dtype": local_kv.kv_dtype,
-                "layout_fingerprint": local_kv.fingerprint, "kv_layout": local_kv.layout.kind,
-                "metadata_bytes_per_slot": metadata_bytes_per_slot}
-        for name, value in ours.items():
-            if getattr(msg, name) != value:
-                problems.append(f"{name}: prefill {value!r} != decode {getattr(msg, name)!r}")
-        layout = None
-        if not problems:
-            try:
-                layout = KVLayout(msg.kv_layout, msg.kv_buffers)
-                (src_layout or local_kv.layout).check_compatible(layout)
-            except ValueError as e:
-                problems.append(str(e))
-        if problems:
-            raise ValueError("prefill refuses to pair: " + "; ".join(problems))
-        return cls(msg.decode_engine_id, msg.reply_endpoint, msg.engine_session_id, layout,
-                   msg.metadata_addr, msg.metadata_num_slots, msg.metadata_bytes_per_slot,
-                   msg.node_sessions, msg.shard_nodes)
-
-
 @dataclasses.dataclass
 class PrefillRoom:
     """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are

@@ -1,7 +1,7 @@
 """Lifecycle of PD rooms and peers: checked state machines and typed failures (DESIGN.md §4).
 
-A room's transfer state is ``protocol.KVPoll`` (its values travel on the wire) and moves only
-along ``KVPoll.transition``'s table. A decode's view of one prefill server is a ``PeerState``:
+A room's transfer state is a ``KVPoll`` (its values travel on the wire, in ``protocol``'s
+messages) and moves only along ``KVPoll.transition``'s table. A decode's view of one prefill server is a ``PeerState``:
 
     CONNECTING --(topology read, registration accepted)--> READY
          '------(no pairing: unreachable, refused)-------> FAILED <--(heartbeats lost)-- READY
@@ -21,7 +21,48 @@ from __future__ import annotations
 import enum
 from typing import ClassVar
 
-from pdjax.transfer.protocol import IllegalTransition
+
+class IllegalTransition(RuntimeError):
+    """A state change a transition table does not allow (a bug in the caller, never a peer's
+    input)."""
+
+
+class KVPoll(enum.IntEnum):
+    """Transfer state of one room, on either side (SGLang's order and values).
+
+    The numeric order makes a MIN over ranks the most conservative state, and ``Failed`` is 0 so
+    that any failing rank fails the whole room.
+    """
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+    @staticmethod
+    def transition(old: "KVPoll", new: "KVPoll") -> "KVPoll":
+        """``new`` if a room may move ``old -> new``; ``IllegalTransition`` otherwise. The table::
+
+            Bootstrapping -> WaitingForInput -> Transferring -> Success
+                  '---------------'------------------'------------'--> Failed (final)
+
+        ``Success -> Failed``: on the prefill a room whose Success reached the decode still
+        fails until its last job ended (a client abort, a moved cache); only its own client
+        hears of that.
+        """
+        if new not in _KVPOLL_TRANSITIONS[old]:
+            raise IllegalTransition(f"room state {old.name} -> {new.name} is not allowed")
+        return new
+
+
+_KVPOLL_TRANSITIONS = {
+    KVPoll.Bootstrapping: frozenset({KVPoll.WaitingForInput, KVPoll.Failed}),
+    KVPoll.WaitingForInput: frozenset({KVPoll.Transferring, KVPoll.Failed}),
+    KVPoll.Transferring: frozenset({KVPoll.Success, KVPoll.Failed}),
+    KVPoll.Success: frozenset({KVPoll.Failed}),
+    KVPoll.Failed: frozenset(),
+}
 
 
 class PeerState(str, enum.Enum):
@@ -104,7 +145,7 @@ class CacheMoved(RoomFailure):
 
 class PromptMismatch(RoomFailure):
     """The room is bound to another prompt (its length or digest differ): two requests reused
-    one client-chosen room, a 409 on both sides (issue 32)."""
+    one client-chosen room, a 409 on both sides."""
 
     label = "prompt_mismatch"
     status_code = ROOM_CONFLICT_STATUS

@@ -1,4 +1,4 @@
-"""Authentication of PD control frames with a shared secret (DESIGN.md §4, issue 16 item 9).
+"""Authentication of PD control frames with a shared secret (DESIGN.md §4).
 
 Pure Python; never imports JAX.
 """
@@ -12,9 +12,9 @@ import struct
 import threading
 import time
 
-from pdjax.transfer.wire import ProtocolError
+from pdjax.pd.wire import ProtocolError
 
-# Frame authentication (issue 16, item 9). A sealed frame is
+# Frame authentication. A sealed frame is
 #
 #     offset 0   sender id   16 bytes   random per sending channel
 #            16  counter     uint64 LE  strictly increasing per sender

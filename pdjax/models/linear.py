@@ -1,0 +1,78 @@
+"""One linear layer, two weight formats: a plain ``[in, out]`` array, or a ``PackedWeight`` for
+the native CPU matmul (``pallas_kernels/dense_cpu``). Models call ``linear`` (or
+``linear_group``) and never ask which format they hold; the platform profile
+(``models/platform.py``) chooses the format once, after loading (DESIGN.md §2, dense layers
+on CPU).
+
+A packed weight may fuse several weights that multiply the same input (q/k/v; gate/up) into
+one matmul whose output is the members' outputs side by side::
+
+    wq [K, Nq] ┐                                     ┌ panel 0: columns [0, 24)
+    wk [K, Nk] ├ concatenated ─> [K, Nq+Nk+Nv] ─────>┤ ...                      [P, K, 24]
+    wv [K, Nv] ┘                                     └ panel P-1: zero-padded
+    linear(x, w) [T, Nq+Nk+Nv] ─ split at Nq, Nq+Nk ─> q, k, v
+
+Shapes: ``x [..., K]``; a plain weight ``[K, N]``; ``PackedWeight.panels [..., P, K, PANEL]``
+(leading axes: a stack of layers, sliced away by the layer scan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.pallas_kernels.dense_cpu import pack_weight, packed_matmul
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A ``[K, N]`` linear weight in the panel layout of ``dense_cpu.pack_weight``, possibly
+    several weights of one input fused along the output axis.
+
+    ``panels``: ``[..., P, K, PANEL]`` float32 or bfloat16 (the only pytree leaf, so a layer
+    scan or a per-layer tuple holds it like an array). ``widths``: the output width of each
+    fused weight, in order (static); ``N = sum(widths)``.
+    """
+
+    panels: jax.Array
+    widths: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def from_linear(cls, weights: Sequence[jax.Array]) -> PackedWeight:
+        """Pack ``weights`` (each ``[..., K, N_i]``, same leading axes and K) as one fused
+        weight. Traceable (callers pack under ``jax.jit``)."""
+        widths = tuple(int(w.shape[-1]) for w in weights)
+        return cls(pack_weight(jnp.concatenate(list(weights), axis=-1)), widths)
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.widths)
+
+
+def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
+    """``x [..., K] @ w`` -> ``[..., N]`` for a plain ``[K, N]`` array or a ``PackedWeight``.
+
+    ``num_rows`` (int32 scalar, traced; None: all): rows of ``x`` flattened to ``[M, K]`` from
+    it on are padding. The packed matmul skips them (their outputs are 0); a plain dot computes
+    them (XLA has no cheaper way), so callers must not read padding rows. The packed output
+    has ``x``'s dtype, computed in float32 (``dense_cpu.packed_matmul``)."""
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w.panels, w.out_features, num_rows=num_rows)
+    return x @ w
+
+
+def linear_group(x: jax.Array, params: Mapping, group: str, members: Sequence[str],
+                 num_rows: jax.Array | None = None) -> list[jax.Array]:
+    """``x`` times each weight named in ``members`` (weights of the same input), one output
+    each. Where the weight format fused them, ``params[group]`` is one ``PackedWeight``: one
+    matmul, split along its output axis; otherwise one ``linear`` per member."""
+    fused = params.get(group)
+    if isinstance(fused, PackedWeight):
+        out = linear(x, fused, num_rows)
+        return jnp.split(out, list(itertools.accumulate(fused.widths[:-1])), axis=-1)
+    return [linear(x, params[name], num_rows) for name in members]

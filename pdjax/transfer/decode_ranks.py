@@ -1,0 +1,158 @@
+"""A multi-host decode (DESIGN.md §6): node 0 runs the scheduler, the metadata rows and the PD
+signalling; every node's KV shards are written by the prefill directly:
+
+    node 0 (DecodeManager, ``DecodeRanks``)           node R > 0 (``DecodeRankNode``)
+    kv_ranks(reply) on the step socket  ------------>  its addresses re-checked, then
+    DecodeRankInfo(session, own shards, gen 0)  <----  reported on the PD control channel
+    RegisterDecode: every node's shards (one ``RankedLayout``), ``node_sessions``,
+                    ``shard_nodes``: the prefill writes each node's shards to its session
+    after every forward: kv_check  ----------------->  its cache moved: re-registered and
+    DecodeRankInfo(gen + 1)  <-----------------------  reported; node 0 then fails the
+                                                       transfers in flight and registers again
+
+Pages are node 0's scheduler's: the cache is one global array sharded by heads, so a page
+id is the same page on every node.
+
+Pure Python here; ``DecodeRankNode`` reaches JAX only through ``LocalKV`` and the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from pdjax.pd.protocol import DecodeRankInfo
+from pdjax.transfer.kv_export import KVLayout
+from pdjax.transfer.ranks import LOST_POLL_S, RankedLayout, node_data_plane
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeRanks:
+    """Node 0 of a multi-host decode: the other nodes' sessions and shards.
+
+    ``cluster``: ``pdjax.distributed.Cluster`` (``send`` on the engine thread only). ``report``
+    runs on the control channel's receiver thread, ``layout`` on a bootstrap thread.
+    """
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.nnodes = cluster.args.nnodes
+        self._cond = threading.Condition()
+        self._infos: dict[int, DecodeRankInfo] = {}     # node rank -> its last report
+        self._moved = False
+
+    def announce(self, reply_endpoint: str) -> None:
+        """Ask every other node for its session and shards (at start-up, after warm-up and
+        before the engine thread runs: the step socket has one sender at a time)."""
+        self.cluster.send("kv_ranks", reply=reply_endpoint)
+
+    def check(self) -> None:
+        """After a forward: every other node re-checks its KV addresses (engine thread)."""
+        if self.cluster.lost is None:
+            self.cluster.send("kv_check")
+
+    def report(self, msg: DecodeRankInfo) -> str | None:
+        """Record one node's ``DecodeRankInfo``; the reason it is refused (a node out of range,
+        an older generation than one seen), or None."""
+        if not 1 <= msg.node_rank < self.nnodes:
+            return f"DecodeRankInfo from node {msg.node_rank}, not in [1, {self.nnodes})"
+        with self._cond:
+            old = self._infos.get(msg.node_rank)
+            if old is not None and msg.generation <= old.generation:
+                return (f"DecodeRankInfo of node {msg.node_rank}: generation {msg.generation} "
+                        f"is not after {old.generation}")
+            self._infos[msg.node_rank] = msg
+            if old is not None:
+                self._moved = True
+            self._cond.notify_all()
+        return None
+
+    def state(self) -> list[dict[str, Any]]:
+        """The other nodes' last reports, for ``/pd_state``."""
+        with self._cond:
+            return [{"node_rank": r, "session_id": m.session_id, "generation": m.generation}
+                    for r, m in sorted(self._infos.items())]
+
+    def take_moved(self) -> bool:
+        """True once after a node reported that its cache moved (engine thread)."""
+        with self._cond:
+            moved, self._moved = self._moved, False
+            return moved
+
+    def layout(self, local: KVLayout, session_id: str,
+               timeout_s: float) -> tuple[KVLayout, tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """Every node's shards as one layout (node 0's ``local``), each node's session and the
+        node of each shard: ``RegisterDecode``'s ``kv_buffers``, ``node_sessions`` and
+        ``shard_nodes``. Waits up to ``timeout_s`` for every node's report; ``ValueError``
+        naming the nodes missing, or the field on which the nodes' buffers differ."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._infos) < self.nnodes - 1:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.cluster.lost is not None:
+                    missing = sorted(set(range(1, self.nnodes)) - set(self._infos))
+                    raise ValueError(f"kv_buffers: decode node(s) {missing} did not report "
+                                     f"their KV shards ({self.cluster.lost or f'{timeout_s:g} s'})")
+                self._cond.wait(min(left, LOST_POLL_S))
+            infos = dict(self._infos)
+        layouts = {0: local, **{r: KVLayout(m.kv_layout, m.kv_buffers) for r, m in infos.items()}}
+        ranked = RankedLayout.from_ranks(layouts)
+        sessions = (session_id, *(infos[r].session_id for r in range(1, self.nnodes)))
+        return ranked.layout, sessions, ranked.owners
+
+
+class DecodeRankNode:
+    """Node R > 0 of a multi-host decode: its own transfer engine and ``LocalKV`` (direct), the
+    prefill writes its shards; ``handlers`` for ``Cluster.follow`` (``kv_ranks``,
+    ``kv_check``), made in step order. ``host``: the follower's ``EngineCore``."""
+
+    def __init__(self, host):
+        from pdjax.pd.frame_auth import resolve_secret
+
+        args = self.args = host.args
+        self.rank = args.node_rank
+        self.engine, self.local_kv, self.channel = node_data_plane(
+            host, self._on_message, f"decode-node-{self.rank}",
+            resolve_secret(args.disaggregation_secret))
+        self.reply: str | None = None          # node 0's control channel (from kv_ranks)
+        self.generation = 0
+
+    @property
+    def handlers(self) -> dict[str, Any]:
+        return {"kv_ranks": self.on_ranks, "kv_check": self.on_check}
+
+    def _on_message(self, msg) -> None:
+        logger.error("PD decode node %d: unexpected %s on its control socket", self.rank,
+                     type(msg).__name__)
+
+    def on_ranks(self, msg: dict) -> None:
+        """``kv_ranks``: report this node's session and shards (at their addresses now: the
+        warm-up's donated steps ran before) to node 0."""
+        reply = msg.get("reply")
+        if not isinstance(reply, str) or not reply.startswith("tcp://") or len(reply) > 256:
+            logger.error("PD decode node %d: kv_ranks: reply %r is not a tcp:// endpoint",
+                         self.rank, reply)
+            return
+        self.reply = reply
+        if self.local_kv.check_addresses():
+            self.generation += 1
+        self._report()
+
+    def on_check(self, msg: dict) -> None:
+        """``kv_check`` (after a forward): a moved cache is re-registered and reported."""
+        if self.local_kv.check_addresses():
+            self.generation += 1
+            self._report()
+
+    def _report(self) -> None:
+        if self.reply is None:
+            return
+        layout = self.local_kv.layout
+        self.channel.send(self.reply, DecodeRankInfo(
+            node_rank=self.rank, session_id=self.engine.session_id, kv_layout=layout.kind,
+            kv_buffers=layout.buffers, generation=self.generation))
+        logger.info("PD decode node %d: KV shards reported to node 0 (generation %d)",
+                    self.rank, self.generation)
