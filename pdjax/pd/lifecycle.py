@@ -101,8 +101,8 @@ ROOM_CONFLICT_STATUS = 409
 
 class RoomConflict(ValueError):
     """A request names a ``bootstrap_room`` that another request holds (or held) on this
-    server: the client's mistake, refused with HTTP 409 Conflict and the room named (issue
-    32). A ``ValueError`` so that every caller of ``add_request`` refuses it as bad input."""
+    server: the client's mistake, refused with HTTP 409 Conflict and the room named. A
+    ``ValueError`` so that every caller of ``add_request`` refuses it as bad input."""
 
     status_code = ROOM_CONFLICT_STATUS
 

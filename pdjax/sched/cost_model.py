@@ -1,4 +1,4 @@
-"""Step cost model: predicts one forward's time from the forwards already timed (issue 13).
+"""Step cost model: predicts one forward's time from the forwards already timed (DESIGN.md §3).
 
 Sarathi-Serve (OSDI 2024, §4.3) sizes the token budget of a hybrid step so that the step ends
 inside the time-between-tokens target, choosing the budget by offline profiling (and lists a
