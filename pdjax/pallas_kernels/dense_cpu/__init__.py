@@ -7,9 +7,9 @@ a weight packed into panels of ``PANEL`` output columns, each one contiguous str
 the panels over XLA's intra-op threads, so every core streams its share (DESIGN.md §2).
 
 ``pack_weight`` turns a ``[K, N]`` weight (stored ``[in, out]``) into ``[P, K, PANEL]``;
-``packed_matmul`` multiplies by it. The model packs its linear weights once, after loading
-(``LlamaForCausalLM.pack_for_cpu``), where ``cpu_matmul_kernel`` resolves true
-(``engine/settings.py``). The source is built on first use by ``pdjax.pallas_kernels.cpu_build``
+``packed_matmul`` multiplies by it. The linear weights are packed once, after loading, into
+``models/linear.PackedWeight`` where the platform profile's ``cpu_matmul_kernel`` resolves true
+(``models/platform.py``). The source is built on first use by ``pdjax.pallas_kernels.cpu_build``
 (``PDJAX_CPU_KERNEL=0`` turns it off).
 """
 
