@@ -23,6 +23,8 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import make_buckets, resolve_engine_config
+from pdjax.engine.speculative import (emitted_tokens, make_speculator, verify_sampling_rows,
+                                      verify_width)
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -64,6 +66,7 @@ class _Launched:
     deferred: list[tuple[int, Request, SamplingRow]] = dataclasses.field(default_factory=list)
     logits: Any = None                           # [R, V] on the device while deferred rows wait
     has_grammar: bool = False                    # a pending token belongs to a grammar request
+    verify: dict = dataclasses.field(default_factory=dict)   # row -> (ScheduledRow, logits span)
 
 
 class EngineCore:
@@ -110,6 +113,8 @@ class EngineCore:
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
+        # Speculative decoding (None: off): drafts per request, their statistics.
+        self.speculator = self.scheduler.speculator = make_speculator(args)
         self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
@@ -124,7 +129,8 @@ class EngineCore:
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
                                   kv_dtype=config.kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size,
-                                  executables_dir=args.aot_executables)
+                                  executables_dir=args.aot_executables,
+                                  verify_width=verify_width(args))
         phase("kv_cache")
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)
@@ -370,17 +376,19 @@ class EngineCore:
         """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
         waited for); count its tokens in the scheduler. Returns ``(_Launched, dispatch s)``."""
         prev = self._inflight
-        rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
+        rows = [BatchRow(r.token_ids, r.start, r.req.pages, 0 if r.is_verify else None)
+                for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
                                 ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
         prev_idx = np.full(key.num_tokens, -1, np.int32)
         samp_rows, failed, deferred = [], [], []
+        verify = {}
         bitmask = None
         if any(row.samples and row.req.grammar is not None for row in batch.rows):
-            bitmask = np.full((key.num_rows, bitmask_words(self.model_cfg.vocab_size)), -1,
-                              np.int32)
+            bitmask = np.full((self.runner.logits_rows(key),
+                               bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
         for i, row in enumerate(batch.rows):
             req = row.req
             for j, tok in enumerate(rows[i].input_ids):
@@ -401,6 +409,11 @@ class EngineCore:
                     continue
                 if req.grammar is not None:
                     req.grammar.fill_bitmask(bitmask[i])
+                if row.is_verify:           # the last rows: one logits row per token
+                    assert fb.logits_row_spans[i][0] == len(samp_rows)
+                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot)
+                    verify[i] = (row, fb.logits_row_spans[i])
+                    continue
                 samp_rows.append(row_params)
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
@@ -411,7 +424,7 @@ class EngineCore:
             if out is not None:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
-        sampling = build_sampling_inputs(samp_rows, key.num_rows, bitmask=bitmask,
+        sampling = build_sampling_inputs(samp_rows, self.runner.logits_rows(key), bitmask=bitmask,
                                          vocab_size=self.model_cfg.vocab_size)
         want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
         compiles = self.runner.compiles_after_warmup
@@ -432,7 +445,7 @@ class EngineCore:
                              prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
                              self.runner.compiles_after_warmup != compiles, deferred,
                              logits if deferred else None,
-                             any(req.grammar is not None for _, req, _ in pending))
+                             any(req.grammar is not None for _, req, _ in pending), verify)
         for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
             hook(batch, key, logits if deferred else out.tokens, t2)
         return launched, t2 - t1
@@ -492,9 +505,15 @@ class EngineCore:
                 tops = (np.asarray(done.out.top_ids), np.asarray(done.out.top_logprobs))
         if done.prompt_lp is not None:
             apply_prompt_logprobs(*done.prompt_lp)
+        emitted = np.asarray(done.out.emitted) if done.verify else None
         fetch_s = time.perf_counter() - t
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
+            if i in done.verify:
+                out = self._resolve_verify(done.verify[i], index, tokens, emitted)
+                if out is not None:
+                    outputs.append(out)
+                continue
             token = int(tokens[i])
             if not self.scheduler.resolve(req, index, token, self.stop_check):
                 if req.is_finished or req.rid not in self.scheduler.requests:
@@ -509,6 +528,21 @@ class EngineCore:
             outputs.append(self.make_output(req, [token], lp, top, num_output=index + 1))
         self.num_steps += 1
         return outputs, fetch_s
+
+    def _resolve_verify(self, verify, index: int, tokens, emitted) -> GenerateOutput | None:
+        """Take a verify row's emitted tokens (DESIGN.md §3, "Speculative decoding"): the
+        request keeps the accepted drafts and the target's own token, up to a stop; the pages
+        only rejected drafts reached go back. None when it ended while the step ran."""
+        row, span = verify
+        req = row.req
+        toks = emitted_tokens(tokens, emitted, span)
+        n, _ = self.scheduler.resolve_verify(row, index, toks, self.stop_check)
+        if n == 0:
+            return None
+        self.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += len(toks) - 1
+        return self.make_output(req, toks[:n], [], [], num_output=index + n)
 
     def _observe_step_cost(self, done: _Launched, t_done: float) -> None:
         """Feed the cost model the device time of ``done``'s forward: from when the device could
@@ -586,7 +620,8 @@ class EngineCore:
             prompt_top_logprobs=list(req.prompt_top_logprobs) if send_prompt_lp else None,
             finished=req.is_finished, finish_reason=req.finish_reason if req.is_finished else None,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=num_output,
-            cached_tokens=req.num_cached_tokens_reported, error=req.error)
+            cached_tokens=req.num_cached_tokens_reported, error=req.error,
+            spec_verify_ct=req.spec_verify_ct, spec_accepted_tokens=req.spec_accepted_tokens)
 
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:

@@ -1,0 +1,56 @@
+"""The engine's side of speculative decoding (DESIGN.md §3, "Speculative decoding"): the
+controller built from the settings, the sampling rows of a verify row, and reading a verify
+row's emitted tokens. The scheduler adds the drafts (``pdjax.sched.spec_rows``); the device
+verifies them (``pdjax.runner.verify``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdjax.runner.device_sampler import SamplingRow
+from pdjax.spec.controller import SpecController
+from pdjax.spec.drafter import create_drafter
+
+
+def make_speculator(args) -> SpecController | None:
+    """The ``SpecController`` of ``args.speculative_algorithm`` (None: off)."""
+    if args.speculative_algorithm is None:
+        return None
+    kwargs = {}
+    if args.speculative_algorithm == "ngram":
+        kwargs = {"min_match_window": args.speculative_ngram_min_match_window_size,
+                  "max_match_window": args.speculative_ngram_max_match_window_size}
+    drafter = create_drafter(args.speculative_algorithm, **kwargs)
+    return SpecController(drafter, args.speculative_num_draft_tokens,
+                          adaptive=not args.speculative_disable_adaptive)
+
+
+def verify_width(args) -> int:
+    """Logits rows per request row of an extend bucket (``EntryPoints.verify_width``)."""
+    return args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+
+
+def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[SamplingRow]:
+    """One ``SamplingRow`` per token of ``req``'s verify row: the draw of output position
+    ``len(output_ids) + j`` with the request's parameters, ``draft_next`` the draft it is
+    checked against (-1 for the last)."""
+    base = len(req.output_ids)
+    rows = []
+    for j in range(len(draft_ids) + 1):
+        row = SamplingRow.from_request(req, penalty_slot, position=base + j)
+        row.draft_next = draft_ids[j] if j < len(draft_ids) else -1
+        rows.append(row)
+    return rows
+
+
+def emitted_tokens(tokens: np.ndarray, emitted: np.ndarray, span: tuple[int, int]) -> list[int]:
+    """The tokens a verify row's logits rows ``span = (start, stop)`` emitted: the accepted
+    drafts and the target's token after them (``emitted`` is a prefix of the span)."""
+    start, stop = span
+    out = []
+    for l in range(start, stop):
+        if not emitted[l]:
+            break
+        out.append(int(tokens[l]))
+    return out
