@@ -293,7 +293,7 @@ class EngineCore:
         self._wait_s = 0.0            # dispatching and waiting for the device
         outputs: list[GenerateOutput] = []
         try:
-            read_first = self._read_grammar_step(outputs)
+            read_first = self._read_grammar_step(outputs) or self._read_spec_step(outputs)
             batch = self._schedule(outputs)
             launched = self._run(batch, outputs)
             done, outputs = self._process(read_first, launched, outputs)
@@ -317,6 +317,20 @@ class EngineCore:
             return None
         done, self._inflight = self._inflight, None
         self.num_grammar_syncs += 1
+        outputs += self._read(done)
+        return done
+
+    def _read_spec_step(self, outputs: list[GenerateOutput]) -> _Launched | None:
+        """Drafts continue a request's newest token, so it must be known on the host: read the
+        step in flight first when it holds a verify row or a request that would speculate now
+        (``SpecController.active``); requests backed off decode overlapped (DESIGN.md §3,
+        "Speculative decoding")."""
+        done = self._inflight
+        if done is None or self.speculator is None or not (
+                done.verify or any(self.speculator.active(req.rid) for _, req, _ in done.pending
+                                   if self.scheduler.may_speculate(req))):
+            return None
+        self._inflight = None
         outputs += self._read(done)
         return done
 

@@ -120,10 +120,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
         attention_impl=attention_impl,
         scheduler=scheduler,
-        # Drafts need the tokens of the step before on the host: no overlap with speculation
-        # (as SGLang's speculative workers before its overlapped spec v2).
-        overlap=(not sched.disable_overlap_schedule and args.role != "prefill"
-                 and args.speculative_algorithm is None),
+        overlap=not sched.disable_overlap_schedule and args.role != "prefill",
         unroll_layers=_unroll_layers(args, model_cfg, platform),
         cpu_matmul_kernel=_cpu_matmul_kernel(args, model_cfg, dtype, platform))
 

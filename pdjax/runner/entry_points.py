@@ -176,9 +176,13 @@ class EntryPoints:
                                 num_logits_pad=self.logits_rows(key), chunk_size=self.chunk_size)
 
     def logits_rows(self, key: BucketKey) -> int:
-        """Logits (and sampling) rows of bucket ``key``: its rows, times ``verify_width`` for
-        ``extend`` (the entry verify rows run through)."""
-        return key.num_rows * (self.verify_width if key.entry == "extend" else 1)
+        """Logits (and sampling) rows of bucket ``key``: its rows; for ``extend`` (the entry
+        verify rows run through) with ``verify_width > 1``, up to ``verify_width`` per row but
+        no more than its tokens (each logits row is a distinct token), so a small bucket keeps
+        a small sampler (the LM head and the sampler cost grow with these rows)."""
+        if key.entry != "extend" or self.verify_width == 1:
+            return key.num_rows
+        return max(key.num_rows, min(key.num_rows * self.verify_width, key.num_tokens))
 
     def kernel_mesh(self):
         """The mesh context the Pallas kernels' TP ``shard_map`` reads (``tp_shard.py``) on an

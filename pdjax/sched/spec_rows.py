@@ -32,17 +32,25 @@ class SpecRows:
 
     speculator = None
 
-    def _speculates(self, req) -> bool:
-        """Whether ``req`` may carry drafts: it opted in, has no grammar (its mask would need
-        every draft's state), asked for no logprobs, and has no token pending."""
+    def may_speculate(self, req) -> bool:
+        """Whether ``req`` is one that speculates: it opted in, has no grammar (its mask would
+        need every draft's state) and asked for no logprobs."""
         return (req.sampling_params.speculative and req.grammar is None
-                and not req.return_logprob and PENDING_TOKEN not in req.output_ids)
+                and not req.return_logprob)
+
+    def _speculates(self, req) -> bool:
+        """Whether ``req`` may carry drafts this step: ``may_speculate``, and no token of it
+        is pending (overlap: its newest token is still on the device)."""
+        return self.may_speculate(req) and PENDING_TOKEN not in req.output_ids
 
     def _add_drafts(self, rows: list, budget: int) -> None:
         """Give decode ``rows`` (``ScheduledRow``s of one token) the drafts their requests
         want, within ``budget`` tokens in all and the free pages; a row gets none where its
         ``max_new_tokens`` or the context leaves no room for more than one token."""
-        if self.speculator is None or budget <= 0:
+        if self.speculator is None:
+            return
+        self.speculator.begin_step()
+        if budget <= 0:
             return
         picked, wants = [], []
         for row in rows:
@@ -63,6 +71,10 @@ class SpecRows:
             return
         drafts = self.speculator.propose([r.req for r in picked], wants)
         for row, draft in zip(picked, drafts):
+            if not draft:
+                self.speculator.on_no_draft(row.req.rid)
+                continue
+            self.speculator.on_draft(row.req.rid)
             draft = draft[:budget]
             if not draft:
                 continue

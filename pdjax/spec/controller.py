@@ -4,9 +4,13 @@
 Adaptive draft length, per request: each verify step that keeps every draft lets the next one
 propose one more (up to ``num_draft_tokens - 1``); one that keeps none halves it. When it would
 drop below 1 the request stops speculating for a back-off of ``2 ** misses`` steps (capped at
-``MAX_BACKOFF_STEPS``), then tries one draft again. A request whose drafts keep failing
+``MAX_BACKOFF_STEPS``), then tries one draft again. A step where the drafter finds nothing
+backs off too (``2 ** (dry steps in a row - 1)`` steps), since the engine reads an active
+request's step before scheduling the next one, which costs the overlap. A request whose drafts keep failing
 (chat) so pays for a verify row now and then, and plain decode rows otherwise: its decode
-speed stays that of decoding without speculation.
+speed stays that of decoding without speculation. Only *active* requests (not backed off) make
+the engine read the step in flight before scheduling (so their newest token is known to the
+drafter); the others decode overlapped as without speculation (DESIGN.md §3).
 
 Statistics (``SpecStats``): verify rows, drafts proposed, drafts accepted and the histogram of
 tokens a verify row emitted (accepted drafts + the target's own token), read by ``/metrics``.
@@ -43,8 +47,9 @@ class SpecStats:
 @dataclasses.dataclass
 class _ReqState:
     length: int                 # drafts to ask for next
-    skip_steps: int = 0         # steps left without speculation (back-off)
+    resume_step: int = 0        # first step it speculates again (back-off)
     misses: int = 0             # back-offs so far in a row
+    dry: int = 0                # steps in a row the drafter found nothing
 
 
 class SpecController:
@@ -63,14 +68,21 @@ class SpecController:
         self.adaptive = adaptive
         self.stats = SpecStats()
         self._reqs: dict[str, _ReqState] = {}
+        self.step = 0               # scheduling steps with decode rows (``begin_step``)
+
+    def begin_step(self) -> None:
+        """A step's decode rows are being scheduled (back-offs count these)."""
+        self.step += 1
+
+    def active(self, rid: str) -> bool:
+        """Whether ``rid`` would speculate now (not backed off); no side effect."""
+        st = self._reqs.get(rid)
+        return st is None or st.resume_step <= self.step
 
     def wanted(self, req) -> int:
-        """Drafts ``req`` should try this step (0: decode plainly); counts a back-off step."""
+        """Drafts ``req`` should try this step (0: backed off, decode plainly)."""
         st = self._reqs.setdefault(req.rid, _ReqState(self.max_drafts))
-        if st.skip_steps > 0:
-            st.skip_steps -= 1
-            return 0
-        return st.length
+        return st.length if st.resume_step <= self.step else 0
 
     def propose(self, reqs: list, max_tokens: list[int]) -> list[list[int]]:
         """The drafter's proposals, each cut to its ``max_tokens`` entry."""
@@ -101,17 +113,26 @@ class SpecController:
         elif num_accepted == 0:
             if st.length == 1:
                 st.misses += 1
-                st.skip_steps = min(MAX_BACKOFF_STEPS, 2 ** st.misses)
+                st.resume_step = self.step + 1 + min(MAX_BACKOFF_STEPS, 2 ** st.misses)
             st.length = max(1, st.length // 2)
         else:
             st.length = max(1, num_accepted)
             st.misses = 0
 
     def on_no_draft(self, rid: str) -> None:
-        """The drafter found nothing for ``rid``: back off a little (lookups cost host time)."""
+        """The drafter found nothing for ``rid`` this step: back off (no overlap is given up
+        for a request that drafts nothing)."""
         st = self._reqs.get(rid)
-        if st is not None and self.adaptive:
-            st.skip_steps = min(MAX_BACKOFF_STEPS, 1)
+        if st is None or not self.adaptive:
+            return
+        st.dry += 1
+        st.resume_step = self.step + 1 + min(MAX_BACKOFF_STEPS, 2 ** (st.dry - 1))
+
+    def on_draft(self, rid: str) -> None:
+        """The drafter found a draft for ``rid``."""
+        st = self._reqs.get(rid)
+        if st is not None:
+            st.dry = 0
 
     def release(self, rid: str) -> None:
         self._reqs.pop(rid, None)

@@ -62,10 +62,24 @@ def test_controller_adapts_the_draft_length_and_backs_off():
     assert c.wanted(r) == 2
     c.on_verified("a", 2, 0, 1)           # none: halve
     assert c.wanted(r) == 1
+    def steps(n):
+        out = []
+        for _ in range(n):
+            c.begin_step()
+            out.append((c.active("a"), c.wanted(r)))
+        return out
+
     c.on_verified("a", 1, 0, 1)           # none at 1: back off 2 steps, then 1 draft again
-    assert [c.wanted(r) for _ in range(3)] == [0, 0, 1]
+    assert steps(3) == [(False, 0), (False, 0), (True, 1)]
     c.on_verified("a", 1, 0, 1)           # again: 4 steps
-    assert [c.wanted(r) for _ in range(5)] == [0, 0, 0, 0, 1]
+    assert steps(5) == [(False, 0)] * 4 + [(True, 1)]
+    c.on_no_draft("a")                    # nothing found: back off 1 step, then 2, ...
+    assert steps(2) == [(False, 0), (True, 1)]
+    c.on_no_draft("a")
+    assert steps(3) == [(False, 0), (False, 0), (True, 1)]
+    c.on_draft("a")
+    c.on_no_draft("a")                    # a draft in between resets the streak
+    assert steps(2) == [(False, 0), (True, 1)]
     s = c.stats
     assert (s.num_verify_rows, s.num_draft_tokens, s.num_accepted_tokens) == (5, 12, 6)
     assert s.accept_len_hist == {5: 1, 3: 1, 1: 3}
