@@ -13,9 +13,17 @@ from pdjax.spec.controller import SpecController
 from pdjax.spec.drafter import create_drafter
 
 
+def _speculates(args) -> bool:
+    # A PD prefill server's requests end after their first token: it never decodes. A PD
+    # decode server speculates from its first step: the prompt arrives with the first token,
+    # and an n-gram drafter needs nothing else (DESIGN.md §4, "Speculative decoding").
+    return args.speculative_algorithm is not None and args.role != "prefill"
+
+
 def make_speculator(args) -> SpecController | None:
-    """The ``SpecController`` of ``args.speculative_algorithm`` (None: off)."""
-    if args.speculative_algorithm is None:
+    """The ``SpecController`` of ``args.speculative_algorithm`` (None: off, or a PD prefill
+    server)."""
+    if not _speculates(args):
         return None
     kwargs = {}
     if args.speculative_algorithm == "ngram":
@@ -28,7 +36,7 @@ def make_speculator(args) -> SpecController | None:
 
 def verify_width(args) -> int:
     """Logits rows per request row of an extend bucket (``EntryPoints.verify_width``)."""
-    return args.speculative_num_draft_tokens if args.speculative_algorithm else 1
+    return args.speculative_num_draft_tokens if _speculates(args) else 1
 
 
 def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[SamplingRow]:
