@@ -23,8 +23,8 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import (emitted_tokens, make_speculator, verify_sampling_rows,
-                                      verify_width)
+from pdjax.engine.speculative import (make_speculator, must_read_first, resolve_verify_row,
+                                      verify_sampling_rows, verify_width)
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -326,9 +326,7 @@ class EngineCore:
         (``SpecController.active``); requests backed off decode overlapped (DESIGN.md §3,
         "Speculative decoding")."""
         done = self._inflight
-        if done is None or self.speculator is None or not (
-                done.verify or any(self.speculator.active(req.rid) for _, req, _ in done.pending
-                                   if self.scheduler.may_speculate(req))):
+        if done is None or not must_read_first(self.speculator, self.scheduler, done):
             return None
         self._inflight = None
         outputs += self._read(done)
@@ -524,7 +522,7 @@ class EngineCore:
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
             if i in done.verify:
-                out = self._resolve_verify(done.verify[i], index, tokens, emitted)
+                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted)
                 if out is not None:
                     outputs.append(out)
                 continue
@@ -542,21 +540,6 @@ class EngineCore:
             outputs.append(self.make_output(req, [token], lp, top, num_output=index + 1))
         self.num_steps += 1
         return outputs, fetch_s
-
-    def _resolve_verify(self, verify, index: int, tokens, emitted) -> GenerateOutput | None:
-        """Take a verify row's emitted tokens (DESIGN.md §3, "Speculative decoding"): the
-        request keeps the accepted drafts and the target's own token, up to a stop; the pages
-        only rejected drafts reached go back. None when it ended while the step ran."""
-        row, span = verify
-        req = row.req
-        toks = emitted_tokens(tokens, emitted, span)
-        n, _ = self.scheduler.resolve_verify(row, index, toks, self.stop_check)
-        if n == 0:
-            return None
-        self.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
-        req.spec_verify_ct += 1
-        req.spec_accepted_tokens += len(toks) - 1
-        return self.make_output(req, toks[:n], [], [], num_output=index + n)
 
     def _observe_step_cost(self, done: _Launched, t_done: float) -> None:
         """Feed the cost model the device time of ``done``'s forward: from when the device could

@@ -62,3 +62,33 @@ def emitted_tokens(tokens: np.ndarray, emitted: np.ndarray, span: tuple[int, int
             break
         out.append(int(tokens[l]))
     return out
+
+
+def must_read_first(speculator, scheduler, launched) -> bool:
+    """Whether the step in flight ``launched`` must be read before the next is scheduled: it
+    holds a verify row (how many tokens it emits is known only then), or a request that would
+    speculate now (``SpecController.active``), whose draft continues its newest token.
+    Requests backed off decode overlapped, as without speculation."""
+    if speculator is None:
+        return False
+    return bool(launched.verify) or any(
+        speculator.active(req.rid) for _, req, _ in launched.pending
+        if scheduler.may_speculate(req))
+
+
+def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray):
+    """Take a verify row's emitted tokens on ``core`` (an ``EngineCore``): the request keeps
+    the accepted drafts and the target's own token, up to a stop, and the pages only rejected
+    drafts reached go back (``Scheduler.resolve_verify``). ``verify = (ScheduledRow, logits
+    span)``, ``index``: the request's placeholder. Returns the ``GenerateOutput`` increment,
+    or None when the request ended while the step ran."""
+    row, span = verify
+    req = row.req
+    toks = emitted_tokens(tokens, emitted, span)
+    n, _ = core.scheduler.resolve_verify(row, index, toks, core.stop_check)
+    if n == 0:
+        return None
+    core.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
+    req.spec_verify_ct += 1
+    req.spec_accepted_tokens += len(toks) - 1
+    return core.make_output(req, toks[:n], [], [], num_output=index + n)
