@@ -455,12 +455,16 @@ class SpeculativeArgs:
     speculative_disable_adaptive: bool = _arg(
         False, "always propose the most drafts (default: a request's draft length follows its "
                "acceptance, and it stops speculating for a while after rejections)")
+    speculative_disable_by_batch_size: int | None = _arg(
+        None, "no drafts in a step with more decode rows than this (vLLM's name; a large batch "
+              "is no longer bound by reading the weights); default: no limit")
 
     def __post_init__(self):
         _check_fields(self)
         _check_int(self, "speculative_num_draft_tokens", 2, 64)
         _check_int(self, "speculative_ngram_min_match_window_size", 1, 64)
         _check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
+        _check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be >= "
                              "speculative_ngram_min_match_window_size, got "

@@ -31,7 +31,8 @@ def make_speculator(args) -> SpecController | None:
                   "max_match_window": args.speculative_ngram_max_match_window_size}
     drafter = create_drafter(args.speculative_algorithm, **kwargs)
     return SpecController(drafter, args.speculative_num_draft_tokens,
-                          adaptive=not args.speculative_disable_adaptive)
+                          adaptive=not args.speculative_disable_adaptive,
+                          max_batch_size=args.speculative_disable_by_batch_size)
 
 
 def verify_width(args) -> int:

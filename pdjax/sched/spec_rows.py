@@ -50,7 +50,8 @@ class SpecRows:
         if self.speculator is None:
             return
         self.speculator.begin_step()
-        if budget <= 0:
+        limit = self.speculator.max_batch_size
+        if budget <= 0 or (limit is not None and len(rows) > limit):
             return
         picked, wants = [], []
         for row in rows:

@@ -57,15 +57,18 @@ class SpecController:
 
     ``num_draft_tokens``: tokens of a verify row (SGLang's ``--speculative-num-draft-tokens``):
     the request's newest token plus at most ``num_draft_tokens - 1`` drafts. ``adaptive``:
-    the per-request draft length above (off: always the most).
+    the per-request draft length above (off: always the most). ``max_batch_size``: a step
+    with more decode rows than this carries no drafts (None: no limit).
     """
 
-    def __init__(self, drafter, num_draft_tokens: int, adaptive: bool = True):
+    def __init__(self, drafter, num_draft_tokens: int, adaptive: bool = True,
+                 max_batch_size: int | None = None):
         if not isinstance(num_draft_tokens, int) or num_draft_tokens < 2:
             raise ValueError(f"speculative_num_draft_tokens must be >= 2, got {num_draft_tokens!r}")
         self.drafter = drafter
         self.max_drafts = num_draft_tokens - 1
         self.adaptive = adaptive
+        self.max_batch_size = max_batch_size     # no drafts in a step with more decode rows
         self.stats = SpecStats()
         self._reqs: dict[str, _ReqState] = {}
         self.step = 0               # scheduling steps with decode rows (``begin_step``)

@@ -99,6 +99,12 @@ def test_drafts_respect_max_new_tokens_the_budget_and_opt_outs():
     sched3.process_results(sched3.schedule(), {0: 50}, _no_stop)
     batch = sched3.schedule()
     assert batch.forward_mode == "decode" and not batch.rows[0].is_verify
+    # More decode rows than speculative_disable_by_batch_size: no drafts that step.
+    sched4, _, _ = _setup()
+    sched4.speculator.max_batch_size = 0
+    assert sched4.schedule().forward_mode == "decode"
+    sched4.speculator.max_batch_size = 1
+    assert sched4.schedule().rows[0].draft_ids == DRAFT
 
 
 def test_pd_decode_drafts_from_its_first_step():
