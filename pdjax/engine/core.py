@@ -467,7 +467,7 @@ class EngineCore:
         took the previous step's tokens) and dispatch their draw from the forward's logits
         (``ModelRunner.resample``); rows of requests that ended meanwhile are not drawn (their
         token is dropped when read). Returns the dispatch seconds."""
-        R = launched.key.num_rows
+        R = self.runner.logits_rows(launched.key)
         bitmask = np.full((R, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
         rows: list[SamplingRow | None] = [None] * R
         redo = np.zeros(R, bool)

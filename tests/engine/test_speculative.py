@@ -129,3 +129,28 @@ def test_sampled_requests_speculate_and_finish(spec_engine):
     assert all(len(o["output_ids"]) == 20 for o in a)
     assert all(0 <= t < 512 for o in a for t in o["output_ids"])
     _pool_is_whole(spec_engine)
+
+
+def test_grammar_rows_beside_prefill_chunks_on_a_speculating_engine(spec_engine, llama_engine):
+    """Grammar rows never speculate; overlapped, their draw is split (``resample``) over the
+    forward's logits rows, which an extend bucket of a speculating engine has more of than
+    request rows (a bug: the split draw was built for the request rows)."""
+    import re
+
+    regex = r"[a-z]{3}-[0-9]{2}"
+    prompts = _prompts(3, seed=6, lengths=(12, 100, 15))
+    params = [{"max_new_tokens": 12, "temperature": 0, "regex": regex},
+              {**GREEDY, "speculative": False},
+              {"max_new_tokens": 12, "temperature": 0, "regex": regex}]
+    set_sched(llama_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=True)
+    llama_engine.core.scheduler.prefix_cache.reset()
+    ref = llama_engine.generate(input_ids=prompts, sampling_params=params)
+    set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=True)
+    split0 = spec_engine.core.num_grammar_split_steps
+    out = spec_engine.generate(input_ids=prompts, sampling_params=params)
+    assert spec_engine.core.num_grammar_split_steps > split0
+    for o, r, p in zip(out, ref, params):
+        if "regex" in p:
+            assert re.fullmatch(regex, o["text"]), o["text"]
+        assert o["output_ids"] == r["output_ids"]
+    _pool_is_whole(spec_engine)
