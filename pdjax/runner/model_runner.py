@@ -138,6 +138,11 @@ class ModelRunner:
         """Sampling rows of bucket ``key`` (``EntryPoints.logits_rows``)."""
         return self.jits.logits_rows(key)
 
+    @property
+    def max_logits_rows(self) -> int:
+        """Length of every forward's sampled ids (``StepOutputs.tokens``)."""
+        return self.jits.max_logits_rows
+
     # ------------------------------------------------------------------ batches
     def make_batch(self, key: BucketKey, rows) -> FlatBatch:
         return self.jits.example_batch(key, rows)
