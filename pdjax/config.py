@@ -456,8 +456,8 @@ class SpeculativeArgs:
         False, "always propose the most drafts (default: a request's draft length follows its "
                "acceptance, and it stops speculating for a while after rejections)")
     speculative_disable_by_batch_size: int | None = _arg(
-        None, "no drafts in a step with more decode rows than this (vLLM's name; a large batch "
-              "is no longer bound by reading the weights); default: no limit")
+        4, "no drafts in a step with more decode rows than this (vLLM's name; a large batch "
+           "is no longer bound by reading the weights; 4 measured on CPU, BENCHMARKS.md)")
 
     def __post_init__(self):
         _check_fields(self)

@@ -20,7 +20,8 @@ def spec_engine(tiny_checkpoints, llama_engine):
     eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=PAGE,
                  max_total_tokens=4096, max_running_requests=16, chunked_prefill_size=CHUNK_BIG,
                  context_length=128, progress=False, speculative_algorithm="ngram",
-                 speculative_num_draft_tokens=4, speculative_ngram_min_match_window_size=1)
+                 speculative_num_draft_tokens=4, speculative_ngram_min_match_window_size=1,
+                 speculative_disable_by_batch_size=16)
     base = eng.core.sched_config
     yield eng
     set_sched(eng, **{k: getattr(base, k) for k in ("chunked_prefill_size", "enable_mixed_chunk")})
