@@ -431,7 +431,9 @@ class EngineCore:
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
                 failed.append((req, e))
-                samp_rows.append(None)
+                start, stop = fb.logits_row_spans[i]      # all its logits rows undrawn
+                del samp_rows[start:]
+                samp_rows += [None] * (stop - start)
         for req, e in failed:
             out = self.abort_request(req.rid, f"sampling failed: {e}")
             if out is not None:

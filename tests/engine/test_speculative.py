@@ -155,3 +155,49 @@ def test_grammar_rows_beside_prefill_chunks_on_a_speculating_engine(spec_engine,
             assert re.fullmatch(regex, o["text"]), o["text"]
         assert o["output_ids"] == r["output_ids"]
     _pool_is_whole(spec_engine)
+
+
+def test_a_verify_row_failing_to_sample_fails_alone(spec_engine, llama_engine):
+    """A speculating request whose sampling raises mid-run (a seed set past validation) gets
+    an error; the verify rows after it in the batch keep their own logits rows (tokens equal
+    plain decoding) and every page comes back."""
+    from pdjax.engine_io import GenerateRequest
+    from pdjax.request import SamplingParams
+
+    prompts = _prompts(3, seed=7, lengths=(30, 41, 26))
+    ref = _reference(llama_engine, prompts)
+    sched = set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    sched.prefix_cache.reset()
+    core = spec_engine.core
+    sp = SamplingParams(**GREEDY)
+    reqs = [core.add_request(GenerateRequest(f"f{i}", p, sp)) for i, p in enumerate(prompts)]
+    spec = core.speculator
+    propose = spec.propose
+
+    def propose_then_break_f0(batch_reqs, max_tokens):
+        # Break f0 in a step where it and a request after it both carry drafts.
+        drafts = propose(batch_reqs, max_tokens)
+        got = {r.rid: d for r, d in zip(batch_reqs, drafts)}
+        if got.get("f0") and any(got.get(rid) for rid in ("f1", "f2")):
+            reqs[0].seed_for_sampling = -5
+        return drafts
+
+    spec.propose = propose_then_break_f0
+    outs = {}
+    try:
+        while sched.has_work:
+            for out in core.step():
+                outs.setdefault(out.rid, []).append(out)
+            sched.check_invariants()
+    finally:
+        del spec.propose
+    assert reqs[0].seed_for_sampling == -5
+    assert outs["f0"][-1].finished and "sampling failed" in outs["f0"][-1].error
+    for i in (1, 2):
+        got = [t for o in outs[f"f{i}"] for t in o.new_token_ids]
+        gaps = top2_gaps_from_top_logprobs(ref[i]["meta_info"]["output_top_logprobs"])
+        assert_tokens_match(got, ref[i]["output_ids"], gaps, what="beside a failed row")
+        assert len(got) == GREEDY["max_new_tokens"] and outs[f"f{i}"][-1].error is None
+    assert outs["f1"][-1].spec_verify_ct > 0
+    core.drain()
+    _pool_is_whole(spec_engine)
