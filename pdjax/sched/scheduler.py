@@ -29,6 +29,10 @@ Policy, per step:
    step (no starvation): by at least one token (a sub-page chunk is fine in a colocated step),
    one page for page-aligned chunks; with nothing decoding, prefill gets the whole chunk.
    Before any forward is timed, the chunk is unconstrained.
+5. Speculative decoding (``SpecRows``, ``speculator`` set): decode rows of requests that
+   speculate carry drafts, within the token budget (half of it when prefill waits) and the
+   free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
+   (``resolve_verify``).
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
