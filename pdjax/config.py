@@ -435,18 +435,62 @@ def _check_multihost_role(args) -> None:
                          "the other nodes register their KV shards there")
 
 
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeArgs:
+    """Speculative decoding, with SGLang's flag names (DESIGN.md §3, "Speculative decoding")."""
+
+    speculative_algorithm: str | None = _arg(
+        None, "draft tokens and verify them in one forward: ngram (prompt lookup, no draft "
+              "model) or draft (a small model, --speculative-draft-model-path); default: off",
+        SPECULATIVE_ALGORITHMS)
+    speculative_draft_model_path: str | None = _arg(
+        None, "draft: the draft model's checkpoint (the target's vocabulary)")
+    speculative_num_draft_tokens: int = _arg(
+        5, "tokens of a verify row, as in SGLang: the newest token plus up to this many "
+           "minus one drafts")
+    speculative_ngram_min_match_window_size: int = _arg(
+        2, "ngram: shortest suffix of the context looked up for a draft")
+    speculative_ngram_max_match_window_size: int = _arg(
+        12, "ngram: longest suffix of the context looked up for a draft")
+    speculative_disable_adaptive: bool = _arg(
+        False, "always propose the most drafts (default: a request's draft length follows its "
+               "acceptance, and it stops speculating for a while after rejections)")
+    speculative_disable_by_batch_size: int | None = _arg(
+        4, "no drafts in a step with more decode rows than this (vLLM's name; a large batch "
+           "is no longer bound by reading the weights; 4 measured on CPU, BENCHMARKS.md)")
+
+    def __post_init__(self):
+        _check_fields(self)
+        _check_int(self, "speculative_num_draft_tokens", 2, 64)
+        _check_int(self, "speculative_ngram_min_match_window_size", 1, 64)
+        _check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
+        _check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
+        if (self.speculative_algorithm == "draft") != (self.speculative_draft_model_path
+                                                        is not None):
+            raise ValueError("speculative_draft_model_path is needed by, and only by, "
+                             "speculative_algorithm 'draft'")
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise ValueError("speculative_ngram_max_match_window_size must be >= "
+                             "speculative_ngram_min_match_window_size, got "
+                             f"{self.speculative_ngram_max_match_window_size} < "
+                             f"{self.speculative_ngram_min_match_window_size}")
+
+
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
 ARG_GROUPS = {"model": ModelArgs, "cache": CacheArgs, "scheduler": SchedulerArgs,
               "disaggregation": DisaggregationArgs, "server": HTTPServerArgs,
-              "distributed": DistributedArgs}
+              "distributed": DistributedArgs, "speculative": SpeculativeArgs}
 _GROUP_OF = {f.name: group for group, cls in ARG_GROUPS.items() for f in dataclasses.fields(cls)}
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class ServerArgs:
     """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
-    ``page_size``), in six groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``,
-    ``server`` and ``distributed``. Each value is stored once, in its group; ``args.page_size`` reads
+    ``page_size``), in seven groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``,
+    ``server``, ``distributed`` and ``speculative``. Each value is stored once, in its group; ``args.page_size`` reads
     ``args.cache.page_size``.
 
     Built from the CLI in one place (``from_cli_args``) or from flat keyword arguments
@@ -461,6 +505,7 @@ class ServerArgs:
     disaggregation: DisaggregationArgs
     server: HTTPServerArgs
     distributed: DistributedArgs
+    speculative: SpeculativeArgs
 
     def __init__(self, **kwargs):
         groups = {name: kwargs.pop(name, None) or cls() for name, cls in ARG_GROUPS.items()}

@@ -38,6 +38,7 @@ class GenerateOutput:
     ``prompt_logprobs`` / ``prompt_top_logprobs`` come once, with the first increment:
     entries for positions ``logprob_start_len..len(prompt)-1``; the entry of position 0 is None.
     ``error``: set when the request failed (the server answers with an error, not text).
+    ``spec_verify_ct`` / ``spec_accepted_tokens``: totals so far (speculative decoding).
     """
 
     rid: str
@@ -52,6 +53,8 @@ class GenerateOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    spec_verify_ct: int = 0          # speculative verify rows of the request so far
+    spec_accepted_tokens: int = 0    # drafts they accepted
 
     @property
     def status_code(self) -> int | None:

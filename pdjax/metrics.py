@@ -74,6 +74,9 @@ class Metrics:
         Histograms, seconds: the cost model's forecast of each forward (when it had one) and the
         measured forward (with overlap: the device time the engine attributes to it, when
         known), for the stall-free budget of ``--target-itl-ms``.
+      spec_*
+        Speculative decoding, registered by ``attach_engine`` when the engine speculates
+        (``pdjax.spec.metrics``): acceptance rate, accept length, the accept-length histogram.
     """
 
     def __init__(self) -> None:
@@ -211,6 +214,10 @@ class Metrics:
                     self.step_time_predicted_seconds.observe(predicted)
 
         core.step_hooks.append(on_step)
+        if getattr(core, "speculator", None) is not None:
+            from pdjax.spec.metrics import attach_spec_metrics
+
+            attach_spec_metrics(self, core)
         runner = getattr(core, "runner", None)
         if runner is None:
             return

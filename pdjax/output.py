@@ -83,6 +83,24 @@ class RequestOutput:
     error: str | None = None
     error_status: int = 500
     finished: bool = False
+    spec_verify_ct: int = 0          # speculative verify rows (0: none ran)
+    spec_accepted_tokens: int = 0    # drafts they accepted
+
+    @property
+    def spec_accept_len(self) -> float | None:
+        """Mean tokens a verify row emitted, the target's own included (SGLang's accept
+        length); None when no verify row ran."""
+        if not self.spec_verify_ct:
+            return None
+        return (self.spec_accepted_tokens + self.spec_verify_ct) / self.spec_verify_ct
+
+    def spec_meta_info(self) -> dict:
+        """``spec_verify_ct`` and ``spec_accept_len`` for ``meta_info`` (empty when no verify
+        row ran)."""
+        if not self.spec_verify_ct:
+            return {}
+        return {"spec_verify_ct": self.spec_verify_ct,
+                "spec_accept_len": round(self.spec_accept_len, 4)}
 
     @property
     def completion_tokens(self) -> int:
@@ -136,6 +154,8 @@ class OutputAccumulator:
         if out.prompt_tokens:
             r.prompt_tokens = out.prompt_tokens
         r.cached_tokens = max(r.cached_tokens, out.cached_tokens or 0)
+        r.spec_verify_ct = max(r.spec_verify_ct, out.spec_verify_ct)
+        r.spec_accepted_tokens = max(r.spec_accepted_tokens, out.spec_accepted_tokens)
         if out.prompt_logprobs is not None and r.prompt_logprobs is None:
             r.prompt_logprobs = list(out.prompt_logprobs)
             r.prompt_top_logprobs = list(out.prompt_top_logprobs or [])

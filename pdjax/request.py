@@ -43,8 +43,9 @@ class SamplingParams:
     (OpenAI's field; JSON object keys are decimal strings), each bias in [-100, 100] added to
     the token's logit before sampling, at most ``MAX_LOGIT_BIAS`` entries (OpenAI's limit);
     the ids (and ``stop_token_ids``) are checked against the vocabulary by the server and the
-    engine (``check_vocab_ids``). Raises
-    ``ValueError`` naming the field.
+    engine (``check_vocab_ids``). ``speculative``: False opts this request out of speculative
+    decoding on a server started with ``--speculative-algorithm`` (its decode rows verify no
+    drafts). Raises ``ValueError`` naming the field.
     """
 
     max_new_tokens: int | None = 128
@@ -63,6 +64,7 @@ class SamplingParams:
     n: int = 1
     grammar: GrammarSpec | None = None
     logit_bias: dict[int, float] | None = None
+    speculative: bool = True
 
     MAX_NEW_TOKENS_LIMIT = 1 << 20
     MAX_LOGIT_BIAS = 300          # entries per request (OpenAI's limit; a fixed device width)
@@ -161,6 +163,8 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+        if not isinstance(self.speculative, bool):
+            raise ValueError(f"speculative must be a boolean, got {self.speculative!r}")
         if not isinstance(self.skip_special_tokens, bool):
             raise ValueError(f"skip_special_tokens must be a boolean, got "
                              f"{self.skip_special_tokens!r}")
@@ -331,6 +335,8 @@ class Request:
     seed_for_sampling: int = 0    # sampling_params.seed, or a random one drawn at arrival
     reported_cached_tokens: int | None = None   # PD decode: the longer of both prefix hits
     grammar: Any = None           # GrammarMatcher of sampling_params.grammar (engine thread)
+    spec_verify_ct: int = 0       # speculative verify rows run for it
+    spec_accepted_tokens: int = 0  # drafts those rows accepted
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -100,8 +100,10 @@ def set_sched(engine, **changes):
 
     core = engine.core
     assert not core.scheduler.has_work
+    speculator = core.scheduler.speculator
     core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes),
                                cost_model=core.cost_model)
+    core.scheduler.speculator = speculator
     return core.scheduler
 
 

@@ -419,7 +419,7 @@ class LeaderRunner:
 
         r = self._runner
         if sampling is None:
-            sampling = device_sampler.build_sampling_inputs([], key.num_rows,
+            sampling = device_sampler.build_sampling_inputs([], r.logits_rows(key),
                                                             vocab_size=r.cfg.vocab_size)
         if prev_idx is None:
             prev_idx = np.full(key.num_tokens, -1, np.int32)
@@ -545,7 +545,7 @@ class FollowerCalls:
         prev_idx = wire.decode_array(msg.get("prev_idx"), "prev_idx")
         if prev_idx.dtype != np.int32 or prev_idx.shape != (T,):
             raise wire.WireError(f"prev_idx: expected int32[{T}]")
-        self._in_range("prev_idx", prev_idx, -1, r.max_rows)
+        self._in_range("prev_idx", prev_idx, -1, r.max_logits_rows)
         # A token the previous step samples (prev_idx >= 0) is a placeholder id here.
         self._in_range("batch.input_ids", fields["input_ids"][prev_idx < 0], 0, r.cfg.vocab_size)
         context = key.pages_per_seq * r.page_size
@@ -555,7 +555,7 @@ class FollowerCalls:
                          ("logits_indices", T)):
             self._in_range(f"batch.{name}", fields[name], 0, hi)
         fb = dataclasses.replace(template, **fields)
-        sampling = self._sampling(msg, key.num_rows)
+        sampling = self._sampling(msg, r.logits_rows(key))
         prev = wire.get_int(msg, "prev", -1, seq)
         prev_tokens = None if prev == -1 else self._made_by(prev, "out").tokens
         want_logits = bool(msg.get("want_logits"))

@@ -23,6 +23,8 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import make_buckets, resolve_engine_config
+from pdjax.engine.speculative import (make_speculator, must_read_first, resolve_verify_row,
+                                      verify_sampling_rows, verify_width)
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -64,6 +66,7 @@ class _Launched:
     deferred: list[tuple[int, Request, SamplingRow]] = dataclasses.field(default_factory=list)
     logits: Any = None                           # [R, V] on the device while deferred rows wait
     has_grammar: bool = False                    # a pending token belongs to a grammar request
+    verify: dict = dataclasses.field(default_factory=dict)   # row -> (ScheduledRow, logits span)
 
 
 class EngineCore:
@@ -111,6 +114,9 @@ class EngineCore:
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
         self.context_length = self.scheduler.max_request_tokens
+        # Speculative decoding (None: off): drafts per request, their statistics.
+        self.speculator = self.scheduler.speculator = make_speculator(
+            args, config, self.model_cfg.vocab_size, self.context_length)
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
         if buckets is not None:
@@ -124,7 +130,8 @@ class EngineCore:
         self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
                                   kv_dtype=config.kv_dtype, buckets=self.buckets,
                                   chunk_size=args.chunked_prefill_size,
-                                  executables_dir=args.aot_executables)
+                                  executables_dir=args.aot_executables,
+                                  verify_width=verify_width(args))
         phase("kv_cache")
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)
@@ -287,7 +294,7 @@ class EngineCore:
         self._wait_s = 0.0            # dispatching and waiting for the device
         outputs: list[GenerateOutput] = []
         try:
-            read_first = self._read_grammar_step(outputs)
+            read_first = self._read_grammar_step(outputs) or self._read_spec_step(outputs)
             batch = self._schedule(outputs)
             launched = self._run(batch, outputs)
             done, outputs = self._process(read_first, launched, outputs)
@@ -311,6 +318,18 @@ class EngineCore:
             return None
         done, self._inflight = self._inflight, None
         self.num_grammar_syncs += 1
+        outputs += self._read(done)
+        return done
+
+    def _read_spec_step(self, outputs: list[GenerateOutput]) -> _Launched | None:
+        """Drafts continue a request's newest token, so it must be known on the host: read the
+        step in flight first when it holds a verify row or a request that would speculate now
+        (``SpecController.active``); requests backed off decode overlapped (DESIGN.md §3,
+        "Speculative decoding")."""
+        done = self._inflight
+        if done is None or not must_read_first(self.speculator, self.scheduler, done):
+            return None
+        self._inflight = None
         outputs += self._read(done)
         return done
 
@@ -370,17 +389,19 @@ class EngineCore:
         """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
         waited for); count its tokens in the scheduler. Returns ``(_Launched, dispatch s)``."""
         prev = self._inflight
-        rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
+        rows = [BatchRow(r.token_ids, r.start, r.req.pages, 0 if r.is_verify else None)
+                for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
                                 ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
         prev_idx = np.full(key.num_tokens, -1, np.int32)
         samp_rows, failed, deferred = [], [], []
+        verify = {}
         bitmask = None
         if any(row.samples and row.req.grammar is not None for row in batch.rows):
-            bitmask = np.full((key.num_rows, bitmask_words(self.model_cfg.vocab_size)), -1,
-                              np.int32)
+            bitmask = np.full((self.runner.logits_rows(key),
+                               bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
         for i, row in enumerate(batch.rows):
             req = row.req
             for j, tok in enumerate(rows[i].input_ids):
@@ -401,17 +422,24 @@ class EngineCore:
                     continue
                 if req.grammar is not None:
                     req.grammar.fill_bitmask(bitmask[i])
+                if row.is_verify:           # the last rows: one logits row per token
+                    assert fb.logits_row_spans[i][0] == len(samp_rows)
+                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot)
+                    verify[i] = (row, fb.logits_row_spans[i])
+                    continue
                 samp_rows.append(row_params)
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
                 failed.append((req, e))
-                samp_rows.append(None)
+                start, stop = fb.logits_row_spans[i]      # all its logits rows undrawn
+                del samp_rows[start:]
+                samp_rows += [None] * (stop - start)
         for req, e in failed:
             out = self.abort_request(req.rid, f"sampling failed: {e}")
             if out is not None:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
-        sampling = build_sampling_inputs(samp_rows, key.num_rows, bitmask=bitmask,
+        sampling = build_sampling_inputs(samp_rows, self.runner.logits_rows(key), bitmask=bitmask,
                                          vocab_size=self.model_cfg.vocab_size)
         want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
         compiles = self.runner.compiles_after_warmup
@@ -432,7 +460,7 @@ class EngineCore:
                              prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
                              self.runner.compiles_after_warmup != compiles, deferred,
                              logits if deferred else None,
-                             any(req.grammar is not None for _, req, _ in pending))
+                             any(req.grammar is not None for _, req, _ in pending), verify)
         for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
             hook(batch, key, logits if deferred else out.tokens, t2)
         return launched, t2 - t1
@@ -442,7 +470,7 @@ class EngineCore:
         took the previous step's tokens) and dispatch their draw from the forward's logits
         (``ModelRunner.resample``); rows of requests that ended meanwhile are not drawn (their
         token is dropped when read). Returns the dispatch seconds."""
-        R = launched.key.num_rows
+        R = self.runner.logits_rows(launched.key)
         bitmask = np.full((R, bitmask_words(self.model_cfg.vocab_size)), -1, np.int32)
         rows: list[SamplingRow | None] = [None] * R
         redo = np.zeros(R, bool)
@@ -492,9 +520,15 @@ class EngineCore:
                 tops = (np.asarray(done.out.top_ids), np.asarray(done.out.top_logprobs))
         if done.prompt_lp is not None:
             apply_prompt_logprobs(*done.prompt_lp)
+        emitted = np.asarray(done.out.emitted) if done.verify else None
         fetch_s = time.perf_counter() - t
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
+            if i in done.verify:
+                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted)
+                if out is not None:
+                    outputs.append(out)
+                continue
             token = int(tokens[i])
             if not self.scheduler.resolve(req, index, token, self.stop_check):
                 if req.is_finished or req.rid not in self.scheduler.requests:
@@ -586,7 +620,8 @@ class EngineCore:
             prompt_top_logprobs=list(req.prompt_top_logprobs) if send_prompt_lp else None,
             finished=req.is_finished, finish_reason=req.finish_reason if req.is_finished else None,
             prompt_tokens=req.num_prompt_tokens, completion_tokens=num_output,
-            cached_tokens=req.num_cached_tokens_reported, error=req.error)
+            cached_tokens=req.num_cached_tokens_reported, error=req.error,
+            spec_verify_ct=req.spec_verify_ct, spec_accepted_tokens=req.spec_accepted_tokens)
 
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:

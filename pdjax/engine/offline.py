@@ -105,7 +105,7 @@ class Engine:
     def _result(r: RequestOutput, return_logprob: bool) -> dict:
         meta = {"id": r.rid, "prompt_tokens": r.prompt_tokens,
                 "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
-                "finish_reason": r.finish_reason.to_dict()}
+                "finish_reason": r.finish_reason.to_dict(), **r.spec_meta_info()}
         if return_logprob:
             meta["output_token_logprobs"] = [(lp, t, None)
                                              for lp, t in zip(r.output_logprobs, r.output_ids)]

@@ -50,6 +50,7 @@ import numpy as np
 from jax import lax
 
 from pdjax.request import SamplingParams
+from pdjax.runner.verify import draft_counts, verify_emitted
 
 MAX_TOP_LOGPROBS = 20            # fixed top-logprobs width (OpenAI's limit of top_logprobs)
 MAX_LOGIT_BIAS = SamplingParams.MAX_LOGIT_BIAS   # fixed logit-bias width per row (OpenAI: 300)
@@ -80,6 +81,9 @@ class SamplingInputs(NamedTuple):
     any_top: jax.Array         # [] bool
     any_grammar: jax.Array     # [] bool: some row's bitmask restricts it
     any_logit_bias: jax.Array  # [] bool: some row has a logit bias
+    draft_next: jax.Array      # [R] i32: the draft token this row's sample must equal for the
+                               # next row of its verify span to count; -1: last row of a span
+    any_draft: jax.Array       # [] bool: some row verifies a draft
 
 
 class StepOutputs(NamedTuple):
@@ -89,6 +93,8 @@ class StepOutputs(NamedTuple):
     token_logprob: jax.Array   # [R] f32 (0 unless any_logprob)
     top_ids: jax.Array         # [R, MAX_TOP_LOGPROBS] i32 (0 unless any_top)
     top_logprobs: jax.Array    # [R, MAX_TOP_LOGPROBS] f32
+    emitted: jax.Array         # [R] bool: the row's token is kept (False: a draft before it
+                               # in its verify span was rejected; ``verify_emitted``)
 
 
 @dataclasses.dataclass
@@ -108,6 +114,7 @@ class SamplingRow:
     return_logprob: bool
     top_logprobs_num: int
     logit_bias: dict[int, float] | None = None
+    draft_next: int = -1          # verify rows: the draft at the next position (-1: none)
 
     @classmethod
     def from_request(cls, req, penalty_slot: int = 0, position: int | None = None) -> "SamplingRow":
@@ -182,6 +189,7 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
     positions = np.zeros(R, np.int32)
     slot = np.zeros(R, np.int32)
     samples = np.zeros(R, bool)
+    draft_next = np.full(R, -1, np.int32)
     any_logprob = any_top = False
     bias_ids, bias = no_logit_bias(R)
     if any(r is not None and r.logit_bias for r in rows):
@@ -194,6 +202,7 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
         rep[i], freq[i], pres[i] = r.repetition_penalty, r.frequency_penalty, r.presence_penalty
         seed_words[i] = (r.seed >> 32, r.seed & 0xFFFFFFFF)
         positions[i], slot[i] = r.position, r.penalty_slot
+        draft_next[i] = r.draft_next
         any_logprob |= r.return_logprob
         any_top |= r.top_logprobs_num > 0
         if r.logit_bias:
@@ -217,7 +226,7 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
                           slot, samples, bitmask, bias_ids, bias, np.bool_(random.any()),
                           np.bool_(filt.any()), np.bool_(pen.any() and slot.any()),
                           np.bool_(any_logprob), np.bool_(any_top), np.bool_(any_grammar),
-                          np.bool_(bias.any()))
+                          np.bool_(bias.any()), draft_next, np.bool_((draft_next >= 0).any()))
 
 
 # ---------------------------------------------------------------------------- the draw
@@ -261,6 +270,7 @@ def apply_logit_bias(x, ids, bias):
 
 def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
     c = counts[sp.penalty_slot]                       # [R, V] i32
+    c = lax.cond(sp.any_draft, draft_counts, lambda c, d: c, c, sp.draft_next)
     seen = prompt_seen[sp.penalty_slot] | (c > 0)
     rep = sp.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
@@ -311,7 +321,8 @@ def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
     greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
     drawn = lax.cond(sp.any_random, _draw, lambda x, sp: greedy, x, sp)
     tokens = jnp.where(sp.temperature > 0, drawn, greedy)
-    counted = sp.samples & (sp.penalty_slot > 0)
+    emitted = verify_emitted(tokens, sp.draft_next)
+    counted = sp.samples & (sp.penalty_slot > 0) & emitted
     counts = counts.at[sp.penalty_slot, tokens].add(counted.astype(counts.dtype))
 
     def logprobs(logits):
@@ -330,7 +341,7 @@ def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
     top_ids, top_vals = lax.cond(sp.any_top, top, lambda lp: (jnp.zeros((R, k), jnp.int32),
                                                               jnp.zeros((R, k), jnp.float32)), lp)
     padded = jnp.zeros((max_rows,), jnp.int32).at[:R].set(tokens)
-    return StepOutputs(padded, tok_lp, top_ids, top_vals), counts
+    return StepOutputs(padded, tok_lp, top_ids, top_vals, emitted), counts
 
 
 def prompt_logprobs(logits, target_ids, want_top):

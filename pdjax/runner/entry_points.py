@@ -88,7 +88,8 @@ def _resample(max_rows, logits, sp, prompt_seen, penalty_counts, first: StepOutp
     merged = StepOutputs(jnp.where(redo_padded, out.tokens, first.tokens),
                          jnp.where(redo, out.token_logprob, first.token_logprob),
                          jnp.where(redo[:, None], out.top_ids, first.top_ids),
-                         jnp.where(redo[:, None], out.top_logprobs, first.top_logprobs))
+                         jnp.where(redo[:, None], out.top_logprobs, first.top_logprobs),
+                         jnp.where(redo, out.emitted, first.emitted))
     return merged, penalty_counts
 
 
@@ -115,14 +116,20 @@ class EntryPoints:
       max_rows: logits rows of the largest bucket (``Buckets.max_rows``).
       vocab_size: the model's vocabulary (penalty tables, sampling inputs).
       page_size, chunk_size: what ``build_flat_batch`` lays a bucket's example batch out with.
+      verify_width: logits rows per request row of an ``extend`` bucket: 1, or the tokens of a
+        speculative verify row (``speculative_num_draft_tokens``), each of which is sampled
+        (DESIGN.md §3, "Speculative decoding"). The sampled ids are padded to
+        ``max_logits_rows = max_rows * verify_width``.
     """
 
     def __init__(self, graphdef, mesh: Mesh, cache_specs, *, max_rows: int, vocab_size: int,
-                 page_size: int, chunk_size: int | None = None):
+                 page_size: int, chunk_size: int | None = None, verify_width: int = 1):
         self.graphdef = graphdef
         self.mesh = mesh
         self.cache_specs = tuple(cache_specs)
         self.max_rows = max_rows
+        self.verify_width = verify_width
+        self.max_logits_rows = max_rows * verify_width
         self.vocab_size = vocab_size
         self.page_size = page_size
         self.chunk_size = chunk_size
@@ -151,7 +158,7 @@ class EntryPoints:
     def abstract_device_state(self):
         """``(caches, penalty_counts, prompt_seen, no_prev_tokens)`` as shapes with their
         shardings: the KV buffers (``{name: [layers, num_pages, page_size, *row]}``), the
-        penalty tables ``[S, V]`` int32 and bool, and the previous step's ids ``[max_rows]``
+        penalty tables ``[S, V]`` int32 and bool, and the previous step's ids ``[max_logits_rows]``
         int32. ``ModelRunner`` allocates zeros of exactly these."""
         S = jax.ShapeDtypeStruct
         caches = {s.name: S(s.shape, s.dtype, sharding=self.cache_shardings[s.name])
@@ -159,14 +166,23 @@ class EntryPoints:
         table = (self.num_penalty_slots, self.vocab_size)
         return (caches, S(table, jnp.int32, sharding=self.replicated),
                 S(table, jnp.bool_, sharding=self.replicated),
-                S((self.max_rows,), jnp.int32, sharding=self.replicated))
+                S((self.max_logits_rows,), jnp.int32, sharding=self.replicated))
 
     def example_batch(self, key: BucketKey, rows=()) -> FlatBatch:
         """The flat batch of ``rows`` laid out in bucket ``key`` (empty: all padding)."""
         return build_flat_batch(list(rows), page_size=self.page_size,
                                 num_tokens_pad=key.num_tokens, num_rows_pad=key.num_rows,
-                                pages_per_seq_pad=key.pages_per_seq, num_logits_pad=key.num_rows,
-                                chunk_size=self.chunk_size)
+                                pages_per_seq_pad=key.pages_per_seq,
+                                num_logits_pad=self.logits_rows(key), chunk_size=self.chunk_size)
+
+    def logits_rows(self, key: BucketKey) -> int:
+        """Logits (and sampling) rows of bucket ``key``: its rows; for ``extend`` (the entry
+        verify rows run through) with ``verify_width > 1``, up to ``verify_width`` per row but
+        no more than its tokens (each logits row is a distinct token), so a small bucket keeps
+        a small sampler (the LM head and the sampler cost grow with these rows)."""
+        if key.entry != "extend" or self.verify_width == 1:
+            return key.num_rows
+        return max(key.num_rows, min(key.num_rows * self.verify_width, key.num_tokens))
 
     def kernel_mesh(self):
         """The mesh context the Pallas kernels' TP ``shard_map`` reads (``tp_shard.py``) on an
@@ -186,13 +202,13 @@ class EntryPoints:
         md = AttentionMetadata(*(np.asarray(a) for a in (
             fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens, fb.page_indices,
             fb.distribution)))
-        sampling = device_sampler.build_sampling_inputs([], key.num_rows,
+        sampling = device_sampler.build_sampling_inputs([], self.logits_rows(key),
                                                         vocab_size=self.vocab_size)
         state, caches, counts, seen, no_prev = abstract(
             (state, caches, penalty_counts, prompt_seen, no_prev_tokens))
         with self.kernel_mesh():
             return self.forwards[key.entry].trace(
-                self.graphdef, self.max_rows, state, caches, counts, seen,
+                self.graphdef, self.max_logits_rows, state, caches, counts, seen,
                 np.asarray(fb.input_ids), np.full(key.num_tokens, -1, np.int32),
                 no_prev, md, np.asarray(fb.logits_indices),
                 SamplingInputs(*(np.asarray(a) for a in sampling))).lower()
@@ -204,7 +220,7 @@ class EntryPoints:
         sampling = device_sampler.build_sampling_inputs([], num_rows, vocab_size=self.vocab_size)
         seen, counts = abstract((prompt_seen, penalty_counts))
         return self.resample.trace(
-            self.max_rows, logits, SamplingInputs(*(np.asarray(a) for a in sampling)),
+            self.max_logits_rows, logits, SamplingInputs(*(np.asarray(a) for a in sampling)),
             seen, counts, first, np.zeros(num_rows, bool)).lower()
 
     def lower_prompt_logprobs(self, state, hidden):

@@ -85,7 +85,7 @@ class ModelRunner:
 
     def __init__(self, model, mesh: Mesh, *, num_pages: int, page_size: int, kv_dtype,
                  buckets: Buckets, chunk_size: int | None = None,
-                 executables_dir: str | None = None):
+                 executables_dir: str | None = None, verify_width: int = 1):
         self.cfg = model.cfg
         self.mesh = mesh
         self.page_size = page_size
@@ -99,7 +99,7 @@ class ModelRunner:
         # The jits and their lowerings from shapes (the same code pdjax.aot compiles).
         self.jits = EntryPoints(self.graphdef, mesh, self.cache_specs, max_rows=self.max_rows,
                                 vocab_size=self.cfg.vocab_size, page_size=page_size,
-                                chunk_size=chunk_size)
+                                chunk_size=chunk_size, verify_width=verify_width)
         self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
         # Zeros of exactly the shapes and shardings the lowerings take. Slot 0 of the penalty
         # tables is the null slot; no_prev_tokens stands for the previous step's sampled ids
@@ -132,6 +132,15 @@ class ModelRunner:
         """Penalty table rows: one per request that can run at once, plus the null slot 0."""
         return self.jits.num_penalty_slots
 
+    def logits_rows(self, key: BucketKey) -> int:
+        """Sampling rows of bucket ``key`` (``EntryPoints.logits_rows``)."""
+        return self.jits.logits_rows(key)
+
+    @property
+    def max_logits_rows(self) -> int:
+        """Length of every forward's sampled ids (``StepOutputs.tokens``)."""
+        return self.jits.max_logits_rows
+
     # ------------------------------------------------------------------ batches
     def make_batch(self, key: BucketKey, rows) -> FlatBatch:
         return self.jits.example_batch(key, rows)
@@ -151,7 +160,7 @@ class ModelRunner:
         """
         before = compile_count()
         if sampling is None:
-            sampling = device_sampler.build_sampling_inputs([], key.num_rows,
+            sampling = device_sampler.build_sampling_inputs([], self.logits_rows(key),
                                                             vocab_size=self.cfg.vocab_size)
         if prev_idx is None:
             prev_idx = np.full(key.num_tokens, -1, np.int32)
@@ -160,7 +169,7 @@ class ModelRunner:
         md = AttentionMetadata(fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens,
                                fb.page_indices, fb.distribution)
         out, hidden, self.caches, self.penalty_counts, logits = self._executable(key)(
-            self.graphdef, self.max_rows, self.state, self.caches, self.penalty_counts,
+            self.graphdef, self.jits.max_logits_rows, self.state, self.caches, self.penalty_counts,
             self.prompt_seen, fb.input_ids, prev_idx,
             self.no_prev_tokens if prev_tokens is None else prev_tokens, md,
             fb.logits_indices, sampling)
@@ -180,7 +189,7 @@ class ModelRunner:
         compiled = self._compiled.get(("resample", entry, logits.shape[0]))
         args = (logits, sampling, self.prompt_seen, self.penalty_counts, first, redo)
         out, self.penalty_counts = (compiled(*args) if compiled is not None
-                                    else self.jits.resample(self.max_rows, *args))
+                                    else self.jits.resample(self.jits.max_logits_rows, *args))
         self._check_compiles(before, ("resample", entry, logits.shape[0]))
         return out
 
@@ -300,7 +309,7 @@ class ModelRunner:
             if key.entry == "extend" and key.num_tokens not in logprob_tokens:
                 logprob_tokens.add(key.num_tokens)
                 self.prompt_logprobs_at(hidden, [0], [0], want_top=True)
-            first_of.setdefault((key.entry, key.num_rows), (out, logits))
+            first_of.setdefault((key.entry, self.logits_rows(key)), (out, logits))
         if split_sampling:
             # One resample per logits row count, lowered from real forward outputs (their
             # shardings: under TP the logits stay split over the vocabulary).
@@ -354,11 +363,12 @@ class ModelRunner:
                     jax.block_until_ready(self.jits.prompt_logprobs(
                         self.graphdef, self.state, hidden, jnp.zeros(key.num_tokens, jnp.int32),
                         jnp.zeros(key.num_tokens, jnp.int32), jnp.asarray(True)))
-                resample_key = ("resample", key.entry, key.num_rows)
+                resample_key = ("resample", key.entry, self.logits_rows(key))
                 if split_sampling and resample_key not in self._compiled:
                     self._compiled[resample_key] = self._compile(
                         self._lower_resample(outs[0], outs[4]))
-                    self.resample_rows = tuple(sorted({*self.resample_rows, key.num_rows}))
+                    self.resample_rows = tuple(sorted({*self.resample_rows,
+                                                       self.logits_rows(key)}))
                 self._compiled[key] = compiled
                 self.ready_keys = self.ready_keys | {key}
             logger.info("background warm-up: %d shapes in %.1f s", len(keys), time.monotonic() - t0)

@@ -29,6 +29,10 @@ Policy, per step:
    step (no starvation): by at least one token (a sub-page chunk is fine in a colocated step),
    one page for page-aligned chunks; with nothing decoding, prefill gets the whole chunk.
    Before any forward is timed, the chunk is unconstrained.
+5. Speculative decoding (``SpecRows``, ``speculator`` set): decode rows of requests that
+   speculate carry drafts, within the token budget (half of it when prefill waits) and the
+   free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
+   (``resolve_verify``).
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
@@ -46,6 +50,7 @@ from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.sched.pd_pages import PDPageSets
+from pdjax.sched.spec_rows import SpecRows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,24 +95,32 @@ class SchedulerConfig:
 
 @dataclasses.dataclass
 class ScheduledRow:
-    """``num_tokens`` new tokens of ``req`` from position ``start``."""
+    """``num_tokens`` new tokens of ``req`` from position ``start``; a verify row's last
+    ``len(draft_ids)`` of them are drafts (not in ``req.all_ids``; ``pdjax.sched.spec_rows``)."""
 
     req: Request
     start: int
     num_tokens: int
+    draft_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and self.start == self.req.num_tokens - 1 and bool(self.req.output_ids)
 
     @property
+    def is_verify(self) -> bool:
+        """A decode row carrying drafts (one logits row per token, DESIGN.md §3)."""
+        return bool(self.draft_ids)
+
+    @property
     def samples(self) -> bool:
         """True when this row reaches the request's newest token, so a token is sampled."""
-        return self.start + self.num_tokens == self.req.num_tokens
+        return self.start + self.num_tokens - len(self.draft_ids) == self.req.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
-        return self.req.all_ids[self.start:self.start + self.num_tokens]
+        known = self.num_tokens - len(self.draft_ids)
+        return self.req.all_ids[self.start:self.start + known] + self.draft_ids
 
 
 def chunk_pairs(num_tokens: int, start: int) -> int:
@@ -144,7 +157,7 @@ class ScheduledBatch:
         return max(-(-(r.start + r.num_tokens) // page_size) for r in self.rows)
 
 
-class Scheduler(PDPageSets):
+class Scheduler(PDPageSets, SpecRows):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
@@ -200,6 +213,8 @@ class Scheduler(PDPageSets):
         req = self.requests.pop(rid, None)
         self._hold_on_finish.discard(rid)
         self.finishing.discard(rid)
+        if self.speculator is not None:
+            self.speculator.release(rid)
         if req is None:
             return None
         self.drop_pending(req)
@@ -273,14 +288,20 @@ class Scheduler(PDPageSets):
             rows = self._schedule_decode(decode_reqs)
         run_prefill = has_prefill_work and (mixed or not rows)
         if run_prefill:
-            budget = min(self.config.token_budget - len(rows), self.config.max_prefill_tokens)
+            budget = min(self.config.token_budget - sum(r.num_tokens for r in rows),
+                         self.config.max_prefill_tokens)
             rows += self._schedule_prefill(budget, rows)
         if not rows and decode_reqs and not run_decode:
             rows = self._schedule_decode(decode_reqs)   # prefill could not start: decode now
         if not rows:
             return None
+        # Verify rows last: the plain decode rows and full chunks keep their places in the
+        # kernel's ``distribution``, and every other row keeps logits row = row index.
+        rows = [r for r in rows if not r.is_verify] + [r for r in rows if r.is_verify]
         n_decode = sum(r.is_decode for r in rows)
-        mode = "decode" if n_decode == len(rows) else ("prefill_chunk" if n_decode == 0 else "mixed")
+        n_verify = sum(r.is_verify for r in rows)
+        mode = ("decode" if n_decode == len(rows) else
+                "prefill_chunk" if n_decode == n_verify == 0 else "mixed")
         self._last_forward_mode = mode
         for r in rows:
             r.req.last_scheduled_step = self.step_id
@@ -315,6 +336,10 @@ class Scheduler(PDPageSets):
             grown = self._grow(r, r.num_tokens)
             assert grown, "decode pages were reserved above"
             rows.append(ScheduledRow(r, r.num_tokens - 1, 1))
+        # Drafts take at most half the budget when prefill work waits (SpecRows).
+        has_prefill = any(r.is_prefilling for r in self.running) or bool(self.waiting)
+        spare = self.config.token_budget - len(rows)
+        self._add_drafts(rows, spare // 2 if has_prefill else spare)
         return rows
 
     def _admit(self, req: Request) -> bool:
@@ -462,9 +487,10 @@ class Scheduler(PDPageSets):
             req = row.req
             if req.is_finished or req.rid not in self.requests:
                 continue
-            if not row.is_decode:
+            if not row.is_decode and not row.is_verify:
                 self.num_prompt_tokens_computed += row.num_tokens
-            req.set_num_computed_tokens(row.start + row.num_tokens)
+            # A verify row's drafts count once accepted (``resolve_verify``).
+            req.set_num_computed_tokens(row.start + row.num_tokens - len(row.draft_ids))
             if not row.samples:
                 continue
             pending.append((i, req, req.append_pending()))
@@ -520,6 +546,8 @@ class Scheduler(PDPageSets):
 
     def finish_request(self, req: Request, reason: FinishReason) -> None:
         self.finishing.discard(req.rid)
+        if self.speculator is not None:
+            self.speculator.release(req.rid)
         if req in self.running:
             self.running.remove(req)
             if req.rid in self._hold_on_finish:

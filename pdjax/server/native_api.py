@@ -227,14 +227,16 @@ def native_response(r: SampleResult, req: GenerateRequest, token_texts: TokenTex
     """SGLang's ``/generate`` answer for one sample (cumulative; also each stream event).
 
     ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-    "completion_tokens", "cached_tokens", "e2e_latency", [logprob fields]}, ["index"]}``.
+    "completion_tokens", "cached_tokens", "e2e_latency", [spec_verify_ct, spec_accept_len],
+    [logprob fields]}, ["index"]}``.
     Logprob entries are ``[logprob, token_id, token_text_or_null]``; ``token_texts`` given
     means ``return_text_in_logprobs``.
     """
     meta: dict[str, Any] = {
         "id": r.rid, "finish_reason": native_finish_reason(r.finish_reason),
         "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-        "cached_tokens": r.cached_tokens, "e2e_latency": round(r.e2e_latency, 6)}
+        "cached_tokens": r.cached_tokens, "e2e_latency": round(r.e2e_latency, 6),
+        **r.spec_meta_info()}
     if req.return_logprob:
         start = req.logprob_start_len if req.logprob_start_len >= 0 else len(r.prompt_ids)
         prompt_ids = r.prompt_ids[start:]

@@ -76,7 +76,7 @@ class OpenAIRequest:
 # are SGLang/vLLM extensions sent through the openai client's ``extra_body``.
 _OPENAI_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                    "stop_token_ids", "skip_special_tokens", "logit_bias"}
+                    "stop_token_ids", "skip_special_tokens", "logit_bias", "speculative"}
 _OPENAI_COMMON = _OPENAI_SAMPLING | {
     "model", "max_tokens", "stream", "stream_options", "logprobs", "user", "rid",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "metadata", "service_tier",
@@ -186,8 +186,9 @@ def _openai_sampling(body: dict[str, Any], ctx: ServingContext, max_tokens: Any,
         raise RequestError("stop must not be an empty string", "stop")
     if "stop_token_ids" in d and not isinstance(d["stop_token_ids"], list):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
-    if "skip_special_tokens" in d:
-        check_bool("skip_special_tokens", d["skip_special_tokens"])
+    for name in ("skip_special_tokens", "speculative"):
+        if name in d:
+            check_bool(name, d[name])
     d["max_new_tokens"] = max_tokens
     return parse_sampling_params(d, ctx, "", max_tokens_name)
 

@@ -125,3 +125,51 @@ def test_stop_background_waits_for_the_compile_in_flight(tiny_checkpoints, monke
     finally:
         release.set()
         eng.shutdown()
+
+
+def test_speculative_verify_rows_never_compile(tiny_checkpoints, llama_engine, monkeypatch):
+    """n-gram speculation on a lazily warmed engine (issue 33): verify rows run on the extend
+    shapes warm-up compiled (the core one before the background set, the small ones after),
+    with their wider logits rows; no compile on the request path; tokens as without."""
+    prompts = [(p[:5] * 12)[:40] for p in boundary_prompts(4, seed=14)]
+    greedy = {**GREEDY, "max_new_tokens": 12}
+    ref = llama_engine.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
+                                top_logprobs_num=2)
+    gate = threading.Event()
+    compile_rest = ModelRunner._compile_in_background
+
+    def gated(self, *args):
+        gate.wait(600)
+        compile_rest(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
+    eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=PAGE, max_total_tokens=4096,
+                 max_running_requests=16, chunked_prefill_size=CHUNK, context_length=128,
+                 progress=False, background_compile=True, speculative_algorithm="ngram",
+                 speculative_num_draft_tokens=4, speculative_ngram_min_match_window_size=1)
+    runner = eng.core.runner
+    try:
+        before = compile_count()
+        for phase in ("core shapes only", "all shapes"):
+            if phase == "all shapes":
+                gate.set()
+                assert runner.wait_background(timeout_s=600)
+            keys = []
+            hook = lambda batch, key, tokens, t: keys.append((key, batch))   # noqa: E731
+            eng.core.dispatch_hooks.append(hook)
+            try:
+                outs = eng.generate(input_ids=prompts, sampling_params=greedy)
+            finally:
+                eng.core.dispatch_hooks.remove(hook)
+            for a, b in zip(ref, outs):
+                gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
+                assert_tokens_match(b["output_ids"], a["output_ids"], gaps, what=phase)
+            verify_keys = {k for k, batch in keys if any(r.is_verify for r in batch.rows)}
+            assert verify_keys and all(k.entry == "extend" for k in verify_keys), phase
+            if phase == "all shapes":
+                assert {k.num_tokens for k in verify_keys} & {16, 32}
+        assert compile_count() == before and runner.compiles_after_warmup == 0
+    finally:
+        gate.set()
+        runner.wait_background(timeout_s=600)
+        eng.shutdown()

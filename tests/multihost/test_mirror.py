@@ -26,8 +26,12 @@ class RecordingRunner:
                                       max_pages_per_seq=4, traced_pages_bound=True)
         self.cfg = types.SimpleNamespace(vocab_size=VOCAB)
         self.page_size, self.num_pages, self.max_rows = PAGE, PAGES, ROWS
+        self.max_logits_rows = ROWS
         self.num_penalty_slots = ROWS + 1
         self.calls = []
+
+    def logits_rows(self, key):
+        return key.num_rows
 
     def make_batch(self, key, rows):
         return build_flat_batch(rows, page_size=PAGE, num_tokens_pad=key.num_tokens,

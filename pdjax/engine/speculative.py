@@ -1,0 +1,106 @@
+"""The engine's side of speculative decoding (DESIGN.md §3, "Speculative decoding"): the
+controller built from the settings, the sampling rows of a verify row, and reading a verify
+row's emitted tokens. The scheduler adds the drafts (``pdjax.sched.spec_rows``); the device
+verifies them (``pdjax.runner.verify``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdjax.runner.device_sampler import SamplingRow
+from pdjax.spec.controller import SpecController
+from pdjax.spec.drafter import create_drafter
+
+
+def _speculates(args) -> bool:
+    # A PD prefill server's requests end after their first token: it never decodes. A PD
+    # decode server speculates from its first step: the prompt arrives with the first token,
+    # and an n-gram drafter needs nothing else (DESIGN.md §4, "Speculative decoding").
+    return args.speculative_algorithm is not None and args.role != "prefill"
+
+
+def make_speculator(args, config=None, vocab_size: int | None = None,
+                    context_length: int | None = None) -> SpecController | None:
+    """The ``SpecController`` of ``args.speculative_algorithm`` (None: off, or a PD prefill
+    server). ``config`` (the ``EngineConfig``), ``vocab_size`` and ``context_length``: what a
+    draft model is built with (its dtype and attention as the target's)."""
+    if not _speculates(args):
+        return None
+    kwargs = {}
+    if args.speculative_algorithm == "ngram":
+        kwargs = {"min_match_window": args.speculative_ngram_min_match_window_size,
+                  "max_match_window": args.speculative_ngram_max_match_window_size}
+    elif args.speculative_algorithm == "draft":
+        import pdjax.spec.draft_model  # noqa: F401  (registers "draft")
+
+        kwargs = {"model_path": args.speculative_draft_model_path, "vocab_size": vocab_size,
+                  "num_pages": args.num_pages, "page_size": args.page_size,
+                  "max_running_requests": args.max_running_requests,
+                  "chunked_prefill_size": args.chunked_prefill_size,
+                  "context_length": context_length, "dtype": config.dtype,
+                  "attention_impl": config.attention_impl}
+    drafter = create_drafter(args.speculative_algorithm, **kwargs)
+    return SpecController(drafter, args.speculative_num_draft_tokens,
+                          adaptive=not args.speculative_disable_adaptive,
+                          max_batch_size=args.speculative_disable_by_batch_size)
+
+
+def verify_width(args) -> int:
+    """Logits rows per request row of an extend bucket (``EntryPoints.verify_width``)."""
+    return args.speculative_num_draft_tokens if _speculates(args) else 1
+
+
+def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[SamplingRow]:
+    """One ``SamplingRow`` per token of ``req``'s verify row: the draw of output position
+    ``len(output_ids) + j`` with the request's parameters, ``draft_next`` the draft it is
+    checked against (-1 for the last)."""
+    base = len(req.output_ids)
+    rows = []
+    for j in range(len(draft_ids) + 1):
+        row = SamplingRow.from_request(req, penalty_slot, position=base + j)
+        row.draft_next = draft_ids[j] if j < len(draft_ids) else -1
+        rows.append(row)
+    return rows
+
+
+def emitted_tokens(tokens: np.ndarray, emitted: np.ndarray, span: tuple[int, int]) -> list[int]:
+    """The tokens a verify row's logits rows ``span = (start, stop)`` emitted: the accepted
+    drafts and the target's token after them (``emitted`` is a prefix of the span)."""
+    start, stop = span
+    out = []
+    for l in range(start, stop):
+        if not emitted[l]:
+            break
+        out.append(int(tokens[l]))
+    return out
+
+
+def must_read_first(speculator, scheduler, launched) -> bool:
+    """Whether the step in flight ``launched`` must be read before the next is scheduled: it
+    holds a verify row (how many tokens it emits is known only then), or a request that would
+    speculate now (``SpecController.active``), whose draft continues its newest token.
+    Requests backed off decode overlapped, as without speculation."""
+    if speculator is None:
+        return False
+    return bool(launched.verify) or any(
+        speculator.active(req.rid) for _, req, _ in launched.pending
+        if scheduler.may_speculate(req))
+
+
+def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray):
+    """Take a verify row's emitted tokens on ``core`` (an ``EngineCore``): the request keeps
+    the accepted drafts and the target's own token, up to a stop, and the pages only rejected
+    drafts reached go back (``Scheduler.resolve_verify``). ``verify = (ScheduledRow, logits
+    span)``, ``index``: the request's placeholder. Returns the ``GenerateOutput`` increment,
+    or None when the request ended while the step ran."""
+    row, span = verify
+    req = row.req
+    toks = emitted_tokens(tokens, emitted, span)
+    n, _ = core.scheduler.resolve_verify(row, index, toks, core.stop_check)
+    if n == 0:
+        return None
+    core.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
+    req.spec_verify_ct += 1
+    req.spec_accepted_tokens += len(toks) - 1
+    return core.make_output(req, toks[:n], [], [], num_output=index + n)
