@@ -435,7 +435,7 @@ def _check_multihost_role(args) -> None:
                          "the other nodes register their KV shards there")
 
 
-SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALGORITHMS = ("ngram",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,10 +444,7 @@ class SpeculativeArgs:
 
     speculative_algorithm: str | None = _arg(
         None, "draft tokens and verify them in one forward: ngram (prompt lookup, no draft "
-              "model) or draft (a small model, --speculative-draft-model-path); default: off",
-        SPECULATIVE_ALGORITHMS)
-    speculative_draft_model_path: str | None = _arg(
-        None, "draft: the draft model's checkpoint (the target's vocabulary)")
+              "model); default: off", SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int = _arg(
         5, "tokens of a verify row, as in SGLang: the newest token plus up to this many "
            "minus one drafts")
@@ -468,10 +465,6 @@ class SpeculativeArgs:
         _check_int(self, "speculative_ngram_min_match_window_size", 1, 64)
         _check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
         _check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
-        if (self.speculative_algorithm == "draft") != (self.speculative_draft_model_path
-                                                        is not None):
-            raise ValueError("speculative_draft_model_path is needed by, and only by, "
-                             "speculative_algorithm 'draft'")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be >= "
                              "speculative_ngram_min_match_window_size, got "

@@ -113,10 +113,9 @@ class EngineCore:
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
-        self.context_length = self.scheduler.max_request_tokens
         # Speculative decoding (None: off): drafts per request, their statistics.
-        self.speculator = self.scheduler.speculator = make_speculator(
-            args, config, self.model_cfg.vocab_size, self.context_length)
+        self.speculator = self.scheduler.speculator = make_speculator(args)
+        self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
         if buckets is not None:

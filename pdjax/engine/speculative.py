@@ -20,26 +20,15 @@ def _speculates(args) -> bool:
     return args.speculative_algorithm is not None and args.role != "prefill"
 
 
-def make_speculator(args, config=None, vocab_size: int | None = None,
-                    context_length: int | None = None) -> SpecController | None:
+def make_speculator(args) -> SpecController | None:
     """The ``SpecController`` of ``args.speculative_algorithm`` (None: off, or a PD prefill
-    server). ``config`` (the ``EngineConfig``), ``vocab_size`` and ``context_length``: what a
-    draft model is built with (its dtype and attention as the target's)."""
+    server)."""
     if not _speculates(args):
         return None
     kwargs = {}
     if args.speculative_algorithm == "ngram":
         kwargs = {"min_match_window": args.speculative_ngram_min_match_window_size,
                   "max_match_window": args.speculative_ngram_max_match_window_size}
-    elif args.speculative_algorithm == "draft":
-        import pdjax.spec.draft_model  # noqa: F401  (registers "draft")
-
-        kwargs = {"model_path": args.speculative_draft_model_path, "vocab_size": vocab_size,
-                  "num_pages": args.num_pages, "page_size": args.page_size,
-                  "max_running_requests": args.max_running_requests,
-                  "chunked_prefill_size": args.chunked_prefill_size,
-                  "context_length": context_length, "dtype": config.dtype,
-                  "attention_impl": config.attention_impl}
     drafter = create_drafter(args.speculative_algorithm, **kwargs)
     return SpecController(drafter, args.speculative_num_draft_tokens,
                           adaptive=not args.speculative_disable_adaptive,
