@@ -33,6 +33,7 @@ class Drafter(abc.ABC):
     ``on_verified(rid, num_accepted)``: the verify step of ``rid`` kept ``num_accepted`` of its
     drafts (the request's ``output_ids`` already hold them and the target's own token).
     ``release(rid)``: the request ended or was retracted; drop its state.
+    ``warmup()``: compile what ``propose`` runs (the engine calls it at its warm-up).
     """
 
     name: str = ""
@@ -45,6 +46,9 @@ class Drafter(abc.ABC):
         return None
 
     def release(self, rid: str) -> None:
+        return None
+
+    def warmup(self) -> None:
         return None
 
 
