@@ -1,7 +1,7 @@
 """The draft-model drafter (``--speculative-algorithm draft``, DESIGN.md §3 "Speculative
 decoding"): greedy tokens equal plain decoding (tie-aware, DESIGN.md §5) on the tiny Llama
 with itself as the draft (every draft accepted) and with another tiny checkpoint as the draft
-(few accepted); rollback to the common prefix frees exactly the pages past it and drafts as a
+(few accepted), and on the tiny DeepSeek-V3 (MLA) drafting for itself; rollback to the common prefix frees exactly the pages past it and drafts as a
 fresh request would; every draft page comes back; settings and vocabulary are checked."""
 
 import dataclasses
@@ -86,6 +86,32 @@ def test_other_model_as_draft_keeps_output(tiny_checkpoints, reference):
         eng.shutdown()
     assert stats.num_verify_rows > 0
     assert stats.acceptance_rate < 0.5          # random weights: drafts mostly rejected
+
+
+def test_mla_model_drafting_for_itself(tiny_checkpoints):
+    """The MLA family as the draft (its own latent KV pool): the tiny DeepSeek-V3 drafting
+    for itself; the reference is the same engine with requests opting out."""
+    path = tiny_checkpoints["deepseek_v3"]
+    eng = _spec_engine(path, path)
+    try:
+        prompts = _prompts(5, lengths=(20, 37))
+        before = compile_count()
+        ref = eng.generate(input_ids=prompts, sampling_params={**GREEDY, "speculative": False},
+                           return_logprob=True, top_logprobs_num=2)
+        out = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+        for o, r in zip(out, ref):
+            gaps = top2_gaps_from_top_logprobs(r["meta_info"]["output_top_logprobs"])
+            assert_tokens_match(o["output_ids"], r["output_ids"], gaps, what="MLA draft")
+            assert len(o["output_ids"]) == GREEDY["max_new_tokens"]
+        assert compile_count() == before
+        stats = eng.core.speculator.stats
+        assert stats.num_verify_rows >= 6
+        assert stats.accept_len_hist.get(K, 0) >= 0.8 * stats.num_verify_rows, \
+            stats.accept_len_hist
+        drafter = eng.core.speculator.drafter
+        assert drafter.allocator.num_free == drafter.runner.num_pages - 1
+    finally:
+        eng.shutdown()
 
 
 @pytest.fixture(scope="module")
