@@ -1,8 +1,9 @@
 """The draft-model drafter (``--speculative-algorithm draft``, DESIGN.md §3 "Speculative
 decoding"): greedy tokens equal plain decoding (tie-aware, DESIGN.md §5) on the tiny Llama
 with itself as the draft (every draft accepted) and with another tiny checkpoint as the draft
-(few accepted), and on the tiny DeepSeek-V3 (MLA) drafting for itself; rollback to the common prefix frees exactly the pages past it and drafts as a
-fresh request would; every draft page comes back; settings and vocabulary are checked."""
+(few accepted), and on the tiny DeepSeek-V3 (MLA) drafting for itself; rollback to the common
+prefix frees exactly the pages past it and drafts as a fresh request would; every draft page
+comes back; settings and vocabulary are checked."""
 
 import dataclasses
 
