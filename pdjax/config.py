@@ -516,6 +516,11 @@ class ServerArgs:
                                else group)
         if self.distributed.nnodes > 1:
             _check_multihost_role(self)
+            if self.speculative.speculative_algorithm == "draft":
+                # The draft model runs on one device of the leader; the followers only
+                # mirror the target's runner calls (DESIGN.md §6).
+                raise ValueError("speculative_algorithm 'draft' with nnodes > 1 is not "
+                                 "supported")
 
     def __getattr__(self, name: str):
         group = _GROUP_OF.get(name)

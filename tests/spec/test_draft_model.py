@@ -5,6 +5,7 @@ with itself as the draft (every draft accepted) and with another tiny checkpoint
 prefix frees exactly the pages past it and drafts as a fresh request would; every draft page
 comes back; settings and vocabulary are checked."""
 
+import argparse
 import dataclasses
 
 import numpy as np
@@ -194,3 +195,16 @@ def test_vocabulary_and_settings_checked(tiny_checkpoints):
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         ServerArgs(model_path=tiny_checkpoints["llama"], speculative_algorithm="ngram",
                    speculative_draft_model_path=tiny_checkpoints["llama"])
+    with pytest.raises(ValueError, match="speculative_algorithm 'draft' with nnodes > 1"):
+        ServerArgs(model_path=tiny_checkpoints["llama"], speculative_algorithm="draft",
+                   speculative_draft_model_path=tiny_checkpoints["llama"], nnodes=2,
+                   dist_init_addr="127.0.0.1:5000")
+    args = ServerArgs(model_path=tiny_checkpoints["llama"], speculative_algorithm="draft",
+                      speculative_draft_model_path=tiny_checkpoints["llama_tied"])
+    assert args.speculative_draft_model_path == tiny_checkpoints["llama_tied"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    cli = ServerArgs.from_cli_args(parser.parse_args(
+        ["--model-path", tiny_checkpoints["llama"], "--speculative-algorithm", "draft",
+         "--speculative-draft-model-path", tiny_checkpoints["llama_tied"]]))
+    assert cli.speculative_draft_model_path == tiny_checkpoints["llama_tied"]
