@@ -17,7 +17,9 @@ runs ``k - 1`` batched decode forwards, taking the argmax each time::
     decode         d1 -> d2, d2 -> d3 ...       ids = a b c d e X d1 d2 ...
 
 The last token of ``all_ids`` is always fed (when ``ids`` already hold it, it is fed again:
-the same KV is written to the same slot), since its logits give the first draft.
+the same KV is written to the same slot), since its logits give the first draft. A decode
+forward takes its input tokens from the forward before it on the device (``prev_idx``, as the
+engine's overlapped steps do), so the host waits once per ``propose``, for all the drafts.
 
 Shapes stay bounded: the drafter has its own ``ModelRunner`` whose ``Buckets`` are made from
 the engine's limits as the target's are (token buckets powers of two up to the chunk, decode
@@ -105,8 +107,7 @@ class DraftModelDrafter(Drafter):
         return len(st.ids) if st is not None else 0
 
     def propose(self, requests: list, max_tokens: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in requests]
-        live = []               # (index, state, all_ids) of requests still drafting
+        live = []               # (index, state, all_ids) of requests that draft this step
         for i, (req, k) in enumerate(zip(requests, max_tokens)):
             if k <= 0 or not req.all_ids:
                 continue
@@ -117,20 +118,21 @@ class DraftModelDrafter(Drafter):
             # A request the pool cannot hold drafts nothing (the others still do).
             if self._reserve(st, len(ids) + k - 1):
                 live.append((i, st, ids))
-        firsts = self._feed(live)
-        steps = []              # (index, state) that got a first draft
-        for (i, st, _), tok in zip(live, firsts):
-            if tok is not None:
-                drafts[i].append(tok)
-                steps.append((i, st))
-        for j in range(1, max(max_tokens, default=0)):
-            rows = [(i, st) for i, st in steps if len(drafts[i]) == j and max_tokens[i] > j]
-            if not rows:
-                break
-            toks = self._decode([(st, drafts[i][-1]) for i, st in rows])
-            for (i, _), tok in zip(rows, toks):
-                if tok is not None:
-                    drafts[i].append(tok)
+        # Draft j of each request as (device tokens, row): the decode forwards take their
+        # input token from the forward before on the device, and the host reads every draft
+        # once, at the end.
+        srcs = [[src] for src in self._feed(live)]
+        for j in range(1, max((max_tokens[i] for i, _, _ in live), default=0)):
+            run = [n for n, (i, _, _) in enumerate(live) if max_tokens[i] > j]
+            outs = self._decode([(live[n][1], len(live[n][2]) + j - 1, srcs[n][-1])
+                                 for n in run])
+            for n, src in zip(run, outs):
+                srcs[n].append(src)
+        host: dict[int, np.ndarray] = {}
+        drafts: list[list[int]] = [[] for _ in requests]
+        for (i, st, _), chain in zip(live, srcs):
+            drafts[i] = [_read(host, src) for src in chain]
+            st.ids.extend(drafts[i][:-1])         # the drafts fed back hold KV now
         return drafts
 
     def release(self, rid: str) -> None:
@@ -158,21 +160,28 @@ class DraftModelDrafter(Drafter):
         return True
 
     # ------------------------------------------------------------------ forwards
-    def _run(self, mode: str, rows: list[BatchRow]) -> np.ndarray:
-        """One greedy forward of ``rows`` (ordered as ``build_flat_batch`` wants); the argmax
-        token after each row's last token, ``[len(rows)]``."""
+    def _run(self, mode: str, rows: list[BatchRow], prev_idx: list[int] | None = None,
+             prev_tokens=None) -> list[tuple]:
+        """One greedy forward of ``rows`` (ordered as ``build_flat_batch`` wants), dispatched
+        without waiting; per row, where its argmax token after its last token lies:
+        ``(tokens, logits row)``, ``tokens`` the forward's ``StepOutputs.tokens`` on the
+        device. ``prev_idx`` (per row, decode): the row of ``prev_tokens`` holding the row's
+        input token (its ``input_ids`` entry is then a placeholder), or -1."""
         key = self.buckets.pick(mode, sum(len(r.input_ids) for r in rows), len(rows),
                                 max(_cdiv(r.kv_len, self.page_size) for r in rows))
         fb = self.runner.make_batch(key, rows)
-        out, _ = self.runner.forward(key, fb)
-        tokens = np.asarray(out.tokens)
-        return tokens[[start for start, _ in fb.logits_row_spans]]
+        idx = None
+        if prev_idx is not None:
+            idx = np.full(key.num_tokens, -1, np.int32)
+            idx[:len(prev_idx)] = prev_idx        # decode: token t is row t
+        out, _ = self.runner.forward(key, fb, prev_idx=idx, prev_tokens=prev_tokens)
+        return [(out.tokens, start) for start, _ in fb.logits_row_spans]
 
-    def _feed(self, live: list) -> list[int | None]:
-        """Feed each ``(index, state, all_ids)`` its tokens past ``state.ids``, one chunk per
-        request per extend forward (a request's chunks run in order, in successive forwards);
-        the first draft of each, or None where the pool ran out of pages (no drafts)."""
-        first: list[int | None] = [None] * len(live)
+    def _feed(self, live: list) -> list[tuple]:
+        """Feed each ``(index, state, all_ids)`` its tokens past ``state.ids`` (pages
+        reserved), one chunk per request per extend forward (a request's chunks run in order,
+        in successive forwards); where each one's first draft lies (``_run``)."""
+        first: list = [None] * len(live)
         pending = list(range(len(live)))        # requests with tokens left to feed
         max_tokens = self.buckets.token_buckets[-1]
         while pending:
@@ -182,41 +191,48 @@ class DraftModelDrafter(Drafter):
                 size = min(len(ids) - len(st.ids), self.chunk_size, budget)
                 if size <= 0 or len(batch) == self.buckets.max_rows:
                     later.append(n)
-                elif self._reserve(st, len(st.ids) + size):
+                else:
                     batch.append((n, BatchRow(ids[len(st.ids):len(st.ids) + size],
                                               len(st.ids), st.pages)))
                     budget -= size
-                # else: out of pages, this request drafts nothing this step
-            if not batch:
-                break
             # decode-length rows first, then full chunks, then the rest (build_flat_batch)
             batch.sort(key=lambda e: (len(e[1].input_ids) != 1,
                                       len(e[1].input_ids) != self.chunk_size))
-            toks = self._run("prefill_chunk", [row for _, row in batch])
-            for (n, row), tok in zip(batch, toks):
+            srcs = self._run("prefill_chunk", [row for _, row in batch])
+            for (n, row), src in zip(batch, srcs):
                 _, st, ids = live[n]
                 st.ids.extend(row.input_ids)
                 if len(st.ids) == len(ids):
-                    first[n] = int(tok)
+                    first[n] = src
                 else:
                     later.append(n)
             pending = sorted(later)
         return first
 
-    def _decode(self, rows: list) -> list[int | None]:
-        """One decode forward of ``(state, token)`` rows: ``token`` enters at position
-        ``len(state.ids)``; the next token of each, or None where no page was free."""
-        out: list[int | None] = [None] * len(rows)
-        run = [n for n, (st, _) in enumerate(rows) if self._reserve(st, len(st.ids) + 1)]
-        if not run:
-            return out
-        toks = self._run("decode", [BatchRow([rows[n][1]], len(rows[n][0].ids), rows[n][0].pages)
-                                    for n in run])
-        for n, tok in zip(run, toks):
-            st, token = rows[n]
-            st.ids.append(token)
-            out[n] = int(tok)
-        return out
+    def _decode(self, rows: list) -> list[tuple]:
+        """One decode forward of ``(state, position, src)`` rows (pages reserved): the token
+        at ``src`` (``_run``'s) enters at ``position``. Tokens of the forward that most rows'
+        ``src`` name are read on the device; the others (first drafts from different extend
+        forwards) are fetched to the host first."""
+        arrays = [src[0] for _, _, src in rows]
+        prev = max(arrays, key=lambda a: sum(b is a for b in arrays))
+        batch, prev_idx, host = [], [], {}
+        for st, pos, (tokens, row) in rows:
+            chained = tokens is prev
+            batch.append(BatchRow([0 if chained else _read(host, (tokens, row))], pos,
+                                  st.pages))
+            prev_idx.append(row if chained else -1)
+        return self._run("decode", batch, prev_idx, prev)
+
+
+def _read(host: dict, src: tuple) -> int:
+    """The token at ``src = (device tokens, row)``; each array is fetched once (``host``:
+    ``id(array) -> numpy``)."""
+    tokens, row = src
+    got = host.get(id(tokens))
+    if got is None:
+        got = host[id(tokens)] = np.asarray(tokens)
+    return int(got[row])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
