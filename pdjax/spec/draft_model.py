@@ -10,8 +10,8 @@ Per request the drafter keeps the token ids whose KV its pool holds (``ids``) an
 missing tokens in one batched extend forward (more when a prompt is longer than a chunk), then
 runs ``k - 1`` batched decode forwards, taking the argmax each time::
 
-    all_ids        a b c d e X                 the target kept d e (2 of 3 drafts), then X
-    ids (before)   a b c d e f                 KV of the previous step's drafts d e f
+    all_ids        a b c d e X                 the target kept d e of drafts d e f g, then X
+    ids (before)   a b c d e f                 KV of a b c and the drafts fed back, d e f
     common prefix  a b c d e | f dropped       kv counter -> 5; f's slot is overwritten later
     extend         X                           -> d1       (logits of the last fed token)
     decode         d1 -> d2, d2 -> d3 ...       ids = a b c d e X d1 d2 ...
