@@ -69,7 +69,18 @@ def _run_and_compare(reference, eng, prompts):
 def test_same_model_as_draft_accepts_every_draft(tiny_checkpoints, reference):
     eng = _spec_engine(tiny_checkpoints["llama"], tiny_checkpoints["llama"])
     try:
-        stats = _run_and_compare(reference, eng, _prompts(1))
+        stats = dataclasses.replace(_run_and_compare(reference, eng, _prompts(1)))
+        stats.accept_len_hist = dict(stats.accept_len_hist)     # a copy: greedy steps only
+        # Seeded sampled requests: a draw depends on the seed and the position only
+        # (DESIGN.md §3), so speculating or not gives the same tokens.
+        sampled = [{"max_new_tokens": 16, "temperature": 0.8, "top_k": 50, "seed": 7 + i,
+                    "ignore_eos": True} for i in range(3)]
+        prompts = _prompts(6, lengths=(12, 30, 19))
+        spec = eng.generate(input_ids=prompts, sampling_params=sampled)
+        plain = eng.generate(input_ids=prompts,
+                             sampling_params=[{**p, "speculative": False} for p in sampled])
+        assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+        assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in spec)
     finally:
         eng.shutdown()
     full = stats.accept_len_hist.get(K, 0)
