@@ -435,7 +435,7 @@ def _check_multihost_role(args) -> None:
                          "the other nodes register their KV shards there")
 
 
-SPECULATIVE_ALGORITHMS = ("ngram",)
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,10 +444,14 @@ class SpeculativeArgs:
 
     speculative_algorithm: str | None = _arg(
         None, "draft tokens and verify them in one forward: ngram (prompt lookup, no draft "
-              "model); default: off", SPECULATIVE_ALGORITHMS)
+              "model), draft (a small model, --speculative-draft-model-path); default: off",
+        SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int = _arg(
         5, "tokens of a verify row, as in SGLang: the newest token plus up to this many "
            "minus one drafts")
+    speculative_draft_model_path: str | None = _arg(
+        None, "draft: the draft model's checkpoint (any architecture pdjax loads; its "
+              "vocabulary must be the target's)")
     speculative_ngram_min_match_window_size: int = _arg(
         2, "ngram: shortest suffix of the context looked up for a draft")
     speculative_ngram_max_match_window_size: int = _arg(
@@ -470,6 +474,11 @@ class SpeculativeArgs:
                              "speculative_ngram_min_match_window_size, got "
                              f"{self.speculative_ngram_max_match_window_size} < "
                              f"{self.speculative_ngram_min_match_window_size}")
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
+            raise ValueError("speculative_draft_model_path must be set with (and only with) "
+                             "speculative_algorithm 'draft', got "
+                             f"{self.speculative_draft_model_path!r} with "
+                             f"{self.speculative_algorithm!r}")
 
 
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
@@ -511,6 +520,11 @@ class ServerArgs:
                                else group)
         if self.distributed.nnodes > 1:
             _check_multihost_role(self)
+            if self.speculative.speculative_algorithm == "draft":
+                # The draft model runs on one device of the leader; the followers only
+                # mirror the target's runner calls (DESIGN.md §6).
+                raise ValueError("speculative_algorithm 'draft' with nnodes > 1 is not "
+                                 "supported")
 
     def __getattr__(self, name: str):
         group = _GROUP_OF.get(name)

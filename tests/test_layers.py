@@ -33,10 +33,10 @@ PKG = ROOT / "pdjax"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("pdjax.config", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
-                 "pdjax.sched",
+                 "pdjax.sched", "pdjax.spec",
                  "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),
     ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner",
-                "pdjax.distributed")),
+                "pdjax.distributed", "pdjax.spec.draft_model")),
     ("transfer", ("pdjax.transfer",)),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),

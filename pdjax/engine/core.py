@@ -114,7 +114,7 @@ class EngineCore:
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
         # Speculative decoding (None: off): drafts per request, their statistics.
-        self.speculator = self.scheduler.speculator = make_speculator(args)
+        self.speculator = self.scheduler.speculator = make_speculator(args, config, self.model_cfg)
         self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
@@ -175,6 +175,8 @@ class EngineCore:
             split_sampling=self.overlap and args.grammar_backend != "none",
             # Multi-host: no background compiles (their first runs would be node 0's alone).
             core_only=background_compile and args.target_itl_ms is None and self.cluster is None)
+        if self.speculator is not None:
+            self.speculator.drafter.warmup()     # a draft model's buckets (DESIGN.md §3)
         phase("warmup")
         if args.target_itl_ms is not None:
             self.seed_cost_model()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from pdjax.runner.device_sampler import SamplingRow
+import pdjax.spec.draft_model  # noqa: F401 (registers the "draft" drafter)
 from pdjax.spec.controller import SpecController
 from pdjax.spec.drafter import create_drafter
 
@@ -20,15 +21,29 @@ def _speculates(args) -> bool:
     return args.speculative_algorithm is not None and args.role != "prefill"
 
 
-def make_speculator(args) -> SpecController | None:
+def make_speculator(args, config=None, target_cfg=None) -> SpecController | None:
     """The ``SpecController`` of ``args.speculative_algorithm`` (None: off, or a PD prefill
-    server)."""
+    server). ``config`` (the resolved ``EngineConfig``) and ``target_cfg`` (the target's model
+    config) size a draft model's pool and buckets and check its vocabulary."""
     if not _speculates(args):
         return None
     kwargs = {}
     if args.speculative_algorithm == "ngram":
         kwargs = {"min_match_window": args.speculative_ngram_min_match_window_size,
                   "max_match_window": args.speculative_ngram_max_match_window_size}
+    elif args.speculative_algorithm == "draft":
+        sched = config.scheduler
+        kwargs = {"model_path": args.speculative_draft_model_path,
+                  "target_vocab_size": target_cfg.vocab_size,
+                  "num_pages": sched.num_pages, "page_size": sched.page_size,
+                  "max_running_requests": sched.max_running_requests,
+                  "context_length": min(sched.max_context_len,
+                                        (sched.num_pages - 2) * sched.page_size),
+                  "chunked_prefill_size": sched.chunked_prefill_size,
+                  "max_num_batched_tokens": sched.max_num_batched_tokens,
+                  "dtype": config.dtype, "kv_dtype": config.kv_dtype,
+                  "attention_impl": config.attention_impl,
+                  "interpret": args.pallas_interpret}
     drafter = create_drafter(args.speculative_algorithm, **kwargs)
     return SpecController(drafter, args.speculative_num_draft_tokens,
                           adaptive=not args.speculative_disable_adaptive,

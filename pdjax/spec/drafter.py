@@ -6,11 +6,11 @@ The interface is batched and stateful per request, so that every kind of drafter
 - prompt lookup (``NgramDrafter``, here): no model; the draft continues the latest earlier
   occurrence of the request's last few tokens. Deterministic, so its draft distribution is a
   one-hot and the sampler's lossless rule needs no draft probabilities.
-- a separate draft model (planned): ``propose`` runs one batched forward of the small model per
-  draft token over its own paged KV (its pages keyed by ``rid``, freed by ``release``);
-  ``on_verified`` rolls its KV back to the accepted length exactly as the target's is (the
-  counters move, the slots are overwritten later). It would return ``draft_probs`` so the
-  sampler can apply min(1, p/q).
+- a separate draft model (``DraftModelDrafter``, ``draft_model.py``): ``propose`` rolls its
+  own paged KV back to the common prefix with ``all_ids`` (the counters move, whole pages past
+  it are freed, the slots are overwritten later), then runs one batched extend and ``k - 1``
+  batched decode forwards of the small model; its pages are freed by ``release``. It drafts
+  greedily, so its draft distribution is a one-hot too.
 - MTP (planned, DeepSeek-V3 / GLM-5 ``num_nextn_predict_layers``): the draft comes from the
   target's own last hidden state; ``propose`` reads the hidden state the verify forward left for
   the request (kept on the device), and in PD the prefill server sends it with the first token.
@@ -33,6 +33,7 @@ class Drafter(abc.ABC):
     ``on_verified(rid, num_accepted)``: the verify step of ``rid`` kept ``num_accepted`` of its
     drafts (the request's ``output_ids`` already hold them and the target's own token).
     ``release(rid)``: the request ended or was retracted; drop its state.
+    ``warmup()``: compile what ``propose`` runs (the engine calls it at its warm-up).
     """
 
     name: str = ""
@@ -45,6 +46,9 @@ class Drafter(abc.ABC):
         return None
 
     def release(self, rid: str) -> None:
+        return None
+
+    def warmup(self) -> None:
         return None
 
 
