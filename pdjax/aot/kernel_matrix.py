@@ -192,11 +192,15 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
         fn = functools.partial(ragged_paged_attention, sm_scale=s.head_dim ** -0.5,
                                k_scale=scale, v_scale=scale, impl=platform)
         return fn, args
+    from pdjax.pallas_kernels.lanes import aligned_width, kv_row_align
+
     if case.kernel in ("mla_dense", "mla_sparse"):
         from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
         dim = s.kv_lora_rank + s.rope_dim
+        # The latent pool as the engine lays it out on the platform (whole lanes on TPU).
+        row = aligned_width(dim, kv_row_align(platform))
         args = [((t, s.num_q_heads, dim), jnp.bfloat16),
-                ((s.layers, num_pages, case.page_size, dim), kv_dtype), *meta]
+                ((s.layers, num_pages, case.page_size, row), kv_dtype), *meta]
         if case.kernel == "mla_sparse":
             args.append(((t, s.index_topk), jnp.int32))
         fn = functools.partial(mla_sparse_attention, sm_scale=dim ** -0.5,
@@ -212,7 +216,8 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
 
         args = [((t, s.index_heads, s.index_head_dim), jnp.bfloat16),
                 ((t, s.index_heads), jnp.float32),
-                ((s.layers, num_pages, case.page_size, s.index_head_dim), kv_dtype), *meta]
+                ((s.layers, num_pages, case.page_size,
+                  aligned_width(s.index_head_dim, kv_row_align(platform))), kv_dtype), *meta]
         return indexer, args
     raise ValueError(f"kernel must be one of rpa, mla_dense, mla_sparse, indexer, "
                      f"got {case.kernel!r}")
