@@ -472,7 +472,8 @@ class SpeculativeArgs:
                                                         is not None):
             raise ValueError("speculative_draft_model_path is needed by, and only by, "
                              "speculative_algorithm 'draft'")
-        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+        low = self.speculative_ngram_min_match_window_size
+        if self.speculative_ngram_max_match_window_size < low:
             raise ValueError("speculative_ngram_max_match_window_size must be >= "
                              "speculative_ngram_min_match_window_size, got "
                              f"{self.speculative_ngram_max_match_window_size} < "
@@ -490,8 +491,8 @@ _GROUP_OF = {f.name: group for group, cls in ARG_GROUPS.items() for f in datacla
 class ServerArgs:
     """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
     ``page_size``), in seven groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``,
-    ``server``, ``distributed`` and ``speculative``. Each value is stored once, in its group; ``args.page_size`` reads
-    ``args.cache.page_size``.
+    ``server``, ``distributed`` and ``speculative``. Each value is stored once, in its group;
+    ``args.page_size`` reads ``args.cache.page_size``.
 
     Built from the CLI in one place (``from_cli_args``) or from flat keyword arguments
     (``ServerArgs(page_size=8)``, ``pdjax.Engine(**kwargs)``, ``dataclasses.replace(args,

@@ -6,6 +6,8 @@ verifies them (``pdjax.runner.verify``).
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 
 from pdjax.runner.device_sampler import SamplingRow
@@ -32,7 +34,7 @@ def make_speculator(args, config=None, vocab_size: int | None = None,
         kwargs = {"min_match_window": args.speculative_ngram_min_match_window_size,
                   "max_match_window": args.speculative_ngram_max_match_window_size}
     elif args.speculative_algorithm == "draft":
-        import pdjax.spec.draft_model  # noqa: F401  (registers "draft")
+        importlib.import_module("pdjax.spec.draft_model")     # registers "draft"
 
         kwargs = {"model_path": args.speculative_draft_model_path, "vocab_size": vocab_size,
                   "num_pages": args.num_pages, "page_size": args.page_size,
