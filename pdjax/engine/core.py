@@ -525,7 +525,7 @@ class EngineCore:
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
             if i in done.verify:
-                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted)
+                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted, lps, tops)
                 if out is not None:
                     outputs.append(out)
                 continue

@@ -90,12 +90,14 @@ def must_read_first(speculator, scheduler, launched) -> bool:
         if scheduler.may_speculate(req))
 
 
-def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray):
+def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray,
+                       lps: np.ndarray | None = None, tops=None):
     """Take a verify row's emitted tokens on ``core`` (an ``EngineCore``): the request keeps
     the accepted drafts and the target's own token, up to a stop, and the pages only rejected
     drafts reached go back (``Scheduler.resolve_verify``). ``verify = (ScheduledRow, logits
-    span)``, ``index``: the request's placeholder. Returns the ``GenerateOutput`` increment,
-    or None when the request ended while the step ran."""
+    span)``, ``index``: the request's placeholder; ``lps [L]`` / ``tops`` (``(ids, logprobs)``
+    ``[L, K]``): the step's logprobs per logits row, when fetched. Returns the
+    ``GenerateOutput`` increment, or None when the request ended while the step ran."""
     row, span = verify
     req = row.req
     toks = emitted_tokens(tokens, emitted, span)
@@ -105,4 +107,12 @@ def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np
     core.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
     req.spec_verify_ct += 1
     req.spec_accepted_tokens += len(toks) - 1
-    return core.make_output(req, toks[:n], [], [], num_output=index + n)
+    lp, top = [], []
+    if req.return_logprob:
+        k = req.top_logprobs_num
+        for l in range(span[0], span[0] + n):
+            lp.append(float(lps[l]))
+            top.append([(int(a), float(b)) for a, b in zip(tops[0][l, :k], tops[1][l, :k])]
+                       if k > 0 else [])
+            req.append_logprobs(lp[-1], top[-1])
+    return core.make_output(req, toks[:n], lp, top, num_output=index + n)

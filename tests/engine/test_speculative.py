@@ -201,3 +201,25 @@ def test_a_verify_row_failing_to_sample_fails_alone(spec_engine, llama_engine):
     assert outs["f1"][-1].spec_verify_ct > 0
     core.drain()
     _pool_is_whole(spec_engine)
+
+
+def test_logprob_requests_speculate_with_the_same_logprobs(spec_engine, llama_engine):
+    """Token logprobs and top logprobs of a verify row's emitted tokens are those of the
+    logits rows they were drawn from: equal to plain decoding's (1e-4)."""
+    prompts = _prompts(4, seed=8)
+    ref = _reference(llama_engine, prompts)
+    set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    spec_engine.core.scheduler.prefix_cache.reset()
+    out = spec_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                               top_logprobs_num=2)
+    _check_same(out, ref)
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
+    for o, r in zip(out, ref):
+        if o["output_ids"] != r["output_ids"]:
+            continue                      # a near-tie (checked above); logprobs differ after
+        la = np.array([x[0] for x in r["meta_info"]["output_token_logprobs"]])
+        lb = np.array([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+        assert la.shape == lb.shape and np.abs(la - lb).max() < 1e-4
+        assert [[t for _, t, _ in top] for top in o["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t, _ in top] for top in r["meta_info"]["output_top_logprobs"]]
+    _pool_is_whole(spec_engine)
