@@ -66,6 +66,25 @@ def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[S
     return rows
 
 
+def fill_verify_masks(grammar, draft_ids: list[int], masks: np.ndarray) -> None:
+    """Grammar masks ``masks [k+1, W]`` int32 of a verify row: row ``j`` allows what the
+    grammar allows after the drafts before it. The matcher is advanced through the drafts it
+    allows and rolled back, so it only ever takes emitted tokens (``stop_check``). From the
+    first draft it does not allow (which row ``j`` then cannot sample: it is rejected there)
+    or once it is terminated, the remaining rows stay all-ones (never emitted)."""
+    consumed = 0
+    for j in range(len(draft_ids) + 1):
+        grammar.fill_bitmask(masks[j])
+        if j == len(draft_ids) or grammar.is_terminated:
+            break
+        d = draft_ids[j]
+        if not (int(masks[j].view(np.uint32)[d // 32]) >> (d % 32)) & 1 or not grammar.accept(d):
+            break
+        consumed += 1
+    if consumed:
+        grammar.rollback(consumed)
+
+
 def emitted_tokens(tokens: np.ndarray, emitted: np.ndarray, span: tuple[int, int]) -> list[int]:
     """The tokens a verify row's logits rows ``span = (start, stop)`` emitted: the accepted
     drafts and the target's token after them (``emitted`` is a prefix of the span)."""
