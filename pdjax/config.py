@@ -492,8 +492,8 @@ _GROUP_OF = {f.name: group for group, cls in ARG_GROUPS.items() for f in datacla
 class ServerArgs:
     """Every server and engine setting, with SGLang's flag names (``--page-size`` ->
     ``page_size``), in seven groups: ``model``, ``cache``, ``scheduler``, ``disaggregation``,
-    ``server``, ``distributed`` and ``speculative``. Each value is stored once, in its group; ``args.page_size`` reads
-    ``args.cache.page_size``.
+    ``server``, ``distributed`` and ``speculative``. Each value is stored once, in its group;
+    ``args.page_size`` reads ``args.cache.page_size``.
 
     Built from the CLI in one place (``from_cli_args``) or from flat keyword arguments
     (``ServerArgs(page_size=8)``, ``pdjax.Engine(**kwargs)``, ``dataclasses.replace(args,

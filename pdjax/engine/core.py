@@ -23,8 +23,8 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import (make_speculator, must_read_first, resolve_verify_row,
-                                      verify_sampling_rows, verify_width)
+from pdjax.engine.speculative import (fill_verify_masks, make_speculator, must_read_first,
+                                      resolve_verify_row, verify_sampling_rows, verify_width)
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -421,13 +421,16 @@ class EngineCore:
                     deferred.append((i, req, row_params))
                     samp_rows.append(None)
                     continue
+                if row.is_verify:           # the last rows: one logits row per token
+                    start, stop = fb.logits_row_spans[i]
+                    assert start == len(samp_rows)
+                    if req.grammar is not None:
+                        fill_verify_masks(req.grammar, row.draft_ids, bitmask[start:stop])
+                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot)
+                    verify[i] = (row, (start, stop))
+                    continue
                 if req.grammar is not None:
                     req.grammar.fill_bitmask(bitmask[i])
-                if row.is_verify:           # the last rows: one logits row per token
-                    assert fb.logits_row_spans[i][0] == len(samp_rows)
-                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot)
-                    verify[i] = (row, fb.logits_row_spans[i])
-                    continue
                 samp_rows.append(row_params)
             except Exception as e:    # one request's bad state never fails the batch
                 logger.exception("sampling failed for request %s", req.rid)
@@ -526,7 +529,7 @@ class EngineCore:
         outputs: list[GenerateOutput] = []
         for i, req, index in done.pending:
             if i in done.verify:
-                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted)
+                out = resolve_verify_row(self, done.verify[i], index, tokens, emitted, lps, tops)
                 if out is not None:
                     outputs.append(out)
                 continue

@@ -6,6 +6,7 @@ verifies them (``pdjax.runner.verify``).
 
 from __future__ import annotations
 
+
 import numpy as np
 
 from pdjax.runner.device_sampler import SamplingRow
@@ -68,6 +69,25 @@ def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[S
     return rows
 
 
+def fill_verify_masks(grammar, draft_ids: list[int], masks: np.ndarray) -> None:
+    """Grammar masks ``masks [k+1, W]`` int32 of a verify row: row ``j`` allows what the
+    grammar allows after the drafts before it. The matcher is advanced through the drafts it
+    allows and rolled back, so it only ever takes emitted tokens (``stop_check``). From the
+    first draft it does not allow (which row ``j`` then cannot sample: it is rejected there)
+    or once it is terminated, the remaining rows stay all-ones (never emitted)."""
+    consumed = 0
+    for j in range(len(draft_ids) + 1):
+        grammar.fill_bitmask(masks[j])
+        if j == len(draft_ids) or grammar.is_terminated:
+            break
+        d = draft_ids[j]
+        if not (int(masks[j].view(np.uint32)[d // 32]) >> (d % 32)) & 1 or not grammar.accept(d):
+            break
+        consumed += 1
+    if consumed:
+        grammar.rollback(consumed)
+
+
 def emitted_tokens(tokens: np.ndarray, emitted: np.ndarray, span: tuple[int, int]) -> list[int]:
     """The tokens a verify row's logits rows ``span = (start, stop)`` emitted: the accepted
     drafts and the target's token after them (``emitted`` is a prefix of the span)."""
@@ -92,12 +112,14 @@ def must_read_first(speculator, scheduler, launched) -> bool:
         if scheduler.may_speculate(req))
 
 
-def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray):
+def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np.ndarray,
+                       lps: np.ndarray | None = None, tops=None):
     """Take a verify row's emitted tokens on ``core`` (an ``EngineCore``): the request keeps
     the accepted drafts and the target's own token, up to a stop, and the pages only rejected
     drafts reached go back (``Scheduler.resolve_verify``). ``verify = (ScheduledRow, logits
-    span)``, ``index``: the request's placeholder. Returns the ``GenerateOutput`` increment,
-    or None when the request ended while the step ran."""
+    span)``, ``index``: the request's placeholder; ``lps [L]`` / ``tops`` (``(ids, logprobs)``
+    ``[L, K]``): the step's logprobs per logits row, when fetched. Returns the
+    ``GenerateOutput`` increment, or None when the request ended while the step ran."""
     row, span = verify
     req = row.req
     toks = emitted_tokens(tokens, emitted, span)
@@ -107,4 +129,12 @@ def resolve_verify_row(core, verify, index: int, tokens: np.ndarray, emitted: np
     core.speculator.on_verified(req.rid, len(row.draft_ids), len(toks) - 1, n)
     req.spec_verify_ct += 1
     req.spec_accepted_tokens += len(toks) - 1
-    return core.make_output(req, toks[:n], [], [], num_output=index + n)
+    lp, top = [], []
+    if req.return_logprob:
+        k = req.top_logprobs_num
+        for l in range(span[0], span[0] + n):
+            lp.append(float(lps[l]))
+            top.append([(int(a), float(b)) for a, b in zip(tops[0][l, :k], tops[1][l, :k])]
+                       if k > 0 else [])
+            req.append_logprobs(lp[-1], top[-1])
+    return core.make_output(req, toks[:n], lp, top, num_output=index + n)

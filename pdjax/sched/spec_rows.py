@@ -33,10 +33,8 @@ class SpecRows:
     speculator = None
 
     def may_speculate(self, req) -> bool:
-        """Whether ``req`` is one that speculates: it opted in, has no grammar (its mask would
-        need every draft's state) and asked for no logprobs."""
-        return (req.sampling_params.speculative and req.grammar is None
-                and not req.return_logprob)
+        """Whether ``req`` is one that speculates (it opted in)."""
+        return req.sampling_params.speculative
 
     def _speculates(self, req) -> bool:
         """Whether ``req`` may carry drafts this step: ``may_speculate``, and no token of it

@@ -5,12 +5,11 @@ Adaptive draft length, per request: each verify step that keeps every draft lets
 propose one more (up to ``num_draft_tokens - 1``); one that keeps none halves it. When it would
 drop below 1 the request stops speculating for a back-off of ``2 ** misses`` steps (capped at
 ``MAX_BACKOFF_STEPS``), then tries one draft again. A step where the drafter finds nothing
-backs off too (``2 ** (dry steps in a row - 1)`` steps), since the engine reads an active
-request's step before scheduling the next one, which costs the overlap. A request whose drafts keep failing
-(chat) so pays for a verify row now and then, and plain decode rows otherwise: its decode
-speed stays that of decoding without speculation. Only *active* requests (not backed off) make
-the engine read the step in flight before scheduling (so their newest token is known to the
-drafter); the others decode overlapped as without speculation (DESIGN.md §3).
+backs off too (``2 ** (dry steps in a row - 1)`` steps). Only *active* requests (not backed
+off) make the engine read the step in flight before scheduling (so their newest token is
+known to the drafter), which costs the overlap; the others decode overlapped as without
+speculation (DESIGN.md §3). A request whose drafts keep failing (chat) so pays for a verify
+row now and then and plain overlapped decode steps otherwise.
 
 Statistics (``SpecStats``): verify rows, drafts proposed, drafts accepted and the histogram of
 tokens a verify row emitted (accepted drafts + the target's own token), read by ``/metrics``.

@@ -133,16 +133,16 @@ def test_sampled_requests_speculate_and_finish(spec_engine):
 
 
 def test_grammar_rows_beside_prefill_chunks_on_a_speculating_engine(spec_engine, llama_engine):
-    """Grammar rows never speculate; overlapped, their draw is split (``resample``) over the
-    forward's logits rows, which an extend bucket of a speculating engine has more of than
-    request rows (a bug: the split draw was built for the request rows)."""
+    """Grammar rows that do not speculate, overlapped, have their draw split (``resample``)
+    over the forward's logits rows, which an extend bucket of a speculating engine has more of
+    than request rows (a bug: the split draw was built for the request rows)."""
     import re
 
     regex = r"[a-z]{3}-[0-9]{2}"
     prompts = _prompts(3, seed=6, lengths=(12, 100, 15))
-    params = [{"max_new_tokens": 12, "temperature": 0, "regex": regex},
+    params = [{"max_new_tokens": 12, "temperature": 0, "regex": regex, "speculative": False},
               {**GREEDY, "speculative": False},
-              {"max_new_tokens": 12, "temperature": 0, "regex": regex}]
+              {"max_new_tokens": 12, "temperature": 0, "regex": regex, "speculative": False}]
     set_sched(llama_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=True)
     llama_engine.core.scheduler.prefix_cache.reset()
     ref = llama_engine.generate(input_ids=prompts, sampling_params=params)
@@ -200,4 +200,54 @@ def test_a_verify_row_failing_to_sample_fails_alone(spec_engine, llama_engine):
         assert len(got) == GREEDY["max_new_tokens"] and outs[f"f{i}"][-1].error is None
     assert outs["f1"][-1].spec_verify_ct > 0
     core.drain()
+    _pool_is_whole(spec_engine)
+
+
+def test_logprob_requests_speculate_with_the_same_logprobs(spec_engine, llama_engine):
+    """Token logprobs and top logprobs of a verify row's emitted tokens are those of the
+    logits rows they were drawn from: equal to plain decoding's (1e-4)."""
+    prompts = _prompts(4, seed=8)
+    ref = _reference(llama_engine, prompts)
+    set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    spec_engine.core.scheduler.prefix_cache.reset()
+    out = spec_engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True,
+                               top_logprobs_num=2)
+    _check_same(out, ref)
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
+    for o, r in zip(out, ref):
+        if o["output_ids"] != r["output_ids"]:
+            continue                      # a near-tie (checked above); logprobs differ after
+        la = np.array([x[0] for x in r["meta_info"]["output_token_logprobs"]])
+        lb = np.array([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+        assert la.shape == lb.shape and np.abs(la - lb).max() < 1e-4
+        assert [[t for _, t, _ in top] for top in o["meta_info"]["output_top_logprobs"]] == \
+            [[t for _, t, _ in top] for top in r["meta_info"]["output_top_logprobs"]]
+    _pool_is_whole(spec_engine)
+
+
+
+def test_grammar_requests_speculate_within_their_grammar(spec_engine, llama_engine):
+    """A grammar request's verify row has one mask per position, each after the drafts before
+    it (the matcher advanced and rolled back): output as without speculation, matching the
+    regex, with drafts accepted."""
+    import re
+
+    regex = r"(ab|cd|ef)( (ab|cd|ef)){4,9}"
+    prompts = _prompts(4, seed=9)
+    params = [{"max_new_tokens": 64, "temperature": 0, "regex": regex}] * 2 + \
+        [{"max_new_tokens": 64, "temperature": 0.8, "seed": 5, "regex": regex}] * 2
+    set_sched(llama_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    llama_engine.core.scheduler.prefix_cache.reset()
+    ref = llama_engine.generate(input_ids=prompts, sampling_params=params)
+    set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    spec_engine.core.scheduler.prefix_cache.reset()
+    stats = spec_engine.core.speculator.stats
+    acc0 = stats.num_accepted_tokens
+    out = spec_engine.generate(input_ids=prompts, sampling_params=params)
+    for o, r in zip(out, ref):
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+        assert re.fullmatch(regex, o["text"]), o["text"]
+        assert o["output_ids"] == r["output_ids"]
+    assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
+    assert stats.num_accepted_tokens > acc0
     _pool_is_whole(spec_engine)

@@ -17,7 +17,8 @@ WRONG_TYPES = [("skip_special_tokens", 3), ("skip_special_tokens", "yes"), ("ign
                ("temperature", "hot"), ("top_p", [1]), ("top_k", 2.5), ("min_p", {}),
                ("seed", 1.5), ("stop", 3), ("stop", [""]), ("stop_token_ids", 3),
                ("stop_token_ids", ["a"]), ("frequency_penalty", "x"),
-               ("repetition_penalty", True), ("n", 1.0)]
+               ("repetition_penalty", True), ("n", 1.0), ("speculative", "no"),
+               ("speculative", 0)]
 
 
 @pytest.mark.parametrize("field,value", WRONG_TYPES, ids=[f"{f}={v!r}" for f, v in WRONG_TYPES])
@@ -114,3 +115,17 @@ async def test_refused_pd_requests_report_their_rooms(make_client):
     assert resp.status == 400
     assert [(r, s) for r, _, s in engine.rejected] == [([77], 400), ([5, 6], 400)]
     assert "context length" in engine.rejected[0][1]
+
+
+
+async def test_speculative_opt_out_reaches_the_engine(make_client):
+    """``"speculative": false`` (issue 33) passes through both APIs as a sampling param."""
+    client, engine = await make_client()
+    resp = await client.post(GEN, json={"text": "Hello", "sampling_params": {
+        "max_new_tokens": 4, "speculative": False}})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post(CMPL, json={"model": "fake-model", "prompt": "Hello",
+                                         "max_tokens": 4, "speculative": False})
+    assert resp.status == 200, await resp.text()
+    resp = await client.post(GEN, json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+    assert [r.sampling_params.speculative for r in engine.submitted] == [False, False, True]
