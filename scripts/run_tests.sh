@@ -7,6 +7,13 @@ cd "$ROOT"
 bash scripts/setup_env.sh || exit 1
 # The TPU compiler (jax[tpu]) in its own virtualenv: tests/aot/test_tpu_compile.py uses it.
 bash scripts/aot_env.sh tpu >/dev/null || exit 1
+# XLA CPU maps each kernel of an executable on its own: the suite's one process needs more
+# memory maps than Linux's default vm.max_map_count (65,530) allows (tests/conftest.py).
+if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 1048576)" -lt 1048576 ]; then
+  sysctl -qw vm.max_map_count=1048576 2>/dev/null \
+    || sudo -n sysctl -qw vm.max_map_count=1048576 2>/dev/null \
+    || echo "note: vm.max_map_count stays $(cat /proc/sys/vm/max_map_count); tests/conftest.py releases executables near it"
+fi
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-$HOME/.cache/pdjax/jax_compilation_cache}"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 rc=$?

@@ -1,6 +1,8 @@
-"""Suite-wide setup: 4 simulated CPU devices (TP tests), the persistent compilation cache, and
-tiny random Hugging Face checkpoints made once per session with transformers."""
+"""Suite-wide setup: 4 simulated CPU devices (TP tests), the persistent compilation cache,
+tiny random Hugging Face checkpoints made once per session with transformers, and JAX's
+in-memory executables released after every test module."""
 
+import gc
 import os
 import sys
 
@@ -26,3 +28,33 @@ def tiny_checkpoints() -> dict[str, str]:
 
     return {name: make_tiny_checkpoint.make_checkpoint(name, CHECKPOINT_DIR)
             for name in make_tiny_checkpoint.CONFIGS}
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(this process's memory maps, the kernel's ``vm.max_map_count``); (0, 0) off Linux."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return maps, int(f.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_executables():
+    """Drop JAX's compiled executables after a test module when the process nears Linux's
+    limit on memory maps. XLA CPU maps every kernel of an executable into memory on its own;
+    one pytest process keeping all of the suite's executables had 62,169 maps by test 270 of
+    1,336, against the default ``vm.max_map_count`` of 65,530, and the next executable the
+    compilation cache loaded crashed the process (a segfault in ``deserialize_executable``).
+    ``scripts/run_tests.sh`` raises the limit where it may; this is the fallback (a clear
+    makes the session's shared engines compile again, so it is not done every module). A
+    server compiles a bounded set of buckets and never gets near the limit."""
+    yield
+    maps, limit = _memory_maps()
+    if limit and maps > 0.7 * limit:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
