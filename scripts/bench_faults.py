@@ -308,6 +308,16 @@ async def run_job(session, router: str, job: Job, timeout_s: float) -> None:
         job.outcome, job.detail = "lost", f"{type(e).__name__}: {e}"[:300]
 
 
+def fault_plan(num_requests: int, rounds: int, concurrency: int) -> tuple[list[int], list[int]]:
+    """``(marks, gates)``: round ``r`` kills after ``marks[r]`` requests are done; before it,
+    requests ``[0, gates[r])`` may start, and ``gates[r + 1]`` once it restarted (the last
+    gate is every request). A gate holds back all but ``concurrency`` requests past the mark,
+    so the round happens before the load ends however fast the servers answer."""
+    marks = [num_requests * (r + 1) // (rounds + 1) for r in range(rounds)]
+    gates = [min(m + concurrency, num_requests) for m in marks] + [num_requests]
+    return marks, gates
+
+
 async def run_load(router: str, jobs: list[Job], concurrency: int, timeout_s: float,
                    deadline_s: float, faults) -> dict:
     import aiohttp
@@ -423,8 +433,8 @@ def main(argv=None) -> int:
             log = []
             n = len(jobs)
             rounds = args.kill_rounds
-            marks = [n * (r + 1) // (rounds + 1) for r in range(rounds)] + [n]
-            open_gate(marks[1] if rounds else n)
+            marks, gates = fault_plan(n, rounds, args.concurrency)
+            open_gate(gates[0])
             for r in range(rounds):
                 at = marks[r]
                 while done[0] < at and done[0] < n:
@@ -446,7 +456,7 @@ def main(argv=None) -> int:
                 log.append({"round": r + 1, "killed_after_requests": killed_after,
                             "restarted_after_requests": done[0],
                             "down_s": time.perf_counter() - t_kill, "kill_mono": kill_mono})
-                open_gate(marks[r + 2] if r + 2 < len(marks) else n)
+                open_gate(gates[r + 1])
                 print(f"round {r + 1}: restarted in {log[-1]['down_s']:.1f} s", flush=True)
             return log
 

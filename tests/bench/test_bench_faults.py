@@ -11,6 +11,19 @@ import bench_faults
 pytestmark = pytest.mark.slow
 
 
+def test_fault_plan_holds_requests_back_until_each_round():
+    """Every kill round comes before the load can end: before round r at most ``concurrency``
+    requests past its mark may start (all 16 could before, and a fast fleet finished them
+    before the first kill)."""
+    assert bench_faults.fault_plan(16, 1, 4) == ([8], [12, 16])
+    assert bench_faults.fault_plan(500, 2, 64) == ([166, 333], [230, 397, 500])
+    marks, gates = bench_faults.fault_plan(5, 3, 8)
+    assert marks == [1, 2, 3] and gates == [5, 5, 5, 5]
+    for n, rounds, c in ((16, 1, 4), (500, 2, 64), (40, 3, 2)):
+        marks, gates = bench_faults.fault_plan(n, rounds, c)
+        assert all(m < g < n for m, g in zip(marks, gates) if m + c < n)
+
+
 def test_bench_faults_tiny_run(tiny_checkpoints, tmp_path):
     out = tmp_path / "faults.json"
     rc = bench_faults.main(["--model-path", tiny_checkpoints["llama"], "--num-requests", "16",
