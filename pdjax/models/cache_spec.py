@@ -100,17 +100,24 @@ def allocate_caches(specs, mesh=None) -> dict[str, jax.Array]:
 
 
 def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
-                   page_size: int, dtype=jnp.float32) -> tuple[CacheBufferSpec, ...]:
+                   page_size: int, dtype=jnp.float32,
+                   rows: bool = False) -> tuple[CacheBufferSpec, ...]:
     """The two buffers of a GQA model, in the same description as the MLA caches.
 
-    ``k_cache``, ``v_cache``: ``[L, N, ps, KVH * D]``, a token's KV heads side by side in one
-    row, the row split between heads over ``tp``. The same memory as ``[L, N, ps, KVH, D]``,
+    ``k_cache``, ``v_cache``: with ``rows`` (the TPU layout) ``[L, N, ps, KVH * D]``, a
+    token's KV heads side by side in one row, the row split between heads over ``tp``;
+    otherwise ``[L, N, ps, KVH, D]``, heads split over ``tp``. The same memory as ``[L, N, ps, KVH, D]``,
     but on TPU a page of rows is whole (16, 128) tiles whenever ``KVH * D`` (per shard) is a
     multiple of 128, where a 5-dim pool puts (KVH, D) in the tiled dimensions (Llama-3-70B at
     TP 8, one KV head per shard, needed 53 GB of temporaries on v6e; DESIGN.md §7)::
 
         row of token t:  [ head 0: D lanes | head 1: D lanes | ... ]   (shard j: heads j*KVH/tp..)
     """
+    if not rows:      # CPU and GPU: [L, N, ps, KVH, D] (the same memory)
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        part = P(None, None, None, "tp", None)
+        return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part),
+                CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part))
     shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
     part = P(None, None, None, "tp")
     return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part, num_kv_heads),

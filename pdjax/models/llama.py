@@ -228,15 +228,15 @@ class LlamaForCausalLM(nnx.Module):
 
     def cache_spec(self, num_pages: int, page_size: int, dtype, row_align: int = 1) -> tuple:
         """The paged KV buffers this model reads and writes (``k_cache``, ``v_cache``).
-        ``row_align`` is ignored: TP splits a GQA row between heads, so it is not padded
-        (``pallas_kernels/lanes.py``)."""
+        With ``row_align > 1`` (TPU, ``lanes.kv_row_align``) the caches are rows
+        ``[.., KVH * D]`` (whole lanes for head_dim 128; not padded: TP splits a row between
+        heads), else ``[.., KVH, D]``."""
         from pdjax.models.cache_spec import gqa_cache_spec
-
-        del row_align
 
         cfg = self.cfg
         return gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                              num_pages=num_pages, page_size=page_size, dtype=dtype)
+                              num_pages=num_pages, page_size=page_size, dtype=dtype,
+                              rows=row_align > 1)
 
     def paged_forward(self, input_ids, caches: dict, md: AttentionMetadata):
         """The engine's model interface: ``(hidden [T, H], caches)`` with ``caches`` the dict
