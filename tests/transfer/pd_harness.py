@@ -172,6 +172,14 @@ def post(url: str, body, timeout_s: float = 60.0):
         return e.code, _decode(e.read())
 
 
+def generate(server: Server, ids: list[int], sampling_params: dict, **extra) -> dict:
+    """``/generate`` of ``ids`` on ``server`` (a router or a colocated server); asserts 200."""
+    status, out = post(server.url + "/generate", {"input_ids": ids,
+                                                  "sampling_params": sampling_params, **extra})
+    assert status == 200, out
+    return out
+
+
 def post_stream(url: str, body, timeout_s: float = 60.0) -> tuple[int, list]:
     """POST with ``stream: true``; returns (status, [decoded ``data:`` events], [DONE] dropped)."""
     req = urllib.request.Request(url, data=json.dumps(dict(body, stream=True)).encode(),

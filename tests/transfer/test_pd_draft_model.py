@@ -7,8 +7,8 @@ comes back."""
 import random
 
 import pytest
-from pd_harness import (at_baseline, free_port, get, greedy_agrees, pd_router, pd_server, post,
-                        running, wait_until)
+from pd_harness import (at_baseline, free_port, generate, get, greedy_agrees, metric_value,
+                        pd_router, pd_server, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +27,6 @@ def pd(tiny_checkpoints, tmp_path_factory):
         yield dict(prefill=prefill, decode=decode, router=router)
 
 
-def _gen(router, ids, sp, **extra):
-    status, out = post(router.url + "/generate", {"input_ids": ids, "sampling_params": sp,
-                                                  **extra})
-    assert status == 200, out
-    return out
-
-
-def _metric(text: str, name: str) -> float:
-    rows = [line for line in text.splitlines() if line.startswith(name + " ")
-            or line.startswith(name + "{")]
-    assert rows, name
-    return float(rows[0].split()[-1])
 
 
 def test_pd_decode_drafts_with_its_own_model(pd):
@@ -47,9 +35,9 @@ def test_pd_decode_drafts_with_its_own_model(pd):
     verified = 0
     for n in (24, 41, 57):
         ids = [rng.randrange(3, 440) for _ in range(n)]
-        ref = _gen(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
+        ref = generate(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
                    top_logprobs_num=2)
-        out = _gen(pd["router"], ids, greedy)
+        out = generate(pd["router"], ids, greedy)
         greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"],
                       out["output_ids"])
         assert len(out["output_ids"]) == 20
@@ -59,5 +47,5 @@ def test_pd_decode_drafts_with_its_own_model(pd):
     assert verified > 0
     status, text = get(pd["decode"].url + "/metrics")
     assert status == 200
-    assert _metric(text, "pdjax:spec_accept_rate") >= 0.8
+    assert metric_value(text, "pdjax:spec_accept_rate") >= 0.8
     wait_until(lambda: at_baseline(pd["decode"]) and at_baseline(pd["prefill"]), 30)

@@ -9,8 +9,8 @@ import json
 import random
 
 import pytest
-from pd_harness import (at_baseline, free_port, pd_body, pd_router, pd_server, post, running,
-                        wait_until)
+from pd_harness import (at_baseline, free_port, generate, pd_body, pd_router, pd_server, post,
+                        running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ def pair(tiny_checkpoints, tmp_path_factory):
         yield dict(prefill=prefill, on=on, off=off, routers=routers, bport=bport)
 
 
-def _gen(router, ids, sp, **extra):
-    status, out = post(router.url + "/generate", {"input_ids": ids, "sampling_params": sp, **extra})
-    assert status == 200, out
-    return out
-
 
 def test_overlap_on_equals_off(pair):
     rng = random.Random(31)
@@ -45,11 +40,11 @@ def test_overlap_on_equals_off(pair):
               "ignore_eos": True, "repetition_penalty": 1.3, "frequency_penalty": 0.4}]
     compared = 0
     for ids in prompts:
-        free = _gen(pair["routers"]["off"], ids, {**greedy, "max_new_tokens": 9})["output_ids"]
+        free = generate(pair["routers"]["off"], ids, {**greedy, "max_new_tokens": 9})["output_ids"]
         stop_case = {**greedy, "max_new_tokens": 9, "stop_token_ids": [free[2]]}
         for sp in cases + [stop_case]:
-            off = _gen(pair["routers"]["off"], ids, sp, return_logprob=True, top_logprobs_num=2)
-            on = _gen(pair["routers"]["on"], ids, sp, return_logprob=True, top_logprobs_num=2)
+            off = generate(pair["routers"]["off"], ids, sp, return_logprob=True, top_logprobs_num=2)
+            on = generate(pair["routers"]["on"], ids, sp, return_logprob=True, top_logprobs_num=2)
             assert on["output_ids"] == off["output_ids"], (ids, sp)
             assert on["meta_info"]["finish_reason"] == off["meta_info"]["finish_reason"]
             assert len(on["output_ids"]) == (sp["max_new_tokens"] if sp is not stop_case
@@ -86,5 +81,5 @@ def test_abort_mid_stream_on_the_overlapped_decode(pair):
     assert wait_until(lambda: at_baseline(dec) and at_baseline(prefill), 10)
     # And the server keeps serving the same tokens as the synchronous one.
     sp = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
-    assert _gen(pair["routers"]["on"], ids, sp)["output_ids"] == \
-        _gen(pair["routers"]["off"], ids, sp)["output_ids"]
+    assert generate(pair["routers"]["on"], ids, sp)["output_ids"] == \
+        generate(pair["routers"]["off"], ids, sp)["output_ids"]

@@ -5,7 +5,7 @@ the decode server's /metrics; every page comes back."""
 import random
 
 import pytest
-from pd_harness import (at_baseline, free_port, get, greedy_agrees, pd_router, pd_server, post,
+from pd_harness import (at_baseline, free_port, generate, get, greedy_agrees, pd_router, pd_server,
                         running, wait_until)
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ def pd(tiny_checkpoints, tmp_path_factory):
         yield dict(prefill=prefill, decode=decode, router=router)
 
 
-def _gen(router, ids, sp, **extra):
-    status, out = post(router.url + "/generate", {"input_ids": ids, "sampling_params": sp,
-                                                  **extra})
-    assert status == 200, out
-    return out
-
 
 def test_pd_decode_speculates_from_its_first_step(pd):
     rng = random.Random(33)
@@ -43,9 +37,9 @@ def test_pd_decode_speculates_from_its_first_step(pd):
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 20}
     verified = 0
     for ids in prompts:
-        ref = _gen(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
+        ref = generate(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
                    top_logprobs_num=2)
-        out = _gen(pd["router"], ids, greedy)
+        out = generate(pd["router"], ids, greedy)
         greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"],
                       out["output_ids"])
         assert len(out["output_ids"]) == 20
