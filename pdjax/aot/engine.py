@@ -41,6 +41,7 @@ from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
 from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.runner.entry_points import EntryPoints
+from pdjax.runner.pool_copy import kv_pool_copy
 from pdjax.sched.buckets import BucketKey
 from pdjax.sched.scheduler import Scheduler
 from pdjax.transfer.local_kv import page_buckets
@@ -68,7 +69,9 @@ class CompiledEntry:
     ``memory_analysis()``: ``argument_bytes`` (weights, KV cache, inputs), ``output_bytes``,
     ``alias_bytes`` (outputs that reuse a donated argument: the KV cache), ``temp_bytes``
     (scratch the executable needs while it runs), ``code_bytes``. ``kernels``: the Pallas
-    kernels it calls. ``error``: the compiler's message when it failed (the rest is then 0)."""
+    kernels it calls. ``pool_copy``: for a forward, why it does not update the KV pool in
+    place (``runner/pool_copy.py``; None when it does). ``error``: the compiler's message when
+    it failed (the rest is then 0)."""
 
     kind: str
     name: str
@@ -79,6 +82,7 @@ class CompiledEntry:
     alias_bytes: int = 0
     temp_bytes: int = 0
     code_bytes: int = 0
+    pool_copy: str | None = None
     error: str | None = None
     executable: Any = dataclasses.field(default=None, repr=False)
 
@@ -233,6 +237,8 @@ class AbstractEngine:
             alias_bytes=int(stats.alias_size_in_bytes),
             temp_bytes=int(stats.temp_size_in_bytes),
             code_bytes=int(stats.generated_code_size_in_bytes),
+            pool_copy=(kv_pool_copy(compiled, [_shard_bytes(c) for c in self.caches.values()])
+                       if entry.key is not None else None),
             executable=compiled)
 
 

@@ -79,6 +79,9 @@ def format_entries(results: list[CompiledEntry]) -> str:
     for r in results:
         if r.ok:
             kernels = ", ".join(r.kernels) or "-"
+            if r.pool_copy is not None:      # runner/pool_copy.py: exact, or from sizes
+                kernels += ("  [temp >= a KV buffer]" if "sizes only" in r.pool_copy
+                            else "  [copies the KV pool]")
             lines.append(f"{r.name:34s} {r.seconds:9.1f} {r.argument_bytes / _MIB:10.1f} "
                          f"{r.temp_bytes / _MIB:9.1f}  {kernels}")
         else:

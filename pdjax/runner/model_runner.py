@@ -28,6 +28,7 @@ from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.runner.entry_points import EntryPoints
 from pdjax.runner.executables import ExecutableStore
+from pdjax.runner.pool_copy import kv_pool_copy
 from pdjax.sched.batch import FlatBatch
 from pdjax.sched.buckets import BucketKey, Buckets
 
@@ -126,6 +127,10 @@ class ModelRunner:
         self.compiles_after_warmup = 0
         self.on_unexpected_compile = None     # callback(key) set by the engine (metrics)
         self.warmup_barrier = None            # callable() between compiling and running (multi-host)
+        # BucketKey -> why its executable does not update the KV buffers in place
+        # (``kv_pool_copy``); see ``require_in_place_kv``.
+        self.kv_copying: dict[BucketKey, str] = {}
+        self.in_place_kv_required = False
 
     @property
     def num_penalty_slots(self) -> int:
@@ -265,8 +270,39 @@ class ModelRunner:
                 tqdm(total=len(jobs), desc=desc, disable=not progress, unit="shape") as bar:
             futures = {pool.submit(self._compile, low): key for key, low in jobs}
             for future in concurrent.futures.as_completed(futures):
-                self._compiled[futures[future]] = future.result()
+                key = futures[future]
+                self._compiled[key] = future.result()
+                self._note_kv_copy(key, self._compiled[key])
                 bar.update()
+
+    def _note_kv_copy(self, key, compiled) -> bool:
+        """Record in ``kv_copying`` whether forward ``key``'s executable copies the KV pool;
+        True when it does."""
+        if not isinstance(key, BucketKey):
+            return False
+        why = kv_pool_copy(compiled, self.kv_shard_bytes())
+        if why is None:
+            return False
+        self.kv_copying[key] = why
+        logger.warning("bucket %s does not update the KV pool in place: %s", key, why)
+        return True
+
+    def kv_shard_bytes(self) -> list[int]:
+        """Bytes of one device's shard of each KV buffer (``cache_specs`` order)."""
+        return [int(a.addressable_shards[0].data.nbytes) for a in self.kv_buffers()]
+
+    def require_in_place_kv(self) -> None:
+        """Promise that every forward updates the KV buffers in place, for a transfer engine
+        that writes pages into them while steps run (a PD decode's direct path): a step that
+        copies a buffer into a temporary and back, or into a new buffer, loses every write
+        that lands in between. Raises ``ValueError`` naming the compiled buckets that copy;
+        afterwards a background-compiled bucket that copies is never made ready."""
+        if self.kv_copying:
+            listed = "; ".join(f"{k}: {why}" for k, why in sorted(self.kv_copying.items(), key=str))
+            raise ValueError(f"KV pool not updated in place by {len(self.kv_copying)} "
+                             f"bucket(s), so pages written into it during a step would be "
+                             f"lost: {listed}")
+        self.in_place_kv_required = True
 
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
                split_sampling: bool = False, core_only: bool = False) -> float:
@@ -370,6 +406,10 @@ class ModelRunner:
                     self.resample_rows = tuple(sorted({*self.resample_rows,
                                                        self.logits_rows(key)}))
                 self._compiled[key] = compiled
+                if self._note_kv_copy(key, compiled) and self.in_place_kv_required:
+                    logger.error("bucket %s is not used: KV pages are written into the pool "
+                                 "while steps run", key)
+                    continue
                 self.ready_keys = self.ready_keys | {key}
             logger.info("background warm-up: %d shapes in %.1f s", len(keys), time.monotonic() - t0)
             print(f"pdjax background warm-up: {len(keys)} shapes in {time.monotonic() - t0:.1f} s",

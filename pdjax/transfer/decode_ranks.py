@@ -116,7 +116,7 @@ class DecodeRankNode:
         self.rank = args.node_rank
         self.engine, self.local_kv, self.channel = node_data_plane(
             host, self._on_message, f"decode-node-{self.rank}",
-            resolve_secret(args.disaggregation_secret))
+            resolve_secret(args.disaggregation_secret), receives=True)
         self.reply: str | None = None          # node 0's control channel (from kv_ranks)
         self.generation = 0
 

@@ -80,10 +80,15 @@ class LocalKV:
     ``kv_dtype`` are what the peer must match. ``bytes_per_page``: bytes of one page over all
     buffers and layers. Raises ``ValueError`` for an unknown ``mode``, or when ``direct`` is
     forced and the arrays cannot be exported.
+
+    ``receives``: peers write pages into this pool while steps run (a decode). The direct
+    path then also needs every step to update the pool in place
+    (``runner.require_in_place_kv``, ``runner/pool_copy.py``); where one does not, ``auto``
+    takes the staging path and ``direct`` raises ``ValueError``.
     """
 
     def __init__(self, runner, engine: TransferEngine, mode: str = "auto",
-                 max_pages_per_seq: int = 64, head_repeat: int = 1):
+                 max_pages_per_seq: int = 64, head_repeat: int = 1, receives: bool = False):
         if mode not in TRANSFER_PATHS:
             raise ValueError(f"transfer path must be one of {TRANSFER_PATHS}, got {mode!r}")
         self.runner = runner
@@ -99,19 +104,23 @@ class LocalKV:
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
         self.mirrors: list[np.ndarray] = []
         self.mode = "staging"
+        why_not_direct = "forced"
         if mode != "staging":
             try:
                 self.layout = export_kv_layout(arrays, head_repeat=head_repeat,
                                                row_heads=self.row_heads)
+                if receives:
+                    runner.require_in_place_kv()
                 self.mode = "direct"
             except ValueError as e:
                 if mode == "direct":
                     raise
-                logger.warning("KV cache addresses cannot be exported (%s): using the staging "
-                               "path", e)
+                why_not_direct = str(e)
+                logger.warning("direct KV path not possible (%s): using the staging path", e)
         if self.mode == "staging":
             if len(arrays[0].addressable_shards) != 1:
-                raise ValueError("the staging path supports one shard per KV array (tp_size 1)")
+                raise ValueError(f"the staging path supports one shard per KV array (tp_size "
+                                 f"1), and the direct path is not possible: {why_not_direct}")
             self.mirrors = [_aligned_zeros(a.shape, a.dtype) for a in arrays]
             self.layout = KVLayout("layer_major", tuple(
                 _mirror_desc(m, h) for m, h in zip(self.mirrors, self.row_heads)))

@@ -172,11 +172,12 @@ def rank_layouts(infos: Sequence[PrefillRankInfo], nnodes: int) -> dict[int, KVL
     return got
 
 
-def node_data_plane(host, on_message: Callable, name: str, secret):
+def node_data_plane(host, on_message: Callable, name: str, secret, receives: bool = False):
     """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
     at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
     and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
-    to ``args.host``. ``host``: the follower's ``EngineCore``. Returns the three."""
+    to ``args.host``. ``host``: the follower's ``EngineCore``; ``receives``: peers write
+    pages into this pool (a decode node; ``LocalKV``). Returns the three."""
     from pdjax.transfer.channel import MessageChannel, advertise_host
     from pdjax.transfer.engine import create_transfer_engine
     from pdjax.transfer.local_kv import LocalKV
@@ -189,5 +190,5 @@ def node_data_plane(host, on_message: Callable, name: str, secret):
     engine = create_transfer_engine(args.disaggregation_transfer_backend,
                                     advertise_host(args.host), **kwargs)
     local_kv = LocalKV(host.runner, engine, "direct", -(-host.context_length // args.page_size),
-                       head_repeat=kv_head_repeat(host))
+                       head_repeat=kv_head_repeat(host), receives=receives)
     return engine, local_kv, MessageChannel(args.host, on_message, name, secret=secret)

@@ -113,7 +113,8 @@ class RoleManager(abc.ABC):
         max_pages = -(-host.context_length // self.page_size)
         self.local_kv = LocalKV(host.runner, self.transfer_engine,
                                 self.args.disaggregation_transfer_path, max_pages,
-                                head_repeat=kv_head_repeat(host))
+                                head_repeat=kv_head_repeat(host),
+                                receives=self.role == "decode")
         self.local_kv.warmup()
         num_slots = max(32, 8 * self.args.max_running_requests)
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)

@@ -2,9 +2,11 @@
 under its invariant check, the staging path of ``LocalKV``, and the router's request
 arithmetic."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
@@ -13,6 +15,7 @@ from pdjax.server.validation import num_samples
 from pdjax.models.loader import make_mesh
 from pdjax.runner.entry_points import EntryPoints
 from pdjax.runner.model_runner import ModelRunner
+from pdjax.sched.buckets import BucketKey
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
@@ -112,6 +115,7 @@ class _Runner(ModelRunner):
         rng = np.random.default_rng(0)
         self.caches = {s.name: jnp.asarray(rng.standard_normal(s.shape), dtype)
                        for s in self.cache_specs}
+        self.kv_copying, self.in_place_kv_required = {}, False
 
 
 def test_staging_path_round_trip_and_direct_addresses():
@@ -146,6 +150,30 @@ def test_staging_path_round_trip_and_direct_addresses():
     assert direct.mode == "direct" and not direct.check_addresses()
     with pytest.raises(ValueError, match="transfer path"):
         LocalKV(_Runner(shape), FakeTransferEngine(), "rdma")
+
+
+def test_a_receiving_pool_takes_the_direct_path_only_where_steps_update_it_in_place():
+    """Pages a peer writes during a step that copies the pool are lost (``runner/pool_copy``):
+    a decode's pool goes direct only when no bucket copies it; a prefill's (read only) may."""
+    shape = (2, 9, PS, 2, 8)
+    clean = _Runner(shape)
+    assert LocalKV(clean, FakeTransferEngine(), "auto", receives=True).mode == "direct"
+    assert clean.in_place_kv_required
+    copying = _Runner(shape)
+    copying.kv_copying = {BucketKey("decode", 1, 1, 64): "2630280 B of temporaries"}
+    with pytest.raises(ValueError, match=r"not updated in place by 1 bucket.*decode"):
+        LocalKV(copying, FakeTransferEngine(), "direct", receives=True)
+    staged = LocalKV(copying, FakeTransferEngine(), "auto", receives=True)
+    assert staged.mode == "staging" and not copying.in_place_kv_required
+    assert LocalKV(copying, FakeTransferEngine(), "auto").mode == "direct"
+    # Two shards cannot stage: the error says why direct was refused.
+    two = _Runner(shape)
+    two.kv_copying = dict(copying.kv_copying)
+    heads = NamedSharding(make_mesh(2), PartitionSpec(None, None, None, "tp", None))
+    two.caches = {k: jax.device_put(v, heads) for k, v in two.caches.items()}
+    assert len(two.caches["k_cache"].addressable_shards) == 2
+    with pytest.raises(ValueError, match="one shard.*not updated in place"):
+        LocalKV(two, FakeTransferEngine(), "auto", receives=True)
 
 
 def test_router_sample_counts_ports_and_logprob_merge():
