@@ -40,7 +40,7 @@ from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import BucketKey, Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
-from pdjax.transfer.factory import create_engine_role
+from pdjax.transfer.factory import create_kv_connection
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +182,14 @@ class EngineCore:
             self.seed_cost_model()
             phase("seed_cost_model")
         phase.report()
-        # PD disaggregation (DESIGN.md §4): the role called at fixed points of the step
-        # (pdjax/engine_roles.py); this core is its RoleHost.
-        self.disagg: EngineRole | None = create_engine_role(self)
+        # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
+        # step polls and starts, and a PD role (pdjax/engine_roles.py; this core is its
+        # RoleHost). Colocated: none of them.
+        conn = create_kv_connection(self)
+        self.disagg: EngineRole | None = conn.role if conn is not None else None
+        self.kv_worker = conn.worker if conn is not None else None
+        if conn is not None:
+            self.scheduler.connector = conn.connector
 
     # ------------------------------------------------------------------ grammars
     @property
@@ -251,7 +256,8 @@ class EngineCore:
         """Whether ``step()`` has something to do (scheduled requests, a step in flight, or PD
         events)."""
         return (self.scheduler.has_work or self._inflight is not None
-                or (self.disagg is not None and self.disagg.has_work()))
+                or (self.disagg is not None and self.disagg.has_work())
+                or (self.kv_worker is not None and self.kv_worker.has_work()))
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
         if self.disagg is not None:
@@ -279,6 +285,7 @@ class EngineCore:
         if done is None:
             return []
         outputs, fetch_s = self._complete(done)
+        self._start_transfers(done.batch)
         if self.disagg is not None:
             outputs = self.disagg.after_step(done.batch, outputs)
         self.forward_time_s += fetch_s
@@ -335,9 +342,12 @@ class EngineCore:
         return done
 
     def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
-        """PD events, requests done without a forward, then the scheduler's batch."""
+        """PD events, what the transfer worker finished, requests done without a forward, then
+        the scheduler's batch."""
         if self.disagg is not None:
             outputs += self.disagg.poll()
+        if self.kv_worker is not None:
+            self.scheduler.update_from_kv_output(self.kv_worker.poll())
         while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
             req = self._zero_token_reqs.pop()
             if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
@@ -376,10 +386,19 @@ class EngineCore:
             # The step before is read and its tokens taken by the matchers: fill the masks
             # while the new forward runs, then sample its grammar rows.
             self._wait_s += self._sample_deferred(launched, outputs)
+        batch = done.batch if done is not None else None
+        self._start_transfers(batch)     # every step: a request admitted now may wait for KV
         if self.disagg is not None and (done is not None or outputs):
             # done None: no forward's results were read, but requests may have finished.
-            outputs = self.disagg.after_step(done.batch if done is not None else None, outputs)
+            outputs = self.disagg.after_step(batch, outputs)
         return done, outputs
+
+    def _start_transfers(self, batch: ScheduledBatch | None) -> None:
+        """Hand the worker what the connector says must move after ``batch`` was read."""
+        if self.kv_worker is not None:
+            meta = self.scheduler.build_connector_meta(batch)
+            if meta is not None:
+                self.kv_worker.start(meta)
 
     def _read(self, done: _Launched) -> list[GenerateOutput]:
         outputs, fetch_s = self._complete(done)

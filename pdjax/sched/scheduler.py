@@ -49,7 +49,8 @@ import time
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
-from pdjax.sched.pd_pages import PDPageSets
+from pdjax.sched.kv_connector import KVConnector, NullConnector
+from pdjax.sched.remote_kv import RemoteKV
 from pdjax.sched.spec_rows import SpecRows
 
 
@@ -157,16 +158,20 @@ class ScheduledBatch:
         return max(-(-(r.start + r.num_tokens) // page_size) for r in self.rows)
 
 
-class Scheduler(PDPageSets, SpecRows):
+class Scheduler(RemoteKV, SpecRows):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
     and ``margin``), needed for ``target_itl_ms``; each batch carries its prediction.
+    ``connector``: the ``KVConnector`` asked at admission and finish (default
+    ``NullConnector``: colocated serving).
     """
 
-    def __init__(self, config: SchedulerConfig, cost_model=None):
+    def __init__(self, config: SchedulerConfig, cost_model=None,
+                 connector: KVConnector | None = None):
         self.config = config
         self.cost_model = cost_model
+        self.connector: KVConnector = connector if connector is not None else NullConnector()
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.prefix_cache = RadixCache(config.page_size, self.allocator,
@@ -181,12 +186,10 @@ class Scheduler(PDPageSets, SpecRows):
         # Requests finished inside schedule() (no forward, so no sampled output carries their
         # finish): the engine drains them every step with ``pop_finished`` and answers them.
         self._finished_unreported: list[Request] = []
-        # PD disaggregation (DESIGN.md §4); see the "PD hooks" section below.
-        # Changed only through the PD methods; read-only views: ``held``, ``prealloc``.
-        self._hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
-        self._held: dict[str, Request] = {}         # finished, pages kept until release_held
-        self._prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
-        self._quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
+        # KV that moves between servers (``RemoteKV``; read-only views ``held``,
+        # ``waiting_remote``): changed only through the connector's calls.
+        self._held: dict[str, Request] = {}           # finished, pages kept until sent
+        self._waiting_remote: dict[str, Request] = {}  # pages reserved, KV arriving
         # Requests whose pending token is certainly their last (length limits): not scheduled
         # again while it is pending (overlap).
         self.finishing: set[str] = set()
@@ -211,12 +214,13 @@ class Scheduler(PDPageSets, SpecRows):
     def abort_request(self, rid: str, message: str = "aborted") -> Request | None:
         """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
         req = self.requests.pop(rid, None)
-        self._hold_on_finish.discard(rid)
         self.finishing.discard(rid)
         if self.speculator is not None:
             self.speculator.release(rid)
         if req is None:
             return None
+        if self._waiting_remote.get(rid) is req:
+            self.drop_remote(req)
         self.drop_pending(req)
         if req in self.waiting:
             self.waiting.remove(req)
@@ -343,6 +347,9 @@ class Scheduler(PDPageSets, SpecRows):
         return rows
 
     def _admit(self, req: Request) -> bool:
+        """Admit the head of the queue: its prefix-cache hit, then what the connector has of
+        the rest (``KVConnector.get_num_new_matched_tokens``; such a request waits in
+        ``waiting_remote`` for it). False (no change) when its pages cannot be freed."""
         ps = self.page_size
         max_pages = (req.num_tokens - 1) // ps
         if req.return_logprob and req.logprob_start_len >= 0:
@@ -350,12 +357,19 @@ class Scheduler(PDPageSets, SpecRows):
         pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
         self.prefix_cache.lock(node)
         need = -(-req.num_tokens // ps) + 1 - len(pages)
+        external = 0
+        if not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
+            external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
         if not self._make_free(need):
             self.prefix_cache.unlock(node)
             return False
         req.prefix_node = node
         req.pages = list(pages)
+        if external:
+            self._admit_remote(req, external)
+            return True
         req.start_running(len(pages) * ps)
+        self.connector.update_state_after_alloc(req, 0)
         self.running.append(req)
         return True
 
@@ -368,12 +382,15 @@ class Scheduler(PDPageSets, SpecRows):
             if candidates:
                 req = candidates.pop(0)
             else:
-                if not self.waiting or len(self.running) >= self.config.max_running_requests:
+                if not self.waiting or len(self.running) + len(self._waiting_remote) \
+                        >= self.config.max_running_requests:
                     break
                 req = self.waiting[0]
                 if req.last_scheduled_step == self.step_id or not self._admit(req):
                     break
                 self.waiting.popleft()
+                if req.rid in self._waiting_remote:
+                    continue          # its KV arrives first
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(budget, remaining, self.config.chunked_prefill_size)
             if targeted:
@@ -550,9 +567,8 @@ class Scheduler(PDPageSets, SpecRows):
             self.speculator.release(req.rid)
         if req in self.running:
             self.running.remove(req)
-            if req.rid in self._hold_on_finish:
-                self._hold_on_finish.discard(req.rid)
-                self._held[req.rid] = req          # pages stay until release_held
+            if self.connector.request_finished(req):
+                self._held[req.rid] = req          # pages stay until finished_sending
             else:
                 self._release(req)
         self.requests.pop(req.rid, None)
@@ -579,17 +595,17 @@ class Scheduler(PDPageSets, SpecRows):
         pool (counted from each side independently) and requests' pages are disjoint."""
         free = set(self.allocator.free_pages())
         cached = set(self.prefix_cache.cached_pages())
-        owned: list[int] = [p for pages in self._quarantined.values() for p in pages]
-        for r in [*self.running, *self._held.values(), *self._prealloc.values()]:
+        assert not self._held.keys() & self.requests.keys(), "a held request is also scheduled"
+        assert not {r.rid for r in self.running} & self._waiting_remote.keys(), \
+            "a request waiting for its KV also runs"
+        owned: list[int] = list(self.connector.owned_pages())
+        for r in [*self.running, *self._held.values(), *self._waiting_remote.values()]:
             k = self.num_shared_pages(r)
             assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]
         owned_set = set(owned)
         assert len(owned_set) == len(owned), "a page is owned by two requests"
-        assert self._hold_on_finish <= self.requests.keys(), "a hold mark outlived its request"
-        assert not (self._held.keys() | self._prealloc.keys()) & self.requests.keys(), \
-            "a held or reserved request is also scheduled"
         assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
             "page sets overlap"
         assert 0 not in owned_set | cached | free, "the null page escaped"

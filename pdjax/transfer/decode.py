@@ -68,7 +68,23 @@ REGISTER_TIMEOUT_S = 10.0
 HEARTBEAT_MAX_FAILURES = 2
 
 
-class DecodeManager(RoleManager):
+def decode_reserve_pages(s, req: Request, num_reserved_decode_tokens: int) -> int:
+    """Pages the scheduler ``s`` must keep free for decode tokens when ``req`` is admitted: for
+    ``req`` and every running or reserved request, ``ceil(min(num_reserved_decode_tokens,
+    tokens it may still generate) / page_size)`` (SGLang's ``pop_preallocated``, simplified; a
+    request that has no output yet counts its first token as generated)."""
+    ps = s.page_size
+
+    def need(r: Request) -> int:
+        mnt = r.sampling_params.max_new_tokens
+        left = (num_reserved_decode_tokens if mnt is None else
+                max(0, min(num_reserved_decode_tokens, mnt - max(1, len(r.output_ids)))))
+        return -(-left // ps)
+
+    return need(req) + sum(map(need, s.running)) + sum(map(need, s.waiting_remote.values()))
+
+
+class DecodeConnector(RoleManager):
     """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
 
     ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
@@ -84,7 +100,8 @@ class DecodeManager(RoleManager):
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
         self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
         self.peers: dict[tuple[str, int], PrefillPeer] = {}
-        self.quarantine: dict[tuple[int, int], tuple[float, int | None]] = {}
+        # (room, seq) -> (drain deadline, metadata slot, pages): where a late write may land
+        self.quarantine: dict[tuple[int, int], tuple[float, int | None, list[int]]] = {}
         self._quarantine_seq = itertools.count()
         self._acked: set[int] = set()
         self.num_abort_acks = 0
@@ -286,12 +303,12 @@ class DecodeManager(RoleManager):
         """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
         s = self.scheduler
         req = r.req
-        reserve = s.decode_reserve_pages(req, self.args.num_reserved_decode_tokens)
-        if not s.reserve_prebuilt(req, reserve):
-            if s.running or s.prealloc:
+        reserve = decode_reserve_pages(s, req, self.args.num_reserved_decode_tokens)
+        if not s.reserve_remote(req, reserve):
+            if s.running or s.waiting_remote:
                 return False, None
-            if not s.reserve_prebuilt(req, 0):
-                if s.has_quarantine:
+            if not s.reserve_remote(req, 0):
+                if self.quarantine:
                     # Pages a late write may still hit come back by ack or drain timeout: wait
                     # like any request that does not fit yet.
                     return False, None
@@ -304,7 +321,7 @@ class DecodeManager(RoleManager):
         if not r.fake:
             slot = self.meta.alloc()
             if slot is None:
-                s.release_prebuilt(req)
+                s.drop_remote(req)
                 return False, None
         r.slot = slot
         k = req.num_cached_tokens // self.page_size
@@ -367,11 +384,11 @@ class DecodeManager(RoleManager):
         if req.sampling_params.max_new_tokens == 0:
             # Nothing to decode (colocated finishes such a request without a forward): the
             # prefill's first token is not the client's, and the pages go back at once.
-            self.scheduler.release_prebuilt(req)
+            self.scheduler.drop_remote(req)
             req.finish(FinishReason.of_length(0))
             tokens = []
         else:
-            self.scheduler.add_prebuilt(req, token)
+            self.scheduler.commit_remote(req, token)
             if req.return_logprob:
                 lps, tops = [float(lp or 0.0)], [top or []]
                 req.append_logprobs(lps[0], tops[0])
@@ -411,14 +428,15 @@ class DecodeManager(RoleManager):
             self.send(peer.endpoint, Abort(bootstrap_room=r.room, sender_id=peer.engine_id,
                                            reason=reason[:4000]))
         req = r.req
-        if req.rid in self.scheduler.prealloc:
+        if req.rid in self.scheduler.waiting_remote:
             if quarantine and r.room is not None:
                 key = (r.room, next(self._quarantine_seq))
-                self.scheduler.quarantine_prebuilt(req, key)
-                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot)
+                own = self.scheduler.drop_remote(req, free=False)
+                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot,
+                                        own)
                 r.slot = None
             else:
-                self.scheduler.release_prebuilt(req)
+                self.scheduler.drop_remote(req)
         if r.slot is not None:
             self.meta.free(r.slot)
             r.slot = None
@@ -437,12 +455,12 @@ class DecodeManager(RoleManager):
             return
         with self.lock:
             acked, self._acked = self._acked, set()
-        for key, (deadline, slot) in list(self.quarantine.items()):
+        for key, (deadline, slot, pages) in list(self.quarantine.items()):
             by_ack = key[0] in acked
             if not by_ack and now < deadline:
                 continue
             del self.quarantine[key]
-            self.scheduler.release_quarantine(key)
+            self.scheduler.free_pages(pages)
             if slot is not None:
                 self.meta.free(slot)
             if by_ack:
@@ -544,6 +562,11 @@ class DecodeManager(RoleManager):
         logger.error("PD decode: rejected a control message: %s", reason)
         self._count_rejected("refused")
 
+    # ------------------------------------------------------------------ KVConnector
+    def owned_pages(self) -> list[int]:
+        """The quarantined pages (the scheduler's invariant check counts them)."""
+        return [p for _, _, pages in self.quarantine.values() for p in pages]
+
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:
         return len(self.rooms) + len(self.quarantine)
@@ -567,7 +590,7 @@ class DecodeManager(RoleManager):
                 "num_bound_rooms": len(self.room_owner),      # rooms held until a request ends
                 "num_decode_prealloc_queue_reqs": q["bootstrap"] + q["prealloc"],
                 "num_decode_transfer_queue_reqs": q["transfer"],
-                "num_quarantined_pages": self.scheduler.num_quarantined_pages,
+                "num_quarantined_pages": self.num_quarantined_pages,
                 **self.baseline_load()}
 
     def debug_state(self) -> dict[str, Any]:
@@ -579,7 +602,7 @@ class DecodeManager(RoleManager):
                                "engine_id": p.engine_id} for p in self.peers.values()]
         if self.ranks is not None:
             state["nodes"] = self.ranks.state()
-        state.update(num_quarantined_pages=self.scheduler.num_quarantined_pages,
+        state.update(num_quarantined_pages=self.num_quarantined_pages,
                      num_abort_acks=self.num_abort_acks,
                      num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,
                      num_quarantine_released_by_timeout=self.num_quarantine_released_by_timeout)

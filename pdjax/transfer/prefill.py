@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from typing import Any
 
@@ -53,19 +51,23 @@ from pdjax.pd.rooms import PrefillRoom
 from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_peer import DecodePeer
-from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
-from pdjax.transfer.kv_export import write_nodes
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
+from pdjax.transfer.prefill_worker import PrefillChunk, PrefillTransferWorker
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillManager(RoleManager):
-    """``--role prefill``: bootstrap server, ZMQ control, transfer worker, room table.
+class PrefillConnector(RoleManager):
+    """``--role prefill``: bootstrap server, ZMQ control, room table; its transfer worker is
+    ``self.worker`` (``PrefillTransferWorker``).
 
-    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
-    ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
+    ``KVConnector`` (``pdjax/sched/kv_connector.py``): ``request_finished`` holds the pages of
+    every PD request until its room concludes (reported by the worker's ``finished_sending``);
+    ``build_meta`` plans the chunks each step completed. ``EngineRole``
+    (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``, ``abort``,
+    ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "prefill"
@@ -76,11 +78,7 @@ class PrefillManager(RoleManager):
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
         self.peers: dict[str, DecodePeer] = {}
-        self._jobs: queue.Queue = queue.Queue()
-        self._stop = False
-        self._worker = threading.Thread(target=self._work, name="pd-prefill-transfer",
-                                        daemon=True)
-        self._worker.start()
+        self.worker = PrefillTransferWorker(self)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
                                          secret=self.secret,
                                          on_unauthorized=lambda: self._count_rejected("bootstrap"))
@@ -226,11 +224,9 @@ class PrefillManager(RoleManager):
         if slot is None:
             return                       # all metadata slots busy: try again next poll
         r.src_slot = slot
-        self.scheduler.hold_on_finish(req.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
-            self.scheduler.cancel_hold(req.rid)
             self._fail(r, RoomFailure(str(e)))
             return
         self.metrics.on_bootstrap(now - r.created_s)
@@ -261,9 +257,7 @@ class PrefillManager(RoleManager):
             self.scheduler.abort_request(r.req.rid, reason)
         if notify is not None and r.peer_id is not None and not r.notified:
             r.notified = True
-            with self.lock:
-                r.jobs_inflight += 1
-            self._jobs.put(("notice", r, notify))
+            self.worker.notify(r, notify)
 
     def _try_conclude(self, r: PrefillRoom) -> GenerateOutput | None:
         """Release pages and answer the client once the room is final and idle."""
@@ -273,9 +267,8 @@ class PrefillManager(RoleManager):
             if r.jobs_inflight:
                 return None
         req = r.req
-        if req is not None:
-            self.scheduler.cancel_hold(req.rid)
-            self.scheduler.release_held(req.rid)
+        if req is not None and req.rid in self.scheduler.held:
+            self.worker.sent(req.rid)      # the scheduler gives its pages back
         if r.src_slot is not None:
             self.meta.free(r.src_slot)
             r.src_slot = None
@@ -306,11 +299,15 @@ class PrefillManager(RoleManager):
             self.recent.append(r.record())
         return out
 
-    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
-        """After a step (``batch`` None: no forward ran): re-check the KV addresses, queue the
-        pages each PD row completed
-        (all the rest plus the metadata row once the first token is sampled), and hold the
-        final output of each PD request until its transfer ends."""
+    # ------------------------------------------------------------------ KVConnector
+    def request_finished(self, req: Request) -> bool:
+        """Hold the pages of a PD request until its room concludes (DESIGN.md §4 step 7)."""
+        return req.rid in self.rooms_by_rid
+
+    def build_meta(self, batch) -> list[PrefillChunk] | None:
+        """After a step (``batch`` None: no forward ran): re-check the KV addresses, then the
+        pages each PD row completed -- full pages for a chunk, all the rest plus the metadata
+        row (written here) once the first token is sampled. None when there is nothing."""
         if self.local_kv.check_addresses():
             with self.lock:
                 moving = [r for r in self.rooms.values()
@@ -318,8 +315,7 @@ class PrefillManager(RoleManager):
             for r in moving:
                 self._fail(r, CacheMoved("the prefill KV cache moved after a donated step; "
                                          "transfers in flight were failed"))
-        held: dict[str, PrefillRoom] = {}
-        synced = False
+        chunks = []
         for row in batch.rows if batch is not None else ():
             r = self.rooms_by_rid.get(row.req.rid)
             if r is None or r.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -330,24 +326,10 @@ class PrefillManager(RoleManager):
                 min(req.num_computed_tokens, req.num_prompt_tokens) // self.page_size
             if end <= r.next_page and not last:
                 continue
-            if not synced:
-                self.host.wait_for_kv()
-                synced = True
-            self._queue_chunk(r, end, last)
-            if last:
-                held[req.rid] = r
-        if not held:
-            return outputs
-        kept = []
-        for out in outputs:
-            r = held.get(out.rid)
-            if r is not None and out.finished:
-                r.output = out
-            else:
-                kept.append(out)
-        return kept
+            chunks.append(self._plan_chunk(r, end, last))
+        return chunks or None
 
-    def _queue_chunk(self, r: PrefillRoom, end: int, last: bool) -> None:
+    def _plan_chunk(self, r: PrefillRoom, end: int, last: bool) -> PrefillChunk:
         req = r.req
         start = r.next_page
         src = list(req.pages[start:end])
@@ -362,118 +344,30 @@ class PrefillManager(RoleManager):
             self.meta.write(r.src_slot, r.room, req.output_ids[0],
                             req.num_cached_tokens_reported, lp, ids, vals,
                             prompt_digest=r.prompt_digest)
-        self.local_kv.stage_out(src)
         r.next_page = end
         r.last_queued = last
         if r.state == KVPoll.WaitingForInput:
             r.first_send_s = time.monotonic()
             self._set_state(r, KVPoll.Transferring)
-        # Multi-host: the other nodes write their shards of the same pages (after this step).
-        job = self.ranks.send_write(r.peer_id, src, dst) if self.ranks is not None else None
-        with self.lock:
-            r.jobs_inflight += 1
-        self._jobs.put(("chunk", r, (src, dst, last, job)))
+        return PrefillChunk(r, src, dst, last)
 
-    # ------------------------------------------------------------------ transfer worker
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            kind, r, arg = job
-            try:
-                if kind == "chunk":
-                    self._write_chunk(r, *arg)
-                elif kind == "notice":
-                    self._send_notice(r, arg)
-                elif kind == "ack":
-                    endpoint, sender = arg
-                    self.send(endpoint, AbortAck(bootstrap_room=r, sender_id=sender))
-            except Exception as e:       # never let the worker die
-                logger.exception("PD prefill worker: %s job failed", kind)
-                if kind == "chunk":
-                    with self.lock:
-                        r.report(WriteFailed(f"internal error in the transfer worker: {e}"))
-            finally:
-                if kind in ("chunk", "notice"):
-                    with self.lock:
-                        r.jobs_inflight -= 1
-                self.wake()
+    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
+        """After the step's chunks were handed to the worker: hold the final output of each PD
+        request whose last chunk is queued until its transfer ends (``_try_conclude``)."""
+        kept = []
+        for out in outputs:
+            r = self.rooms_by_rid.get(out.rid) if out.finished else None
+            if r is not None and r.last_queued and r.output is None and not r.output_sent:
+                r.output = out
+            else:
+                kept.append(out)
+        return kept
 
-    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool,
-                     job: int | None = None) -> None:
-        with self.lock:
-            skip = r.reported is not None or r.state == KVPoll.Failed
-            peer = self.peers.get(r.peer_id)
-        if skip or peer is None:
-            if job is not None:          # the other nodes were told to write: wait for them
-                self.ranks.join(job, self.args.transfer_timeout_s)
-            if peer is None and not skip:
-                with self.lock:
-                    r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
-            return
-        try:
-            meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
-                                      peer.metadata_num_slots,
-                                      peer.metadata_bytes_per_slot)] if last else []
-            t0 = time.perf_counter()
-            if job is None:
-                node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
-            else:            # multi-host: every node's shards, then the metadata row
-                node_bytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst,
-                                                    meta, job, self.args.transfer_timeout_s)
-            write_s = time.perf_counter() - t0
-            # What the decode's shards receive: pages x its bytes per page, over its shards.
-            nbytes = sum(node_bytes)
-        except (TransferError, ValueError) as e:
-            reason = f"KV write to decode {peer.session_id} failed: {e}"
-            with self.lock:
-                r.report(WriteFailed(reason))
-                r.notified = True
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Failed, reason=reason))
-            return
-        with self.lock:
-            r.bytes += nbytes
-            r.pages += len(src)
-            r.copies += n_kv
-            r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
-                                                  node_bytes)]
-            r.write_s += write_s
-            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
-                             "write_s": write_s})
-        self.metrics.on_chunk(nbytes, len(src), n_kv, write_s)
-        if last:
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Success))
-            with self.lock:
-                r.done = True
-                r.notified = True
-
-    def _write_nodes(self, peer, src: list[int], dst: list[int],
-                     meta: list) -> tuple[list[int], int]:
-        """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
-        node's shards into its own session, node 0 last with the metadata row ``meta`` (the
-        gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
-        return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
-                           peer.node_writes(), src, dst, meta=meta)
-
-    def _send_notice(self, r: PrefillRoom, kind: str) -> None:
-        peer = self.peers.get(r.peer_id)
-        if peer is None:
-            return
-        reason = r.fail_reason or "failed"
-        if kind == "abort":
-            self.send(peer.reply_endpoint, Abort(bootstrap_room=r.room, sender_id=self._id,
-                                                 reason=reason[:4000]))
-        else:
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Failed,
-                                                          reason=reason[:4000],
-                                                          status_code=r.status_code))
+    def has_work(self) -> bool:
+        return self.worker.has_work() or super().has_work()
 
     @property
-    def _id(self) -> str:
+    def sender_id(self) -> str:
         return f"prefill@{self.channel.endpoint}"
 
     # ------------------------------------------------------------------ receiver thread
@@ -592,7 +486,7 @@ class PrefillManager(RoleManager):
                          f"{msg.sender_id!r}")
             return
         # Acked after every job queued so far (the room's in-flight chunk included) is done.
-        self._jobs.put(("ack", msg.bootstrap_room, (peer.reply_endpoint, self._id)))
+        self.worker.ack(msg.bootstrap_room, peer.reply_endpoint, self.sender_id)
         self.wake()
 
     # ------------------------------------------------------------------ introspection
@@ -629,8 +523,7 @@ class PrefillManager(RoleManager):
         return state
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._worker.join(5.0)
+        self.worker.close()
         self.bootstrap.stop()
         self.close_base()
 
