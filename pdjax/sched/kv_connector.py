@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 if TYPE_CHECKING:      # annotations only
     from pdjax.engine_roles import EngineRole, RoleHost
     from pdjax.request import Request
-    from pdjax.sched.scheduler import ScheduledBatch
+    from pdjax.sched.output import ScheduledBatch
     from pdjax.transfer.worker import KVTransferWorker
 
 
