@@ -39,33 +39,23 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
-import uuid
 from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.pd.bootstrap import (BootstrapError, IncompatiblePeerError,
-                                check_bootstrap_health, check_compatible,
-                                fetch_prefill_info)
-from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
-                                PairingFailed, PeerLost, PeerState, Refused,
-                                RemoteFailure, RoomConflict, RoomFailure, Timeout)
-from pdjax.pd.lifecycle import KVPoll
-from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, KVPoll, MetadataGate,
+                                PeerState, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.protocol import Abort, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_ranks import DecodeRanks
+from pdjax.transfer.decode_worker import DecodeTransferWorker
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
-
-REGISTER_TIMEOUT_S = 10.0
-HEARTBEAT_MAX_FAILURES = 2
 
 
 def decode_reserve_pages(s, req: Request, num_reserved_decode_tokens: int) -> int:
@@ -95,26 +85,19 @@ class DecodeConnector(RoleManager):
 
     def __init__(self, host):
         super().__init__(host)
-        self._uid = uuid.uuid4().hex[:12]
-        self._peer_ids = itertools.count()
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
         self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
         self.peers: dict[tuple[str, int], PrefillPeer] = {}
         # (room, seq) -> (drain deadline, metadata slot, pages): where a late write may land
         self.quarantine: dict[tuple[int, int], tuple[float, int | None, list[int]]] = {}
         self._quarantine_seq = itertools.count()
-        self._acked: set[int] = set()
-        self.num_abort_acks = 0
         self.num_quarantine_released_by_ack = 0
         self.num_quarantine_released_by_timeout = 0
-        self._stop = threading.Event()
         # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
         self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
         if self.ranks is not None:
             self.ranks.announce(self.channel.endpoint)
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="pd-heartbeat",
-                                           daemon=True)
-        self._heartbeat.start()
+        self.worker = DecodeTransferWorker(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
@@ -146,7 +129,7 @@ class DecodeConnector(RoleManager):
             self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
                                              digest=b"" if fake else prompt_digest(req.prompt_ids))
         if peer_key is not None:
-            self._ensure_peer(peer_key)
+            self.worker.ensure_peer(peer_key)
         self.wake()
         return True
 
@@ -166,76 +149,6 @@ class DecodeConnector(RoleManager):
                    send_abort=in_flight, answer=False)
         return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
                               finish_reason=FinishReason.abort(message))
-
-    # ------------------------------------------------------------------ peers
-    def _ensure_peer(self, key: tuple[str, int]) -> None:
-        with self.lock:
-            if key in self.peers:
-                return
-            peer = PrefillPeer(key[0], key[1], f"decode-{self._uid}-{next(self._peer_ids)}")
-            self.peers[key] = peer
-        threading.Thread(target=self._bootstrap_peer, args=(peer,), daemon=True,
-                         name=f"pd-bootstrap-{key[0]}:{key[1]}").start()
-
-    def _register_msg(self, peer: PrefillPeer, wait_s: float = 0.0) -> RegisterDecode:
-        """This decode's registration; a multi-host one lists every node's shards and session
-        (waiting up to ``wait_s`` for the other nodes' reports; ``ValueError`` after)."""
-        layout, sessions, owners = self.local_kv.layout, (), ()
-        session = self.transfer_engine.session_id
-        if self.ranks is not None:
-            layout, sessions, owners = self.ranks.layout(layout, session, wait_s)
-        return RegisterDecode(
-            decode_engine_id=peer.engine_id, reply_endpoint=self.channel.endpoint,
-            engine_session_id=session, tp_rank=0, tp_size=1,
-            kv_buffers=layout.buffers, kv_layout=layout.kind, metadata_addr=self.meta.base_addr,
-            metadata_bytes_per_slot=self.meta.bytes_per_slot,
-            metadata_num_slots=self.meta.num_slots, page_size=self.page_size,
-            kv_dtype=self.local_kv.kv_dtype, layout_fingerprint=self.local_kv.fingerprint,
-            node_sessions=sessions, shard_nodes=owners)
-
-    def _bootstrap_peer(self, peer: PrefillPeer) -> None:
-        """Bootstrap thread: topology, compatibility check, registration (DESIGN.md §4)."""
-        where = f"{peer.host}:{peer.port}"
-        try:
-            info = fetch_prefill_info(peer.host, peer.port,
-                                      timeout_s=min(self.args.bootstrap_timeout_s, 30.0))
-            check_compatible(info, page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
-                             layout_fingerprint=self.local_kv.fingerprint)
-            rank = info.rank(0)
-            peer.endpoint = f"tcp://{rank.rank_ip}:{rank.rank_port}"
-            peer.registered.clear()
-            msg = self._register_msg(peer, wait_s=self.args.bootstrap_timeout_s)
-            if not self.send(peer.endpoint, msg):
-                raise BootstrapError(f"could not send the registration to {peer.endpoint}")
-            if not peer.registered.wait(REGISTER_TIMEOUT_S):
-                raise BootstrapError(f"no answer to the registration from {peer.endpoint} "
-                                     f"within {REGISTER_TIMEOUT_S:g} s")
-            if not peer.accepted:
-                raise IncompatiblePeerError(peer.register_reason)
-            peer.set_ready()
-            logger.info("PD decode: paired with prefill %s (%s)", where, peer.endpoint)
-        except (BootstrapError, IncompatiblePeerError, ValueError, OSError) as e:
-            peer.fail(PairingFailed(f"cannot pair with prefill {where}: {e}"))
-            logger.error("PD decode: %s", peer.reason)
-        self.wake()
-
-    def _heartbeat_loop(self) -> None:
-        interval = max(0.1, self.args.heartbeat_interval_s)
-        while not self._stop.wait(interval):
-            with self.lock:
-                peers = [p for p in self.peers.values() if p.state == PeerState.READY]
-            for p in peers:
-                if check_bootstrap_health(p.host, p.port, timeout_s=min(2.0, interval * 2)):
-                    p.health_failures = 0
-                    continue
-                p.health_failures += 1
-                if p.health_failures >= HEARTBEAT_MAX_FAILURES and p.state == PeerState.READY:
-                    p.fail(PeerLost(f"lost connection with prefill {p.host}:{p.port} "
-                                    f"({p.health_failures} failed heartbeats)"))
-                    logger.error("PD decode: %s", p.reason)
-                    if p.endpoint:
-                        self.channel.drop_peer(p.endpoint)
-                    self.wake()
 
     # ------------------------------------------------------------------ engine thread
     def poll(self) -> list[GenerateOutput]:
@@ -453,8 +366,7 @@ class DecodeConnector(RoleManager):
     def _release_quarantine(self, now: float) -> None:
         if not self.quarantine:
             return
-        with self.lock:
-            acked, self._acked = self._acked, set()
+        acked = self.worker.take_acked()
         for key, (deadline, slot, pages) in list(self.quarantine.items()):
             by_ack = key[0] in acked
             if not by_ack and now < deadline:
@@ -492,7 +404,7 @@ class DecodeConnector(RoleManager):
                     outputs.append(out)
             for p in peers:
                 try:
-                    self.send(p.endpoint, self._register_msg(p))
+                    self.send(p.endpoint, self.worker.register_msg(p))
                 except ValueError as e:      # a node's buffers changed shape: cannot happen
                     logger.error("PD decode: cannot register again with %s: %s", p.endpoint, e)
         done = [o.rid for o in outputs if o.finished]
@@ -504,63 +416,8 @@ class DecodeConnector(RoleManager):
                         del self.room_owner[room]
         return outputs
 
-    # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, TransferStatus):
-            failure = None
-            if msg.state == KVPoll.Failed:
-                failure = (Refused(msg.reason) if 400 <= msg.status_code < 500
-                           else RemoteFailure(msg.reason))
-            self._on_status(msg.bootstrap_room, msg.state, failure, msg.status_code)
-        elif isinstance(msg, Abort):
-            self._on_status(msg.bootstrap_room, KVPoll.Failed,
-                            Aborted(f"aborted by the prefill server: {msg.reason or 'no reason'}"),
-                            ack_sender=msg.sender_id)
-        elif isinstance(msg, AbortAck):
-            with self.lock:
-                self._acked.add(msg.bootstrap_room)
-                self.num_abort_acks += 1
-            self.wake()
-        elif isinstance(msg, DecodeRankInfo):
-            why = ("DecodeRankInfo on a one-process decode" if self.ranks is None
-                   else self.ranks.report(msg))
-            if why is not None:
-                self._reject(why)
-            else:
-                self.wake()
-        elif isinstance(msg, RegisterResult):
-            with self.lock:
-                peer = next((p for p in self.peers.values()
-                             if p.engine_id == msg.decode_engine_id), None)
-            if peer is None:
-                self._reject(f"RegisterResult for unknown engine id {msg.decode_engine_id!r}")
-                return
-            peer.accepted, peer.register_reason = msg.accepted, msg.reason
-            peer.registered.set()
-        elif type(msg).__name__ != "Heartbeat":
-            self._reject(f"unexpected {type(msg).__name__} on a decode server")
-
-    def _on_status(self, room: int, state: KVPoll, failure: RoomFailure | None,
-                   status_code: int = 0,
-                   ack_sender: str | None = None) -> None:
-        with self.lock:
-            rid = self.room_owner.get(room)
-            r = self.rooms.get(rid) if rid is not None else None
-            ok = r is not None and r.state == KVPoll.Transferring and r.status is None
-            if ok:
-                r.status, r.status_failure, r.status_code = state, failure, status_code
-            peer = None if r is None or r.fake else self.peers.get(r.peer_key)
-        if ack_sender is not None and peer is not None and peer.endpoint:
-            self.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
-        if not ok:
-            self._reject(f"{state.name} status for bootstrap_room {room}, which is not waiting "
-                         f"for a transfer here")
-            return
-        self.wake()
-
-    def _reject(self, reason: str) -> None:
-        logger.error("PD decode: rejected a control message: %s", reason)
-        self._count_rejected("refused")
+        self.worker.on_message(msg)         # the receiver thread
 
     # ------------------------------------------------------------------ KVConnector
     def owned_pages(self) -> list[int]:
@@ -603,13 +460,12 @@ class DecodeConnector(RoleManager):
         if self.ranks is not None:
             state["nodes"] = self.ranks.state()
         state.update(num_quarantined_pages=self.num_quarantined_pages,
-                     num_abort_acks=self.num_abort_acks,
+                     num_abort_acks=self.worker.num_abort_acks,
                      num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,
                      num_quarantine_released_by_timeout=self.num_quarantine_released_by_timeout)
         return state
 
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(5.0)
+        self.worker.close()
         self.close_base()
 

@@ -4,7 +4,8 @@ scheduler calls, the worker the engine polls, and the PD role the engine hands r
 ``pdjax.sched.kv_connector.register_kv_connector(name, factory)`` adds a connector (a test's
 file-backed one, say);
 ``--kv-connector NAME`` on a colocated server picks it. The PD roles are built in: each is one
-object that is both the connector and the ``EngineRole``, with its own worker.
+object that is both the connector and the ``EngineRole``, with its own worker
+(``PrefillTransferWorker``, ``DecodeTransferWorker``).
 """
 
 from __future__ import annotations
@@ -35,5 +36,5 @@ def create_kv_connection(host: RoleHost) -> KVConnection | None:
         from pdjax.transfer.decode import DecodeConnector
 
         pd = DecodeConnector(host)
-        return KVConnection(pd, None, pd)
+        return KVConnection(pd, pd.worker, pd)
     return None

@@ -17,16 +17,20 @@ Rules kept here:
   (``decode_prefix_len``) are skipped;
 * copies are contiguous runs x layer buffers x head slices (``kv_export.build_copies``; head
   slices when the two sides have different TP sizes, planned and checked at registration),
-  written by one worker thread in engine batches of at most ``max_batch`` copies;
-* the request's pages stay held (``Scheduler.hold_on_finish``) until Success or Failed and no
-  chunk of the room is in flight; the HTTP answer is held until then too, so a failed transfer
-  reaches the prefill client as an error;
+  written by the worker's thread (``PrefillTransferWorker``) in engine batches of at most
+  ``max_batch`` copies;
+* the request's pages stay held (``request_finished`` returns True: ``Scheduler.held``) until
+  Success or Failed and no chunk of the room is in flight (then the worker reports it in
+  ``finished_sending``); the HTTP answer is held until then too, so a failed transfer reaches
+  the prefill client as an error;
 * every message to the decode about a room (status, abort, abort ack) goes through the same
   worker queue as its chunks, so it is sent only after the room's last write has finished:
   a decode that gets Failed, Abort or AbortAck may reuse its pages at once.
 
-Pure Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``);
-JAX only through ``LocalKV``.
+This module is the engine-thread half (the room table and its state machine, the scheduler's
+``KVConnector``, the engine's ``EngineRole``); ``prefill_worker.py`` holds the threads. Pure
+Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``); JAX
+only through ``LocalKV``.
 """
 
 from __future__ import annotations
@@ -36,19 +40,14 @@ import logging
 import time
 from typing import Any
 
-import numpy as np
-
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.pd.bootstrap import BootstrapServer
-from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
-                                Refused, RoomConflict, RoomFailure, Timeout,
-                                WriteFailed)
-from pdjax.pd.lifecycle import KVPoll
-from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, KVPoll, PromptMismatch,
+                                Refused, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.protocol import Message
 from pdjax.pd.rooms import PrefillRoom
-from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
+from pdjax.pd.wire import MAX_ROOM, prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
@@ -81,7 +80,7 @@ class PrefillConnector(RoleManager):
         self.worker = PrefillTransferWorker(self)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
                                          secret=self.secret,
-                                         on_unauthorized=lambda: self._count_rejected("bootstrap"))
+                                         on_unauthorized=lambda: self.count_rejected("bootstrap"))
         self.bootstrap_port = self.bootstrap.start()
         # Multi-host (DESIGN.md §6): every node registers its own shards; node 0 plans over all.
         self.ranks = (PrefillRanks(join_cluster(self.args), self.bootstrap, self.local_kv,
@@ -370,124 +369,8 @@ class PrefillConnector(RoleManager):
     def sender_id(self) -> str:
         return f"prefill@{self.channel.endpoint}"
 
-    # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, RegisterDecode):
-            self._on_register(msg)
-        elif isinstance(msg, TransferRequest):
-            self._on_transfer_request(msg)
-        elif isinstance(msg, Abort):
-            self._on_abort(msg)
-        elif isinstance(msg, AbortAck):
-            logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
-        elif isinstance(msg, RankWriteDone):
-            if self.ranks is None or not self.ranks.on_done(msg):
-                self._reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
-        elif type(msg).__name__ != "Heartbeat":
-            self._reject(f"unexpected {type(msg).__name__} on a prefill server")
-
-    def _reject(self, reason: str) -> None:
-        logger.error("PD prefill: rejected a control message: %s", reason)
-        self._count_rejected("refused")
-
-    def _on_register(self, msg: RegisterDecode) -> None:
-        try:
-            plan = self.ranks.plan() if self.ranks is not None else None
-            peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
-                                                self.meta.bytes_per_slot,
-                                                plan.layout if plan is not None else None)
-        except ValueError as e:
-            reason = str(e)
-            self._reject(f"registration of {msg.decode_engine_id}: {reason}")
-            self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                         accepted=False, reason=reason))
-            return
-        layout = peer.layout
-        with self.lock:
-            self.peers[msg.decode_engine_id] = peer
-        if plan is not None:
-            self.ranks.paired(msg.decode_engine_id, peer, plan)
-        logger.info("PD prefill: decode %s registered (session %s, %d pages)",
-                    msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
-        self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                     accepted=True))
-
-    def _on_transfer_request(self, msg: TransferRequest) -> None:
-        with self.lock:
-            peer = self.peers.get(msg.decode_engine_id)
-        if peer is None:
-            self._reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
-                         f"unregistered decode {msg.decode_engine_id!r}")
-            return
-        try:
-            dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
-                                 "dst_pages")
-            if not 0 <= msg.dst_metadata_slot < peer.metadata_num_slots:
-                raise ProtocolError(f"field 'dst_metadata_slot': {msg.dst_metadata_slot} outside "
-                                    f"[0, {peer.metadata_num_slots})")
-        except ProtocolError as e:
-            reason = f"bad TransferRequest for bootstrap_room {msg.bootstrap_room}: {e}"
-            self._reject(reason)
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=msg.bootstrap_room,
-                                                          state=KVPoll.Failed, reason=reason))
-            with self.lock:
-                r = self.rooms.get(msg.bootstrap_room)
-                if r is not None and r.peer_id is None:
-                    r.report(BadDestination(reason))     # the prefill client hears of it too
-                    r.notified = True
-            self.wake()
-            return
-        now = time.monotonic()
-        refused = None
-        with self.lock:
-            r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
-                # This server already failed the room (refused its request, a prompt mismatch,
-                # an abort): the decode hears why at once instead of waiting out a timeout.
-                duplicate, refused = False, r
-                if r.peer_id is None:
-                    r.peer_id, r.notified = msg.decode_engine_id, True
-            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
-                duplicate = True
-            else:
-                duplicate = False
-                r = r or self.rooms.setdefault(msg.bootstrap_room,
-                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
-                r.peer_id = msg.decode_engine_id
-                r.dst_pages = dst
-                r.dst_slot = msg.dst_metadata_slot
-                r.decode_prefix_len = msg.decode_prefix_len
-                r.prompt_len = msg.prompt_len
-                r.prompt_digest = msg.prompt_digest
-        if refused is not None:
-            self.send(peer.reply_endpoint, TransferStatus(
-                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
-                reason=(refused.fail_reason or "failed")[:4000], status_code=refused.status_code))
-            return
-        if duplicate:
-            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
-                      f"(the room already has a destination)")
-            self._reject(reason)
-            if r.peer_id != msg.decode_engine_id:
-                self.send(peer.reply_endpoint, TransferStatus(
-                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
-            return
-        self.wake()
-
-    def _on_abort(self, msg: Abort) -> None:
-        with self.lock:
-            peer = self.peers.get(msg.sender_id)
-            r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and r.peer_id == msg.sender_id:
-                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
-                r.notified = True
-        if peer is None:
-            self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
-                         f"{msg.sender_id!r}")
-            return
-        # Acked after every job queued so far (the room's in-flight chunk included) is done.
-        self.worker.ack(msg.bootstrap_room, peer.reply_endpoint, self.sender_id)
-        self.wake()
+        self.worker.on_message(msg)         # the receiver thread
 
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:

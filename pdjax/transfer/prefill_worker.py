@@ -1,13 +1,19 @@
-"""The prefill's transfer worker (DESIGN.md §4): one thread that writes each room's chunks
-into the decode's pages (``kv_export.write_nodes``: contiguous runs x layer buffers x head
-slices, in engine batches of at most ``max_batch`` copies), then its metadata row, and sends
-the room's status, aborts and abort acks to the decode in the same queue, so that each is sent
-only after the room's last write has finished (a decode that gets Failed, Abort or AbortAck
-may reuse its pages at once).
+"""The prefill's transfer worker (DESIGN.md §4): its threads and messages.
+
+* The transfer thread writes each room's chunks into the decode's pages
+  (``kv_export.write_nodes``: contiguous runs x layer buffers x head slices, in engine batches
+  of at most ``max_batch`` copies), then its metadata row, and sends the room's status, aborts
+  and abort acks to the decode in the same queue, so that each is sent only after the room's
+  last write has finished (a decode that gets Failed, Abort or AbortAck may reuse its pages at
+  once).
+* The ZMQ receiver thread hands it the decode's messages: a registration (checked, and
+  planned over every node of a multi-host prefill), a page list (validated against the
+  registered pool; bound to its room), an Abort (acked through the transfer queue), a
+  multi-host node's write report.
 
 ``PrefillConnector.build_meta`` plans a step's chunks on the engine thread; ``start`` stages
-their pages and queues them; the thread only records what happened on the room (under the
-connector's lock) and wakes the engine; ``poll`` reports the requests whose pages may go back
+their pages and queues them; the threads only record what happened on a room (under the
+connector's lock) and wake the engine; ``poll`` reports the requests whose pages may go back
 (``finished_sending``).
 """
 
@@ -19,10 +25,15 @@ import queue
 import threading
 import time
 
-from pdjax.pd.lifecycle import KVPoll, RoomFailure, WriteFailed
-from pdjax.pd.protocol import Abort, AbortAck, TransferStatus
+import numpy as np
+
+from pdjax.pd.lifecycle import Aborted, BadDestination, KVPoll, RoomFailure, WriteFailed
+from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
+                               RegisterResult, TransferRequest, TransferStatus)
 from pdjax.pd.rooms import PrefillRoom
+from pdjax.pd.wire import ProtocolError, validate_pages
 from pdjax.sched.kv_connector import KVConnectorOutput
+from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import TransferError
 from pdjax.transfer.kv_export import write_nodes
 from pdjax.transfer.worker import KVTransferWorker
@@ -191,3 +202,122 @@ class PrefillTransferWorker(KVTransferWorker):
                                                              state=KVPoll.Failed,
                                                              reason=reason[:4000],
                                                              status_code=r.status_code))
+
+    # ------------------------------------------------------------------ receiver thread
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, RegisterDecode):
+            self._on_register(msg)
+        elif isinstance(msg, TransferRequest):
+            self._on_transfer_request(msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(msg)
+        elif isinstance(msg, AbortAck):
+            logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
+        elif isinstance(msg, RankWriteDone):
+            if self.pd.ranks is None or not self.pd.ranks.on_done(msg):
+                self._reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
+        elif type(msg).__name__ != "Heartbeat":
+            self._reject(f"unexpected {type(msg).__name__} on a prefill server")
+
+    def _reject(self, reason: str) -> None:
+        logger.error("PD prefill: rejected a control message: %s", reason)
+        self.pd.count_rejected("refused")
+
+    def _on_register(self, msg: RegisterDecode) -> None:
+        try:
+            plan = self.pd.ranks.plan() if self.pd.ranks is not None else None
+            peer = DecodePeer.from_registration(msg, self.pd.local_kv, self.pd.page_size,
+                                                self.pd.meta.bytes_per_slot,
+                                                plan.layout if plan is not None else None)
+        except ValueError as e:
+            reason = str(e)
+            self._reject(f"registration of {msg.decode_engine_id}: {reason}")
+            self.pd.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
+                                                         accepted=False, reason=reason))
+            return
+        layout = peer.layout
+        with self.pd.lock:
+            self.pd.peers[msg.decode_engine_id] = peer
+        if plan is not None:
+            self.pd.ranks.paired(msg.decode_engine_id, peer, plan)
+        logger.info("PD prefill: decode %s registered (session %s, %d pages)",
+                    msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
+        self.pd.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
+                                                     accepted=True))
+
+    def _on_transfer_request(self, msg: TransferRequest) -> None:
+        with self.pd.lock:
+            peer = self.pd.peers.get(msg.decode_engine_id)
+        if peer is None:
+            self._reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
+                         f"unregistered decode {msg.decode_engine_id!r}")
+            return
+        try:
+            dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
+                                 "dst_pages")
+            if not 0 <= msg.dst_metadata_slot < peer.metadata_num_slots:
+                raise ProtocolError(f"field 'dst_metadata_slot': {msg.dst_metadata_slot} outside "
+                                    f"[0, {peer.metadata_num_slots})")
+        except ProtocolError as e:
+            reason = f"bad TransferRequest for bootstrap_room {msg.bootstrap_room}: {e}"
+            self._reject(reason)
+            self.pd.send(peer.reply_endpoint, TransferStatus(bootstrap_room=msg.bootstrap_room,
+                                                          state=KVPoll.Failed, reason=reason))
+            with self.pd.lock:
+                r = self.pd.rooms.get(msg.bootstrap_room)
+                if r is not None and r.peer_id is None:
+                    r.report(BadDestination(reason))     # the prefill client hears of it too
+                    r.notified = True
+            self.pd.wake()
+            return
+        now = time.monotonic()
+        refused = None
+        with self.pd.lock:
+            r = self.pd.rooms.get(msg.bootstrap_room)
+            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
+                # This server already failed the room (refused its request, a prompt mismatch,
+                # an abort): the decode hears why at once instead of waiting out a timeout.
+                duplicate, refused = False, r
+                if r.peer_id is None:
+                    r.peer_id, r.notified = msg.decode_engine_id, True
+            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+                duplicate = True
+            else:
+                duplicate = False
+                r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
+                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
+                r.peer_id = msg.decode_engine_id
+                r.dst_pages = dst
+                r.dst_slot = msg.dst_metadata_slot
+                r.decode_prefix_len = msg.decode_prefix_len
+                r.prompt_len = msg.prompt_len
+                r.prompt_digest = msg.prompt_digest
+        if refused is not None:
+            self.pd.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
+                reason=(refused.fail_reason or "failed")[:4000], status_code=refused.status_code))
+            return
+        if duplicate:
+            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
+                      f"(the room already has a destination)")
+            self._reject(reason)
+            if r.peer_id != msg.decode_engine_id:
+                self.pd.send(peer.reply_endpoint, TransferStatus(
+                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
+            return
+        self.pd.wake()
+
+    def _on_abort(self, msg: Abort) -> None:
+        with self.pd.lock:
+            peer = self.pd.peers.get(msg.sender_id)
+            r = self.pd.rooms.get(msg.bootstrap_room)
+            if r is not None and r.peer_id == msg.sender_id:
+                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
+                r.notified = True
+        if peer is None:
+            self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
+                         f"{msg.sender_id!r}")
+            return
+        # Acked after every job queued so far (the room's in-flight chunk included) is done.
+        self.ack(msg.bootstrap_room, peer.reply_endpoint, self.pd.sender_id)
+        self.pd.wake()

@@ -122,7 +122,7 @@ class RoleManager(abc.ABC):
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
         self.meta.register(self.transfer_engine)
         self.channel = MessageChannel(self.args.host, self._on_message, self.role,
-                                      on_reject=lambda reason, kind: self._count_rejected(kind),
+                                      on_reject=lambda reason, kind: self.count_rejected(kind),
                                       secret=self.secret)
         logger.info("PD %s: transfer backend %s (session %s), KV path %s, %d B per page over "
                     "%d layer buffers, control channel %s", self.role, backend,
@@ -144,7 +144,7 @@ class RoleManager(abc.ABC):
         """Register the PD metrics on the server's ``pdjax.metrics.Metrics``."""
         self.metrics = PDMetrics(metrics, self.role)
 
-    def _count_rejected(self, kind: str = "malformed") -> None:
+    def count_rejected(self, kind: str = "malformed") -> None:
         """One refused control message; ``kind`` other than ``malformed`` / ``refused`` is an
         authentication failure (``hmac``, ``replay``, ``stale``, ``bootstrap``)."""
         with self.lock:

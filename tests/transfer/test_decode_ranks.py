@@ -214,9 +214,11 @@ def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     pm.meta = types.SimpleNamespace(bytes_per_slot=64)
     told, rejected = [], []
     pm.send = lambda endpoint, m: told.append(m)
-    pm._reject = rejected.append
     pm.peers, pm.lock = {}, threading.RLock()
-    pm._on_register(msg)
+    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
+    worker.pd = pm
+    worker._reject = rejected.append
+    worker._on_register(msg)
     assert told[0].accepted and rejected == [], told[0].reason
     peer = pm.peers["d1"]
     assert (peer.node_sessions, peer.shard_nodes) == (sessions, owners)
