@@ -8,7 +8,8 @@ points and keeps every page it reserves or holds for one in its own books, so th
 
     admission of a waiting request:
         n = connector.get_num_new_matched_tokens(req, num_local_tokens)
-        (pages for the whole prompt are allocated as for any request)
+        (admitted when the whole prompt's pages could be freed, as any request; the n
+        tokens' pages are allocated now, the rest as the prompt runs)
         connector.update_state_after_alloc(req, n)
         n > 0: req waits in ``Scheduler.waiting_remote`` until the worker has
         written the n tokens' KV (``finished_recving``), then runs from token local + n
