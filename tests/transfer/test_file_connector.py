@@ -123,7 +123,8 @@ def test_a_second_engine_reads_the_prompt_kv_from_a_file_instead_of_computing_it
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(3, 250, n)] for n in (21, 35)]
     sp = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-    want = [o["output_ids"] for o in engines["plain"].generate(input_ids=prompts, sampling_params=sp)]
+    plain = engines["plain"].generate(input_ids=prompts, sampling_params=sp)
+    want = [o["output_ids"] for o in plain]
 
     saver = engines["test-file-save"]
     got = [o["output_ids"] for o in saver.generate(input_ids=prompts, sampling_params=sp)]

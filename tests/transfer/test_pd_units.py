@@ -1,7 +1,7 @@
 """Fast PD pieces without processes: the scheduler's remote-KV books as the PD roles use them
 (held by ``request_finished``, reserved, committed, dropped or kept for a quarantine) under its
-invariant check, the decode's reservation arithmetic, the staging path of ``LocalKV``, and the router's request
-arithmetic."""
+invariant check, the decode's reservation arithmetic, the staging path of ``LocalKV``, and the
+router's request arithmetic."""
 
 import dataclasses
 
@@ -75,7 +75,8 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     s = _sched()
     req = _req("d", 9, max_new=3)
     assert s.reserve_remote(req, extra_free_pages=2)
-    assert len(req.pages) == 3 and req.num_cached_tokens == 0 and s.waiting_remote == {"d": req}
+    assert len(req.pages) == 3 and req.num_cached_tokens == 0
+    assert s.waiting_remote == {"d": req}
     s.check_invariants()
     s.commit_remote(req, 42)
     assert req.output_ids == [42] and req.num_computed_tokens == 9
