@@ -3,16 +3,18 @@
 ``EngineCore`` runs the same step for every role; a PD role (``--role prefill|decode``) plugs
 in through ``EngineRole``, which the engine calls at fixed points, and sees the engine only
 through ``RoleHost``, which ``EngineCore`` implements. Neither side reaches into the other's
-privates; the role changes the scheduler's PD page sets only through the scheduler's methods
-(``hold_on_finish``, ``reserve_prebuilt``, ``add_prebuilt``, ``release_prebuilt``,
-``quarantine_prebuilt``, ``release_held``, ``release_quarantine``).
+privates. The scheduler calls the same object as its ``KVConnector``
+(``pdjax/sched/kv_connector.py``); the role reserves and commits a decode's pages through the
+scheduler's public ``reserve_remote`` / ``commit_remote`` / ``drop_remote``.
 
 One engine step and where the role is called (engine thread)::
 
     step():  [read a grammar step in flight]
              role.poll()                      -> outputs   (admit, commit, fail, time out)
+             scheduler.update_from_kv_output(worker.poll())     (held pages back)
              scheduler.schedule() -> launch -> read a step's tokens
-             role.after_step(batch, outputs)  -> outputs   (queue KV chunks, hold answers)
+             worker.start(connector.build_meta(batch))          (queue KV chunks)
+             role.after_step(batch, outputs)  -> outputs   (hold answers, address checks)
     add_request(g): role.add_request(g, req)  -> True: the role schedules it later
     abort_request:  role.abort(rid, message)  -> an output, or None: the scheduler's
     a request refused before it reached the role: role.on_rejected / role.reject_room
@@ -37,7 +39,7 @@ if TYPE_CHECKING:      # annotations only: no import at run time
 
 @runtime_checkable
 class EngineRole(Protocol):
-    """A PD role as the engine sees it (``PrefillManager``, ``DecodeManager``). Every method
+    """A PD role as the engine sees it (``PrefillConnector``, ``DecodeConnector``). Every method
     runs on the engine thread; a role's own threads only record events and call the wake
     callback."""
 

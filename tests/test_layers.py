@@ -214,8 +214,8 @@ def test_the_private_checker_sees_a_reach():
                                                "pdjax/transfer/decode.py:7: os._wrap_close"]
 
 
-@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillManager",
-                                  "pdjax.transfer.decode:DecodeManager"])
+@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillConnector",
+                                  "pdjax.transfer.decode:DecodeConnector"])
 def test_role_managers_implement_the_engine_role(role):
     from pdjax.engine_roles import EngineRole
 
@@ -225,3 +225,25 @@ def test_role_managers_implement_the_engine_role(role):
     assert len(members) == 12
     missing = [m for m in members if not callable(getattr(cls, m, None))]
     assert not missing, f"{name} lacks {missing}"
+
+
+@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillConnector",
+                                  "pdjax.transfer.decode:DecodeConnector"])
+def test_the_pd_roles_are_kv_connectors(role):
+    from pdjax.sched.kv_connector import KVConnector
+
+    module, name = role.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    members = [m for m in vars(KVConnector) if not m.startswith("_")]
+    assert sorted(members) == ["build_meta", "get_num_new_matched_tokens", "owned_pages",
+                               "request_finished", "update", "update_state_after_alloc"]
+    missing = [m for m in members if not callable(getattr(cls, m, None))]
+    assert not missing, f"{name} lacks {missing}"
+
+
+def test_the_scheduler_never_imports_the_transfer_package():
+    sched = [name for name in MODULES if name.startswith("pdjax.sched")]
+    reach = [f"{name}:{line} {target}" for name in sched
+             for line, target in run_time_imports(MODULES[name].read_text())
+             if target.startswith("pdjax.transfer")]
+    assert sched and not reach, reach

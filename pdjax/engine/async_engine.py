@@ -316,6 +316,8 @@ class AsyncEngine:
                     self.core.runner.stop_profile()
                     self._profile_dir = self._profile_steps_left = None
         self.watchdog.stop()
+        if self.core.kv_worker is not None:
+            self.core.kv_worker.close()        # before the role's sockets close
         if self.core.disagg is not None:
             self.core.disagg.close()
         if self.core.cluster is not None:

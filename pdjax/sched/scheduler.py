@@ -23,21 +23,26 @@ Policy, per step:
    work, so decode rows never wait more than one step (the fairness bound).
 4. With ``target_itl_ms`` and decode rows in a mixed step, the prefill gets only as many tokens
    as the cost model (``pdjax.sched.cost_model``) predicts fit in the target next to the decode
-   rows (Sarathi-Serve's stall-free batching): the step is filled up to the largest compiled
-   token bucket that fits, never a new shape (the chunk may end anywhere inside it), planned
-   against an upper quantile of the model's errors. The first prefill row still advances every
-   step (no starvation): by at least one token (a sub-page chunk is fine in a colocated step),
-   one page for page-aligned chunks; with nothing decoding, prefill gets the whole chunk.
-   Before any forward is timed, the chunk is unconstrained.
+   rows (Sarathi-Serve's stall-free batching, ``pdjax.sched.itl_target``): the step is filled
+   up to the largest compiled token bucket that fits, never a new shape (the chunk may end
+   anywhere inside it), planned against an upper quantile of the model's errors. The first
+   prefill row still advances every step (no starvation): by at least one token (a sub-page
+   chunk is fine in a colocated step), one page for page-aligned chunks; with nothing
+   decoding, prefill gets the whole chunk. Before any forward is timed, the chunk is
+   unconstrained.
 5. Speculative decoding (``SpecRows``, ``speculator`` set): decode rows of requests that
    speculate carry drafts, within the token budget (half of it when prefill waits) and the
    free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
    (``resolve_verify``).
+6. A ``KVConnector`` (``pdjax.sched.kv_connector``) is asked at admission how many prompt
+   tokens arrive from elsewhere (such a request waits in ``waiting_remote``) and at a finish
+   whether the pages stay (``held``) until their KV has left (``RemoteKV``).
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
     request.pages = [cached prefix pages (owned by the prefix cache, locked) | own pages]
-    own pages of live requests + prefix-cache pages + free list = pages 1..num_pages-1
+    own pages of live, held and waiting_remote requests + the connector's owned_pages
+        + prefix-cache pages + free list = pages 1..num_pages-1
 """
 
 from __future__ import annotations
@@ -49,7 +54,10 @@ import time
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
-from pdjax.sched.pd_pages import PDPageSets
+from pdjax.sched.itl_target import fit_target
+from pdjax.sched.kv_connector import KVConnector, NullConnector
+from pdjax.sched.output import ScheduledBatch, ScheduledRow
+from pdjax.sched.remote_kv import RemoteKV
 from pdjax.sched.spec_rows import SpecRows
 
 
@@ -93,80 +101,20 @@ class SchedulerConfig:
         return self.max_num_batched_tokens or self.chunked_prefill_size
 
 
-@dataclasses.dataclass
-class ScheduledRow:
-    """``num_tokens`` new tokens of ``req`` from position ``start``; a verify row's last
-    ``len(draft_ids)`` of them are drafts (not in ``req.all_ids``; ``pdjax.sched.spec_rows``)."""
-
-    req: Request
-    start: int
-    num_tokens: int
-    draft_ids: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start == self.req.num_tokens - 1 and bool(self.req.output_ids)
-
-    @property
-    def is_verify(self) -> bool:
-        """A decode row carrying drafts (one logits row per token, DESIGN.md §3)."""
-        return bool(self.draft_ids)
-
-    @property
-    def samples(self) -> bool:
-        """True when this row reaches the request's newest token, so a token is sampled."""
-        return self.start + self.num_tokens - len(self.draft_ids) == self.req.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        known = self.num_tokens - len(self.draft_ids)
-        return self.req.all_ids[self.start:self.start + known] + self.draft_ids
-
-
-def chunk_pairs(num_tokens: int, start: int) -> int:
-    """Context tokens a row of ``num_tokens`` new tokens from position ``start`` attends,
-    summed over its tokens, if it is a prompt chunk (more than one token), else 0: the cost
-    model's ``q`` term of one row."""
-    return num_tokens * start + num_tokens * (num_tokens + 1) // 2 if num_tokens > 1 else 0
-
-
-@dataclasses.dataclass
-class ScheduledBatch:
-    forward_mode: str             # "decode" | "prefill_chunk" | "mixed"
-    rows: list[ScheduledRow]      # decode rows first
-    step: int
-    predicted_time_s: float | None = None     # the cost model's forecast of the forward
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.rows)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Context tokens the rows read from the cache (the sum of their starts)."""
-        return sum(r.start for r in self.rows)
-
-    @property
-    def num_chunk_pairs(self) -> int:
-        """Context tokens the prompt chunks' new tokens attend, summed over them (the cost
-        model's ``q``): ``n * start + n (n + 1) / 2`` per row of ``n > 1`` tokens."""
-        return sum(chunk_pairs(r.num_tokens, r.start) for r in self.rows)
-
-    def pages_per_seq(self, page_size: int) -> int:
-        """Most pages one row reaches after this step."""
-        return max(-(-(r.start + r.num_tokens) // page_size) for r in self.rows)
-
-
-class Scheduler(PDPageSets, SpecRows):
+class Scheduler(RemoteKV, SpecRows):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
     and ``margin``), needed for ``target_itl_ms``; each batch carries its prediction.
+    ``connector``: the ``KVConnector`` asked at admission and finish (default
+    ``NullConnector``: colocated serving).
     """
 
-    def __init__(self, config: SchedulerConfig, cost_model=None):
+    def __init__(self, config: SchedulerConfig, cost_model=None,
+                 connector: KVConnector | None = None):
         self.config = config
         self.cost_model = cost_model
+        self.connector: KVConnector = connector if connector is not None else NullConnector()
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.prefix_cache = RadixCache(config.page_size, self.allocator,
@@ -181,12 +129,10 @@ class Scheduler(PDPageSets, SpecRows):
         # Requests finished inside schedule() (no forward, so no sampled output carries their
         # finish): the engine drains them every step with ``pop_finished`` and answers them.
         self._finished_unreported: list[Request] = []
-        # PD disaggregation (DESIGN.md §4); see the "PD hooks" section below.
-        # Changed only through the PD methods; read-only views: ``held``, ``prealloc``.
-        self._hold_on_finish: set[str] = set()      # rids whose pages outlive their finish
-        self._held: dict[str, Request] = {}         # finished, pages kept until release_held
-        self._prealloc: dict[str, Request] = {}     # decode: pages reserved, KV arriving
-        self._quarantined: dict[object, list[int]] = {}   # pages a late write may still hit
+        # KV that moves between servers (``RemoteKV``; read-only views ``held``,
+        # ``waiting_remote``): changed only through the connector's calls.
+        self._held: dict[str, Request] = {}           # finished, pages kept until sent
+        self._waiting_remote: dict[str, Request] = {}  # pages reserved, KV arriving
         # Requests whose pending token is certainly their last (length limits): not scheduled
         # again while it is pending (overlap).
         self.finishing: set[str] = set()
@@ -211,12 +157,13 @@ class Scheduler(PDPageSets, SpecRows):
     def abort_request(self, rid: str, message: str = "aborted") -> Request | None:
         """Drop ``rid`` wherever it is; its pages come back. Returns the request or None."""
         req = self.requests.pop(rid, None)
-        self._hold_on_finish.discard(rid)
         self.finishing.discard(rid)
         if self.speculator is not None:
             self.speculator.release(rid)
         if req is None:
             return None
+        if self._waiting_remote.get(rid) is req:
+            self.drop_remote(req)
         self.drop_pending(req)
         if req in self.waiting:
             self.waiting.remove(req)
@@ -343,6 +290,9 @@ class Scheduler(PDPageSets, SpecRows):
         return rows
 
     def _admit(self, req: Request) -> bool:
+        """Admit the head of the queue: its prefix-cache hit, then what the connector has of
+        the rest (``KVConnector.get_num_new_matched_tokens``; such a request waits in
+        ``waiting_remote`` for it). False (no change) when its pages cannot be freed."""
         ps = self.page_size
         max_pages = (req.num_tokens - 1) // ps
         if req.return_logprob and req.logprob_start_len >= 0:
@@ -350,12 +300,19 @@ class Scheduler(PDPageSets, SpecRows):
         pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
         self.prefix_cache.lock(node)
         need = -(-req.num_tokens // ps) + 1 - len(pages)
+        external = 0
+        if not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
+            external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
         if not self._make_free(need):
             self.prefix_cache.unlock(node)
             return False
         req.prefix_node = node
         req.pages = list(pages)
+        if external:
+            self._admit_remote(req, external)
+            return True
         req.start_running(len(pages) * ps)
+        self.connector.update_state_after_alloc(req, 0)
         self.running.append(req)
         return True
 
@@ -368,16 +325,20 @@ class Scheduler(PDPageSets, SpecRows):
             if candidates:
                 req = candidates.pop(0)
             else:
-                if not self.waiting or len(self.running) >= self.config.max_running_requests:
+                if not self.waiting or len(self.running) + len(self._waiting_remote) \
+                        >= self.config.max_running_requests:
                     break
                 req = self.waiting[0]
                 if req.last_scheduled_step == self.step_id or not self._admit(req):
                     break
                 self.waiting.popleft()
+                if req.rid in self._waiting_remote:
+                    continue          # its KV arrives first
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(budget, remaining, self.config.chunked_prefill_size)
             if targeted:
-                n = self._fit_target(decode_rows + rows, req, n, first=not rows)
+                n = fit_target(self.cost_model, self.config, decode_rows + rows, req, n,
+                               first=not rows)
             if n < remaining and self.config.page_aligned_chunks:
                 n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
             if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
@@ -405,66 +366,6 @@ class Scheduler(PDPageSets, SpecRows):
         node = self.prefix_cache.extend_locked(req.prefix_node, ids, req.pages[:full])
         if node is not None:
             req.prefix_node = node
-
-    def _fit_target(self, rows: list[ScheduledRow], req: Request, n_max: int, first: bool) -> int:
-        """Tokens of ``req`` (at most ``n_max``) that keep the step inside ``target_itl_ms``
-        next to ``rows``: the most whose prediction times the cost model's ``margin`` (an upper
-        quantile of its recent errors) fits. The step stays in a compiled token bucket (the
-        largest bucket whose smallest fill fits, then a bisection inside it: a prediction grows
-        with the tokens); the chunk may end anywhere inside its bucket, since the cost model
-        prices the real tokens and each bucket's fixed cost, padding included (the CPU matmul
-        skips padding rows, XLA's dots do not). None fits: 0 for a later prefill row; the first
-        one still advances (no starvation) by the least there is, one token (one page for
-        page-aligned chunks, PD prefill), or by the rest of that token's bucket where the
-        prediction says the padding would cost as much as the tokens (within 1%). Nothing timed
-        yet: ``n_max``.
-
-            decode rows  | chunk of req ........|  pad
-            <- tokens0 ->|<- n --------------->|        (one compiled token bucket)
-        """
-        ps = self.page_size
-        start = req.num_computed_tokens
-        tokens0 = sum(r.num_tokens for r in rows)
-        cached0 = sum(r.start for r in rows) + start
-        pairs0 = sum(chunk_pairs(r.num_tokens, r.start) for r in rows)
-        pages0 = max(-(-(r.start + r.num_tokens) // ps) for r in rows)
-        target_s = self.config.target_itl_ms / 1000.0 / self.cost_model.margin("mixed")
-
-        def predict(n: int) -> float | None:
-            pages = max(pages0, -(-(start + n) // ps))
-            return self.cost_model.predict("mixed", tokens0 + n, len(rows) + 1, pages, cached0,
-                                           pairs0 + chunk_pairs(n, start))
-
-        def fits(n: int) -> bool:
-            t = predict(n)
-            return t is not None and t <= target_s
-
-        buckets = self.cost_model.token_buckets
-        for i in reversed(range(len(buckets))):
-            lo = max(1, (buckets[i - 1] if i else 0) - tokens0 + 1)
-            hi = min(n_max, buckets[i] - tokens0)
-            if hi < lo:
-                continue
-            t = predict(hi)
-            if t is None:
-                return n_max
-            if t <= target_s:
-                return hi
-            if not fits(lo):
-                continue
-            while hi - lo > 1:            # lo fits, hi does not
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-            return lo
-        if not first:
-            return 0
-        least = min(n_max, ps) if self.config.page_aligned_chunks else 1
-        fill = min(n_max, next((b for b in buckets if b >= tokens0 + least), tokens0 + least)
-                   - tokens0)
-        t_least, t_fill = predict(least), predict(fill)
-        if t_least is not None and t_fill is not None and t_fill <= 1.01 * t_least:
-            return fill
-        return least
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],
@@ -550,9 +451,8 @@ class Scheduler(PDPageSets, SpecRows):
             self.speculator.release(req.rid)
         if req in self.running:
             self.running.remove(req)
-            if req.rid in self._hold_on_finish:
-                self._hold_on_finish.discard(req.rid)
-                self._held[req.rid] = req          # pages stay until release_held
+            if self.connector.request_finished(req):
+                self._held[req.rid] = req          # pages stay until finished_sending
             else:
                 self._release(req)
         self.requests.pop(req.rid, None)
@@ -579,17 +479,17 @@ class Scheduler(PDPageSets, SpecRows):
         pool (counted from each side independently) and requests' pages are disjoint."""
         free = set(self.allocator.free_pages())
         cached = set(self.prefix_cache.cached_pages())
-        owned: list[int] = [p for pages in self._quarantined.values() for p in pages]
-        for r in [*self.running, *self._held.values(), *self._prealloc.values()]:
+        assert not self._held.keys() & self.requests.keys(), "a held request is also scheduled"
+        assert not {r.rid for r in self.running} & self._waiting_remote.keys(), \
+            "a request waiting for its KV also runs"
+        owned: list[int] = list(self.connector.owned_pages())
+        for r in [*self.running, *self._held.values(), *self._waiting_remote.values()]:
             k = self.num_shared_pages(r)
             assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
             owned += r.pages[k:]
         owned_set = set(owned)
         assert len(owned_set) == len(owned), "a page is owned by two requests"
-        assert self._hold_on_finish <= self.requests.keys(), "a hold mark outlived its request"
-        assert not (self._held.keys() | self._prealloc.keys()) & self.requests.keys(), \
-            "a held or reserved request is also scheduled"
         assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
             "page sets overlap"
         assert 0 not in owned_set | cached | free, "the null page escaped"

@@ -39,36 +39,42 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
-import uuid
 from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.pd.bootstrap import (BootstrapError, IncompatiblePeerError,
-                                check_bootstrap_health, check_compatible,
-                                fetch_prefill_info)
-from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, MetadataGate,
-                                PairingFailed, PeerLost, PeerState, Refused,
-                                RemoteFailure, RoomConflict, RoomFailure, Timeout)
-from pdjax.pd.lifecycle import KVPoll
-from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, KVPoll, MetadataGate,
+                                PeerState, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.protocol import Abort, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_ranks import DecodeRanks
+from pdjax.transfer.decode_worker import DecodeTransferWorker
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
 
-REGISTER_TIMEOUT_S = 10.0
-HEARTBEAT_MAX_FAILURES = 2
+
+def decode_reserve_pages(s, req: Request, num_reserved_decode_tokens: int) -> int:
+    """Pages the scheduler ``s`` must keep free for decode tokens when ``req`` is admitted: for
+    ``req`` and every running or reserved request, ``ceil(min(num_reserved_decode_tokens,
+    tokens it may still generate) / page_size)`` (SGLang's ``pop_preallocated``, simplified; a
+    request that has no output yet counts its first token as generated)."""
+    ps = s.page_size
+
+    def need(r: Request) -> int:
+        mnt = r.sampling_params.max_new_tokens
+        left = (num_reserved_decode_tokens if mnt is None else
+                max(0, min(num_reserved_decode_tokens, mnt - max(1, len(r.output_ids)))))
+        return -(-left // ps)
+
+    return need(req) + sum(map(need, s.running)) + sum(map(need, s.waiting_remote.values()))
 
 
-class DecodeManager(RoleManager):
+class DecodeConnector(RoleManager):
     """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
 
     ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
@@ -79,25 +85,19 @@ class DecodeManager(RoleManager):
 
     def __init__(self, host):
         super().__init__(host)
-        self._uid = uuid.uuid4().hex[:12]
-        self._peer_ids = itertools.count()
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
         self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
         self.peers: dict[tuple[str, int], PrefillPeer] = {}
-        self.quarantine: dict[tuple[int, int], tuple[float, int | None]] = {}
+        # (room, seq) -> (drain deadline, metadata slot, pages): where a late write may land
+        self.quarantine: dict[tuple[int, int], tuple[float, int | None, list[int]]] = {}
         self._quarantine_seq = itertools.count()
-        self._acked: set[int] = set()
-        self.num_abort_acks = 0
         self.num_quarantine_released_by_ack = 0
         self.num_quarantine_released_by_timeout = 0
-        self._stop = threading.Event()
         # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
         self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
         if self.ranks is not None:
             self.ranks.announce(self.channel.endpoint)
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="pd-heartbeat",
-                                           daemon=True)
-        self._heartbeat.start()
+        self.worker = DecodeTransferWorker(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
@@ -129,7 +129,7 @@ class DecodeManager(RoleManager):
             self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
                                              digest=b"" if fake else prompt_digest(req.prompt_ids))
         if peer_key is not None:
-            self._ensure_peer(peer_key)
+            self.worker.ensure_peer(peer_key)
         self.wake()
         return True
 
@@ -149,76 +149,6 @@ class DecodeManager(RoleManager):
                    send_abort=in_flight, answer=False)
         return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
                               finish_reason=FinishReason.abort(message))
-
-    # ------------------------------------------------------------------ peers
-    def _ensure_peer(self, key: tuple[str, int]) -> None:
-        with self.lock:
-            if key in self.peers:
-                return
-            peer = PrefillPeer(key[0], key[1], f"decode-{self._uid}-{next(self._peer_ids)}")
-            self.peers[key] = peer
-        threading.Thread(target=self._bootstrap_peer, args=(peer,), daemon=True,
-                         name=f"pd-bootstrap-{key[0]}:{key[1]}").start()
-
-    def _register_msg(self, peer: PrefillPeer, wait_s: float = 0.0) -> RegisterDecode:
-        """This decode's registration; a multi-host one lists every node's shards and session
-        (waiting up to ``wait_s`` for the other nodes' reports; ``ValueError`` after)."""
-        layout, sessions, owners = self.local_kv.layout, (), ()
-        session = self.transfer_engine.session_id
-        if self.ranks is not None:
-            layout, sessions, owners = self.ranks.layout(layout, session, wait_s)
-        return RegisterDecode(
-            decode_engine_id=peer.engine_id, reply_endpoint=self.channel.endpoint,
-            engine_session_id=session, tp_rank=0, tp_size=1,
-            kv_buffers=layout.buffers, kv_layout=layout.kind, metadata_addr=self.meta.base_addr,
-            metadata_bytes_per_slot=self.meta.bytes_per_slot,
-            metadata_num_slots=self.meta.num_slots, page_size=self.page_size,
-            kv_dtype=self.local_kv.kv_dtype, layout_fingerprint=self.local_kv.fingerprint,
-            node_sessions=sessions, shard_nodes=owners)
-
-    def _bootstrap_peer(self, peer: PrefillPeer) -> None:
-        """Bootstrap thread: topology, compatibility check, registration (DESIGN.md §4)."""
-        where = f"{peer.host}:{peer.port}"
-        try:
-            info = fetch_prefill_info(peer.host, peer.port,
-                                      timeout_s=min(self.args.bootstrap_timeout_s, 30.0))
-            check_compatible(info, page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
-                             layout_fingerprint=self.local_kv.fingerprint)
-            rank = info.rank(0)
-            peer.endpoint = f"tcp://{rank.rank_ip}:{rank.rank_port}"
-            peer.registered.clear()
-            msg = self._register_msg(peer, wait_s=self.args.bootstrap_timeout_s)
-            if not self.send(peer.endpoint, msg):
-                raise BootstrapError(f"could not send the registration to {peer.endpoint}")
-            if not peer.registered.wait(REGISTER_TIMEOUT_S):
-                raise BootstrapError(f"no answer to the registration from {peer.endpoint} "
-                                     f"within {REGISTER_TIMEOUT_S:g} s")
-            if not peer.accepted:
-                raise IncompatiblePeerError(peer.register_reason)
-            peer.set_ready()
-            logger.info("PD decode: paired with prefill %s (%s)", where, peer.endpoint)
-        except (BootstrapError, IncompatiblePeerError, ValueError, OSError) as e:
-            peer.fail(PairingFailed(f"cannot pair with prefill {where}: {e}"))
-            logger.error("PD decode: %s", peer.reason)
-        self.wake()
-
-    def _heartbeat_loop(self) -> None:
-        interval = max(0.1, self.args.heartbeat_interval_s)
-        while not self._stop.wait(interval):
-            with self.lock:
-                peers = [p for p in self.peers.values() if p.state == PeerState.READY]
-            for p in peers:
-                if check_bootstrap_health(p.host, p.port, timeout_s=min(2.0, interval * 2)):
-                    p.health_failures = 0
-                    continue
-                p.health_failures += 1
-                if p.health_failures >= HEARTBEAT_MAX_FAILURES and p.state == PeerState.READY:
-                    p.fail(PeerLost(f"lost connection with prefill {p.host}:{p.port} "
-                                    f"({p.health_failures} failed heartbeats)"))
-                    logger.error("PD decode: %s", p.reason)
-                    if p.endpoint:
-                        self.channel.drop_peer(p.endpoint)
-                    self.wake()
 
     # ------------------------------------------------------------------ engine thread
     def poll(self) -> list[GenerateOutput]:
@@ -286,12 +216,12 @@ class DecodeManager(RoleManager):
         """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
         s = self.scheduler
         req = r.req
-        reserve = s.decode_reserve_pages(req, self.args.num_reserved_decode_tokens)
-        if not s.reserve_prebuilt(req, reserve):
-            if s.running or s.prealloc:
+        reserve = decode_reserve_pages(s, req, self.args.num_reserved_decode_tokens)
+        if not s.reserve_remote(req, reserve):
+            if s.running or s.waiting_remote:
                 return False, None
-            if not s.reserve_prebuilt(req, 0):
-                if s.has_quarantine:
+            if not s.reserve_remote(req, 0):
+                if self.quarantine:
                     # Pages a late write may still hit come back by ack or drain timeout: wait
                     # like any request that does not fit yet.
                     return False, None
@@ -304,7 +234,7 @@ class DecodeManager(RoleManager):
         if not r.fake:
             slot = self.meta.alloc()
             if slot is None:
-                s.release_prebuilt(req)
+                s.drop_remote(req)
                 return False, None
         r.slot = slot
         k = req.num_cached_tokens // self.page_size
@@ -367,11 +297,11 @@ class DecodeManager(RoleManager):
         if req.sampling_params.max_new_tokens == 0:
             # Nothing to decode (colocated finishes such a request without a forward): the
             # prefill's first token is not the client's, and the pages go back at once.
-            self.scheduler.release_prebuilt(req)
+            self.scheduler.drop_remote(req)
             req.finish(FinishReason.of_length(0))
             tokens = []
         else:
-            self.scheduler.add_prebuilt(req, token)
+            self.scheduler.commit_remote(req, token)
             if req.return_logprob:
                 lps, tops = [float(lp or 0.0)], [top or []]
                 req.append_logprobs(lps[0], tops[0])
@@ -411,14 +341,15 @@ class DecodeManager(RoleManager):
             self.send(peer.endpoint, Abort(bootstrap_room=r.room, sender_id=peer.engine_id,
                                            reason=reason[:4000]))
         req = r.req
-        if req.rid in self.scheduler.prealloc:
+        if req.rid in self.scheduler.waiting_remote:
             if quarantine and r.room is not None:
                 key = (r.room, next(self._quarantine_seq))
-                self.scheduler.quarantine_prebuilt(req, key)
-                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot)
+                own = self.scheduler.drop_remote(req, free=False)
+                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot,
+                                        own)
                 r.slot = None
             else:
-                self.scheduler.release_prebuilt(req)
+                self.scheduler.drop_remote(req)
         if r.slot is not None:
             self.meta.free(r.slot)
             r.slot = None
@@ -435,14 +366,13 @@ class DecodeManager(RoleManager):
     def _release_quarantine(self, now: float) -> None:
         if not self.quarantine:
             return
-        with self.lock:
-            acked, self._acked = self._acked, set()
-        for key, (deadline, slot) in list(self.quarantine.items()):
+        acked = self.worker.take_acked()
+        for key, (deadline, slot, pages) in list(self.quarantine.items()):
             by_ack = key[0] in acked
             if not by_ack and now < deadline:
                 continue
             del self.quarantine[key]
-            self.scheduler.release_quarantine(key)
+            self.scheduler.free_pages(pages)
             if slot is not None:
                 self.meta.free(slot)
             if by_ack:
@@ -474,7 +404,7 @@ class DecodeManager(RoleManager):
                     outputs.append(out)
             for p in peers:
                 try:
-                    self.send(p.endpoint, self._register_msg(p))
+                    self.send(p.endpoint, self.worker.register_msg(p))
                 except ValueError as e:      # a node's buffers changed shape: cannot happen
                     logger.error("PD decode: cannot register again with %s: %s", p.endpoint, e)
         done = [o.rid for o in outputs if o.finished]
@@ -486,63 +416,13 @@ class DecodeManager(RoleManager):
                         del self.room_owner[room]
         return outputs
 
-    # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, TransferStatus):
-            failure = None
-            if msg.state == KVPoll.Failed:
-                failure = (Refused(msg.reason) if 400 <= msg.status_code < 500
-                           else RemoteFailure(msg.reason))
-            self._on_status(msg.bootstrap_room, msg.state, failure, msg.status_code)
-        elif isinstance(msg, Abort):
-            self._on_status(msg.bootstrap_room, KVPoll.Failed,
-                            Aborted(f"aborted by the prefill server: {msg.reason or 'no reason'}"),
-                            ack_sender=msg.sender_id)
-        elif isinstance(msg, AbortAck):
-            with self.lock:
-                self._acked.add(msg.bootstrap_room)
-                self.num_abort_acks += 1
-            self.wake()
-        elif isinstance(msg, DecodeRankInfo):
-            why = ("DecodeRankInfo on a one-process decode" if self.ranks is None
-                   else self.ranks.report(msg))
-            if why is not None:
-                self._reject(why)
-            else:
-                self.wake()
-        elif isinstance(msg, RegisterResult):
-            with self.lock:
-                peer = next((p for p in self.peers.values()
-                             if p.engine_id == msg.decode_engine_id), None)
-            if peer is None:
-                self._reject(f"RegisterResult for unknown engine id {msg.decode_engine_id!r}")
-                return
-            peer.accepted, peer.register_reason = msg.accepted, msg.reason
-            peer.registered.set()
-        elif type(msg).__name__ != "Heartbeat":
-            self._reject(f"unexpected {type(msg).__name__} on a decode server")
+        self.worker.on_message(msg)         # the receiver thread
 
-    def _on_status(self, room: int, state: KVPoll, failure: RoomFailure | None,
-                   status_code: int = 0,
-                   ack_sender: str | None = None) -> None:
-        with self.lock:
-            rid = self.room_owner.get(room)
-            r = self.rooms.get(rid) if rid is not None else None
-            ok = r is not None and r.state == KVPoll.Transferring and r.status is None
-            if ok:
-                r.status, r.status_failure, r.status_code = state, failure, status_code
-            peer = None if r is None or r.fake else self.peers.get(r.peer_key)
-        if ack_sender is not None and peer is not None and peer.endpoint:
-            self.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
-        if not ok:
-            self._reject(f"{state.name} status for bootstrap_room {room}, which is not waiting "
-                         f"for a transfer here")
-            return
-        self.wake()
-
-    def _reject(self, reason: str) -> None:
-        logger.error("PD decode: rejected a control message: %s", reason)
-        self._count_rejected("refused")
+    # ------------------------------------------------------------------ KVConnector
+    def owned_pages(self) -> list[int]:
+        """The quarantined pages (the scheduler's invariant check counts them)."""
+        return [p for _, _, pages in self.quarantine.values() for p in pages]
 
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:
@@ -567,7 +447,7 @@ class DecodeManager(RoleManager):
                 "num_bound_rooms": len(self.room_owner),      # rooms held until a request ends
                 "num_decode_prealloc_queue_reqs": q["bootstrap"] + q["prealloc"],
                 "num_decode_transfer_queue_reqs": q["transfer"],
-                "num_quarantined_pages": self.scheduler.num_quarantined_pages,
+                "num_quarantined_pages": self.num_quarantined_pages,
                 **self.baseline_load()}
 
     def debug_state(self) -> dict[str, Any]:
@@ -579,14 +459,13 @@ class DecodeManager(RoleManager):
                                "engine_id": p.engine_id} for p in self.peers.values()]
         if self.ranks is not None:
             state["nodes"] = self.ranks.state()
-        state.update(num_quarantined_pages=self.scheduler.num_quarantined_pages,
-                     num_abort_acks=self.num_abort_acks,
+        state.update(num_quarantined_pages=self.num_quarantined_pages,
+                     num_abort_acks=self.worker.num_abort_acks,
                      num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,
                      num_quarantine_released_by_timeout=self.num_quarantine_released_by_timeout)
         return state
 
     def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(5.0)
+        self.worker.close()
         self.close_base()
 

@@ -1,7 +1,7 @@
 """A multi-host decode (DESIGN.md §6): node 0 runs the scheduler, the metadata rows and the PD
 signalling; every node's KV shards are written by the prefill directly:
 
-    node 0 (DecodeManager, ``DecodeRanks``)           node R > 0 (``DecodeRankNode``)
+    node 0 (DecodeConnector, ``DecodeRanks``)         node R > 0 (``DecodeRankNode``)
     kv_ranks(reply) on the step socket  ------------>  its addresses re-checked, then
     DecodeRankInfo(session, own shards, gen 0)  <----  reported on the PD control channel
     RegisterDecode: every node's shards (one ``RankedLayout``), ``node_sessions``,

@@ -17,55 +17,56 @@ Rules kept here:
   (``decode_prefix_len``) are skipped;
 * copies are contiguous runs x layer buffers x head slices (``kv_export.build_copies``; head
   slices when the two sides have different TP sizes, planned and checked at registration),
-  written by one worker thread in engine batches of at most ``max_batch`` copies;
-* the request's pages stay held (``Scheduler.hold_on_finish``) until Success or Failed and no
-  chunk of the room is in flight; the HTTP answer is held until then too, so a failed transfer
-  reaches the prefill client as an error;
+  written by the worker's thread (``PrefillTransferWorker``) in engine batches of at most
+  ``max_batch`` copies;
+* the request's pages stay held (``request_finished`` returns True: ``Scheduler.held``) until
+  Success or Failed and no chunk of the room is in flight (then the worker reports it in
+  ``finished_sending``); the HTTP answer is held until then too, so a failed transfer reaches
+  the prefill client as an error;
 * every message to the decode about a room (status, abort, abort ack) goes through the same
   worker queue as its chunks, so it is sent only after the room's last write has finished:
   a decode that gets Failed, Abort or AbortAck may reuse its pages at once.
 
-Pure Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``);
-JAX only through ``LocalKV``.
+This module is the engine-thread half (the room table and its state machine, the scheduler's
+``KVConnector``, the engine's ``EngineRole``); ``prefill_worker.py`` holds the threads. Pure
+Python below the engine: it sees the engine as a ``RoleHost`` (``pdjax/engine_roles.py``); JAX
+only through ``LocalKV``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from typing import Any
-
-import numpy as np
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.pd.bootstrap import BootstrapServer
-from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, PromptMismatch,
-                                Refused, RoomConflict, RoomFailure, Timeout,
-                                WriteFailed)
-from pdjax.pd.lifecycle import KVPoll
-from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
-                               RegisterResult, TransferRequest, TransferStatus)
+from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, KVPoll, PromptMismatch,
+                                Refused, RoomConflict, RoomFailure, Timeout)
+from pdjax.pd.protocol import Message
 from pdjax.pd.rooms import PrefillRoom
-from pdjax.pd.wire import MAX_ROOM, ProtocolError, prompt_digest, validate_pages
+from pdjax.pd.wire import MAX_ROOM, prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_peer import DecodePeer
-from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST, TransferError
-from pdjax.transfer.kv_export import write_nodes
+from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
+from pdjax.transfer.prefill_worker import PrefillChunk, PrefillTransferWorker
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillManager(RoleManager):
-    """``--role prefill``: bootstrap server, ZMQ control, transfer worker, room table.
+class PrefillConnector(RoleManager):
+    """``--role prefill``: bootstrap server, ZMQ control, room table; its transfer worker is
+    ``self.worker`` (``PrefillTransferWorker``).
 
-    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
-    ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
+    ``KVConnector`` (``pdjax/sched/kv_connector.py``): ``request_finished`` holds the pages of
+    every PD request until its room concludes (reported by the worker's ``finished_sending``);
+    ``build_meta`` plans the chunks each step completed. ``EngineRole``
+    (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``, ``abort``,
+    ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "prefill"
@@ -76,14 +77,10 @@ class PrefillManager(RoleManager):
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
         self.peers: dict[str, DecodePeer] = {}
-        self._jobs: queue.Queue = queue.Queue()
-        self._stop = False
-        self._worker = threading.Thread(target=self._work, name="pd-prefill-transfer",
-                                        daemon=True)
-        self._worker.start()
+        self.worker = PrefillTransferWorker(self)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
                                          secret=self.secret,
-                                         on_unauthorized=lambda: self._count_rejected("bootstrap"))
+                                         on_unauthorized=lambda: self.count_rejected("bootstrap"))
         self.bootstrap_port = self.bootstrap.start()
         # Multi-host (DESIGN.md §6): every node registers its own shards; node 0 plans over all.
         self.ranks = (PrefillRanks(join_cluster(self.args), self.bootstrap, self.local_kv,
@@ -226,11 +223,9 @@ class PrefillManager(RoleManager):
         if slot is None:
             return                       # all metadata slots busy: try again next poll
         r.src_slot = slot
-        self.scheduler.hold_on_finish(req.rid)
         try:
             self.scheduler.add_request(req)
         except ValueError as e:
-            self.scheduler.cancel_hold(req.rid)
             self._fail(r, RoomFailure(str(e)))
             return
         self.metrics.on_bootstrap(now - r.created_s)
@@ -261,9 +256,7 @@ class PrefillManager(RoleManager):
             self.scheduler.abort_request(r.req.rid, reason)
         if notify is not None and r.peer_id is not None and not r.notified:
             r.notified = True
-            with self.lock:
-                r.jobs_inflight += 1
-            self._jobs.put(("notice", r, notify))
+            self.worker.notify(r, notify)
 
     def _try_conclude(self, r: PrefillRoom) -> GenerateOutput | None:
         """Release pages and answer the client once the room is final and idle."""
@@ -273,9 +266,8 @@ class PrefillManager(RoleManager):
             if r.jobs_inflight:
                 return None
         req = r.req
-        if req is not None:
-            self.scheduler.cancel_hold(req.rid)
-            self.scheduler.release_held(req.rid)
+        if req is not None and req.rid in self.scheduler.held:
+            self.worker.sent(req.rid)      # the scheduler gives its pages back
         if r.src_slot is not None:
             self.meta.free(r.src_slot)
             r.src_slot = None
@@ -306,11 +298,15 @@ class PrefillManager(RoleManager):
             self.recent.append(r.record())
         return out
 
-    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
-        """After a step (``batch`` None: no forward ran): re-check the KV addresses, queue the
-        pages each PD row completed
-        (all the rest plus the metadata row once the first token is sampled), and hold the
-        final output of each PD request until its transfer ends."""
+    # ------------------------------------------------------------------ KVConnector
+    def request_finished(self, req: Request) -> bool:
+        """Hold the pages of a PD request until its room concludes (DESIGN.md §4 step 7)."""
+        return req.rid in self.rooms_by_rid
+
+    def build_meta(self, batch) -> list[PrefillChunk] | None:
+        """After a step (``batch`` None: no forward ran): re-check the KV addresses, then the
+        pages each PD row completed -- full pages for a chunk, all the rest plus the metadata
+        row (written here) once the first token is sampled. None when there is nothing."""
         if self.local_kv.check_addresses():
             with self.lock:
                 moving = [r for r in self.rooms.values()
@@ -318,8 +314,7 @@ class PrefillManager(RoleManager):
             for r in moving:
                 self._fail(r, CacheMoved("the prefill KV cache moved after a donated step; "
                                          "transfers in flight were failed"))
-        held: dict[str, PrefillRoom] = {}
-        synced = False
+        chunks = []
         for row in batch.rows if batch is not None else ():
             r = self.rooms_by_rid.get(row.req.rid)
             if r is None or r.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
@@ -330,24 +325,10 @@ class PrefillManager(RoleManager):
                 min(req.num_computed_tokens, req.num_prompt_tokens) // self.page_size
             if end <= r.next_page and not last:
                 continue
-            if not synced:
-                self.host.wait_for_kv()
-                synced = True
-            self._queue_chunk(r, end, last)
-            if last:
-                held[req.rid] = r
-        if not held:
-            return outputs
-        kept = []
-        for out in outputs:
-            r = held.get(out.rid)
-            if r is not None and out.finished:
-                r.output = out
-            else:
-                kept.append(out)
-        return kept
+            chunks.append(self._plan_chunk(r, end, last))
+        return chunks or None
 
-    def _queue_chunk(self, r: PrefillRoom, end: int, last: bool) -> None:
+    def _plan_chunk(self, r: PrefillRoom, end: int, last: bool) -> PrefillChunk:
         req = r.req
         start = r.next_page
         src = list(req.pages[start:end])
@@ -362,238 +343,34 @@ class PrefillManager(RoleManager):
             self.meta.write(r.src_slot, r.room, req.output_ids[0],
                             req.num_cached_tokens_reported, lp, ids, vals,
                             prompt_digest=r.prompt_digest)
-        self.local_kv.stage_out(src)
         r.next_page = end
         r.last_queued = last
         if r.state == KVPoll.WaitingForInput:
             r.first_send_s = time.monotonic()
             self._set_state(r, KVPoll.Transferring)
-        # Multi-host: the other nodes write their shards of the same pages (after this step).
-        job = self.ranks.send_write(r.peer_id, src, dst) if self.ranks is not None else None
-        with self.lock:
-            r.jobs_inflight += 1
-        self._jobs.put(("chunk", r, (src, dst, last, job)))
+        return PrefillChunk(r, src, dst, last)
 
-    # ------------------------------------------------------------------ transfer worker
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            kind, r, arg = job
-            try:
-                if kind == "chunk":
-                    self._write_chunk(r, *arg)
-                elif kind == "notice":
-                    self._send_notice(r, arg)
-                elif kind == "ack":
-                    endpoint, sender = arg
-                    self.send(endpoint, AbortAck(bootstrap_room=r, sender_id=sender))
-            except Exception as e:       # never let the worker die
-                logger.exception("PD prefill worker: %s job failed", kind)
-                if kind == "chunk":
-                    with self.lock:
-                        r.report(WriteFailed(f"internal error in the transfer worker: {e}"))
-            finally:
-                if kind in ("chunk", "notice"):
-                    with self.lock:
-                        r.jobs_inflight -= 1
-                self.wake()
+    def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
+        """After the step's chunks were handed to the worker: hold the final output of each PD
+        request whose last chunk is queued until its transfer ends (``_try_conclude``)."""
+        kept = []
+        for out in outputs:
+            r = self.rooms_by_rid.get(out.rid) if out.finished else None
+            if r is not None and r.last_queued and r.output is None and not r.output_sent:
+                r.output = out
+            else:
+                kept.append(out)
+        return kept
 
-    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool,
-                     job: int | None = None) -> None:
-        with self.lock:
-            skip = r.reported is not None or r.state == KVPoll.Failed
-            peer = self.peers.get(r.peer_id)
-        if skip or peer is None:
-            if job is not None:          # the other nodes were told to write: wait for them
-                self.ranks.join(job, self.args.transfer_timeout_s)
-            if peer is None and not skip:
-                with self.lock:
-                    r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
-            return
-        try:
-            meta = [self.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
-                                      peer.metadata_num_slots,
-                                      peer.metadata_bytes_per_slot)] if last else []
-            t0 = time.perf_counter()
-            if job is None:
-                node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
-            else:            # multi-host: every node's shards, then the metadata row
-                node_bytes, n_kv = self.ranks.write(self.transfer_engine, r.peer_id, src, dst,
-                                                    meta, job, self.args.transfer_timeout_s)
-            write_s = time.perf_counter() - t0
-            # What the decode's shards receive: pages x its bytes per page, over its shards.
-            nbytes = sum(node_bytes)
-        except (TransferError, ValueError) as e:
-            reason = f"KV write to decode {peer.session_id} failed: {e}"
-            with self.lock:
-                r.report(WriteFailed(reason))
-                r.notified = True
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Failed, reason=reason))
-            return
-        with self.lock:
-            r.bytes += nbytes
-            r.pages += len(src)
-            r.copies += n_kv
-            r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
-                                                  node_bytes)]
-            r.write_s += write_s
-            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
-                             "write_s": write_s})
-        self.metrics.on_chunk(nbytes, len(src), n_kv, write_s)
-        if last:
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Success))
-            with self.lock:
-                r.done = True
-                r.notified = True
-
-    def _write_nodes(self, peer, src: list[int], dst: list[int],
-                     meta: list) -> tuple[list[int], int]:
-        """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
-        node's shards into its own session, node 0 last with the metadata row ``meta`` (the
-        gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
-        return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
-                           peer.node_writes(), src, dst, meta=meta)
-
-    def _send_notice(self, r: PrefillRoom, kind: str) -> None:
-        peer = self.peers.get(r.peer_id)
-        if peer is None:
-            return
-        reason = r.fail_reason or "failed"
-        if kind == "abort":
-            self.send(peer.reply_endpoint, Abort(bootstrap_room=r.room, sender_id=self._id,
-                                                 reason=reason[:4000]))
-        else:
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                          state=KVPoll.Failed,
-                                                          reason=reason[:4000],
-                                                          status_code=r.status_code))
+    def has_work(self) -> bool:
+        return self.worker.has_work() or super().has_work()
 
     @property
-    def _id(self) -> str:
+    def sender_id(self) -> str:
         return f"prefill@{self.channel.endpoint}"
 
-    # ------------------------------------------------------------------ receiver thread
     def _on_message(self, msg: Message) -> None:
-        if isinstance(msg, RegisterDecode):
-            self._on_register(msg)
-        elif isinstance(msg, TransferRequest):
-            self._on_transfer_request(msg)
-        elif isinstance(msg, Abort):
-            self._on_abort(msg)
-        elif isinstance(msg, AbortAck):
-            logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
-        elif isinstance(msg, RankWriteDone):
-            if self.ranks is None or not self.ranks.on_done(msg):
-                self._reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
-        elif type(msg).__name__ != "Heartbeat":
-            self._reject(f"unexpected {type(msg).__name__} on a prefill server")
-
-    def _reject(self, reason: str) -> None:
-        logger.error("PD prefill: rejected a control message: %s", reason)
-        self._count_rejected("refused")
-
-    def _on_register(self, msg: RegisterDecode) -> None:
-        try:
-            plan = self.ranks.plan() if self.ranks is not None else None
-            peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
-                                                self.meta.bytes_per_slot,
-                                                plan.layout if plan is not None else None)
-        except ValueError as e:
-            reason = str(e)
-            self._reject(f"registration of {msg.decode_engine_id}: {reason}")
-            self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                         accepted=False, reason=reason))
-            return
-        layout = peer.layout
-        with self.lock:
-            self.peers[msg.decode_engine_id] = peer
-        if plan is not None:
-            self.ranks.paired(msg.decode_engine_id, peer, plan)
-        logger.info("PD prefill: decode %s registered (session %s, %d pages)",
-                    msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
-        self.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                     accepted=True))
-
-    def _on_transfer_request(self, msg: TransferRequest) -> None:
-        with self.lock:
-            peer = self.peers.get(msg.decode_engine_id)
-        if peer is None:
-            self._reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
-                         f"unregistered decode {msg.decode_engine_id!r}")
-            return
-        try:
-            dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
-                                 "dst_pages")
-            if not 0 <= msg.dst_metadata_slot < peer.metadata_num_slots:
-                raise ProtocolError(f"field 'dst_metadata_slot': {msg.dst_metadata_slot} outside "
-                                    f"[0, {peer.metadata_num_slots})")
-        except ProtocolError as e:
-            reason = f"bad TransferRequest for bootstrap_room {msg.bootstrap_room}: {e}"
-            self._reject(reason)
-            self.send(peer.reply_endpoint, TransferStatus(bootstrap_room=msg.bootstrap_room,
-                                                          state=KVPoll.Failed, reason=reason))
-            with self.lock:
-                r = self.rooms.get(msg.bootstrap_room)
-                if r is not None and r.peer_id is None:
-                    r.report(BadDestination(reason))     # the prefill client hears of it too
-                    r.notified = True
-            self.wake()
-            return
-        now = time.monotonic()
-        refused = None
-        with self.lock:
-            r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
-                # This server already failed the room (refused its request, a prompt mismatch,
-                # an abort): the decode hears why at once instead of waiting out a timeout.
-                duplicate, refused = False, r
-                if r.peer_id is None:
-                    r.peer_id, r.notified = msg.decode_engine_id, True
-            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
-                duplicate = True
-            else:
-                duplicate = False
-                r = r or self.rooms.setdefault(msg.bootstrap_room,
-                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
-                r.peer_id = msg.decode_engine_id
-                r.dst_pages = dst
-                r.dst_slot = msg.dst_metadata_slot
-                r.decode_prefix_len = msg.decode_prefix_len
-                r.prompt_len = msg.prompt_len
-                r.prompt_digest = msg.prompt_digest
-        if refused is not None:
-            self.send(peer.reply_endpoint, TransferStatus(
-                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
-                reason=(refused.fail_reason or "failed")[:4000], status_code=refused.status_code))
-            return
-        if duplicate:
-            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
-                      f"(the room already has a destination)")
-            self._reject(reason)
-            if r.peer_id != msg.decode_engine_id:
-                self.send(peer.reply_endpoint, TransferStatus(
-                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
-            return
-        self.wake()
-
-    def _on_abort(self, msg: Abort) -> None:
-        with self.lock:
-            peer = self.peers.get(msg.sender_id)
-            r = self.rooms.get(msg.bootstrap_room)
-            if r is not None and r.peer_id == msg.sender_id:
-                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
-                r.notified = True
-        if peer is None:
-            self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
-                         f"{msg.sender_id!r}")
-            return
-        # Acked after every job queued so far (the room's in-flight chunk included) is done.
-        self._jobs.put(("ack", msg.bootstrap_room, (peer.reply_endpoint, self._id)))
-        self.wake()
+        self.worker.on_message(msg)         # the receiver thread
 
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:
@@ -629,8 +406,7 @@ class PrefillManager(RoleManager):
         return state
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._worker.join(5.0)
+        self.worker.close()
         self.bootstrap.stop()
         self.close_base()
 

@@ -1,12 +1,15 @@
-"""What the prefill and decode managers share: the data plane of one server and its plumbing.
+"""What the prefill and decode connectors share: the data plane of one server and its plumbing.
 
-A ``RoleManager`` (an ``EngineRole``, ``pdjax/engine_roles.py``) is created by
-``transfer.factory.create_engine_role`` for ``--role prefill|decode`` and lives on the engine
-thread; it sees the engine only as a ``RoleHost``. Its helper threads (ZMQ receiver, transfer
-worker, bootstrap, heartbeat) only record events and wake the engine, which applies every
-change to the scheduler itself (through the scheduler's PD methods):
+A ``RoleManager`` is built by ``transfer.factory.create_kv_connection`` for
+``--role prefill|decode`` and lives on the engine thread. It is two things at once: the
+scheduler's ``KVConnector`` (``pdjax/sched/kv_connector.py``; the defaults below are what
+neither role uses) and the engine's ``EngineRole`` (``pdjax/engine_roles.py``), and it sees the
+engine only as a ``RoleHost``. Its helper threads (ZMQ receiver, transfer worker, bootstrap,
+heartbeat) only record events and wake the engine, which applies every change to the
+scheduler itself (through the scheduler's public methods):
 
-    engine thread: step() = disagg.poll() -> schedule -> forward -> sample -> disagg.after_step()
+    engine thread: step() = role.poll() -> worker.poll() -> schedule -> forward -> sample
+                            -> worker.start(build_meta) -> role.after_step()
     helper threads: record under ``lock`` -> wake()
 
 It owns the transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
@@ -78,7 +81,7 @@ def kv_head_repeat(host: RoleHost) -> int:
 
 
 class RoleManager(abc.ABC):
-    """Base of ``PrefillManager`` and ``DecodeManager`` (see the module docstring)."""
+    """Base of ``PrefillConnector`` and ``DecodeConnector`` (see the module docstring)."""
 
     role = ""
 
@@ -120,7 +123,7 @@ class RoleManager(abc.ABC):
         self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
         self.meta.register(self.transfer_engine)
         self.channel = MessageChannel(self.args.host, self._on_message, self.role,
-                                      on_reject=lambda reason, kind: self._count_rejected(kind),
+                                      on_reject=lambda reason, kind: self.count_rejected(kind),
                                       secret=self.secret)
         logger.info("PD %s: transfer backend %s (session %s), KV path %s, %d B per page over "
                     "%d layer buffers, control channel %s", self.role, backend,
@@ -142,7 +145,7 @@ class RoleManager(abc.ABC):
         """Register the PD metrics on the server's ``pdjax.metrics.Metrics``."""
         self.metrics = PDMetrics(metrics, self.role)
 
-    def _count_rejected(self, kind: str = "malformed") -> None:
+    def count_rejected(self, kind: str = "malformed") -> None:
         """One refused control message; ``kind`` other than ``malformed`` / ``refused`` is an
         authentication failure (``hmac``, ``replay``, ``stale``, ``bootstrap``)."""
         with self.lock:
@@ -177,10 +180,34 @@ class RoleManager(abc.ABC):
     def send(self, endpoint: str, msg: Message) -> bool:
         return self.channel.send(endpoint, msg)
 
+    # -- KVConnector (pdjax/sched/kv_connector.py): what neither role uses -------------------
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
+        """0: a PD role admits its remote requests itself (``Scheduler.reserve_remote``)."""
+        return 0
+
+    def update_state_after_alloc(self, req, num_external_tokens: int) -> None:
+        pass
+
+    def build_meta(self, batch) -> Any:
+        return None
+
+    def request_finished(self, req) -> bool:
+        return False
+
+    def update(self, output) -> None:
+        pass
+
+    def owned_pages(self) -> list[int]:
+        return []
+
+    @property
+    def num_quarantined_pages(self) -> int:
+        return len(self.owned_pages())
+
     def update_gauges(self) -> None:
         c = self.transfer_engine.counters()
         self.metrics.set_state(self.queue_sizes(), c.largest_batch,
-                               self.scheduler.num_quarantined_pages,
+                               self.num_quarantined_pages,
                                self.scheduler.num_prompt_tokens_computed)
 
     def base_state(self) -> dict[str, Any]:
@@ -223,17 +250,17 @@ class RoleManager(abc.ABC):
 
     def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
         """This server refused the request for ``room`` (any value from a client): nothing to
-        do by default (see ``PrefillManager``)."""
+        do by default (see ``PrefillConnector``)."""
 
     # -- to implement ------------------------------------------------------------------------
     @abc.abstractmethod
     def _on_message(self, msg: Message) -> None:
-        """Role-specific; see PrefillManager / DecodeManager."""
+        """Role-specific; see PrefillConnector / DecodeConnector."""
 
     @abc.abstractmethod
     def num_live_rooms(self) -> int:
-        """Role-specific; see PrefillManager / DecodeManager."""
+        """Role-specific; see PrefillConnector / DecodeConnector."""
 
     @abc.abstractmethod
     def queue_sizes(self) -> dict[str, int]:
-        """Role-specific; see PrefillManager / DecodeManager."""
+        """Role-specific; see PrefillConnector / DecodeConnector."""

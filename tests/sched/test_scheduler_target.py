@@ -14,7 +14,8 @@ import pytest
 from pdjax.request import Request, SamplingParams
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
-from pdjax.sched.scheduler import Scheduler, SchedulerConfig, chunk_pairs
+from pdjax.sched.output import chunk_pairs
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 4
 CHUNK = 64

@@ -115,8 +115,8 @@ def test_pd_decode_drafts_from_its_first_step():
     from pdjax.spec.drafter import NgramDrafter
     sched.speculator.drafter = NgramDrafter(1, 4)
     req = Request("pd", [7, 8, 9, 5, 6, 7, 8], SamplingParams(max_new_tokens=10, temperature=0))
-    assert sched.reserve_prebuilt(req)
-    sched.add_prebuilt(req, 9)              # the prefill's first token
+    assert sched.reserve_remote(req)
+    sched.commit_remote(req, 9)              # the prefill's first token
     batch = sched.schedule()
     row = batch.rows[0]
     assert row.is_verify and row.start == 7 and row.draft_ids == [5, 6, 7]

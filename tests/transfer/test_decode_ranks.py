@@ -20,7 +20,8 @@ from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.decode_ranks import DecodeRankNode, DecodeRanks
 from pdjax.transfer.kv_export import KVLayout, build_copies
-from pdjax.transfer.prefill import PrefillManager
+from pdjax.transfer.prefill import PrefillConnector
+from pdjax.transfer.prefill_worker import PrefillTransferWorker
 from pdjax.transfer.prefill_ranks import PrefillRanks
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
@@ -173,10 +174,12 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
                                      shard_nodes=owners))
     peer = DecodePeer("d1", msg.reply_endpoint, "s0", layout, 0x5000, 4, 64, sessions, owners)
     assert [s for s, _ in peer.node_writes()] == ["s1", "s0"]      # node 0 (metadata) last
-    pm = PrefillManager.__new__(PrefillManager)
+    pm = PrefillConnector.__new__(PrefillConnector)
     pm.transfer_engine, pm.local_kv = _Engine(), types.SimpleNamespace(layout=PREFILL)
+    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
+    worker.pd = pm
     src, dst, meta = [3, 4, 9], [7, 8, 2], [(0x7000, 0x5000, 64)]
-    node_bytes, n = pm._write_nodes(peer, src, dst, meta)
+    node_bytes, n = worker._write_nodes(peer, src, dst, meta)
     (s1, c1), (s0, c0) = pm.transfer_engine.writes
     assert (s1, s0) == ("s1", "s0") and c0[-1] == meta[0] and meta[0] not in c1
     whole = build_copies(PREFILL, layout, src, dst)
@@ -191,7 +194,7 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
     pm.transfer_engine = _Engine()
     single = DecodePeer("d2", "tcp://d:2", "s9", KVLayout("layer_major", PREFILL.buffers),
                         0x5000, 4, 64)
-    assert pm._write_nodes(single, src, dst, meta) == ([2 * half], len(build_copies(
+    assert worker._write_nodes(single, src, dst, meta) == ([2 * half], len(build_copies(
         PREFILL, PREFILL, src, dst)))
     assert [s for s, _ in pm.transfer_engine.writes] == ["s9"]
 
@@ -200,7 +203,7 @@ def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     layout, sessions, owners = _merged()
     msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
                                      shard_nodes=owners))
-    pm = PrefillManager.__new__(PrefillManager)
+    pm = PrefillConnector.__new__(PrefillConnector)
     local_kv = types.SimpleNamespace(layout=_node(0), kv_dtype="float32", fingerprint="f")
     bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
         PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
@@ -211,9 +214,11 @@ def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     pm.meta = types.SimpleNamespace(bytes_per_slot=64)
     told, rejected = [], []
     pm.send = lambda endpoint, m: told.append(m)
-    pm._reject = rejected.append
     pm.peers, pm.lock = {}, threading.RLock()
-    pm._on_register(msg)
+    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
+    worker.pd = pm
+    worker._reject = rejected.append
+    worker._on_register(msg)
     assert told[0].accepted and rejected == [], told[0].reason
     peer = pm.peers["d1"]
     assert (peer.node_sessions, peer.shard_nodes) == (sessions, owners)

@@ -34,9 +34,9 @@ def test_scheduler_hands_back_a_lone_request_it_cannot_grow():
     s = Scheduler(SchedulerConfig(num_pages=8, page_size=PS, max_running_requests=4,
                                   chunked_prefill_size=16))
     a, b = _req("a", 8), _req("b", 20, seed=1)
-    assert s.reserve_prebuilt(a)
-    s.add_prebuilt(a, 7)
-    assert s.reserve_prebuilt(b)
+    assert s.reserve_remote(a)
+    s.commit_remote(a, 7)
+    assert s.reserve_remote(b)
     assert s.allocator.num_free == 0
     assert s.schedule() is None                  # A needs a third page; nothing can give one
     assert s.pop_finished() == [a] and s.pop_finished() == []
@@ -210,17 +210,17 @@ def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
     s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,
                                   chunked_prefill_size=16))
     warm = _req("warm", 12)
-    assert s.reserve_prebuilt(warm)
-    s.add_prebuilt(warm, 5)
+    assert s.reserve_remote(warm)
+    s.commit_remote(warm, 5)
     s.finish_request(warm, FinishReason.of_length(1))   # 3 full prompt pages cached
     for prefill_hit, want in ((0, 0), (4, 4), (99, 10)):
         req = Request(f"r{prefill_hit}", warm.prompt_ids[:8] + [9, 9],
                       SamplingParams(max_new_tokens=4))
-        assert s.reserve_prebuilt(req)
+        assert s.reserve_remote(req)
         assert req.num_cached_tokens == 8                     # the decode's own prefix hit
         req.reported_cached_tokens = prefill_hit
         assert req.num_cached_tokens_reported == want          # clamped to the prompt (10)
-        s.add_prebuilt(req, 3)
+        s.commit_remote(req, 3)
         s.check_invariants()
         s.finish_request(req, FinishReason.of_length(1))
         s.check_invariants()

@@ -1,6 +1,9 @@
-"""Fast PD pieces without processes: the scheduler's PD hooks (held, prebuilt, quarantine)
-under its invariant check, the staging path of ``LocalKV``, and the router's request
-arithmetic."""
+"""Fast PD pieces without processes: the scheduler's remote-KV books as the PD roles use them
+(held by ``request_finished``, reserved, committed, dropped or kept for a quarantine) under its
+invariant check, the decode's reservation arithmetic, the staging path of ``LocalKV``, and the
+router's request arithmetic."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,9 @@ from pdjax.models.loader import make_mesh
 from pdjax.runner.entry_points import EntryPoints
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import BucketKey
+from pdjax.sched.kv_connector import KVConnectorOutput, NullConnector
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+from pdjax.transfer.decode import decode_reserve_pages
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
 
@@ -29,15 +34,28 @@ def _req(rid, n, max_new=4, seed=0):
                    SamplingParams(max_new_tokens=max_new, temperature=0.0))
 
 
-def _sched(num_pages=33, **kw):
+class _Holding(NullConnector):
+    """Holds every finished request (the prefill role's ``request_finished``) and keeps the
+    pages in ``kept`` (the decode role's quarantine)."""
+
+    def __init__(self):
+        self.kept = []
+
+    def request_finished(self, req):
+        return True
+
+    def owned_pages(self):
+        return list(self.kept)
+
+
+def _sched(num_pages=33, connector=None, **kw):
     return Scheduler(SchedulerConfig(num_pages=num_pages, page_size=PS, max_running_requests=4,
-                                     chunked_prefill_size=16, **kw))
+                                     chunked_prefill_size=16, **kw), connector=connector)
 
 
 def test_held_pages_outlive_the_finish_until_released():
-    s = _sched(page_aligned_chunks=True)
+    s = _sched(page_aligned_chunks=True, connector=_Holding())
     req = _req("p", 10, max_new=1)
-    s.hold_on_finish("p")
     s.add_request(req)
     batch = s.schedule()
     assert [(r.start, r.num_tokens) for r in batch.rows] == [(0, 10)]
@@ -48,7 +66,9 @@ def test_held_pages_outlive_the_finish_until_released():
     # The two full pages were shared when scheduled; the hold keeps them locked.
     assert s.prefix_cache.num_cached_pages == 2 and s.prefix_cache.num_evictable_pages == 0
     assert s.prefix_cache.evict(5) == 0
-    assert s.release_held("p") and not s.release_held("p")
+    s.update_from_kv_output(KVConnectorOutput(finished_sending={"p"}))
+    assert dict(s.held) == {}
+    s.update_from_kv_output(KVConnectorOutput(finished_sending={"p"}))   # twice: no-op
     s.check_invariants()
     assert s.prefix_cache.num_cached_pages == 2        # the two full pages, now evictable
     assert s.prefix_cache.num_evictable_pages == 2
@@ -57,10 +77,11 @@ def test_held_pages_outlive_the_finish_until_released():
 def test_prebuilt_request_joins_decode_without_prompt_compute():
     s = _sched()
     req = _req("d", 9, max_new=3)
-    assert s.reserve_prebuilt(req, extra_free_pages=2)
-    assert len(req.pages) == 3 and req.num_cached_tokens == 0 and s.prealloc == {"d": req}
+    assert s.reserve_remote(req, extra_free_pages=2)
+    assert len(req.pages) == 3 and req.num_cached_tokens == 0
+    assert s.waiting_remote == {"d": req}
     s.check_invariants()
-    s.add_prebuilt(req, 42)
+    s.commit_remote(req, 42)
     assert req.output_ids == [42] and req.num_computed_tokens == 9
     batch = s.schedule()
     assert batch.forward_mode == "decode" and [(r.start, r.num_tokens) for r in batch.rows] == [(9, 1)]
@@ -71,36 +92,54 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     first_pages = list(req.pages[:2])
     s.finish_request(req, FinishReason.of_length(2))
     twin = Request("t", req.prompt_ids[:8] + [5, 6, 7], SamplingParams(max_new_tokens=2))
-    assert s.reserve_prebuilt(twin)
+    assert s.reserve_remote(twin)
     assert twin.num_cached_tokens == 8 and twin.pages[:2] == first_pages
     s.check_invariants()
 
 
 def test_failed_prebuilt_pages_are_freed_or_quarantined_never_cached():
-    s = _sched()
+    conn = _Holding()
+    s = _sched(connector=conn)
     a, b = _req("a", 13), _req("b", 6, seed=1)
-    assert s.reserve_prebuilt(a) and s.reserve_prebuilt(b)
+    assert s.reserve_remote(a) and s.reserve_remote(b)
     used = s.num_used_pages
-    own_a = s.quarantine_prebuilt(a, (77, 0))
-    assert len(own_a) == 4 and s.num_quarantined_pages == 4 and s.num_used_pages == used
+    conn.kept = s.drop_remote(a, free=False)
+    assert len(conn.kept) == 4 and s.num_used_pages == used
     s.check_invariants()
-    assert s.release_prebuilt(b) and s.num_used_pages == used - 2
-    assert s.release_quarantine((77, 0)) == 4 and s.release_quarantine((77, 0)) == 0
+    assert s.drop_remote(b) and s.num_used_pages == used - 2
+    assert s.free_pages(conn.kept) == 4 and s.free_pages([]) == 0
+    conn.kept = []
     assert s.num_used_pages == 0 and s.prefix_cache.num_cached_pages == 0
     s.check_invariants()
     with pytest.raises(ValueError, match="no reserved pages"):
-        s.release_prebuilt(a)
+        s.drop_remote(a)
 
 
 def test_reserve_respects_the_pool_and_the_decode_reservation():
     s = _sched(num_pages=10)                       # 9 usable pages
     big = _req("big", 30)                          # 8 pages
-    assert not s.reserve_prebuilt(big, extra_free_pages=2)
-    assert s.num_used_pages == 0 and not s.prealloc
-    assert s.reserve_prebuilt(big, extra_free_pages=1)
+    assert not s.reserve_remote(big, extra_free_pages=2)
+    assert s.num_used_pages == 0 and not s.waiting_remote
+    assert s.reserve_remote(big, extra_free_pages=1)
     assert s.num_used_pages == 8                   # the reservation is checked, not taken
     with pytest.raises(ValueError, match="already in use"):
-        s.reserve_prebuilt(big)
+        s.reserve_remote(big)
+    s.check_invariants()
+
+
+def test_decode_reserve_pages_counts_running_and_reserved():
+    s = _sched()
+    running = _req("run", 6, max_new=30)
+    assert s.reserve_remote(running)
+    s.commit_remote(running, 11)                      # 1 output token: 29 left, cap 16
+    reserved = _req("res", 6, max_new=5)              # none yet (counts 1): 4 left -> 1 page
+    assert s.reserve_remote(reserved)
+    new = _req("new", 6, max_new=None)                # no limit: the cap, 16 -> 4 pages
+    new.sampling_params = dataclasses.replace(new.sampling_params, max_new_tokens=None)
+    assert decode_reserve_pages(s, new, 16) == 4 + 4 + 1
+    assert decode_reserve_pages(s, new, 3) == 1 + 1 + 1
+    one = _req("one", 6, max_new=1)                   # the prefill's token is its only one
+    assert decode_reserve_pages(s, one, 16) == 0 + 4 + 1
     s.check_invariants()
 
 

@@ -22,7 +22,8 @@ from pdjax.pd.protocol import ProtocolError, RankWriteDone, TransferStatus, deco
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
-from pdjax.transfer.prefill import PrefillManager
+from pdjax.transfer.prefill import PrefillConnector
+from pdjax.transfer.prefill_worker import PrefillTransferWorker
 from pdjax.transfer.prefill_ranks import PrefillRanks, RankSender, RankWrites
 from pdjax.transfer.ranks import RankedLayout, RankError, rank_layouts
 
@@ -167,9 +168,9 @@ def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
 
 
 def _manager(fail_node: bool):
-    """A ``PrefillManager`` with only what ``_write_chunk`` uses: node 0's half on the fake
-    engine, node 1 answering the job as ``fail_node`` says."""
-    pm = PrefillManager.__new__(PrefillManager)
+    """A ``PrefillConnector`` with only what its worker's ``_write_chunk`` uses: node 0's half
+    on the fake engine, node 1 answering the job as ``fail_node`` says."""
+    pm = PrefillConnector.__new__(PrefillConnector)
     engine = create_transfer_engine("fake")
     local_kv = types.SimpleNamespace(layout=_node(0))
     bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
@@ -202,7 +203,9 @@ def test_a_chunk_succeeds_only_when_every_node_wrote(fail_node):
     pm, r, job, engine, cluster = _manager(fail_node)
     assert [op for op, _ in cluster.sent] == ["kv_peer", "kv_write"]
     assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8])
-    pm._write_chunk(r, [3, 4], [7, 8], True, job)
+    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
+    worker.pd = pm
+    worker._write_chunk(r, [3, 4], [7, 8], True, job)
     own = 2 * 2 * LAYERS * PS          # node 0: K and V of head 0, a copy per page, layer, token
     if fail_node:
         assert isinstance(r.reported, WriteFailed) and "node 1: KV write" in str(r.reported)
