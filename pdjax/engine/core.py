@@ -23,8 +23,9 @@ from pdjax.engine.load import engine_load
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import (fill_verify_masks, make_speculator, must_read_first,
-                                      resolve_verify_row, verify_sampling_rows, verify_width)
+from pdjax.engine.speculative import (fill_verify_masks, make_speculator, model_kwargs,
+                                      must_read_first, resolve_verify_row, verify_sampling_rows,
+                                      verify_width)
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -106,15 +107,13 @@ class EngineCore:
             self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
             load_format=args.load_format, attention_impl=config.attention_impl,
             interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
-            cpu_matmul_kernel=config.cpu_matmul_kernel)
+            cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, self.model_path))
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
-        # Speculative decoding (None: off): drafts per request, their statistics.
-        self.speculator = self.scheduler.speculator = make_speculator(args, config, self.model_cfg)
         self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
@@ -131,6 +130,9 @@ class EngineCore:
                                   chunk_size=args.chunked_prefill_size,
                                   executables_dir=args.aot_executables,
                                   verify_width=verify_width(args))
+        # Speculative decoding (None: off): drafts per request, their statistics.
+        self.speculator = self.scheduler.speculator = make_speculator(
+            args, config, self.model_cfg, self.runner)
         phase("kv_cache")
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)
