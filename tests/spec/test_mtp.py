@@ -330,3 +330,34 @@ def test_drafts_with_weights_where_the_draft_is_known(mtp_engine):
         for path, old in saved.items():
             _set(state, path, old)
     _pools_whole(eng)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_draft_accepted_where_the_mtp_layer_predicts_the_target(tiny_checkpoints,
+                                                                      tmp_path_factory, name):
+    """The repeater checkpoint (``tests/mtp_checkpoint.py``): the target repeats the last
+    prompt token and the MTP layer predicts exactly that from the hidden state it reads, so
+    every draft is accepted: each verify row emits ``K`` tokens."""
+    from mtp_checkpoint import write_repeater_checkpoint
+
+    path = write_repeater_checkpoint(tiny_checkpoints[name],
+                                     str(tmp_path_factory.mktemp("repeater") / name))
+    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=2048,
+                 max_running_requests=4, chunked_prefill_size=32, context_length=128,
+                 progress=False, speculative_algorithm="mtp", speculative_num_draft_tokens=K,
+                 speculative_disable_adaptive=True)
+    try:
+        prompts = _prompts(4, lengths=(9, 30, 45))
+        sp = {**GREEDY, "max_new_tokens": 1 + 3 * K}
+        plain = eng.generate(input_ids=prompts, sampling_params={**sp, "speculative": False})
+        before = compile_count()
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        for p, o, r in zip(prompts, out, plain):
+            assert o["output_ids"] == r["output_ids"] == [p[-1]] * sp["max_new_tokens"]
+        stats = eng.core.speculator.stats
+        assert stats.num_verify_rows >= 3 * len(prompts) - 1
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        assert compile_count() == before
+        _pools_whole(eng)
+    finally:
+        eng.shutdown()
