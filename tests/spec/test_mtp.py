@@ -332,17 +332,18 @@ def test_drafts_with_weights_where_the_draft_is_known(mtp_engine):
     _pools_whole(eng)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name,tp", [("deepseek_v32", 1), ("glm_moe_dsa", 1), ("glm_moe_dsa", 2)])
 def test_every_draft_accepted_where_the_mtp_layer_predicts_the_target(tiny_checkpoints,
-                                                                      tmp_path_factory, name):
+                                                                      tmp_path_factory, name, tp):
     """The repeater checkpoint (``tests/mtp_checkpoint.py``): the target repeats the last
     prompt token and the MTP layer predicts exactly that from the hidden state it reads, so
-    every draft is accepted: each verify row emits ``K`` tokens."""
+    every draft is accepted: each verify row emits ``K`` tokens. At TP 2 too (the MTP layer's
+    weights sharded as the target's, its KV replicated)."""
     from mtp_checkpoint import write_repeater_checkpoint
 
     path = write_repeater_checkpoint(tiny_checkpoints[name],
                                      str(tmp_path_factory.mktemp("repeater") / name))
-    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=2048,
+    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=2048, tp_size=tp,
                  max_running_requests=4, chunked_prefill_size=32, context_length=128,
                  progress=False, speculative_algorithm="mtp", speculative_num_draft_tokens=K,
                  speculative_disable_adaptive=True)
