@@ -317,7 +317,8 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     out_lat = mla_sparse_attention(
         jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), caches["latent"],
         layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
-        sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl, interpret=interpret)                                            # [T, H, C]
+        sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl,
+        interpret=interpret)                                                     # [T, H, C]
     attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
     attn = attn @ a["w_o"]
     if cfg.attention_bias:
@@ -331,6 +332,7 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     else:
         x = x + moe_forward(cfg, h, m)
     return (x, caches, topk), None
+
 
 def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_cache, md, inv_freq, rope_scale, k):
     """Score the cached tokens, write this step's indexer keys first, keep the top ``k``."""
@@ -422,7 +424,8 @@ class DeepseekForCausalLM(nnx.Module):
         MTP on (``mtp=True``) the normed hidden state of every token (what the LM head reads)
         is also written to the ``"mtp_hidden"`` buffer at its slot, for the MTP drafter."""
         cfg = self.cfg
-        params = {g: getattr(self, g).values(shapes) for g, (_, shapes) in param_groups(cfg).items()}
+        params = {g: getattr(self, g).values(shapes)
+                  for g, (_, shapes) in param_groups(cfg).items()}
         x = self.embed_tokens[...][input_ids]
         x, caches = decoder_layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
                                    interpret=self.interpret)

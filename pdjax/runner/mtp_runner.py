@@ -89,10 +89,9 @@ class MTPRunner:
         replicated = NamedSharding(mesh, P())
         shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}
         self.caches = {s.name: s.zeros(shardings[s.name]) for s in self.cache_specs}
-        hd = self.cfg.hidden_size
+        hd, dtype = self.cfg.hidden_size, model.embed_tokens[...].dtype
         self.no_prev = (jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), replicated),
-                        jax.device_put(jnp.zeros((self.max_rows, hd), model.embed_tokens[...].dtype),
-                                       replicated))
+                        jax.device_put(jnp.zeros((self.max_rows, hd), dtype), replicated))
         self._jit = jax.jit(_mtp_step, static_argnums=(0, 1, 2), donate_argnums=(4,),
                             out_shardings=(replicated, replicated, shardings))
 
