@@ -20,7 +20,8 @@ from pdjax.spec.drafter import create_drafter
 def _speculates(args) -> bool:
     # A PD prefill server's requests end after their first token: it never decodes. A PD
     # decode server speculates from its first step: the prompt arrives with the first token,
-    # and an n-gram drafter needs nothing else (DESIGN.md §4, "Speculative decoding").
+    # and an n-gram drafter needs nothing else; the MTP drafter reads the prompt's hidden
+    # states, which arrive with the KV pages (DESIGN.md §3, "Speculative decoding", PD).
     return args.speculative_algorithm is not None and args.role != "prefill"
 
 
