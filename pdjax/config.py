@@ -445,7 +445,7 @@ def _check_multihost_role(args) -> None:
                          "the other nodes register their KV shards there")
 
 
-SPECULATIVE_ALGORITHMS = ("ngram", "draft")
+SPECULATIVE_ALGORITHMS = ("ngram", "draft", "mtp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,7 +454,9 @@ class SpeculativeArgs:
 
     speculative_algorithm: str | None = _arg(
         None, "draft tokens and verify them in one forward: ngram (prompt lookup, no draft "
-              "model), draft (a small model, --speculative-draft-model-path); default: off",
+              "model), draft (a small model, --speculative-draft-model-path), mtp (the "
+              "multi-token prediction layer of a DeepSeek-V3 / V3.2 / GLM-5 checkpoint; a PD "
+              "prefill server takes it too); default: off",
         SPECULATIVE_ALGORITHMS)
     speculative_num_draft_tokens: int = _arg(
         5, "tokens of a verify row, as in SGLang: the newest token plus up to this many "
@@ -530,11 +532,12 @@ class ServerArgs:
                                else group)
         if self.distributed.nnodes > 1:
             _check_multihost_role(self)
-            if self.speculative.speculative_algorithm == "draft":
-                # The draft model runs on one device of the leader; the followers only
-                # mirror the target's runner calls (DESIGN.md §6).
-                raise ValueError("speculative_algorithm 'draft' with nnodes > 1 is not "
-                                 "supported")
+            if self.speculative.speculative_algorithm in ("draft", "mtp"):
+                # The drafter's forwards run on the leader; the followers only mirror the
+                # target's runner calls (DESIGN.md §6).
+                raise ValueError(f"speculative_algorithm "
+                                 f"'{self.speculative.speculative_algorithm}' with nnodes > 1 "
+                                 "is not supported")
 
     def __getattr__(self, name: str):
         group = _GROUP_OF.get(name)

@@ -8,6 +8,14 @@ template) is trained with the ``tokenizers`` library and saved beside each model
     python scripts/make_tiny_checkpoint.py OUT_DIR [--only NAME ...]
 
 Writes OUT_DIR/NAME/ for every NAME in ``CONFIGS``; existing complete folders are kept.
+
+transformers' DeepSeek-V3 family makes no multi-token prediction (MTP) layer, so for the
+checkpoints in ``MTP_CHECKPOINTS`` this script adds one itself (``add_mtp_layer``): random
+tensors of layer ``num_hidden_layers`` under the HF names (``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``, the decoder layer's names), in a second file ``model-mtp.safetensors``
+beside the untouched ``model.safetensors``, an index JSON naming both, and
+``num_nextn_predict_layers: 1`` in config.json. A folder made before this is upgraded in
+place (its other tensors keep their bytes).
 """
 
 from __future__ import annotations
@@ -66,6 +74,10 @@ CONFIGS: dict[str, tuple[str, dict, dict]] = {
                          {}),
 }
 
+# Checkpoints that get an MTP layer -> whether it stores its own copies of the embedding and
+# the LM head (DeepSeek-V3's files do; both equal the main model's) or none (shared).
+MTP_CHECKPOINTS: dict[str, bool] = {"deepseek_v32": True, "glm_moe_dsa": False}
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Once upon a time there was a little robot who liked to count pages of memory.",
@@ -108,7 +120,14 @@ def make_checkpoint(name: str, out_root: str, seed: int = 0) -> str:
 
     cls_name, overrides, save_kwargs = CONFIGS[name]
     out_dir = os.path.join(out_root, name)
-    if os.path.exists(os.path.join(out_dir, "DONE")):
+    done = os.path.join(out_dir, "DONE")
+    if os.path.exists(done):
+        with open(done) as f:
+            marker = json.load(f)
+        if name in MTP_CHECKPOINTS and not marker.get("mtp"):
+            add_mtp_layer(out_dir, own_copies=MTP_CHECKPOINTS[name], seed=seed)
+            with open(done, "w") as f:
+                json.dump({**marker, "mtp": 1}, f)
         return out_dir
     os.makedirs(out_dir, exist_ok=True)
     cfg = getattr(transformers, cls_name)(**{**_COMMON, **overrides})
@@ -125,9 +144,58 @@ def make_checkpoint(name: str, out_root: str, seed: int = 0) -> str:
                 buf.copy_(torch.rand(buf.shape) * 0.2)
     model.save_pretrained(out_dir, **save_kwargs)
     make_tokenizer(out_dir)
-    with open(os.path.join(out_dir, "DONE"), "w") as f:
-        json.dump({"name": name}, f)
+    marker = {"name": name}
+    if name in MTP_CHECKPOINTS:
+        add_mtp_layer(out_dir, own_copies=MTP_CHECKPOINTS[name], seed=seed)
+        marker["mtp"] = 1
+    with open(done, "w") as f:
+        json.dump(marker, f)
     return out_dir
+
+
+def add_mtp_layer(out_dir: str, *, own_copies: bool, seed: int = 0) -> None:
+    """Add a random MTP layer (HF layer index ``N = num_hidden_layers``) to the single-file
+    checkpoint in ``out_dir``: the decoder layer has the tensors (and shapes) of layer
+    ``N - 1``, drawn anew; ``enorm`` / ``hnorm`` / ``shared_head.norm`` are ``1 + 0.2 n`` (not
+    ones, so a swapped norm shows), ``eh_proj`` is ``[Hd, 2 Hd]``. ``own_copies``: also store
+    ``embed_tokens`` and ``shared_head.head`` (copies of the main model's). Deterministic in
+    ``seed``; ``model.safetensors`` is not rewritten."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    n, hd = cfg["num_hidden_layers"], cfg["hidden_size"]
+    main = load_file(os.path.join(out_dir, "model.safetensors"))
+    rng = np.random.default_rng(1000 + seed)
+    prev, pre = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    mtp = {}
+    for key in sorted(main):
+        if not key.startswith(prev):
+            continue
+        shape = main[key].shape
+        if key.endswith("norm.weight"):
+            value = 1.0 + 0.2 * rng.standard_normal(shape)
+        elif key.endswith("bias"):
+            value = 0.2 * rng.random(shape)
+        else:
+            value = 0.08 * rng.standard_normal(shape)
+        mtp[pre + key[len(prev):]] = value.astype(np.float32)
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        mtp[pre + name] = (1.0 + 0.2 * rng.standard_normal(hd)).astype(np.float32)
+    mtp[pre + "eh_proj.weight"] = (0.08 * rng.standard_normal((hd, 2 * hd))).astype(np.float32)
+    if own_copies:
+        mtp[pre + "embed_tokens.weight"] = main["model.embed_tokens.weight"].copy()
+        mtp[pre + "shared_head.head.weight"] = main["lm_head.weight"].copy()
+    save_file(mtp, os.path.join(out_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+    weight_map = {k: "model.safetensors" for k in main}
+    weight_map.update({k: "model-mtp.safetensors" for k in mtp})
+    total = sum(v.nbytes for v in main.values()) + sum(v.nbytes for v in mtp.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
 
 
 def main(argv=None) -> int:

@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "pdjax.sched", "pdjax.spec",
                  "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),
     ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner",
-                "pdjax.distributed", "pdjax.spec.draft_model")),
+                "pdjax.distributed", "pdjax.spec.draft_model", "pdjax.spec.mtp")),
     ("transfer", ("pdjax.transfer",)),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),

@@ -36,6 +36,7 @@ from jax.sharding import Mesh
 from pdjax.aot.targets import Target
 from pdjax.config import ServerArgs
 from pdjax.engine.settings import make_buckets, resolve_engine_config
+from pdjax.engine.speculative import model_kwargs
 from pdjax.models.loader import checkpoint_architecture, checkpoint_config
 from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
@@ -122,7 +123,8 @@ class AbstractEngine:
                                                 args.tp_size)
         model = nnx.eval_shape(lambda: self.family.model_class(
             self.model_cfg, dtype=config.dtype, rngs=nnx.Rngs(0),
-            attention_impl=config.attention_impl, interpret=False))
+            attention_impl=config.attention_impl, interpret=False,
+            **model_kwargs(args, config.model_path)))
         self.graphdef, self.state = abstract_model(
             model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)
         self.context_length = Scheduler(config.scheduler).max_request_tokens

@@ -28,7 +28,7 @@ from pdjax.config import ServerArgs
 from pdjax.engine.forward import ForwardStep, Launched
 from pdjax.engine.load import engine_load
 from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import make_speculator, must_read_first, verify_width
+from pdjax.engine.speculative import make_speculator, model_kwargs, must_read_first, verify_width
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
@@ -86,15 +86,13 @@ class EngineCore(ForwardStep):
             self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
             load_format=args.load_format, attention_impl=config.attention_impl,
             interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
-            cpu_matmul_kernel=config.cpu_matmul_kernel)
+            cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, self.model_path))
         phase("model")
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
-        # Speculative decoding (None: off): drafts per request, their statistics.
-        self.speculator = self.scheduler.speculator = make_speculator(args, config, self.model_cfg)
         self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
@@ -111,6 +109,9 @@ class EngineCore(ForwardStep):
                                   chunk_size=args.chunked_prefill_size,
                                   executables_dir=args.aot_executables,
                                   verify_width=verify_width(args))
+        # Speculative decoding (None: off): drafts per request, their statistics.
+        self.speculator = self.scheduler.speculator = make_speculator(
+            args, config, self.model_cfg, self.runner)
         phase("kv_cache")
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdjax.models.loader import checkpoint_config
 from pdjax.runner.device_sampler import SamplingRow
 import pdjax.spec.draft_model  # noqa: F401 (registers the "draft" drafter)
+import pdjax.spec.mtp  # noqa: F401 (registers the "mtp" drafter)
 from pdjax.spec.controller import SpecController
 from pdjax.spec.drafter import create_drafter
 
@@ -18,14 +20,31 @@ from pdjax.spec.drafter import create_drafter
 def _speculates(args) -> bool:
     # A PD prefill server's requests end after their first token: it never decodes. A PD
     # decode server speculates from its first step: the prompt arrives with the first token,
-    # and an n-gram drafter needs nothing else (DESIGN.md §4, "Speculative decoding").
+    # and an n-gram drafter needs nothing else; the MTP drafter reads the prompt's hidden
+    # states, which arrive with the KV pages (DESIGN.md §3, "Speculative decoding", PD).
     return args.speculative_algorithm is not None and args.role != "prefill"
 
 
-def make_speculator(args, config=None, target_cfg=None) -> SpecController | None:
+def model_kwargs(args, model_path: str) -> dict:
+    """Keyword arguments of the target's ``load_model`` that speculation needs: MTP builds the
+    checkpoint's MTP layer and keeps every token's hidden state in the KV cache, on every role
+    (a PD prefill server's hidden states travel to the decode server with the KV pages).
+    ``ValueError`` naming ``speculative_algorithm`` when the checkpoint at ``model_path`` has
+    no MTP layer (``num_nextn_predict_layers``)."""
+    if args.speculative_algorithm != "mtp":
+        return {}
+    cfg = checkpoint_config(model_path)
+    if getattr(cfg, "num_nextn_predict_layers", 0) < 1:
+        raise ValueError(f"speculative_algorithm 'mtp' needs a DeepSeek-V3 / V3.2 / GLM-5 "
+                         f"checkpoint with num_nextn_predict_layers >= 1; {model_path} has none")
+    return {"mtp": True}
+
+
+def make_speculator(args, config=None, target_cfg=None, runner=None) -> SpecController | None:
     """The ``SpecController`` of ``args.speculative_algorithm`` (None: off, or a PD prefill
     server). ``config`` (the resolved ``EngineConfig``) and ``target_cfg`` (the target's model
-    config) size a draft model's pool and buckets and check its vocabulary."""
+    config) size a draft model's pool and buckets and check its vocabulary; ``runner`` (the
+    target's ``ModelRunner``) is what the MTP drafter runs beside."""
     if not _speculates(args):
         return None
     kwargs = {}
@@ -45,6 +64,14 @@ def make_speculator(args, config=None, target_cfg=None) -> SpecController | None
                   "dtype": config.dtype, "kv_dtype": config.kv_dtype,
                   "attention_impl": config.attention_impl,
                   "interpret": args.pallas_interpret}
+    elif args.speculative_algorithm == "mtp":
+        sched = config.scheduler
+        kwargs = {"target": runner, "num_pages": sched.num_pages,
+                  "max_running_requests": sched.max_running_requests,
+                  "context_length": min(sched.max_context_len,
+                                        (sched.num_pages - 2) * sched.page_size),
+                  "chunked_prefill_size": sched.chunked_prefill_size,
+                  "max_num_batched_tokens": sched.max_num_batched_tokens}
     drafter = create_drafter(args.speculative_algorithm, **kwargs)
     return SpecController(drafter, args.speculative_num_draft_tokens,
                           adaptive=not args.speculative_disable_adaptive,

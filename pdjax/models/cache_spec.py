@@ -8,6 +8,8 @@ buffer is one layer-major array ``[layers, num_pages, page_size, *row]`` (the la
 
     buffer "latent"     [L,  num_pages, page_size, kv_lora_rank + qk_rope_head_dim]
     buffer "indexer_k"  [Li, num_pages, page_size, index_head_dim]       (Li = full layers)
+    buffer "mtp_hidden" [1,  num_pages, page_size, hidden_size]   (MTP on: each token's normed
+                                                                   last hidden state)
 
     bytes of one page in one layer  = page_size * prod(row) * itemsize   (bytes_per_page_layer)
     bytes of one page, all layers   = layers * bytes_per_page_layer     (bytes_per_page)

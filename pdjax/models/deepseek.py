@@ -26,6 +26,7 @@ Shapes: ``T`` tokens of the flat stream, ``Hd`` hidden, ``H`` heads, ``C`` kv_lo
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
@@ -41,6 +42,8 @@ from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
+
+logger = logging.getLogger(__name__)
 
 LATENT_NORM_EPS = 1e-6     # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not the config's
 INDEXER_NORM_EPS = 1e-6    # the indexer's key LayerNorm
@@ -232,6 +235,125 @@ def softmax_scale(cfg: DeepseekConfig) -> float:
     return scale
 
 
+def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict[str, jax.Array],
+                   md: AttentionMetadata, *, attention_impl=None, interpret: bool = False):
+    """Run the ``cfg.num_layers`` decoder layers of stacked ``params`` (``param_groups``) on
+    ``x [T, Hd]``: one ``lax.scan`` per run of layers with the same MLP kind, carrying the
+    hidden state, the cache dict (``"latent"``, and ``"indexer_k"`` with DSA; other buffers
+    pass through) and the last top-k selection. Returns ``(x [T, Hd], caches)``."""
+    T = x.shape[0]
+    inv_freq, rope_scale = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_params)
+    inv_freq = jnp.asarray(inv_freq)
+    missing = {"latent"} - set(caches)
+    if cfg.has_indexer:
+        missing |= {"indexer_k"} - set(caches)
+    if missing:
+        raise ValueError(f"caches is missing buffer(s) {sorted(missing)}; see cache_spec()")
+
+    # Static per-layer tables: slot in the MLP stack and in the indexer stack.
+    mlp_slot = np.zeros(cfg.num_layers, np.int32)
+    for stack in (cfg.dense_layers, cfg.moe_layers):
+        for j, layer in enumerate(stack):
+            mlp_slot[layer] = j
+    idx_slot = np.zeros(cfg.num_layers, np.int32)
+    for j, layer in enumerate(cfg.full_indexer_layers):
+        idx_slot[layer] = j
+    is_full = np.array([t == "full" for t in cfg.indexer_types])
+    mixed_indexer = cfg.has_indexer and not is_full.all()
+
+    if cfg.has_indexer:
+        span = md.page_indices.shape[1] * caches["latent"].shape[2]
+        topk0 = jnp.full((T, min(cfg.index_topk, span)), -1, jnp.int32)
+    else:
+        topk0 = None
+    step = functools.partial(_decoder_layer, cfg=cfg, impl=attention_impl, interpret=interpret,
+                             params=params, md=md, inv_freq=inv_freq, rope_scale=rope_scale,
+                             mixed_indexer=mixed_indexer)
+    carry = (x, dict(caches), topk0)
+    for kind, start, end in _segments(cfg.mlp_layer_types):
+        xs = (jnp.arange(start, end, dtype=jnp.int32), jnp.asarray(mlp_slot[start:end]),
+              jnp.asarray(idx_slot[start:end]), jnp.asarray(is_full[start:end]))
+        carry, _ = jax.lax.scan(functools.partial(step, kind=kind), carry, xs)
+    x, caches, _ = carry
+    return x, caches
+
+
+def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_freq, rope_scale,
+                   mixed_indexer):
+    """One decoder layer (``lax.scan`` body of ``decoder_layers``)."""
+    x, caches, topk = carry
+    layer, mslot, islot, full = xs
+    T = x.shape[0]
+    H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+    a = jax.tree.map(lambda w: w[layer], params["attn"])
+    rope = _rope_interleaved if cfg.rope_interleave else apply_rope
+
+    h = rms_norm(x, a["input_norm"], cfg.rms_norm_eps)
+    q_a = h @ a["w_qa"]
+    kv_a = h @ a["w_kva"]
+    if cfg.attention_bias:
+        q_a, kv_a = q_a + a["b_qa"], kv_a + a["b_kva"]
+    q_resid = rms_norm(q_a, a["q_a_norm"], LATENT_NORM_EPS)                  # [T, q_lora]
+    q = (q_resid @ a["w_qb"]).reshape(T, H, cfg.qk_head_dim)
+    q_pe = rope(q[..., N:], md.positions, inv_freq, rope_scale)              # [T, H, R]
+    q_lat = jnp.einsum("thn,hnc->thc", q[..., :N], a["w_uk"])               # [T, H, C]
+    c_kv = rms_norm(kv_a[:, :C], a["kv_a_norm"], LATENT_NORM_EPS)
+    k_pe = rope(kv_a[:, None, C:], md.positions, inv_freq, rope_scale)[:, 0]
+    caches = dict(caches)
+    caches["latent"] = _write_rows(caches["latent"], layer,
+                                   jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
+
+    if cfg.has_indexer:
+        def full_branch(topk, k_cache):
+            return _indexer(cfg, impl, interpret, h, q_resid, params["indexer"], islot, k_cache,
+                            md, inv_freq, rope_scale, topk.shape[1])
+
+        if mixed_indexer:
+            topk, caches["indexer_k"] = jax.lax.cond(
+                full, full_branch, lambda t, c: (t, c), topk, caches["indexer_k"])
+        else:
+            topk, caches["indexer_k"] = full_branch(topk, caches["indexer_k"])
+
+    out_lat = mla_sparse_attention(
+        jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), caches["latent"],
+        layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
+        sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl,
+        interpret=interpret)                                                     # [T, H, C]
+    attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
+    attn = attn @ a["w_o"]
+    if cfg.attention_bias:
+        attn = attn + a["b_o"]
+    x = x + attn
+
+    h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
+    m = jax.tree.map(lambda w: w[mslot], params["dense" if kind == "dense" else "moe"])
+    if kind == "dense":
+        x = x + _swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    else:
+        x = x + moe_forward(cfg, h, m)
+    return (x, caches, topk), None
+
+
+def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_cache, md, inv_freq, rope_scale, k):
+    """Score the cached tokens, write this step's indexer keys first, keep the top ``k``."""
+    T = h.shape[0]
+    Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+    p = jax.tree.map(lambda w: w[islot], params)
+    rope = _rope_interleaved if cfg.indexer_rope_interleave else apply_rope
+    q = (q_resid @ p["wq_b"]).reshape(T, Hi, Di)
+    key = _layer_norm(h @ p["wk"], p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
+    # The rotary part comes first in the indexer (unlike MLA's [nope | rope]).
+    q = jnp.concatenate([rope(q[..., :R], md.positions, inv_freq, rope_scale), q[..., R:]], -1)
+    key = jnp.concatenate([rope(key[:, None, :R], md.positions, inv_freq, rope_scale)[:, 0],
+                           key[:, R:]], -1)
+    weights = (h.astype(jnp.float32) @ p["w_weights"].astype(jnp.float32)) * Hi ** -0.5
+    k_cache = _write_rows(k_cache, islot, key, md.slot_mapping)
+    scores = indexer_scores(q, weights, k_cache, islot, md.kv_lens, md.page_indices,
+                            md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
+                            impl=impl, interpret=interpret)
+    return topk_positions(scores, k), k_cache
+
+
 # --------------------------------------------------------------------------- the model
 
 class DeepseekForCausalLM(nnx.Module):
@@ -239,13 +361,17 @@ class DeepseekForCausalLM(nnx.Module):
 
     ``__call__(input_ids [T] int32, caches, md, logits_indices [N] int32)`` returns
     ``(logits [N, V] float32, caches)``. ``caches`` is a dict with the buffers of
-    ``cache_spec`` (``"latent"``, and ``"indexer_k"`` with DSA); they come back updated
-    (donate them). ``md`` is the flat-stream metadata of DESIGN.md §2.
+    ``cache_spec`` (``"latent"``, ``"indexer_k"`` with DSA, ``"mtp_hidden"`` with MTP); they
+    come back updated (donate them). ``md`` is the flat-stream metadata of DESIGN.md §2.
 
     Args:
       cfg: the architecture. dtype: parameter dtype (router and indexer weights stay float32).
       attention_impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"`` for both
         MLA attention and indexer scoring. interpret: run Pallas kernels interpreted (CPU).
+      mtp: build the multi-token prediction module (``self.mtp``, ``DeepseekMTP``; the
+        checkpoint's layer ``num_hidden_layers``) and keep every token's normed last hidden
+        state in the ``"mtp_hidden"`` cache buffer for it (``--speculative-algorithm mtp``,
+        DESIGN.md §3). ``ValueError`` when ``cfg.num_nextn_predict_layers`` is 0.
     """
 
     # The indexer scores every position of the page table (cost grows with P): no
@@ -253,10 +379,11 @@ class DeepseekForCausalLM(nnx.Module):
     TRACED_PAGES_BOUND_IMPLS = ()
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False):
+                 attention_impl: str | None = None, interpret: bool = False, mtp: bool = False):
         self.cfg = cfg
         self.attention_impl = attention_impl
         self.interpret = interpret
+        self.mtp_enabled = bool(mtp)
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         for group, (n, shapes) in param_groups(cfg).items():
@@ -264,6 +391,8 @@ class DeepseekForCausalLM(nnx.Module):
         self.norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
+        if mtp:
+            self.mtp = DeepseekMTP(cfg, dtype=dtype, rngs=rngs)
 
     # ------------------------------------------------------------------ cache
     def cache_spec(self, num_pages: int, page_size: int, dtype=None,
@@ -271,51 +400,42 @@ class DeepseekForCausalLM(nnx.Module):
         """The KV buffers this model reads and writes; see ``deepseek_cache_spec``."""
         if dtype is None:
             dtype = self.embed_tokens[...].dtype
-        return deepseek_cache_spec(self.cfg, num_pages=num_pages, page_size=page_size,
-                                   dtype=dtype, row_align=row_align)
+        specs = deepseek_cache_spec(self.cfg, num_pages=num_pages, page_size=page_size,
+                                    dtype=dtype, row_align=row_align)
+        if self.mtp_enabled:
+            specs += (CacheBufferSpec("mtp_hidden", (1, num_pages, page_size, aligned_width(
+                self.cfg.hidden_size, row_align)), jnp.dtype(dtype)),)
+        return specs
+
+    def mtp_cache_spec(self, num_pages: int, page_size: int, dtype=None,
+                       row_align: int = 1) -> tuple[CacheBufferSpec, ...]:
+        """The MTP layer's own KV buffers (``deepseek_cache_spec`` of its one-layer config:
+        ``latent [1, num_pages, page_size, latent]``, ``indexer_k`` with DSA); the MTP
+        drafter keeps them in a pool of its own (DESIGN.md §3)."""
+        if dtype is None:
+            dtype = self.embed_tokens[...].dtype
+        return deepseek_cache_spec(self.cfg.mtp_layer_config(), num_pages=num_pages,
+                                   page_size=page_size, dtype=dtype, row_align=row_align)
 
     # ------------------------------------------------------------------ forward
     def hidden_states(self, input_ids: jax.Array, caches: dict[str, jax.Array],
                       md: AttentionMetadata) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """``input_ids [T]`` -> (pre-norm hidden states ``[T, Hd]``, updated caches)."""
+        """``input_ids [T]`` -> (pre-norm hidden states ``[T, Hd]``, updated caches). With
+        MTP on (``mtp=True``) the normed hidden state of every token (what the LM head reads)
+        is also written to the ``"mtp_hidden"`` buffer at its slot, for the MTP drafter."""
         cfg = self.cfg
-        groups = param_groups(cfg)
-        params = {g: getattr(self, g).values(shapes) for g, (_, shapes) in groups.items()}
+        params = {g: getattr(self, g).values(shapes)
+                  for g, (_, shapes) in param_groups(cfg).items()}
         x = self.embed_tokens[...][input_ids]
-        T = x.shape[0]
-        inv_freq, rope_scale = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta,
-                                             cfg.rope_params)
-        inv_freq = jnp.asarray(inv_freq)
-        missing = {"latent"} - set(caches)
-        if cfg.has_indexer:
-            missing |= {"indexer_k"} - set(caches)
-        if missing:
-            raise ValueError(f"caches is missing buffer(s) {sorted(missing)}; see cache_spec()")
-
-        # Static per-layer tables: slot in the MLP stack and in the indexer stack.
-        mlp_slot = np.zeros(cfg.num_layers, np.int32)
-        for stack in (cfg.dense_layers, cfg.moe_layers):
-            for j, layer in enumerate(stack):
-                mlp_slot[layer] = j
-        idx_slot = np.zeros(cfg.num_layers, np.int32)
-        for j, layer in enumerate(cfg.full_indexer_layers):
-            idx_slot[layer] = j
-        is_full = np.array([t == "full" for t in cfg.indexer_types])
-        mixed_indexer = cfg.has_indexer and not is_full.all()
-
-        if cfg.has_indexer:
-            span = md.page_indices.shape[1] * caches["latent"].shape[2]
-            topk0 = jnp.full((T, min(cfg.index_topk, span)), -1, jnp.int32)
-        else:
-            topk0 = None
-        step = functools.partial(self._layer, params=params, md=md, inv_freq=inv_freq,
-                                 rope_scale=rope_scale, mixed_indexer=mixed_indexer)
-        carry = (x, dict(caches), topk0)
-        for kind, start, end in _segments(cfg.mlp_layer_types):
-            xs = (jnp.arange(start, end, dtype=jnp.int32), jnp.asarray(mlp_slot[start:end]),
-                  jnp.asarray(idx_slot[start:end]), jnp.asarray(is_full[start:end]))
-            carry, _ = jax.lax.scan(functools.partial(step, kind=kind), carry, xs)
-        x, caches, _ = carry
+        x, caches = decoder_layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
+                                   interpret=self.interpret)
+        if self.mtp_enabled:
+            if "mtp_hidden" not in caches:
+                raise ValueError("caches is missing buffer(s) ['mtp_hidden']; see cache_spec()")
+            caches = dict(caches)
+            caches["mtp_hidden"] = _write_rows(
+                caches["mtp_hidden"], 0, rms_norm(x, self.norm[...], cfg.rms_norm_eps),
+                md.slot_mapping)
         return x, caches
 
     def paged_forward(self, input_ids: jax.Array, caches: dict[str, jax.Array],
@@ -323,80 +443,6 @@ class DeepseekForCausalLM(nnx.Module):
         """The engine's model interface (as ``LlamaForCausalLM.paged_forward``): ``(hidden
         [T, Hd], caches)`` with ``caches`` the dict of buffers named by ``cache_spec``."""
         return self.hidden_states(input_ids, caches, md)
-
-    def _layer(self, carry, xs, *, kind, params, md, inv_freq, rope_scale, mixed_indexer):
-        cfg = self.cfg
-        x, caches, topk = carry
-        layer, mslot, islot, full = xs
-        T = x.shape[0]
-        H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        a = jax.tree.map(lambda w: w[layer], params["attn"])
-        rope = _rope_interleaved if cfg.rope_interleave else apply_rope
-
-        h = rms_norm(x, a["input_norm"], cfg.rms_norm_eps)
-        q_a = h @ a["w_qa"]
-        kv_a = h @ a["w_kva"]
-        if cfg.attention_bias:
-            q_a, kv_a = q_a + a["b_qa"], kv_a + a["b_kva"]
-        q_resid = rms_norm(q_a, a["q_a_norm"], LATENT_NORM_EPS)                  # [T, q_lora]
-        q = (q_resid @ a["w_qb"]).reshape(T, H, cfg.qk_head_dim)
-        q_pe = rope(q[..., N:], md.positions, inv_freq, rope_scale)              # [T, H, R]
-        q_lat = jnp.einsum("thn,hnc->thc", q[..., :N], a["w_uk"])               # [T, H, C]
-        c_kv = rms_norm(kv_a[:, :C], a["kv_a_norm"], LATENT_NORM_EPS)
-        k_pe = rope(kv_a[:, None, C:], md.positions, inv_freq, rope_scale)[:, 0]
-        caches = dict(caches)
-        caches["latent"] = _write_rows(caches["latent"], layer,
-                                       jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
-
-        if cfg.has_indexer:
-            def full_branch(topk, k_cache):
-                return self._indexer(h, q_resid, params["indexer"], islot, k_cache, md,
-                                     inv_freq, rope_scale, topk.shape[1])
-
-            if mixed_indexer:
-                topk, caches["indexer_k"] = jax.lax.cond(
-                    full, full_branch, lambda t, c: (t, c), topk, caches["indexer_k"])
-            else:
-                topk, caches["indexer_k"] = full_branch(topk, caches["indexer_k"])
-
-        out_lat = mla_sparse_attention(
-            jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), caches["latent"],
-            layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
-            sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=self.attention_impl,
-            interpret=self.interpret)                                            # [T, H, C]
-        attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
-        attn = attn @ a["w_o"]
-        if cfg.attention_bias:
-            attn = attn + a["b_o"]
-        x = x + attn
-
-        h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
-        m = jax.tree.map(lambda w: w[mslot], params["dense" if kind == "dense" else "moe"])
-        if kind == "dense":
-            x = x + _swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
-        else:
-            x = x + moe_forward(cfg, h, m)
-        return (x, caches, topk), None
-
-    def _indexer(self, h, q_resid, params, islot, k_cache, md, inv_freq, rope_scale, k):
-        """Score the cached tokens, write this step's indexer keys first, keep the top ``k``."""
-        cfg = self.cfg
-        T = h.shape[0]
-        Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-        p = jax.tree.map(lambda w: w[islot], params)
-        rope = _rope_interleaved if cfg.indexer_rope_interleave else apply_rope
-        q = (q_resid @ p["wq_b"]).reshape(T, Hi, Di)
-        key = _layer_norm(h @ p["wk"], p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
-        # The rotary part comes first in the indexer (unlike MLA's [nope | rope]).
-        q = jnp.concatenate([rope(q[..., :R], md.positions, inv_freq, rope_scale), q[..., R:]], -1)
-        key = jnp.concatenate([rope(key[:, None, :R], md.positions, inv_freq, rope_scale)[:, 0],
-                               key[:, R:]], -1)
-        weights = (h.astype(jnp.float32) @ p["w_weights"].astype(jnp.float32)) * Hi ** -0.5
-        k_cache = _write_rows(k_cache, islot, key, md.slot_mapping)
-        scores = indexer_scores(q, weights, k_cache, islot, md.kv_lens, md.page_indices,
-                                md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
-                                impl=self.attention_impl, interpret=self.interpret)
-        return topk_positions(scores, k), k_cache
 
     def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """``h [N, Hd]`` (pre-norm hidden states) -> logits ``[N, V]`` float32 (every row:
@@ -410,6 +456,58 @@ class DeepseekForCausalLM(nnx.Module):
                  logits_indices):
         x, caches = self.hidden_states(input_ids, caches, md)
         return self.compute_logits(x[logits_indices]), caches
+
+    # ------------------------------------------------------------------ MTP
+    def mtp_forward(self, input_ids: jax.Array, prev_hidden: jax.Array,
+                    caches: dict[str, jax.Array], md: AttentionMetadata):
+        """One depth of multi-token prediction (DeepSeek-V3 §2.2) over the flat stream.
+
+        Token ``t`` at position ``i`` carries ``input_ids[t]`` = the token at position
+        ``i + 1`` and ``prev_hidden[t]`` = the normed last hidden state at position ``i``
+        (the target's, or the previous depth's output); its output predicts position
+        ``i + 2``::
+
+            h' = eh_proj([enorm(embed(input_ids)) | hnorm(prev_hidden)])   (embedding first)
+            h' = decoder layer(h')                   (MLA + MoE/dense, its own KV ``caches``)
+            out = shared_head.norm(h')               logits = out @ lm_head (shared)
+
+        ``input_ids [T]`` int32, ``prev_hidden [T, Hd]``, ``caches`` the MTP layer's buffers
+        (``mtp_cache_spec``). Returns ``(out [T, Hd], caches)``; ``mtp_logits(out[rows])``
+        gives the logits. The embedding and the LM head are the target's (as SGLang's
+        ``DeepseekV3ForCausalLMNextN`` shares them)."""
+        m = self.mtp
+        cfg = m.layer_cfg
+        eps = self.cfg.rms_norm_eps
+        e = rms_norm(self.embed_tokens[...][input_ids], m.enorm[...], eps)
+        h = rms_norm(prev_hidden.astype(e.dtype), m.hnorm[...], eps)
+        x = jnp.concatenate([e, h], axis=-1) @ m.eh_proj[...]
+        params = {g: getattr(m, g).values(shapes) for g, (_, shapes) in param_groups(cfg).items()}
+        x, caches = decoder_layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
+                                   interpret=self.interpret)
+        return rms_norm(x, m.norm[...], eps), caches
+
+    def mtp_logits(self, out: jax.Array) -> jax.Array:
+        """``out [N, Hd]`` (``mtp_forward``'s, already normed) -> logits ``[N, V]`` float32."""
+        w = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return (out @ w).astype(jnp.float32)
+
+
+class DeepseekMTP(nnx.Module):
+    """The parameters of the multi-token prediction module (one depth; HF names
+    ``model.layers.{num_hidden_layers}.*``): ``enorm``, ``hnorm`` ``[Hd]``, ``eh_proj``
+    ``[2 Hd, Hd]`` (stored ``[in, out]``), one decoder layer stacked as a one-layer model
+    (``attn``, ``moe`` or ``dense``, ``indexer`` with DSA; ``layer_cfg``) and ``norm``
+    (``shared_head.norm``). ``DeepseekForCausalLM.mtp_forward`` runs it."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype, rngs: nnx.Rngs):
+        self.layer_cfg = cfg.mtp_layer_config()
+        Hd = cfg.hidden_size
+        self.enorm = nnx.Param(jnp.ones((Hd,), dtype))
+        self.hnorm = nnx.Param(jnp.ones((Hd,), dtype))
+        self.eh_proj = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (2 * Hd, Hd), dtype))
+        for group, (n, shapes) in param_groups(self.layer_cfg).items():
+            setattr(self, group, _Stack(group, n, shapes, dtype=dtype, rngs=rngs))
+        self.norm = nnx.Param(jnp.ones((Hd,), dtype))
 
 
 def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
@@ -445,6 +543,10 @@ def param_partition_specs(cfg: DeepseekConfig, tp_size: int) -> dict[str, P]:
     specs["norm"] = P()
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = P(None, "tp") if cfg.vocab_size % tp_size == 0 else P()
+    if cfg.num_nextn_predict_layers:        # used only by a model built with mtp=True
+        for g, (_, shapes) in param_groups(cfg.mtp_layer_config()).items():
+            specs.update({f"mtp.{g}.{name}": P(None, *spec) for name, (_, spec) in shapes.items()})
+        specs.update({f"mtp.{name}": P() for name in ("enorm", "hnorm", "eh_proj", "norm")})
     return specs
 
 
@@ -555,4 +657,47 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
                         ("norm", (cfg.hidden_size,))):
         if out[key].shape != expect:
             raise ValueError(f"{source}: tensor {key} has shape {out[key].shape}, expected {expect}")
+    if cfg.num_nextn_predict_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" in tensors:
+        out.update(_mtp_params(cfg, tensors, source, out, {
+            "attn": attn_layer, "dense": dense_layer, "moe": moe_layer,
+            "indexer": indexer_layer}))
+    return out
+
+
+def _mtp_params(cfg: DeepseekConfig, tensors: dict[str, np.ndarray], source: str,
+                main: dict[str, np.ndarray], readers) -> dict[str, np.ndarray]:
+    """The MTP module's parameters (``DeepseekMTP``) from the HF tensors of layer
+    ``N = num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the
+    decoder layer's usual names, read by the main layers' ``readers``. Its own
+    ``embed_tokens`` / ``shared_head.head``, where the checkpoint stores them, are not loaded:
+    the target's are used (DeepSeek-V3 shares them; a copy that differs is logged)."""
+    N = cfg.num_layers
+    pre = f"model.layers.{N}."
+    Hd = cfg.hidden_size
+    names = {"mtp.enorm": ("enorm.weight", (Hd,)), "mtp.hnorm": ("hnorm.weight", (Hd,)),
+             "mtp.norm": ("shared_head.norm.weight", (Hd,)),
+             "mtp.eh_proj": ("eh_proj.weight", (Hd, 2 * Hd))}
+    out = {}
+    for key, (name, expect) in names.items():
+        if pre + name not in tensors:
+            raise ValueError(f"{source}: missing MTP tensor {pre + name!r}")
+        if tensors[pre + name].shape != expect:
+            raise ValueError(f"{source}: MTP tensor {pre + name} has shape "
+                             f"{tensors[pre + name].shape}, expected {expect}")
+        out[key] = tensors[pre + name]
+    out["mtp.eh_proj"] = out["mtp.eh_proj"].T                     # [2 Hd, Hd]: [in, out]
+    for own, shared in (("embed_tokens.weight", "embed_tokens"),
+                        ("shared_head.head.weight", "lm_head")):
+        if pre + own in tensors and shared in main:
+            mine = tensors[pre + own] if shared == "embed_tokens" else tensors[pre + own].T
+            if mine.shape != main[shared].shape or not np.array_equal(mine, main[shared]):
+                logger.warning("%s: %s%s differs from the main model's; the MTP layer uses "
+                               "the main model's %s", source, pre, own, shared)
+    for group, (_, shapes) in param_groups(cfg.mtp_layer_config()).items():
+        entry = readers[group](N)
+        for name, (shape, _) in shapes.items():
+            if entry[name].shape != shape:
+                raise ValueError(f"{source}: MTP layer {N} {group}.{name} has shape "
+                                 f"{entry[name].shape}, expected {shape}")
+            out[f"mtp.{group}.{name}"] = entry[name][None]
     return out

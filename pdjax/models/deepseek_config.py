@@ -75,6 +75,7 @@ class DeepseekConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
@@ -86,6 +87,9 @@ class DeepseekConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ValueError(f"num_nextn_predict_layers must be >= 0, got "
+                             f"{self.num_nextn_predict_layers!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.hidden_act != "silu":
@@ -167,6 +171,20 @@ class DeepseekConfig:
     def moe_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "sparse")
 
+    def mtp_layer_config(self) -> "DeepseekConfig":
+        """The decoder layer of the multi-token prediction module (DeepSeek-V3 §2.2; HF layer
+        index ``num_layers``) as a one-layer config: its MLP is of the last layer's kind
+        (MoE for DeepSeek-V3 and GLM-5, whose dense layers are the first few), and with DSA it
+        runs its own ``"full"`` indexer (there is no earlier layer whose top-k it could
+        reuse). ``ValueError`` when the checkpoint has no MTP layer."""
+        if self.num_nextn_predict_layers < 1:
+            raise ValueError("speculative_algorithm 'mtp' needs a checkpoint with "
+                             "num_nextn_predict_layers >= 1 in its config.json")
+        return dataclasses.replace(
+            self, num_layers=1, mlp_layer_types=self.mlp_layer_types[-1:],
+            indexer_types=("full",) if self.has_indexer else ("none",),
+            num_nextn_predict_layers=0)
+
     # Names shared with ``ModelConfig`` so generic code (runner, server) can read them.
     @property
     def num_q_heads(self) -> int:
@@ -241,6 +259,7 @@ class DeepseekConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos,
                 hidden_act=cfg.get("hidden_act", "silu"),
+                num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None

@@ -126,5 +126,13 @@ def restore_params(path: str, targets: Mapping[str, jax.ShapeDtypeStruct] | None
         if saved[key] != tuple(target.shape):
             raise ValueError(f"{path}: parameter {key!r} has shape {saved[key]}, "
                              f"expected {tuple(target.shape)}")
-    restored = checkpointer.restore(params_dir, _nest(dict(targets)))
+    item = _nest(dict(targets))
+    if set(saved) - set(targets):
+        # Saved parameters the model does not have (an MTP layer, built only with mtp=True)
+        # stay on disk.
+        restored = ocp.PyTreeCheckpointer().restore(params_dir, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True))
+    else:
+        restored = checkpointer.restore(params_dir, item)
     return _flatten(restored)

@@ -11,9 +11,11 @@ The interface is batched and stateful per request, so that every kind of drafter
   it are freed, the slots are overwritten later), then runs one batched extend and ``k - 1``
   batched decode forwards of the small model; its pages are freed by ``release``. It drafts
   greedily, so its draft distribution is a one-hot too.
-- MTP (planned, DeepSeek-V3 / GLM-5 ``num_nextn_predict_layers``): the draft comes from the
-  target's own last hidden state; ``propose`` reads the hidden state the verify forward left for
-  the request (kept on the device), and in PD the prefill server sends it with the first token.
+- MTP (``MTPDrafter``, ``mtp.py``; DeepSeek-V3 / V3.2 / GLM-5 ``num_nextn_predict_layers``):
+  the checkpoint's multi-token prediction layer, over its own paged KV, reads the target's
+  normed hidden states, which every target forward writes into the ``mtp_hidden`` cache buffer
+  (so they roll back, hit the prefix cache and travel in PD with the KV pages); ``propose``
+  catches up on the positions computed since, then chains ``k - 1`` greedy steps.
 
 A drafter never sees a rejected token: ``on_verified`` gets the tokens the request kept.
 """

@@ -140,3 +140,25 @@ def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
                                  "tpu").attention_impl == "tpu"
     assert resolve_engine_config(ServerArgs(model_path=mla, kv_cache_dtype="fp8_e4m3"),
                                  "cpu").attention_impl in ("cpu", "xla")
+
+
+def test_mtp_adds_its_layer_and_hidden_state_buffer():
+    """With ``--speculative-algorithm mtp`` the abstract engine builds the target as the server
+    does (DESIGN.md §3): the MTP layer's weights and the ``mtp_hidden`` buffer count in the
+    budget (DeepSeek-V3: 7168 bf16 values a token beside the latent of 61 layers)."""
+    path = os.path.join(CONFIGS, "deepseek-v3")
+    args = dict(model_path=path, max_total_tokens=4096, context_length=1024,
+                chunked_prefill_size=256, max_running_requests=4, attention_backend="xla",
+                dtype="bfloat16", load_format="dummy", grammar_backend="none")
+    plain = AbstractEngine(ServerArgs(**args), cpu_target())
+    mtp = AbstractEngine(ServerArgs(**args, speculative_algorithm="mtp"), cpu_target())
+    assert [s.name for s in mtp.cache_specs] == ["latent", "mtp_hidden"]
+    page = plain.args.page_size
+    assert (mtp.kv_bytes_per_page_per_chip() - plain.kv_bytes_per_page_per_chip()
+            == page * 7168 * 2)
+    assert plain.kv_bytes_per_page_per_chip() == page * 61 * 576 * 2
+    # One more MoE decoder layer and enorm, hnorm, eh_proj, shared_head.norm.
+    extra = mtp.weight_bytes_per_chip() - plain.weight_bytes_per_chip()
+    assert extra > 256 * 3 * 7168 * 2048 * 2 + 2 * 7168 * 7168 * 2
+    with pytest.raises(ValueError, match="speculative_algorithm 'mtp'"):
+        AbstractEngine(ServerArgs(**{**SETTINGS, "speculative_algorithm": "mtp"}), cpu_target())
