@@ -288,8 +288,11 @@ class ModelRunner:
         return True
 
     def kv_shard_bytes(self) -> list[int]:
-        """Bytes of one device's shard of each KV buffer (``cache_specs`` order)."""
-        return [int(a.addressable_shards[0].data.nbytes) for a in self.kv_buffers()]
+        """Bytes of one device's shard of each KV buffer (``cache_specs`` order). From shapes
+        and shardings only: a background compile calls it while a step holds the donated
+        buffers."""
+        return [int(np.prod(c.sharding.shard_shape(c.shape), dtype=np.int64)) * c.dtype.itemsize
+                for c in (self.caches[s.name] for s in self.cache_specs)]
 
     def require_in_place_kv(self) -> None:
         """Promise that every forward updates the KV buffers in place, for a transfer engine
