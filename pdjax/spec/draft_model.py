@@ -40,10 +40,8 @@ from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
 from pdjax.spec.drafter import Drafter, register_drafter
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pdjax.spec.own_pages import (cdiv, common_prefix, read_token, reserve_pages,
+                                  truncate_pages)
 
 
 @dataclasses.dataclass
@@ -87,7 +85,7 @@ class DraftModelDrafter(Drafter):
         self.chunk_size = chunked_prefill_size
         self.buckets = Buckets.create(
             chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
-            max_pages_per_seq=_cdiv(context_length, page_size),
+            max_pages_per_seq=cdiv(context_length, page_size),
             max_num_batched_tokens=max_num_batched_tokens,
             traced_pages_bound=attention_impl in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
         self.runner = ModelRunner(model, mesh, num_pages=num_pages,
@@ -113,7 +111,7 @@ class DraftModelDrafter(Drafter):
                 continue
             ids = list(req.all_ids)
             st = self._state.setdefault(req.rid, _DraftState([], []))
-            self._truncate(st, min(_common_prefix(st.ids, ids), len(ids) - 1))
+            self._truncate(st, min(common_prefix(st.ids, ids), len(ids) - 1))
             # Every page this step needs, up front: the ids and the k - 1 drafts fed back.
             # A request the pool cannot hold drafts nothing (the others still do).
             if self._reserve(st, len(ids) + k - 1):
@@ -131,7 +129,7 @@ class DraftModelDrafter(Drafter):
         host: dict[int, np.ndarray] = {}
         drafts: list[list[int]] = [[] for _ in requests]
         for (i, st, _), chain in zip(live, srcs):
-            drafts[i] = [_read(host, src) for src in chain]
+            drafts[i] = [read_token(host, src) for src in chain]
             st.ids.extend(drafts[i][:-1])         # the drafts fed back hold KV now
         return drafts
 
@@ -144,20 +142,11 @@ class DraftModelDrafter(Drafter):
     def _truncate(self, st: _DraftState, n: int) -> None:
         """Keep the KV of ``st.ids[:n]``: the counter moves, whole pages past it go back."""
         del st.ids[n:]
-        keep = _cdiv(n, self.page_size)
-        self.allocator.free(st.pages[keep:])
-        del st.pages[keep:]
+        truncate_pages(self.allocator, st.pages, n, self.page_size)
 
     def _reserve(self, st: _DraftState, num_tokens: int) -> bool:
         """Pages for positions ``< num_tokens``; False (nothing taken) if the pool is short."""
-        need = _cdiv(num_tokens, self.page_size) - len(st.pages)
-        if need <= 0:
-            return True
-        got = self.allocator.alloc(need)
-        if got is None:
-            return False
-        st.pages.extend(got)
-        return True
+        return reserve_pages(self.allocator, st.pages, num_tokens, self.page_size)
 
     # ------------------------------------------------------------------ forwards
     def _run(self, mode: str, rows: list[BatchRow], prev_idx: list[int] | None = None,
@@ -168,7 +157,7 @@ class DraftModelDrafter(Drafter):
         device. ``prev_idx`` (per row, decode): the row of ``prev_tokens`` holding the row's
         input token (its ``input_ids`` entry is then a placeholder), or -1."""
         key = self.buckets.pick(mode, sum(len(r.input_ids) for r in rows), len(rows),
-                                max(_cdiv(r.kv_len, self.page_size) for r in rows))
+                                max(cdiv(r.kv_len, self.page_size) for r in rows))
         fb = self.runner.make_batch(key, rows)
         idx = None
         if prev_idx is not None:
@@ -219,25 +208,7 @@ class DraftModelDrafter(Drafter):
         batch, prev_idx, host = [], [], {}
         for st, pos, (tokens, row) in rows:
             chained = tokens is prev
-            batch.append(BatchRow([0 if chained else _read(host, (tokens, row))], pos,
+            batch.append(BatchRow([0 if chained else read_token(host, (tokens, row))], pos,
                                   st.pages))
             prev_idx.append(row if chained else -1)
         return self._run("decode", batch, prev_idx, prev)
-
-
-def _read(host: dict, src: tuple) -> int:
-    """The token at ``src = (device tokens, row)``; each array is fetched once (``host``:
-    ``id(array) -> numpy``)."""
-    tokens, row = src
-    got = host.get(id(tokens))
-    if got is None:
-        got = host[id(tokens)] = np.asarray(tokens)
-    return int(got[row])
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

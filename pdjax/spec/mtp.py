@@ -41,7 +41,8 @@ from pdjax.kv.allocator import PageAllocator
 from pdjax.runner.mtp_runner import MTPRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
-from pdjax.spec.draft_model import _cdiv, _common_prefix, _read
+from pdjax.spec.own_pages import (cdiv, common_prefix, read_token, reserve_pages,
+                                  truncate_pages)
 from pdjax.spec.drafter import Drafter, register_drafter
 
 
@@ -70,7 +71,7 @@ class MTPDrafter(Drafter):
         self.chunk_size = chunked_prefill_size
         self.buckets = Buckets.create(
             chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
-            max_pages_per_seq=_cdiv(context_length, self.page_size),
+            max_pages_per_seq=cdiv(context_length, self.page_size),
             max_num_batched_tokens=max_num_batched_tokens)
         self.runner = MTPRunner(target, num_pages=num_pages, buckets=self.buckets,
                                 chunk_size=chunked_prefill_size)
@@ -96,7 +97,7 @@ class MTPDrafter(Drafter):
             if k <= 0 or L < 2 or req.num_computed_tokens < L - 1:
                 continue
             st = self._state.setdefault(req.rid, _MTPState([], 0, []))
-            self._truncate(st, min(st.fed, _common_prefix(st.ids, ids) - 1, L - 2))
+            self._truncate(st, min(st.fed, common_prefix(st.ids, ids) - 1, L - 2))
             # Pages up front: positions < L - 1 fed, then the k - 1 chained drafts.
             if self._reserve(st, L - 1 + k - 1):
                 live.append((i, st, ids, list(req.pages)))
@@ -110,7 +111,7 @@ class MTPDrafter(Drafter):
         host: dict[int, np.ndarray] = {}
         drafts: list[list[int]] = [[] for _ in requests]
         for (i, _, _, _), chain in zip(live, srcs):
-            drafts[i] = [_read(host, (tokens, row)) for tokens, _, row in chain]
+            drafts[i] = [read_token(host, (tokens, row)) for tokens, _, row in chain]
         return drafts
 
     def release(self, rid: str) -> None:
@@ -124,20 +125,11 @@ class MTPDrafter(Drafter):
         n = max(n, 0)
         st.fed = n
         del st.ids[n + 1:]
-        keep = _cdiv(n, self.page_size)
-        self.allocator.free(st.pages[keep:])
-        del st.pages[keep:]
+        truncate_pages(self.allocator, st.pages, n, self.page_size)
 
     def _reserve(self, st: _MTPState, num_positions: int) -> bool:
         """Pages for positions ``< num_positions``; False (nothing taken) if the pool is short."""
-        need = _cdiv(num_positions, self.page_size) - len(st.pages)
-        if need <= 0:
-            return True
-        got = self.allocator.alloc(need)
-        if got is None:
-            return False
-        st.pages.extend(got)
-        return True
+        return reserve_pages(self.allocator, st.pages, num_positions, self.page_size)
 
     # ------------------------------------------------------------------ forwards
     def _slots(self, target_pages: list[int], start: int, n: int) -> list[int]:
@@ -149,7 +141,7 @@ class MTPDrafter(Drafter):
         """One MTP forward of ``rows`` (decode-length rows first), dispatched without waiting;
         per row ``(tokens, hidden, row)``: where its draft and output hidden lie."""
         key = self.buckets.pick(mode, sum(len(r.input_ids) for r in rows), len(rows),
-                                max(_cdiv(r.kv_len, self.page_size) for r in rows))
+                                max(cdiv(r.kv_len, self.page_size) for r in rows))
         fb = self.runner.make_batch(key, rows)
         hidden_slots = np.zeros(key.num_tokens, np.int32)
         hidden_slots[:len(slots)] = slots
