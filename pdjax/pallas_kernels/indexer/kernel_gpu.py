@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
-from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata
+from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata, token_scalars
 from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 
 
@@ -48,10 +48,7 @@ def _kernel(
     _, num_heads, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    layer = meta_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, meta_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
 
     heads = lax.broadcasted_iota(jnp.int32, (heads_pad,), 0)
     heads_c = jnp.minimum(heads, num_heads - 1)

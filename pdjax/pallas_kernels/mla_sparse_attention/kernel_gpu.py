@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
-    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, topk_scan_lengths)
+    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, token_scalars, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
 
@@ -56,10 +56,7 @@ def _kernel(
     rope_dim = dim - kv_lora_rank
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    layer = meta_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, meta_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
 
     heads = hb * heads_per_block + lax.broadcasted_iota(jnp.int32, (heads_per_block,), 0)
     heads_c = jnp.minimum(heads, num_heads - 1)[:, None]

@@ -79,6 +79,15 @@ def kernel_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, page_indices: jax.
     return req, pos, kv_len, flat_pages, jnp.asarray(layer, jnp.int32).reshape(1)
 
 
+def token_scalars(t, layer_ref, tok_req_ref, tok_pos_ref, kv_lens_ref):
+    """Inside a kernel: ``(layer, req, pos, kv_len)`` of token ``t``, read from the refs of
+    ``kernel_metadata``'s ``layer`` ``[1]``, ``req`` and ``pos`` ``[T]`` and of ``kv_lens``
+    ``[R]`` (int32 scalars)."""
+    layer = layer_ref[0]
+    req = tok_req_ref[t]
+    return layer, req, tok_pos_ref[t], kv_lens_ref[req]
+
+
 def check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                         topk_indices, kv_lora_rank) -> None:
     """The contract (``validate_inputs``) plus the kernels' dtypes; ``ValueError``."""
