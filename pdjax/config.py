@@ -27,6 +27,15 @@ def _freeze(d: dict | None):
     return None if not d else tuple(sorted(d.items()))
 
 
+def check_positive_ints(obj, names) -> None:
+    """``ValueError`` naming the first field of ``names`` that is not an integer >= 1 (a bool
+    is not one)."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """``config.json`` of a checkpoint folder as a dict; raises ``ValueError`` when missing or
     malformed."""
@@ -99,11 +108,9 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size",
+                                   "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                                   "max_position_embeddings"))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_q_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")

@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
-from pdjax.config import hf_common_fields, read_hf_config
+from pdjax.config import check_positive_ints, hf_common_fields, read_hf_config
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 INDEXER_TYPES = ("none", "full", "shared")
@@ -77,12 +77,9 @@ class DeepseekConfig:
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not an MLA architecture; "
                              f"supported: {', '.join(DEEPSEEK_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                     "v_head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                   "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"))
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.hidden_act != "silu":
@@ -96,11 +93,8 @@ class DeepseekConfig:
             raise ValueError(f"indexer_types must list {self.num_layers} entries from "
                              f"{INDEXER_TYPES}, got {self.indexer_types!r}")
         if "sparse" in self.mlp_layer_types:
-            for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-                         "n_group", "topk_group"):
-                v = getattr(self, name)
-                if not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_ints(self, ("moe_intermediate_size", "n_routed_experts",
+                                       "num_experts_per_tok", "n_group", "topk_group"))
             if self.n_shared_experts < 0:
                 raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
             if self.n_routed_experts % self.n_group:
@@ -116,10 +110,7 @@ class DeepseekConfig:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
                                  f"experts of topk_group ({self.topk_group}) groups")
         if self.has_indexer:
-            for name in ("index_topk", "index_head_dim", "index_n_heads"):
-                v = getattr(self, name)
-                if not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_ints(self, ("index_topk", "index_head_dim", "index_n_heads"))
             if self.index_head_dim < self.qk_rope_head_dim:
                 raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= "
                                  f"qk_rope_head_dim ({self.qk_rope_head_dim})")
