@@ -23,7 +23,58 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _freeze(d: dict | None):
-    return None if d is None else tuple(sorted(d.items()))
+    """A dict as a sorted tuple of ``(key, value)`` pairs (hashable); ``None`` when empty."""
+    return None if not d else tuple(sorted(d.items()))
+
+
+def check_positive_ints(obj, names) -> None:
+    """``ValueError`` naming the first field of ``names`` that is not an integer >= 1 (a bool
+    is not one)."""
+    for name in names:
+        v = getattr(obj, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """``config.json`` of a checkpoint folder as a dict; raises ``ValueError`` when missing or
+    malformed."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{cfg_path}: file not found")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
+
+
+def hf_common_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a transformers ``config.json`` that every supported architecture reads the
+    same way, under the names of ``ModelConfig`` and ``DeepseekConfig``: RoPE (transformers 5
+    ``rope_parameters``, or the legacy ``rope_theta`` + ``rope_scaling`` with ``type``; plain
+    RoPE is ``rope_scaling=None``), norm epsilon, context, tied embeddings, BOS/EOS, activation.
+    Raises ``KeyError``/``ValueError``/``TypeError`` on a bad value (the callers name the file).
+    """
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.pop("partial_rotary_factor", None)
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return dict(
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_freeze(rope),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +108,9 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_q_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size",
+                                   "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
+                                   "max_position_embeddings"))
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_q_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
@@ -86,15 +135,6 @@ class ModelConfig:
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
-            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-            if "type" in rope and "rope_type" not in rope:
-                rope["rope_type"] = rope.pop("type")
-            rope.pop("partial_rotary_factor", None)
-            if rope.get("rope_type", "default") == "default":
-                rope = {}
-            eos = cfg.get("eos_token_id")
-            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -104,31 +144,16 @@ class ModelConfig:
                 num_q_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                rope_scaling=_freeze(rope) if rope else None,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
                 qk_norm=arch == "Qwen3ForCausalLM",
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos,
-                hidden_act=cfg.get("hidden_act", "silu"),
+                **hf_common_fields(cfg),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelConfig":
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ValueError(f"{cfg_path}: file not found")
-        try:
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
-        return cls.from_hf_dict(cfg, source=cfg_path)
+        return cls.from_hf_dict(read_hf_config(path), source=os.path.join(path, "config.json"))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers ``config.json`` dict that ``from_hf_dict`` reads back as ``self``

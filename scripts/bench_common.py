@@ -279,6 +279,60 @@ def print_table(title: str, rows: Sequence[tuple[str, Any]], width: int = 50) ->
     print("=" * width, flush=True)
 
 
+# ------------------------------------------------------------------------------ arguments
+
+def require_positive(p, args, names: Sequence[str]) -> None:
+    """``p.error`` naming the first flag of ``names`` (argparse dests) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+# ------------------------------------------------------------------------ offline engines
+
+def add_offline_engine_args(p, *, chunked_prefill_size: int, max_total_tokens: int) -> None:
+    """The model and engine flags of the offline comparisons with transformers (``bench_vs_hf``,
+    ``bench_vs_peers``), read by ``offline_engine`` (``--dtype``: one both sides run)."""
+    p.add_argument("--model-path", default=None, help="HF folder or GGUF (default: SmolLM2)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--chunked-prefill-size", type=int, default=chunked_prefill_size)
+    p.add_argument("--max-total-tokens", type=int, default=max_total_tokens)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: --num-prompts")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="default: the longest prompt + output, rounded up to a page")
+
+
+def offline_engine(args, prompts: list[list[int]], **engine_kwargs):
+    """A ``pdjax.Engine`` (``args.model_path``, ``args.dtype`` and the flags of
+    ``add_offline_engine_args``) that holds every prompt plus ``args.output_len`` tokens at
+    once: one batch, no preemption. Raises ``ValueError`` when ``--context-length`` does not
+    hold the longest prompt plus its output."""
+    from pdjax.engine import Engine
+
+    longest = max(len(p) for p in prompts) + args.output_len
+    context = args.context_length or -(-(longest + 1) // args.page_size) * args.page_size
+    if longest >= context:
+        raise ValueError(f"--context-length {context} does not hold a prompt plus its output "
+                         f"({longest} tokens)")
+    return Engine(args.model_path, dtype=args.dtype, page_size=args.page_size,
+                  max_running_requests=args.max_running_requests or len(prompts),
+                  chunked_prefill_size=args.chunked_prefill_size,
+                  max_total_tokens=max(args.max_total_tokens,
+                                       len(prompts) * (longest + args.page_size)),
+                  context_length=context, progress=False, skip_warmup_progress=True,
+                  **engine_kwargs)
+
+
+def drain(core) -> dict[str, list[int]]:
+    """Step the engine ``core`` until it has no work; the new tokens of each request by rid."""
+    tokens: dict[str, list[int]] = {}
+    while core.has_work:
+        for out in core.step():
+            tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+    return tokens
+
+
 def add_overlap_bench_args(p, batch: int, new_tokens: int) -> None:
     """The flags the overlap benchmarks share (``bench_step_overlap``, ``bench_grammar_overlap``)."""
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+from bench_common import (add_overlap_bench_args, drain, machine_info, now_iso,  # noqa: E402
                           overlap_bench_engine, write_json)
 
 # Exactly this many characters: no row can end by its grammar inside the run.
@@ -55,12 +55,9 @@ def _run(engine, prompts, new_tokens: int, mode: str, saved_rows) -> dict:
     counters = (core.num_grammar_syncs, core.num_grammar_split_steps)
     for i, p in enumerate(prompts):
         core.add_request(GenerateRequest(f"{mode}{i}", p, sp))
-    tokens: dict[str, list[int]] = {}
     t0 = time.perf_counter()
     try:
-        while core.has_work:
-            for out in core.step():
-                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        tokens = drain(core)
     finally:
         core.dispatch_hooks.remove(timeline.on_dispatch)
         timeline.close()

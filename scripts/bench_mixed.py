@@ -55,7 +55,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import (StepProfiler, engine_step_times, machine_info, now_iso, print_table,  # noqa: E402
-                          ratio, summarize_ms, trace_files, write_json)
+                          ratio, require_positive, summarize_ms, trace_files, write_json)
 
 BASE_SETTINGS = ("mixed_off", "mixed_on", "mixed_on_target")
 
@@ -445,10 +445,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the engine's --unroll-layers / --no-unroll-layers (default: its auto)")
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
-    for name in ("batch_size", "decode_prompt_len", "long_prompt_len", "chunked_prefill_size",
-                 "steady_steps", "repeats", "profile_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("batch_size", "decode_prompt_len", "long_prompt_len",
+                               "chunked_prefill_size", "steady_steps", "repeats", "profile_steps"))
     if args.chunked_prefill_size <= args.batch_size:
         p.error("--chunked-prefill-size must exceed --batch-size (mixed steps need room for a chunk)")
     if args.max_running_requests is None:

@@ -41,7 +41,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import (fetch_metrics, flatten_stats, http_json, machine_info, metric_total,  # noqa: E402
-                          now_iso, print_table, server_step_times, summarize_ms, write_json)
+                          now_iso, print_table, require_positive, server_step_times,
+                          summarize_ms, write_json)
 
 AIOHTTP_TIMEOUT = aiohttp.ClientTimeout(total=6 * 60 * 60)
 
@@ -420,9 +421,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="wrap the run in /start_profile and /stop_profile (XLA trace)")
     p.add_argument("--profile-dir", default=None, help="trace directory on the server")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "random_input_len", "random_output_len"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("num_prompts", "random_input_len", "random_output_len"))
     if args.warmup_requests < 0:
         p.error("--warmup-requests must be >= 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:

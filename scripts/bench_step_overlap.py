@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+from bench_common import (add_overlap_bench_args, drain, machine_info, now_iso,  # noqa: E402
                           overlap_bench_engine, write_json)
 
 
@@ -54,12 +54,9 @@ def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
     tag = "ov" if overlap else "sync"
     for i, p in enumerate(prompts):
         core.add_request(GenerateRequest(f"{tag}{i}", p, sp))
-    tokens = {}
     t0 = time.perf_counter()
     try:
-        while core.has_work:
-            for out in core.step():
-                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+        tokens = drain(core)
     finally:
         core.step_hooks.remove(on_step)
         core.dispatch_hooks.remove(timeline.on_dispatch)

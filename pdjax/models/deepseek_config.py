@@ -16,18 +16,15 @@ layer (GLM-5). Every bad value raises ``ValueError`` naming the field.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
+
+from pdjax.config import check_positive_ints, hf_common_fields, read_hf_config
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 INDEXER_TYPES = ("none", "full", "shared")
 MLP_TYPES = ("dense", "sparse")
 _ROPE_TYPES = ("default", "yarn")
-
-
-def _freeze(d: dict | None):
-    return None if not d else tuple(sorted(d.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +78,9 @@ class DeepseekConfig:
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
             raise ValueError(f"architecture {self.architecture!r} is not an MLA architecture; "
                              f"supported: {', '.join(DEEPSEEK_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                     "v_head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                   "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                   "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"))
         if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
             raise ValueError(f"num_nextn_predict_layers must be >= 0, got "
                              f"{self.num_nextn_predict_layers!r}")
@@ -103,11 +97,8 @@ class DeepseekConfig:
             raise ValueError(f"indexer_types must list {self.num_layers} entries from "
                              f"{INDEXER_TYPES}, got {self.indexer_types!r}")
         if "sparse" in self.mlp_layer_types:
-            for name in ("moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-                         "n_group", "topk_group"):
-                v = getattr(self, name)
-                if not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_ints(self, ("moe_intermediate_size", "n_routed_experts",
+                                       "num_experts_per_tok", "n_group", "topk_group"))
             if self.n_shared_experts < 0:
                 raise ValueError(f"n_shared_experts must be >= 0, got {self.n_shared_experts}")
             if self.n_routed_experts % self.n_group:
@@ -123,10 +114,7 @@ class DeepseekConfig:
                 raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
                                  f"experts of topk_group ({self.topk_group}) groups")
         if self.has_indexer:
-            for name in ("index_topk", "index_head_dim", "index_n_heads"):
-                v = getattr(self, name)
-                if not isinstance(v, int) or v < 1:
-                    raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_ints(self, ("index_topk", "index_head_dim", "index_n_heads"))
             if self.index_head_dim < self.qk_rope_head_dim:
                 raise ValueError(f"index_head_dim ({self.index_head_dim}) must be >= "
                                  f"qk_rope_head_dim ({self.qk_rope_head_dim})")
@@ -201,13 +189,6 @@ class DeepseekConfig:
             raise ValueError(f"{source}: missing 'architectures'")
         arch = archs[0]
         try:
-            rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-            if "type" in rope and "rope_type" not in rope:
-                rope["rope_type"] = rope.pop("type")
-            rope.pop("partial_rotary_factor", None)
-            if rope.get("rope_type", "default") == "default":
-                rope = {}
             num_layers = int(cfg["num_hidden_layers"])
             mlp_types = cfg.get("mlp_layer_types")
             if mlp_types is None:
@@ -219,8 +200,6 @@ class DeepseekConfig:
                 indexer_types = ["full"] * num_layers
             else:
                 indexer_types = _glm_indexer_types(cfg, num_layers)
-            eos = cfg.get("eos_token_id")
-            eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             has_idx = arch != "DeepseekV3ForCausalLM"
             return cls(
                 architecture=arch,
@@ -250,16 +229,9 @@ class DeepseekConfig:
                 indexer_rope_interleave=arch == "GlmMoeDsaForCausalLM",
                 rope_interleave=(bool(cfg.get("rope_interleave", True))
                                  if arch == "DeepseekV3ForCausalLM" else True),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=theta,
-                rope_scaling=_freeze(rope),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos,
-                hidden_act=cfg.get("hidden_act", "silu"),
                 num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+                **hf_common_fields(cfg),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
@@ -297,16 +269,3 @@ def _glm_indexer_types(cfg: dict, num_layers: int) -> list[str]:
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
                      for i in range(num_layers)]
     return list(types)
-
-
-def read_hf_config(path: str) -> dict[str, Any]:
-    """``config.json`` of a checkpoint folder as a dict; raises ``ValueError`` when missing or
-    malformed."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"{cfg_path}: file not found")
-    try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None

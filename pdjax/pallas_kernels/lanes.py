@@ -45,3 +45,13 @@ def pad_last_dim(x: jax.Array, width: int) -> jax.Array:
     if pad == 0:
         return x
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def pad_query_to_rows(q: jax.Array, cache: jax.Array) -> jax.Array:
+    """``q [..., D]`` zero-padded to the width ``W`` of the rows of ``cache [L, N, page_size,
+    W]`` when they are wider (whole lanes on TPU): the pad lanes meet zeros, so scores are
+    unchanged. Any other ``cache`` leaves ``q`` as it is (the kernels' contract checks name
+    it)."""
+    if cache.ndim == 4 and cache.shape[3] > q.shape[-1]:
+        return pad_last_dim(q, cache.shape[3])
+    return q

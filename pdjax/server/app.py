@@ -77,29 +77,33 @@ def create_app(engine_client: EngineClient, served_model_name: str | None = None
     app = web.Application(middlewares=[_middleware], client_max_size=CLIENT_MAX_SIZE)
     app[STATE_KEY] = ServerState(engine_client, served_model_name, api_key, tool_call_parser,
                                  reasoning_parser)
-    r = app.router
-    r.add_post("/generate", handle_generate)
-    r.add_post("/v1/completions", handle_completions)
-    r.add_post("/v1/chat/completions", handle_chat_completions)
-    r.add_get("/v1/models", handle_models)
-    r.add_post("/tokenize", handle_tokenize)
-    r.add_post("/detokenize", handle_detokenize)
-    for path, handler in (("/health", handle_health), ("/health_generate", handle_health_generate),
-                          ("/model_info", handle_model_info),
-                          ("/get_model_info", handle_model_info),
-                          ("/server_info", handle_server_info),
-                          ("/get_server_info", handle_server_info),
-                          ("/get_load", handle_get_load), ("/metrics", handle_metrics),
-                          ("/flush_cache", handle_flush_cache)):
-        r.add_get(path, handler)
-    r.add_post("/flush_cache", handle_flush_cache)
-    r.add_post("/abort_request", handle_abort_request)
-    r.add_post("/separate_reasoning", handle_separate_reasoning)
-    r.add_post("/parse_function_call", handle_parse_function_call)
-    r.add_post("/start_profile", handle_start_profile)
-    r.add_get("/start_profile", handle_start_profile)
-    r.add_post("/stop_profile", handle_stop_profile)
-    r.add_get("/stop_profile", handle_stop_profile)
+    # (methods, path, handler): SGLang's paths, with its aliases.
+    routes = (
+        ("POST", "/generate", handle_generate),
+        ("POST", "/v1/completions", handle_completions),
+        ("POST", "/v1/chat/completions", handle_chat_completions),
+        ("GET", "/v1/models", handle_models),
+        ("POST", "/tokenize", handle_tokenize),
+        ("POST", "/detokenize", handle_detokenize),
+        ("GET", "/health", handle_health),
+        ("GET", "/health_generate", handle_health_generate),
+        ("GET", "/model_info", handle_model_info),
+        ("GET", "/get_model_info", handle_model_info),
+        ("GET", "/server_info", handle_server_info),
+        ("GET", "/get_server_info", handle_server_info),
+        ("GET", "/get_load", handle_get_load),
+        ("GET", "/metrics", handle_metrics),
+        ("GET POST", "/flush_cache", handle_flush_cache),
+        ("POST", "/abort_request", handle_abort_request),
+        ("POST", "/separate_reasoning", handle_separate_reasoning),
+        ("POST", "/parse_function_call", handle_parse_function_call),
+        ("GET POST", "/start_profile", handle_start_profile),
+        ("GET POST", "/stop_profile", handle_stop_profile),
+    )
+    add = {"GET": app.router.add_get, "POST": app.router.add_post}     # add_get: HEAD too
+    for methods, path, handler in routes:
+        for method in methods.split():
+            add[method](path, handler)
     return app
 
 

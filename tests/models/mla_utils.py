@@ -60,19 +60,6 @@ def kernel_names(model, rows: list[BatchRow], caches, *, page_size=PAGE, tokens=
     return set(re.findall(r"((?:mla_\w+_attention|indexer_scores)_(?:tpu|gpu))/pallas_call", text))
 
 
-def lowering_context(platform: str):
-    """jax 0.11 lowers Triton kernels only for a known GPU: without one, name an abstract H200
-    (jax 0.10 falls back to sm_90 by itself)."""
-    import contextlib
-
-    if platform != "cuda" or jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                         platform="gpu")
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
-
-
 def prompts(seed, lens):
     rng = np.random.default_rng(seed)
     return [[int(x) for x in rng.integers(3, 500, n)] for n in lens]

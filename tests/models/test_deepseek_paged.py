@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mla_utils import PAGE, kernel_names, lowering_context, new_caches, prompts, run_rows
+from kernel_cases import lowering_context
+from mla_utils import PAGE, kernel_names, new_caches, prompts, run_rows
 from model_utils import assign_pages, greedy_match_len
 from pdjax.models.cache_spec import bytes_per_page
 from pdjax.models.deepseek import DeepseekForCausalLM, deepseek_cache_spec

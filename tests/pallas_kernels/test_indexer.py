@@ -6,7 +6,6 @@ Same envelope and batches as the MLA kernel tests: NaN in unused pages and in sl
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 
@@ -16,13 +15,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_cases import interpret_mode, kernel_device, lowering_context, paged_layout
 from pdjax.pallas_kernels.indexer import indexer_scores, indexer_scores_reference, topk_positions
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
-ON_GPU = jax.default_backend() == "gpu"
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 32, 6, 6, 8, 2
 NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ + 3
 SCALE = 32 ** -0.5
@@ -37,41 +36,15 @@ BATCHES = {
 
 def make_batch(seqs, distribution, *, heads, dim, dtype, seed=0):
     rng = np.random.default_rng(seed)
-    q_lens = np.zeros(NUM_SEQS, np.int32)
-    kv_lens = np.zeros(NUM_SEQS, np.int32)
-    q_lens[:len(seqs)] = [s[0] for s in seqs]
-    kv_lens[:len(seqs)] = [s[1] for s in seqs]
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    need = -(-kv_lens // PAGE_SIZE)
-    perm = rng.permutation(np.arange(1, NUM_PAGES))
-    page_indices = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
-    used = np.zeros(NUM_PAGES, bool)
-    start = 0
-    for r, n in enumerate(need):
-        page_indices[r, :n] = perm[start:start + n]
-        used[perm[start:start + n]] = True
-        start += n
+    lay = paged_layout(rng, seqs, num_seqs=NUM_SEQS, num_pages=NUM_PAGES,
+                       pages_per_seq=PAGES_PER_SEQ, page_size=PAGE_SIZE)
     keys = rng.standard_normal((NUM_LAYERS, NUM_PAGES, PAGE_SIZE, dim)).astype(np.float32)
-    keys[:, ~used] = np.nan
-    for r in range(NUM_SEQS):
-        tail = kv_lens[r] % PAGE_SIZE
-        if need[r] and tail:
-            keys[:, page_indices[r, need[r] - 1], tail:] = np.nan
+    lay.poison(keys)
     q = rng.standard_normal((NUM_TOKENS, heads, dim)).astype(np.float32)
     w = rng.standard_normal((NUM_TOKENS, heads)).astype(np.float32) * heads ** -0.5
     return (jnp.asarray(q, dtype), jnp.asarray(w), jnp.asarray(keys, dtype), jnp.int32(1),
-            jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
+            jnp.asarray(lay.kv_lens), jnp.asarray(lay.page_indices), jnp.asarray(lay.cu_q_lens),
             jnp.asarray(distribution, jnp.int32))
-
-
-def interpret_mode(impl):
-    return not (impl == "gpu" and ON_GPU)
-
-
-def kernel_device(impl):
-    if interpret_mode(impl) and jax.default_backend() != "cpu":
-        return jax.default_device(jax.devices("cpu")[0])
-    return contextlib.nullcontext()
 
 
 def kernel_fn(impl, block_sizes=None):
@@ -187,15 +160,6 @@ def test_dispatch_and_bad_inputs():
     assert get_block_sizes("tpu", num_heads=4, head_dim=32, page_size=8, span=48).block_tokens == 48
     assert get_block_sizes("gpu", num_heads=64, head_dim=128, page_size=16,
                            span=8192).heads_per_block == 64
-
-
-def lowering_context(platform: str):
-    if platform != "cuda" or jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                         platform="gpu")
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 @pytest.mark.parametrize("impl,platform,custom_call", [

@@ -9,7 +9,6 @@ token (ignored) and ``-1`` holes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import re
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_cases import interpret_mode, kernel_device, lowering_context, paged_layout
 from pdjax.pallas_kernels.mla_sparse_attention import (
     mla_sparse_attention, mla_sparse_attention_reference)
 from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
@@ -28,7 +28,6 @@ from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
-ON_GPU = jax.default_backend() == "gpu"
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 32, 6, 6, 8, 2
 NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ + 3
 TOPK = 24
@@ -45,26 +44,11 @@ BATCHES = {
 
 def make_batch(seqs, distribution, *, heads, lora, rope, dtype, sparse, seed=0):
     rng = np.random.default_rng(seed)
-    q_lens = np.zeros(NUM_SEQS, np.int32)
-    kv_lens = np.zeros(NUM_SEQS, np.int32)
-    q_lens[:len(seqs)] = [s[0] for s in seqs]
-    kv_lens[:len(seqs)] = [s[1] for s in seqs]
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    need = -(-kv_lens // PAGE_SIZE)
-    perm = rng.permutation(np.arange(1, NUM_PAGES))
-    page_indices = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
-    used = np.zeros(NUM_PAGES, bool)
-    start = 0
-    for r, n in enumerate(need):
-        page_indices[r, :n] = perm[start:start + n]
-        used[perm[start:start + n]] = True
-        start += n
+    lay = paged_layout(rng, seqs, num_seqs=NUM_SEQS, num_pages=NUM_PAGES,
+                       pages_per_seq=PAGES_PER_SEQ, page_size=PAGE_SIZE)
+    kv_lens, cu_q_lens = lay.kv_lens, lay.cu_q_lens
     cache = rng.standard_normal((NUM_LAYERS, NUM_PAGES, PAGE_SIZE, lora + rope)).astype(np.float32)
-    cache[:, ~used] = np.nan
-    for r in range(NUM_SEQS):
-        tail = kv_lens[r] % PAGE_SIZE
-        if need[r] and tail:
-            cache[:, page_indices[r, need[r] - 1], tail:] = np.nan
+    lay.poison(cache)
     q = rng.standard_normal((NUM_TOKENS, heads, lora + rope)).astype(np.float32)
     topk = None
     if sparse:
@@ -76,7 +60,7 @@ def make_batch(seqs, distribution, *, heads, lora, rope, dtype, sparse, seed=0):
                 topk[t] = rng.permutation(row)                      # -1 holes anywhere
         topk = jnp.asarray(topk)
     return (jnp.asarray(q, dtype), jnp.asarray(cache, dtype), jnp.int32(1),
-            jnp.asarray(kv_lens), jnp.asarray(page_indices), jnp.asarray(cu_q_lens),
+            jnp.asarray(kv_lens), jnp.asarray(lay.page_indices), jnp.asarray(cu_q_lens),
             jnp.asarray(distribution, jnp.int32), topk)
 
 
@@ -103,16 +87,6 @@ CONFIGS = {
 }
 # Small blocks: several chunks per token (double buffering, chunks straddling pages).
 SMALL = {"tpu": MlaBlockSizes(8), "gpu": MlaBlockSizes(16, heads_per_block=16)}
-
-
-def interpret_mode(impl):
-    return not (impl == "gpu" and ON_GPU)
-
-
-def kernel_device(impl):
-    if interpret_mode(impl) and jax.default_backend() != "cpu":
-        return jax.default_device(jax.devices("cpu")[0])
-    return contextlib.nullcontext()
 
 
 def kernel_fn(impl, cfg: Config):
@@ -241,17 +215,6 @@ def test_block_size_rules():
         get_block_sizes("cpu", num_heads=4, dim=48, page_size=4, span=8)
     with pytest.raises(ValueError, match="block_tokens"):
         MlaBlockSizes(0)
-
-
-def lowering_context(platform: str):
-    """jax 0.11 lowers Triton kernels only for a known GPU: without one, name an abstract H200
-    (jax 0.10 falls back to sm_90 by itself)."""
-    if platform != "cuda" or jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                         platform="gpu")
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 @pytest.mark.parametrize("impl,platform,custom_call", [

@@ -8,7 +8,6 @@ mixed, page-boundary lengths, padding); unused pages and cache slots past ``kv_l
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_cases import ON_GPU, interpret_mode, kernel_device, lowering_context, paged_layout
 from pdjax.pallas_kernels import cpu_build
 from pdjax.pallas_kernels import ragged_paged_attention as rpa_package
 from pdjax.pallas_kernels.ragged_paged_attention import (
@@ -36,8 +36,6 @@ from pdjax.pallas_kernels.ragged_paged_attention.reference import (
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
     PATHS, BlockSizes, fallback_block_sizes, get_block_sizes, gpu_group_pad)
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
-
-ON_GPU = jax.default_backend() == "gpu"
 
 # jax 0.11 warns on every Triton lowering; the GPU kernel picks Triton on purpose (kernel_gpu.py).
 pytestmark = pytest.mark.filterwarnings(
@@ -65,21 +63,9 @@ def make_batch(seqs, distribution, *, num_q_heads, num_kv_heads, head_dim, dtype
     caches are the engine's rows ``[L, N, ps, KVH * D]``, or with ``rows=False`` the same
     values as ``[L, N, ps, KVH, D]``."""
     rng = np.random.default_rng(seed)
-    q_lens = np.zeros(NUM_SEQS, np.int32)
-    kv_lens = np.zeros(NUM_SEQS, np.int32)
-    q_lens[:len(seqs)] = [s[0] for s in seqs]
-    kv_lens[:len(seqs)] = [s[1] for s in seqs]
-    cu_q_lens = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    assert cu_q_lens[-1] <= NUM_TOKENS and kv_lens.max() <= PAGES_PER_SEQ * PAGE_SIZE
-    need = -(-kv_lens // PAGE_SIZE)
-    perm = rng.permutation(np.arange(1, NUM_PAGES))          # page 0: the null page
-    page_indices = rng.integers(0, NUM_PAGES, (NUM_SEQS, PAGES_PER_SEQ)).astype(np.int32)
-    used = np.zeros(NUM_PAGES, bool)
-    start = 0
-    for r, n in enumerate(need):
-        page_indices[r, :n] = perm[start:start + n]
-        used[perm[start:start + n]] = True
-        start += n
+    lay = paged_layout(rng, seqs, num_seqs=NUM_SEQS, num_pages=NUM_PAGES,
+                       pages_per_seq=PAGES_PER_SEQ, page_size=PAGE_SIZE)
+    assert lay.cu_q_lens[-1] <= NUM_TOKENS and lay.kv_lens.max() <= PAGES_PER_SEQ * PAGE_SIZE
     shape = (NUM_LAYERS, NUM_PAGES, PAGE_SIZE, num_kv_heads, head_dim)
     # |v| <= 0.5 bounds every output by 0.5, where one bf16 ulp (1.95e-3) is within the 2e-3
     # bf16 tolerance: two correct bf16 results may differ by one rounding step.
@@ -88,19 +74,13 @@ def make_batch(seqs, distribution, *, num_q_heads, num_kv_heads, head_dim, dtype
     v = rng.uniform(-0.5, 0.5, shape).astype(np.float32)
     if k_scale is not None:
         k, v = k / k_scale, v / v_scale
-    k[:, ~used] = np.nan
-    v[:, ~used] = np.nan
-    for r in range(NUM_SEQS):
-        tail = kv_lens[r] % PAGE_SIZE
-        if need[r] and tail:
-            last = page_indices[r, need[r] - 1]
-            k[:, last, tail:] = np.nan
-            v[:, last, tail:] = np.nan
+    lay.poison(k)
+    lay.poison(v)
     if rows:
         k, v = k.reshape(*shape[:3], -1), v.reshape(*shape[:3], -1)
     return (jnp.asarray(q, dtype), jnp.asarray(k, kv_dtype), jnp.asarray(v, kv_dtype),
-            jnp.int32(1), jnp.asarray(kv_lens), jnp.asarray(page_indices),
-            jnp.asarray(cu_q_lens), jnp.asarray(distribution, jnp.int32))
+            jnp.int32(1), jnp.asarray(lay.kv_lens), jnp.asarray(lay.page_indices),
+            jnp.asarray(lay.cu_q_lens), jnp.asarray(distribution, jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,17 +147,6 @@ def reference_fn(cfg: Config):
         with jax.default_matmul_precision("highest"):      # no TF32 in the oracle on GPU
             return ref(*args)
     return run
-
-
-def interpret_mode(impl: str):
-    return not (ON_GPU and impl == "gpu")
-
-
-def kernel_device(impl: str):
-    """Interpreted kernels run on the CPU device, also on a GPU host."""
-    if interpret_mode(impl) and jax.default_backend() != "cpu":
-        return jax.default_device(jax.devices("cpu")[0])
-    return contextlib.nullcontext()
 
 
 def lowered_kernels(fn, args) -> set[str]:
@@ -833,17 +802,6 @@ def _engine_attention_shapes():
     shapes = sorted({(k.num_tokens, k.num_rows, k.pages_per_seq) for k in keys})
     assert {k.entry for k in keys} == {"decode", "extend"}
     return shapes, args
-
-
-def lowering_context(platform: str):
-    """jax 0.11 lowers Triton kernels only for a known GPU: without one, name an abstract H200
-    (jax 0.10 falls back to sm_90 by itself)."""
-    if platform != "cuda" or jax.default_backend() == "gpu":
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
-                                         platform="gpu")
-    return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
 @pytest.mark.parametrize("impl,platform,custom_call", [

@@ -1,4 +1,5 @@
-"""Fixtures for the HTTP server tests: a fake engine behind a live aiohttp test server."""
+"""Fixtures for the HTTP server tests: a fake engine behind a live aiohttp test server, and
+the real ``AsyncEngine`` on the tiny random Llama."""
 
 import os
 import sys
@@ -12,6 +13,24 @@ sys.path.insert(0, os.path.dirname(__file__))
 from server_fakes import FakeEngine, build_tokenizer  # noqa: E402
 
 from pdjax.server.app import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny_checkpoints):
+    """A started ``AsyncEngine`` on the tiny Llama (CPU, float32), one per test module; every
+    module takes these settings, so they share the executables (compilation cache)."""
+    from pdjax.config import ServerArgs
+    from pdjax.engine import AsyncEngine
+
+    args = ServerArgs(model_path=tiny_checkpoints["llama"], dtype="float32", page_size=8,
+                      max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
+                      context_length=128, skip_warmup_progress=True)
+    engine = AsyncEngine(args, progress=False)
+    create_app(engine)          # as serve.py does: the server's metrics exist before start()
+    engine.start()
+    assert engine.wait_ready(900)
+    yield engine
+    engine.shutdown()
 
 
 @pytest.fixture

@@ -10,27 +10,11 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdjax.config import ServerArgs
-from pdjax.engine import AsyncEngine
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
-from pdjax.server.app import create_app
 
 pytestmark = pytest.mark.asyncio
 
 MSG = [{"role": "user", "content": "Hello world"}]
-
-
-@pytest.fixture(scope="module")
-def real_engine(tiny_checkpoints):
-    args = ServerArgs(model_path=tiny_checkpoints["llama"], dtype="float32", page_size=8,
-                      max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
-                      context_length=128, skip_warmup_progress=True)
-    engine = AsyncEngine(args, progress=False)
-    create_app(engine)          # as serve.py does: the server's metrics exist before start()
-    engine.start()
-    assert engine.wait_ready(900)
-    yield engine
-    engine.shutdown()
 
 
 @pytest_asyncio.fixture

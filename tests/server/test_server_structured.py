@@ -13,29 +13,12 @@ import pytest
 import pytest_asyncio
 
 from grammar_cases import MODEL_SCHEMAS, TOOL_PARAMS, TOOLS, chat_tool_calls
-from pdjax.config import ServerArgs
 from pdjax.constrained.grammar import GrammarSpec
-from pdjax.engine import AsyncEngine
 from pdjax.runner.model_runner import compile_count
-from pdjax.server.app import create_app
 
 pytestmark = pytest.mark.asyncio
 
 MSG = [{"role": "user", "content": "Reply in JSON."}]
-
-
-@pytest.fixture(scope="module")
-def real_engine(tiny_checkpoints):
-    # The settings of test_server_real_engine: the same executables (compilation cache).
-    args = ServerArgs(model_path=tiny_checkpoints["llama"], dtype="float32", page_size=8,
-                      max_total_tokens=2048, max_running_requests=8, chunked_prefill_size=64,
-                      context_length=128, skip_warmup_progress=True)
-    engine = AsyncEngine(args, progress=False)
-    create_app(engine)
-    engine.start()
-    assert engine.wait_ready(900)
-    yield engine
-    engine.shutdown()
 
 
 @pytest_asyncio.fixture
@@ -224,17 +207,9 @@ async def test_auto_tool_choice_with_a_biased_call_gives_tool_calls(call_token, 
         (call,) = choice.message.tool_calls
         assert call.function.name == "add" and call.id.startswith("call_")
         assert json.loads(call.function.arguments) == {"a": 7, "b": 35}
-        calls, finish = {}, None
-        async for chunk in await oa.chat.completions.create(stream=True, **kw, **extra):
-            for c in chunk.choices:
-                for tc in c.delta.tool_calls or []:
-                    if tc.id is not None:
-                        calls[tc.index] = [tc.function.name, tc.function.arguments]
-                    else:
-                        calls[tc.index][1] += tc.function.arguments
-                finish = c.finish_reason or finish
+        calls, finish, _ = await chat_tool_calls(oa, True, **kw, **extra)
         assert finish == "tool_calls"
-        assert [(n, json.loads(a)) for n, a in calls.values()] == [("add", {"a": 7, "b": 35})]
+        assert [(n, json.loads(a)) for n, a in calls] == [("add", {"a": 7, "b": 35})]
     # No stop string: the biased token repeats, and each copy is one more call.
     chat = await oa.chat.completions.create(**dict(kw, stop=None, max_tokens=3))
     assert [c.function.name for c in chat.choices[0].message.tool_calls] == ["add"] * 3

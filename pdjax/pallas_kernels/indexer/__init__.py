@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.indexer.reference import indexer_scores_reference, topk_positions
-from pdjax.pallas_kernels.lanes import pad_last_dim
+from pdjax.pallas_kernels.lanes import pad_query_to_rows
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -53,8 +53,7 @@ def indexer_scores(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
-    if k_cache.ndim == 4 and k_cache.shape[3] > q.shape[-1]:
-        q = pad_last_dim(q, k_cache.shape[3])     # zero query lanes over the rows' pad
+    q = pad_query_to_rows(q, k_cache)
     args = (q, weights, k_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return indexer_scores_reference(*args, sm_scale=sm_scale)

@@ -23,11 +23,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
-from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata, token_scalars
+from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 
 
 def _kernel(
@@ -51,10 +48,7 @@ def _kernel(
     _, num_heads, head_dim = q_ref.shape
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    layer = meta_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, meta_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
 
     heads = lax.broadcasted_iota(jnp.int32, (heads_pad,), 0)
     heads_c = jnp.minimum(heads, num_heads - 1)
@@ -113,7 +107,7 @@ def indexer_scores_gpu(
     check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens, num_heads, head_dim = q.shape
-    if not _is_pow2(head_dim) or head_dim < 16:
+    if not is_pow2(head_dim) or head_dim < 16:
         raise ValueError(f"index_head_dim must be a power of two >= 16 for the GPU kernel, got "
                          f"{head_dim}")
     _, num_pages, page_size, _ = k_cache.shape
@@ -122,7 +116,7 @@ def indexer_scores_gpu(
     bs = block_sizes or get_block_sizes("gpu", num_heads=num_heads, head_dim=head_dim,
                                         page_size=page_size, span=span)
     block, heads_pad = bs.block_tokens, bs.heads_per_block
-    if not (_is_pow2(block) and block >= 16 and _is_pow2(heads_pad)
+    if not (is_pow2(block) and block >= 16 and is_pow2(heads_pad)
             and heads_pad >= max(16, num_heads)):
         raise ValueError(f"GPU block sizes must be powers of two >= 16 with heads_per_block >= "
                          f"{num_heads}, got block_tokens={block}, heads_per_block={heads_pad}")
@@ -131,16 +125,9 @@ def indexer_scores_gpu(
         kv_lens, cu_q_lens, page_indices, layer, num_tokens, num_pages)
     kernel = functools.partial(_kernel, block=block, heads_pad=heads_pad, page_size=page_size,
                                pages_per_seq=pages_per_seq, sm_scale=float(sm_scale))
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out = pl.pallas_call(
-        kernel,
-        grid=(num_tokens, num_blocks),
-        in_specs=[any_spec] * 8,
-        out_specs=any_spec,
+    out = triton_call(
+        kernel, grid=(num_tokens, num_blocks), num_inputs=8,
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_blocks * block), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
-                                                num_stages=bs.num_stages),
-        interpret=interpret,
-        name="indexer_scores_gpu",
+        block_sizes=bs, interpret=interpret, name="indexer_scores_gpu",
     )(meta, req, pos, kv_lens, flat_pages, q, weights.astype(jnp.float32), k_cache)
     return out[:, :span]

@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
-from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata
+from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata, token_scalars
 
 
 def _kernel(
@@ -53,10 +53,7 @@ def _kernel(
     pages_per_block = block // page_size
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    layer = layer_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, layer_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
     base = kb * block
 
     def for_each_page(action):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
+from pdjax.pallas_kernels.ragged_paged_attention.reference import validate_metadata
 
 NEG_INF = float("-inf")
 
@@ -37,17 +38,7 @@ def validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distr
     if k_cache.ndim != 4 or k_cache.shape[3] != q.shape[2]:
         raise ValueError("k_cache must be [layers, num_pages, page_size, index_head_dim="
                          f"{q.shape[2]}], got {k_cache.shape}")
-    num_seqs = kv_lens.shape[0]
-    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
-        raise ValueError(f"page_indices must be [R={num_seqs}, P], got {page_indices.shape}")
-    if cu_q_lens.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_q_lens must be [R+1={num_seqs + 1}], got {cu_q_lens.shape}")
-    if distribution.shape != (3,):
-        raise ValueError(f"distribution must be [3], got {distribution.shape}")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices),
-                    ("cu_q_lens", cu_q_lens), ("distribution", distribution)):
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    validate_metadata(kv_lens, page_indices, cu_q_lens, distribution)
 
 
 def check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens,

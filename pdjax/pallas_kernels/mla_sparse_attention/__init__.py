@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pdjax.pallas_kernels.lanes import pad_last_dim
+from pdjax.pallas_kernels.lanes import pad_query_to_rows
 from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.mla_sparse_attention.reference import mla_sparse_attention_reference
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
@@ -56,8 +56,7 @@ def mla_sparse_attention(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
-    if kv_cache.ndim == 4 and kv_cache.shape[3] > q.shape[-1]:
-        q = pad_last_dim(q, kv_cache.shape[3])    # zero query lanes over the rows' pad
+    q = pad_query_to_rows(q, kv_cache)
     args = (q, kv_cache, layer, kv_lens, page_indices, cu_q_lens, distribution, topk_indices)
     kwargs = dict(sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own

@@ -24,13 +24,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
-    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, topk_scan_lengths)
+    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, token_scalars, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 def _kernel(
@@ -59,10 +56,7 @@ def _kernel(
     rope_dim = dim - kv_lora_rank
     compute_dtype = q_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-    layer = meta_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, meta_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
 
     heads = hb * heads_per_block + lax.broadcasted_iota(jnp.int32, (heads_per_block,), 0)
     heads_c = jnp.minimum(heads, num_heads - 1)[:, None]
@@ -158,7 +152,7 @@ def mla_sparse_attention_gpu(
     _, num_pages, page_size, _ = kv_cache.shape
     rope_dim = dim - kv_lora_rank
     for name, v in (("kv_lora_rank", kv_lora_rank), ("rope dim", rope_dim)):
-        if not _is_pow2(v) or v < 16:
+        if not is_pow2(v) or v < 16:
             raise ValueError(f"{name} must be a power of two >= 16 for the GPU kernel, got {v}")
     pages_per_seq = page_indices.shape[1]
     sparse = topk_indices is not None
@@ -166,7 +160,7 @@ def mla_sparse_attention_gpu(
     bs = block_sizes or get_block_sizes("gpu", num_heads=num_heads, dim=dim,
                                         page_size=page_size, span=span)
     block, bh = bs.block_tokens, bs.heads_per_block
-    if not (_is_pow2(block) and block >= 16 and _is_pow2(bh) and bh >= 16):
+    if not (is_pow2(block) and block >= 16 and is_pow2(bh) and bh >= 16):
         raise ValueError(f"GPU block sizes must be powers of two >= 16, got block_tokens="
                          f"{block}, heads_per_block={bh}")
     if sparse:
@@ -181,16 +175,10 @@ def mla_sparse_attention_gpu(
         _kernel, sparse=sparse, num_chunks=num_chunks, block=block, heads_per_block=bh,
         page_size=page_size, pages_per_seq=pages_per_seq, sm_scale=float(sm_scale),
         kv_lora_rank=kv_lora_rank)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out = pl.pallas_call(
-        kernel,
-        grid=(num_tokens, num_head_blocks),
-        in_specs=[any_spec] * 9,
-        out_specs=any_spec,
+    out = triton_call(
+        kernel, grid=(num_tokens, num_head_blocks), num_inputs=9,
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_head_blocks * bh, kv_lora_rank), q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
-                                                num_stages=bs.num_stages),
-        interpret=interpret,
+        block_sizes=bs, interpret=interpret,
         name="mla_sparse_attention_gpu" if sparse else "mla_dense_attention_gpu",
     )(meta, req, pos, num_entries, kv_lens, flat_pages, topk, q, kv_cache)
     return out[:, :num_heads]

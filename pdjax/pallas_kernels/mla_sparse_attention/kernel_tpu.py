@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
-    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, topk_scan_lengths)
+    MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, token_scalars, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
 _LANES = 128
@@ -60,10 +60,7 @@ def _dense_kernel(
 ):
     t = pl.program_id(0)
     block = buf.shape[1]
-    layer = layer_ref[0]
-    req = tok_req_ref[t]
-    pos = tok_pos_ref[t]
-    kv_len = kv_lens_ref[req]
+    layer, req, pos, kv_len = token_scalars(t, layer_ref, tok_req_ref, tok_pos_ref, kv_lens_ref)
     row_base = req * pages_per_seq
     pages_per_block = block // page_size
     used_pages = lax.div(kv_len + page_size - 1, page_size)

@@ -28,7 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdjax.pallas_kernels.ragged_paged_attention.reference import token_request_ids
+from pdjax.pallas_kernels.ragged_paged_attention.reference import (
+    token_request_ids, validate_metadata)
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -45,22 +46,12 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
         raise ValueError(f"last dim of q ({q.shape[2]}) and kv_cache ({kv_cache.shape[3]}) differ")
     if not 0 < kv_lora_rank <= q.shape[2]:
         raise ValueError(f"kv_lora_rank must be in [1, {q.shape[2]}], got {kv_lora_rank}")
-    num_seqs = kv_lens.shape[0]
-    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
-        raise ValueError(f"page_indices must be [R={num_seqs}, P], got {page_indices.shape}")
-    if cu_q_lens.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_q_lens must be [R+1={num_seqs + 1}], got {cu_q_lens.shape}")
-    if distribution.shape != (3,):
-        raise ValueError(f"distribution must be [3], got {distribution.shape}")
-    arrays = [("kv_lens", kv_lens), ("page_indices", page_indices), ("cu_q_lens", cu_q_lens),
-              ("distribution", distribution)]
+    validate_metadata(kv_lens, page_indices, cu_q_lens, distribution)
     if topk_indices is not None:
         if topk_indices.ndim != 2 or topk_indices.shape[0] != q.shape[0]:
             raise ValueError(f"topk_indices must be [T={q.shape[0]}, K], got {topk_indices.shape}")
-        arrays.append(("topk_indices", topk_indices))
-    for name, x in arrays:
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
+        if topk_indices.dtype != jnp.int32:
+            raise ValueError(f"topk_indices must be int32, got {topk_indices.dtype}")
 
 
 def token_positions(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int):
@@ -86,6 +77,15 @@ def kernel_metadata(kv_lens: jax.Array, cu_q_lens: jax.Array, page_indices: jax.
     req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
     flat_pages = jnp.clip(page_indices, 0, num_pages - 1).reshape(-1)
     return req, pos, kv_len, flat_pages, jnp.asarray(layer, jnp.int32).reshape(1)
+
+
+def token_scalars(t, layer_ref, tok_req_ref, tok_pos_ref, kv_lens_ref):
+    """Inside a kernel: ``(layer, req, pos, kv_len)`` of token ``t``, read from the refs of
+    ``kernel_metadata``'s ``layer`` ``[1]``, ``req`` and ``pos`` ``[T]`` and of ``kv_lens``
+    ``[R]`` (int32 scalars)."""
+    layer = layer_ref[0]
+    req = tok_req_ref[t]
+    return layer, req, tok_pos_ref[t], kv_lens_ref[req]
 
 
 def check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,

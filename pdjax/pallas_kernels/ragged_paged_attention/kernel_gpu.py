@@ -32,14 +32,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
 from pdjax.pallas_kernels.ragged_paged_attention.reference import split_kv_heads
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes, gpu_group_pad
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
 
 
 def _kernel(
@@ -158,7 +155,7 @@ def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, p
     q_tokens, kv_tokens = bs.q_tokens, bs.kv_tokens
     group_pad = gpu_group_pad(group, q_tokens)
     rows = q_tokens * group_pad
-    if not (_is_pow2(rows) and _is_pow2(kv_tokens) and kv_tokens >= 16):
+    if not (is_pow2(rows) and is_pow2(kv_tokens) and kv_tokens >= 16):
         raise ValueError(
             f"GPU block sizes must give power-of-two tiles (q_tokens * group_pad = {rows}, "
             f"kv_tokens = {kv_tokens} >= 16)")
@@ -171,17 +168,10 @@ def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, p
         _kernel, q_tokens=q_tokens, group=group, group_pad=group_pad, kv_tokens=kv_tokens,
         page_size=page_size, pages_per_seq=pages_per_seq, sm_scale=float(sm_scale),
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    tiles = pl.pallas_call(
-        kernel,
-        grid=(grid, num_kv_heads),
-        in_specs=[any_spec] * 8,
-        out_specs=any_spec,
+    tiles = triton_call(
+        kernel, grid=(grid, num_kv_heads), num_inputs=8,
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_q_blocks * rows, head_dim), q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
-                                                num_stages=bs.num_stages),
-        interpret=interpret,
-        name=f"ragged_paged_attention_gpu_{path}",
+        block_sizes=bs, interpret=interpret, name=f"ragged_paged_attention_gpu_{path}",
     )(head, blk_seqs, kv_lens, page_indices, cu_q_lens, q, k_cache, v_cache)
     # [Hkv, blocks * q_tokens, group_pad, D] -> [T, Hkv, G, D] -> [T, Hq, D]
     tiles = tiles.reshape(num_kv_heads, num_q_blocks * q_tokens, group_pad, head_dim)
@@ -229,7 +219,7 @@ def ragged_paged_attention_gpu(
         that Triton cannot tile.
     """
     head_dim = q.shape[-1]
-    if not _is_pow2(head_dim) or head_dim < 16:
+    if not is_pow2(head_dim) or head_dim < 16:
         raise ValueError(
             f"head_dim must be a power of two >= 16 for the GPU kernel, got {head_dim}")
     # The kernel indexes heads as a dimension; row-major, the view costs nothing.

@@ -48,6 +48,23 @@ def join_kv_heads(cache: jax.Array) -> jax.Array:
     return cache.reshape(*cache.shape[:3], cache.shape[3] * cache.shape[4])
 
 
+def validate_metadata(kv_lens, page_indices, cu_q_lens, distribution) -> None:
+    """Static checks of the DESIGN.md §2 metadata every paged kernel takes (this one, the MLA
+    attention and the indexer): ``kv_lens [R]``, ``page_indices [R, P]``, ``cu_q_lens [R+1]``,
+    ``distribution [3]``, all int32. Raises ``ValueError`` naming the field."""
+    num_seqs = kv_lens.shape[0]
+    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
+        raise ValueError(f"page_indices must be [R={num_seqs}, P], got {page_indices.shape}")
+    if cu_q_lens.shape != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must be [R+1={num_seqs + 1}], got {cu_q_lens.shape}")
+    if distribution.shape != (3,):
+        raise ValueError(f"distribution must be [3], got {distribution.shape}")
+    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices),
+                    ("cu_q_lens", cu_q_lens), ("distribution", distribution)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
 def validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution):
     """Check static shapes and dtypes of the contract; raises ``ValueError`` naming the field.
 
@@ -71,17 +88,7 @@ def validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distr
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    num_seqs = kv_lens.shape[0]
-    if page_indices.ndim != 2 or page_indices.shape[0] != num_seqs:
-        raise ValueError(f"page_indices must be [R={num_seqs}, P], got {page_indices.shape}")
-    if cu_q_lens.shape != (num_seqs + 1,):
-        raise ValueError(f"cu_q_lens must be [R+1={num_seqs + 1}], got {cu_q_lens.shape}")
-    if distribution.shape != (3,):
-        raise ValueError(f"distribution must be [3], got {distribution.shape}")
-    for name, x in (("kv_lens", kv_lens), ("page_indices", page_indices),
-                    ("cu_q_lens", cu_q_lens), ("distribution", distribution)):
-        if x.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {x.dtype}")
+    validate_metadata(kv_lens, page_indices, cu_q_lens, distribution)
 
 
 def token_request_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
