@@ -27,18 +27,16 @@ import jax
 from pdjax.config import ServerArgs
 from pdjax.engine.forward import ForwardStep, Launched
 from pdjax.engine.load import engine_load
-from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import make_speculator, model_kwargs, must_read_first, verify_width
+from pdjax.engine.runner_setup import build_runner
+from pdjax.engine.speculative import make_speculator, must_read_first
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
-from pdjax.jax_setup import enable_compilation_cache
 from pdjax.distributed import join as join_cluster
-from pdjax.models.loader import load_model, load_tokenizer, make_mesh
+from pdjax.models.loader import load_tokenizer
 from pdjax.output import token_finish_reason
 from pdjax.request import FinishReason, Request
 from pdjax.runner.device_sampler import MAX_TOP_LOGPROBS
-from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
@@ -73,50 +71,39 @@ class EngineCore(ForwardStep):
                  tokenizer=None, buckets: Buckets | None = None):
         phase = PhaseTimer()         # seconds of each start-up phase, printed as one line
         self.startup_phases_s = phase.phases
-        enable_compilation_cache()
         self.args = args
         # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6);
-        # before anything asks JAX for its backend (resolving "auto" does).
+        # before anything asks JAX for its backend (resolving "auto" does). The engine runs on
+        # node 0; the other nodes only build the runner (pdjax.entrypoints.multihost).
         self.cluster = join_cluster(args)
-        self.config = config = resolve_engine_config(args)
-        self.model_path = config.model_path
-        mesh = make_mesh(args.tp_size)
-        phase("backend")
-        self.model_cfg, model = load_model(
-            self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
-            load_format=args.load_format, attention_impl=config.attention_impl,
-            interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
-            cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, self.model_path))
-        phase("model")
+        if self.cluster is not None and not self.cluster.is_leader:
+            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; a follower "
+                             f"runs pdjax.entrypoints.multihost")
+        node = build_runner(args, progress=progress, buckets=buckets, phase=phase)
+        self.config = config = node.config
+        self.model_path = node.model_path
+        self.model_cfg = node.model_cfg
+        self.context_length = node.context_length
+        self.buckets = node.buckets
+        self.runner = node.runner
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
-        self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
-        self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
-        if buckets is not None:
-            buckets.check_serves(self.buckets)
-            self.buckets = buckets
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],
                                         cached_scale=self.context_length)
         self.scheduler.cost_model = self.cost_model
-        self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
-                                  kv_dtype=config.kv_dtype, buckets=self.buckets,
-                                  chunk_size=args.chunked_prefill_size,
-                                  executables_dir=args.aot_executables,
-                                  verify_width=verify_width(args))
         # Speculative decoding (None: off): drafts per request, their statistics.
         self.speculator = self.scheduler.speculator = make_speculator(
             args, config, self.model_cfg, self.runner)
-        phase("kv_cache")
+        if self.speculator is not None:
+            phase("speculator")
         if self.cluster is not None:
-            self.runner = self.cluster.mirror(self.runner)
-            if not self.cluster.is_leader:
-                return      # a follower only makes node 0's runner calls (Cluster.follow)
+            self.runner = self.cluster.mirror(self.runner)   # node 0's calls go to every node
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
