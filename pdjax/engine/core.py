@@ -27,18 +27,16 @@ import jax
 from pdjax.config import ServerArgs
 from pdjax.engine.forward import ForwardStep, Launched
 from pdjax.engine.load import engine_load
-from pdjax.engine.settings import make_buckets, resolve_engine_config
-from pdjax.engine.speculative import make_speculator, model_kwargs, must_read_first, verify_width
+from pdjax.engine.runner_setup import build_runner
+from pdjax.engine.speculative import make_speculator, must_read_first
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.engine_roles import EngineRole
-from pdjax.jax_setup import enable_compilation_cache
 from pdjax.distributed import join as join_cluster
-from pdjax.models.loader import load_model, load_tokenizer, make_mesh
+from pdjax.models.loader import load_tokenizer
 from pdjax.output import token_finish_reason
 from pdjax.request import FinishReason, Request
 from pdjax.runner.device_sampler import MAX_TOP_LOGPROBS
-from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
@@ -73,50 +71,39 @@ class EngineCore(ForwardStep):
                  tokenizer=None, buckets: Buckets | None = None):
         phase = PhaseTimer()         # seconds of each start-up phase, printed as one line
         self.startup_phases_s = phase.phases
-        enable_compilation_cache()
         self.args = args
         # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6);
-        # before anything asks JAX for its backend (resolving "auto" does).
+        # before anything asks JAX for its backend (resolving "auto" does). The engine runs on
+        # node 0; the other nodes only build the runner (pdjax.entrypoints.multihost).
         self.cluster = join_cluster(args)
-        self.config = config = resolve_engine_config(args)
-        self.model_path = config.model_path
-        mesh = make_mesh(args.tp_size)
-        phase("backend")
-        self.model_cfg, model = load_model(
-            self.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
-            load_format=args.load_format, attention_impl=config.attention_impl,
-            interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
-            cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, self.model_path))
-        phase("model")
+        if self.cluster is not None and not self.cluster.is_leader:
+            raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; a follower "
+                             f"runs pdjax.entrypoints.multihost")
+        node = build_runner(args, progress=progress, buckets=buckets, phase=phase)
+        self.config = config = node.config
+        self.model_path = node.model_path
+        self.model_cfg = node.model_cfg
+        self.context_length = node.context_length
+        self.buckets = node.buckets
+        self.runner = node.runner
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         self.sched_config = config.scheduler
         self.scheduler = Scheduler(self.sched_config)
-        self.context_length = self.scheduler.max_request_tokens
         warn_if_context_cut(self.sched_config, self.context_length)
-        self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
-        if buckets is not None:
-            buckets.check_serves(self.buckets)
-            self.buckets = buckets
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],
                                         cached_scale=self.context_length)
         self.scheduler.cost_model = self.cost_model
-        self.runner = ModelRunner(model, mesh, num_pages=args.num_pages, page_size=args.page_size,
-                                  kv_dtype=config.kv_dtype, buckets=self.buckets,
-                                  chunk_size=args.chunked_prefill_size,
-                                  executables_dir=args.aot_executables,
-                                  verify_width=verify_width(args))
         # Speculative decoding (None: off): drafts per request, their statistics.
         self.speculator = self.scheduler.speculator = make_speculator(
             args, config, self.model_cfg, self.runner)
-        phase("kv_cache")
+        if self.speculator is not None:
+            phase("speculator")
         if self.cluster is not None:
-            self.runner = self.cluster.mirror(self.runner)
-            if not self.cluster.is_leader:
-                return      # a follower only makes node 0's runner calls (Cluster.follow)
+            self.runner = self.cluster.mirror(self.runner)   # node 0's calls go to every node
         eos = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -132,6 +119,9 @@ class EngineCore(ForwardStep):
         # then the resample's tokens (key.entry "resample").
         self.dispatch_hooks: list = []
         self.overlap = config.overlap
+        # The step launched and not read yet (overlap); stored only at the end of ``step`` and
+        # ``drain``: inside a step it flows as a value (``_read_first`` -> ``_run`` ->
+        # ``_process``), so here it still names the step in flight when the step began.
         self._inflight: Launched | None = None
         self._wait_s = 0.0            # device time of the current step (step)
         self._last_forward_end_s = 0.0
@@ -250,8 +240,9 @@ class EngineCore(ForwardStep):
 
     def wait_for_device(self) -> None:
         """Block until the step in flight (if any) has run: afterwards no forward still writes
-        pages a finish or abort released (PD decode calls this before handing pages to a
-        transfer)."""
+        pages a finish or abort released (PD decode calls this from ``role.poll()`` before
+        handing pages to a transfer). Within a step it waits for the step in flight when the
+        step began, also when ``_read_first`` has read it already (nothing then to wait for)."""
         if self._inflight is not None:
             self.wait_for_kv()
 
@@ -278,18 +269,22 @@ class EngineCore(ForwardStep):
     def step(self) -> list[GenerateOutput]:
         """One step: schedule -> run -> process (DESIGN.md §3). Returns the outputs of every
         request that got a token or finished; with overlap, ``run`` launches this step's
-        forward before ``process`` reads the previous one's."""
+        forward before ``process`` reads the previous one's.
+
+        The step in flight flows through the step as a value: the helpers take it and return
+        what stays in flight, and only the end of ``step`` (or ``drain``) stores it."""
         t0 = time.perf_counter()
         self._wait_s = 0.0            # dispatching and waiting for the device
         outputs: list[GenerateOutput] = []
         try:
-            read_first = self._read_grammar_step(outputs) or self._read_spec_step(outputs)
+            prev, read_first = self._read_first(self._inflight, outputs)
             batch = self._schedule(outputs)
-            launched = self._run(batch, outputs)
-            done, outputs = self._process(read_first, launched, outputs)
+            launched = self._run(batch, prev, outputs)
+            done, in_flight, outputs = self._process(prev, read_first, launched, outputs)
         except BaseException:
-            self._inflight = None
+            self._inflight = None     # a failed step leaves nothing in flight
             raise
+        self._inflight = in_flight
         # Forward time: dispatching and waiting for the device; host time: the rest.
         self.forward_time_s += self._wait_s
         self.host_time_s += max(0.0, time.perf_counter() - t0 - self._wait_s)
@@ -298,29 +293,27 @@ class EngineCore(ForwardStep):
                 hook(done.batch, outputs)
         return outputs
 
-    def _read_grammar_step(self, outputs: list[GenerateOutput]) -> Launched | None:
-        """Without resample executables (overlap turned on after start-up) the masks of the
-        next step need the tokens of the step in flight when it has grammar rows: read it
-        before scheduling (DESIGN.md §3, "Grammars")."""
-        if self._inflight is None or not self._inflight.has_grammar \
-                or self.split_grammar_sampling:
-            return None
-        done, self._inflight = self._inflight, None
-        self.num_grammar_syncs += 1
-        outputs += self._read(done)
-        return done
+    def _read_first(self, prev: Launched | None, outputs: list[GenerateOutput]
+                    ) -> tuple[Launched | None, Launched | None]:
+        """Read ``prev``, the step in flight, before scheduling when the next step needs its
+        tokens on the host (DESIGN.md §3):
 
-    def _read_spec_step(self, outputs: list[GenerateOutput]) -> Launched | None:
-        """Drafts continue a request's newest token, so it must be known on the host: read the
-        step in flight first when it holds a verify row or a request that would speculate now
-        (``SpecController.active``); requests backed off decode overlapped (DESIGN.md §3,
-        "Speculative decoding")."""
-        done = self._inflight
-        if done is None or not must_read_first(self.speculator, self.scheduler, done):
-            return None
-        self._inflight = None
-        outputs += self._read(done)
-        return done
+        - grammars without resample executables (overlap turned on after start-up): the masks
+          of the next step need the tokens of a step with grammar rows ("Grammars");
+        - speculative decoding: drafts continue a request's newest token, so a step holding a
+          verify row or a request that would speculate now (``must_read_first``) is read
+          first; requests backed off decode overlapped ("Speculative decoding").
+
+        Returns ``(the step still in flight, the step read)``: one is ``prev``, the other None."""
+        if prev is None:
+            return None, None
+        grammar_sync = prev.has_grammar and not self.split_grammar_sampling
+        if not grammar_sync and not must_read_first(self.speculator, self.scheduler, prev):
+            return prev, None
+        if grammar_sync:
+            self.num_grammar_syncs += 1
+        outputs += self._read(prev)
+        return None, prev
 
     def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
         """PD events, what the transfer worker finished, requests done without a forward, then
@@ -339,28 +332,28 @@ class EngineCore(ForwardStep):
         outputs += [self.make_output(req, [], [], []) for req in self.scheduler.pop_finished()]
         return batch
 
-    def _run(self, batch: ScheduledBatch | None,
+    def _run(self, batch: ScheduledBatch | None, prev: Launched | None,
              outputs: list[GenerateOutput]) -> Launched | None:
-        """Launch ``batch``'s forward (not waited for)."""
+        """Launch ``batch``'s forward (not waited for); its placeholder inputs come from
+        ``prev``, the step still in flight."""
         if batch is None:
             return None
-        launched, dispatch_s = self._launch(batch, outputs)
+        launched, dispatch_s = self._launch(batch, prev, outputs)
         self._wait_s += dispatch_s
         return launched
 
-    def _process(self, read_first: Launched | None, launched: Launched | None,
-                 outputs: list[GenerateOutput]):
-        """Read the step whose results are due (with overlap the previous one; ``launched``
-        then stays in flight), sample ``launched``'s split grammar rows, and hand the outputs
-        to the PD role. Returns ``(the step read or None, outputs)``."""
+    def _process(self, prev: Launched | None, read_first: Launched | None,
+                 launched: Launched | None, outputs: list[GenerateOutput]):
+        """Read the step whose results are due, sample ``launched``'s split grammar rows, and
+        hand the outputs to the PD role. ``prev``: the step in flight before ``launched`` and
+        not read yet; ``read_first``: the step ``_read_first`` read instead. With overlap
+        ``prev`` is read now and ``launched`` stays in flight; without, ``launched`` is read at
+        once (and ``prev`` is None). Returns ``(the step read or None, the step now in flight
+        or None, outputs)``."""
         if read_first is not None:          # read already; the new step stays in flight
-            self._inflight = launched
-            done = read_first
+            done, in_flight = read_first, launched
         else:
-            if self.overlap:
-                done, self._inflight = self._inflight, launched
-            else:
-                done = launched
+            done, in_flight = (prev, launched) if self.overlap else (launched, prev)
             if done is not None:
                 outputs += self._read(done)
         if launched is not None and launched.deferred:
@@ -372,7 +365,7 @@ class EngineCore(ForwardStep):
         if self.disagg is not None and (done is not None or outputs):
             # done None: no forward's results were read, but requests may have finished.
             outputs = self.disagg.after_step(batch, outputs)
-        return done, outputs
+        return done, in_flight, outputs
 
     def _start_transfers(self, batch: ScheduledBatch | None) -> None:
         """Hand the worker what the connector says must move after ``batch`` was read."""

@@ -59,10 +59,12 @@ class Launched:
 class ForwardStep:
     """``EngineCore``'s forward: launch, resample, read (see the module docstring)."""
 
-    def _launch(self, batch: ScheduledBatch, outputs: list[GenerateOutput]):
+    def _launch(self, batch: ScheduledBatch, prev: Launched | None,
+                outputs: list[GenerateOutput]):
         """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
-        waited for); count its tokens in the scheduler. Returns ``(Launched, dispatch s)``."""
-        prev = self._inflight
+        waited for); count its tokens in the scheduler. ``prev``: the step still in flight,
+        whose device-resident tokens fill ``batch``'s placeholders. Returns
+        ``(Launched, dispatch s)``."""
         rows = [BatchRow(r.token_ids, r.start, r.req.pages, 0 if r.is_verify else None)
                 for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)

@@ -1,7 +1,8 @@
 """A multi-host follower process (``python -m pdjax.serve --nnodes N --node-rank R``, R > 0;
 DESIGN.md §6): a supervisor and its worker.
 
-The worker joins the cluster, builds the runner as node 0's engine does and follows node 0
+The worker joins the cluster, builds the runner as node 0's engine does
+(``pdjax.engine.runner_setup.build_runner``; no engine, scheduler or tokenizer) and follows node 0
 (``pdjax.distributed.Cluster.follow``) until it shuts down or goes away; a prefill node also
 registers and writes its own KV shards (``pdjax.transfer.prefill_ranks.RankSender``), a decode node
 reports its own to node 0 for the prefill to write (``pdjax.transfer.decode_ranks.DecodeRankNode``).
@@ -50,11 +51,12 @@ def run_follower(args) -> int:
 
 
 def _work(args) -> None:
-    from pdjax.engine import EngineCore
+    from pdjax.engine.runner_setup import build_runner
 
     try:
         cluster = join(args)
-        core = EngineCore(args, progress=False)
+        node = build_runner(args, progress=False)
+        node.runner = cluster.mirror(node.runner)
     except NodesDisagree as e:
         exit_now(2, f"node {args.node_rank}: {e}")
     except Exception as e:
@@ -69,11 +71,11 @@ def _work(args) -> None:
         from pdjax.transfer.prefill_ranks import RankSender
 
         try:
-            handlers = (RankSender if args.role == "prefill" else DecodeRankNode)(core).handlers
+            handlers = (RankSender if args.role == "prefill" else DecodeRankNode)(node).handlers
         except Exception as e:
             exit_now(2, f"node {args.node_rank}: cannot set up its KV transfers "
                         f"({type(e).__name__}: {e})")
-    cluster.follow(core.runner, handlers)         # never returns
+    cluster.follow(node.runner, handlers)         # never returns
 
 
 def _die_with_parent() -> None:

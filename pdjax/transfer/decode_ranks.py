@@ -107,7 +107,7 @@ class DecodeRanks:
 class DecodeRankNode:
     """Node R > 0 of a multi-host decode: its own transfer engine and ``LocalKV`` (direct), the
     prefill writes its shards; ``handlers`` for ``Cluster.follow`` (``kv_ranks``,
-    ``kv_check``), made in step order. ``host``: the follower's ``EngineCore``."""
+    ``kv_check``), made in step order. ``host``: the follower's ``NodeRunner``."""
 
     def __init__(self, host):
         from pdjax.pd.frame_auth import resolve_secret

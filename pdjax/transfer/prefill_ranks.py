@@ -234,7 +234,7 @@ class RankSender:
     registered with node 0's bootstrap server, and the ``kv_peer`` / ``kv_write`` handlers
     ``Cluster.follow`` calls in step order (``handlers``).
 
-    ``host``: the follower's ``EngineCore`` (``args``, ``runner``, ``model_cfg``,
+    ``host``: the follower's ``NodeRunner`` (``args``, ``runner``, ``model_cfg``,
     ``model_path``, ``context_length``). Every error in a command is reported to node 0 as a
     failed ``RankWriteDone`` (or logged, without a valid job number); none stops the node.
     """

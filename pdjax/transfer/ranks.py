@@ -176,7 +176,7 @@ def node_data_plane(host, on_message: Callable, name: str, secret, receives: boo
     """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
     at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
     and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
-    to ``args.host``. ``host``: the follower's ``EngineCore``; ``receives``: peers write
+    to ``args.host``. ``host``: the follower's ``NodeRunner``; ``receives``: peers write
     pages into this pool (a decode node; ``LocalKV``). Returns the three."""
     from pdjax.transfer.channel import MessageChannel, advertise_host
     from pdjax.transfer.engine import create_transfer_engine
