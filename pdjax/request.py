@@ -26,6 +26,7 @@ GRAMMAR_PARAMS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "ebnf"
 # XLA as a 500, not a 400 naming the field).
 INT32_MAX = (1 << 31) - 1
 SEED_LIMIT = 1 << 63
+FLOAT32_MAX = 3.4028234663852886e38    # the largest finite float32 (sampling runs in float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +120,10 @@ class SamplingParams:
             if not ok or isinstance(v, bool):
                 kind = "an integer" if integer else "a number"
                 raise ValueError(f"{name} must be {kind}, got {v!r}")
-            if not integer and not math.isfinite(v):
-                raise ValueError(f"{name} must be finite, got {v!r}")
+            if not integer and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                # The device samples in float32: a larger value becomes inf there.
+                raise ValueError(f"{name} must be finite in float32 (at most {FLOAT32_MAX:.4g} "
+                                 f"in magnitude), got {v!r}")
 
         num("max_new_tokens", self.max_new_tokens, integer=True, allow_none=True)
         if self.max_new_tokens is not None and not 0 <= self.max_new_tokens <= self.MAX_NEW_TOKENS_LIMIT:

@@ -55,6 +55,11 @@ from pdjax.runner.verify import draft_counts, verify_emitted
 MAX_TOP_LOGPROBS = 20            # fixed top-logprobs width (OpenAI's limit of top_logprobs)
 MAX_LOGIT_BIAS = SamplingParams.MAX_LOGIT_BIAS   # fixed logit-bias width per row (OpenAI: 300)
 SEED_LIMIT = 2 ** 63
+# Penalized logits are clamped to this magnitude. XLA computes x / temperature in more than
+# one fusion of the softmax, and float32 rounding of |x / t| differs between them: at |x / t|
+# of 1e10 the difference overflows exp (NaN; measured on XLA:CPU). 1e4 / GREEDY_TEMPERATURE
+# (1e-5) = 1e9 keeps it below exp's range (88); real logits are far smaller.
+LOGIT_LIMIT = 1e4
 
 
 class SamplingInputs(NamedTuple):
@@ -273,7 +278,10 @@ def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
     c = lax.cond(sp.any_draft, draft_counts, lambda c, d: c, c, sp.draft_next)
     seen = prompt_seen[sp.penalty_slot] | (c > 0)
     rep = sp.repetition_penalty[:, None]
-    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    # A tiny penalty (validation allows any in (0, 2]) must not make a logit inf, and then
+    # NaN in the softmax: clamped to LOGIT_LIMIT.
+    x = jnp.where(seen, jnp.clip(jnp.where(x > 0, x / rep, x * rep), -LOGIT_LIMIT, LOGIT_LIMIT),
+                  x)
     return x - sp.frequency_penalty[:, None] * c - sp.presence_penalty[:, None] * (c > 0)
 
 

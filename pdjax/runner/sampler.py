@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from pdjax.request import Request
-from pdjax.runner.device_sampler import uniform_for
+from pdjax.runner.device_sampler import LOGIT_LIMIT, uniform_for
 
 
 @dataclasses.dataclass
@@ -54,7 +54,10 @@ def apply_penalties(logits: np.ndarray, req: Request) -> np.ndarray:
     if sp.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(req.all_ids, np.int64))
         vals = logits[seen]
-        logits[seen] = np.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        with np.errstate(over="ignore"):
+            logits[seen] = np.clip(np.where(vals > 0, vals / sp.repetition_penalty,
+                                            vals * sp.repetition_penalty),
+                                   -LOGIT_LIMIT, LOGIT_LIMIT)
     if (sp.frequency_penalty or sp.presence_penalty) and req.output_ids:
         ids, counts = np.unique(np.asarray(req.output_ids, np.int64), return_counts=True)
         logits[ids] -= sp.frequency_penalty * counts + sp.presence_penalty

@@ -167,6 +167,24 @@ def test_penalties_match_oracle_and_counts_update():
     assert not counts[0].any() and not counts[9:].any()
 
 
+def test_a_tiny_repetition_penalty_gives_a_valid_token_not_nan():
+    """A penalty of 1e-40 (subnormal in float32) divided positive logits to inf, the softmax
+    to NaN, and the sampled id left the vocabulary (-1: a 500 in the server). The penalized
+    logits are clamped: a seen token with a positive logit wins, as in the oracle."""
+    rng = np.random.default_rng(9)
+    logits = _logits(rng, 4)
+    reqs = []
+    for i in range(4):
+        seen = [int(t) for t in np.argsort(-logits[i])[:3]]
+        reqs.append(_req(prompt=seen, temperature=[0, 0.7, 1.0, 1e-3][i], seed=i,
+                         repetition_penalty=[1e-40, 1e-40, 1e-30, 1e-38][i]))
+    out, _ = _device(logits, reqs, penalties=True)
+    ref = [sample_token(l.copy(), r).token_id for l, r in zip(logits, reqs)]
+    assert out.tokens[:4].tolist() == ref
+    for i, r in enumerate(reqs):
+        assert out.tokens[i] in r.all_ids and logits[i, out.tokens[i]] > 0, (i, out.tokens)
+
+
 def test_logprobs_and_top_logprobs_within_1e_5():
     rng = np.random.default_rng(5)
     logits = _logits(rng, MAX_ROWS, scale=4.0)

@@ -79,7 +79,9 @@ def test_top_logprobs_order():
 @pytest.mark.parametrize("field,value", [("temperature", -1.0), ("temperature", float("nan")),
                                          ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("top_k", -2),
                                          ("min_p", 1.5), ("n", 0), ("max_new_tokens", -1),
-                                         ("repetition_penalty", 0.0), ("frequency_penalty", 3.0)])
+                                         ("repetition_penalty", 0.0), ("frequency_penalty", 3.0),
+                                         # beyond float32 (the device's): inf there
+                                         ("temperature", 1e39), ("temperature", 1e308)])
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -183,6 +183,7 @@ CASES = [
     (GEN, {"input_ids": [1] * CTX}, "context length"),
     (GEN, with_(GEN, sampling_params={"temperature": -1}), "temperature"),
     (GEN, with_(GEN, sampling_params={"temperature": NAN}), "temperature"),
+    (GEN, with_(GEN, sampling_params={"temperature": 1e39}), "temperature must be finite in float32"),
     (GEN, with_(GEN, sampling_params={"top_p": 0}), "top_p"),
     (GEN, with_(GEN, sampling_params={"top_k": 0}), "top_k"),
     (GEN, with_(GEN, sampling_params={"max_new_tokens": -3}), "max_new_tokens"),
