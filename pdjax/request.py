@@ -403,11 +403,11 @@ class Request:
         self.finish_reason = FinishReason.abort(message, status)
         self.set_state(RequestState.ABORTED)
 
-    def fail(self, error: str) -> FinishReason:
+    def fail(self, error: str, status: int | None = None) -> FinishReason:
         """Record ``error`` (the request failed; the server answers with it, not text) and
-        return the abort reason that finishes the request."""
+        return the abort reason that finishes the request (HTTP ``status``; None: 500)."""
         self.error = error
-        return FinishReason.abort(error)
+        return FinishReason.abort(error, status)
 
     # ------------------------------------------------------------------ counters
     def set_num_computed_tokens(self, n: int) -> None:

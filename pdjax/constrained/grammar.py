@@ -159,9 +159,19 @@ class GrammarBackend:
         from llguidance import LLMatcher
 
         grammar = _compile_text(spec)
+        kind = spec.kind.replace('_', ' ')
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if is_error:
-            raise ValueError(f"{spec.field}: invalid {spec.kind.replace('_', ' ')}: {messages[0]}")
+            raise ValueError(f"{spec.field}: invalid {kind}: {messages[0]}")
+        # A grammar can be valid and still admit no text (a schema that only refers to itself,
+        # "root ::= root"): its first mask fails. Found here (once per grammar, cached), it is
+        # the client's error, not a request that fails at its first token.
+        m = LLMatcher(self._tokenizer, grammar, log_level=0)
+        first = np.zeros(bitmask_words(self.vocab_size), np.int32)
+        m.unsafe_compute_mask_ptr(first.ctypes.data, first.size * 4)
+        if m.is_error() or not first.any():
+            why = (m.get_error() or "").strip().splitlines()[:1] or ["no token is allowed"]
+            raise ValueError(f"{spec.field}: the {kind} admits no text ({why[0][:200]})")
         return grammar
 
     def compile(self, spec: GrammarSpec) -> str:

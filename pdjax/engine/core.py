@@ -385,7 +385,9 @@ class EngineCore(ForwardStep):
         allow fails the request, and a grammar that admits nothing more stops it."""
         tok = req.output_ids[-1]
         if req.grammar is not None and not req.grammar.accept(tok):
-            return req.fail(f"grammar: token {tok} was not allowed ({req.grammar.error})")
+            # The client's grammar cannot be continued (e.g. it nests without end): a 400.
+            return req.fail(f"grammar: token {tok} was not allowed ({_short(req.grammar.error)})",
+                            400)
         return token_finish_reason(
             req.sampling_params, tok, len(req.output_ids), self.eos_token_ids,
             grammar_terminated=req.grammar is not None and req.grammar.is_terminated)
@@ -419,3 +421,10 @@ class EngineCore(ForwardStep):
     def get_load(self) -> dict[str, Any]:
         """Queue sizes and pages (``engine_load``)."""
         return engine_load(self.scheduler, self.disagg)
+
+
+def _short(message: str | None, limit: int = 300) -> str:
+    """The first line of a grammar library's message, at most ``limit`` characters (its errors
+    can carry kilobytes of parser state)."""
+    first = (message or "").strip().splitlines()[0] if (message or "").strip() else ""
+    return first if len(first) <= limit else first[:limit] + " ..."

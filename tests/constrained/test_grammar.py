@@ -79,6 +79,10 @@ def test_ebnf_walk_is_in_the_language(backend, tokenizer):
     (GrammarSpec("json_schema", json.dumps({"type": "nonsense"}), "response_format"), "response_format: "),
     (GrammarSpec("regex", "(unclosed", "regex"), "regex: "),
     (GrammarSpec("ebnf", "root ::= missing_rule", "ebnf"), "ebnf: "),
+    # Valid, but admitting no text: the request failed at its first token with a 500.
+    (GrammarSpec("json_schema", '{"$ref": "#"}', "response_format"),
+     "response_format: the json schema admits no text"),
+    (GrammarSpec("ebnf", "root ::= root", "ebnf"), "ebnf: the ebnf admits no text"),
 ])
 def test_invalid_specs_name_the_field(backend, spec, msg):
     with pytest.raises(ValueError) as e:

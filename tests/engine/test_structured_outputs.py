@@ -143,6 +143,8 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine
     reason = core.stop_check(req)
     assert reason.type is FinishType.ABORT and f"token {letter} was not allowed" in req.error
     assert reason.message == req.error
+    # The client's grammar is at fault: a 400, and the library's state dump is cut to a line.
+    assert reason.status == 400 and len(req.error) < 400 and "\n" not in req.error
 
 
 def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(llama_engine):
