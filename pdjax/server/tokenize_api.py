@@ -40,7 +40,7 @@ def tokenize(body: Any, ctx: ServingContext) -> dict[str, Any]:
             if field in body:
                 raise RequestError(f"{field} applies to messages only", field)
         special = check_bool("add_special_tokens", body.get("add_special_tokens", True))
-        ids = encode_prompt(ctx, prompt, add_special_tokens=special)
+        ids = encode_prompt(ctx, prompt, add_special_tokens=special, limit_to_context=False)
     else:
         ids = _tokenize_chat(body, ctx)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.context_length,
@@ -62,7 +62,8 @@ def _tokenize_chat(body: dict[str, Any], ctx: ServingContext) -> list[int]:
     except Exception as e:  # jinja errors, a missing template, bad kwargs
         raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
     special = check_bool("add_special_tokens", body.get("add_special_tokens", False))
-    return encode_prompt(ctx, text, add_special_tokens=special, param="messages")
+    return encode_prompt(ctx, text, add_special_tokens=special, param="messages",
+                         limit_to_context=False)
 
 
 def detokenize(body: Any, ctx: ServingContext) -> dict[str, Any]:

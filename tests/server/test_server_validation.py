@@ -181,6 +181,10 @@ CASES = [
     (GEN, {"input_ids": [1, -1]}, "input_ids"),
     (GEN, {"input_ids": [[1], [VOCAB]]}, "input_ids[1]"),
     (GEN, {"input_ids": [1] * CTX}, "context length"),
+    # Refused before tokenizing (a 50 MB prompt took 66 s and 16 GB to tokenize, then a 400).
+    (GEN, {"text": "ab " * 1_000_000}, "3000000 characters, at least"),
+    (CHAT, with_(CHAT, messages=[{"role": "user", "content": "ab " * 1_000_000}]),
+     "characters, at least"),
     (GEN, with_(GEN, sampling_params={"temperature": -1}), "temperature"),
     (GEN, with_(GEN, sampling_params={"temperature": NAN}), "temperature"),
     (GEN, with_(GEN, sampling_params={"temperature": 1e39}), "temperature must be finite in float32"),
