@@ -131,6 +131,8 @@ class ModelRunner:
         # (``kv_pool_copy``); see ``require_in_place_kv``.
         self.kv_copying: dict[BucketKey, str] = {}
         self.in_place_kv_required = False
+        # Orders require_in_place_kv against the background warm-up making a bucket ready.
+        self._kv_copy_lock = threading.Lock()
 
     @property
     def num_penalty_slots(self) -> int:
@@ -272,7 +274,8 @@ class ModelRunner:
             for future in concurrent.futures.as_completed(futures):
                 key = futures[future]
                 self._compiled[key] = future.result()
-                self._note_kv_copy(key, self._compiled[key])
+                with self._kv_copy_lock:
+                    self._note_kv_copy(key, self._compiled[key])
                 bar.update()
 
     def _note_kv_copy(self, key, compiled) -> bool:
@@ -300,12 +303,14 @@ class ModelRunner:
         copies a buffer into a temporary and back, or into a new buffer, loses every write
         that lands in between. Raises ``ValueError`` naming the compiled buckets that copy;
         afterwards a background-compiled bucket that copies is never made ready."""
-        if self.kv_copying:
-            listed = "; ".join(f"{k}: {why}" for k, why in sorted(self.kv_copying.items(), key=str))
-            raise ValueError(f"KV pool not updated in place by {len(self.kv_copying)} "
-                             f"bucket(s), so pages written into it during a step would be "
-                             f"lost: {listed}")
-        self.in_place_kv_required = True
+        with self._kv_copy_lock:
+            if self.kv_copying:
+                listed = "; ".join(f"{k}: {why}"
+                                   for k, why in sorted(self.kv_copying.items(), key=str))
+                raise ValueError(f"KV pool not updated in place by {len(self.kv_copying)} "
+                                 f"bucket(s), so pages written into it during a step would be "
+                                 f"lost: {listed}")
+            self.in_place_kv_required = True
 
     def warmup(self, progress: bool = True, compile_threads: int | None = None,
                split_sampling: bool = False, core_only: bool = False) -> float:
@@ -409,11 +414,12 @@ class ModelRunner:
                     self.resample_rows = tuple(sorted({*self.resample_rows,
                                                        self.logits_rows(key)}))
                 self._compiled[key] = compiled
-                if self._note_kv_copy(key, compiled) and self.in_place_kv_required:
-                    logger.error("bucket %s is not used: KV pages are written into the pool "
-                                 "while steps run", key)
-                    continue
-                self.ready_keys = self.ready_keys | {key}
+                with self._kv_copy_lock:
+                    if self._note_kv_copy(key, compiled) and self.in_place_kv_required:
+                        logger.error("bucket %s is not used: KV pages are written into the "
+                                     "pool while steps run", key)
+                        continue
+                    self.ready_keys = self.ready_keys | {key}
             logger.info("background warm-up: %d shapes in %.1f s", len(keys), time.monotonic() - t0)
             print(f"pdjax background warm-up: {len(keys)} shapes in {time.monotonic() - t0:.1f} s",
                   flush=True)

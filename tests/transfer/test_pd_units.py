@@ -4,6 +4,7 @@ invariant check, the decode's reservation arithmetic, the staging path of ``Loca
 router's request arithmetic."""
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -155,6 +156,7 @@ class _Runner(ModelRunner):
         self.caches = {s.name: jnp.asarray(rng.standard_normal(s.shape), dtype)
                        for s in self.cache_specs}
         self.kv_copying, self.in_place_kv_required = {}, False
+        self._kv_copy_lock = threading.Lock()
 
 
 def test_staging_path_round_trip_and_direct_addresses():
