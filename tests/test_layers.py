@@ -214,31 +214,34 @@ def test_the_private_checker_sees_a_reach():
                                                "pdjax/transfer/decode.py:7: os._wrap_close"]
 
 
-@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillConnector",
-                                  "pdjax.transfer.decode:DecodeConnector"])
+PD_ROLES = ["pdjax.transfer.prefill:PrefillConnector", "pdjax.transfer.decode:DecodeConnector"]
+
+
+def _public_members_missing(role: str, protocol) -> tuple[list[str], list[str]]:
+    """``(protocol's public members, those the class named by role lacks as callables)``."""
+    module, name = role.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    members = [m for m in vars(protocol) if not m.startswith("_")]
+    return members, [m for m in members if not callable(getattr(cls, m, None))]
+
+
+@pytest.mark.parametrize("role", PD_ROLES)
 def test_role_managers_implement_the_engine_role(role):
     from pdjax.engine_roles import EngineRole
 
-    module, name = role.split(":")
-    cls = getattr(importlib.import_module(module), name)
-    members = [m for m in vars(EngineRole) if not m.startswith("_")]
+    members, missing = _public_members_missing(role, EngineRole)
     assert len(members) == 12
-    missing = [m for m in members if not callable(getattr(cls, m, None))]
-    assert not missing, f"{name} lacks {missing}"
+    assert not missing, f"{role} lacks {missing}"
 
 
-@pytest.mark.parametrize("role", ["pdjax.transfer.prefill:PrefillConnector",
-                                  "pdjax.transfer.decode:DecodeConnector"])
+@pytest.mark.parametrize("role", PD_ROLES)
 def test_the_pd_roles_are_kv_connectors(role):
     from pdjax.sched.kv_connector import KVConnector
 
-    module, name = role.split(":")
-    cls = getattr(importlib.import_module(module), name)
-    members = [m for m in vars(KVConnector) if not m.startswith("_")]
+    members, missing = _public_members_missing(role, KVConnector)
     assert sorted(members) == ["build_meta", "get_num_new_matched_tokens", "owned_pages",
                                "request_finished", "update", "update_state_after_alloc"]
-    missing = [m for m in members if not callable(getattr(cls, m, None))]
-    assert not missing, f"{name} lacks {missing}"
+    assert not missing, f"{role} lacks {missing}"
 
 
 def test_the_scheduler_never_imports_the_transfer_package():
