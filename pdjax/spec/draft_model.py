@@ -40,7 +40,7 @@ from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
 from pdjax.spec.drafter import Drafter, register_drafter
-from pdjax.spec.own_pages import (cdiv, common_prefix, read_token, reserve_pages,
+from pdjax.spec.own_pages import (cdiv, chain_drafts, common_prefix, read_token, reserve_pages,
                                   truncate_pages)
 
 
@@ -119,18 +119,15 @@ class DraftModelDrafter(Drafter):
         # Draft j of each request as (device tokens, row): the decode forwards take their
         # input token from the forward before on the device, and the host reads every draft
         # once, at the end.
-        srcs = [[src] for src in self._feed(live)]
-        for j in range(1, max((max_tokens[i] for i, _, _ in live), default=0)):
-            run = [n for n, (i, _, _) in enumerate(live) if max_tokens[i] > j]
-            outs = self._decode([(live[n][1], len(live[n][2]) + j - 1, srcs[n][-1])
-                                 for n in run])
-            for n, src in zip(run, outs):
-                srcs[n].append(src)
-        host: dict[int, np.ndarray] = {}
+        def decode(run: list[int], j: int, prev: list) -> list[tuple]:
+            return self._decode([(live[n][1], len(live[n][2]) + j - 1, src)
+                                 for n, src in zip(run, prev)])
+
+        chains = chain_drafts(self._feed(live), [max_tokens[i] for i, _, _ in live], decode)
         drafts: list[list[int]] = [[] for _ in requests]
-        for (i, st, _), chain in zip(live, srcs):
-            drafts[i] = [read_token(host, src) for src in chain]
-            st.ids.extend(drafts[i][:-1])         # the drafts fed back hold KV now
+        for (i, st, _), chain in zip(live, chains):
+            drafts[i] = chain
+            st.ids.extend(chain[:-1])             # the drafts fed back hold KV now
         return drafts
 
     def release(self, rid: str) -> None:

@@ -41,7 +41,7 @@ from pdjax.kv.allocator import PageAllocator
 from pdjax.runner.mtp_runner import MTPRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
-from pdjax.spec.own_pages import (cdiv, common_prefix, read_token, reserve_pages,
+from pdjax.spec.own_pages import (cdiv, chain_drafts, common_prefix, reserve_pages,
                                   truncate_pages)
 from pdjax.spec.drafter import Drafter, register_drafter
 
@@ -101,17 +101,14 @@ class MTPDrafter(Drafter):
             # Pages up front: positions < L - 1 fed, then the k - 1 chained drafts.
             if self._reserve(st, L - 1 + k - 1):
                 live.append((i, st, ids, list(req.pages)))
-        srcs = [[src] for src in self._feed(live)]
-        for j in range(1, max((max_tokens[i] for i, _, _, _ in live), default=0)):
-            run = [n for n, (i, _, _, _) in enumerate(live) if max_tokens[i] > j]
-            outs = self._decode([(live[n][1], len(live[n][2]) + j - 2, srcs[n][-1])
-                                 for n in run])
-            for n, src in zip(run, outs):
-                srcs[n].append(src)
-        host: dict[int, np.ndarray] = {}
+        def decode(run: list[int], j: int, prev: list) -> list[tuple]:
+            return self._decode([(live[n][1], len(live[n][2]) + j - 2, src)
+                                 for n, src in zip(run, prev)])
+
+        chains = chain_drafts(self._feed(live), [max_tokens[i] for i, _, _, _ in live], decode)
         drafts: list[list[int]] = [[] for _ in requests]
-        for (i, _, _, _), chain in zip(live, srcs):
-            drafts[i] = [read_token(host, (tokens, row)) for tokens, _, row in chain]
+        for (i, _, _, _), chain in zip(live, chains):
+            drafts[i] = chain
         return drafts
 
     def release(self, rid: str) -> None:

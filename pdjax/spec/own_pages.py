@@ -1,8 +1,8 @@
 """What the drafters that keep KV of their own share (``draft_model.py``: a separate draft
 model; ``mtp.py``: the target's MTP layer): each request's page list in the drafter's own pool,
 grown before a forward and cut back when the target rejected drafts (DESIGN.md §3,
-"Speculative decoding"), and the host reads of the tokens their chained forwards left on the
-device.
+"Speculative decoding"), and the chain of their draft forwards, whose tokens stay on the
+device until one read at the end.
 
 A request's pages cover its positions ``0 .. n-1`` (``ceil(n / page_size)`` pages); rolling
 back to ``n`` positions moves a counter and frees only the whole pages past it, the slots of
@@ -10,6 +10,8 @@ the kept last page are overwritten later (no copy).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -53,10 +55,30 @@ def truncate_pages(allocator: PageAllocator, pages: list[int], num_positions: in
 
 
 def read_token(host: dict, src: tuple) -> int:
-    """The token at ``src = (device tokens, row)``; each array is fetched once (``host``:
+    """The token at ``src = (device tokens, ..., row)``; each array is fetched once (``host``:
     ``id(array) -> numpy``)."""
-    tokens, row = src
+    tokens, row = src[0], src[-1]
     got = host.get(id(tokens))
     if got is None:
         got = host[id(tokens)] = np.asarray(tokens)
     return int(got[row])
+
+
+def chain_drafts(first: list, num_drafts: list[int],
+                 decode: Callable[[list[int], int, list], list]) -> list[list[int]]:
+    """The drafts of the live requests, chained on the device and read once at the end.
+
+    ``first[n]``: where live request ``n``'s first draft lies (``(device tokens, ..., row)``,
+    from the drafter's extend forward); ``num_drafts[n]``: how many it wants.
+    ``decode(run, j, prev)``: one batched decode forward of draft ``j`` for the requests
+    ``run`` (indices into ``first``), each taking its input token on the device from its
+    source in ``prev`` (draft ``j - 1``); returns their sources, in ``run`` order. Returns
+    each request's draft ids.
+    """
+    srcs = [[src] for src in first]
+    for j in range(1, max(num_drafts, default=0)):
+        run = [n for n, k in enumerate(num_drafts) if k > j]
+        for n, src in zip(run, decode(run, j, [srcs[n][-1] for n in run])):
+            srcs[n].append(src)
+    host: dict[int, np.ndarray] = {}
+    return [[read_token(host, src) for src in chain] for chain in srcs]
