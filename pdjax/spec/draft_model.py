@@ -39,9 +39,9 @@ from pdjax.models.loader import load_model
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
-from pdjax.spec.drafter import Drafter, register_drafter
-from pdjax.spec.own_pages import (cdiv, chain_drafts, common_prefix, read_token, reserve_pages,
-                                  truncate_pages)
+from pdjax.spec.drafter import register_drafter
+from pdjax.spec.own_pages import (OwnPoolDrafter, cdiv, chain_drafts, common_prefix,
+                                  read_token, truncate_pages)
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class _DraftState:
 
 
 @register_drafter("draft")
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(OwnPoolDrafter):
     """Greedy drafts from a separate small model (any architecture ``load_model`` reads).
 
     ``model_path``: the draft checkpoint (``speculative_draft_model_path``); its vocabulary
@@ -130,20 +130,12 @@ class DraftModelDrafter(Drafter):
             st.ids.extend(chain[:-1])             # the drafts fed back hold KV now
         return drafts
 
-    def release(self, rid: str) -> None:
-        st = self._state.pop(rid, None)
-        if st is not None:
-            self.allocator.free(st.pages)
-
     # ------------------------------------------------------------------ pages
     def _truncate(self, st: _DraftState, n: int) -> None:
         """Keep the KV of ``st.ids[:n]``: the counter moves, whole pages past it go back."""
         del st.ids[n:]
         truncate_pages(self.allocator, st.pages, n, self.page_size)
 
-    def _reserve(self, st: _DraftState, num_tokens: int) -> bool:
-        """Pages for positions ``< num_tokens``; False (nothing taken) if the pool is short."""
-        return reserve_pages(self.allocator, st.pages, num_tokens, self.page_size)
 
     # ------------------------------------------------------------------ forwards
     def _run(self, mode: str, rows: list[BatchRow], prev_idx: list[int] | None = None,

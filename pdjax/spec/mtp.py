@@ -41,9 +41,9 @@ from pdjax.kv.allocator import PageAllocator
 from pdjax.runner.mtp_runner import MTPRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
-from pdjax.spec.own_pages import (cdiv, chain_drafts, common_prefix, reserve_pages,
+from pdjax.spec.drafter import register_drafter
+from pdjax.spec.own_pages import (OwnPoolDrafter, cdiv, chain_drafts, common_prefix,
                                   truncate_pages)
-from pdjax.spec.drafter import Drafter, register_drafter
 
 
 @dataclasses.dataclass
@@ -54,7 +54,7 @@ class _MTPState:
 
 
 @register_drafter("mtp")
-class MTPDrafter(Drafter):
+class MTPDrafter(OwnPoolDrafter):
     """Greedy drafts from the target's own MTP layer.
 
     ``target``: the target's ``ModelRunner`` (its model built with ``mtp=True``).
@@ -111,11 +111,6 @@ class MTPDrafter(Drafter):
             drafts[i] = chain
         return drafts
 
-    def release(self, rid: str) -> None:
-        st = self._state.pop(rid, None)
-        if st is not None:
-            self.allocator.free(st.pages)
-
     # ------------------------------------------------------------------ pages
     def _truncate(self, st: _MTPState, n: int) -> None:
         """Keep the MTP KV of positions ``< n``; whole pages past it go back."""
@@ -124,9 +119,6 @@ class MTPDrafter(Drafter):
         del st.ids[n + 1:]
         truncate_pages(self.allocator, st.pages, n, self.page_size)
 
-    def _reserve(self, st: _MTPState, num_positions: int) -> bool:
-        """Pages for positions ``< num_positions``; False (nothing taken) if the pool is short."""
-        return reserve_pages(self.allocator, st.pages, num_positions, self.page_size)
 
     # ------------------------------------------------------------------ forwards
     def _slots(self, target_pages: list[int], start: int, n: int) -> list[int]:

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from pdjax.kv.allocator import PageAllocator
+from pdjax.spec.drafter import Drafter
 
 
 def cdiv(a: int, b: int) -> int:
@@ -82,3 +83,21 @@ def chain_drafts(first: list, num_drafts: list[int],
             srcs[n].append(src)
     host: dict[int, np.ndarray] = {}
     return [[read_token(host, src) for src in chain] for chain in srcs]
+
+
+class OwnPoolDrafter(Drafter):
+    """Base of the drafters with a KV pool of their own: subclasses set ``allocator`` (a
+    ``PageAllocator``), ``page_size`` and ``_state`` (rid -> a state with a ``pages`` list)."""
+
+    allocator: PageAllocator
+    page_size: int
+    _state: dict
+
+    def release(self, rid: str) -> None:
+        st = self._state.pop(rid, None)
+        if st is not None:
+            self.allocator.free(st.pages)
+
+    def _reserve(self, st, num_positions: int) -> bool:
+        """Pages for positions ``< num_positions``; False (nothing taken) if the pool is short."""
+        return reserve_pages(self.allocator, st.pages, num_positions, self.page_size)
