@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pdjax.engine_io import GenerateOutput
-from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
+from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, RoomReused, peer_transition
 from pdjax.pd.lifecycle import KVPoll
 from pdjax.request import Request
 
@@ -78,12 +78,19 @@ class PrefillRoom:
             self.reported = failure
 
     def tombstone(self) -> "PrefillRoom":
-        """What stays of a failed room after its request was answered: a late request or page
-        list for the room fails at once, with this reason."""
-        assert self.state == KVPoll.Failed, self.state
+        """What stays of a concluded room after its request was answered, for the bootstrap
+        timeout: a late request or page list for the room fails at once -- with the room's
+        failure, or after a Success with a 409 ``RoomReused`` (the room was used; a reuse
+        would otherwise wait out the timeout for a half that already came and went)."""
+        assert self.state in (KVPoll.Failed, KVPoll.Success), self.state
+        failure, status_code = self.failure, self.status_code
+        if self.state == KVPoll.Success:
+            failure = RoomReused(f"bootstrap_room {self.room} was already used by a transfer "
+                                 f"that completed (room reused?)")
+            status_code = RoomReused.status_code
         return PrefillRoom(room=self.room, created_s=self.state_s, state=KVPoll.Failed,
-                           state_s=self.state_s, peer_id=self.peer_id, failure=self.failure,
-                           status_code=self.status_code, notified=True, output_sent=True)
+                           state_s=self.state_s, peer_id=self.peer_id, failure=failure,
+                           status_code=status_code, notified=True, output_sent=True)
 
     def record(self) -> dict[str, Any]:
         return {"room": self.room, "rid": self.rid, "state": self.state.name,

@@ -192,7 +192,7 @@ class PrefillConnector(RoleManager):
         timeout = self.args.bootstrap_timeout_s
         if r.req is None or r.dst_pages is None:
             if now - r.created_s > timeout:
-                what = "the request" if r.req is None else "a page list from the decode server"
+                what = "request" if r.req is None else "page list from the decode server"
                 self._fail(r, Timeout(f"bootstrap timeout: no {what} for bootstrap_room "
                                       f"{r.room} within {timeout:g} s"))
             return
@@ -288,10 +288,8 @@ class PrefillConnector(RoleManager):
                     if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
                         return out
                     del self.rooms[r.room]
-                elif r.state == KVPoll.Failed:
-                    self.rooms[r.room] = r.tombstone()
                 else:
-                    del self.rooms[r.room]
+                    self.rooms[r.room] = r.tombstone()
             if req is not None:
                 self.rooms_by_rid.pop(req.rid, None)
             # Under the lock: a room out of ``rooms`` (``load``'s count) is in ``recent``.

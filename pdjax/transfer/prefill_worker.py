@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from pdjax.pd.lifecycle import Aborted, BadDestination, KVPoll, RoomFailure, WriteFailed
+from pdjax.pd.lifecycle import (ROOM_CONFLICT_STATUS, Aborted, BadDestination, KVPoll,
+                                RoomFailure, WriteFailed)
 from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
                                RegisterResult, TransferRequest, TransferStatus)
 from pdjax.pd.rooms import PrefillRoom
@@ -301,9 +302,11 @@ class PrefillTransferWorker(KVTransferWorker):
             reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
                       f"(the room already has a destination)")
             self._reject(reason)
-            if r.peer_id != msg.decode_engine_id:
-                self.pd.send(peer.reply_endpoint, TransferStatus(
-                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
+            # Also to the room's own decode: it sends one page list per request and binds a
+            # room to one request at a time, so this one is from a later request there.
+            self.pd.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason,
+                status_code=ROOM_CONFLICT_STATUS))
             return
         self.pd.wake()
 

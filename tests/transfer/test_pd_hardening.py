@@ -218,6 +218,25 @@ def test_two_pairs_reusing_one_room_at_once_get_409_never_500(hard):
     _assert_baseline(hard)            # idle: what a success cached is evictable
 
 
+def test_room_reused_after_its_transfer_completed_gets_409_at_once(hard):
+    """A regression: a pair succeeds on room R, then each half of another pair reuses R. The
+    prefill keeps R for the bootstrap timeout, so both halves get 409 naming the room at once
+    (the prefill half used to wait 20 s for a page list that never came and answer 500; a
+    decode half whose page list met the finished room waited out its transfer timeout)."""
+    room = next(_rooms)
+    (ps, pb), (ds, db) = _dispatch(hard, _ids(30), room=room)
+    assert ps == 200 and ds == 200, (pb, db)
+    for order in ((hard["p"], hard["d"]), (hard["d"], hard["p"])):
+        for server in order:
+            t0 = time.monotonic()
+            status, out = post(server.url + "/generate", pd_body(_ids(30), room, hard["bport"]),
+                               30.0)
+            assert status == 409, (server.url, status, out)
+            assert f"bootstrap_room {room}" in _msg(out) and "already" in _msg(out), out
+            assert time.monotonic() - t0 < 5
+    _assert_baseline(hard)
+
+
 def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
     """A decode-only request reserves 15 of the 32 decode pages; a running request
     then fills the other 17 and cannot get one more. It finishes with reason length and its
