@@ -16,6 +16,7 @@ Single-threaded; ``pdjax.engine.async_engine`` runs it on its own thread for the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -45,6 +46,14 @@ from pdjax.transfer.factory import create_kv_connection
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Seconds one ``step`` spent dispatching and waiting for the device (the rest of its
+    wall time is host time); made by each step and passed to the helpers that wait."""
+
+    device_s: float = 0.0
 
 
 class EngineCore(ForwardStep):
@@ -123,7 +132,6 @@ class EngineCore(ForwardStep):
         # ``drain``: inside a step it flows as a value (``_read_first`` -> ``_run`` ->
         # ``_process``), so here it still names the step in flight when the step began.
         self._inflight: Launched | None = None
-        self._wait_s = 0.0            # device time of the current step (step)
         self._last_forward_end_s = 0.0
         self.last_forward_device_s: float | None = None    # device time of the last forward read
         # Forwards dispatched while the previous one still ran on the device (the host's work
@@ -274,27 +282,27 @@ class EngineCore(ForwardStep):
         The step in flight flows through the step as a value: the helpers take it and return
         what stays in flight, and only the end of ``step`` (or ``drain``) stores it."""
         t0 = time.perf_counter()
-        self._wait_s = 0.0            # dispatching and waiting for the device
+        clock = StepClock()
         outputs: list[GenerateOutput] = []
         try:
-            prev, read_first = self._read_first(self._inflight, outputs)
+            prev, read_first = self._read_first(self._inflight, outputs, clock)
             batch = self._schedule(outputs)
-            launched = self._run(batch, prev, outputs)
-            done, in_flight, outputs = self._process(prev, read_first, launched, outputs)
+            launched = self._run(batch, prev, outputs, clock)
+            done, in_flight, outputs = self._process(prev, read_first, launched, outputs, clock)
         except BaseException:
             self._inflight = None     # a failed step leaves nothing in flight
             raise
         self._inflight = in_flight
         # Forward time: dispatching and waiting for the device; host time: the rest.
-        self.forward_time_s += self._wait_s
-        self.host_time_s += max(0.0, time.perf_counter() - t0 - self._wait_s)
+        self.forward_time_s += clock.device_s
+        self.host_time_s += max(0.0, time.perf_counter() - t0 - clock.device_s)
         if done is not None:
             for hook in self.step_hooks:
                 hook(done.batch, outputs)
         return outputs
 
-    def _read_first(self, prev: Launched | None, outputs: list[GenerateOutput]
-                    ) -> tuple[Launched | None, Launched | None]:
+    def _read_first(self, prev: Launched | None, outputs: list[GenerateOutput],
+                    clock: StepClock) -> tuple[Launched | None, Launched | None]:
         """Read ``prev``, the step in flight, before scheduling when the next step needs its
         tokens on the host (DESIGN.md §3):
 
@@ -312,7 +320,7 @@ class EngineCore(ForwardStep):
             return prev, None
         if grammar_sync:
             self.num_grammar_syncs += 1
-        outputs += self._read(prev)
+        outputs += self._read(prev, clock)
         return None, prev
 
     def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
@@ -333,17 +341,17 @@ class EngineCore(ForwardStep):
         return batch
 
     def _run(self, batch: ScheduledBatch | None, prev: Launched | None,
-             outputs: list[GenerateOutput]) -> Launched | None:
+             outputs: list[GenerateOutput], clock: StepClock) -> Launched | None:
         """Launch ``batch``'s forward (not waited for); its placeholder inputs come from
         ``prev``, the step still in flight."""
         if batch is None:
             return None
         launched, dispatch_s = self._launch(batch, prev, outputs)
-        self._wait_s += dispatch_s
+        clock.device_s += dispatch_s
         return launched
 
     def _process(self, prev: Launched | None, read_first: Launched | None,
-                 launched: Launched | None, outputs: list[GenerateOutput]):
+                 launched: Launched | None, outputs: list[GenerateOutput], clock: StepClock):
         """Read the step whose results are due, sample ``launched``'s split grammar rows, and
         hand the outputs to the PD role. ``prev``: the step in flight before ``launched`` and
         not read yet; ``read_first``: the step ``_read_first`` read instead. With overlap
@@ -355,11 +363,11 @@ class EngineCore(ForwardStep):
         else:
             done, in_flight = (prev, launched) if self.overlap else (launched, prev)
             if done is not None:
-                outputs += self._read(done)
+                outputs += self._read(done, clock)
         if launched is not None and launched.deferred:
             # The step before is read and its tokens taken by the matchers: fill the masks
             # while the new forward runs, then sample its grammar rows.
-            self._wait_s += self._sample_deferred(launched, outputs)
+            clock.device_s += self._sample_deferred(launched, outputs)
         batch = done.batch if done is not None else None
         self._start_transfers(batch)     # every step: a request admitted now may wait for KV
         if self.disagg is not None and (done is not None or outputs):
@@ -374,9 +382,9 @@ class EngineCore(ForwardStep):
             if meta is not None:
                 self.kv_worker.start(meta)
 
-    def _read(self, done: Launched) -> list[GenerateOutput]:
+    def _read(self, done: Launched, clock: StepClock) -> list[GenerateOutput]:
         outputs, fetch_s = self._complete(done)
-        self._wait_s += fetch_s
+        clock.device_s += fetch_s
         return outputs
 
     def stop_check(self, req: Request) -> FinishReason | None:
