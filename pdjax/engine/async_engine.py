@@ -282,7 +282,10 @@ class AsyncEngine:
                 self.core.cluster.on_lost = self._on_node_lost
             self.is_ready = True
         except BaseException as e:
-            logger.exception("engine failed to start")
+            if isinstance(e, ValueError):       # a setting that cannot work: its message says why
+                logger.error("engine failed to start: %s", e)
+            else:
+                logger.exception("engine failed to start")
             self.error = e
             self._ready_event.set()
             return

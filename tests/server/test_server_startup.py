@@ -15,14 +15,20 @@ from pdjax.ports import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+@pytest.mark.parametrize("tp,needle", [(64, "tp_size must be in"),
+                                       (3, "tp_size (3) must divide num_attention_heads (4)")])
+def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tp, needle):
+    """A setting the engine refuses at start (too many devices; heads that do not split)
+    exits 1 with the reason on one line, no traceback (it is the user's setting, not a bug)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, "-m", "pdjax.serve", "--model-path", tiny_checkpoints["llama"],
-         "--port", str(free_port()), "--tp-size", "64", "--skip-warmup-progress"],
+         "--port", str(free_port()), "--tp-size", str(tp), "--skip-warmup-progress"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "tp_size must be in" in proc.stderr and "failed to start" in proc.stderr
+    assert needle in proc.stderr and "failed to start" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("argv,needle", [(["--port", "99999"], "port"),
