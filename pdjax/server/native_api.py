@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from pdjax.detokenizer import TokenTexts
 from pdjax.engine_io import GenerateRequest
-from pdjax.request import INT32_MAX, FinishReason
+from pdjax.request import INT32_MAX, FinishReason, SamplingParams
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
@@ -73,12 +73,61 @@ def _per_prompt(name: str, value: Any, batch: int, n: int, default: Any,
 
 def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
     """Validate a ``/generate`` body (SGLang's ``GenerateReqInput`` fields) and expand it into
-    one ``GenerateRequest`` per sample. Raises ``RequestError``."""
+    one ``GenerateRequest`` per sample (prompt-major within each sample index). Raises
+    ``RequestError``."""
     body = checked_body(body, _NATIVE_FIELDS, _NATIVE_DEFAULT_ONLY, "/generate")
     if ("text" in body) == ("input_ids" in body):
         raise RequestError("exactly one of text or input_ids must be given", "text")
+    is_single, prompts = _prompts(body, ctx)
+    batch = len(prompts)
+    sp_list = _sampling_params(body, ctx, prompts, is_single)
+    n = sp_list[0].n
+    if n > 1:
+        is_single = False
+    check_num_samples(batch, n, "sampling_params.n")
+    num = batch * n
 
-    # Prompts.
+    stream = check_bool("stream", body.get("stream", False))
+    ret_lp = _per_prompt("return_logprob", body.get("return_logprob"), batch, n, False, check_bool)
+    top_n = _per_prompt("top_logprobs_num", body.get("top_logprobs_num"), batch, n, 0,
+                        lambda nm, v: check_int(nm, v, 0, MAX_TOP_LOGPROBS))
+    start = _per_prompt("logprob_start_len", body.get("logprob_start_len"), batch, n, -1,
+                        lambda nm, v: check_int(nm, v, -1, INT32_MAX))
+    for i in range(batch):
+        if start[i] >= len(prompts[i]):
+            raise RequestError(f"logprob_start_len = {start[i]} must be below the prompt length "
+                               f"({len(prompts[i])})", "logprob_start_len")
+    rids, group_rid = _request_ids(body.get("rid"), batch, n, is_single)
+
+    reasoning_parser = None
+    if check_bool("separate_reasoning", body.get("separate_reasoning", False)):
+        if ctx.reasoning_parser is None:
+            raise RequestError("separate_reasoning needs a reasoning parser: start the server "
+                               "with --reasoning-parser", "separate_reasoning")
+        reasoning_parser = ctx.reasoning_parser
+
+    hosts, ports, rooms = pd_fields(body, num)
+    reqs = []
+    for k in range(num):
+        i = k % batch
+        reqs.append(GenerateRequest(
+            rid=rids[k], input_ids=list(prompts[i]),
+            sampling_params=sample_params(sp_list[i], k // batch),
+            return_logprob=ret_lp[i], top_logprobs_num=top_n[i] if ret_lp[i] else 0,
+            logprob_start_len=start[i] if ret_lp[i] else -1,
+            bootstrap_host=hosts[k], bootstrap_port=ports[k], bootstrap_room=rooms[k]))
+    return NativeRequest(
+        requests=reqs, is_single=is_single, stream=stream,
+        return_text_in_logprobs=check_bool("return_text_in_logprobs",
+                                           body.get("return_text_in_logprobs", False)),
+        group_rid=group_rid,
+        log_metrics=check_bool("log_metrics", body.get("log_metrics", True)),
+        reasoning_parser=reasoning_parser)
+
+
+def _prompts(body: dict, ctx: ServingContext) -> tuple[bool, list[list[int]]]:
+    """``(is_single, token ids of each prompt)`` from ``text`` or ``input_ids``: a string or a
+    flat id list is one prompt, a list of them a batch; each checked against the context."""
     prompts: list[list[int]]
     if "text" in body:
         text = body["text"]
@@ -108,12 +157,18 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
         else:
             is_single = True
             prompts = [check_token_ids("input_ids", ids, ctx)]
-    batch = len(prompts)
+    field = "text" if "text" in body else "input_ids"
     for i, p in enumerate(prompts):
-        field = "text" if "text" in body else "input_ids"
         check_prompt_length(field if is_single else f"{field}[{i}]", p, ctx)
+    return is_single, prompts
 
-    # Sampling params: one dict, or one per prompt; n must agree.
+
+def _sampling_params(body: dict, ctx: ServingContext, prompts: list[list[int]],
+                     is_single: bool) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt from ``sampling_params`` (one object, or one per
+    prompt of a batch); an unset ``max_new_tokens`` is clamped to the context, grammars are
+    compiled (a bad one is a 400 now), and ``n`` must agree across prompts."""
+    batch = len(prompts)
     sp_raw = body.get("sampling_params", {})
     if isinstance(sp_raw, dict):
         sp_list = [parse_sampling_params(sp_raw, ctx, "sampling_params")] * batch
@@ -130,30 +185,19 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
                            "sampling_params")
     sp_list = [sp if exp else clamp_default_max_new(sp, len(p), ctx)
                for sp, exp, p in zip(sp_list, explicit, prompts)]
-    for sp in sp_list:         # json_schema / regex / ebnf: a bad one is a 400 now
+    for sp in sp_list:
         check_grammar(sp.grammar, ctx)
-    n = sp_list[0].n
-    if any(sp.n != n for sp in sp_list):
+    if any(sp.n != sp_list[0].n for sp in sp_list):
         raise RequestError("sampling_params: n must be the same for every prompt",
                            "sampling_params")
-    if n > 1:
-        is_single = False
-    check_num_samples(batch, n, "sampling_params.n")
+    return sp_list
+
+
+def _request_ids(rid: Any, batch: int, n: int, is_single: bool) -> tuple[list[str], str | None]:
+    """``(one rid per sample, the group's rid or None)``: generated when ``rid`` is absent; a
+    string names the group (``rid_k`` per sample unless there is one); a list gives one per
+    prompt of a batch. Raises ``RequestError`` for a bad or repeated id."""
     num = batch * n
-
-    stream = check_bool("stream", body.get("stream", False))
-    ret_lp = _per_prompt("return_logprob", body.get("return_logprob"), batch, n, False, check_bool)
-    top_n = _per_prompt("top_logprobs_num", body.get("top_logprobs_num"), batch, n, 0,
-                        lambda nm, v: check_int(nm, v, 0, MAX_TOP_LOGPROBS))
-    start = _per_prompt("logprob_start_len", body.get("logprob_start_len"), batch, n, -1,
-                        lambda nm, v: check_int(nm, v, -1, INT32_MAX))
-    for i in range(batch):
-        if start[i] >= len(prompts[i]):
-            raise RequestError(f"logprob_start_len = {start[i]} must be below the prompt length "
-                               f"({len(prompts[i])})", "logprob_start_len")
-
-    # Request ids.
-    rid = body.get("rid")
     group_rid = None
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(num)]
@@ -171,31 +215,7 @@ def parse_generate_request(body: Any, ctx: ServingContext) -> NativeRequest:
         raise RequestError("rid must be a string (or a list of strings for a batch)", "rid")
     if len(set(rids)) != len(rids):
         raise RequestError("rid: request ids in one request must be distinct", "rid")
-
-    reasoning_parser = None
-    if check_bool("separate_reasoning", body.get("separate_reasoning", False)):
-        if ctx.reasoning_parser is None:
-            raise RequestError("separate_reasoning needs a reasoning parser: start the server "
-                               "with --reasoning-parser", "separate_reasoning")
-        reasoning_parser = ctx.reasoning_parser
-
-    hosts, ports, rooms = pd_fields(body, num)
-    reqs = []
-    for k in range(num):
-        i = k % batch
-        reqs.append(GenerateRequest(
-            rid=rids[k], input_ids=list(prompts[i]),
-            sampling_params=sample_params(sp_list[i], k // batch),
-            return_logprob=ret_lp[i], top_logprobs_num=top_n[i] if ret_lp[i] else 0,
-            logprob_start_len=start[i] if ret_lp[i] else -1,
-            bootstrap_host=hosts[k], bootstrap_port=ports[k], bootstrap_room=rooms[k]))
-    return NativeRequest(
-        requests=reqs, is_single=is_single, stream=stream,
-        return_text_in_logprobs=check_bool("return_text_in_logprobs",
-                                           body.get("return_text_in_logprobs", False)),
-        group_rid=group_rid,
-        log_metrics=check_bool("log_metrics", body.get("log_metrics", True)),
-        reasoning_parser=reasoning_parser)
+    return rids, group_rid
 
 
 # ---------------------------------------------------------------------------------------------
