@@ -146,9 +146,23 @@ class EngineCore(ForwardStep):
         self.num_grammar_split_steps = 0
         self.num_grammar_split_rows = 0
         self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
-        # background_compile (the server): only the core shapes before ready, the rest on a
-        # background thread; requests meanwhile pad to a compiled shape (never compile). The
-        # ITL target plans with every token bucket's timing, so it waits for all of them.
+        self._warm_up(progress, background_compile, phase)
+        # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
+        # step polls and starts, and a PD role (pdjax/engine_roles.py; this core is its
+        # RoleHost). Colocated: none of them.
+        conn = create_kv_connection(self)
+        self.disagg: EngineRole | None = conn.role if conn is not None else None
+        self.kv_worker = conn.worker if conn is not None else None
+        if conn is not None:
+            self.scheduler.connector = conn.connector
+
+    def _warm_up(self, progress: bool, background_compile: bool, phase: PhaseTimer) -> None:
+        """Compile the buckets (and a draft model's), seed the cost model under an ITL target,
+        print the start-up phases. ``background_compile`` (the server): only the core shapes
+        before ready, the rest on a background thread; requests meanwhile pad to a compiled
+        shape (never compile). The ITL target plans with every token bucket's timing, so it
+        waits for all of them."""
+        args = self.args
         self.warmup_s = self.runner.warmup(
             progress=progress and not args.skip_warmup_progress,
             split_sampling=self.overlap and args.grammar_backend != "none",
@@ -161,14 +175,6 @@ class EngineCore(ForwardStep):
             self.seed_cost_model()
             phase("seed_cost_model")
         phase.report()
-        # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
-        # step polls and starts, and a PD role (pdjax/engine_roles.py; this core is its
-        # RoleHost). Colocated: none of them.
-        conn = create_kv_connection(self)
-        self.disagg: EngineRole | None = conn.role if conn is not None else None
-        self.kv_worker = conn.worker if conn is not None else None
-        if conn is not None:
-            self.scheduler.connector = conn.connector
 
     # ------------------------------------------------------------------ grammars
     @property
