@@ -71,6 +71,40 @@ class ForwardStep:
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
                                 ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
+        prev_idx, sampling, deferred, verify = self._sampling_inputs(batch, rows, key, fb, prev,
+                                                                     outputs)
+        want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
+        compiles = self.runner.compiles_after_warmup
+        t1 = time.perf_counter()
+        if prev is not None:
+            if prev.out.tokens.is_ready():
+                self.num_exposed_dispatches += 1
+            else:
+                self.num_overlapped_dispatches += 1
+        out, hidden, logits = self.runner.forward(
+            key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
+            want_hidden=want_prompt_lp, want_logits=True)
+        prompt_lp = (dispatch_prompt_logprobs(self.runner, batch, fb, hidden) if want_prompt_lp
+                     else None)
+        t2 = time.perf_counter()
+        pending = self.scheduler.advance(batch)
+        launched = Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
+                             prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
+                             self.runner.compiles_after_warmup != compiles, deferred,
+                             logits if deferred else None,
+                             any(req.grammar is not None for _, req, _ in pending), verify)
+        for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
+            hook(batch, key, logits if deferred else out.tokens, t2)
+        return launched, t2 - t1
+
+    def _sampling_inputs(self, batch: ScheduledBatch, rows: list[BatchRow], key, fb,
+                         prev: Launched | None, outputs: list[GenerateOutput]):
+        """The per-row inputs of ``batch``'s forward after its metadata ``fb``: ``prev_idx``
+        (for each input token sampled by ``prev``, the step in flight, its row there; -1
+        otherwise), the device sampling inputs (penalty slots, grammar masks, a verify row's
+        rows), the grammar rows deferred to ``_sample_deferred`` and the verify rows. A row
+        whose sampling state fails is aborted (its output appended to ``outputs``) and left
+        undrawn; the batch goes on. Returns ``(prev_idx, sampling, deferred, verify)``."""
         prev_idx = np.full(key.num_tokens, -1, np.int32)
         samp_rows, failed, deferred = [], [], []
         verify = {}
@@ -113,36 +147,20 @@ class ForwardStep:
                 start, stop = fb.logits_row_spans[i]      # all its logits rows undrawn
                 del samp_rows[start:]
                 samp_rows += [None] * (stop - start)
+        self._abort_failed(failed, outputs)
+        sampling = build_sampling_inputs(samp_rows, self.runner.logits_rows(key), bitmask=bitmask,
+                                         vocab_size=self.model_cfg.vocab_size)
+        return prev_idx, sampling, deferred, verify
+
+    def _abort_failed(self, failed: list[tuple[Request, Exception]],
+                      outputs: list[GenerateOutput]) -> None:
+        """Abort each request whose sampling state failed; its final output (with the error)
+        goes to ``outputs``."""
         for req, e in failed:
             out = self.abort_request(req.rid, f"sampling failed: {e}")
             if out is not None:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
-        sampling = build_sampling_inputs(samp_rows, self.runner.logits_rows(key), bitmask=bitmask,
-                                         vocab_size=self.model_cfg.vocab_size)
-        want_prompt_lp = any(wants_prompt_logprobs(r) for r in batch.rows)
-        compiles = self.runner.compiles_after_warmup
-        t1 = time.perf_counter()
-        if prev is not None:
-            if prev.out.tokens.is_ready():
-                self.num_exposed_dispatches += 1
-            else:
-                self.num_overlapped_dispatches += 1
-        out, hidden, logits = self.runner.forward(
-            key, fb, sampling, prev_idx, prev.out.tokens if prev is not None else None,
-            want_hidden=want_prompt_lp, want_logits=True)
-        prompt_lp = (dispatch_prompt_logprobs(self.runner, batch, fb, hidden) if want_prompt_lp
-                     else None)
-        t2 = time.perf_counter()
-        pending = self.scheduler.advance(batch)
-        launched = Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
-                             prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
-                             self.runner.compiles_after_warmup != compiles, deferred,
-                             logits if deferred else None,
-                             any(req.grammar is not None for _, req, _ in pending), verify)
-        for hook in self.dispatch_hooks:     # a split step's forward ends with its logits
-            hook(batch, key, logits if deferred else out.tokens, t2)
-        return launched, t2 - t1
 
     def _sample_deferred(self, launched: Launched, outputs: list[GenerateOutput]) -> float:
         """Fill the masks of ``launched``'s deferred grammar rows from their matchers (which
@@ -164,11 +182,7 @@ class ForwardStep:
                 failed.append((req, e))
                 continue
             rows[i], redo[i] = row_params, True
-        for req, e in failed:
-            out = self.abort_request(req.rid, f"sampling failed: {e}")
-            if out is not None:
-                out.error = f"sampling failed: {e}"
-                outputs.append(out)
+        self._abort_failed(failed, outputs)
         t1 = time.perf_counter()
         if redo.any():
             sampling = build_sampling_inputs(rows, R, bitmask=bitmask,
