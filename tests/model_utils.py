@@ -93,6 +93,21 @@ def assert_output_agrees(ref_out: dict, out: dict, what: str) -> int:
     return n
 
 
+def assert_speculation_keeps_tokens(engine, prompts, sampling_params: dict, what: str):
+    """Generate greedy ``prompts`` with every request opting out of speculation, then
+    speculating: the tokens agree tie-aware (DESIGN.md §5). Returns the speculative outputs
+    and, per prompt, how many positions were compared."""
+    ref = engine.generate(input_ids=prompts,
+                          sampling_params={**sampling_params, "speculative": False},
+                          return_logprob=True, top_logprobs_num=2)
+    out = engine.generate(input_ids=prompts, sampling_params=sampling_params)
+    compared = []
+    for o, r in zip(out, ref):
+        gaps = top2_gaps_from_top_logprobs(r["meta_info"]["output_top_logprobs"])
+        compared.append(assert_tokens_match(o["output_ids"], r["output_ids"], gaps, what=what))
+    return out, compared
+
+
 def boundary_prompts(n, seed=0, page=8, chunk=16, lengths=None, vocab=500):
     """Prompts whose lengths sit at page and chunk boundaries (k*page, k*page+1, k*chunk-1,
     k*chunk+1) and in between."""
