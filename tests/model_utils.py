@@ -81,6 +81,33 @@ def top2_gaps_from_top_logprobs(tops):
     return [t[0][0] - t[1][0] for t in tops]
 
 
+def assert_output_agrees(ref_out: dict, out: dict, what: str) -> int:
+    """``out``'s greedy tokens equal ``ref_out``'s tie-aware (DESIGN.md §5) and their output
+    logprobs agree within 1e-4; ``ref_out`` has ``output_top_logprobs`` (top 2). Returns how
+    many positions were compared."""
+    gaps = top2_gaps_from_top_logprobs(ref_out["meta_info"]["output_top_logprobs"])
+    n = assert_tokens_match(out["output_ids"], ref_out["output_ids"], gaps, what=what)
+    la = [x[0] for x in ref_out["meta_info"]["output_token_logprobs"][:n]]
+    lb = [x[0] for x in out["meta_info"]["output_token_logprobs"][:n]]
+    assert np.abs(np.array(la) - np.array(lb)).max() < 1e-4, what
+    return n
+
+
+def assert_speculation_keeps_tokens(engine, prompts, sampling_params: dict, what: str):
+    """Generate greedy ``prompts`` with every request opting out of speculation, then
+    speculating: the tokens agree tie-aware (DESIGN.md §5). Returns the speculative outputs
+    and, per prompt, how many positions were compared."""
+    ref = engine.generate(input_ids=prompts,
+                          sampling_params={**sampling_params, "speculative": False},
+                          return_logprob=True, top_logprobs_num=2)
+    out = engine.generate(input_ids=prompts, sampling_params=sampling_params)
+    compared = []
+    for o, r in zip(out, ref):
+        gaps = top2_gaps_from_top_logprobs(r["meta_info"]["output_top_logprobs"])
+        compared.append(assert_tokens_match(o["output_ids"], r["output_ids"], gaps, what=what))
+    return out, compared
+
+
 def boundary_prompts(n, seed=0, page=8, chunk=16, lengths=None, vocab=500):
     """Prompts whose lengths sit at page and chunk boundaries (k*page, k*page+1, k*chunk-1,
     k*chunk+1) and in between."""

@@ -20,6 +20,20 @@ def _lazy_engine(tiny_checkpoints):
                   progress=False, background_compile=True)
 
 
+def _hold_background_compile(monkeypatch) -> threading.Event:
+    """Hold every engine's background compile thread at its start until the returned event
+    is set."""
+    gate = threading.Event()
+    compile_rest = ModelRunner._compile_in_background
+
+    def gated(self, *args):
+        gate.wait(600)
+        compile_rest(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
+    return gate
+
+
 def _generate(engine, prompts, keys):
     hook = lambda batch, key, tokens, t: keys.append(key)     # noqa: E731
     engine.core.dispatch_hooks.append(hook)
@@ -56,14 +70,7 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
     ref = _generate(llama_engine, prompts, [])
 
     # Hold the background thread at its start: requests arrive before any of its shapes.
-    gate = threading.Event()
-    compile_rest = ModelRunner._compile_in_background
-
-    def gated(self, *args):
-        gate.wait(600)
-        compile_rest(self, *args)
-
-    monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
+    gate = _hold_background_compile(monkeypatch)
     eng = _lazy_engine(tiny_checkpoints)
     runner, buckets = eng.core.runner, eng.core.buckets
     try:
@@ -135,14 +142,7 @@ def test_speculative_verify_rows_never_compile(tiny_checkpoints, llama_engine, m
     greedy = {**GREEDY, "max_new_tokens": 12}
     ref = llama_engine.generate(input_ids=prompts, sampling_params=greedy, return_logprob=True,
                                 top_logprobs_num=2)
-    gate = threading.Event()
-    compile_rest = ModelRunner._compile_in_background
-
-    def gated(self, *args):
-        gate.wait(600)
-        compile_rest(self, *args)
-
-    monkeypatch.setattr(ModelRunner, "_compile_in_background", gated)
+    gate = _hold_background_compile(monkeypatch)
     eng = Engine(tiny_checkpoints["llama"], dtype="float32", page_size=PAGE, max_total_tokens=4096,
                  max_running_requests=16, chunked_prefill_size=CHUNK, context_length=128,
                  progress=False, background_compile=True, speculative_algorithm="ngram",

@@ -5,7 +5,7 @@ after warm-up; seeded sampling independent of the batch."""
 import numpy as np
 import pytest
 
-from model_utils import assert_tokens_match, boundary_prompts, set_sched, top2_gaps_from_top_logprobs
+from model_utils import assert_output_agrees, boundary_prompts, set_sched
 from pdjax.runner.model_runner import compile_count
 
 NEW = 8
@@ -31,11 +31,7 @@ def _run(engine, prompts, params=GREEDY, modes=None, check=False):
 
 def _assert_same(ref_outs, outs, what):
     for i, (a, b) in enumerate(zip(ref_outs, outs)):
-        gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
-        n = assert_tokens_match(b["output_ids"], a["output_ids"], gaps, what=f"{what} prompt {i}")
-        la = [x[0] for x in a["meta_info"]["output_token_logprobs"][:n]]
-        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"][:n]]
-        assert np.abs(np.array(la) - np.array(lb)).max() < 1e-4, what
+        assert_output_agrees(a, b, f"{what} prompt {i}")
 
 
 def test_chunked_mixed_and_prefix_hit_agree(llama_engine):

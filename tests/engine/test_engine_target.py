@@ -4,7 +4,7 @@ logprobs agree within 1e-4, and nothing compiles after warm-up."""
 
 import numpy as np
 
-from model_utils import assert_tokens_match, boundary_prompts, set_sched, top2_gaps_from_top_logprobs
+from model_utils import assert_output_agrees, boundary_prompts, set_sched
 from pdjax.runner.model_runner import compile_count
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -39,11 +39,7 @@ def _run(engine, prompts, steps=None, logprob_start_len=3):
 
 def _assert_same(ref_outs, outs, what):
     for i, (a, b) in enumerate(zip(ref_outs, outs)):
-        gaps = top2_gaps_from_top_logprobs(a["meta_info"]["output_top_logprobs"])
-        n = assert_tokens_match(b["output_ids"], a["output_ids"], gaps, what=f"{what} prompt {i}")
-        la = [x[0] for x in a["meta_info"]["output_token_logprobs"][:n]]
-        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"][:n]]
-        assert np.abs(np.array(la) - np.array(lb)).max() < 1e-4, what
+        assert_output_agrees(a, b, f"{what} prompt {i}")
         if "input_token_logprobs" not in b["meta_info"]:
             continue
         pa = [x for x in a["meta_info"]["input_token_logprobs"] if x is not None]

@@ -214,6 +214,17 @@ def _record(drafter, log, check_fresh):
     return lambda: vars(drafter).pop("propose")
 
 
+def _drafts_logged(eng, prompts):
+    """Generate ``prompts`` greedily; returns the ``_record`` log of the drafter's proposals."""
+    log = []
+    unwrap = _record(eng.core.speculator.drafter, log, check_fresh=False)
+    try:
+        eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    finally:
+        unwrap()
+    return log
+
+
 def _pools_whole(eng):
     sched = eng.core.scheduler
     sched.check_invariants()
@@ -317,12 +328,7 @@ def test_drafts_with_weights_where_the_draft_is_known(mtp_engine):
         enorm = np.asarray(state["mtp"]["enorm"].get_value(), np.float64)
         norm = np.asarray(state["mtp"]["norm"].get_value(), np.float64)
         bigram = np.argmax(_rms(_rms(embed, enorm, eps), norm, eps) @ head, -1)
-        log = []
-        unwrap = _record(eng.core.speculator.drafter, log, check_fresh=False)
-        try:
-            eng.generate(input_ids=_prompts(2, (15, 26)), sampling_params=GREEDY)
-        finally:
-            unwrap()
+        log = _drafts_logged(eng, _prompts(2, (15, 26)))
         assert len(log) >= 6
         for ids, drafts, _ in log:
             want = [int(bigram[ids[-1]])]
@@ -335,12 +341,7 @@ def test_drafts_with_weights_where_the_draft_is_known(mtp_engine):
         put(mtp + ("eh_proj",), np.concatenate([0 * eye, eye]))
         put(mtp + ("hnorm",), np.ones(Hd))
         put(mtp + ("norm",), np.ones(Hd))
-        log = []
-        unwrap = _record(eng.core.speculator.drafter, log, check_fresh=False)
-        try:
-            eng.generate(input_ids=_prompts(3, (15, 26)), sampling_params=GREEDY)
-        finally:
-            unwrap()
+        log = _drafts_logged(eng, _prompts(3, (15, 26)))
         assert len(log) >= 4
         assert all(drafts == [ids[-1]] * len(drafts) for ids, drafts, _ in log), log
     finally:

@@ -125,6 +125,22 @@ def pd_router(name: str, prefill: Server, bootstrap_port: int, decode: Server,
 
 
 @contextlib.contextmanager
+def prefill_decode_router(model_path: str, log_dir: str, *, decode_name: str = "decode",
+                          prefill_extra: list[str] = (), decode_extra: list[str] = (),
+                          **overrides):
+    """One prefill, one decode and a router in front of them, ``running`` for the block;
+    yields ``dict(prefill=, decode=, router=, bport=)``. ``overrides`` go to both servers."""
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model_path, log_dir, bootstrap_port=bport,
+                        extra=prefill_extra, **overrides)
+    decode = pd_server(decode_name, "decode", model_path, log_dir, extra=decode_extra,
+                       **overrides)
+    router = pd_router("router", prefill, bport, decode, log_dir)
+    with running([prefill, decode, router]):
+        yield dict(prefill=prefill, decode=decode, router=router, bport=bport)
+
+
+@contextlib.contextmanager
 def running(servers: list[Server]):
     """Wait until every server answers ``/health``, and stop them all (last started first) when
     the block ends; a server that fails to start gets every log printed."""
@@ -295,3 +311,13 @@ def greedy_agrees(ref_ids: list[int], ref_top: list, got_ids: list[int], tie: fl
         if gap < tie:
             return i + 1
     return len(ref_ids)
+
+
+def speculation_agrees(server: Server, ids: list[int], sampling_params: dict) -> tuple[dict, dict]:
+    """Generate greedy ``ids`` on ``server`` opting out of speculation, then speculating: the
+    tokens agree tie-aware (``greedy_agrees``). Returns the plain and the speculative output."""
+    ref = generate(server, ids, {**sampling_params, "speculative": False}, return_logprob=True,
+                   top_logprobs_num=2)
+    out = generate(server, ids, sampling_params)
+    greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"], out["output_ids"])
+    return ref, out

@@ -1,4 +1,4 @@
-"""Test double shared by the multi-host PD unit tests (test_ranks.py, test_decode_ranks.py)."""
+"""Test doubles shared by the multi-host PD unit tests (test_ranks.py, test_decode_ranks.py)."""
 
 import types
 
@@ -15,3 +15,14 @@ class FakeCluster:
 
     def send(self, op, **fields):
         self.sent.append((op, fields))
+
+
+class RecordingEngine:
+    """A transfer engine that writes nothing: ``batch_write`` records ``(session, copies)``
+    in ``writes``."""
+
+    def __init__(self):
+        self.writes = []
+
+    def batch_write(self, session, copies):
+        self.writes.append((session, list(copies)))

@@ -11,7 +11,7 @@ import threading
 import types
 
 import pytest
-from rank_fakes import FakeCluster
+from rank_fakes import FakeCluster, RecordingEngine
 
 from pdjax.pd.bootstrap import PrefillRankInfo
 from pdjax.pd.kv_buffers import KVBufferDesc
@@ -160,14 +160,6 @@ def test_a_decode_follower_reports_at_current_addresses_and_after_a_move():
     assert sent[0][1] == _info(1, 1)
 
 
-class _Engine:
-    def __init__(self):
-        self.writes = []
-
-    def batch_write(self, session, copies):
-        self.writes.append((session, list(copies)))
-
-
 def test_the_prefill_writes_each_decode_node_into_its_own_session():
     layout, sessions, owners = _merged()
     msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
@@ -175,7 +167,7 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
     peer = DecodePeer("d1", msg.reply_endpoint, "s0", layout, 0x5000, 4, 64, sessions, owners)
     assert [s for s, _ in peer.node_writes()] == ["s1", "s0"]      # node 0 (metadata) last
     pm = PrefillConnector.__new__(PrefillConnector)
-    pm.transfer_engine, pm.local_kv = _Engine(), types.SimpleNamespace(layout=PREFILL)
+    pm.transfer_engine, pm.local_kv = RecordingEngine(), types.SimpleNamespace(layout=PREFILL)
     worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
     worker.pd = pm
     src, dst, meta = [3, 4, 9], [7, 8, 2], [(0x7000, 0x5000, 64)]
@@ -191,7 +183,7 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
     half = len(src) * LAYERS * sum(b.bytes_per_page for b in _node(0).buffers)
     assert node_bytes == [half, half]
     # One process: one write with everything.
-    pm.transfer_engine = _Engine()
+    pm.transfer_engine = RecordingEngine()
     single = DecodePeer("d2", "tcp://d:2", "s9", KVLayout("layer_major", PREFILL.buffers),
                         0x5000, 4, 64)
     assert worker._write_nodes(single, src, dst, meta) == ([2 * half], len(build_copies(

@@ -96,16 +96,7 @@ def test_fake_failure_injection_and_validation():
 
 
 # ---------------------------------------------------------------------------------------------
-# Mooncake, two engines in this process.
-
-
-@pytest.fixture(scope="module")
-def mooncake_pair():
-    a = create_transfer_engine("mooncake", HOST)
-    b = create_transfer_engine("mooncake", HOST)
-    yield a, b
-    a.close()
-    b.close()
+# Mooncake, two engines in this process (``mooncake_pair`` in conftest.py).
 
 
 def test_mooncake_session_ids(mooncake_pair):

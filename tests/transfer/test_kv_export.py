@@ -9,13 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pdjax.transfer.engine import create_transfer_engine
 from pdjax.transfer.kv_export import (AddressChange, build_copies, changed_addresses,
                                       export_kv_layout, kv_layout_fingerprint, plan_head_slices,
                                       register_kv_layout, shard_addresses,
                                       unregister_kv_layout)
 
-HOST = "127.0.0.1"
 L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 3, 24, 4, 2, 8
 SHAPE = (L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM)
 BPP = PAGE_SIZE * HEADS * HEAD_DIM * 2                     # bf16
@@ -35,13 +33,15 @@ def _rows(x):
     return x.reshape(*x.shape[:3], -1)
 
 
-@pytest.fixture(scope="module")
-def engines():
-    a = create_transfer_engine("mooncake", HOST)
-    b = create_transfer_engine("mooncake", HOST)
-    yield a, b
-    a.close()
-    b.close()
+def _assert_pages_copied(srcs, dsts, src_pages, dst_pages):
+    """Read through jitted JAX: each ``dsts[i][:, dst_pages]`` equals ``srcs[i][:, src_pages]``
+    and every other page of ``dsts[i]`` is still zero."""
+    gather = jax.jit(lambda c, idx: c[:, idx])
+    for s, d in zip(srcs, dsts, strict=True):
+        np.testing.assert_array_equal(np.asarray(gather(d, dst_pages)),
+                                      np.asarray(gather(s, src_pages)))
+        untouched = np.setdiff1d(np.arange(d.shape[1]), dst_pages)
+        assert float(jnp.abs(d[:, untouched].astype(jnp.float32)).sum()) == 0.0
 
 
 def test_export_single_device_addresses():
@@ -149,13 +149,13 @@ def test_changed_addresses_reports_moves():
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "head_sharded"])
-def test_mooncake_writes_into_jax_arrays_and_jax_sees_them(engines, sharded):
+def test_mooncake_writes_into_jax_arrays_and_jax_sees_them(mooncake_pair, sharded):
     """Prefill KV (JAX) -> decode KV (JAX) by Mooncake, checked through jitted JAX reads.
 
     Also pins what this jax version does on CPU: a donated step keeps the buffer address, so
     a second transfer after the step lands in the step's output array.
     """
-    a, b = engines
+    a, b = mooncake_pair
     place = _head_sharded if sharded else (lambda x: x)
     src_k, src_v = place(_kv(10)), place(_kv(11))
     dst_k = place(jnp.zeros((L, 40) + SHAPE[2:], jnp.bfloat16))
@@ -171,13 +171,7 @@ def test_mooncake_writes_into_jax_arrays_and_jax_sees_them(engines, sharded):
         # runs: (3,30,2) (5,2,1) (9,3,1) (1,17,1) (20,18,1) (21,39,1) -> 6
         assert len(copies) == 6 * L * 2 * shards
         a.batch_write(b.session_id, copies)
-
-        gather = jax.jit(lambda c, idx: c[:, idx])
-        for s, d in ((src_k, dst_k), (src_v, dst_v)):
-            np.testing.assert_array_equal(np.asarray(gather(d, dst_pages)),
-                                          np.asarray(gather(s, src_pages)))
-        untouched = np.setdiff1d(np.arange(40), dst_pages)
-        assert float(jnp.abs(dst_k[:, untouched].astype(jnp.float32)).sum()) == 0.0
+        _assert_pages_copied([src_k, src_v], [dst_k, dst_v], src_pages, dst_pages)
 
         # A donated in-place step on the decode cache (writes the null page only).
         step = jax.jit(lambda c: c.at[:, 0].set(1), donate_argnums=0)
@@ -259,11 +253,11 @@ def test_export_rows_of_heads():
 
 @pytest.mark.parametrize("rows", [False, True], ids=["heads", "rows"])
 @pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2)])
-def test_mooncake_moves_head_slices_between_tp_sizes(engines, src_tp, dst_tp, rows):
+def test_mooncake_moves_head_slices_between_tp_sizes(mooncake_pair, src_tp, dst_tp, rows):
     """Prefill TP ``src_tp`` -> decode TP ``dst_tp`` by Mooncake: the decode's arrays, read
     through JAX, equal the prefill's pages; one copy per page, layer, token and head slice.
     The same with the engine's GQA rows ``[.., heads * head_dim]``."""
-    a, b = engines
+    a, b = mooncake_pair
     view = _rows if rows else (lambda x: x)
     heads = [HEADS, HEADS] if rows else None
     place = {1: view, 2: lambda x: _head_sharded(view(x))}
@@ -281,12 +275,7 @@ def test_mooncake_moves_head_slices_between_tp_sizes(engines, src_tp, dst_tp, ro
         assert len(copies) == 2 * HEADS * len(src_pages) * L * PAGE_SIZE
         assert sum(c[2] for c in copies) == 2 * len(src_pages) * L * BPP
         a.batch_write(b.session_id, copies)
-        gather = jax.jit(lambda c, idx: c[:, idx])
-        for s, d in ((src_k, dst_k), (src_v, dst_v)):
-            np.testing.assert_array_equal(np.asarray(gather(d, dst_pages)),
-                                          np.asarray(gather(s, src_pages)))
-        untouched = np.setdiff1d(np.arange(40), dst_pages)
-        assert float(jnp.abs(dst_v[:, untouched].astype(jnp.float32)).sum()) == 0.0
+        _assert_pages_copied([src_k, src_v], [dst_k, dst_v], src_pages, dst_pages)
     finally:
         unregister_kv_layout(a, src_layout)
         unregister_kv_layout(b, dst_layout)

@@ -7,8 +7,8 @@ comes back."""
 import random
 
 import pytest
-from pd_harness import (at_baseline, free_port, generate, get, greedy_agrees, metric_value,
-                        pd_router, pd_server, running, wait_until)
+from pd_harness import (at_baseline, get, metric_value, prefill_decode_router, speculation_agrees,
+                        wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -18,13 +18,10 @@ def pd(tiny_checkpoints, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("pd_draft"))
     model = tiny_checkpoints["llama"]
     spec = ["--speculative-algorithm", "draft", "--speculative-draft-model-path", model]
-    bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=spec)
-    decode = pd_server("decode_draft", "decode", model, logs,
-                       extra=spec + ["--speculative-num-draft-tokens", "4"])
-    router = pd_router("router", prefill, bport, decode, logs)
-    with running([prefill, decode, router]):
-        yield dict(prefill=prefill, decode=decode, router=router)
+    decode_extra = spec + ["--speculative-num-draft-tokens", "4"]
+    with prefill_decode_router(model, logs, decode_name="decode_draft", prefill_extra=spec,
+                               decode_extra=decode_extra) as servers:
+        yield servers
 
 
 
@@ -35,11 +32,7 @@ def test_pd_decode_drafts_with_its_own_model(pd):
     verified = 0
     for n in (24, 41, 57):
         ids = [rng.randrange(3, 440) for _ in range(n)]
-        ref = generate(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
-                   top_logprobs_num=2)
-        out = generate(pd["router"], ids, greedy)
-        greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"],
-                      out["output_ids"])
+        _, out = speculation_agrees(pd["router"], ids, greedy)
         assert len(out["output_ids"]) == 20
         verified += out["meta_info"].get("spec_verify_ct", 0)
         # 20 tokens at up to 4 a verify row: the draft kept up from the first step.

@@ -17,6 +17,7 @@ import pytest
 import zmq
 from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline, count_runs, free_port, load,
                         pd_body, pd_server, pd_state, post, running, wait_until)
+from rogue_prefill import RoguePrefill
 
 from pdjax.pd.bootstrap import BootstrapServer, PrefillRankInfo, fetch_prefill_info
 from pdjax.pd.kv_buffers import KVBufferDesc
@@ -333,38 +334,6 @@ def test_malformed_control_frames_are_dropped(cluster):
         ctx.term()
     ids, out = _serves(cluster)
     assert out == _greedy(cluster["colocated"], ids, 6)
-
-
-class RoguePrefill:
-    """The test process as a prefill server: a bootstrap server and a control channel that
-    accepts every registration and records page lists; it writes no KV."""
-
-    def __init__(self, fingerprint: str, page_size: int = PAGE_SIZE):
-        self.got: list = []
-        self.decode_endpoint = None
-        self.channel = MessageChannel("127.0.0.1", self._on_message, "rogue-prefill")
-        self.bootstrap = BootstrapServer("127.0.0.1", 0)
-        self.port = self.bootstrap.start()
-        self.bootstrap.add_rank(PrefillRankInfo(
-            rank_ip="127.0.0.1", rank_port=self.channel.port, tp_rank=0, tp_size=1,
-            page_size=page_size, kv_dtype="float32", layout_fingerprint=fingerprint))
-
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, RegisterDecode):
-            self.decode_endpoint = msg.reply_endpoint
-            self.channel.send(msg.reply_endpoint, RegisterResult(
-                decode_engine_id=msg.decode_engine_id, accepted=True))
-        self.got.append(msg)
-
-    def wait(self, kind, room, timeout_s=5.0):
-        msg = wait_until(lambda: next((m for m in self.got if isinstance(m, kind)
-                                       and m.bootstrap_room == room), None), timeout_s)
-        assert msg is not None, f"no {kind.__name__} for room {room} in {self.got}"
-        return msg
-
-    def close(self) -> None:
-        self.bootstrap.stop()
-        self.channel.close()
 
 
 def test_rogue_prefill_abort_and_the_metadata_gate(cluster):

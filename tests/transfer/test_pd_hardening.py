@@ -15,13 +15,12 @@ import pytest
 import zmq
 from pd_harness import (PAGE_SIZE, child_env, free_port, get, load, metric_value, pd_body,
                         pd_router, pd_server, pd_state, post, running, wait_until)
+from rogue_prefill import RoguePrefill
 
-from pdjax.pd.bootstrap import (BootstrapServer, PrefillRankInfo, _http, _url,
-                                fetch_prefill_info)
+from pdjax.pd.bootstrap import _http, _url, fetch_prefill_info
 from pdjax.pd.frame_auth import FrameSealer
 from pdjax.pd.kv_buffers import KVBufferDesc
-from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, RegisterDecode, RegisterResult,
-                               TransferRequest)
+from pdjax.pd.protocol import Heartbeat, RegisterDecode, TransferRequest
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.metadata import MetadataBuffers
 
@@ -111,47 +110,10 @@ def _before(hard):
     return snap
 
 
-class RoguePrefill:
-    """The test process as a prefill with the secret: it pairs, records page lists, writes no
-    KV, and acknowledges aborts only when ``ack_aborts``."""
-
-    def __init__(self, fingerprint: str):
-        self.got: list = []
-        self.ack_aborts = True
-        self.channel = MessageChannel("127.0.0.1", self._on_message, "rogue-prefill",
-                                      secret=SECRET)
-        self.bootstrap = BootstrapServer("127.0.0.1", 0, secret=SECRET)
-        self.port = self.bootstrap.start()
-        self.bootstrap.add_rank(PrefillRankInfo(
-            rank_ip="127.0.0.1", rank_port=self.channel.port, tp_rank=0, tp_size=1,
-            page_size=PAGE_SIZE, kv_dtype="float32", layout_fingerprint=fingerprint))
-        self.decode_endpoint = None
-
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, RegisterDecode):
-            self.decode_endpoint = msg.reply_endpoint
-            self.channel.send(msg.reply_endpoint, RegisterResult(
-                decode_engine_id=msg.decode_engine_id, accepted=True))
-        elif isinstance(msg, Abort) and self.ack_aborts:
-            self.channel.send(self.decode_endpoint, AbortAck(bootstrap_room=msg.bootstrap_room,
-                                                             sender_id="rogue-prefill"))
-        self.got.append(msg)
-
-    def wait(self, kind, room, timeout_s=10.0):
-        msg = wait_until(lambda: next((m for m in self.got if isinstance(m, kind)
-                                       and m.bootstrap_room == room), None), timeout_s)
-        assert msg is not None, f"no {kind.__name__} for room {room} in {self.got}"
-        return msg
-
-    def close(self) -> None:
-        self.bootstrap.stop()
-        self.channel.close()
-
-
 @pytest.fixture(scope="module")
 def rogue(hard):
     fingerprint = fetch_prefill_info("127.0.0.1", hard["bport"]).layout_fingerprint
-    r = RoguePrefill(fingerprint)
+    r = RoguePrefill(fingerprint, secret=SECRET, ack_aborts=True)
     yield r
     r.close()
 
@@ -248,7 +210,7 @@ def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
     prompt = _ids(20)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = pool.submit(post, d.url + "/generate", holder)
-        rogue.wait(TransferRequest, holder_room)
+        rogue.wait(TransferRequest, holder_room, timeout_s=10.0)
         assert load(d)["num_pinned_pages"] == 15
         (ps, pb), (ds, db) = _dispatch(hard, prompt, timeout_s=60, max_new_tokens=60,
                                        ignore_eos=True)
@@ -456,7 +418,7 @@ def test_quarantined_pages_make_a_new_request_wait(hard, rogue):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(post, d.url + "/generate",
                               dict(pd_body(_ids(100), room, rogue.port), rid="quarantine-me"))
-        rogue.wait(TransferRequest, room)
+        rogue.wait(TransferRequest, room, timeout_s=10.0)
         assert post(d.url + "/abort_request", {"rid": "quarantine-me"})[0] == 200
         status, out = pending.result(timeout=10)
     t_abort = time.monotonic()

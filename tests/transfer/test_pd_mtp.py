@@ -10,8 +10,7 @@ the hidden states arrived (without them the first verify row of each request kee
 The output is the last prompt token repeated, as without speculation (requests opting out)."""
 
 import pytest
-from pd_harness import (at_baseline, generate, get, metric_value, pd_router, pd_server,
-                        free_port, running, wait_until)
+from pd_harness import at_baseline, generate, get, metric_value, prefill_decode_router, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,9 @@ def pd(tiny_checkpoints, tmp_path_factory):
     model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
                                       str(tmp_path_factory.mktemp("pd_mtp") / "repeater"))
     logs = str(tmp_path_factory.mktemp("pd_mtp_logs"))
-    bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=SPEC,
-                        **ARGS)
-    decode = pd_server("decode_mtp", "decode", model, logs, extra=SPEC, **ARGS)
-    router = pd_router("router", prefill, bport, decode, logs)
-    with running([prefill, decode, router]):
-        yield dict(prefill=prefill, decode=decode, router=router)
+    with prefill_decode_router(model, logs, decode_name="decode_mtp", prefill_extra=SPEC,
+                               decode_extra=SPEC, **ARGS) as servers:
+        yield servers
 
 
 def test_pd_decode_drafts_from_the_prefill_servers_hidden_states(pd):

@@ -5,8 +5,7 @@ the decode server's /metrics; every page comes back."""
 import random
 
 import pytest
-from pd_harness import (at_baseline, free_port, generate, get, greedy_agrees, pd_router, pd_server,
-                        running, wait_until)
+from pd_harness import at_baseline, get, prefill_decode_router, speculation_agrees, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -14,17 +13,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def pd(tiny_checkpoints, tmp_path_factory):
     logs = str(tmp_path_factory.mktemp("pd_spec"))
-    model = tiny_checkpoints["llama"]
-    bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
-                        extra=["--speculative-algorithm", "ngram"])
-    decode = pd_server("decode_spec", "decode", model, logs,
-                       extra=["--speculative-algorithm", "ngram",
-                              "--speculative-num-draft-tokens", "4",
-                              "--speculative-ngram-min-match-window-size", "1"])
-    router = pd_router("router", prefill, bport, decode, logs)
-    with running([prefill, decode, router]):
-        yield dict(prefill=prefill, decode=decode, router=router)
+    ngram = ["--speculative-algorithm", "ngram"]
+    decode_extra = ngram + ["--speculative-num-draft-tokens", "4",
+                            "--speculative-ngram-min-match-window-size", "1"]
+    with prefill_decode_router(tiny_checkpoints["llama"], logs, decode_name="decode_spec",
+                               prefill_extra=ngram, decode_extra=decode_extra) as servers:
+        yield servers
 
 
 
@@ -37,11 +31,7 @@ def test_pd_decode_speculates_from_its_first_step(pd):
     greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 20}
     verified = 0
     for ids in prompts:
-        ref = generate(pd["router"], ids, {**greedy, "speculative": False}, return_logprob=True,
-                   top_logprobs_num=2)
-        out = generate(pd["router"], ids, greedy)
-        greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"],
-                      out["output_ids"])
+        ref, out = speculation_agrees(pd["router"], ids, greedy)
         assert len(out["output_ids"]) == 20
         assert "spec_verify_ct" not in ref["meta_info"]
         verified += out["meta_info"].get("spec_verify_ct", 0)

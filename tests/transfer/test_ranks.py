@@ -12,7 +12,7 @@ import types
 
 import numpy as np
 import pytest
-from rank_fakes import FakeCluster
+from rank_fakes import FakeCluster, RecordingEngine
 
 from pdjax.pd.bootstrap import PrefillRankInfo
 from pdjax.pd.kv_buffers import KVBufferDesc
@@ -289,14 +289,6 @@ def _prefill_node4(rank):
                                     _buf([base + 0x10000], [(2 * rank, 2)], 4)))
 
 
-class _Recorder:
-    def __init__(self):
-        self.writes = []
-
-    def batch_write(self, session, copies):
-        self.writes.append((session, list(copies)))
-
-
 def test_two_node_prefill_to_two_node_decode_partitions_by_src_and_dst_node():
     src = RankedLayout.from_ranks({0: _prefill_node4(0), 1: _prefill_node4(1)})
     dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
@@ -307,7 +299,7 @@ def test_two_node_prefill_to_two_node_decode_partitions_by_src_and_dst_node():
     whole = build_copies(src.layout, dst.layout, pages_src, pages_dst)
     parts, totals = {}, [0, 0]
     for r in (0, 1):
-        engine = _Recorder()
+        engine = RecordingEngine()
         node_bytes, n = write_nodes(engine, src.with_local(r, _prefill_node4(r)), dst.layout,
                                     writes, pages_src, pages_dst, src_shards=src.shards_of(r))
         assert [s for s, _ in engine.writes] == ["d1", "d0"]
@@ -333,7 +325,7 @@ def test_two_node_prefill_to_two_node_decode_partitions_by_src_and_dst_node():
 def test_a_follower_writes_each_decode_node_into_its_session_and_reports_per_node():
     s = _sender()
     s.local_kv = types.SimpleNamespace(layout=_prefill_node4(1), check_addresses=lambda: False)
-    s.engine = _Recorder()
+    s.engine = RecordingEngine()
     src = RankedLayout.from_ranks({0: _prefill_node4(0), 1: _prefill_node4(1)})
     dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
     peer = {"peer": 1, "session": "d0", "reply": "tcp://n0:1", "src": src.to_wire(),
@@ -359,7 +351,7 @@ def test_a_follower_writes_each_decode_node_into_its_session_and_reports_per_nod
     endpoint, done = s.channel.sent[-1]
     assert endpoint == "tcp://n0:1" and done.ok and done.job == 1
     assert [session for session, _ in s.engine.writes] == ["d1", "d0"]
-    want = write_nodes(_Recorder(), src.with_local(1, _prefill_node4(1)), dst.layout,
+    want = write_nodes(RecordingEngine(), src.with_local(1, _prefill_node4(1)), dst.layout,
                        node_shards("d0", ("d0", "d1"), dst.owners), [3, 4, 9], [7, 8, 2],
                        src_shards=src.shards_of(1))
     assert (list(done.node_bytes), done.copies) == want and done.bytes == sum(want[0])
@@ -387,7 +379,7 @@ def test_node_zero_writes_both_decode_nodes_then_the_row_into_node_zero():
     other = (100, 60)           # node 1's report: its bytes into decode node 0 and 1
     ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=True, bytes=160, copies=5,
                                 node_bytes=other))
-    engine = _Recorder()
+    engine = RecordingEngine()
     meta = [(0x7000, 0x5000, 64)]
     node_bytes, n = ranks.write(engine, "x", [3, 4], [7, 8], meta, job, 5.0)
     own = sum(len(c) for _, c in engine.writes[:-1])
@@ -399,7 +391,7 @@ def test_node_zero_writes_both_decode_nodes_then_the_row_into_node_zero():
     job = ranks.send_write("x", [3, 4], [7, 8])
     ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=True, bytes=160, copies=5,
                                 node_bytes=(160,)))
-    engine = _Recorder()
+    engine = RecordingEngine()
     with pytest.raises(TransferError, match="node 1: node_bytes names 1 decode nodes, not 2"):
         ranks.write(engine, "x", [3, 4], [7, 8], meta, job, 5.0)
     assert meta[0] not in sum((c for _, c in engine.writes), [])
