@@ -271,28 +271,7 @@ class PrefillTransferWorker(KVTransferWorker):
                     r.notified = True
             self.pd.wake()
             return
-        now = time.monotonic()
-        refused = None
-        with self.pd.lock:
-            r = self.pd.rooms.get(msg.bootstrap_room)
-            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
-                # This server already failed the room (refused its request, a prompt mismatch,
-                # an abort): the decode hears why at once instead of waiting out a timeout.
-                duplicate, refused = False, r
-                if r.peer_id is None:
-                    r.peer_id, r.notified = msg.decode_engine_id, True
-            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
-                duplicate = True
-            else:
-                duplicate = False
-                r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
-                                               PrefillRoom(msg.bootstrap_room, now, state_s=now))
-                r.peer_id = msg.decode_engine_id
-                r.dst_pages = dst
-                r.dst_slot = msg.dst_metadata_slot
-                r.decode_prefix_len = msg.decode_prefix_len
-                r.prompt_len = msg.prompt_len
-                r.prompt_digest = msg.prompt_digest
+        duplicate, refused, r = self._bind(msg, dst)
         if refused is not None:
             self.pd.send(peer.reply_endpoint, TransferStatus(
                 bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
@@ -309,6 +288,35 @@ class PrefillTransferWorker(KVTransferWorker):
                 status_code=ROOM_CONFLICT_STATUS))
             return
         self.pd.wake()
+
+    def _bind(self, msg: TransferRequest, dst: np.ndarray):
+        """Give the room of a checked ``TransferRequest`` its destination, unless the room
+        already has one (``duplicate``) or this server failed it (``refused``: the room).
+        Returns ``(duplicate, refused, room)``."""
+        now = time.monotonic()
+        refused = None
+        with self.pd.lock:
+            r = self.pd.rooms.get(msg.bootstrap_room)
+            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
+                # This server already failed the room (refused its request, a prompt mismatch,
+                # an abort, a completed transfer's tombstone): the decode hears why at once
+                # instead of waiting out a timeout.
+                duplicate, refused = False, r
+                if r.peer_id is None:
+                    r.peer_id, r.notified = msg.decode_engine_id, True
+            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+                duplicate = True
+            else:
+                duplicate = False
+                r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
+                                                  PrefillRoom(msg.bootstrap_room, now, state_s=now))
+                r.peer_id = msg.decode_engine_id
+                r.dst_pages = dst
+                r.dst_slot = msg.dst_metadata_slot
+                r.decode_prefix_len = msg.decode_prefix_len
+                r.prompt_len = msg.prompt_len
+                r.prompt_digest = msg.prompt_digest
+        return duplicate, refused, r
 
     def _on_abort(self, msg: Abort) -> None:
         with self.pd.lock:
