@@ -42,24 +42,45 @@ class Engine:
     def generate(self, prompt=None, sampling_params=None, input_ids=None,
                  return_logprob: bool = False, logprob_start_len: int | None = None,
                  top_logprobs_num: int = 0):
+        """Generate for one prompt or a batch, SGLang's offline ``Engine.generate``.
+
+        ``prompt``: a string or a list of strings; or ``input_ids``: a list of token ids or a
+        list of such lists (not both). ``sampling_params``: one dict (SGLang's names) or one
+        per prompt. Returns one dict (``text``, ``output_ids``, ``meta_info``) for a single
+        prompt and one sample, else a list: every sample of prompt 0, then of prompt 1, ...
+        Raises ``ValueError`` naming the field for a bad prompt or parameter; a refused
+        prompt of a batch takes the batch's queued requests with it."""
+        single, ids_list = self._prompt_ids(prompt, input_ids)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
+        if len(sps) != len(ids_list):
+            raise ValueError("sampling_params: list length differs from the number of prompts")
+        accs = self._submit(ids_list, sps, return_logprob, logprob_start_len, top_logprobs_num)
+        self._run_until_done(accs)
+        results = [self._result(acc.result, return_logprob) for acc in accs.values()]
+        return results[0] if single and len(results) == 1 else results
+
+    def _prompt_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
+        """``(single, token ids of each prompt)``; texts are tokenized here."""
         single = isinstance(prompt, str) or (input_ids is not None and input_ids
                                              and isinstance(input_ids[0], int))
         if prompt is not None and input_ids is not None:
             raise ValueError("pass either prompt or input_ids, not both")
-        if input_ids is None:
-            if prompt is None:
-                raise ValueError("prompt: no prompt given")
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            ids_list = [self.tokenizer.encode(p) for p in prompts]
-            for i, ids in enumerate(ids_list):
-                if not ids:
-                    which = "prompt" if single else f"prompt[{i}]"
-                    raise ValueError(f"{which}: the text {prompts[i]!r} gives no tokens")
-        else:
-            ids_list = [input_ids] if single else list(input_ids)
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(ids_list)
-        if len(sps) != len(ids_list):
-            raise ValueError("sampling_params: list length differs from the number of prompts")
+        if input_ids is not None:
+            return single, [input_ids] if single else list(input_ids)
+        if prompt is None:
+            raise ValueError("prompt: no prompt given")
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        ids_list = [self.tokenizer.encode(p) for p in prompts]
+        for i, ids in enumerate(ids_list):
+            if not ids:
+                which = "prompt" if single else f"prompt[{i}]"
+                raise ValueError(f"{which}: the text {prompts[i]!r} gives no tokens")
+        return single, ids_list
+
+    def _submit(self, ids_list, sps, return_logprob, logprob_start_len, top_logprobs_num
+                ) -> dict[str, OutputAccumulator]:
+        """Add one engine request per sample (``n`` per prompt; sample k of a seeded prompt
+        gets seed + k); returns rid -> its accumulator, in submission order."""
         core = self.core
         accs: dict[str, OutputAccumulator] = {}
         try:
@@ -81,6 +102,12 @@ class Engine:
             for rid in accs:        # a bad prompt of a batch: the ones queued before it go too
                 core.abort_request(rid, "another prompt of the batch was refused")
             raise
+        return accs
+
+    def _run_until_done(self, accs: dict[str, OutputAccumulator]) -> None:
+        """Step the engine until every request of ``accs`` finished (a stop string aborts its
+        request); a failed step aborts them all and re-raises."""
+        core = self.core
         pending = set(accs)
         try:
             while pending:
@@ -98,8 +125,6 @@ class Engine:
             core.scheduler.evict_unlocked()
             raise
         core.drain()      # the step in flight holds only rows of finished requests
-        results = [self._result(acc.result, return_logprob) for acc in accs.values()]
-        return results[0] if single and len(results) == 1 else results
 
     @staticmethod
     def _result(r: RequestOutput, return_logprob: bool) -> dict:
