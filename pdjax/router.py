@@ -383,28 +383,9 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             p_status, p_raw, _ = _result(p_task)
             if p_status == 200:
                 prefill_obj = _first_sse_json(p_raw)
-        resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-        await resp.prepare(request)
-        try:
-            async for line in d_resp.content:
-                if prefill_obj is not None and line.startswith(b"data: ") \
-                        and line.strip() != b"data: [DONE]":
-                    with contextlib.suppress(ValueError):
-                        obj = _merge_input_logprobs(json.loads(line[6:]), prefill_obj)
-                        line = b"data: " + json.dumps(obj).encode() + b"\n"
-                await resp.write(line)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-            # The decode went away mid-stream: the client gets an error event, never a
-            # stream that just stops.
-            router.num_errors += 1
-            router.mark_down(router.decode_pool, d_i)
-            err = error_body(f"decode server {d_url} failed mid-stream: "
-                             f"{type(e).__name__}: {e}", 502, None, "router_error")
-            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
-            await resp.write_eof()
-            return resp
-        await resp.write_eof()
-        router.let_finish(p_task)       # the decode streamed to the end: see _generate
+        resp, complete = await _relay_sse(request, router, d_resp, d_i, prefill_obj)
+        if complete:
+            router.let_finish(p_task)       # the decode streamed to the end: see _generate
         return resp
     finally:
         await _cancel(d_open)
@@ -414,6 +395,35 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             d_resp.release()
         if p_task not in router._finishing:
             await _cancel(p_task)
+
+
+async def _relay_sse(request: web.Request, router: PDRouter, d_resp: aiohttp.ClientResponse,
+                     d_i: int, prefill_obj: dict | None) -> tuple[web.StreamResponse, bool]:
+    """Stream the decode's SSE events to the client, each with the prefill's input logprobs
+    merged in when ``prefill_obj`` is given. Returns ``(response, whether the decode streamed
+    to the end)``; a decode that goes away mid-stream is marked down and the client gets an
+    error event, never a stream that just stops."""
+    d_url = router.decodes[d_i] + request.path
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        async for line in d_resp.content:
+            if prefill_obj is not None and line.startswith(b"data: ") \
+                    and line.strip() != b"data: [DONE]":
+                with contextlib.suppress(ValueError):
+                    obj = _merge_input_logprobs(json.loads(line[6:]), prefill_obj)
+                    line = b"data: " + json.dumps(obj).encode() + b"\n"
+            await resp.write(line)
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        router.num_errors += 1
+        router.mark_down(router.decode_pool, d_i)
+        err = error_body(f"decode server {d_url} failed mid-stream: "
+                         f"{type(e).__name__}: {e}", 502, None, "router_error")
+        await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+        await resp.write_eof()
+        return resp, False
+    await resp.write_eof()
+    return resp, True
 
 
 async def _get_json(router: PDRouter, url: str, timeout_s: float = 5.0) -> tuple[int, Any]:
