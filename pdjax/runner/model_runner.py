@@ -400,13 +400,13 @@ class ModelRunner:
                     info.shape, info.dtype, sharding=sharding),
                     compiled.out_info, compiled.output_shardings)
                 if key.entry == "extend":
-                    # The prompt-logprobs jit for this token count, called once on a hidden of
-                    # the forward's own output sharding so the request path hits its cache.
+                    # The prompt-logprobs jit for this token count, called as the request path
+                    # calls it (host index arrays included: each shape stages through a jit of
+                    # its own) on a hidden of the forward's own output sharding, so the request
+                    # path hits every cache.
                     info = outs[1]
                     hidden = jax.device_put(jnp.zeros(info.shape, info.dtype), info.sharding)
-                    jax.block_until_ready(self.jits.prompt_logprobs(
-                        self.graphdef, self.state, hidden, jnp.zeros(key.num_tokens, jnp.int32),
-                        jnp.zeros(key.num_tokens, jnp.int32), jnp.asarray(True)))
+                    jax.block_until_ready(self.prompt_logprobs_at(hidden, [0], [0], want_top=True))
                 resample_key = ("resample", key.entry, self.logits_rows(key))
                 if split_sampling and resample_key not in self._compiled:
                     self._compiled[resample_key] = self._compile(
