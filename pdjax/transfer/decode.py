@@ -429,17 +429,9 @@ class DecodeConnector(RoleManager):
         return len(self.rooms) + len(self.quarantine)
 
     def queue_sizes(self) -> dict[str, int]:
-        with self.lock:
-            rooms = list(self.rooms.values())
-        count = {"bootstrap": 0, "prealloc": 0, "transfer": 0}
-        for r in rooms:
-            if r.state == KVPoll.Bootstrapping:
-                count["bootstrap"] += 1
-            elif r.state == KVPoll.WaitingForInput:
-                count["prealloc"] += 1
-            elif r.state == KVPoll.Transferring:
-                count["transfer"] += 1
-        return count
+        return self.count_rooms({KVPoll.Bootstrapping: "bootstrap",
+                                 KVPoll.WaitingForInput: "prealloc",
+                                 KVPoll.Transferring: "transfer"})
 
     def load(self) -> dict[str, Any]:
         q = self.queue_sizes()

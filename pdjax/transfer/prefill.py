@@ -375,16 +375,9 @@ class PrefillConnector(RoleManager):
         return len(self.rooms)
 
     def queue_sizes(self) -> dict[str, int]:
-        with self.lock:
-            rooms = list(self.rooms.values())
-        count = {"bootstrap": 0, "waiting": 0, "inflight": 0}
-        for r in rooms:
-            if r.state == KVPoll.Bootstrapping:
-                count["bootstrap"] += 1
-            elif r.state == KVPoll.WaitingForInput:
-                count["waiting"] += 1
-            elif r.state == KVPoll.Transferring:
-                count["inflight"] += 1
+        count = self.count_rooms({KVPoll.Bootstrapping: "bootstrap",
+                                  KVPoll.WaitingForInput: "waiting",
+                                  KVPoll.Transferring: "inflight"})
         count["held"] = len(self.scheduler.held)
         return count
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from pdjax.engine_io import GenerateOutput
 from pdjax.engine_roles import RoleHost
 from pdjax.pd.frame_auth import resolve_secret
+from pdjax.pd.lifecycle import KVPoll
 from pdjax.pd.protocol import Message
 from pdjax.pd.wire import MAX_ROOM
 from pdjax.request import FinishReason
@@ -159,6 +160,18 @@ class RoleManager(abc.ABC):
     def slots_in_use(self) -> int:
         """Metadata slots handed out (a finished server is back at 0)."""
         return self.meta.num_slots - self.meta.num_free
+
+    def count_rooms(self, names: dict[KVPoll, str]) -> dict[str, int]:
+        """How many of ``self.rooms`` (a subclass's ``room -> room record`` dict, each with a
+        ``state``) are in each state that ``names`` maps to a queue name; every name is a key
+        of the result, in the order of ``names`` (0 when no room is in its state)."""
+        with self.lock:
+            states = [r.state for r in self.rooms.values()]
+        count = dict.fromkeys(names.values(), 0)
+        for state in states:
+            if state in names:
+                count[names[state]] += 1
+        return count
 
     def baseline_load(self) -> dict[str, int]:
         """The counters every fault must leave at their baseline (``/get_load``)."""
