@@ -36,6 +36,23 @@ def check_positive_ints(obj, names) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+def check_rope_type(rope_scaling: tuple | None, allowed: tuple[str, ...]) -> None:
+    """``ValueError`` unless the ``rope_type`` of ``rope_scaling`` (sorted ``(key, value)``
+    pairs; ``None`` or no ``rope_type`` is ``"default"``) is one of ``allowed``."""
+    rope_type = dict(rope_scaling or ()).get("rope_type", "default")
+    if rope_type not in allowed:
+        raise ValueError(f"rope_scaling.rope_type must be one of {allowed}, got {rope_type!r}")
+
+
+def hf_architecture(cfg: dict[str, Any], source: str) -> str:
+    """The first of ``architectures`` in a transformers ``config.json`` dict; ``ValueError``
+    naming ``source`` when the list is missing or empty."""
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{source}: missing 'architectures'")
+    return archs[0]
+
+
 def read_hf_config(path: str) -> dict[str, Any]:
     """``config.json`` of a checkpoint folder as a dict; raises ``ValueError`` when missing or
     malformed."""
@@ -116,10 +133,7 @@ class ModelConfig:
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
-        if self.rope_scaling is not None:
-            rope_type = dict(self.rope_scaling).get("rope_type", "default")
-            if rope_type not in ROPE_TYPES:
-                raise ValueError(f"rope_scaling.rope_type must be one of {ROPE_TYPES}, got {rope_type!r}")
+        check_rope_type(self.rope_scaling, ROPE_TYPES)
 
     @property
     def rope_params(self) -> dict[str, Any]:
@@ -128,10 +142,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from a transformers ``config.json`` dict (transformers 4 or 5 field names)."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError(f"{source}: missing 'architectures'")
-        arch = archs[0]
+        arch = hf_architecture(cfg, source)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])

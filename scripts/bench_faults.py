@@ -37,40 +37,31 @@ import dataclasses
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "transfer"))
 
 from bench_common import machine_info, now_iso, summarize_ms, write_json  # noqa: E402
+# The tests' PD servers, in their tiny configuration (TINY_ARGS): shared compiled executables.
+from pd_harness import TINY_ARGS, Server, child_env, pd_server  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The tests' tiny configuration (tests/transfer/pd_harness.py): shared compiled executables.
-TINY_ARGS = dict(page_size=4, max_total_tokens=2048, chunked_prefill_size=32,
-                 max_running_requests=8, context_length=256)
 SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]},
                                            "ok": {"type": "boolean"}},
           "required": ["unit", "ok"], "additionalProperties": False}
 LEAK_KEYS = ("num_pinned_pages", "num_pd_rooms", "num_metadata_slots_used",
              "num_quarantined_pages", "num_held_reqs", "num_bound_rooms", "num_running_reqs")
 TIE = 1e-3
+STARTUP_TIMEOUT_S = 600.0       # a server's start (or restart) until /health answers 200
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # ---------------------------------------------------------------------------------------------
-# Servers
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", OMP_NUM_THREADS="1",
-               JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"), PYTHONPATH=ROOT,
-               TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return env
-
+# HTTP
 
 def http_get(url: str, timeout_s: float = 5.0) -> tuple[int, object]:
     """``(status, JSON body or None)``; status 0 when the server cannot be reached."""
@@ -97,64 +88,6 @@ def http_post(url: str, body: dict, timeout_s: float = 30.0) -> tuple[int, objec
         return e.code, None
     except (OSError, ValueError):
         return 0, None
-
-
-@dataclasses.dataclass
-class Server:
-    """One child process (``python -m pdjax.serve`` or the router) with its log file."""
-
-    name: str
-    argv: list[str]
-    port: int
-    log_dir: str
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        with open(os.path.join(self.log_dir, f"{self.name}.log"), "ab") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
-                                         env=child_env(), cwd=ROOT, start_new_session=True)
-
-    def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see "
-                                   f"{self.log_dir}/{self.name}.log")
-            if http_get(self.url + "/health", 2)[0] == 200:
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.name} not healthy within {timeout_s} s")
-
-    def kill9(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def pd_server(name: str, role: str, model: str, log_dir: str, extra: list[str] = ()) -> Server:
-    from pdjax.ports import free_port
-
-    port = free_port()
-    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model,
-            "--host", "127.0.0.1", "--port", str(port), "--skip-warmup-progress",
-            "--num-reserved-decode-tokens", "16"]
-    for k, v in TINY_ARGS.items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
-    return Server(name, argv + list(extra), port, log_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,21 +345,25 @@ def main(argv=None) -> int:
     from pdjax.ports import free_port
 
     bports = [free_port(), free_port()]
-    prefills = [pd_server(f"prefill{i}", "prefill", model, log_dir,
-                          ["--disaggregation-bootstrap-port", str(bports[i])]) for i in range(2)]
-    decodes = [pd_server(f"decode{i}", "decode", model, log_dir) for i in range(2)]
-    rport = free_port()
-    router = Server("router", [sys.executable, "-m", "pdjax.router",
-                               *sum((["--prefill", s.url, str(b)] for s, b in
-                                     zip(prefills, bports)), []),
-                               *sum((["--decode", s.url] for s in decodes), []),
-                               "--host", "127.0.0.1", "--port", str(rport)], rport, log_dir)
-    servers = prefills + decodes
+    env = child_env(JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    servers: list[Server] = []          # started (a Server starts when made): prefills, decodes
+    router: Server | None = None
     try:
+        for i in range(2):
+            servers.append(pd_server(f"prefill{i}", "prefill", model, log_dir,
+                                     bootstrap_port=bports[i], env=env))
+        for i in range(2):
+            servers.append(pd_server(f"decode{i}", "decode", model, log_dir, env=env))
+        prefills, decodes = servers[:2], servers[2:]
+        rport = free_port()
+        router = Server("router", [sys.executable, "-m", "pdjax.router",
+                                   *sum((["--prefill", s.url, str(b)] for s, b in
+                                         zip(prefills, bports)), []),
+                                   *sum((["--decode", s.url] for s in decodes), []),
+                                   "--host", "127.0.0.1", "--port", str(rport)],
+                        rport, log_dir, env)
         for s in servers + [router]:
-            s.start()
-        for s in servers + [router]:
-            s.wait_healthy()
+            s.wait_healthy(STARTUP_TIMEOUT_S)
         print(f"servers up (logs in {log_dir})", flush=True)
 
         async def faults(done, open_gate):
@@ -445,14 +382,14 @@ def main(argv=None) -> int:
                 t_kill, killed_after = time.perf_counter(), done[0]
                 kill_mono = time.monotonic()
                 for s in victims:
-                    s.kill9()
+                    s.kill()
                 print(f"round {r + 1}: killed {[s.name for s in victims]} after {done[0]} "
                       f"requests", flush=True)
                 await asyncio.sleep(args.down_s)
                 for s in victims:
                     s.start()
                 for s in victims:
-                    await asyncio.to_thread(s.wait_healthy)
+                    await asyncio.to_thread(s.wait_healthy, STARTUP_TIMEOUT_S)
                 log.append({"round": r + 1, "killed_after_requests": killed_after,
                             "restarted_after_requests": done[0],
                             "down_s": time.perf_counter() - t_kill, "kill_mono": kill_mono})
@@ -473,7 +410,7 @@ def main(argv=None) -> int:
         after = http_post(router.url + "/generate",
                           {"input_ids": jobs[0].ids, "sampling_params": sampling(jobs[0])})[0]
     finally:
-        for s in [router] + servers[::-1]:
+        for s in ([router] if router is not None else []) + servers[::-1]:
             s.stop()
 
     counts = {k: sum(j.outcome == k for j in jobs) for k in ("ok", "failed", "lost", "not_sent")}

@@ -19,7 +19,8 @@ import dataclasses
 import os
 from typing import Any
 
-from pdjax.config import check_positive_ints, hf_common_fields, read_hf_config
+from pdjax.config import (check_positive_ints, check_rope_type, hf_architecture,
+                          hf_common_fields, read_hf_config)
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 INDEXER_TYPES = ("none", "full", "shared")
@@ -124,9 +125,7 @@ class DeepseekConfig:
                                  "'shared' layer reuses the previous full layer's top-k)")
             if "none" in self.indexer_types:
                 raise ValueError("indexer_types: mixing 'none' with indexed layers is not supported")
-        rope_type = self.rope_params.get("rope_type", "default")
-        if rope_type not in _ROPE_TYPES:
-            raise ValueError(f"rope_scaling.rope_type must be one of {_ROPE_TYPES}, got {rope_type!r}")
+        check_rope_type(self.rope_scaling, _ROPE_TYPES)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -184,10 +183,7 @@ class DeepseekConfig:
         """Build from a transformers ``config.json`` dict (``rope_parameters`` of transformers 5
         or the legacy ``rope_theta`` + ``rope_scaling``). Raises ``ValueError`` naming a
         missing or bad field."""
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError(f"{source}: missing 'architectures'")
-        arch = archs[0]
+        arch = hf_architecture(cfg, source)
         try:
             num_layers = int(cfg["num_hidden_layers"])
             mlp_types = cfg.get("mlp_layer_types")

@@ -41,7 +41,7 @@ from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
 from pdjax.spec.drafter import register_drafter
 from pdjax.spec.own_pages import (OwnPoolDrafter, cdiv, chain_drafts, common_prefix,
-                                  read_token, truncate_pages)
+                                  feed_in_chunks, read_token, truncate_pages)
 
 
 @dataclasses.dataclass
@@ -159,33 +159,18 @@ class DraftModelDrafter(OwnPoolDrafter):
         """Feed each ``(index, state, all_ids)`` its tokens past ``state.ids`` (pages
         reserved), one chunk per request per extend forward (a request's chunks run in order,
         in successive forwards); where each one's first draft lies (``_run``)."""
-        first: list = [None] * len(live)
-        pending = list(range(len(live)))        # requests with tokens left to feed
-        max_tokens = self.buckets.token_buckets[-1]
-        while pending:
-            batch, later, budget = [], [], max_tokens
-            for n in pending:
+        def extend(chunks: list[tuple[int, int]]) -> list[tuple]:
+            rows = []
+            for n, size in chunks:
                 _, st, ids = live[n]
-                size = min(len(ids) - len(st.ids), self.chunk_size, budget)
-                if size <= 0 or len(batch) == self.buckets.max_rows:
-                    later.append(n)
-                else:
-                    batch.append((n, BatchRow(ids[len(st.ids):len(st.ids) + size],
-                                              len(st.ids), st.pages)))
-                    budget -= size
-            # decode-length rows first, then full chunks, then the rest (build_flat_batch)
-            batch.sort(key=lambda e: (len(e[1].input_ids) != 1,
-                                      len(e[1].input_ids) != self.chunk_size))
-            srcs = self._run("prefill_chunk", [row for _, row in batch])
-            for (n, row), src in zip(batch, srcs):
-                _, st, ids = live[n]
-                st.ids.extend(row.input_ids)
-                if len(st.ids) == len(ids):
-                    first[n] = src
-                else:
-                    later.append(n)
-            pending = sorted(later)
-        return first
+                rows.append(BatchRow(ids[len(st.ids):len(st.ids) + size], len(st.ids), st.pages))
+            srcs = self._run("prefill_chunk", rows)
+            for (n, _), row in zip(chunks, rows):
+                live[n][1].ids.extend(row.input_ids)
+            return srcs
+
+        return feed_in_chunks([len(ids) - len(st.ids) for _, st, ids in live], self.chunk_size,
+                              self.buckets.max_rows, self.buckets.token_buckets[-1], extend)
 
     def _decode(self, rows: list) -> list[tuple]:
         """One decode forward of ``(state, position, src)`` rows (pages reserved): the token

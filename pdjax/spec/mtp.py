@@ -43,7 +43,7 @@ from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
 from pdjax.spec.drafter import register_drafter
 from pdjax.spec.own_pages import (OwnPoolDrafter, cdiv, chain_drafts, common_prefix,
-                                  truncate_pages)
+                                  feed_in_chunks, truncate_pages)
 
 
 @dataclasses.dataclass
@@ -145,36 +145,22 @@ class MTPDrafter(OwnPoolDrafter):
         """Catch each ``(index, state, all_ids, target pages)`` up to position
         ``len(all_ids) - 2`` (pages reserved), one chunk per request per extend forward;
         where each one's first draft lies (``_run``)."""
-        first: list = [None] * len(live)
-        pending = list(range(len(live)))
-        max_tokens = self.buckets.token_buckets[-1]
-        while pending:
-            batch, later, budget = [], [], max_tokens
-            for n in pending:
+        def extend(chunks: list[tuple[int, int]]) -> list[tuple]:
+            rows, slots = [], []
+            for n, size in chunks:
+                _, st, ids, target_pages = live[n]
+                # Position p carries the token at p + 1.
+                rows.append(BatchRow(ids[st.fed + 1:st.fed + 1 + size], st.fed, st.pages))
+                slots += self._slots(target_pages, st.fed, size)
+            srcs = self._run("prefill_chunk", rows, slots)
+            for n, size in chunks:
                 _, st, ids, _ = live[n]
-                size = min(len(ids) - 1 - st.fed, self.chunk_size, budget)
-                if size <= 0 or len(batch) == self.buckets.max_rows:
-                    later.append(n)
-                else:
-                    # Position p carries the token at p + 1.
-                    batch.append((n, BatchRow(ids[st.fed + 1:st.fed + 1 + size], st.fed,
-                                              st.pages)))
-                    budget -= size
-            batch.sort(key=lambda e: (len(e[1].input_ids) != 1,
-                                      len(e[1].input_ids) != self.chunk_size))
-            slots = [s for n, row in batch
-                     for s in self._slots(live[n][3], row.start_pos, len(row.input_ids))]
-            srcs = self._run("prefill_chunk", [row for _, row in batch], slots)
-            for (n, row), src in zip(batch, srcs):
-                _, st, ids, _ = live[n]
-                st.fed += len(row.input_ids)
+                st.fed += size
                 st.ids = ids[:st.fed + 1]
-                if st.fed == len(ids) - 1:
-                    first[n] = src
-                else:
-                    later.append(n)
-            pending = sorted(later)
-        return first
+            return srcs
+
+        return feed_in_chunks([len(ids) - 1 - st.fed for _, st, ids, _ in live], self.chunk_size,
+                              self.buckets.max_rows, self.buckets.token_buckets[-1], extend)
 
     def _decode(self, rows: list) -> list[tuple]:
         """Decode forwards of ``(state, position, src)`` rows: the token and hidden at ``src``

@@ -1,8 +1,8 @@
 """What the drafters that keep KV of their own share (``draft_model.py``: a separate draft
 model; ``mtp.py``: the target's MTP layer): each request's page list in the drafter's own pool,
 grown before a forward and cut back when the target rejected drafts (DESIGN.md §3,
-"Speculative decoding"), and the chain of their draft forwards, whose tokens stay on the
-device until one read at the end.
+"Speculative decoding"), the chunked extend forwards that catch a request up, and the chain of
+their draft forwards, whose tokens stay on the device until one read at the end.
 
 A request's pages cover its positions ``0 .. n-1`` (``ceil(n / page_size)`` pages); rolling
 back to ``n`` positions moves a counter and frees only the whole pages past it, the slots of
@@ -63,6 +63,42 @@ def read_token(host: dict, src: tuple) -> int:
     if got is None:
         got = host[id(tokens)] = np.asarray(tokens)
     return int(got[row])
+
+
+def feed_in_chunks(num_left: list[int], chunk_size: int, max_rows: int, max_tokens: int,
+                   extend: Callable[[list[tuple[int, int]]], list]) -> list:
+    """Feed each request the tokens it has left, in extend forwards of chunks; where each
+    request's first draft lies.
+
+    ``num_left[n]`` (tokens, each >= 1): what request ``n`` still has to feed. A forward takes
+    at most one chunk per request (its chunks run in order, in successive forwards), at most
+    ``chunk_size`` tokens each, ``max_rows`` chunks and ``max_tokens`` tokens in all.
+    ``extend(chunks)``: one extend forward of ``chunks``, ``(n, size)`` pairs ordered as
+    ``build_flat_batch`` wants (decode-length chunks first, then full ones, then the rest),
+    feeding request ``n`` its next ``size`` tokens; returns per chunk where the output of its
+    last token lies. Returns that of each request's last chunk, in request order.
+    """
+    left = list(num_left)
+    first: list = [None] * len(left)
+    pending = list(range(len(left)))        # requests with tokens left to feed
+    while pending:
+        chunks, later, budget = [], [], max_tokens
+        for n in pending:
+            size = min(left[n], chunk_size, budget)
+            if size <= 0 or len(chunks) == max_rows:
+                later.append(n)
+            else:
+                chunks.append((n, size))
+                budget -= size
+        chunks.sort(key=lambda c: (c[1] != 1, c[1] != chunk_size))
+        for (n, size), src in zip(chunks, extend(chunks)):
+            left[n] -= size
+            if left[n] == 0:
+                first[n] = src
+            else:
+                later.append(n)
+        pending = sorted(later)
+    return first
 
 
 def chain_drafts(first: list, num_drafts: list[int],

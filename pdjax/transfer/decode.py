@@ -111,11 +111,7 @@ class DecodeConnector(RoleManager):
             if not isinstance(g.bootstrap_host, str) or not g.bootstrap_host:
                 raise ValueError("bootstrap_host: required on a decode server (the prefill "
                                  "server's host)")
-        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
-                             f"context length {self.scheduler.max_request_tokens}")
-        if req.rid in self.rooms or req.rid in self.scheduler.requests:
-            raise ValueError(f"rid {req.rid!r} is already in use")
+        self._check_new_request(req, self.rooms)
         now = time.monotonic()
         peer_key = None
         with self.lock:
@@ -204,12 +200,6 @@ class DecodeConnector(RoleManager):
                     del self.peers[key]      # the next request bootstraps again
         self.update_gauges()
         return outputs
-
-    def _set_state(self, r: DecodeRoom, state: KVPoll, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        new = KVPoll.transition(r.state, state)
-        self.metrics.on_state(r.state.name, now - r.state_s)
-        r.state, r.state_s = new, now
 
     def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
                   now: float) -> tuple[bool, GenerateOutput | None]:
@@ -429,17 +419,9 @@ class DecodeConnector(RoleManager):
         return len(self.rooms) + len(self.quarantine)
 
     def queue_sizes(self) -> dict[str, int]:
-        with self.lock:
-            rooms = list(self.rooms.values())
-        count = {"bootstrap": 0, "prealloc": 0, "transfer": 0}
-        for r in rooms:
-            if r.state == KVPoll.Bootstrapping:
-                count["bootstrap"] += 1
-            elif r.state == KVPoll.WaitingForInput:
-                count["prealloc"] += 1
-            elif r.state == KVPoll.Transferring:
-                count["transfer"] += 1
-        return count
+        return self.count_rooms({KVPoll.Bootstrapping: "bootstrap",
+                                 KVPoll.WaitingForInput: "prealloc",
+                                 KVPoll.Transferring: "transfer"})
 
     def load(self) -> dict[str, Any]:
         q = self.queue_sizes()

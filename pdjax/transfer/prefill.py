@@ -99,12 +99,8 @@ class PrefillConnector(RoleManager):
         if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             return False
         room = check_room(g.bootstrap_room, self.role)
-        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
-            # Raised to the caller, whose ``on_rejected`` tells the decode.
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
-                             f"context length {self.scheduler.max_request_tokens}")
-        if req.rid in self.rooms_by_rid or req.rid in self.scheduler.requests:
-            raise ValueError(f"rid {req.rid!r} is already in use")
+        # Raised to the caller, whose ``on_rejected`` tells the decode.
+        self._check_new_request(req, self.rooms_by_rid)
         now = time.monotonic()
         with self.lock:
             r = self.rooms.get(room)
@@ -180,12 +176,6 @@ class PrefillConnector(RoleManager):
                 outputs.append(out)
         self.update_gauges()
         return outputs
-
-    def _set_state(self, r: PrefillRoom, state: KVPoll, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        new = KVPoll.transition(r.state, state)
-        self.metrics.on_state(r.state.name, now - r.state_s)
-        r.state, r.state_s = new, now
 
     def _try_start(self, r: PrefillRoom, now: float) -> None:
         """Bootstrapping -> WaitingForInput once both the request and its destination are here."""
@@ -375,16 +365,9 @@ class PrefillConnector(RoleManager):
         return len(self.rooms)
 
     def queue_sizes(self) -> dict[str, int]:
-        with self.lock:
-            rooms = list(self.rooms.values())
-        count = {"bootstrap": 0, "waiting": 0, "inflight": 0}
-        for r in rooms:
-            if r.state == KVPoll.Bootstrapping:
-                count["bootstrap"] += 1
-            elif r.state == KVPoll.WaitingForInput:
-                count["waiting"] += 1
-            elif r.state == KVPoll.Transferring:
-                count["inflight"] += 1
+        count = self.count_rooms({KVPoll.Bootstrapping: "bootstrap",
+                                  KVPoll.WaitingForInput: "waiting",
+                                  KVPoll.Transferring: "inflight"})
         count["held"] = len(self.scheduler.held)
         return count
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from pdjax.engine_io import GenerateOutput
 from pdjax.engine_roles import RoleHost
 from pdjax.pd.frame_auth import resolve_secret
+from pdjax.pd.lifecycle import KVPoll
 from pdjax.pd.protocol import Message
 from pdjax.pd.wire import MAX_ROOM
 from pdjax.request import FinishReason
@@ -159,6 +160,37 @@ class RoleManager(abc.ABC):
     def slots_in_use(self) -> int:
         """Metadata slots handed out (a finished server is back at 0)."""
         return self.meta.num_slots - self.meta.num_free
+
+    def count_rooms(self, names: dict[KVPoll, str]) -> dict[str, int]:
+        """How many of ``self.rooms`` (a subclass's dict of room records, each with a
+        ``state``) are in each state that ``names`` maps to a queue name; every name is a key
+        of the result, in the order of ``names`` (0 when no room is in its state)."""
+        with self.lock:
+            states = [r.state for r in self.rooms.values()]
+        count = dict.fromkeys(names.values(), 0)
+        for state in states:
+            if state in names:
+                count[names[state]] += 1
+        return count
+
+    def _check_new_request(self, req, room_rids) -> None:
+        """``ValueError`` when the prompt of ``req`` (a ``Request``) is at or over the context
+        length, or its rid is in ``room_rids`` (the rids of this role's rooms) or already
+        known to the scheduler."""
+        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
+            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
+                             f"context length {self.scheduler.max_request_tokens}")
+        if req.rid in room_rids or req.rid in self.scheduler.requests:
+            raise ValueError(f"rid {req.rid!r} is already in use")
+
+    def _set_state(self, r, state: KVPoll, now: float | None = None) -> None:
+        """Move room ``r`` (with ``state`` and ``state_s``, when it entered it, monotonic s) to
+        ``state`` at ``now`` (default: now), recording the time it spent in the old state;
+        ``IllegalTransition`` when ``KVPoll.transition`` forbids the move."""
+        now = time.monotonic() if now is None else now
+        new = KVPoll.transition(r.state, state)
+        self.metrics.on_state(r.state.name, now - r.state_s)
+        r.state, r.state_s = new, now
 
     def baseline_load(self) -> dict[str, int]:
         """The counters every fault must leave at their baseline (``/get_load``)."""

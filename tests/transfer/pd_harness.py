@@ -1,4 +1,5 @@
-"""Real PD processes for the end-to-end tests: servers, HTTP helpers, independent arithmetic.
+"""Real PD processes for the end-to-end tests (and ``scripts/bench_faults.py``): servers, HTTP
+helpers, independent arithmetic.
 
 Every server is a ``python -m pdjax.serve`` child on 127.0.0.1 with one XLA thread; its log
 goes to a file that a failing test prints. ``TINY_ARGS`` is the configuration every process
