@@ -124,9 +124,16 @@ def test_dropped_pages_the_connector_keeps_are_counted_until_freed():
     conn.kept += s.drop_remote(b, free=False)
     assert len(conn.kept) == 5 and s.num_used_pages == 5
     s.check_invariants()
+    # Dropped with free=True, a request's pages go straight back to the pool.
+    c = _req("c", 6, seed=2)
+    assert s.reserve_remote(c) and s.num_used_pages == 7
+    assert s.drop_remote(c) and s.num_used_pages == 5
+    s.check_invariants()
     assert s.free_pages(conn.kept[:3]) == 3 and s.free_pages(conn.kept[3:]) == 2
+    assert s.free_pages([]) == 0
     conn.kept = []
-    assert s.num_used_pages == 0
+    # Pages of a prompt whose KV never arrived are never cached.
+    assert s.num_used_pages == 0 and s.prefix_cache.num_cached_pages == 0
     s.check_invariants()
 
 

@@ -98,24 +98,6 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     s.check_invariants()
 
 
-def test_failed_prebuilt_pages_are_freed_or_quarantined_never_cached():
-    conn = _Holding()
-    s = _sched(connector=conn)
-    a, b = _req("a", 13), _req("b", 6, seed=1)
-    assert s.reserve_remote(a) and s.reserve_remote(b)
-    used = s.num_used_pages
-    conn.kept = s.drop_remote(a, free=False)
-    assert len(conn.kept) == 4 and s.num_used_pages == used
-    s.check_invariants()
-    assert s.drop_remote(b) and s.num_used_pages == used - 2
-    assert s.free_pages(conn.kept) == 4 and s.free_pages([]) == 0
-    conn.kept = []
-    assert s.num_used_pages == 0 and s.prefix_cache.num_cached_pages == 0
-    s.check_invariants()
-    with pytest.raises(ValueError, match="no reserved pages"):
-        s.drop_remote(a)
-
-
 def test_reserve_respects_the_pool_and_the_decode_reservation():
     s = _sched(num_pages=10)                       # 9 usable pages
     big = _req("big", 30)                          # 8 pages
