@@ -333,6 +333,21 @@ def drain(core) -> dict[str, list[int]]:
     return tokens
 
 
+def run_batch(core, prompts: list[list[int]], sampling_params, tag: str
+              ) -> tuple[list[list[int]], float]:
+    """Add one request per prompt to the engine ``core`` (rids ``tag0``, ``tag1``, ...), all
+    with ``sampling_params``, and step it until it has no work. Returns each prompt's new
+    tokens, in order, and the wall seconds of the steps."""
+    from pdjax.engine_io import GenerateRequest
+
+    for i, p in enumerate(prompts):
+        core.add_request(GenerateRequest(f"{tag}{i}", p, sampling_params))
+    t0 = time.perf_counter()
+    tokens = drain(core)
+    wall = time.perf_counter() - t0
+    return [tokens[f"{tag}{i}"] for i in range(len(prompts))], wall
+
+
 def add_overlap_bench_args(p, batch: int, new_tokens: int) -> None:
     """The flags the overlap benchmarks share (``bench_step_overlap``, ``bench_grammar_overlap``)."""
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct")

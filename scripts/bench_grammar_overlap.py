@@ -26,14 +26,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (add_overlap_bench_args, drain, machine_info, now_iso,  # noqa: E402
-                          overlap_bench_engine, write_json)
+from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+                          overlap_bench_engine, run_batch, write_json)
 
 # Exactly this many characters: no row can end by its grammar inside the run.
 REGEX = "[a-z ]{4000}"
@@ -41,7 +40,6 @@ REGEX = "[a-z ]{4000}"
 
 def _run(engine, prompts, new_tokens: int, mode: str, saved_rows) -> dict:
     from pdjax.constrained.grammar import GrammarSpec
-    from pdjax.engine_io import GenerateRequest
     from pdjax.request import SamplingParams
     from pdjax.runner.timeline import DeviceTimeline
 
@@ -53,16 +51,12 @@ def _run(engine, prompts, new_tokens: int, mode: str, saved_rows) -> dict:
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True,
                         grammar=grammar)
     counters = (core.num_grammar_syncs, core.num_grammar_split_steps)
-    for i, p in enumerate(prompts):
-        core.add_request(GenerateRequest(f"{mode}{i}", p, sp))
-    t0 = time.perf_counter()
     try:
-        tokens = drain(core)
+        output_ids, wall = run_batch(core, prompts, sp, mode)
     finally:
         core.dispatch_hooks.remove(timeline.on_dispatch)
         timeline.close()
         core.runner.resample_rows = saved_rows
-    wall = time.perf_counter() - t0
     n = len(prompts)
     recs = [r for r in timeline.records if r["rows"] == n and r["entry"] in ("decode", "resample")]
     forwards = [i for i, r in enumerate(recs) if r["entry"] == "decode"]
@@ -77,7 +71,7 @@ def _run(engine, prompts, new_tokens: int, mode: str, saved_rows) -> dict:
             "device_idle_share": tl["idle_fraction"], "exposed_dispatches": tl["exposed_steps"],
             "grammar_syncs": core.num_grammar_syncs - counters[0],
             "grammar_split_steps": core.num_grammar_split_steps - counters[1],
-            "output_ids": [tokens[f"{mode}{i}"] for i in range(n)]}
+            "output_ids": output_ids}
 
 
 def main(argv=None) -> None:

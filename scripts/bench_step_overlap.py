@@ -22,18 +22,16 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import (add_overlap_bench_args, drain, machine_info, now_iso,  # noqa: E402
-                          overlap_bench_engine, write_json)
+from bench_common import (add_overlap_bench_args, machine_info, now_iso,  # noqa: E402
+                          overlap_bench_engine, run_batch, write_json)
 
 
 def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
-    from pdjax.engine_io import GenerateRequest
     from pdjax.request import SamplingParams
     from pdjax.runner.timeline import DeviceTimeline
 
@@ -51,17 +49,12 @@ def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
 
     core.step_hooks.append(on_step)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-    tag = "ov" if overlap else "sync"
-    for i, p in enumerate(prompts):
-        core.add_request(GenerateRequest(f"{tag}{i}", p, sp))
-    t0 = time.perf_counter()
     try:
-        tokens = drain(core)
+        output_ids, wall = run_batch(core, prompts, sp, "ov" if overlap else "sync")
     finally:
         core.step_hooks.remove(on_step)
         core.dispatch_hooks.remove(timeline.on_dispatch)
         timeline.close()
-    wall = time.perf_counter() - t0
     n = len(prompts)
     # Window: full-batch decode steps, dropping the first two (bucket change, first fetch).
     win = [s for s in steps if s["mode"] == "decode" and s["rows"] == n][2:]
@@ -76,7 +69,7 @@ def _run(engine, prompts, new_tokens: int, overlap: bool) -> dict:
             "device_step_ms": tl["step_ms"], "device_idle_ms_per_step":
                 1000 * tl["device_idle_s"] / tl["num_steps"] if tl["num_steps"] else None,
             "device_idle_share": tl["idle_fraction"], "exposed_steps": tl["exposed_steps"],
-            "output_ids": [tokens[f"{tag}{i}"] for i in range(n)]}
+            "output_ids": output_ids}
 
 
 def main(argv=None) -> None:
