@@ -151,14 +151,6 @@ class PromptMismatch(RoomFailure):
     status_code = ROOM_CONFLICT_STATUS
 
 
-class RoomReused(RoomFailure):
-    """A request or page list names a room that already completed a transfer on this
-    server (kept for the bootstrap timeout): a 409 on both sides, at once."""
-
-    label = "room_reused"
-    status_code = ROOM_CONFLICT_STATUS
-
-
 class MetadataGate(RoomFailure):
     """The metadata row does not hold this room and prompt, or is corrupt."""
 

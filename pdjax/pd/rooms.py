@@ -9,6 +9,7 @@ lock); the rest belongs to the engine thread. States move along checked tables
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from pdjax.engine_io import GenerateOutput
-from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, RoomReused, peer_transition
+from pdjax.pd.lifecycle import Aborted, PeerState, RoomFailure, peer_transition
 from pdjax.pd.lifecycle import KVPoll
 from pdjax.request import Request
 
@@ -78,19 +79,12 @@ class PrefillRoom:
             self.reported = failure
 
     def tombstone(self) -> "PrefillRoom":
-        """What stays of a concluded room after its request was answered, for the bootstrap
-        timeout: a late request or page list for the room fails at once -- with the room's
-        failure, or after a Success with a 409 ``RoomReused`` (the room was used; a reuse
-        would otherwise wait out the timeout for a half that already came and went)."""
-        assert self.state in (KVPoll.Failed, KVPoll.Success), self.state
-        failure, status_code = self.failure, self.status_code
-        if self.state == KVPoll.Success:
-            failure = RoomReused(f"bootstrap_room {self.room} was already used by a transfer "
-                                 f"that completed (room reused?)")
-            status_code = RoomReused.status_code
+        """What stays of a failed room after its request was answered: a late request or page
+        list for the room fails at once, with this reason."""
+        assert self.state == KVPoll.Failed, self.state
         return PrefillRoom(room=self.room, created_s=self.state_s, state=KVPoll.Failed,
-                           state_s=self.state_s, peer_id=self.peer_id, failure=failure,
-                           status_code=status_code, notified=True, output_sent=True)
+                           state_s=self.state_s, peer_id=self.peer_id, failure=self.failure,
+                           status_code=self.status_code, notified=True, output_sent=True)
 
     def record(self) -> dict[str, Any]:
         return {"room": self.room, "rid": self.rid, "state": self.state.name,
@@ -99,6 +93,34 @@ class PrefillRoom:
                 "bytes": self.bytes, "pages": self.pages, "copies": self.copies,
                 "node_bytes": list(self.node_bytes), "chunks": self.chunks, "write_s": self.write_s,
                 "latency_s": (self.state_s - self.first_send_s) if self.first_send_s else None}
+
+
+class CompletedRooms:
+    """The prefill's rooms whose transfer completed, each kept ``ttl_s`` seconds (the bootstrap
+    timeout) after it completed: a request or page list that reuses one is refused at once
+    instead of waiting for a half that already came and went. Oldest first, so ``expire`` is
+    O(expired); not part of the room table the engine's poll walks. Callers hold the
+    manager's lock."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._at: collections.OrderedDict[int, float] = collections.OrderedDict()
+
+    def add(self, room: int, now: float) -> None:
+        """``room`` completed at ``now`` (monotonic s)."""
+        self._at.pop(room, None)
+        self._at[room] = now
+
+    def expire(self, now: float) -> None:
+        """Forget the rooms that completed ``ttl_s`` or more before ``now``."""
+        while self._at and next(iter(self._at.values())) <= now - self.ttl_s:
+            self._at.popitem(last=False)
+
+    def __contains__(self, room: object) -> bool:
+        return room in self._at
+
+    def __len__(self) -> int:
+        return len(self._at)
 
 
 # ------------------------------------------------------------------------------- decode side

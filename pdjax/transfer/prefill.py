@@ -46,7 +46,7 @@ from pdjax.pd.bootstrap import BootstrapServer
 from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, KVPoll, PromptMismatch,
                                 Refused, RoomConflict, RoomFailure, Timeout)
 from pdjax.pd.protocol import Message
-from pdjax.pd.rooms import PrefillRoom
+from pdjax.pd.rooms import CompletedRooms, PrefillRoom
 from pdjax.pd.wire import MAX_ROOM, prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_peer import DecodePeer
@@ -76,6 +76,8 @@ class PrefillConnector(RoleManager):
         super().__init__(host)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
+        # Rooms whose transfer completed, for the bootstrap timeout: a reuse is a 409 at once.
+        self.completed_rooms = CompletedRooms(self.args.bootstrap_timeout_s)
         self.peers: dict[str, DecodePeer] = {}
         self.worker = PrefillTransferWorker(self)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
@@ -107,6 +109,8 @@ class PrefillConnector(RoleManager):
             if r is not None and r.req is not None:
                 raise RoomConflict(f"bootstrap_room {room} is already in use on this prefill "
                                    f"server (duplicate room)")
+            if room in self.completed_rooms:
+                raise RoomConflict(self.completed_reason(room))
             if r is not None and r.state == KVPoll.Failed:
                 # A client room that failed (e.g. a prompt mismatch) is not used again until
                 # its tombstone expires; a refusal keeps its own status.
@@ -121,6 +125,11 @@ class PrefillConnector(RoleManager):
         self.wake()
         return True
 
+    def completed_reason(self, room: int) -> str:
+        """Why a request or page list for ``room``, one of ``completed_rooms``, is refused."""
+        return (f"bootstrap_room {room} was already used by a transfer that completed on this "
+                f"prefill server (room reused?)")
+
     def reject_room(self, room: Any, message: str, status_code: int = 400) -> None:
         """This server refused the request for ``room`` (a bad field, a prompt over the context
         length): fail the room at once and tell its decode, whose client gets the same status
@@ -131,7 +140,8 @@ class PrefillConnector(RoleManager):
         now = time.monotonic()
         with self.lock:
             r = self.rooms.get(room)
-            if r is not None and (r.req is not None or r.state == KVPoll.Failed):
+            if r is not None and (r.req is not None or r.state == KVPoll.Failed) \
+                    or room in self.completed_rooms:
                 return
             r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
         r.status_code = status_code if 400 <= status_code < 500 else 0
@@ -158,6 +168,7 @@ class PrefillConnector(RoleManager):
         outputs: list[GenerateOutput] = []
         with self.lock:
             rooms = list(self.rooms.values())
+            self.completed_rooms.expire(now)
         for r in rooms:
             with self.lock:
                 reported, done = r.reported, r.done
@@ -278,8 +289,11 @@ class PrefillConnector(RoleManager):
                     if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
                         return out
                     del self.rooms[r.room]
-                else:
+                elif r.state == KVPoll.Failed:
                     self.rooms[r.room] = r.tombstone()
+                else:
+                    del self.rooms[r.room]
+                    self.completed_rooms.add(r.room, time.monotonic())
             if req is not None:
                 self.rooms_by_rid.pop(req.rid, None)
             # Under the lock: a room out of ``rooms`` (``load``'s count) is in ``recent``.
@@ -382,6 +396,7 @@ class PrefillConnector(RoleManager):
         state = self.base_state()
         with self.lock:
             state["rooms"] = [r.record() for r in self.rooms.values()]
+            state["num_completed_rooms"] = len(self.completed_rooms)
             state["peers"] = sorted(self.peers)
         state["bootstrap_port"] = self.bootstrap_port
         return state

@@ -271,11 +271,12 @@ class PrefillTransferWorker(KVTransferWorker):
                     r.notified = True
             self.pd.wake()
             return
-        duplicate, refused, r = self._bind(msg, dst)
+        duplicate, refused = self._bind(msg, dst)
         if refused is not None:
+            reason, status_code = refused
             self.pd.send(peer.reply_endpoint, TransferStatus(
-                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
-                reason=(refused.fail_reason or "failed")[:4000], status_code=refused.status_code))
+                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason[:4000],
+                status_code=status_code))
             return
         if duplicate:
             reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
@@ -289,34 +290,34 @@ class PrefillTransferWorker(KVTransferWorker):
             return
         self.pd.wake()
 
-    def _bind(self, msg: TransferRequest, dst: np.ndarray):
+    def _bind(self, msg: TransferRequest, dst: np.ndarray
+              ) -> tuple[bool, tuple[str, int] | None]:
         """Give the room of a checked ``TransferRequest`` its destination, unless the room
-        already has one (``duplicate``) or this server failed it (``refused``: the room).
-        Returns ``(duplicate, refused, room)``."""
+        already has one (``duplicate``) or is refused: this server failed it, or it completed
+        a transfer within the bootstrap timeout (``(reason, HTTP status or 0)``). Returns
+        ``(duplicate, refused)``."""
         now = time.monotonic()
-        refused = None
         with self.pd.lock:
             r = self.pd.rooms.get(msg.bootstrap_room)
+            if r is None and msg.bootstrap_room in self.pd.completed_rooms:
+                return False, (self.pd.completed_reason(msg.bootstrap_room), ROOM_CONFLICT_STATUS)
             if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
                 # This server already failed the room (refused its request, a prompt mismatch,
-                # an abort, a completed transfer's tombstone): the decode hears why at once
-                # instead of waiting out a timeout.
-                duplicate, refused = False, r
+                # an abort): the decode hears why at once instead of waiting out a timeout.
                 if r.peer_id is None:
                     r.peer_id, r.notified = msg.decode_engine_id, True
-            elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
-                duplicate = True
-            else:
-                duplicate = False
-                r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
-                                                  PrefillRoom(msg.bootstrap_room, now, state_s=now))
-                r.peer_id = msg.decode_engine_id
-                r.dst_pages = dst
-                r.dst_slot = msg.dst_metadata_slot
-                r.decode_prefix_len = msg.decode_prefix_len
-                r.prompt_len = msg.prompt_len
-                r.prompt_digest = msg.prompt_digest
-        return duplicate, refused, r
+                return False, (r.fail_reason or "failed", r.status_code)
+            if r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+                return True, None
+            r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
+                                              PrefillRoom(msg.bootstrap_room, now, state_s=now))
+            r.peer_id = msg.decode_engine_id
+            r.dst_pages = dst
+            r.dst_slot = msg.dst_metadata_slot
+            r.decode_prefix_len = msg.decode_prefix_len
+            r.prompt_len = msg.prompt_len
+            r.prompt_digest = msg.prompt_digest
+        return False, None
 
     def _on_abort(self, msg: Abort) -> None:
         with self.pd.lock:

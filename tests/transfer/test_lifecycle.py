@@ -24,9 +24,9 @@ def test_failure_labels_are_distinct_and_the_message_is_the_text():
     classes = [c for c in vars(lifecycle).values()
                if isinstance(c, type) and issubclass(c, RoomFailure)]
     labels = [c.label for c in classes]
-    assert len(classes) == 14 and len(set(labels)) == 14 and "other" in labels
+    assert len(classes) == 13 and len(set(labels)) == 13 and "other" in labels
     assert sorted(labels) == ["aborted", "dst_pages", "fit", "lost", "metadata", "moved",
-                              "other", "pair", "prompt_mismatch", "refused", "remote", "room_reused",
+                              "other", "pair", "prompt_mismatch", "refused", "remote",
                               "timeout", "write"]
     f = lifecycle.Timeout("transfer timeout: bootstrap_room 5 not transferred within 3 s")
     assert str(f) == "transfer timeout: bootstrap_room 5 not transferred within 3 s"
@@ -48,17 +48,11 @@ def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
     assert str(r.reported) == "aborted by the decode server: client gone"
     assert r.fail_reason is None                      # reported, not applied yet
     with pytest.raises(AssertionError):
-        r.tombstone()                                 # only a concluded room leaves one
+        r.tombstone()                                 # only a failed room leaves one
     r.state, r.failure, r.status_code, r.peer_id = KVPoll.Failed, r.reported, 0, "d"
     t = r.tombstone()
     assert (t.room, t.state, t.fail_reason, t.peer_id, t.notified, t.output_sent, t.req) == \
         (9, KVPoll.Failed, "aborted by the decode server: client gone", "d", True, True, None)
-    # A room that succeeded leaves one too: a later use of the room is a 409 conflict.
-    ok = PrefillRoom(room=9, created_s=0.0, state=KVPoll.Success, state_s=5.0, peer_id="d")
-    t = ok.tombstone()
-    assert (t.state, t.status_code, t.failure.label, t.state_s, t.req) == \
-        (KVPoll.Failed, 409, "room_reused", 5.0, None)
-    assert "bootstrap_room 9 was already used" in t.fail_reason
 
 
 def test_prefill_peer_moves_along_its_table():
@@ -74,3 +68,18 @@ def test_prefill_peer_moves_along_its_table():
     assert p.reason.startswith("lost connection")
     with pytest.raises(IllegalTransition, match="failed -> ready"):
         p.set_ready()                                # a failed peer is replaced, never revived
+
+
+def test_completed_rooms_are_kept_for_their_ttl_oldest_first():
+    from pdjax.pd.rooms import CompletedRooms
+
+    done = CompletedRooms(ttl_s=10.0)
+    done.add(5, now=100.0)
+    done.add(7, now=103.0)
+    done.add(5, now=104.0)                 # completed again: kept from its latest completion
+    assert 5 in done and 7 in done and 9 not in done and len(done) == 2
+    done.expire(now=113.5)                 # 7 completed 10.5 s ago, 5 only 9.5 s ago
+    assert 7 not in done and 5 in done and len(done) == 1
+    done.expire(now=114.0)                 # exactly the ttl: gone
+    assert 5 not in done and len(done) == 0
+    done.expire(now=200.0)                 # empty: nothing to do

@@ -188,6 +188,7 @@ def test_room_reused_after_its_transfer_completed_gets_409_at_once(hard):
     room = next(_rooms)
     (ps, pb), (ds, db) = _dispatch(hard, _ids(30), room=room)
     assert ps == 200 and ds == 200, (pb, db)
+    assert pd_state(hard["p"])["num_completed_rooms"] >= 1
     for order in ((hard["p"], hard["d"]), (hard["d"], hard["p"])):
         for server in order:
             t0 = time.monotonic()
