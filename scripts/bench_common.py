@@ -194,13 +194,24 @@ class ServerProcess:
                 raise RuntimeError(f"{self.module} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._warm():
                         return self
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"{self.module} on port {self.port} not healthy after "
                            f"{self.timeout_s} s:\n{self.log_tail()}")
+
+    def _warm(self) -> bool:
+        """A pdjax server compiles its larger shapes on a background thread after it turns
+        healthy; timings taken meanwhile share the cores with the compiler. True once
+        ``/get_load`` shows every bucket ready (or has no such count: another server)."""
+        if self.module != "pdjax.serve":
+            return True
+        with urllib.request.urlopen(self.url + "/get_load", timeout=2) as r:
+            load = json.loads(r.read())
+        load = load[0] if isinstance(load, list) else load
+        return load.get("num_ready_buckets", 0) >= load.get("num_buckets", 0)
 
     def log_tail(self, n: int = 4000) -> str:
         with contextlib.suppress(OSError):

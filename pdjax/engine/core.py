@@ -94,6 +94,7 @@ class EngineCore(ForwardStep):
         self.model_cfg = node.model_cfg
         self.context_length = node.context_length
         self.buckets = node.buckets
+        self._num_buckets = len(self.buckets.all_keys())
         self.runner = node.runner
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
@@ -433,8 +434,12 @@ class EngineCore(ForwardStep):
         return self.scheduler.prefix_cache.reset()
 
     def get_load(self) -> dict[str, Any]:
-        """Queue sizes and pages (``engine_load``)."""
-        return engine_load(self.scheduler, self.disagg)
+        """Queue sizes and pages (``engine_load``), and the forward shapes compiled so far of
+        all the buckets (``num_ready_buckets`` < ``num_buckets`` while the background warm-up
+        runs: batches pad to a larger shape meanwhile, and timings are not yet steady)."""
+        return {**engine_load(self.scheduler, self.disagg),
+                "num_ready_buckets": len(self.runner.ready_keys),
+                "num_buckets": self._num_buckets}
 
 
 def _short(message: str | None, limit: int = 300) -> str:

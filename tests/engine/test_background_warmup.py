@@ -81,6 +81,8 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
     try:
         assert len(buckets.all_keys()) == 8
         assert runner.ready_keys == set(buckets.core_keys())
+        load = eng.core.get_load()          # what /get_load shows (the benchmarks wait on it)
+        assert (load["num_ready_buckets"], load["num_buckets"]) == (len(buckets.core_keys()), 8)
         before, before_bg = compile_count(), background_compile_count()
         keys = []
         outs = _generate(eng, prompts, keys)
@@ -97,6 +99,7 @@ def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_eng
         during = _generate(eng, prompts, [])
         assert runner.wait_background(timeout_s=600)
         assert runner.ready_keys == set(buckets.all_keys())
+        assert eng.core.get_load()["num_ready_buckets"] == 8
         keys = []
         after = _generate(eng, prompts, keys)
         _grammar(eng)                  # on the small decode shapes' resample executables
