@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The virtualenv that compiles for TPUs on this (CPU) machine: .venv-tpu with jax[tpu] (libtpu,
-# a registry wheel) at the project venv's jax version, and pdjax itself (editable). Idempotent.
-# The GPU compiler (jax[cuda12], about 3 GB of CUDA wheels) is not installed here by default:
-#   bash scripts/aot_env.sh tpu     (default)   -> .venv-tpu
-#   bash scripts/aot_env.sh cuda                -> .venv-cuda   (CUDA_VISIBLE_DEVICES=-1 to use)
+# The virtualenvs that compile for TPUs and GPUs on this (CPU) machine, at the project venv's
+# jax version, with pdjax itself (editable). Idempotent. scripts/run_tests.sh makes both:
+#   bash scripts/aot_env.sh tpu     (default)   -> .venv-tpu    jax[tpu] (libtpu, a registry wheel)
+#   bash scripts/aot_env.sh cuda                -> .venv-cuda   jax[cuda12], 5.8 GB of CUDA wheels
+#                                                  (CUDA_VISIBLE_DEVICES=-1 to use)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

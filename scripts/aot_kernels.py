@@ -7,9 +7,10 @@ MLA dense and sparse and the DSA indexer with its top-k (DeepSeek-V3.2 and GLM-5
 8). Prints compile seconds and pass/fail per case; exits 1 if any case fails. Each target
 needs its own venv:
 
-    CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
-        /work/venvs/cuda/bin/python scripts/aot_kernels.py --gpu h200      # jax[cuda12]
-    PYTHONPATH=. /work/venvs/tpu/bin/python scripts/aot_kernels.py --topology v5e:2x2  # jax[tpu]
+    .venv-cuda/bin/python scripts/aot_kernels.py --gpu h200            # jax[cuda12]
+    .venv-tpu/bin/python scripts/aot_kernels.py --topology v5e:2x2     # jax[tpu]
+
+(``bash scripts/aot_env.sh cuda`` / ``tpu`` make the two virtualenvs.)
 
 Options: ``--kernels rpa mla_dense mla_sparse indexer``, ``--models llama3-8b ...``,
 ``--page-sizes 16 64``; ``--ptxas DUMP_DIR`` (GPU) adds registers and spill stores a thread

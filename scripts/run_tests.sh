@@ -5,8 +5,10 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh || exit 1
-# The TPU compiler (jax[tpu]) in its own virtualenv: tests/aot/test_tpu_compile.py uses it.
+# The TPU compiler (jax[tpu]) and the GPU compiler (jax[cuda12]), each in its own virtualenv:
+# tests/aot/test_target_compile.py compiles the tiny models with both.
 bash scripts/aot_env.sh tpu >/dev/null || exit 1
+bash scripts/aot_env.sh cuda >/dev/null || exit 1
 # XLA CPU maps each kernel of an executable on its own: the suite's one process needs more
 # memory maps than Linux's default vm.max_map_count (65,530) allows (tests/conftest.py).
 if [ "$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 1048576)" -lt 1048576 ]; then

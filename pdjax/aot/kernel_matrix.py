@@ -6,8 +6,8 @@ enumerates the (kernel, model shape, KV dtype, page size, TP, token bucket) matr
 each case for a ``Target`` (``pdjax.aot.targets``: compile-only devices, no accelerator needed)
 and prints a table of compile seconds and pass/fail::
 
-    PYTHONPATH=. /work/venvs/cuda/bin/python -m pdjax.aot.kernel_matrix --gpu h200
-    PYTHONPATH=. /work/venvs/tpu/bin/python -m pdjax.aot.kernel_matrix --topology v5e:2x2
+    .venv-cuda/bin/python -m pdjax.aot.kernel_matrix --gpu h200
+    .venv-tpu/bin/python -m pdjax.aot.kernel_matrix --topology v5e:2x2
 
 ``--ptxas DIR`` (GPU) adds each case's registers and spill stores a thread (``ptx_spills``).
 

@@ -1,4 +1,4 @@
-"""Run in ``.venv-tpu`` by ``test_tpu_compile.py``: compile, for the TPU topology in argv[1],
+"""Run in ``.venv-tpu`` by ``test_target_compile.py``: compile, for the TPU topology in argv[1],
 paged-cache reads over the engine's cache layouts (and the MLA latent's old layout), and print
 one JSON object ``{case: {"pool": bytes, "temp": bytes}}`` from the compiler's
 ``memory_analysis``.

@@ -7,7 +7,7 @@ where it is missing they skip, but for the checks of the target list and the cas
 which are plain Python::
 
     CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
-        /work/venvs/cuda/bin/python -m pytest tests/pallas_kernels/test_gpu_compile.py
+        .venv-cuda/bin/python -m pytest tests/pallas_kernels/test_gpu_compile.py
 
 ``PDJAX_GPU_COMPILE_ALL=1`` compiles the whole ``pdjax.aot.kernel_matrix`` matrix (120 cases
 per GPU, a few minutes) instead of the representative subset.
