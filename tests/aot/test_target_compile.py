@@ -74,8 +74,9 @@ def test_core_entries_compile_for_target(tmp_path, model, target):
 
 def test_engine_cache_layouts_are_read_without_a_pool_copy():
     """The compiler's temp of a paged read is far below the pool with the engine's layouts
-    (GQA rows of 128 lanes, MLA latent rows padded to 640), and at least half the pool with
-    the 576-lane latent rows they replaced: those are copied whole, every step."""
+    (GQA rows of 128 lanes, MLA latent rows padded to 640) and its TPU staging gather, and at
+    least half the pool with the 576-lane latent rows and XLA's gather they replaced: those
+    copy the pool, every step or every transfer."""
     env = {**os.environ, "PYTHONPATH": ROOT, "TPU_SKIP_MDS_QUERY": "1"}
     proc = subprocess.run([_python("tpu"), os.path.join(ROOT, "tests", "aot",
                                                         "tpu_relayout_child.py"),
@@ -83,7 +84,7 @@ def test_engine_cache_layouts_are_read_without_a_pool_copy():
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     cases = json.loads(proc.stdout.strip().splitlines()[-1])
-    for engine_layout in ("rpa_rows", "mla_640", "gather_640"):
+    for engine_layout in ("rpa_rows", "mla_640", "gather_640", "gather_rows_slices"):
         assert cases[engine_layout]["temp"] < cases[engine_layout]["pool"] / 8, cases
-    for old_layout in ("mla_576", "gather_576"):
+    for old_layout in ("mla_576", "gather_576", "gather_rows_xla"):
         assert cases[old_layout]["temp"] >= cases[old_layout]["pool"] / 2, cases

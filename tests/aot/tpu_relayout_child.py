@@ -8,7 +8,11 @@ one JSON object ``{case: {"pool": bytes, "temp": bytes}}`` from the compiler's
 - ``mla_640`` / ``mla_576``: dense MLA attention (Mosaic) over a latent pool with rows padded
   to 640 lanes (the engine's TPU layout) and compact 576-lane rows;
 - ``gather_640`` / ``gather_576``: the PD staging gather of 128 pages (plain XLA) of the same
-  latent pools.
+  latent pools;
+- ``gather_rows_slices`` / ``gather_rows_xla``: the engine's staging gather on TPU
+  (``_gather_pages_by_slices``) and XLA's gather (``_gather_pages``, its CPU and GPU one) of 16
+  pages of Llama-3-8B-sized GQA rows (32 layers, 8 x 128 lanes, K and V; "pool" is one
+  buffer), not donated, as the engine calls it.
 Every pool is donated and returned, as the engine's steps do. The pools are large (4,097
 pages): XLA lays a small argument out tiled and pads it, a large one compactly.
 """
@@ -23,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pdjax.aot.targets import tpu_target
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pdjax.runner.entry_points import _gather_pages, _gather_pages_by_slices
 
 LAYERS, PAGES, PAGE_SIZE, ROWS, PAGES_PER_SEQ = 4, 4097, 64, 64, 16
 BF16, I32 = jnp.bfloat16, jnp.int32
@@ -64,6 +69,12 @@ def main(topology):
         temp = compile_temp(target, lambda c, pages: (c, c[:, pages]),
                             [(pool, BF16), ((128,), I32)], donate=(0,))
         out[f"gather_{width}"] = {"pool": LAYERS * PAGES * PAGE_SIZE * width * 2, "temp": temp}
+    rows = (32, 1001, 64, 8 * 128)
+    for name, gather in (("gather_rows_slices", _gather_pages_by_slices),
+                         ("gather_rows_xla", _gather_pages)):
+        temp = compile_temp(target, lambda k, v, pages: gather({"k": k, "v": v}, pages),
+                            [(rows, BF16), (rows, BF16), ((16,), I32)])
+        out[name] = {"pool": 32 * 1001 * 64 * 1024 * 2, "temp": temp}
     print(json.dumps(out))
 
 
