@@ -383,7 +383,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
             p_status, p_raw, _ = _result(p_task)
             if p_status == 200:
                 prefill_obj = _first_sse_json(p_raw)
-        resp, complete = await _relay_sse(request, router, d_resp, d_i, prefill_obj)
+        resp, complete = await _relay_sse(request, router, d_resp, d_i, d_url, prefill_obj)
         if complete:
             router.let_finish(p_task)       # the decode streamed to the end: see _generate
         return resp
@@ -398,12 +398,12 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
 
 
 async def _relay_sse(request: web.Request, router: PDRouter, d_resp: aiohttp.ClientResponse,
-                     d_i: int, prefill_obj: dict | None) -> tuple[web.StreamResponse, bool]:
+                     d_i: int, d_url: str, prefill_obj: dict | None
+                     ) -> tuple[web.StreamResponse, bool]:
     """Stream the decode's SSE events to the client, each with the prefill's input logprobs
     merged in when ``prefill_obj`` is given. Returns ``(response, whether the decode streamed
-    to the end)``; a decode that goes away mid-stream is marked down and the client gets an
-    error event, never a stream that just stops."""
-    d_url = router.decodes[d_i] + request.path
+    to the end)``; a decode (``d_i`` of the pool, at ``d_url``) that goes away mid-stream is
+    marked down and the client gets an error event, never a stream that just stops."""
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     await resp.prepare(request)
     try:

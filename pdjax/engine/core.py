@@ -94,7 +94,6 @@ class EngineCore(ForwardStep):
         self.model_cfg = node.model_cfg
         self.context_length = node.context_length
         self.buckets = node.buckets
-        self._num_buckets = len(self.buckets.all_keys())
         self.runner = node.runner
         self.tokenizer = (tokenizer() if tokenizer is not None
                           else load_tokenizer(args.tokenizer_path or self.model_path))
@@ -439,7 +438,7 @@ class EngineCore(ForwardStep):
         runs: batches pad to a larger shape meanwhile, and timings are not yet steady)."""
         return {**engine_load(self.scheduler, self.disagg),
                 "num_ready_buckets": len(self.runner.ready_keys),
-                "num_buckets": self._num_buckets}
+                "num_buckets": len(self.buckets.all_keys())}
 
 
 def _short(message: str | None, limit: int = 300) -> str:
