@@ -38,6 +38,18 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def check_listen_port(field: str, host: str, port: int) -> None:
+    """``ValueError`` naming ``field`` when a server could not listen on ``host:port`` now
+    (another process holds it); bound as aiohttp binds (``SO_REUSEADDR``), so a port in
+    TIME_WAIT passes. Checked before a server loads its model, not minutes later."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{field}: cannot listen on {host}:{port} ({e.strerror})") from None
+
+
 def free_port(attempts: int = 200) -> int:
     """A TCP port outside the ephemeral range, bindable on every interface now, and not
     returned before by this process. Raises ``RuntimeError`` when ``attempts`` draws found

@@ -28,6 +28,13 @@ def parse_args(argv=None) -> ServerArgs:
             from pdjax.models.checkpoint import resolve_model_path   # a hub id, or an error
 
             resolve_model_path(args.model_path, args.revision)
+        if args.node_rank == 0:         # the HTTP server (and a prefill's bootstrap server)
+            from pdjax.ports import check_listen_port
+
+            check_listen_port("port", args.host, args.port)
+            if args.role in ("prefill", "pd"):
+                check_listen_port("disaggregation_bootstrap_port", args.host,
+                                  args.disaggregation_bootstrap_port)
         return args
     except ValueError as e:
         parser.error(str(e))

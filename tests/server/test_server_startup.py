@@ -46,6 +46,31 @@ def test_bad_flags_fail_before_loading(argv, needle):
     assert time.monotonic() - t0 < 30
 
 
+@pytest.mark.parametrize("role,flag,field", [("colocated", "--port", "port"),
+                                              ("prefill", "--disaggregation-bootstrap-port",
+                                               "disaggregation_bootstrap_port")])
+def test_a_port_in_use_fails_before_loading(role, flag, field):
+    """A port another process listens on is one error line at once (it was a traceback from
+    the HTTP server's bind after the model had loaded and compiled)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = ["--role", role, "--host", "127.0.0.1", flag, str(port)]
+        if flag != "--port":
+            argv += ["--port", str(free_port())]
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pdjax.serve", *argv], cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                              text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{field}: cannot listen on 127.0.0.1:{port}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
 def test_server_args_port_range():
     with pytest.raises(ValueError, match="port must be in"):
         ServerArgs(port=99999)
