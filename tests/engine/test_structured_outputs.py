@@ -90,11 +90,17 @@ def test_overlap_on_and_off_agree_with_logprobs_and_n(llama_engine, overlap, no_
     def run(eng):
         return eng.generate([PROMPT] * len(params), params, return_logprob=True,
                             top_logprobs_num=2)
+    def behind():   # dispatches made with a step in flight, busy or done by then
+        return core.num_overlapped_dispatches + core.num_exposed_dispatches
+    before = behind()
     off = run(overlap(False))
-    splits, overlapped = core.num_grammar_split_steps, core.num_overlapped_dispatches
+    assert behind() == before
+    splits = core.num_grammar_split_steps
     on = run(overlap(True))
     assert core.num_grammar_split_steps > splits
-    assert core.num_overlapped_dispatches > overlapped
+    # Whether the step in flight was still busy is the machine's timing (CI once saw none):
+    # only that dispatches went out behind one is asserted.
+    assert behind() > before
     syncs = core.num_grammar_syncs
     no_split()
     synced = run(overlap(True))
