@@ -46,6 +46,51 @@ def test_bad_flags_fail_before_loading(argv, needle):
     assert time.monotonic() - t0 < 30
 
 
+def _bad_checkpoint(tmp_path, kind):
+    """A path that exists but is no checkpoint, and the words its error must hold."""
+    if kind == "text file":
+        return os.path.join(ROOT, "README.md"), "neither a directory nor a .gguf file"
+    if kind == "empty folder":
+        return str(tmp_path), "config.json: file not found"
+    if kind == "malformed config":
+        (tmp_path / "config.json").write_text("{")
+        return str(tmp_path), "config.json: malformed JSON"
+    if kind == "unknown architecture":
+        (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"]}')
+        return str(tmp_path), "architecture 'FooForCausalLM' is not supported"
+    (tmp_path / "x.gguf").write_text("not a gguf")
+    return str(tmp_path / "x.gguf"), "x.gguf: cannot read GGUF"
+
+
+@pytest.mark.parametrize("kind", ["text file", "empty folder", "malformed config",
+                                  "unknown architecture", "corrupt gguf"])
+@pytest.mark.parametrize("flag", ["--model-path", "--speculative-draft-model-path"])
+def test_a_path_that_is_no_checkpoint_fails_before_loading(tmp_path, kind, flag):
+    """Every checkpoint flag is read at parse time: a path that exists but holds no
+    checkpoint is one 'error: FIELD: ...' line and exit 2 (README.md as --model-path was a
+    transformers traceback from the tokenizer thread)."""
+    path, words = _bad_checkpoint(tmp_path, kind)
+    argv = [flag, path, "--port", str(free_port())]
+    if flag != "--model-path":
+        argv += ["--speculative-algorithm", "draft"]
+    proc = subprocess.run([sys.executable, "-m", "pdjax.serve", *argv], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=120)
+    field = flag[2:].replace("-", "_")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: {field}: " in proc.stderr and words in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_missing_tokenizer_path_fails_before_loading():
+    proc = subprocess.run([sys.executable, "-m", "pdjax.serve", "--tokenizer-path",
+                           "/nonexistent/tok", "--port", str(free_port())], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: tokenizer_path: /nonexistent/tok: not found" in proc.stderr
+
+
 @pytest.mark.parametrize("role,flag,field", [("colocated", "--port", "port"),
                                               ("prefill", "--disaggregation-bootstrap-port",
                                                "disaggregation_bootstrap_port")])
