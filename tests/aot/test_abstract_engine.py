@@ -125,7 +125,11 @@ def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
     for extra, field in ((["--mem-fraction", "1.5"], "mem_fraction"),
                          (["--mem-fraction", "0"], "mem_fraction"), (["--dp", "0"], "dp"),
                          (["--json", str(tmp_path / "no" / "x.json")], "json"),
-                         (["--serialize", __file__], "serialize")):
+                         (["--json", str(tmp_path)], "json"),
+                         (["--json", "/proc/x.json"], "json"),
+                         (["--serialize", __file__], "serialize"),
+                         (["--serialize", "/proc/nope"], "serialize"),
+                         (["--serialize", "/proc/self"], "serialize")):
         assert aot_main(base + extra) == 2, extra
         assert capsys.readouterr().err.startswith(f"error: {field}"), extra
     with pytest.raises(ValueError, match="attention_backend: 'tpu' does not run on cpu"):
