@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from pdjax.constrained.grammar import GrammarSpec
@@ -89,6 +90,8 @@ class SamplingParams:
         """Build from a JSON dict; unknown keys raise ``ValueError`` naming them. ``json_schema``
         (a JSON string or object), ``regex`` and ``ebnf`` (strings; at most one of them) become
         ``grammar``, compiled later (``pdjax.constrained``)."""
+        if d is not None and not isinstance(d, Mapping):
+            raise ValueError(f"sampling_params: a dict of parameters, got {type(d).__name__}")
         d = dict(d or {})
         names = ({f.name for f in dataclasses.fields(cls)} - {"grammar"}) | set(GRAMMAR_PARAMS)
         unknown = sorted(set(d) - names)

@@ -214,13 +214,24 @@ class EngineCore(ForwardStep):
         if not g.input_ids:
             raise ValueError("input_ids: the prompt is empty")
         vocab = self.model_cfg.vocab_size
-        bad = [t for t in g.input_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"input_ids: token id {bad[0]!r} is outside [0, {vocab})")
+        for pos, t in enumerate(g.input_ids):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ValueError(f"input_ids[{pos}]: a token id must be an integer, got {t!r}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"input_ids[{pos}]: token id {t} is outside [0, {vocab})")
         g.sampling_params.check_vocab_ids(vocab)
-        if not 0 <= g.top_logprobs_num <= MAX_TOP_LOGPROBS:
+        for name, value, low in (("top_logprobs_num", g.top_logprobs_num, 0),
+                                 ("logprob_start_len", g.logprob_start_len, -1)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{name}: an integer, got {value!r}")
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if g.top_logprobs_num > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {g.top_logprobs_num}")
+        if g.return_logprob and g.logprob_start_len >= len(g.input_ids):
+            raise ValueError(f"logprob_start_len = {g.logprob_start_len} must be below the "
+                             f"prompt length ({len(g.input_ids)})")
         req = Request(rid=g.rid, prompt_ids=list(g.input_ids), sampling_params=g.sampling_params,
                       return_logprob=g.return_logprob, top_logprobs_num=g.top_logprobs_num,
                       logprob_start_len=g.logprob_start_len if g.return_logprob else -1)

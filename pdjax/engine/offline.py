@@ -6,11 +6,51 @@ from __future__ import annotations
 import dataclasses
 import uuid
 
+import numpy as np
+
 from pdjax.config import ServerArgs
 from pdjax.engine.core import EngineCore
 from pdjax.engine_io import GenerateRequest
 from pdjax.output import OutputAccumulator, RequestOutput
 from pdjax.request import SEED_LIMIT, SamplingParams
+
+
+def _describe(value) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def _token_id_lists(input_ids, vocab_size: int) -> tuple[bool, list[list[int]]]:
+    """``(single, token ids of each prompt)`` of the ``input_ids`` argument: a list of token
+    ids in ``[0, vocab_size)`` (one prompt) or a list of such lists (a batch); numpy arrays are
+    taken as lists. ``ValueError`` naming the position (``input_ids[i][j]``)."""
+    if isinstance(input_ids, np.ndarray):
+        input_ids = input_ids.tolist()
+    if not isinstance(input_ids, (list, tuple)):
+        raise ValueError(f"input_ids: a list of token ids or a list of such lists, got "
+                         f"{_describe(input_ids)}")
+    single = not input_ids or not isinstance(input_ids[0], (list, tuple, np.ndarray))
+    prompts = [input_ids] if single and input_ids else list(input_ids)
+    out = []
+    for i, ids in enumerate(prompts):
+        where = "input_ids" if single else f"input_ids[{i}]"
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{where}: a list of token ids, got {_describe(ids)}")
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty")
+        for j, t in enumerate(ids):
+            if not _is_token_id(t):
+                raise ValueError(f"{where}[{j}]: a token id must be an integer, got "
+                                 f"{_describe(t)}")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{where}[{j}]: token id {t} is outside [0, {vocab_size})")
+        out.append([int(t) for t in ids])
+    return single, out
 
 
 def _sampling_params(sp) -> SamplingParams:
@@ -60,16 +100,19 @@ class Engine:
         return results[0] if single and len(results) == 1 else results
 
     def _prompt_ids(self, prompt, input_ids) -> tuple[bool, list[list[int]]]:
-        """``(single, token ids of each prompt)``; texts are tokenized here."""
-        single = isinstance(prompt, str) or (input_ids is not None and input_ids
-                                             and isinstance(input_ids[0], int))
+        """``(single, token ids of each prompt)``; texts are tokenized here. ``ValueError``
+        naming the field (``prompt``, ``input_ids[i][j]``) for a prompt of the wrong type."""
         if prompt is not None and input_ids is not None:
             raise ValueError("pass either prompt or input_ids, not both")
         if input_ids is not None:
-            return single, [input_ids] if single else list(input_ids)
+            return _token_id_lists(input_ids, self.core.model_cfg.vocab_size)
         if prompt is None:
             raise ValueError("prompt: no prompt given")
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"prompt: a string or a list of strings, got {_describe(prompt)} "
+                             "(token ids go in input_ids)")
         ids_list = [self.tokenizer.encode(p) for p in prompts]
         for i, ids in enumerate(ids_list):
             if not ids:

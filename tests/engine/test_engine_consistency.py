@@ -136,7 +136,7 @@ def test_a_refused_prompt_of_a_batch_leaves_nothing_queued(llama_engine):
         llama_engine.generate("", {"max_new_tokens": 2})
     with pytest.raises(ValueError, match=r"^prompt\[1\]: the text '' gives no tokens"):
         llama_engine.generate(["Hello", ""], {"max_new_tokens": 2})
-    with pytest.raises(ValueError, match=rf"input_ids: token id {vocab} is outside"):
+    with pytest.raises(ValueError, match=rf"^input_ids\[2\]\[1\]: token id {vocab} is outside"):
         llama_engine.generate(input_ids=[[5, 6, 7], [8, 9], [5, vocab]],
                               sampling_params={"max_new_tokens": 2, "n": 2})
     assert not core.scheduler.has_work and not core.scheduler.requests
