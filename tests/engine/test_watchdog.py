@@ -9,25 +9,44 @@ import pytest
 from pdjax.engine.watchdog import Watchdog
 
 
-def test_a_step_over_the_timeout_fires_once_with_the_elapsed_time():
+class FakeClock:
+    """``time.monotonic`` that moves only when the test moves it: the watchdog polls in real
+    time, but what it measures does not depend on how loaded the machine is."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_a_step_over_the_timeout_fires_once_with_the_elapsed_time(monkeypatch):
+    import pdjax.engine.watchdog as watchdog
+
+    clock = FakeClock()
+    monkeypatch.setattr(watchdog, "time", clock)
     fired, done = [], threading.Event()
 
     def on_timeout(elapsed_s):
         fired.append(elapsed_s)
         done.set()
 
-    dog = Watchdog(0.2, on_timeout, poll_s=0.02).start()
+    dog = Watchdog(0.2, on_timeout, poll_s=0.01).start()
     try:
-        for _ in range(3):                 # short steps and idle gaps: no alarm
+        for _ in range(3):                 # short steps and long idle gaps: no alarm
             dog.step_started()
-            time.sleep(0.05)
+            clock.now += 0.15
+            time.sleep(0.05)               # several polls see the step at 0.15 s
             dog.step_ended()
-            time.sleep(0.3)
+            clock.now += 60.0
+            time.sleep(0.05)
         assert fired == []
         dog.step_started()                 # a hung step
+        clock.now += 0.25
         assert done.wait(5.0)
-        time.sleep(0.2)
-        assert len(fired) == 1 and 0.2 < fired[0] < 5.0 and dog.fired
+        clock.now += 10.0
+        time.sleep(0.1)                    # polls after it fired: no second call
+        assert fired == [pytest.approx(0.25)] and dog.fired
     finally:
         dog.stop()
 

@@ -55,16 +55,22 @@ async def test_sigterm_lets_running_requests_finish_then_exits_0():
     proc, url = await start_server(drain_timeout_s=20.0)
     try:
         async with aiohttp.ClientSession() as session:
-            body = {"prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "stream": True}
+            # 300 tokens at 10 ms: the stream outlives the checks below by seconds (the
+            # server exits when it ends), and /health turning 503 says SIGTERM was handled.
+            body = {"prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 assert (await resp.content.readline()).startswith(b"data: ")
                 proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.2)
+                deadline = time.monotonic() + 20
+                while True:
+                    async with session.get(url + "/health") as health:
+                        if health.status == 503:
+                            break
+                    assert time.monotonic() < deadline, "SIGTERM not handled"
+                    await asyncio.sleep(0.02)
                 async with session.post(url + "/v1/completions", json=body) as late:
                     assert late.status == 503
                     assert "shutting down" in (await late.json())["error"]["message"]
-                async with session.get(url + "/health") as health:
-                    assert health.status == 503
                 rest = (await resp.read()).decode()
             events = parse_sse(rest)
             assert events[-1] == "[DONE]"
@@ -84,14 +90,16 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout():
     proc, url = await start_server(drain_timeout_s=0.5)
     try:
         async with aiohttp.ClientSession() as session:
-            body = {"text": "Hi", "sampling_params": {"max_new_tokens": 100000,
-                                                      "ignore_eos": True}}
-            task = asyncio.ensure_future(session.post(url + "/generate", json=body))
-            await asyncio.sleep(0.3)
-            proc.send_signal(signal.SIGTERM)
-            resp = await task
-            assert resp.status == 200
-            meta = (await resp.json())["meta_info"]
+            body = {"text": "Hi", "stream": True,
+                    "sampling_params": {"max_new_tokens": 100000, "ignore_eos": True}}
+            async with session.post(url + "/generate", json=body) as resp:
+                assert resp.status == 200
+                # A token has streamed: the request is running when SIGTERM arrives.
+                assert (await resp.content.readline()).startswith(b"data: ")
+                proc.send_signal(signal.SIGTERM)
+                events = parse_sse((await resp.read()).decode())
+            meta = events[-2]["meta_info"]
+            assert events[-1] == "[DONE]"
             assert meta["finish_reason"]["type"] == "abort"
             assert 0 < meta["completion_tokens"] < 100000
         code, out = await wait_exit(proc)

@@ -123,7 +123,13 @@ def test_server_args_port_range():
 
 @pytest.mark.asyncio
 async def test_slow_tokenization_does_not_block_the_event_loop(make_client, tokenizer):
+    """/health answers while a tokenization is blocked in its worker thread: the encode
+    waits on an event that is only set after /health has answered (no wall-clock bound)."""
+    import threading
+
     from server_fakes import FakeEngine
+
+    entered, release, released = threading.Event(), threading.Event(), []
 
     class SlowTokenizer:
         def __init__(self, inner):
@@ -136,16 +142,17 @@ async def test_slow_tokenization_does_not_block_the_event_loop(make_client, toke
             return len(self._inner)
 
         def encode(self, *args, **kwargs):
-            time.sleep(1.5)
+            entered.set()
+            # On the event loop this would block /health until the wait timed out.
+            released.append(release.wait(10))
             return self._inner.encode(*args, **kwargs)
 
     engine = FakeEngine(SlowTokenizer(tokenizer))
     client, _ = await make_client(engine)
     slow = asyncio.create_task(client.post("/v1/completions", json={
         "model": "fake-model", "prompt": "Hello", "max_tokens": 2}))
-    await asyncio.sleep(0.2)
-    t0 = time.monotonic()
+    assert await asyncio.to_thread(entered.wait, 30)
     health = await client.get("/health")
-    assert health.status == 200
-    assert time.monotonic() - t0 < 0.5
-    assert (await slow).status == 200
+    assert health.status == 200 and not release.is_set()
+    release.set()
+    assert (await slow).status == 200 and released and all(released)

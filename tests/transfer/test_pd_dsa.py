@@ -70,6 +70,9 @@ def test_dsa_pd_matches_colocated_and_moves_latent_plus_indexer_bytes(dsa_pd):
     ps = ARGS["page_size"]
     latent = cfg["num_hidden_layers"] * ps * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
     indexer = sum(t == "full" for t in types) * ps * cfg["index_head_dim"] * 4
+    # The router answers when the decode is done; the last room may still be closing on the
+    # prefill (it joins ``recent`` at the prefill's next poll).
+    assert wait_until(lambda: at_baseline(dsa_pd["prefill"]), 10)
     state = pd_state(dsa_pd["prefill"])
     assert state["kv_bytes_per_page"] == latent + indexer
     assert state["num_layer_buffers"] == cfg["num_hidden_layers"] + sum(t == "full" for t in types)

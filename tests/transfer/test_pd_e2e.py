@@ -86,6 +86,15 @@ def _records_by_len(state):
     return by_len
 
 
+def _reserved(decode, prompt_lens: set[int]) -> bool:
+    """Whether the decode has reserved pages for a room of each prompt length (live or
+    finished)."""
+    state = pd_state(decode)
+    done = {r["prompt_len"] for r in state["rooms"] + state["recent"]
+            if r["dst_pages"] or r["state"] != "Bootstrapping"}
+    return prompt_lens <= done
+
+
 def test_32_concurrent_greedy_requests_match_colocated(pd):
     """k*page_size +- 1, k*chunk +- 1, a decode-side prefix hit and streaming, all at once;
     then bytes, pages and copy ops per room, the decode's prompt-token count and page baseline."""
@@ -106,7 +115,8 @@ def test_32_concurrent_greedy_requests_match_colocated(pd):
     bytes_before = metric_value(p_metrics_before, "pdjax:kv_transfer_total_bytes_total",
                                 role="prefill")
     # ~2400 prompt tokens for a 2048-token pool: the decode admits in waves and evicts its
-    # prefix cache, so the two prefix-hit prompts go first (the rest follow 0.3 s later).
+    # prefix cache, so the two prefix-hit prompts go first, and the rest follow once the
+    # decode has reserved their pages (a fixed sleep lost that race on a loaded machine).
     order = [30, 31] + list(range(30))
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         futures = {}
@@ -114,7 +124,7 @@ def test_32_concurrent_greedy_requests_match_colocated(pd):
             futures[i] = pool.submit(_generate, router, prompts[i], max_new[i],
                                      stream=(i % 4 == 0))
             if i == 31:
-                time.sleep(0.3)
+                assert wait_until(lambda: _reserved(decode, {49, 70}), 60), pd_state(decode)
         results = [futures[i].result() for i in range(32)]
     ref = _reference(pd["colocated"], prompts, max_new)
     compared = sum(greedy_agrees(ids, top, res["output_ids"])
@@ -124,6 +134,8 @@ def test_32_concurrent_greedy_requests_match_colocated(pd):
         assert res["meta_info"]["prompt_tokens"] == len(p)
 
     # Per room (prefill side): what was sent is exactly the prompt minus the decode's prefix.
+    # The router answers when the decode is done: wait for the prefill's last rooms to close.
+    assert wait_until(lambda: at_baseline(prefill), 10)
     state = pd_state(prefill)
     by_len = _records_by_len(state)
     buffers, bpp = state["num_layer_buffers"], state["kv_bytes_per_page"]

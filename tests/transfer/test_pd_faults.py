@@ -30,7 +30,7 @@ from pdjax.transfer.metadata import MetadataBuffers
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 16
-DRAIN_S = 4.0
+DRAIN_S = 8.0     # the abort lease: long enough that an ack or a count beats it under load
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,14 @@ def test_pool_prefers_fewest_outstanding_then_kv_usage_then_round_robin():
         WorkerPool([])
 
 
-def _worker(kv_usage: float, delay_s: float, served: list):
+def _worker(kv_usage: float, delay_s: float, served: list, gate=None):
+    """A fake server: ``/generate`` records the body, sleeps ``delay_s``, then awaits
+    ``gate()`` if given, and answers."""
     async def generate(request):
         served.append(await request.json())
         await asyncio.sleep(delay_s)
+        if gate is not None:
+            await gate()
         return web.json_response({"text": "ok", "output_ids": [1], "meta_info": {}})
 
     async def get_load(request):
@@ -59,7 +63,19 @@ def _worker(kv_usage: float, delay_s: float, served: list):
 async def test_router_spreads_concurrent_requests_and_breaks_ties_by_kv_usage():
     served = {name: [] for name in ("p0", "p1", "d0", "d1")}
     usage = {"p0": 0.9, "p1": 0.1, "d0": 0.2, "d1": 0.7}
-    workers = {n: _worker(usage[n], 0.3 if n.startswith("d") else 0.05, served[n])
+    # Once released (cleared), a side answers only when all 8 concurrent requests have reached
+    # it, so every choice is made with the earlier ones in flight, however slow the machine.
+    release = {"p": asyncio.Event(), "d": asyncio.Event()}
+
+    def gate(side):
+        async def wait():
+            if len(served[side + "0"]) + len(served[side + "1"]) == 9:
+                release[side].set()
+            await asyncio.wait_for(release[side].wait(), 30)
+        return wait
+    for event in release.values():
+        event.set()
+    workers = {n: _worker(usage[n], 0.3 if n.startswith("d") else 0.05, served[n], gate(n[0]))
                for n in served}
     for w in workers.values():
         await w.start_server()
@@ -74,16 +90,20 @@ async def test_router_spreads_concurrent_requests_and_breaks_ties_by_kv_usage():
                 async with s.post(rs.make_url("/generate"), json={"text": "hi"}) as r:
                     assert r.status == 200, await r.text()
 
-            for _ in range(100):                       # the poller has read every worker
+            for _ in range(1500):                      # the poller has read every worker
                 if router.decode_pool.kv_usage == [0.2, 0.7] and \
                         router.prefill_pool.kv_usage == [0.9, 0.1]:
                     break
                 await asyncio.sleep(0.02)
+            assert router.decode_pool.kv_usage == [0.2, 0.7], router.decode_pool.kv_usage
+            assert router.prefill_pool.kv_usage == [0.9, 0.1], router.prefill_pool.kv_usage
             # Idle: a single request goes where the KV usage is lowest, on both sides.
             await one()
             assert (len(served["p1"]), len(served["d0"])) == (1, 1)
             assert served["p1"][0]["bootstrap_port"] == 8999
             # 8 at once: each new one goes to the decode with fewer in flight, so 4 and 4.
+            for event in release.values():
+                event.clear()
             await asyncio.gather(*(one() for _ in range(8)))
             assert len(served["d0"]) + len(served["d1"]) == 9
             assert len(served["d1"]) == 4 and len(served["d0"]) == 5
