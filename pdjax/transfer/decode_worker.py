@@ -182,8 +182,16 @@ class DecodeTransferWorker(KVTransferWorker):
             if ok:
                 r.status, r.status_failure, r.status_code = state, failure, status_code
             peer = None if r is None or r.fake else self.pd.peers.get(r.peer_key)
+            # The room failed here (a client abort, a timeout) while the prefill's last word
+            # was on its way: the messages crossed, nothing is wrong with either side.
+            crossed = r is None and any(rec["room"] == room and rec["state"] == "Failed"
+                                        for rec in self.pd.recent)
         if ack_sender is not None and peer is not None and peer.endpoint:
             self.pd.send(peer.endpoint, AbortAck(bootstrap_room=room, sender_id=peer.engine_id))
+        if crossed:
+            logger.info("PD decode: %s status for bootstrap_room %d, which failed here "
+                        "already: ignored", state.name, room)
+            return
         if not ok:
             self._reject(f"{state.name} status for bootstrap_room {room}, which is not waiting "
                          f"for a transfer here")

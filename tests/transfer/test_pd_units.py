@@ -217,3 +217,36 @@ def test_router_sample_counts_ports_and_logprob_merge():
     merged = _merge_input_logprobs([d], [p])[0]["meta_info"]
     assert merged["input_token_logprobs"] == [[None, 5, None], [-1.5, 6, None]]
     assert merged["input_top_logprobs"] == [None, []]
+
+
+def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(caplog):
+    """A client abort fails the room on the decode while the prefill's Success is on its way:
+    that status is expected (logged at INFO, not counted as a refused message); a status for a
+    room this decode never failed still is one."""
+    import collections
+    import logging
+    from types import SimpleNamespace
+
+    from pdjax.pd.lifecycle import KVPoll
+    from pdjax.pd.protocol import TransferStatus
+    from pdjax.transfer.decode_worker import DecodeTransferWorker
+
+    rejected = []
+    pd = SimpleNamespace(lock=threading.Lock(), room_owner={}, rooms={}, peers={},
+                         recent=collections.deque([{"room": 7, "state": "Failed"},
+                                                   {"room": 8, "state": "Success"}]),
+                         args=SimpleNamespace(heartbeat_interval_s=60.0), wake=lambda: None,
+                         count_rejected=rejected.append)
+    worker = DecodeTransferWorker(pd)
+    try:
+        with caplog.at_level(logging.INFO, logger="pdjax.transfer.decode_worker"):
+            worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
+            assert rejected == []
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert "which failed here already" in caplog.text
+            for room in (8, 9):      # finished here, or never seen: not an expected crossing
+                worker.on_message(TransferStatus(bootstrap_room=room, state=KVPoll.Success))
+        assert rejected == ["refused", "refused"]
+        assert sum(r.levelno == logging.ERROR for r in caplog.records) == 2
+    finally:
+        worker.close()
