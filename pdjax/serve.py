@@ -24,7 +24,9 @@ def parse_args(argv=None) -> ServerArgs:
     ServerArgs.add_cli_args(parser)
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))
-        check_checkpoints(args)
+        from pdjax.engine.settings import check_checkpoint_paths
+
+        check_checkpoint_paths(args)
         if args.node_rank == 0:         # the HTTP server (and a prefill's bootstrap server)
             from pdjax.ports import check_listen_port
 
@@ -35,28 +37,6 @@ def parse_args(argv=None) -> ServerArgs:
         return args
     except ValueError as e:
         parser.error(str(e))
-
-
-def check_checkpoints(args: ServerArgs):
-    """Read the config of every checkpoint ``args`` names (metadata only: no tensor, no jax
-    device), so that a path that is no checkpoint (a file that is neither a folder nor a
-    ``.gguf``, a folder without a readable config.json, an unsupported architecture, a
-    corrupt GGUF header) is one error line before the server loads anything.
-
-    Raises ``ValueError`` naming the field (``model_path``, ``speculative_draft_model_path``,
-    ``tokenizer_path``)."""
-    from pdjax.models.loader import checkpoint_config, resolve_model_path
-
-    paths = {"model_path": args.model_path}
-    if args.speculative_draft_model_path:
-        paths["speculative_draft_model_path"] = args.speculative_draft_model_path
-    for field, path in paths.items():
-        try:
-            checkpoint_config(resolve_model_path(path, args.revision))
-        except ValueError as e:
-            raise ValueError(f"{field}: {e}") from None
-    if args.tokenizer_path is not None and not os.path.exists(args.tokenizer_path):
-        raise ValueError(f"tokenizer_path: {args.tokenizer_path}: not found")
 
 
 def run_colocated(args: ServerArgs) -> int:

@@ -89,6 +89,9 @@ def main(argv=None) -> int:
     try:
         args = ServerArgs.from_cli_args(ns)
         _check_outputs(ns)
+        from pdjax.engine.settings import check_checkpoint_paths
+
+        check_checkpoint_paths(args)
         from pdjax.aot.targets import gpu_target, tpu_target
 
         chips = args.tp_size * ns.dp

@@ -5,6 +5,7 @@ scheduler's ``SchedulerConfig`` is built here (DESIGN.md §1)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -52,6 +53,26 @@ class EngineConfig:
     @property
     def cpu_matmul_kernel(self) -> bool:
         return self.profile.cpu_matmul_kernel
+
+
+def check_checkpoint_paths(args: ServerArgs) -> None:
+    """Read the config of every checkpoint ``args`` names (metadata only: no tensor, no jax
+    device), so that a path that is no checkpoint (a file that is neither a folder nor a
+    ``.gguf``, a folder without a readable config.json, an unsupported architecture, a
+    corrupt GGUF header) is one error line before the server loads anything.
+
+    Raises ``ValueError`` naming the field (``model_path``, ``speculative_draft_model_path``,
+    ``tokenizer_path``)."""
+    paths = {"model_path": args.model_path}
+    if args.speculative_draft_model_path:
+        paths["speculative_draft_model_path"] = args.speculative_draft_model_path
+    for field, path in paths.items():
+        try:
+            checkpoint_config(resolve_model_path(path, args.revision))
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+    if args.tokenizer_path is not None and not os.path.exists(args.tokenizer_path):
+        raise ValueError(f"tokenizer_path: {args.tokenizer_path}: not found")
 
 
 def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> EngineConfig:

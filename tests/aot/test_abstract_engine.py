@@ -129,7 +129,9 @@ def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
                          (["--json", "/proc/x.json"], "json"),
                          (["--serialize", __file__], "serialize"),
                          (["--serialize", "/proc/nope"], "serialize"),
-                         (["--serialize", "/proc/self"], "serialize")):
+                         (["--serialize", "/proc/self"], "serialize"),
+                         (["--model-path", os.path.join(ROOT, "README.md")], "model_path"),
+                         (["--model-path", str(tmp_path)], "model_path")):
         assert aot_main(base + extra) == 2, extra
         assert capsys.readouterr().err.startswith(f"error: {field}"), extra
     with pytest.raises(ValueError, match="attention_backend: 'tpu' does not run on cpu"):
