@@ -229,9 +229,6 @@ class EngineCore(ForwardStep):
         if g.top_logprobs_num > MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {g.top_logprobs_num}")
-        if g.return_logprob and g.logprob_start_len >= len(g.input_ids):
-            raise ValueError(f"logprob_start_len = {g.logprob_start_len} must be below the "
-                             f"prompt length ({len(g.input_ids)})")
         req = Request(rid=g.rid, prompt_ids=list(g.input_ids), sampling_params=g.sampling_params,
                       return_logprob=g.return_logprob, top_logprobs_num=g.top_logprobs_num,
                       logprob_start_len=g.logprob_start_len if g.return_logprob else -1)
