@@ -295,8 +295,12 @@ def test_random_outputs_never_lose_text(name):
 
 
 def test_cli_flags_reach_the_server_and_the_pd_children():
-    from pdjax.serve import parse_args
     from pdjax.entrypoints.pd_roles import child_argv
+    from pdjax.ports import free_port
+    from pdjax.serve import parse_args as serve_parse_args
+
+    def parse_args(argv):      # a free port: parse_args checks it (30000 may be in use here)
+        return serve_parse_args(argv + ["--port", str(free_port())])
 
     args = parse_args(["--tool-call-parser", "llama3", "--reasoning-parser", "qwen3"])
     assert (args.tool_call_parser, args.reasoning_parser) == ("llama3", "qwen3")

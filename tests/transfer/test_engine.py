@@ -260,6 +260,7 @@ def test_transfer_package_never_imports_jax():
 
 def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
     from pdjax.config import ServerArgs
+    from pdjax.ports import free_port
     from pdjax.serve import parse_args
 
     with pytest.raises(ValueError, match="disaggregation_transfer_backend must be one of "
@@ -270,7 +271,7 @@ def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
         .disaggregation_transfer_backend == "mooncake-corrupt"
     args = parse_args(["--disaggregation-transfer-backend", "mooncake-corrupt",
                        "--disaggregation-transfer-path", "staging",
-                       "--disaggregation-transfer-max-batch", "7"])
+                       "--disaggregation-transfer-max-batch", "7", "--port", str(free_port())])
     assert (args.disaggregation_transfer_backend, args.disaggregation_transfer_path,
             args.disaggregation_transfer_max_batch) == ("mooncake-corrupt", "staging", 7)
     assert (ServerArgs().disaggregation_transfer_path,
