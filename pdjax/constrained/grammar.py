@@ -78,6 +78,8 @@ def _compile_text(spec: GrammarSpec) -> str:
                 schema = json.loads(spec.text)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{spec.field}: the JSON schema is not valid JSON ({e})") from None
+            except RecursionError:
+                raise ValueError(f"{spec.field}: the JSON schema is nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"{spec.field}: a JSON schema must be an object or a boolean")
             return LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
@@ -89,6 +91,8 @@ def _compile_text(spec: GrammarSpec) -> str:
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg if msg.startswith(spec.field) else f"{spec.field}: {msg}") from None
+    except RecursionError:      # a grammar nested past what the compiler walks
+        raise ValueError(f"{spec.field}: the grammar is nested too deeply") from None
 
 
 class GrammarMatcher:

@@ -200,7 +200,7 @@ def _message_call(name: str, call: Any) -> dict[str, Any]:
         raise RequestError(f"{name}.function.arguments must be a JSON string", "messages")
     try:
         decoded = json.loads(args) if args.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         raise RequestError(f"{name}.function.arguments is not valid JSON", "messages") from None
     out = {"type": "function", "function": {"name": fname, "arguments": decoded}}
     if "id" in call:

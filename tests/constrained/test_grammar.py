@@ -83,6 +83,12 @@ def test_ebnf_walk_is_in_the_language(backend, tokenizer):
     (GrammarSpec("json_schema", '{"$ref": "#"}', "response_format"),
      "response_format: the json schema admits no text"),
     (GrammarSpec("ebnf", "root ::= root", "ebnf"), "ebnf: the ebnf admits no text"),
+    # Nested past Python's recursion limit (the parser) or within it (the schema compiler):
+    # a RecursionError was an HTTP 500.
+    (GrammarSpec("json_schema", "[" * 5000 + "]" * 5000, "json_schema"),
+     "json_schema: the JSON schema is nested too deeply"),
+    (GrammarSpec("json_schema", '{"type": "object", "properties": {"a": ' * 900
+                 + '{"type": "string"}' + "}}" * 900, "json_schema"), "json_schema: "),
 ])
 def test_invalid_specs_name_the_field(backend, spec, msg):
     with pytest.raises(ValueError) as e:

@@ -113,6 +113,12 @@ CASES = [
     (CHAT, with_(CHAT, messages=[{"role": "assistant", "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
      "tool_calls[0].function.arguments"),
+    (CHAT, with_(CHAT, messages=[{"role": "assistant", "tool_calls": [     # was a 500
+        {"id": "1", "type": "function", "function": {"name": "f",
+                                                     "arguments": "[" * 5000 + "]" * 5000}}]}]),
+     "tool_calls[0].function.arguments"),
+    (GEN, {"text": "hi", "sampling_params": {"json_schema": "[" * 5000 + "]" * 5000}},
+     "nested too deeply"),
     (CHAT, with_(CHAT, messages=[{"role": "user", "content": "x", "tool_calls": []}]),
      "tool_calls"),
     (CHAT, with_(CHAT, messages=[{"role": "user", "content": "x", "reasoning_content": "r"}]),
