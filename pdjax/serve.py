@@ -27,6 +27,10 @@ def parse_args(argv=None) -> ServerArgs:
         from pdjax.engine.settings import check_checkpoint_paths
 
         check_checkpoint_paths(args)
+        if args.profile_dir is not None:
+            from pdjax.paths import writable_folder
+
+            writable_folder("profile_dir", args.profile_dir)
         if args.node_rank == 0:         # the HTTP server (and a prefill's bootstrap server)
             from pdjax.ports import check_listen_port
 

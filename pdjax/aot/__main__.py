@@ -14,6 +14,7 @@ import sys
 import time
 
 from pdjax.config import ServerArgs
+from pdjax.paths import writable_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,28 +60,9 @@ def _check_outputs(ns) -> None:
             raise ValueError(f"json: folder {folder} does not exist")
         if os.path.isdir(ns.json):
             raise ValueError(f"json: {ns.json} is a folder, not a file")
-        _check_writable("json", folder)
+        writable_folder("json", folder)
     if ns.serialize is not None:
-        if os.path.exists(ns.serialize) and not os.path.isdir(ns.serialize):
-            raise ValueError(f"serialize: {ns.serialize} exists and is not a folder")
-        try:
-            os.makedirs(ns.serialize, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"serialize: cannot create {ns.serialize} ({e.strerror})") from None
-        _check_writable("serialize", ns.serialize)
-
-
-def _check_writable(field: str, folder: str) -> None:
-    """Write and remove a scratch file in ``folder``: the outputs are written after every
-    entry has compiled (minutes), so a folder that refuses them is refused first. ``os.access``
-    is not asked: it says yes to root on a read-only mount."""
-    import tempfile
-
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as e:
-        raise ValueError(f"{field}: cannot write in {folder} ({e.strerror})") from None
+        writable_folder("serialize", ns.serialize)
 
 
 def main(argv=None) -> int:

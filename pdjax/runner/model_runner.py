@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from pdjax.models.attention import AttentionMetadata
 from pdjax.pallas_kernels.lanes import kv_row_align
+from pdjax.paths import writable_folder
 from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.runner.entry_points import EntryPoints
@@ -445,7 +446,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, output_dir: str) -> None:
-        jax.profiler.start_trace(output_dir)
+        """Start an XLA profiler trace into ``output_dir`` (made if missing). ``ValueError``
+        naming ``output_dir`` when the folder cannot be written: checked first, since a trace
+        that fails to export at its stop leaves the profiler started for good."""
+        jax.profiler.start_trace(writable_folder("output_dir", output_dir))
 
     def stop_profile(self) -> None:
         jax.block_until_ready(self.caches)

@@ -37,6 +37,24 @@ def test_profile_dir_flag_is_the_default_trace_dir(deployment, server_profile_di
     assert len(files) == 1 and files[0].endswith(".xplane.pb")
 
 
+def test_a_trace_folder_that_cannot_be_written_is_refused_and_leaves_no_profile(
+        deployment, tmp_path):
+    """A file as output_dir was accepted, then the trace failed to export at the stop and
+    left the profiler started for good (every later start: "already started")."""
+    url = deployment["colocated"]
+    not_a_folder = tmp_path / "trace.txt"
+    not_a_folder.write_text("x")
+    for bad in (str(not_a_folder), "/proc/traces"):
+        with pytest.raises(RuntimeError, match="output_dir: "):
+            http_json(url + "/start_profile", {"output_dir": bad})
+    with pytest.raises(RuntimeError, match="no profile is running"):
+        http_json(url + "/stop_profile", {})
+    good = tmp_path / "new" / "traces"            # made when missing
+    assert http_json(url + "/start_profile", {"output_dir": str(good)})["success"]
+    assert http_json(url + "/stop_profile", {})["trace_dir"] == str(good)
+    assert len(trace_files(str(good))) == 1
+
+
 class _Runner:
     def __init__(self):
         self.calls = []

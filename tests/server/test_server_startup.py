@@ -35,7 +35,9 @@ def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tp, needle):
                                          (["--page-size", "0"], "page_size"),
                                          (["--role", "bogus"], "role"),
                                          (["--model-path", "/nonexistent/model"],
-                                          "/nonexistent/model: model path not found")])
+                                          "/nonexistent/model: model path not found"),
+                                         (["--profile-dir", "/proc/traces"],
+                                          "profile_dir: cannot write in /proc/traces")])
 def test_bad_flags_fail_before_loading(argv, needle):
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pdjax.serve", *argv], cwd=ROOT,
