@@ -61,9 +61,13 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise ValueError(f"{cfg_path}: file not found")
     try:
         with open(cfg_path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: a JSON object of settings, got a JSON "
+                         f"{type(cfg).__name__}")
+    return cfg
 
 
 def hf_common_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,9 @@ def _bad_checkpoint(tmp_path, kind):
     if kind == "malformed config":
         (tmp_path / "config.json").write_text("{")
         return str(tmp_path), "config.json: malformed JSON"
+    if kind == "config list":
+        (tmp_path / "config.json").write_text("[1, 2]")
+        return str(tmp_path), "config.json: a JSON object of settings, got a JSON list"
     if kind == "unknown architecture":
         (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"]}')
         return str(tmp_path), "architecture 'FooForCausalLM' is not supported"
@@ -65,7 +68,7 @@ def _bad_checkpoint(tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", ["text file", "empty folder", "malformed config",
-                                  "unknown architecture", "corrupt gguf"])
+                                  "config list", "unknown architecture", "corrupt gguf"])
 @pytest.mark.parametrize("flag", ["--model-path", "--speculative-draft-model-path"])
 def test_a_path_that_is_no_checkpoint_fails_before_loading(tmp_path, kind, flag):
     """Every checkpoint flag is read at parse time: a path that exists but holds no
