@@ -36,6 +36,9 @@ def parse_args(argv=None) -> ServerArgs:
 
             check_listen_port("port", args.host, args.port)
             if args.role in ("prefill", "pd"):
+                if args.disaggregation_bootstrap_port == args.port:
+                    raise ValueError(f"disaggregation_bootstrap_port: {args.port} is --port "
+                                     "too; the HTTP and bootstrap servers need a port each")
                 check_listen_port("disaggregation_bootstrap_port", args.host,
                                   args.disaggregation_bootstrap_port)
         return args

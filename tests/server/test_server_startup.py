@@ -87,6 +87,16 @@ def test_a_path_that_is_no_checkpoint_fails_before_loading(tmp_path, kind, flag)
     assert "Traceback" not in proc.stderr
 
 
+def test_one_port_for_http_and_bootstrap_fails_before_loading():
+    port = str(free_port())
+    proc = subprocess.run([sys.executable, "-m", "pdjax.serve", "--role", "prefill", "--port",
+                           port, "--disaggregation-bootstrap-port", port], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: disaggregation_bootstrap_port: {port} is --port too" in proc.stderr
+
+
 def test_a_missing_tokenizer_path_fails_before_loading():
     proc = subprocess.run([sys.executable, "-m", "pdjax.serve", "--tokenizer-path",
                            "/nonexistent/tok", "--port", str(free_port())], cwd=ROOT,
