@@ -42,9 +42,9 @@ from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
 from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.runner.entry_points import EntryPoints
+from pdjax.runner.model_runner import check_pool_fits
 from pdjax.runner.pool_copy import kv_pool_copy
 from pdjax.sched.buckets import BucketKey
-from pdjax.sched.scheduler import Scheduler
 from pdjax.transfer.local_kv import page_buckets
 
 # Kernel names as they appear in a compiled executable's text (Pallas names its calls).
@@ -127,7 +127,7 @@ class AbstractEngine:
             **model_kwargs(args, config.model_path)))
         self.graphdef, self.state = abstract_model(
             model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)
-        self.context_length = Scheduler(config.scheduler).max_request_tokens
+        self.context_length = config.scheduler.max_request_tokens
         self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
         if buckets is not None:
             buckets.check_serves(self.buckets)
@@ -142,6 +142,7 @@ class AbstractEngine:
                                 chunk_size=args.chunked_prefill_size)
         (self.caches, self.penalty_counts, self.prompt_seen,
          self.no_prev_tokens) = self.jits.abstract_device_state()
+        check_pool_fits(self.caches, args.num_pages, args.page_size, target.hbm_bytes)
 
     def device_context(self):
         """``Target.device_context`` of the target (tracing needs it)."""

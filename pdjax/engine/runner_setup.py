@@ -17,7 +17,6 @@ from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, make_mesh
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import Buckets
-from pdjax.sched.scheduler import Scheduler
 
 
 @dataclasses.dataclass
@@ -58,7 +57,7 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
         interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
         cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, config.model_path))
     phase("model")
-    context_length = Scheduler(config.scheduler).max_request_tokens
+    context_length = config.scheduler.max_request_tokens
     node_buckets = make_buckets(args, context_length, config.attention_impl, model)
     if buckets is not None:
         buckets.check_serves(node_buckets)

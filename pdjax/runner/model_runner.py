@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import os
 import threading
 import time
@@ -71,6 +72,39 @@ def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=shape.sharding)()
 
 
+def device_memory_bytes(device) -> int | None:
+    """What ``device`` can hold: its allocator's limit (TPU, GPU), or the host's physical memory
+    for a CPU device; None when unknown."""
+    try:
+        stats = device.memory_stats()
+    except Exception:          # some backends do not implement it
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_pool_fits(caches: dict, num_pages: int, page_size: int, limit: int | None) -> None:
+    """``ValueError`` naming ``max_total_tokens`` when one device's shard of the KV pool
+    (``caches``: ``ShapeDtypeStruct``s with their shardings) is larger by itself than ``limit``
+    bytes (a device's memory, ``device_memory_bytes``; None: unknown, not checked): it would
+    fail deep in an allocation (a MemoryError, an XLA out-of-memory) after the weights had
+    loaded, or in the compiler."""
+    if limit is None:
+        return
+    per_device = sum(math.prod(c.sharding.shard_shape(c.shape)) * np.dtype(c.dtype).itemsize
+                     for c in caches.values())
+    if per_device > limit:
+        raise ValueError(f"max_total_tokens: a KV pool of {num_pages * page_size:,} tokens "
+                         f"needs {per_device / 2**30:,.1f} GiB on each device, more than its "
+                         f"{limit / 2**30:,.1f} GiB")
+
+
 class ModelRunner:
     """Runs forwards of ``FlatBatch``es on ``mesh``; owns the KV cache.
 
@@ -107,6 +141,7 @@ class ModelRunner:
         # tables is the null slot; no_prev_tokens stands for the previous step's sampled ids
         # when no step came before (placeholders unused).
         caches, counts, seen, no_prev = self.jits.abstract_device_state()
+        check_pool_fits(caches, num_pages, page_size, device_memory_bytes(mesh.devices.flat[0]))
         self.caches, self.penalty_counts, self.prompt_seen, self.no_prev_tokens = jax.tree.map(
             _zeros, (caches, counts, seen, no_prev))
         self.resample_rows: tuple[int, ...] = ()     # logits rows warm-up compiled resample for

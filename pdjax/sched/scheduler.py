@@ -100,6 +100,11 @@ class SchedulerConfig:
         """Most tokens one forward carries, decode rows included."""
         return self.max_num_batched_tokens or self.chunked_prefill_size
 
+    @property
+    def max_request_tokens(self) -> int:
+        """Most tokens one request may hold: the context length, and what the pool can hold."""
+        return min(self.max_context_len, (self.num_pages - 2) * self.page_size)
+
 
 class Scheduler(RemoteKV, SpecRows):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
@@ -140,8 +145,8 @@ class Scheduler(RemoteKV, SpecRows):
     # ------------------------------------------------------------------ queue operations
     @property
     def max_request_tokens(self) -> int:
-        """Most tokens one request may hold: the context length, and what the pool can hold."""
-        return min(self.config.max_context_len, (self.config.num_pages - 2) * self.page_size)
+        """Most tokens one request may hold (``SchedulerConfig.max_request_tokens``)."""
+        return self.config.max_request_tokens
 
     def add_request(self, req: Request) -> None:
         """Queue ``req``; ``ValueError`` if its prompt cannot fit the context or the pool."""

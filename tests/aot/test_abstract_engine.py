@@ -134,6 +134,11 @@ def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
                          (["--model-path", str(tmp_path)], "model_path")):
         assert aot_main(base + extra) == 2, extra
         assert capsys.readouterr().err.startswith(f"error: {field}"), extra
+    # A pool larger than a chip by itself is refused before compiling (it compiled, and the
+    # compiler's out-of-memory lines scrolled by with exit 0).
+    with pytest.raises(ValueError, match=r"^max_total_tokens: a KV pool of 33,554,4\d\d tokens "
+                                         r"needs .* GiB on each device, more than its 1.0 GiB"):
+        AbstractEngine(ServerArgs(**{**SETTINGS, "max_total_tokens": 2 ** 25}), cpu_target())
     with pytest.raises(ValueError, match="attention_backend: 'tpu' does not run on cpu"):
         AbstractEngine(ServerArgs(**{**SETTINGS, "attention_backend": "tpu"}), cpu_target())
     from pdjax.engine.settings import resolve_engine_config

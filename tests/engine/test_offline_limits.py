@@ -73,3 +73,18 @@ def test_numpy_token_ids_are_taken_as_lists(llama_engine):
     assert isinstance(as_array, dict) and len(rows) == 2
     assert as_array["output_ids"] == as_list["output_ids"]
     assert [r["output_ids"] for r in rows] == [o["output_ids"] for o in as_lists]
+
+
+def test_a_pool_larger_than_the_device_is_refused_naming_max_total_tokens(tiny_checkpoints):
+    """Before: a MemoryError from the page allocator's lists (no message), or XLA's
+    out-of-memory on the pool's zeros, after the weights had loaded."""
+    from pdjax.engine import Engine
+    from pdjax.runner.model_runner import device_memory_bytes
+    import jax
+
+    memory = device_memory_bytes(jax.devices()[0])
+    assert memory is not None and memory > 2 ** 30        # the host's RAM on CPU
+    with pytest.raises(ValueError, match=r"^max_total_tokens: a KV pool of 100,000,000,0\d\d "
+                                         r"tokens needs [\d,.]+ GiB on each device, more than"):
+        Engine(tiny_checkpoints["llama"], dtype="float32", max_total_tokens=10 ** 11,
+               context_length=128, progress=False)
