@@ -5,6 +5,7 @@ scheduler's ``SchedulerConfig`` is built here (DESIGN.md §1)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -16,6 +17,8 @@ from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_
 from pdjax.models.platform import PlatformProfile
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.scheduler import SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 _KV_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "fp8_e4m3": jnp.float8_e4m3fn}
 
@@ -95,6 +98,11 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
         raise ValueError("kv_cache_dtype: the MLA kernels take a float32 or bfloat16 latent "
                          "cache, not fp8_e4m3")
     model_len = model_cfg.max_position_embeddings
+    if args.context_length is not None and args.context_length > model_len:
+        # SGLang refuses this unless told to; pdjax serves it (the AOT sweeps size real models
+        # past their config's value) and says so: positions past training are the user's risk.
+        logger.warning("context_length %d is over the model's max_position_embeddings %d: "
+                       "positions past it were never trained", args.context_length, model_len)
     sched, cache = args.scheduler, args.cache
     scheduler = SchedulerConfig(
         num_pages=cache.num_pages, page_size=cache.page_size,

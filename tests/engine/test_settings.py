@@ -82,6 +82,18 @@ def test_resolve_engine_config(tiny_checkpoints):
     assert prefill.scheduler.page_aligned_chunks
 
 
+def test_a_context_over_the_models_positions_is_served_with_a_warning(tiny_checkpoints,
+                                                                      caplog):
+    path = tiny_checkpoints["llama"]        # max_position_embeddings 512
+    with caplog.at_level("WARNING", logger="pdjax.engine.settings"):
+        assert resolve_engine_config(ServerArgs(model_path=path, context_length=512)) \
+            .scheduler.max_context_len == 512
+        assert not caplog.records
+        cfg = resolve_engine_config(ServerArgs(model_path=path, context_length=1000))
+    assert cfg.scheduler.max_context_len == 1000
+    assert "context_length 1000 is over the model's max_position_embeddings 512" in caplog.text
+
+
 def test_single_device_kernel_is_not_picked_for_tensor_parallel(tiny_checkpoints, monkeypatch):
     """The native CPU kernel has no sharding rule: under tp_size > 1 auto falls back to the
     jnp path, and asking for it by name is an error naming the field."""
