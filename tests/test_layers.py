@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "pdjax"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("control", ("pdjax.config", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
+    ("control", ("pdjax.config", "pdjax.paths", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
                  "pdjax.sched", "pdjax.spec",
                  "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),
