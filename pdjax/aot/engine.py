@@ -42,7 +42,7 @@ from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
 from pdjax.pallas_kernels.lanes import kv_row_align
 from pdjax.runner.entry_points import EntryPoints
-from pdjax.runner.model_runner import check_pool_fits
+from pdjax.runner.model_runner import check_pool_fits, shard_bytes
 from pdjax.runner.pool_copy import kv_pool_copy
 from pdjax.sched.buckets import BucketKey
 from pdjax.transfer.local_kv import page_buckets
@@ -151,11 +151,11 @@ class AbstractEngine:
     # ------------------------------------------------------------------ sizes
     def weight_bytes_per_chip(self) -> int:
         """Bytes of the parameters one chip holds (its shards of every array)."""
-        return sum(_shard_bytes(leaf) for leaf in jax.tree.leaves(self.state))
+        return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(self.state))
 
     def kv_bytes_per_page_per_chip(self) -> int:
         """Bytes one KV page takes on one chip, over every buffer and layer."""
-        return sum(_shard_bytes(c) for c in self.caches.values()) // self.args.num_pages
+        return sum(shard_bytes(c) for c in self.caches.values()) // self.args.num_pages
 
     # ------------------------------------------------------------------ entries
     def entries(self, which: str = "all") -> list[Entry]:
@@ -240,14 +240,9 @@ class AbstractEngine:
             alias_bytes=int(stats.alias_size_in_bytes),
             temp_bytes=int(stats.temp_size_in_bytes),
             code_bytes=int(stats.generated_code_size_in_bytes),
-            pool_copy=(kv_pool_copy(compiled, [_shard_bytes(c) for c in self.caches.values()])
+            pool_copy=(kv_pool_copy(compiled, [shard_bytes(c) for c in self.caches.values()])
                        if entry.key is not None else None),
             executable=compiled)
-
-
-def _shard_bytes(leaf) -> int:
-    shape = leaf.sharding.shard_shape(leaf.shape)
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
 
 
 def _sharded(tree, default_sharding):

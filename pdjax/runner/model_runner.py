@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import os
 import threading
 import time
@@ -72,6 +71,13 @@ def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=shape.sharding)()
 
 
+def shard_bytes(leaf) -> int:
+    """Bytes of one device's shard of ``leaf`` (an array or a ``ShapeDtypeStruct`` with a
+    sharding), from its shape and sharding only."""
+    shape = leaf.sharding.shard_shape(leaf.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+
+
 def device_memory_bytes(device) -> int | None:
     """What ``device`` can hold: its allocator's limit (TPU, GPU), or the host's physical memory
     for a CPU device; None when unknown."""
@@ -97,8 +103,7 @@ def check_pool_fits(caches: dict, num_pages: int, page_size: int, limit: int | N
     loaded, or in the compiler."""
     if limit is None:
         return
-    per_device = sum(math.prod(c.sharding.shard_shape(c.shape)) * np.dtype(c.dtype).itemsize
-                     for c in caches.values())
+    per_device = sum(shard_bytes(c) for c in caches.values())
     if per_device > limit:
         raise ValueError(f"max_total_tokens: a KV pool of {num_pages * page_size:,} tokens "
                          f"needs {per_device / 2**30:,.1f} GiB on each device, more than its "
@@ -330,8 +335,7 @@ class ModelRunner:
         """Bytes of one device's shard of each KV buffer (``cache_specs`` order). From shapes
         and shardings only: a background compile calls it while a step holds the donated
         buffers."""
-        return [int(np.prod(c.sharding.shard_shape(c.shape), dtype=np.int64)) * c.dtype.itemsize
-                for c in (self.caches[s.name] for s in self.cache_specs)]
+        return [shard_bytes(self.caches[s.name]) for s in self.cache_specs]
 
     def require_in_place_kv(self) -> None:
         """Promise that every forward updates the KV buffers in place, for a transfer engine
