@@ -95,9 +95,12 @@ class DecodeConnector(RoleManager):
         self.num_quarantine_released_by_timeout = 0
         # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
         self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
+        # The worker handles what the channel receives: it exists before the other nodes are
+        # told this endpoint (a DecodeRankInfo that came first was lost, and the decode waited
+        # for it until its clients timed out).
+        self.worker = DecodeTransferWorker(self)
         if self.ranks is not None:
             self.ranks.announce(self.channel.endpoint)
-        self.worker = DecodeTransferWorker(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
