@@ -19,8 +19,8 @@ import dataclasses
 import os
 from typing import Any
 
-from pdjax.config import (check_positive_ints, check_rope_type, hf_architecture,
-                          hf_common_fields, read_hf_config)
+from pdjax.config import (check_positive_ints, check_rope_type, hf_architecture, hf_bool,
+                          hf_common_fields, hf_float, hf_int, hf_str_list, read_hf_config)
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 INDEXER_TYPES = ("none", "full", "shared")
@@ -185,10 +185,12 @@ class DeepseekConfig:
         missing or bad field."""
         arch = hf_architecture(cfg, source)
         try:
-            num_layers = int(cfg["num_hidden_layers"])
-            mlp_types = cfg.get("mlp_layer_types")
+            num_layers = hf_int(cfg, "num_hidden_layers")
+            mlp_types = hf_str_list(cfg, "mlp_layer_types")
             if mlp_types is None:
-                n_dense = min(int(cfg.get("first_k_dense_replace", 3) or 0), num_layers)
+                # An explicit null is no dense layer (as before); a missing key DeepSeek-V3's 3.
+                n_dense = min(hf_int(cfg, "first_k_dense_replace",
+                                     0 if "first_k_dense_replace" in cfg else 3), num_layers)
                 mlp_types = ["dense"] * n_dense + ["sparse"] * (num_layers - n_dense)
             if arch == "DeepseekV3ForCausalLM":
                 indexer_types = ["none"] * num_layers
@@ -199,34 +201,34 @@ class DeepseekConfig:
             has_idx = arch != "DeepseekV3ForCausalLM"
             return cls(
                 architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=int(cfg["hidden_size"]),
-                intermediate_size=int(cfg["intermediate_size"]),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                vocab_size=hf_int(cfg, "vocab_size"),
+                hidden_size=hf_int(cfg, "hidden_size"),
+                intermediate_size=hf_int(cfg, "intermediate_size"),
+                moe_intermediate_size=hf_int(cfg, "moe_intermediate_size", 0),
                 num_layers=num_layers,
-                num_heads=int(cfg["num_attention_heads"]),
+                num_heads=hf_int(cfg, "num_attention_heads"),
                 q_lora_rank=_required_int(cfg, "q_lora_rank", source),
-                kv_lora_rank=int(cfg["kv_lora_rank"]),
-                qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-                qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-                v_head_dim=int(cfg["v_head_dim"]),
-                n_routed_experts=int(cfg.get("n_routed_experts") or 0),
-                n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-                num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-                n_group=int(cfg.get("n_group") or 1),
-                topk_group=int(cfg.get("topk_group") or 1),
-                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                kv_lora_rank=hf_int(cfg, "kv_lora_rank"),
+                qk_nope_head_dim=hf_int(cfg, "qk_nope_head_dim"),
+                qk_rope_head_dim=hf_int(cfg, "qk_rope_head_dim"),
+                v_head_dim=hf_int(cfg, "v_head_dim"),
+                n_routed_experts=hf_int(cfg, "n_routed_experts", 0),
+                n_shared_experts=hf_int(cfg, "n_shared_experts", 0),
+                num_experts_per_tok=hf_int(cfg, "num_experts_per_tok", 0),
+                n_group=hf_int(cfg, "n_group", 1) or 1,
+                topk_group=hf_int(cfg, "topk_group", 1) or 1,
+                routed_scaling_factor=hf_float(cfg, "routed_scaling_factor", 1.0),
+                norm_topk_prob=hf_bool(cfg, "norm_topk_prob", True),
                 mlp_layer_types=tuple(mlp_types),
                 indexer_types=tuple(indexer_types),
-                index_topk=int(cfg.get("index_topk", 0)) if has_idx else 0,
-                index_head_dim=int(cfg.get("index_head_dim", 0)) if has_idx else 0,
-                index_n_heads=int(cfg.get("index_n_heads", 0)) if has_idx else 0,
+                index_topk=hf_int(cfg, "index_topk", 0) if has_idx else 0,
+                index_head_dim=hf_int(cfg, "index_head_dim", 0) if has_idx else 0,
+                index_n_heads=hf_int(cfg, "index_n_heads", 0) if has_idx else 0,
                 indexer_rope_interleave=arch == "GlmMoeDsaForCausalLM",
-                rope_interleave=(bool(cfg.get("rope_interleave", True))
+                rope_interleave=(hf_bool(cfg, "rope_interleave", True)
                                  if arch == "DeepseekV3ForCausalLM" else True),
-                attention_bias=bool(cfg.get("attention_bias", False)),
-                num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+                attention_bias=hf_bool(cfg, "attention_bias", False),
+                num_nextn_predict_layers=hf_int(cfg, "num_nextn_predict_layers", 0),
                 **hf_common_fields(cfg),
             )
         except KeyError as e:
@@ -242,26 +244,28 @@ class DeepseekConfig:
 
 
 def _required_int(cfg: dict, name: str, source: str) -> int:
-    v = cfg.get(name)
-    if v is None:
+    if cfg.get(name) is None:
         raise ValueError(f"{source}: {name} is required (the q_lora-less MLA variant is not "
                          "supported)")
-    return int(v)
+    return hf_int(cfg, name)
 
 
 def _glm_indexer_types(cfg: dict, num_layers: int) -> list[str]:
     """GLM-5's per-layer indexer schedule, in transformers' order of precedence:
     ``indexer_types``, then ``index_topk_pattern`` (``"FSS..."``), then
     ``index_topk_freq`` / ``index_skip_topk_offset``."""
-    types = cfg.get("indexer_types")
+    types = hf_str_list(cfg, "indexer_types")
     if types is None:
         pattern = cfg.get("index_topk_pattern")
-        if pattern is not None:
-            types = ([{"F": "full", "S": "shared"}[c] for c in pattern]
-                     if isinstance(pattern, str) else list(pattern))
+        if isinstance(pattern, str):
+            if set(pattern) - set("FS"):
+                raise ValueError(f"index_topk_pattern: expected letters F and S, got {pattern!r}")
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        elif pattern is not None:
+            types = hf_str_list(cfg, "index_topk_pattern")
         else:
-            freq = max(int(cfg.get("index_topk_freq", 1)), 1)
-            offset = int(cfg.get("index_skip_topk_offset", 2))
+            freq = max(hf_int(cfg, "index_topk_freq", 1), 1)
+            offset = hf_int(cfg, "index_skip_topk_offset", 2)
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared"
                      for i in range(num_layers)]
     return list(types)

@@ -1,8 +1,10 @@
 """scripts/bench_vs_peers.py in its small mode: pdjax and transformers on the tiny Llama."""
 
 import json
+import os
 
 import bench_vs_peers
+import pytest
 
 from bench_settings import TINY_FLAGS
 from pdjax.models.loader import load_tokenizer
@@ -13,26 +15,108 @@ def test_bench_vs_peers_small(tiny_checkpoints, tmp_path):
     result = bench_vs_peers.main(["--model-path", tiny_checkpoints["llama"], "--small",
                                   *TINY_FLAGS, "--scan-layers", "--output-file", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert [r["system"] for r in result["rows"]] == [
-        "pdjax Engine", "pdjax Engine --no-unroll-layers", "transformers generate"]
+    assert list(result["workloads"]) == ["disjoint", "shared_prefix"]
     assert result["num_prompts"] == 4 and result["output_len"] == 8
     assert result["total_output_tokens"] == 4 * 8
-    lens = result["input_lens"]
-    assert lens == sorted(lens) and lens[0] >= 8 and lens[-1] == 40
-    pdjax, scanned, hf = result["rows"]
-    assert hf["prompts_agreeing_exact"] == 4                  # transformers against itself
-    assert pdjax["prompts_agreeing_tie_aware"] == 4
-    assert scanned["prompts_agreeing_tie_aware"] == 4
-    for r in result["rows"]:
-        assert r["offline_s"] > 0 and r["single_stream_ms_per_token"] > 0
-        assert abs(r["offline_output_tok_s"] - 32 / r["offline_s"]) < 1e-9
+    disjoint, shared = result["workloads"]["disjoint"], result["workloads"]["shared_prefix"]
+    for w in (disjoint, shared):
+        lens = w["input_lens"]
+        assert lens == sorted(lens) and lens[0] >= 8 and lens[-1] == 40
+        assert w["total_prompt_tokens"] == sum(lens)
+        assert [r["system"] for r in w["rows"]] == [
+            "pdjax Engine", "pdjax Engine --no-unroll-layers", "transformers generate"]
+        pdjax, scanned, hf = w["rows"]
+        assert hf["prompts_agreeing_exact"] == 4                  # transformers against itself
+        assert pdjax["prompts_agreeing_tie_aware"] == 4
+        assert scanned["prompts_agreeing_tie_aware"] == 4
+        for r in w["rows"]:
+            assert r["offline_s"] > 0 and r["single_stream_ms_per_token"] > 0
+            assert abs(r["offline_output_tok_s"] - 32 / r["offline_s"]) < 1e-9
+            assert len(r["load_average"]["before"]) == 3 and len(r["load_average"]["after"]) == 3
+    # the shared-prefix workload shares most of its tokens, the disjoint one at most the head
+    head = _template_head(load_tokenizer(tiny_checkpoints["llama"]))
+    assert disjoint["shared_prefix_tokens"] <= 3 * (head + 3)
+    assert shared["shared_prefix_tokens"] > sum(shared["input_lens"][:3]) // 2
     assert result["pdjax_compiles_after_warmup"] == 0
     assert result["pdjax_scanned_compiles_after_warmup"] == 0
+    assert result["vllm_env"] == {}
+
+
+def _template_head(tok) -> int:
+    """Tokens every chat prompt starts with (the template before the user's message)."""
+    def encode(text):
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(text)["input_ids"]
+
+    a, b = encode("alpha"), encode("beta")
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_chat_prompts_hit_the_target_lengths(tiny_checkpoints):
     tok = load_tokenizer(tiny_checkpoints["llama"])
-    prompts = bench_vs_peers.chat_prompts(tok, [20, 33, 64])
-    assert [len(p) for p in prompts] == [20, 33, 64]
-    if getattr(tok, "chat_template", None):
-        assert prompts[0][-3:] == prompts[2][-3:]
+    for shared_prefix in (False, True):
+        prompts = bench_vs_peers.chat_prompts(tok, [20, 33, 64], shared_prefix=shared_prefix)
+        assert [len(p) for p in prompts] == [20, 33, 64]
+        if getattr(tok, "chat_template", None):
+            assert prompts[0][-3:] == prompts[2][-3:]
+
+
+def test_default_prompts_are_disjoint(tiny_checkpoints):
+    """The default workload's 16 prompts (16-400 tokens): no prompt shares more than the chat
+    template's head (and a word's first letters: the tiny tokenizer spells most words letter by
+    letter) with another, so no prompt is a prefix of another (issue 44: each was cut
+    from the start of one text, 2,853 of SmolLM2's 3,343 prompt tokens a prefix of an earlier
+    prompt, and pdjax's radix cache skipped them)."""
+    tok = load_tokenizer(tiny_checkpoints["llama"])
+    lengths = [int(n) for n in bench_vs_peers.np.linspace(16, 400, 16).round()]
+    prompts = bench_vs_peers.chat_prompts(tok, lengths)
+    head = _template_head(tok)
+    lens = [len(p) for p in prompts]
+    shortest = len(bench_vs_peers.chat_prompts(tok, [1])[0])     # template + one token
+    assert lens == [max(shortest, lengths[0])] + lengths[1:]
+    for i, p in enumerate(prompts):
+        for q in prompts[:i]:
+            common = next((n for n, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+            assert common <= head + 3, (len(q), len(p), common)   # a word's first letters
+    assert bench_vs_peers.shared_prefix_tokens(prompts) <= 15 * (head + 3)
+    shared = bench_vs_peers.chat_prompts(tok, lengths, shared_prefix=True)
+    assert bench_vs_peers.shared_prefix_tokens(shared) > sum(lengths[:-1]) // 2
+
+
+def test_shared_prefix_tokens_counts_the_longest_common_prefix():
+    assert bench_vs_peers.shared_prefix_tokens([[1, 2, 3], [1, 2, 4, 5], [9], [1, 2, 4, 6]]) \
+        == 0 + 2 + 0 + 3
+
+
+def test_vllm_env_preloads_tcmalloc_and_iomp(tmp_path, monkeypatch):
+    """vLLM runs as its CPU docs configure it: tcmalloc and the venv's libiomp5.so preloaded,
+    its KV cache size and OpenMP threads set; a missing library is an error naming the flag."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib").mkdir()
+    python = str(venv / "bin" / "python")
+    tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
+    tcmalloc.write_bytes(b"")
+    monkeypatch.setattr(bench_vs_peers, "TCMALLOC_PATHS", (str(tmp_path / "none.so"),
+                                                           str(tcmalloc)))
+    with pytest.raises(SystemExit) as e:
+        bench_vs_peers.parse_args(["--vllm-python", python])
+    assert e.value.code == 2                       # no libiomp5.so in the venv yet
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    args = bench_vs_peers.parse_args(["--vllm-python", python, "--vllm-threads", "2"])
+    env = bench_vs_peers.vllm_env(args)
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2",
+                   "VLLM_CPU_KVCACHE_SPACE": "2",
+                   "LD_PRELOAD": f"{tcmalloc}:{venv / 'lib' / 'libiomp5.so'}"}
+    args = bench_vs_peers.parse_args(["--vllm-python", python, "--vllm-preload", "none"])
+    assert "LD_PRELOAD" not in bench_vs_peers.vllm_env(args)
+    with pytest.raises(SystemExit):
+        bench_vs_peers.parse_args(["--vllm-python", python, "--vllm-preload",
+                                   os.path.join(str(tmp_path), "missing.so")])
