@@ -36,12 +36,29 @@ def check_positive_ints(obj, names) -> None:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+# The numbers each RoPE scaling reads (``models/layers.rope_inv_freq``).
+_ROPE_REQUIRED = {"linear": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings"),
+                  "yarn": ("factor", "original_max_position_embeddings")}
+_ROPE_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow")
+
+
 def check_rope_type(rope_scaling: tuple | None, allowed: tuple[str, ...]) -> None:
     """``ValueError`` unless the ``rope_type`` of ``rope_scaling`` (sorted ``(key, value)``
-    pairs; ``None`` or no ``rope_type`` is ``"default"``) is one of ``allowed``."""
-    rope_type = dict(rope_scaling or ()).get("rope_type", "default")
+    pairs; ``None`` or no ``rope_type`` is ``"default"``) is one of ``allowed`` and every
+    number that type reads is there and a number (``rope_scaling.factor: ...``)."""
+    params = dict(rope_scaling or ())
+    rope_type = params.get("rope_type", "default")
     if rope_type not in allowed:
         raise ValueError(f"rope_scaling.rope_type must be one of {allowed}, got {rope_type!r}")
+    for key in _ROPE_REQUIRED.get(rope_type, ()):
+        if params.get(key) is None:
+            raise ValueError(f"rope_scaling.{key} is required by rope_type {rope_type!r}")
+    for key in _ROPE_REQUIRED.get(rope_type, ()) + _ROPE_OPTIONAL:
+        v = params.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"rope_scaling.{key}: expected a number, got {v!r}")
 
 
 def hf_architecture(cfg: dict[str, Any], source: str) -> str:
@@ -50,6 +67,8 @@ def hf_architecture(cfg: dict[str, Any], source: str) -> str:
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"{source}: missing 'architectures'")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise ValueError(f"{source}: architectures: expected a list of names, got {archs!r}")
     return archs[0]
 
 
@@ -70,29 +89,93 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return cfg
 
 
+_REQUIRED = object()
+
+
+def _int_value(key: str, v) -> int:
+    if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+        raise ValueError(f"{key}: expected an integer, got {v!r}")
+    return int(v)
+
+
+def hf_int(cfg: dict[str, Any], key: str, default=_REQUIRED) -> int:
+    """``cfg[key]`` of a ``config.json`` dict as an int (a JSON integer, or a float with an
+    integral value such as ``4096.0``); ``default`` when it is missing or null. Raises
+    ``KeyError(key)`` when it is missing without a default, ``ValueError`` ``"KEY: expected
+    an integer, got V"`` for any other value (a string, a bool, ``3.5``)."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise KeyError(key)
+        return default
+    return _int_value(key, v)
+
+
+def hf_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    """``cfg[key]`` as a float (a JSON number), ``default`` when missing or null; ``ValueError``
+    ``"KEY: expected a number, got V"`` otherwise."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{key}: expected a number, got {v!r}")
+    return float(v)
+
+
+def hf_bool(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    """``cfg[key]`` as a bool (JSON ``true``/``false``), ``default`` when missing or null;
+    ``ValueError`` ``"KEY: expected true or false, got V"`` otherwise (``"false"`` is not
+    taken for true)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ValueError(f"{key}: expected true or false, got {v!r}")
+    return v
+
+
+def hf_str_list(cfg: dict[str, Any], key: str) -> list[str] | None:
+    """``cfg[key]`` as a list of strings, None when missing or null; ``ValueError`` otherwise."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(t, str) for t in v):
+        raise ValueError(f"{key}: expected a list of strings, got {v!r}")
+    return v
+
+
 def hf_common_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The fields of a transformers ``config.json`` that every supported architecture reads the
     same way, under the names of ``ModelConfig`` and ``DeepseekConfig``: RoPE (transformers 5
     ``rope_parameters``, or the legacy ``rope_theta`` + ``rope_scaling`` with ``type``; plain
     RoPE is ``rope_scaling=None``), norm epsilon, context, tied embeddings, BOS/EOS, activation.
-    Raises ``KeyError``/``ValueError``/``TypeError`` on a bad value (the callers name the file).
+    Raises ``KeyError`` for a missing field and ``ValueError`` naming the field of a value of
+    the wrong type (``hf_int``, ``hf_float``, ``hf_bool``; the callers name the file).
     """
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{key}: expected an object, got {rope!r}")
+    rope = dict(rope)
+    theta = hf_float(rope, "rope_theta", hf_float(cfg, "rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     rope.pop("partial_rotary_factor", None)
     if rope.get("rope_type", "default") == "default":
         rope = {}
+    if any(isinstance(v, (dict, list)) for v in rope.values()):
+        raise ValueError(f"{key}: expected an object of numbers, got {cfg[key]!r}")
     eos = cfg.get("eos_token_id")
-    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos = (tuple(_int_value("eos_token_id", e) for e in eos) if isinstance(eos, list)
+           else (() if eos is None else (_int_value("eos_token_id", eos),)))
     return dict(
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=hf_float(cfg, "rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=_freeze(rope),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
+        max_position_embeddings=hf_int(cfg, "max_position_embeddings", 4096),
+        tie_word_embeddings=hf_bool(cfg, "tie_word_embeddings", False),
+        bos_token_id=hf_int(cfg, "bos_token_id", None),
         eos_token_ids=eos,
         hidden_act=cfg.get("hidden_act", "silu"),
     )
@@ -145,26 +228,32 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        """Build from a transformers ``config.json`` dict (transformers 4 or 5 field names)."""
+        """Build from a transformers ``config.json`` dict (transformers 4 or 5 field names).
+
+        Raises ``ValueError`` starting with ``source`` and naming the field that is missing,
+        of the wrong type (``hidden_size: expected an integer, got 'big'``) or out of range."""
         arch = hf_architecture(cfg, source)
         try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
+            hidden = hf_int(cfg, "hidden_size")
+            heads = hf_int(cfg, "num_attention_heads")
             return cls(
                 architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
+                vocab_size=hf_int(cfg, "vocab_size"),
                 hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                intermediate_size=hf_int(cfg, "intermediate_size"),
+                num_layers=hf_int(cfg, "num_hidden_layers"),
                 num_q_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+                num_kv_heads=hf_int(cfg, "num_key_value_heads", 0) or heads,
+                head_dim=hf_int(cfg, "head_dim", 0) or (hidden // heads if heads > 0 else 0),
+                attention_bias=(arch == "Qwen2ForCausalLM"
+                                or hf_bool(cfg, "attention_bias", False)),
                 qk_norm=arch == "Qwen3ForCausalLM",
                 **hf_common_fields(cfg),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def from_hf_dir(cls, path: str) -> "ModelConfig":

@@ -273,6 +273,8 @@ def hf_architecture(path: str) -> str | None:
             archs = json.load(f).get("architectures") or [None]
     except (json.JSONDecodeError, AttributeError):
         return None
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        return None            # ModelConfig.from_hf_dir names the field
     return archs[0]
 
 

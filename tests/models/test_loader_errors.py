@@ -82,3 +82,65 @@ def test_unsupported_architecture(tiny_checkpoints, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="architecture 'MambaForCausalLM' is not supported"):
         load_model(str(d), progress=False)
+
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "max_position_embeddings", "bos_token_id",
+               "eos_token_id")
+_MLA_INT_FIELDS = ("moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                   "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                   "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace",
+                   "num_nextn_predict_layers")
+
+
+def _bad_values(name):
+    """(field, bad value, words of its error) for every config.json field family ``name``
+    reads: each was int()/float()/bool() of the value, a ValueError without the field's name
+    ("invalid literal for int() with base 10: 'big'") or a silent bool("false") == True."""
+    cases = [(f, "big", f"{f}: expected an integer, got 'big'") for f in _INT_FIELDS]
+    cases += [("hidden_size", 2.5, "hidden_size: expected an integer, got 2.5")]
+    cases += [("eos_token_id", [2, "x"], "eos_token_id: expected an integer, got 'x'"),
+              ("rms_norm_eps", "tiny", "rms_norm_eps: expected a number, got 'tiny'"),
+              ("rope_theta", "1e4", "rope_theta: expected a number, got '1e4'"),
+              ("tie_word_embeddings", "false", "tie_word_embeddings: expected true or false"),
+              ("architectures", "LlamaForCausalLM", "architectures: expected a list of names"),
+              ("rope_parameters", 5, "rope_parameters: expected an object, got 5"),
+              ("rope_parameters.factor", "8", "rope_scaling.factor: expected a number, got '8'"),
+              ("rope_parameters.factor", None, "rope_scaling.factor is required by rope_type")]
+    if name == "llama":
+        cases += [(f, "big", f"{f}: expected an integer, got 'big'")
+                  for f in ("num_key_value_heads", "head_dim")]
+        cases += [("head_dim", 2.5, "head_dim: expected an integer, got 2.5"),
+                  ("attention_bias", "no", "attention_bias: expected true or false")]
+    else:
+        cases += [(f, "big", f"{f}: expected an integer, got 'big'") for f in _MLA_INT_FIELDS]
+        cases += [("routed_scaling_factor", "x", "routed_scaling_factor: expected a number"),
+                  ("norm_topk_prob", 1, "norm_topk_prob: expected true or false, got 1"),
+                  ("rope_interleave", "yes", "rope_interleave: expected true or false"),
+                  ("mlp_layer_types", "dense", "mlp_layer_types: expected a list of strings")]
+    return cases
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_a_wrongly_typed_config_value_is_named(tiny_checkpoints, tmp_path, name):
+    """Every config.json field the model config reads names itself when its value has the wrong
+    type: 'config.json: hidden_size: expected an integer, got 'big'' (it was int()'s message
+    without the field, or no error for bool("false"))."""
+    from pdjax.models.loader import checkpoint_config
+
+    good = json.loads(open(os.path.join(tiny_checkpoints[name], "config.json")).read())
+    if name == "llama":
+        good["architectures"] = ["LlamaForCausalLM"]
+    for field, value, words in _bad_values(name):
+        cfg = json.loads(json.dumps(good))
+        if field.startswith("rope_parameters."):
+            cfg["rope_parameters"][field.split(".")[1]] = value
+        elif field == "rope_theta":
+            cfg["rope_parameters"]["rope_theta"] = value
+        else:
+            cfg[field] = value
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError) as e:
+            checkpoint_config(str(tmp_path))
+        msg = str(e.value)
+        assert msg.startswith(str(tmp_path / "config.json")) and words in msg, (field, msg)
