@@ -3,7 +3,8 @@ never loads JAX, and no module reaches into another package's privates.
 
 Layers, lowest first; a module may import its own layer and the ones below, never above:
 
-    control      config, request, engine_io, engine_roles, detokenizer, output, metrics,
+    control      config, request, input_checks, engine_io, engine_roles, detokenizer, output,
+                 metrics,
                  constrained, sched, kv, pd (the PD control protocol, its checks, auth, room
                  lifecycle and records, the bootstrap), transfer.engine (the transfer-engine
                  interface), distributed.wire (the multi-host messages)   (pure Python: no JAX)
@@ -31,7 +32,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "pdjax"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("control", ("pdjax.config", "pdjax.paths", "pdjax.request", "pdjax.engine_io", "pdjax.engine_roles",
+    ("control", ("pdjax.config", "pdjax.paths", "pdjax.request", "pdjax.input_checks",
+                 "pdjax.engine_io", "pdjax.engine_roles",
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
                  "pdjax.sched", "pdjax.spec",
                  "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),

@@ -26,6 +26,9 @@ import numpy as np
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "lark")
 MAX_GRAMMAR_CHARS = 256 * 1024
+# Tokens a new grammar is followed for when it compiles (``GrammarBackend._walk``): the lexer
+# and parser limits of llguidance show at the first tokens of a too-large repetition.
+WALK_TOKENS = 8
 # Compact JSON (no free whitespace between tokens): what a client parses is the same, and a
 # model cannot pad an answer with whitespace until max_tokens (vLLM's and SGLang's
 # "disable any whitespace" setting).
@@ -157,6 +160,7 @@ class GrammarBackend:
         self._tokenizer = llguidance.hf.from_tokenizer(
             tokenizer, n_vocab=vocab_size, eos_token=eos[0] if eos and len(eos) == 1 else eos)
         self.vocab_size = vocab_size
+        self._eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self._compile = functools.lru_cache(maxsize=cache_size)(self._compile_uncached)
 
     def _compile_uncached(self, spec: GrammarSpec) -> str:
@@ -176,7 +180,30 @@ class GrammarBackend:
         if m.is_error() or not first.any():
             why = (m.get_error() or "").strip().splitlines()[:1] or ["no token is allowed"]
             raise ValueError(f"{spec.field}: the {kind} admits no text ({why[0][:200]})")
+        self._walk(m, first, spec, kind)
         return grammar
+
+    def _walk(self, m, mask: np.ndarray, spec: GrammarSpec, kind: str) -> None:
+        """Follow the grammar for up to ``WALK_TOKENS`` tokens (the lowest allowed id each
+        time) so that a grammar past llguidance's lexer or parser limits (``a{1000000}``: "too
+        many expressions constructed") is refused now, naming its field, instead of failing
+        its request at the first generated token. ``ValueError`` naming ``spec.field``."""
+        for _ in range(WALK_TOKENS):
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            allowed = [int(t) for t in allowed[:64] if t < self.vocab_size
+                       and t not in self._eos_token_ids]
+            if not allowed or m.is_stopped():
+                return
+            m.consume_token(allowed[0])
+            if m.is_error():
+                why = (m.get_error() or "").strip().splitlines()[:1] or ["a limit was reached"]
+                raise ValueError(f"{spec.field}: the {kind} is too complex to follow "
+                                 f"({why[0][:200]})")
+            m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.size * 4)
+            if m.is_error():
+                why = (m.get_error() or "").strip().splitlines()[:1] or ["a limit was reached"]
+                raise ValueError(f"{spec.field}: the {kind} is too complex to follow "
+                                 f"({why[0][:200]})")
 
     def compile(self, spec: GrammarSpec) -> str:
         """The checked grammar definition of ``spec`` (cached); ``ValueError`` naming

@@ -20,7 +20,8 @@ from pdjax.request import INT32_MAX, FinishReason, SamplingParams
 from pdjax.server.errors import RequestError
 from pdjax.server.results import SampleResult, json_logprob
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
-                                     check_bool, check_int, check_num_samples,
+                                     check_bool, check_int, check_max_new_tokens,
+                                     check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
                                      check_grammar, checked_body, clamp_default_max_new, encode_prompt,
                                      parse_sampling_params, pd_fields, sample_params)
@@ -167,7 +168,8 @@ def _sampling_params(body: dict, ctx: ServingContext, prompts: list[list[int]],
                      is_single: bool) -> list[SamplingParams]:
     """One ``SamplingParams`` per prompt from ``sampling_params`` (one object, or one per
     prompt of a batch); an unset ``max_new_tokens`` is clamped to the context, grammars are
-    compiled (a bad one is a 400 now), and ``n`` must agree across prompts."""
+    compiled (a bad one is a 400 now), and ``n`` must agree across prompts. A
+    ``max_new_tokens`` the client set must fit in the context after its prompt."""
     batch = len(prompts)
     sp_raw = body.get("sampling_params", {})
     if isinstance(sp_raw, dict):
@@ -183,6 +185,9 @@ def _sampling_params(body: dict, ctx: ServingContext, prompts: list[list[int]],
     else:
         raise RequestError("sampling_params must be an object (or a list of objects for a batch)",
                            "sampling_params")
+    for sp, exp, p in zip(sp_list, explicit, prompts):
+        if exp:         # asked for: refused when the prompt leaves no room for it (vLLM's 400)
+            check_max_new_tokens("max_new_tokens", sp, len(p), ctx)
     sp_list = [sp if exp else clamp_default_max_new(sp, len(p), ctx)
                for sp, exp, p in zip(sp_list, explicit, prompts)]
     for sp in sp_list:

@@ -29,7 +29,8 @@ from pdjax.server import tools as tool_api
 from pdjax.server.chat_output import ChatOutputConfig, ChoiceOutput
 from pdjax.server.errors import RequestError
 from pdjax.server.validation import (MAX_TOP_LOGPROBS, ServingContext, check_batch_size,
-                                     check_bool, check_grammar, check_int, check_num_samples,
+                                     check_bool, check_grammar, check_int, check_max_new_tokens,
+                                     check_num_samples,
                                      check_prompt_length, check_str, check_token_ids,
                                      checked_body, encode_prompt, is_int, is_num,
                                      parse_sampling_params, pd_fields, present_fields,
@@ -293,6 +294,9 @@ def parse_completion_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     if echo and logprobs is not None:
         raise RequestError("echo together with logprobs is not supported by pdjax", "echo")
     sp = _openai_sampling(body, ctx, body.get("max_tokens", 16), "max_tokens")
+    if "max_tokens" in body:     # the default (16) may run into the context's end instead
+        for ids in prompts:
+            check_max_new_tokens("max_tokens", sp, len(ids), ctx)
     check_num_samples(len(prompts), sp.n)
     sp = dataclasses.replace(sp, grammar=_response_format(body))
     check_grammar(sp.grammar, ctx)
@@ -359,21 +363,53 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+# Arguments of ``apply_chat_template`` that the server sets itself (how it renders), or that
+# would run a client's template; a client may not pass them through chat_template_kwargs.
+_SERVER_TEMPLATE_ARGS = {"tools": "pass tools as the tools field",
+                         "chat_template": "a request cannot bring its own template",
+                         "conversation": "pass the conversation as messages"}
+_TEMPLATE_ARGS_SET_BY_SERVER = ("tokenize", "return_dict", "return_tensors", "padding",
+                                "truncation", "max_length", "return_assistant_tokens_mask",
+                                "tokenizer_kwargs")
+# Template switches read as booleans (SGLang and vLLM pass them to the template as given).
+_BOOL_TEMPLATE_ARGS = ("add_generation_prompt", "continue_final_message", "enable_thinking")
+
+
+def chat_template_kwargs(kwargs: Any, add_generation_prompt: bool = True) -> dict[str, Any]:
+    """The checked ``chat_template_kwargs`` (extra variables of the chat template), with
+    ``add_generation_prompt`` (``/tokenize``'s top-level field, else true) unless they set it:
+    the keyword arguments of ``apply_chat_template`` besides ``tokenize``. ``RequestError``
+    naming ``chat_template_kwargs.KEY`` for an argument the server sets itself, a switch that
+    is not a boolean, or ``continue_final_message`` together with ``add_generation_prompt``."""
+    if not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    for key, value in kwargs.items():
+        name = f"chat_template_kwargs.{key}"
+        if key in _SERVER_TEMPLATE_ARGS:
+            raise RequestError(f"{name}: {_SERVER_TEMPLATE_ARGS[key]}", name)
+        if key in _TEMPLATE_ARGS_SET_BY_SERVER:
+            raise RequestError(f"{name}: set by the server, not by a request", name)
+        if key in _BOOL_TEMPLATE_ARGS:
+            check_bool(name, value)
+    kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
+    if kwargs.get("continue_final_message") and kwargs["add_generation_prompt"]:
+        name = "chat_template_kwargs.continue_final_message"
+        raise RequestError(f"{name}: continuing the final message needs add_generation_prompt "
+                           "false", name)
+    return kwargs
+
+
 def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     """Validate a ``/v1/chat/completions`` body and apply the chat template
-    (``apply_chat_template(add_generation_prompt=True)``). Raises ``RequestError``."""
+    (``apply_chat_template``; ``add_generation_prompt`` true unless ``chat_template_kwargs``
+    says otherwise). Raises ``RequestError``."""
     body = checked_body(body, _CHAT_FIELDS, _OPENAI_DEFAULT_ONLY, "/v1/chat/completions")
     model = check_model(body, ctx)
     _check_bookkeeping(body)
     if "messages" not in body:
         raise RequestError("messages is required", "messages")
     messages = chat_messages(body["messages"])
-    kwargs = body.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    if "tools" in kwargs:
-        raise RequestError("chat_template_kwargs.tools: pass tools as the tools field",
-                           "chat_template_kwargs")
+    kwargs = chat_template_kwargs(body.get("chat_template_kwargs", {}))
     chat_tools = tool_api.parse_tools(body, ctx.tool_call_parser)
     try:
         prompt_text = tool_api.render_prompt(ctx.tokenizer, messages, chat_tools, kwargs)
@@ -400,6 +436,7 @@ def parse_chat_request(body: Any, ctx: ServingContext) -> OpenAIRequest:
     else:
         max_tokens, mt_name = body.get("max_tokens"), "max_tokens"
     sp = _openai_sampling(body, ctx, max_tokens, mt_name)
+    check_max_new_tokens(mt_name, sp, len(ids), ctx, "messages")
     grammar = _response_format(body)
     tool_grammar = chat_tools.grammar_spec() if chat_tools is not None else None
     if tool_grammar is not None:

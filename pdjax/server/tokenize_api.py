@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdjax.server.errors import RequestError
-from pdjax.server.openai_api import chat_messages, check_model
+from pdjax.server.openai_api import chat_messages, chat_template_kwargs, check_model
 from pdjax.server.validation import (ServingContext, check_bool, check_token_ids, checked_body,
                                      encode_prompt)
 
@@ -53,12 +53,9 @@ def tokenize(body: Any, ctx: ServingContext) -> dict[str, Any]:
 def _tokenize_chat(body: dict[str, Any], ctx: ServingContext) -> list[int]:
     messages = chat_messages(body["messages"])
     generation_prompt = check_bool("add_generation_prompt", body.get("add_generation_prompt", True))
-    kwargs = body.get("chat_template_kwargs", {})
-    if not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    kwargs = chat_template_kwargs(body.get("chat_template_kwargs", {}), generation_prompt)
     try:
-        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                 tokenize=False, **kwargs)
+        text = ctx.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # jinja errors, a missing template, bad kwargs
         raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
     special = check_bool("add_special_tokens", body.get("add_special_tokens", False))

@@ -214,10 +214,12 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], chat_tools: Ch
                   template_kwargs: dict[str, Any]) -> str:
     """The prompt text: the chat template with the tools (or, where the template ignores
     them, with the parser's instructions as a system message), plus the forced call opening.
-    Template errors propagate (the caller turns them into a 400)."""
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (``add_generation_prompt``
+    defaults to true). Template errors propagate (the caller turns them into a 400)."""
+    template_kwargs = {"add_generation_prompt": True, **template_kwargs}
+
     def render(msgs, **extra):
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
-                                             **template_kwargs, **extra)
+        return tokenizer.apply_chat_template(msgs, tokenize=False, **template_kwargs, **extra)
 
     plain = render(messages)
     if chat_tools is None:

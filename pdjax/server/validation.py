@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import pdjax.input_checks as input_checks
 from pdjax.constrained.grammar import GrammarSpec
 from pdjax.request import INT32_MAX, SEED_LIMIT, SamplingParams
 from pdjax.server.errors import RequestError
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = input_checks.MAX_TOP_LOGPROBS
 MAX_ROOM = (1 << 63) - 1
 # Limits checked before anything is tokenized or allocated (the PD router checks the same).
 MAX_N = 64                   # sampling_params.n / n (SamplingParams checks it too)
@@ -117,18 +118,12 @@ def check_fields(body: dict[str, Any], allowed: set[str],
 
 
 def check_token_ids(name: str, ids: Any, ctx: ServingContext) -> list[int]:
-    """A non-empty list of token ids in ``[0, ctx.vocab_size)``, else ``RequestError``."""
-    if not isinstance(ids, list):
-        raise RequestError(f"{name} must be a list of token ids", name)
-    if not ids:
-        raise RequestError(f"{name} is empty: the prompt needs at least one token", name)
-    for pos, t in enumerate(ids):
-        if not is_int(t):
-            raise RequestError(f"{name}[{pos}] must be an integer token id, got {t!r}", name)
-        if not 0 <= t < ctx.vocab_size:
-            raise RequestError(
-                f"{name}[{pos}] = {t} is outside the vocabulary [0, {ctx.vocab_size})", name)
-    return list(ids)
+    """A non-empty list of token ids in ``[0, ctx.vocab_size)``, else ``RequestError`` naming
+    ``name`` (``input_checks.check_token_ids``, the offline ``Engine``'s check too)."""
+    try:
+        return input_checks.check_token_ids(name, ids, ctx.vocab_size)
+    except ValueError as e:
+        raise RequestError(str(e), name) from None
 
 
 def check_batch_size(name: str, batch: int) -> None:
@@ -147,10 +142,22 @@ def check_num_samples(batch: int, n: int, name: str = "n") -> None:
 
 def check_prompt_length(name: str, ids: list[int], ctx: ServingContext) -> None:
     """``RequestError`` for a prompt of ``ctx.context_length`` tokens or more."""
-    if len(ids) >= ctx.context_length:
-        raise RequestError(
-            f"{name}: the prompt has {len(ids)} tokens, at or over the model's context length "
-            f"of {ctx.context_length} tokens", name)
+    try:
+        input_checks.check_prompt_length(name, len(ids), ctx.context_length)
+    except ValueError as e:
+        raise RequestError(str(e), name) from None
+
+
+def check_max_new_tokens(name: str, sp: SamplingParams, prompt_len: int, ctx: ServingContext,
+                         prompt_name: str = "prompt") -> None:
+    """``RequestError`` naming ``name`` (``max_tokens``, ``max_new_tokens``, ...) when the
+    prompt plus the ``max_new_tokens`` the client asked for exceed the context length
+    (``input_checks.check_max_new_tokens``, vLLM's 400)."""
+    try:
+        input_checks.check_max_new_tokens(name, sp.max_new_tokens, prompt_len,
+                                          ctx.context_length, prompt_name)
+    except ValueError as e:
+        raise RequestError(str(e), name) from None
 
 
 _MAX_TOKEN_CHARS: dict[int, int] = {}      # id(tokenizer) -> its longest token, in characters
@@ -239,10 +246,9 @@ def clamp_default_max_new(sp: SamplingParams, prompt_len: int,
                           ctx: ServingContext) -> SamplingParams:
     """The default ``max_new_tokens`` (the client did not set it) cut to what the context
     leaves after the prompt, as SGLang does. Returns a copy."""
-    left = max(1, ctx.context_length - prompt_len)
-    if sp.max_new_tokens is None or sp.max_new_tokens <= left:
-        return sp
-    return dataclasses.replace(sp, max_new_tokens=left)
+    max_new = input_checks.default_max_new_tokens(sp.max_new_tokens, prompt_len,
+                                                  ctx.context_length)
+    return sp if max_new == sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=max_new)
 
 
 def sample_params(sp: SamplingParams, j: int) -> SamplingParams:

@@ -637,7 +637,7 @@ async def test_drain_timeout_aborts_the_rest(make_client):
     client, _ = await make_client(engine)
     state = client.server.app[STATE_KEY]
     running = asyncio.ensure_future(client.post("/v1/completions", json={
-        "prompt": "Hi", "max_tokens": 100000, "ignore_eos": True, "stream": True}))
+        "prompt": "Hi", "max_tokens": 90000, "ignore_eos": True, "stream": True}))
     await wait_for(lambda: engine.num_live == 1)
     await asyncio.wait_for(state.drain(timeout_s=0.2), 5)
     resp = await running

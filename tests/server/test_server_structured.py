@@ -54,7 +54,8 @@ async def test_twenty_schemas_parse_and_validate_streamed_and_not(served):
     client, oa, engine = served
     before, runner_before = compile_count(), engine.core.runner.compiles_after_warmup
     for i, schema in enumerate(MODEL_SCHEMAS):
-        kw = dict(model=engine.served_model_name, messages=MSG, max_tokens=100,
+        # max_tokens: what the 128-token context leaves after the 31-token prompt
+        kw = dict(model=engine.served_model_name, messages=MSG, max_tokens=97,
                   response_format=_format(i, schema), seed=i,
                   temperature=0 if i % 2 == 0 else 0.9)
         chat = await oa.chat.completions.create(**kw)
@@ -77,7 +78,7 @@ async def test_n2_logprobs_and_json_object(served):
     _, oa, engine = served
     schema = MODEL_SCHEMAS[1]
     chat = await oa.chat.completions.create(
-        model=engine.served_model_name, messages=MSG, max_tokens=100, n=2, seed=3,
+        model=engine.served_model_name, messages=MSG, max_tokens=97, n=2, seed=3,
         temperature=0.9, logprobs=True, top_logprobs=2, response_format=_format(1, schema))
     assert len(chat.choices) == 2
     for c in chat.choices:
@@ -128,7 +129,7 @@ async def test_tool_choice_required_and_named_always_give_a_valid_call(served, s
     _, oa, engine = served
     for seed in range(4):
         for stream in (False, True):
-            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
+            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=100,
                       tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
                       temperature=0 if seed == 0 else 1.0)
             got, finish, _ = await chat_tool_calls(oa, stream, **kw)
@@ -234,7 +235,7 @@ async def test_required_and_named_need_no_tool_call_parser(make_client, real_eng
                             max_retries=0)
     try:
         for seed in range(2):
-            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=110,
+            kw = dict(model=engine.served_model_name, messages=MSG, tools=TOOLS, max_tokens=100,
                       tool_choice=choice, parallel_tool_calls=parallel, seed=seed,
                       temperature=0 if seed == 0 else 1.0)
             got, finish, content = await chat_tool_calls(oa, False, **kw)

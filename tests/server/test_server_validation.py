@@ -424,3 +424,106 @@ async def test_the_largest_seed_with_n_samples_wraps_within_63_bits(make_client)
         resp = await client.post(path, json=body)
         assert resp.status == 200, (path, await resp.text())
         assert sorted(r.sampling_params.seed for r in engine.submitted) == [0, 1, top]
+
+
+VALID_AFTER = {"/tokenize": {"messages": MSG}}
+
+# (path, body, the error's ``param``, text its message must contain): each was accepted, or a
+# 400 naming no field or another one, before (issue 44).
+PARAM_CASES = [
+    # vLLM's 400: the prompt plus the max_tokens asked for exceed the context.
+    (CMPL, with_(CMPL, prompt=[3] * 200, max_tokens=57), "max_tokens",
+     "max_tokens: this model's maximum context length is 256 tokens. However, you requested "
+     "257 tokens (200 in the prompt, 57 in the completion)"),
+    (CMPL, with_(CMPL, prompt=[[3] * 10, [3] * 250], max_tokens=7), "max_tokens",
+     "you requested 257 tokens (250 in the prompt, 7 in the completion)"),
+    (CHAT, with_(CHAT, max_tokens=CTX - 3), "max_tokens", "in the messages"),
+    (CHAT, with_(CHAT, max_completion_tokens=CTX - 3), "max_completion_tokens",
+     "max_completion_tokens: this model's maximum context length is 256 tokens"),
+    (GEN, {"input_ids": [3] * 250, "sampling_params": {"max_new_tokens": 7}}, "max_new_tokens",
+     "you requested 257 tokens (250 in the prompt, 7 in the completion)"),
+    (GEN, {"input_ids": [[3], [3] * 250], "sampling_params": [{"max_new_tokens": 7},
+                                                               {"max_new_tokens": 7}]},
+     "max_new_tokens", "257 tokens"),
+    # Grammars past llguidance's lexer / parser limits: compiled and followed a few tokens while
+    # parsing (a 400 with a null param from the first generated token before).
+    (GEN, with_(GEN, sampling_params={"regex": "a{1000000}"}), "sampling_params",
+     "sampling_params.regex: the regex is too complex to follow (lexer error"),
+    (GEN, with_(GEN, sampling_params={"ebnf": 'root ::= "a"{1000000}'}), "sampling_params",
+     "sampling_params.ebnf: the ebnf is too complex to follow (parser error"),
+    (GEN, with_(GEN, sampling_params={"json_schema": {"type": "string",
+                                                      "pattern": "^(ab){300000}$"}}),
+     "sampling_params", "sampling_params.json_schema: the json schema is too complex"),
+    (CHAT, with_(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "required": ["a"], "properties": {
+            "a": {"type": "string", "pattern": "^a{1000000}$"}}}}}), "response_format",
+     "response_format: the json schema is too complex to follow"),
+    # chat_template_kwargs: each key named (a 400 naming messages, from a TypeError, before).
+    (CHAT, with_(CHAT, chat_template_kwargs={"add_generation_prompt": "yes"}),
+     "chat_template_kwargs.add_generation_prompt",
+     "chat_template_kwargs.add_generation_prompt must be a boolean, got 'yes'"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"continue_final_message": 1}),
+     "chat_template_kwargs.continue_final_message", "must be a boolean"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"enable_thinking": "no"}),
+     "chat_template_kwargs.enable_thinking", "must be a boolean"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"continue_final_message": True}),
+     "chat_template_kwargs.continue_final_message", "needs add_generation_prompt false"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"tokenize": True}),
+     "chat_template_kwargs.tokenize", "set by the server"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"chat_template": "{{ 7 }}"}),
+     "chat_template_kwargs.chat_template", "its own template"),
+    (CHAT, with_(CHAT, chat_template_kwargs={"tools": []}), "chat_template_kwargs.tools",
+     "pass tools as the tools field"),
+    ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": 1}},
+     "chat_template_kwargs.add_generation_prompt", "must be a boolean"),
+    ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"return_dict": True}},
+     "chat_template_kwargs.return_dict", "set by the server"),
+]
+
+
+@pytest.mark.parametrize("path,body,param,needle", PARAM_CASES,
+                         ids=[f"{i}-{c[0].rsplit('/', 1)[-1]}-{c[2]}"
+                              for i, c in enumerate(PARAM_CASES)])
+async def test_bad_field_is_a_400_whose_param_names_it(make_client, path, body, param, needle):
+    client, engine = await make_client()
+    resp = await client.post(path, json=body)
+    assert resp.status == 400, await resp.text()
+    err = (await resp.json())["error"]
+    assert err["param"] == param and needle in err["message"], err
+    assert engine.submitted == []
+    resp = await client.post(path, json=VALID_AFTER.get(path, VALID.get(path)))
+    assert resp.status == 200, await resp.text()
+
+
+async def test_chat_template_kwargs_reach_the_template(make_client):
+    """``add_generation_prompt`` false (a TypeError before: the server passed it too) and
+    ``continue_final_message`` render as transformers renders them; ``/tokenize`` agrees."""
+    client, engine = await make_client()
+    turns = MSG + [{"role": "assistant", "content": "Hi th"}]
+    for kwargs, ends in (({}, "<|im_start|>assistant\n"),
+                         ({"add_generation_prompt": False}, "Hi th<|im_end|>\n"),
+                         ({"add_generation_prompt": False, "continue_final_message": True},
+                          "Hi th")):
+        resp = await client.post(CHAT, json=with_(CHAT, messages=turns,
+                                                  chat_template_kwargs=kwargs))
+        assert resp.status == 200, (kwargs, await resp.text())
+        assert engine.prompts[-1].endswith(ends), (kwargs, engine.prompts[-1])
+        resp = await client.post("/tokenize", json={"messages": turns,
+                                                    "chat_template_kwargs": kwargs})
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["tokens"] == engine.submitted[-1].input_ids
+
+
+async def test_max_tokens_that_fit_the_context_and_the_default_clamp(make_client):
+    """Up to the context's end is served as asked; an unset max_new_tokens is still cut to
+    what the prompt leaves (``clamp_default_max_new``)."""
+    client, engine = await make_client()
+    for path, body, want in (
+            (CMPL, with_(CMPL, prompt=[3] * 200, max_tokens=56), 56),
+            (GEN, {"input_ids": [3] * 200, "sampling_params": {"max_new_tokens": 56}}, 56),
+            (GEN, {"input_ids": [3] * 250}, 6),
+            (GEN, {"input_ids": [3] * 250, "sampling_params": {"max_new_tokens": None}}, None),
+            (CHAT, with_(CHAT, max_tokens=None), None)):
+        resp = await client.post(path, json=body)
+        assert resp.status == 200, (path, await resp.text())
+        assert engine.submitted[-1].sampling_params.max_new_tokens == want, path
