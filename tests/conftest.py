@@ -2,8 +2,10 @@
 tiny random Hugging Face checkpoints made once per session with transformers, and JAX's
 in-memory executables released after every test module."""
 
+import contextlib
 import gc
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -28,6 +30,55 @@ def tiny_checkpoints() -> dict[str, str]:
 
     return {name: make_tiny_checkpoint.make_checkpoint(name, CHECKPOINT_DIR)
             for name in make_tiny_checkpoint.CONFIGS}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _no_processes_unless_slow(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _no_processes_unless_slow(item):
+        yield
+
+
+_LAUNCHERS = (os.path.join(ROOT, "tests") + os.sep, os.path.join(ROOT, "scripts") + os.sep)
+
+
+def _launched_by_test_code() -> bool:
+    """Whether the process being started was asked for by test or script code (a server, a
+    ``python -c`` child), not by the library it calls (the CPU kernels' one-time build runs
+    the C++ compiler): the first caller outside the standard library decides."""
+    frame = sys._getframe(2)
+    stdlib = os.path.dirname(os.__file__) + os.sep
+    while frame is not None and frame.f_code.co_filename.startswith(stdlib):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_LAUNCHERS)
+
+
+@contextlib.contextmanager
+def _no_processes_unless_slow(item):
+    """The fast tier (``scripts/run_tests.sh --fast``: ``-m 'not slow'``) starts no process: a
+    test, or a fixture it sets up, that starts one (``subprocess``, ``asyncio``'s subprocesses,
+    a server) without the ``slow`` marker fails here, in every run, saying so."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+    real = subprocess.Popen.__init__
+
+    def refuse(self, args, *rest, **kwargs):
+        if not _launched_by_test_code():
+            return real(self, args, *rest, **kwargs)
+        raise AssertionError(f"{item.nodeid} starts a process ({args!r:.120}): mark it "
+                             f"@pytest.mark.slow (the fast tier starts none)")
+
+    subprocess.Popen.__init__ = refuse
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = real
 
 
 def _memory_maps() -> tuple[int, int]:

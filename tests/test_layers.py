@@ -136,6 +136,7 @@ def test_the_checker_sees_an_upward_import():
     assert upward_imports("pdjax.engine", "from pdjax.transfer.factory import x\n") == []
 
 
+@pytest.mark.slow      # starts a process
 def test_control_plane_loads_no_jax():
     control = sorted(n for n in MODULES if layer_of(n) == 0)
     assert "pdjax.pd.protocol" in control and "pdjax.sched.scheduler" in control

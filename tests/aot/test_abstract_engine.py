@@ -57,6 +57,7 @@ def test_forwards_lower_to_the_runners_modules(tp):
     assert engine.weight_bytes_per_chip() == weights
 
 
+@pytest.mark.slow      # starts a process
 def test_serialized_executables_match_by_module(tmp_path):
     """serialize_child.py, in its own process (deserialized CPU executables break one)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_ENABLE_COMPILATION_CACHE": "false"}

@@ -15,6 +15,8 @@ import subprocess
 
 import pytest
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "pdjax", "aot", "configs")
 # Small shapes: the kernels are the same, the compile is shorter.

@@ -1,8 +1,11 @@
 """scripts/bench_load.py: load time of a source checkpoint vs its Orbax conversion."""
 
+import pytest
 import json
 
 import bench_load
+
+pytestmark = pytest.mark.slow      # a benchmark script's small mode (the full run only)
 
 
 def test_bench_load_small(tiny_checkpoints, tmp_path):

@@ -11,6 +11,8 @@ import pytest
 
 from bench_settings import TINY_FLAGS
 
+pytestmark = pytest.mark.slow      # a benchmark script's small mode (the full run only)
+
 SETTING_FIELDS = ("steady_itl_ms", "arrival_itl_ms", "ratio_p50_to_steady_p50",
                   "ratio_p99_to_steady_p99", "ratio_max_to_steady_p50", "long_prompt_ttft_ms",
                   "arrival_p99_per_round_ms", "window_forward_modes", "window_host_overhead",

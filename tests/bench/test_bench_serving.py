@@ -6,6 +6,8 @@ import bench_serving
 import pytest
 from bench_common import STAT_KEYS, summarize_ms
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 LATENCIES = ("ttft", "tpot", "itl", "e2e_latency")
 TOP_FIELDS = ("date", "backend", "base_url", "model", "dataset_name", "num_prompts", "request_rate",
               "max_concurrency", "warmup_requests", "completed", "failed", "duration",

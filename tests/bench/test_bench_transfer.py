@@ -1,12 +1,15 @@
 """scripts/bench_transfer.py on a live PD deployment (Mooncake over loopback) and a colocated
 server: bytes = pages x bytes per page, the decode side agrees, a raw write of the same bytes."""
 
+import pytest
 import json
 import math
 
 import bench_transfer
 
 from bench_settings import KV_BYTES_PER_PAGE, PAGE_SIZE
+
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
 
 ROW_FIELDS = ("input_len", "requests", "transfer_bytes_per_request", "transfer_pages_per_request",
               "transfer_copy_ops_per_request", "transfer_chunks_per_request",

@@ -1,10 +1,13 @@
 """scripts/bench_vs_hf.py: pdjax's offline Engine vs transformers' batched generate."""
 
+import pytest
 import json
 
 import bench_vs_hf
 
 from bench_settings import TINY_FLAGS
+
+pytestmark = pytest.mark.slow      # a benchmark script's small mode (the full run only)
 
 
 def test_bench_vs_hf_small(tiny_checkpoints, tmp_path):

@@ -9,6 +9,8 @@ import pytest
 from bench_settings import TINY_FLAGS
 from pdjax.models.loader import load_tokenizer
 
+pytestmark = pytest.mark.slow      # a benchmark script's small mode (the full run only)
+
 
 def test_bench_vs_peers_small(tiny_checkpoints, tmp_path):
     out = tmp_path / "vs_peers.json"

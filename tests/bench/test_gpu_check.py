@@ -11,6 +11,8 @@ import pytest
 
 import gpu_wheelhouse
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The tiny model of gpu_engine_check.TINY_MODEL (float32): embed and lm_head 512 x 64, final

@@ -1,5 +1,6 @@
 """notebooks/bucket_shapes.ipynb executes cleanly (nbclient) and its figures are sane."""
 
+import pytest
 import json
 import os
 
@@ -9,6 +10,8 @@ import nbformat
 from bench_settings import ROOT
 
 from pdjax.sched.buckets import Buckets
+
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
 
 NOTEBOOK = os.path.join(ROOT, "notebooks", "bucket_shapes.ipynb")
 

@@ -6,6 +6,8 @@ import time
 import pytest
 from bench_common import StepProfiler, http_json, trace_files
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 
 def test_start_profile_num_steps_writes_xplane_and_stops_itself(deployment, tmp_path):
     url = deployment["colocated"]

@@ -112,6 +112,7 @@ def test_numpy_style_ints_accepted():
     assert a.free_pages() == frozenset({1, 3})
 
 
+@pytest.mark.slow      # starts a process
 def test_kv_bookkeeping_never_imports_jax():
     code = ("import sys, pdjax.kv.allocator, pdjax.kv.prefix_cache; "
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")

@@ -44,6 +44,7 @@ def test_registering_a_taken_name_is_refused():
 @pytest.mark.parametrize("module", ["pdjax.models.deepseek", "pdjax.models.llama_weights",
                                     "pdjax.models.checkpoint", "pdjax.models.registry",
                                     "pdjax.models.orbax_checkpoint"])
+@pytest.mark.slow      # starts a process
 def test_model_families_do_not_import_the_loader(module):
     code = f"import sys, {module}; print('pdjax.models.loader' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,6 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from model_utils import assert_tokens_match, top2_gaps_from_top_logprobs  # noqa: E402
 from pd_harness import Server, child_env, free_port, get, post, post_stream  # noqa: E402
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 ARGS = dict(page_size=16, max_total_tokens=512, max_running_requests=4, chunked_prefill_size=32,
             context_length=64)
 _opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

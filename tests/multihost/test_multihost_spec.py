@@ -10,6 +10,8 @@ from test_multihost import ARGS, start_cluster
 from model_utils import assert_tokens_match, top2_gaps_from_top_logprobs
 from pd_harness import post
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4,
             speculative_ngram_min_match_window_size=1)
 PROMPTS = [([9, 41, 77, 300, 12] * 8)[:n] for n in (11, 23, 36)]

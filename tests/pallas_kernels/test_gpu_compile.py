@@ -219,6 +219,7 @@ def test_gpu_tiles_of_128_by_128_take_8_warps():
 
 
 @needs_cuda
+@pytest.mark.slow      # starts a process
 def test_matrix_cli_reports_no_spills_for_llama70b_tp8(tmp_path):
     """The CLI with ``--ptxas``: Llama-3 70B at TP 8 (8 query heads on 1 KV head, head_dim
     128), page 16, both KV dtypes and buckets: every case compiles and no kernel spills (before

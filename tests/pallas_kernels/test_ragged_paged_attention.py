@@ -564,6 +564,7 @@ def test_cpu_kernel_build_is_cached_and_reports_failure(tmp_path):
         cpu_build.build_library(kernel_cpu.KERNEL_SOURCE, "/bin/false", str(tmp_path / "bad"))
 
 
+@pytest.mark.slow      # starts a process
 def test_cpu_kernel_switch_and_fallback():
     """``PDJAX_CPU_KERNEL=0``: auto resolves to ``xla`` and ``impl="cpu"`` is an error that
     says why; the matmul kernel is off too (a fresh process: the status is decided once per
@@ -837,6 +838,7 @@ def _lower_engine_buckets(impl, platform, custom_call):
     assert lowered.as_text().count(custom_call) == 3
 
 
+@pytest.mark.slow      # starts a process
 def test_package_import_is_light():
     """The GPU check host has only jax, numpy and pytest: importing the kernels (and pdjax)
     must not pull in flax, zmq or transformers."""

@@ -45,6 +45,7 @@ def run_to_completion(sched, max_steps=10_000, on_batch=None):
     return steps
 
 
+@pytest.mark.slow      # starts a process
 def test_no_jax_import():
     import subprocess
 

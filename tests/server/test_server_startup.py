@@ -12,6 +12,8 @@ import pytest
 from pdjax.config import ServerArgs
 from pdjax.ports import free_port
 
+pytestmark = pytest.mark.slow      # starts processes (README: the fast tier starts none)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -34,6 +34,7 @@ def _aligned(nbytes, fill=None, seed=0):
 # Registry and fake backend.
 
 
+@pytest.mark.slow      # starts a process
 def test_registry():
     # The package registers only real backends; the tests add their corrupting one.
     code = "from pdjax.transfer.engine import available_backends as a; print(a())"
@@ -215,6 +216,7 @@ eng.close()
 """
 
 
+@pytest.mark.slow      # starts a process
 def test_mooncake_cross_process_write_and_dead_peer(mooncake_pair):
     a, _ = mooncake_pair
     nbytes, page = 1 << 20, 4096
@@ -246,6 +248,7 @@ def test_mooncake_cross_process_write_and_dead_peer(mooncake_pair):
         a.unregister_memory(src.ctypes.data)
 
 
+@pytest.mark.slow      # starts a process
 def test_transfer_package_never_imports_jax():
     code = ("import sys\n"
             "import pdjax.pd.protocol, pdjax.pd.bootstrap, pdjax.transfer.engine\n"
