@@ -8,7 +8,13 @@ back until they are settled:
     no longer ends in U+FFFD (or at the end of the request);
   * a possible stop string: the longest tail of the unreleased text that is a prefix of some
     stop string waits for the next token. When a stop string matches, the text is cut before
-    it, and the request finishes (``pdjax.output.OutputAccumulator``).
+    it, and the request finishes (``pdjax.output.OutputAccumulator``);
+  * a possible ``stop_regex`` match: the text from the first place where a match could still
+    start (a partial match reaching the end of the text, the ``regex`` module's
+    ``partial=True``) waits; a complete match cuts the text before it, as a stop string does.
+
+Like the stop tokens, stop strings and regexes end nothing on the first ``min_new_tokens``
+output tokens (vLLM's ``min_tokens`` rule): they are searched once more tokens are out.
 
 Decoding uses a sliding window of ids (``prefix_offset`` .. end) so that tokenizers whose
 decode depends on the neighbours (SentencePiece leading spaces) give the same text as one
@@ -27,7 +33,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from pdjax.request import compile_stop_regex
+
 REPLACEMENT_CHAR = "\ufffd"
+# A stop_regex search slower than this (a pathological pattern) fails the request rather than
+# stall the thread that detokenizes every request.
+STOP_REGEX_TIMEOUT_S = 1.0
 # Prompt tokens decoded as left context, so that the first output token decodes as it would
 # inside the full sequence.
 NUM_CONTEXT_TOKENS = 5
@@ -57,13 +68,20 @@ class IncrementalDetokenizer:
       skip_special_tokens: passed to ``decode``.
       prompt_ids: the prompt, whose last ``NUM_CONTEXT_TOKENS`` ids are decoded as context
         (never released).
+      stop_regex: regular expressions; the text is cut before the first match (what may
+        still become one is held back), ``stop_matched`` is the pattern.
+      min_new_tokens: stop strings and regexes are searched only once more output tokens
+        than this are consumed.
 
-    Raises ``ValueError`` when a stop string is empty or not a string.
+    Raises ``ValueError`` when a stop string is empty or not a string, or naming
+    ``stop_regex`` for a pattern that does not compile; ``add_tokens`` and ``finish`` raise
+    ``ValueError`` naming ``stop_regex`` for a search over ``STOP_REGEX_TIMEOUT_S``.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), *,
                  skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] | None = None) -> None:
+                 prompt_ids: Sequence[int] | None = None, stop_regex: Sequence[str] = (),
+                 min_new_tokens: int = 0) -> None:
         stop = [stop] if isinstance(stop, str) else list(stop or ())
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop must be non-empty strings, got {stop!r}")
@@ -71,6 +89,9 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        stop_regex = [stop_regex] if isinstance(stop_regex, str) else list(stop_regex or ())
+        self._regexes = [(p, compile_stop_regex(p)) for p in stop_regex]
+        self.min_new_tokens = min_new_tokens
         context = list(prompt_ids or [])[-NUM_CONTEXT_TOKENS:]
         self._ids: list[int] = list(context)     # context + output ids, decode window source
         self._prefix_offset = 0
@@ -108,6 +129,10 @@ class IncrementalDetokenizer:
             if self._check_stop():
                 return DetokenizerDelta(self._decoded[start:self._released], consumed,
                                         self.stop_matched)
+            if not self._stops_armed:
+                # Text settled before the stops arm is out of their reach (whatever the chunk
+                # size): only a possible start of a later match stays held.
+                self._release(hold_stop_prefix=True)
         self._release(hold_stop_prefix=True)
         return DetokenizerDelta(self._decoded[start:self._released], consumed, None)
 
@@ -143,9 +168,25 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
 
+    @property
+    def _stops_armed(self) -> bool:
+        """Stop strings and regexes may end the request (past ``min_new_tokens`` tokens)."""
+        return len(self._ids) - self._num_context > self.min_new_tokens
+
+    def _search(self, pattern: str, compiled, partial: bool = False, pos: int | None = None):
+        """``compiled.search`` over the decoded text from ``pos`` (default: the first unreleased
+        character; the text before stays visible to anchors and lookbehinds)."""
+        try:
+            return compiled.search(self._decoded, self._released if pos is None else pos,
+                                   partial=partial, timeout=STOP_REGEX_TIMEOUT_S)
+        except TimeoutError:
+            raise ValueError(f"stop_regex: matching {pattern!r:.100} took over "
+                             f"{STOP_REGEX_TIMEOUT_S:g} s") from None
+
     def _check_stop(self) -> bool:
-        """Cut at the earliest stop string in the unreleased text; True when one matched."""
-        if not self.stop:
+        """Cut at the earliest stop string or ``stop_regex`` match in the unreleased text; True
+        when one matched."""
+        if not (self.stop or self._regexes) or not self._stops_armed:
             return False
         pending = self._decoded[self._released:]
         best_pos, best_stop = -1, None
@@ -153,6 +194,10 @@ class IncrementalDetokenizer:
             pos = pending.find(s)
             if pos >= 0 and (best_pos < 0 or pos < best_pos):
                 best_pos, best_stop = pos, s
+        for pattern, compiled in self._regexes:
+            m = self._search(pattern, compiled)
+            if m is not None and (best_pos < 0 or m.start() - self._released < best_pos):
+                best_pos, best_stop = m.start() - self._released, pattern
         if best_stop is None:
             return False
         self._decoded = self._decoded[:self._released + best_pos]
@@ -162,8 +207,27 @@ class IncrementalDetokenizer:
         return True
 
     def _release(self, hold_stop_prefix: bool) -> None:
-        hold = self._stop_prefix_len(self._decoded[self._released:]) if hold_stop_prefix else 0
+        hold = 0
+        if hold_stop_prefix:
+            hold = max(self._stop_prefix_len(self._decoded[self._released:]),
+                       self._regex_hold_len())
         self._released = len(self._decoded) - hold
+
+    def _regex_hold_len(self) -> int:
+        """Characters at the end of the unreleased text from the first place a ``stop_regex``
+        match could still start (the text so far ends inside a possible match)."""
+        hold = 0
+        for pattern, compiled in self._regexes:
+            pos = self._released
+            while pos <= len(self._decoded):
+                m = self._search(pattern, compiled, partial=True, pos=pos)
+                if m is None:
+                    break
+                if m.partial:
+                    hold = max(hold, len(self._decoded) - m.start())
+                    break
+                pos = max(m.end(), m.start() + 1)   # a complete match before min_new_tokens
+        return hold
 
     def _stop_prefix_len(self, pending: str) -> int:
         """Length of the longest tail of ``pending`` that is a proper prefix of a stop string."""

@@ -10,7 +10,8 @@ tokenizer:
     EngineCore.step -> GenerateOutput (token ids, logprobs, FinishReason)
         -> OutputAccumulator.add -> OutputDelta (text, accepted ids) + RequestOutput
 
-A stop string that completes in the text ends the request there: the accumulator reports it
+A stop string (or ``stop_regex`` match) that completes in the text ends the request there
+(past the first ``min_new_tokens`` tokens, as the stop tokens): the accumulator reports it
 (``OutputDelta.stop_string_hit``) and its owner aborts the request in the engine, which frees
 the pages. Pure Python: never imports JAX.
 """
@@ -129,7 +130,8 @@ class OutputAccumulator:
 
     Args:
       tokenizer: a ``transformers`` tokenizer (for ``IncrementalDetokenizer``).
-      sp: the request's sampling params (``stop`` strings, ``skip_special_tokens``).
+      sp: the request's sampling params (``stop`` strings, ``stop_regex``, ``min_new_tokens``,
+        ``skip_special_tokens``).
       result: the record to fill (``RequestOutput`` or a subclass); its ``prompt_ids`` give
         the detokenizer its left context.
     """
@@ -140,7 +142,9 @@ class OutputAccumulator:
             result.prompt_tokens = len(result.prompt_ids)
         self.detok = IncrementalDetokenizer(tokenizer, sp.stop,
                                             skip_special_tokens=sp.skip_special_tokens,
-                                            prompt_ids=result.prompt_ids)
+                                            prompt_ids=result.prompt_ids,
+                                            stop_regex=sp.stop_regex,
+                                            min_new_tokens=sp.min_new_tokens)
 
     @property
     def finished(self) -> bool:
@@ -162,8 +166,13 @@ class OutputAccumulator:
         if out.error:
             return self.fail(out.error, out.status_code or 500)
         ids = [int(t) for t in out.new_token_ids]
-        step = self.detok.add_tokens(
-            trim_matched_stop_token(ids, out.finish_reason) if out.finished else ids)
+        try:
+            step = self.detok.add_tokens(
+                trim_matched_stop_token(ids, out.finish_reason) if out.finished else ids)
+        except ValueError as e:       # a stop_regex search timed out: the engine must stop too
+            d = self.fail(str(e), 400)
+            d.stop_string_hit = not out.finished
+            return d
         text = step.text
         stop_string_hit = False
         if step.stop_matched is not None:
@@ -174,7 +183,10 @@ class OutputAccumulator:
         else:
             accepted = ids
             if out.finished:
-                tail = self.detok.finish()
+                try:
+                    tail = self.detok.finish()
+                except ValueError as e:
+                    return self.fail(str(e), 400)
                 text += tail.text
                 if tail.stop_matched is not None:
                     r.finish_reason = FinishReason.stop(tail.stop_matched)
@@ -202,9 +214,12 @@ class OutputAccumulator:
     def abort(self, message: str) -> OutputDelta:
         """Finish early (the owner aborts the request in the engine): the text held back is
         released, ``finish_reason`` is an abort with ``message``."""
-        tail = self.detok.finish()
+        try:
+            tail_text = self.detok.finish().text
+        except ValueError:            # a stop_regex search timed out: nothing more is released
+            tail_text = ""
         r = self.result
-        r.text += tail.text
+        r.text += tail_text
         r.finish_reason = FinishReason.abort(message)
         r.finished = True
-        return OutputDelta(tail.text, [], [], [], True, len(r.output_ids))
+        return OutputDelta(tail_text, [], [], [], True, len(r.output_ids))

@@ -47,7 +47,14 @@ class SamplingParams:
     the ids (and ``stop_token_ids``) are checked against the vocabulary by the server and the
     engine (``check_vocab_ids``). ``speculative``: False opts this request out of speculative
     decoding on a server started with ``--speculative-algorithm`` (its decode rows verify no
-    drafts). Raises ``ValueError`` naming the field.
+    drafts). ``min_new_tokens``: the stop tokens (EOS unless ``ignore_eos``, and
+    ``stop_token_ids``) are masked on the device until that many output tokens are out, and
+    stop strings and ``stop_regex`` end nothing before then (in [0, ``max_new_tokens``]).
+    ``stop_regex``: regular expressions (a string or a list; stored as a tuple) matched against
+    the output text like stop strings: the text ends before the first match, finish reason
+    ``stop`` with ``matched`` the pattern (SGLang's ``FINISHED_MATCHED_REGEX``); a pattern
+    that does not compile or matches the empty string is refused. Raises ``ValueError``
+    naming the field.
     """
 
     max_new_tokens: int | None = 128
@@ -67,6 +74,8 @@ class SamplingParams:
     grammar: GrammarSpec | None = None
     logit_bias: dict[int, float] | None = None
     speculative: bool = True
+    min_new_tokens: int = 0
+    stop_regex: tuple[str, ...] = ()
 
     MAX_NEW_TOKENS_LIMIT = 1 << 20
     MAX_LOGIT_BIAS = 300          # entries per request (OpenAI's limit; a fixed device width)
@@ -81,6 +90,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got "
                              f"{self.stop_token_ids!r}")
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        if isinstance(self.stop_regex, str):
+            object.__setattr__(self, "stop_regex", (self.stop_regex,))
+        if self.stop_regex is not None and not isinstance(self.stop_regex, (list, tuple)):
+            raise ValueError(f"stop_regex must be a string or a list of strings, got "
+                             f"{self.stop_regex!r:.100}")
+        object.__setattr__(self, "stop_regex", tuple(self.stop_regex or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         object.__setattr__(self, "logit_bias", _parse_logit_bias(self.logit_bias))
         self.validate()
@@ -111,8 +126,9 @@ class SamplingParams:
             d["grammar"] = GrammarSpec(GRAMMAR_PARAMS[key], text, field=f"sampling_params.{key}")
         if d.get("stop") is None:
             d.pop("stop", None)
-        if d.get("stop_token_ids") is None:
-            d.pop("stop_token_ids", None)
+        for key in ("stop_token_ids", "stop_regex", "min_new_tokens"):
+            if d.get(key) is None:
+                d.pop(key, None)
         return cls(**d)
 
     def validate(self) -> None:
@@ -132,6 +148,15 @@ class SamplingParams:
         if self.max_new_tokens is not None and not 0 <= self.max_new_tokens <= self.MAX_NEW_TOKENS_LIMIT:
             raise ValueError(
                 f"max_new_tokens must be in [0, {self.MAX_NEW_TOKENS_LIMIT}], got {self.max_new_tokens}")
+        num("min_new_tokens", self.min_new_tokens, integer=True)
+        if self.max_new_tokens is None:
+            if not 0 <= self.min_new_tokens <= self.MAX_NEW_TOKENS_LIMIT:
+                raise ValueError(f"min_new_tokens must be in [0, {self.MAX_NEW_TOKENS_LIMIT}], "
+                                 f"got {self.min_new_tokens}")
+        elif not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens ({self.max_new_tokens})]"
+                             f", got {self.min_new_tokens}")
+        check_stop_regex(self.stop_regex)
         num("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -192,6 +217,47 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < self.GREEDY_TEMPERATURE or self.top_k == 1
+
+    def held_stop_ids(self, position: int, eos_token_ids) -> tuple[int, ...]:
+        """The stop tokens masked for output token ``position`` (0-based): EOS (unless
+        ``ignore_eos``) and ``stop_token_ids`` while ``position < min_new_tokens``, else ()."""
+        if position >= self.min_new_tokens:
+            return ()
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return tuple(sorted(set(eos) | set(self.stop_token_ids)))
+
+
+# A stop_regex longer than this is refused (it is compiled per request and searched after every
+# token).
+MAX_STOP_REGEX_CHARS = 4096
+
+
+def check_stop_regex(patterns: tuple[str, ...]) -> None:
+    """``ValueError`` naming ``stop_regex`` for a pattern that is not a non-empty string of at
+    most ``MAX_STOP_REGEX_CHARS``, does not compile, or matches the empty string (it would end
+    every request at once)."""
+    for p in patterns:
+        if not isinstance(p, str) or not p:
+            raise ValueError(f"stop_regex must be a non-empty string or list of them, got "
+                             f"{p!r:.100}")
+        if len(p) > MAX_STOP_REGEX_CHARS:
+            raise ValueError(f"stop_regex: a pattern may hold at most {MAX_STOP_REGEX_CHARS} "
+                             f"characters, got {len(p)}")
+        compiled = compile_stop_regex(p)
+        if compiled.search("") is not None:
+            raise ValueError(f"stop_regex: {p!r:.100} matches the empty string")
+
+
+def compile_stop_regex(pattern: str):
+    """``pattern`` compiled (the ``regex`` module: Python's syntax, with partial matches for
+    holding back text that may start a match); ``ValueError`` naming ``stop_regex``."""
+    import regex
+
+    try:
+        return regex.compile(pattern)
+    except (regex.error, RecursionError, OverflowError) as e:
+        raise ValueError(f"stop_regex: {pattern!r:.100} is not a valid regular expression "
+                         f"({e})") from None
 
 
 def _parse_logit_bias(raw: Any) -> dict[int, float] | None:

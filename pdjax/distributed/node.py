@@ -507,6 +507,9 @@ class FollowerCalls:
         if "logit_bias_ids" in samp:
             self._in_range("sampling.logit_bias_ids", samp["logit_bias_ids"], 0,
                            r.cfg.vocab_size)
+        if "held_stop_ids" in samp:
+            self._in_range("sampling.held_stop_ids", samp["held_stop_ids"], -1,
+                           r.cfg.vocab_size)
         return self._sampler.SamplingInputs(**samp)
 
     def call(self, msg: dict) -> None:

@@ -37,7 +37,7 @@ from pdjax.distributed import join as join_cluster
 from pdjax.models.loader import load_tokenizer
 from pdjax.output import token_finish_reason
 from pdjax.request import FinishReason, Request
-from pdjax.runner.device_sampler import MAX_TOP_LOGPROBS
+from pdjax.runner.device_sampler import MAX_HELD_STOP_IDS, MAX_TOP_LOGPROBS
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
@@ -220,6 +220,11 @@ class EngineCore(ForwardStep):
             if not 0 <= t < vocab:
                 raise ValueError(f"input_ids[{pos}]: token id {t} is outside [0, {vocab})")
         g.sampling_params.check_vocab_ids(vocab)
+        held = g.sampling_params.held_stop_ids(0, self.eos_token_ids)
+        if len(held) > MAX_HELD_STOP_IDS:
+            raise ValueError(f"stop_token_ids: min_new_tokens holds back at most "
+                             f"{MAX_HELD_STOP_IDS} stop tokens (the model's EOS ids included), "
+                             f"got {len(held)}")
         for name, value, low in (("top_logprobs_num", g.top_logprobs_num, 0),
                                  ("logprob_start_len", g.logprob_start_len, -1)):
             if not isinstance(value, int) or isinstance(value, bool):

@@ -122,7 +122,8 @@ class ForwardStep:
                 continue
             try:
                 slot = self._penalty_slot(req) if uses_penalties(req.sampling_params) else 0
-                row_params = SamplingRow.from_request(req, slot)
+                row_params = SamplingRow.from_request(req, slot,
+                                                     eos_token_ids=self.eos_token_ids)
                 if req.grammar is not None and PENDING_TOKEN in req.output_ids:
                     if not self.split_grammar_sampling:
                         raise RuntimeError("grammar row scheduled while a token is pending")
@@ -135,7 +136,8 @@ class ForwardStep:
                     assert start == len(samp_rows)
                     if req.grammar is not None:
                         fill_verify_masks(req.grammar, row.draft_ids, bitmask[start:stop])
-                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot)
+                    samp_rows += verify_sampling_rows(req, row.draft_ids, slot,
+                                                      self.eos_token_ids)
                     verify[i] = (row, (start, stop))
                     continue
                 if req.grammar is not None:

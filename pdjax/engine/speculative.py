@@ -83,14 +83,18 @@ def verify_width(args) -> int:
     return args.speculative_num_draft_tokens if _speculates(args) else 1
 
 
-def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int) -> list[SamplingRow]:
+def verify_sampling_rows(req, draft_ids: list[int], penalty_slot: int,
+                         eos_token_ids=()) -> list[SamplingRow]:
     """One ``SamplingRow`` per token of ``req``'s verify row: the draw of output position
     ``len(output_ids) + j`` with the request's parameters, ``draft_next`` the draft it is
-    checked against (-1 for the last)."""
+    checked against (-1 for the last). Each row holds back the stop tokens (``eos_token_ids``
+    and ``stop_token_ids``) below ``min_new_tokens`` at its own position, so a draft stop token
+    there is rejected."""
     base = len(req.output_ids)
     rows = []
     for j in range(len(draft_ids) + 1):
-        row = SamplingRow.from_request(req, penalty_slot, position=base + j)
+        row = SamplingRow.from_request(req, penalty_slot, position=base + j,
+                                       eos_token_ids=eos_token_ids)
         row.draft_next = draft_ids[j] if j < len(draft_ids) else -1
         rows.append(row)
     return rows

@@ -30,6 +30,11 @@ float64; the device computes in float32):
   ``x[t] += bias[t]`` for the row's at most ``MAX_LOGIT_BIAS`` biased tokens (fixed-width
   ``[R, MAX_LOGIT_BIAS]`` id and value arrays; padding entries add 0 to token 0), only when
   ``any_logit_bias``.
+- min_new_tokens (SGLang's ``min_new_tokens``, vLLM's ``min_tokens``): while a row's position
+  is below its ``min_new_tokens``, its stop tokens (``held_stop_ids``, fixed width
+  ``MAX_HELD_STOP_IDS``, padding -1: EOS unless ``ignore_eos``, and ``stop_token_ids``) are set
+  to ``-inf`` after the grammar mask, only when ``any_held_stop``. A row this would leave with
+  no token at all (a grammar that admits only its end) keeps them: the grammar wins.
 - logprobs are the raw log-softmax of the model's logits (before the grammar mask, logit
   bias, penalties and temperature).
 
@@ -54,6 +59,7 @@ from pdjax.runner.verify import draft_counts, verify_emitted
 
 MAX_TOP_LOGPROBS = 20            # fixed top-logprobs width (OpenAI's limit of top_logprobs)
 MAX_LOGIT_BIAS = SamplingParams.MAX_LOGIT_BIAS   # fixed logit-bias width per row (OpenAI: 300)
+MAX_HELD_STOP_IDS = 64           # stop tokens min_new_tokens can hold back per row (EOS included)
 SEED_LIMIT = 2 ** 63
 # Penalized logits are clamped to this magnitude. XLA computes x / temperature in more than
 # one fusion of the softmax, and float32 rounding of |x / t| differs between them: at |x / t|
@@ -89,6 +95,9 @@ class SamplingInputs(NamedTuple):
     draft_next: jax.Array      # [R] i32: the draft token this row's sample must equal for the
                                # next row of its verify span to count; -1: last row of a span
     any_draft: jax.Array       # [] bool: some row verifies a draft
+    min_new_tokens: jax.Array  # [R] i32: the row's stop tokens are masked while positions < it
+    held_stop_ids: jax.Array   # [R, MAX_HELD_STOP_IDS] i32 those stop tokens (padding: -1)
+    any_held_stop: jax.Array   # [] bool: some row holds back its stop tokens
 
 
 class StepOutputs(NamedTuple):
@@ -120,11 +129,16 @@ class SamplingRow:
     top_logprobs_num: int
     logit_bias: dict[int, float] | None = None
     draft_next: int = -1          # verify rows: the draft at the next position (-1: none)
+    min_new_tokens: int = 0
+    held_stop_ids: tuple[int, ...] = ()   # masked at this position (``held_stop_ids``)
 
     @classmethod
-    def from_request(cls, req, penalty_slot: int = 0, position: int | None = None) -> "SamplingRow":
-        """Parameters of ``req``'s next draw (``position`` defaults to ``len(output_ids)``).
-        Raises ``ValueError`` naming the field for a seed or top-logprobs width out of range."""
+    def from_request(cls, req, penalty_slot: int = 0, position: int | None = None,
+                     eos_token_ids=()) -> "SamplingRow":
+        """Parameters of ``req``'s next draw (``position`` defaults to ``len(output_ids)``);
+        ``eos_token_ids``: the model's, held back with ``stop_token_ids`` below
+        ``min_new_tokens``. Raises ``ValueError`` naming the field for a seed or top-logprobs
+        width out of range, or more than ``MAX_HELD_STOP_IDS`` stop tokens to hold back."""
         sp = req.sampling_params
         seed = req.seed_for_sampling
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
@@ -133,14 +147,20 @@ class SamplingRow:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         greedy = sp.is_greedy
+        position = len(req.output_ids) if position is None else position
+        held = sp.held_stop_ids(position, eos_token_ids)
+        if len(held) > MAX_HELD_STOP_IDS:
+            raise ValueError(f"stop_token_ids: min_new_tokens holds back at most "
+                             f"{MAX_HELD_STOP_IDS} stop tokens (EOS included), got {len(held)}")
         return cls(temperature=0.0 if greedy else float(sp.temperature),
                    top_k=int(sp.top_k), top_p=float(sp.top_p), min_p=float(sp.min_p),
                    repetition_penalty=float(sp.repetition_penalty),
                    frequency_penalty=float(sp.frequency_penalty),
                    presence_penalty=float(sp.presence_penalty), seed=seed,
-                   position=len(req.output_ids) if position is None else position,
-                   penalty_slot=penalty_slot, return_logprob=bool(req.return_logprob),
-                   top_logprobs_num=top, logit_bias=sp.logit_bias)
+                   position=position, penalty_slot=penalty_slot,
+                   return_logprob=bool(req.return_logprob), top_logprobs_num=top,
+                   logit_bias=sp.logit_bias, min_new_tokens=int(sp.min_new_tokens),
+                   held_stop_ids=held)
 
 
 def uses_penalties(sp) -> bool:
@@ -161,6 +181,16 @@ def all_allowed_bitmask(num_rows: int, words: int) -> np.ndarray:
 
 
 _NO_BIAS: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_NO_HELD: dict[int, np.ndarray] = {}
+
+
+def no_held_stop_ids(num_rows: int) -> np.ndarray:
+    """A read-only ``[num_rows, MAX_HELD_STOP_IDS]`` int32 array of -1 (nothing held back)."""
+    if num_rows not in _NO_HELD:
+        a = np.full((num_rows, MAX_HELD_STOP_IDS), -1, np.int32)
+        a.flags.writeable = False
+        _NO_HELD[num_rows] = a
+    return _NO_HELD[num_rows]
 
 
 def no_logit_bias(num_rows: int) -> tuple[np.ndarray, np.ndarray]:
@@ -195,6 +225,10 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
     slot = np.zeros(R, np.int32)
     samples = np.zeros(R, bool)
     draft_next = np.full(R, -1, np.int32)
+    min_new = np.zeros(R, np.int32)
+    held = no_held_stop_ids(R)
+    if any(r is not None and r.held_stop_ids for r in rows):
+        held = held.copy()
     any_logprob = any_top = False
     bias_ids, bias = no_logit_bias(R)
     if any(r is not None and r.logit_bias for r in rows):
@@ -208,6 +242,12 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
         seed_words[i] = (r.seed >> 32, r.seed & 0xFFFFFFFF)
         positions[i], slot[i] = r.position, r.penalty_slot
         draft_next[i] = r.draft_next
+        min_new[i] = r.min_new_tokens
+        if r.held_stop_ids:
+            if len(r.held_stop_ids) > MAX_HELD_STOP_IDS:
+                raise ValueError(f"stop_token_ids: min_new_tokens holds back at most "
+                                 f"{MAX_HELD_STOP_IDS} stop tokens, got {len(r.held_stop_ids)}")
+            held[i, :len(r.held_stop_ids)] = r.held_stop_ids
         any_logprob |= r.return_logprob
         any_top |= r.top_logprobs_num > 0
         if r.logit_bias:
@@ -231,7 +271,8 @@ def build_sampling_inputs(rows: list[SamplingRow | None], num_rows_pad: int,
                           slot, samples, bitmask, bias_ids, bias, np.bool_(random.any()),
                           np.bool_(filt.any()), np.bool_(pen.any() and slot.any()),
                           np.bool_(any_logprob), np.bool_(any_top), np.bool_(any_grammar),
-                          np.bool_(bias.any()), draft_next, np.bool_((draft_next >= 0).any()))
+                          np.bool_(bias.any()), draft_next, np.bool_((draft_next >= 0).any()),
+                          min_new, held, np.bool_((held >= 0).any()))
 
 
 # ---------------------------------------------------------------------------- the draw
@@ -271,6 +312,16 @@ def apply_logit_bias(x, ids, bias):
     (padding entries add 0 to token 0)."""
     rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
     return x.at[rows, ids].add(bias)
+
+
+def hold_stop_tokens(x, ids, positions, min_new_tokens):
+    """``x [R, V]`` with the tokens ``ids [R, H]`` i32 (padding -1) set to ``-inf`` in rows
+    whose output position ``positions [R]`` is below ``min_new_tokens [R]``; a row left with no
+    finite logit (a grammar that allows only its end) keeps its logits."""
+    active = (positions < min_new_tokens)[:, None] & (ids >= 0)          # [R, H]
+    rows = lax.broadcasted_iota(jnp.int32, ids.shape, 0)
+    held = x.at[rows, jnp.maximum(ids, 0)].min(jnp.where(active, -jnp.inf, jnp.inf))
+    return jnp.where((held > -jnp.inf).any(-1, keepdims=True), held, x)
 
 
 def _apply_penalties(x, sp: SamplingInputs, prompt_seen, counts):
@@ -322,6 +373,8 @@ def sample(logits, sp: SamplingInputs, prompt_seen, counts, max_rows: int):
     R, V = logits.shape
     logits = logits.astype(jnp.float32)
     x = lax.cond(sp.any_grammar, apply_bitmask, lambda x, m: x, logits, sp.bitmask)
+    x = lax.cond(sp.any_held_stop, hold_stop_tokens, lambda x, i, p, m: x, x, sp.held_stop_ids,
+                 sp.positions, sp.min_new_tokens)
     x = lax.cond(sp.any_logit_bias, apply_logit_bias, lambda x, i, b: x, x, sp.logit_bias_ids,
                  sp.logit_bias)
     x = lax.cond(sp.any_penalty, _apply_penalties, lambda x, sp, a, b: x, x, sp,

@@ -82,11 +82,14 @@ def keep_threshold(probs: np.ndarray, top_k: int, top_p: float, min_p: float) ->
     return max(thr, s[m - 1])
 
 
-def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = None) -> SampleResult:
+def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = None,
+                 eos_token_ids=()) -> SampleResult:
     """Sample the next token of ``req`` from its logits row ``[V]`` float32. ``bitmask``: the
     row's grammar mask ``[ceil(V/32)]`` int32 (``pdjax.constrained.grammar.apply_bitmask``),
-    applied first, then ``sampling_params.logit_bias``, then the penalties; logprobs stay those
-    of the raw logits."""
+    applied first, then the stop tokens held back below ``min_new_tokens`` (``eos_token_ids``
+    and ``stop_token_ids``; kept if they are all the row allows), then
+    ``sampling_params.logit_bias``, then the penalties; logprobs stay those of the raw
+    logits."""
     sp = req.sampling_params
     lp = log_softmax(logits) if req.return_logprob else None
     x = logits.astype(np.float64)
@@ -94,6 +97,12 @@ def sample_token(logits: np.ndarray, req: Request, bitmask: np.ndarray | None = 
         from pdjax.constrained.grammar import apply_bitmask
 
         x = apply_bitmask(x, bitmask)
+    held = list(sp.held_stop_ids(len(req.output_ids), eos_token_ids))
+    if held:
+        masked = x.copy()
+        masked[held] = -np.inf
+        if (masked > -np.inf).any():
+            x = masked
     x = apply_logit_bias(x.copy(), sp.logit_bias)
     x = apply_penalties(x, req)
     margin = float("inf")

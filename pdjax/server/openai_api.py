@@ -77,7 +77,8 @@ class OpenAIRequest:
 # are SGLang/vLLM extensions sent through the openai client's ``extra_body``.
 _OPENAI_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
-                    "stop_token_ids", "skip_special_tokens", "logit_bias", "speculative"}
+                    "stop_token_ids", "skip_special_tokens", "logit_bias", "speculative",
+                    "min_tokens", "stop_regex"}
 _OPENAI_COMMON = _OPENAI_SAMPLING | {
     "model", "max_tokens", "stream", "stream_options", "logprobs", "user", "rid",
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "metadata", "service_tier",
@@ -190,6 +191,13 @@ def _openai_sampling(body: dict[str, Any], ctx: ServingContext, max_tokens: Any,
     for name in ("skip_special_tokens", "speculative"):
         if name in d:
             check_bool(name, d[name])
+    min_tokens = d.pop("min_tokens", None)     # vLLM's and SGLang's OpenAI name
+    if min_tokens is not None:
+        check_int("min_tokens", min_tokens, 0, SamplingParams.MAX_NEW_TOKENS_LIMIT)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({min_tokens}) must be at most {max_tokens_name} "
+                               f"({max_tokens})", "min_tokens")
+        d["min_new_tokens"] = min_tokens
     d["max_new_tokens"] = max_tokens
     return parse_sampling_params(d, ctx, "", max_tokens_name)
 

@@ -245,9 +245,14 @@ def check_grammar(spec: GrammarSpec | None, ctx: ServingContext) -> None:
 def clamp_default_max_new(sp: SamplingParams, prompt_len: int,
                           ctx: ServingContext) -> SamplingParams:
     """The default ``max_new_tokens`` (the client did not set it) cut to what the context
-    leaves after the prompt, as SGLang does. Returns a copy."""
+    leaves after the prompt, as SGLang does. Returns a copy. ``RequestError`` naming
+    ``min_new_tokens`` when the cut leaves fewer tokens than it asks for."""
     max_new = input_checks.default_max_new_tokens(sp.max_new_tokens, prompt_len,
                                                   ctx.context_length)
+    if max_new is not None and sp.min_new_tokens > max_new:
+        raise RequestError(f"min_new_tokens = {sp.min_new_tokens} does not fit in the model's "
+                           f"context length of {ctx.context_length} tokens after the prompt's "
+                           f"{prompt_len} (at most {max_new})", "min_new_tokens")
     return sp if max_new == sp.max_new_tokens else dataclasses.replace(sp, max_new_tokens=max_new)
 
 

@@ -97,7 +97,10 @@ class PrefillConnector(RoleManager):
         the fake host 2.2.2.2 to the scheduler (False). Forces ``max_new_tokens = 1``.
         Raises ``ValueError`` for a missing or bad ``bootstrap_room``, ``RoomConflict`` (HTTP
         409) for a room another request holds or that failed here."""
-        req.sampling_params = dataclasses.replace(req.sampling_params, max_new_tokens=1)
+        # min_new_tokens >= 1 still holds back the first token's EOS (sampled here).
+        sp = req.sampling_params
+        req.sampling_params = dataclasses.replace(sp, max_new_tokens=1,
+                                                  min_new_tokens=min(sp.min_new_tokens, 1))
         if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             return False
         room = check_room(g.bootstrap_room, self.role)

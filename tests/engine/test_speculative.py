@@ -251,3 +251,33 @@ def test_grammar_requests_speculate_within_their_grammar(spec_engine, llama_engi
     assert sum(o["meta_info"].get("spec_verify_ct", 0) for o in out) > 0
     assert stats.num_accepted_tokens > acc0
     _pool_is_whole(spec_engine)
+
+
+def test_min_new_tokens_rejects_drafted_stop_tokens(spec_engine, llama_engine):
+    """A stop token the looping greedy output (and so the n-gram drafts) keeps producing is held
+    back below min_new_tokens in every row of a verify span: the drafts of it are rejected
+    there, and the tokens equal those of the engine without speculation under the same
+    params; past min_new_tokens it stops the request again."""
+    prompts = _prompts(4, seed=6, lengths=(40, 33, 48, 25))
+    ref = _reference(llama_engine, prompts)
+    params = []
+    for r in ref:
+        ids = r["output_ids"]
+        stop = next((t for t in ids[1:] if ids.count(t) >= 3), ids[1])   # recurs in the loop
+        params.append({**GREEDY, "stop_token_ids": [stop], "min_new_tokens": 12})
+    held_ref = _reference(llama_engine, prompts, params)
+    stats = spec_engine.core.speculator.stats
+    rows0, acc0 = stats.num_verify_rows, stats.num_accepted_tokens
+    before = compile_count()
+    set_sched(spec_engine, chunked_prefill_size=CHUNK_BIG, enable_mixed_chunk=False)
+    out = spec_engine.generate(input_ids=prompts, sampling_params=params)
+    assert stats.num_verify_rows > rows0 and stats.num_accepted_tokens > acc0
+    for o, r, p in zip(out, held_ref, params):
+        stop = p["stop_token_ids"][0]
+        assert stop not in o["output_ids"][:12] and len(o["output_ids"]) >= 12
+        if o["meta_info"]["finish_reason"]["type"] == "stop":
+            assert o["output_ids"][-1] == stop
+    _check_same(out, held_ref)
+    assert any(o["meta_info"]["finish_reason"]["type"] == "stop" for o in out)
+    assert compile_count() == before
+    _pool_is_whole(spec_engine)

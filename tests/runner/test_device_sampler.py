@@ -360,3 +360,52 @@ def test_bad_logit_bias_names_the_field(bias, needle):
         SamplingParams(logit_bias=bias)
     with pytest.raises(ValueError, match="logit_bias: token id 64 is outside"):
         SamplingParams(logit_bias={"64": 1}).check_vocab_ids(V)
+
+
+def test_min_new_tokens_holds_back_stop_tokens_below_its_position():
+    """EOS (2) and stop_token_ids (5, 6) are the argmax (and the bulk of a sampled row's mass):
+    below min_new_tokens they are never drawn, from it on they are; ignore_eos holds back only
+    stop_token_ids; a grammar allowing only EOS keeps it. Same as the numpy oracle."""
+    eos = (2,)
+    logits = np.zeros((9, V), np.float32)
+    logits[:, [2, 5, 6]] = 30.0
+    logits[:, 11] = 10.0
+    logits[:, 12] = 9.0
+    logits[4, 5] = 31.0                     # ignore_eos row: EOS is free, 5 and 6 held back
+    reqs = [_req(temperature=0.0, min_new_tokens=3, stop_token_ids=[5, 6]),                 # pos 0
+            _req(outputs=[9, 9], temperature=0.0, min_new_tokens=3, stop_token_ids=[5, 6]),  # pos 2
+            _req(outputs=[9, 9, 9], temperature=0.0, min_new_tokens=3, stop_token_ids=[5, 6]),
+            _req(temperature=0.9, seed=11, min_new_tokens=1, stop_token_ids=[5, 6]),
+            _req(temperature=0.0, min_new_tokens=2, stop_token_ids=[5, 6], ignore_eos=True),
+            _req(temperature=0.0, stop_token_ids=[5, 6]),                                    # no min
+            _req(temperature=0.0, min_new_tokens=2),                                         # EOS only
+            _req(temperature=0.0, min_new_tokens=2, stop_token_ids=[5, 6], frequency_penalty=2.0,
+                 outputs=[11]),
+            _req(temperature=0.0, min_new_tokens=4)]                                         # grammar
+    only_eos = np.zeros((len(reqs), (V + 31) // 32), np.int32) - 1
+    only_eos[8] = 0
+    only_eos[8, 0] = 1 << 2
+    rows = [ds.SamplingRow.from_request(r, 1 if i == 7 else 0, eos_token_ids=eos)
+            for i, r in enumerate(reqs)]
+    assert rows[0].held_stop_ids == (2, 5, 6) and rows[2].held_stop_ids == ()
+    assert rows[4].held_stop_ids == (5, 6)
+    sp = ds.build_sampling_inputs(rows, len(reqs), bitmask=only_eos)
+    assert sp.any_held_stop and sp.min_new_tokens.tolist()[:3] == [3, 3, 3]
+    seen = jnp.zeros((2, V), bool)
+    counts = jnp.zeros((2, V), jnp.int32).at[1, 11].set(1)
+    out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)), seen, counts,
+                     MAX_ROWS)
+    got = out.tokens[:len(reqs)].tolist()
+    assert got == [11, 11, 2, 11, 2, 2, 5, 12, 2], got
+    for i, r in enumerate(reqs):
+        ref = sample_token(logits[i].copy(), r, bitmask=only_eos[i], eos_token_ids=eos)
+        assert ref.token_id == got[i], i
+    assert not ds.build_sampling_inputs(rows[2:3] + rows[5:6], 2).any_held_stop
+    assert ds.no_held_stop_ids(4).min() == -1 and not ds.no_held_stop_ids(4).flags.writeable
+
+
+def test_too_many_held_stop_tokens_name_the_field():
+    r = _req(min_new_tokens=1, stop_token_ids=list(range(3, 3 + ds.MAX_HELD_STOP_IDS)))
+    with pytest.raises(ValueError, match="stop_token_ids: min_new_tokens holds back at most"):
+        ds.SamplingRow.from_request(r, eos_token_ids=(2,))
+    ds.SamplingRow.from_request(r, position=1, eos_token_ids=(2,))    # past it: nothing held

@@ -151,3 +151,61 @@ def test_token_texts_bytes():
 def test_bad_stop_rejected():
     with pytest.raises(ValueError, match="stop"):
         IncrementalDetokenizer(build_tokenizer(), stop=[""])
+
+
+def test_stop_regex_cuts_at_the_first_match_and_holds_back_only_a_possible_match():
+    tok = build_tokenizer()
+    head = pieces_to_ids(tok, ["Hello", " wor", "ld", " "])
+    ids = head + pieces_to_ids(tok, ["1", "2", "3", "4", " and", " 56", " more"])
+    detok = IncrementalDetokenizer(tok, stop_regex=[r"\d{3}", "xyz"])
+    released = "".join(detok.add_tokens([i]).text for i in head)
+    assert released == "Hello world "          # nothing could start a match: all out at once
+    result = None
+    for n, i in enumerate(ids[len(head):], len(head) + 1):
+        d = detok.add_tokens([i])
+        released += d.text
+        if d.stop_matched:
+            result = (n, d)
+            break
+        assert released == "Hello world "      # "1", "12" may start a match: held back
+    n, d = result
+    assert d.stop_matched == r"\d{3}" and d.num_tokens == 1
+    assert tok.decode(ids[:n]).endswith("123")
+    assert detok.text == released == "Hello world "
+    assert detok.finish().text == "" and detok.stop_matched == r"\d{3}"
+
+
+def test_stop_regex_earliest_of_strings_and_patterns_wins_and_anchors_see_the_text_before():
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["one", " two", " three", " four"])
+    d = IncrementalDetokenizer(tok, stop=["four"], stop_regex=["t[a-z]+e"]).add_tokens(ids)
+    assert (d.text, d.stop_matched) == ("one two ", "t[a-z]+e")
+    # ^ anchors at the start of the output, not of the unreleased text.
+    detok = IncrementalDetokenizer(tok, stop_regex=["^two"])
+    assert "".join(run(detok, ids)) == "one two three four" and detok.stop_matched is None
+
+
+def test_min_new_tokens_arms_stop_strings_and_regexes_only_past_it():
+    tok = build_tokenizer()
+    pieces = ["a", "STOP", "b", "c", "STOP", "d"]
+    ids = pieces_to_ids(tok, pieces)
+    first_stop = len(pieces_to_ids(tok, pieces[:2]))      # tokens up to the first STOP's end
+    second_stop = len(pieces_to_ids(tok, pieces[:5]))
+    for kw in ({"stop": ["STOP"]}, {"stop_regex": ["ST.P"]}):
+        matched = kw.get("stop", kw.get("stop_regex"))[0]
+        early = IncrementalDetokenizer(tok, **kw)
+        assert "".join(run(early, ids)) == "a"
+        # The first STOP completes on token first_stop, not past min_new_tokens: no stop.
+        late = IncrementalDetokenizer(tok, min_new_tokens=first_stop, **kw)
+        assert "".join(run(late, ids)) == "aSTOPbc"
+        d = IncrementalDetokenizer(tok, min_new_tokens=first_stop, **kw).add_tokens(ids)
+        assert (d.num_tokens, d.stop_matched) == (second_stop, matched)
+        armed = IncrementalDetokenizer(tok, min_new_tokens=first_stop - 1, **kw)
+        assert "".join(run(armed, ids)) == "a" and armed.stop_matched == matched
+        never = IncrementalDetokenizer(tok, min_new_tokens=len(ids), **kw)
+        assert "".join(run(never, ids)) == "aSTOPbcSTOPd" and never.stop_matched is None
+
+
+def test_bad_stop_regex_names_the_field():
+    with pytest.raises(ValueError, match=r"stop_regex: '\(a' is not a valid regular expression"):
+        IncrementalDetokenizer(build_tokenizer(), stop_regex=["(a"])

@@ -321,6 +321,59 @@ def test_logit_bias_applies_to_the_prefills_first_token(pd):
         assert wait_until(lambda: at_baseline(pd[s]), 10), s
 
 
+def test_min_new_tokens_holds_back_the_prefills_first_stop_token(pd):
+    """min_new_tokens >= 1: the prefill draws its first token with the stop tokens held back
+    (EOS, stop_token_ids), the decode the rest below min_new_tokens: the same tokens as
+    colocated, through /generate and /v1/completions (min_tokens); stop_regex ends the
+    decode's text as colocated."""
+    router, colocated = pd["router"].url, pd["colocated"]
+    rng = random.Random(21)
+    cands = [[rng.randrange(3, 440) for _ in range(rng.randrange(1, 6))] for _ in range(4000)]
+    firsts = colocated.generate(input_ids=cands, sampling_params={"temperature": 0,
+                                                                  "max_new_tokens": 1})
+    eos_prompt = next(c for c, o in zip(cands, firsts) if o["output_ids"] == [EOS])
+    ids = list(range(120, 141))
+    first = colocated.generate(input_ids=ids, sampling_params={
+        "temperature": 0, "max_new_tokens": 1})["output_ids"][0]
+    cases = [(eos_prompt, {"temperature": 0, "min_new_tokens": 3}),
+             (ids, {"temperature": 0, "stop_token_ids": [first], "min_new_tokens": 2}),
+             (ids, {"temperature": 1.0, "seed": 3, "stop_token_ids": [first],
+                    "min_new_tokens": 4})]
+    for prompt, sp in cases:
+        sp = dict(sp, max_new_tokens=6)
+        ref = colocated.generate(input_ids=prompt, sampling_params=sp)
+        held = set(sp.get("stop_token_ids", [])) | {EOS}
+        assert not held & set(ref["output_ids"][:sp["min_new_tokens"]]), ref["output_ids"]
+        for stream in (False, True):
+            out = _generate(router, prompt, 6, stream=stream, sampling_params=sp)
+            assert out["output_ids"] == ref["output_ids"], (sp, stream)
+        comp_sp = {k: v for k, v in sp.items() if k not in ("max_new_tokens", "min_new_tokens")}
+        status, comp = post(router + "/v1/completions", {
+            "prompt": prompt, "max_tokens": 6, "min_tokens": sp["min_new_tokens"], **comp_sp})
+        assert status == 200, comp
+        assert comp["choices"][0]["text"] == ref["text"]
+    # stop_regex: the decode's text ends before the first match, as colocated.
+    plain = colocated.generate(input_ids=ids, sampling_params={"temperature": 0,
+                                                               "max_new_tokens": 8})
+    tok = colocated.tokenizer
+    piece = next((tok.decode([t]) for t in plain["output_ids"][2:]
+                  if "\ufffd" not in tok.decode([t]) and tok.decode([t]).strip()), None)
+    if piece is not None:
+        import re
+
+        sp = {"temperature": 0, "max_new_tokens": 8, "stop_regex": re.escape(piece)}
+        ref = colocated.generate(input_ids=ids, sampling_params=sp)
+        assert ref["meta_info"]["finish_reason"] == {"type": "stop", "matched": sp["stop_regex"]}
+        out = _generate(router, ids, 8, sampling_params=sp)
+        assert (out["text"], out["meta_info"]["finish_reason"]) == \
+            (ref["text"], ref["meta_info"]["finish_reason"])
+    status, err = post(router + "/v1/completions", {"prompt": ids, "max_tokens": 2,
+                                                     "min_tokens": 3})
+    assert status == 400 and "min_tokens" in json.dumps(err), err
+    for s in ("prefill", "decode"):
+        assert wait_until(lambda: at_baseline(pd[s]), 10), s
+
+
 def test_auto_tool_choice_through_the_router_gives_tool_calls(pd):
     """A logit bias makes the prefill's first token and every decode token the call token: the
     decode's answer carries the call as ``tool_calls`` (tool_choice "auto"), whole and
