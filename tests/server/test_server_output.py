@@ -135,3 +135,24 @@ def test_request_transitions_are_checked_and_counters_move_through_methods():
             req.set_state(illegal)
     with pytest.raises(RuntimeError, match="illegal transition"):
         req.abort("late")
+
+
+def test_a_stop_regex_search_past_its_time_fails_the_request_and_stops_the_engine(monkeypatch):
+    """A pattern that backtracks exponentially on the output ("(a|aa)+c" over a run of a's)
+    fails the request with a 400 naming stop_regex once one search passes the time limit, and
+    tells the owner to abort the engine's request; the text before stays the client's."""
+    from pdjax import detokenizer
+
+    monkeypatch.setattr(detokenizer, "STOP_REGEX_TIMEOUT_S", 0.05)
+    tok = build_tokenizer()
+    ids = pieces_to_ids(tok, ["Hi "] + ["a"] * 60)
+    acc = _accumulator(tok, SamplingParams(stop_regex="(a|aa)+c"))
+    for n, t in enumerate(ids):
+        d = acc.add(GenerateOutput("r", [t], completion_tokens=n + 1))
+        if acc.finished:
+            break
+    assert acc.finished and d.stop_string_hit and n < len(ids) - 1
+    r = acc.result
+    assert r.error_status == 400 and r.error.startswith("stop_regex: matching '(a|aa)+c' took")
+    assert r.finish_reason.type is FinishType.ABORT
+    assert r.text == "Hi "                   # the a's may still become a match: held back
