@@ -71,7 +71,8 @@ def _work(args) -> None:
         from pdjax.transfer.prefill_ranks import RankSender
 
         try:
-            handlers = (RankSender if args.role == "prefill" else DecodeRankNode)(node).handlers
+            handlers = (RankSender if args.role == "prefill"
+                        else DecodeRankNode).for_host(node).handlers
         except Exception as e:
             exit_now(2, f"node {args.node_rank}: cannot set up its KV transfers "
                         f"({type(e).__name__}: {e})")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 from typing import Any
 
 import numpy as np
@@ -23,17 +22,25 @@ from pdjax.request import Request
 
 
 # ------------------------------------------------------------------------------ prefill side
+def prefer_failure(kept: RoomFailure | None, new: RoomFailure) -> RoomFailure:
+    """Of the failures a prefill room's worker reported between two polls, the one the room
+    fails with: the first, except that the decode's abort wins over a write error."""
+    if kept is None or (isinstance(new, Aborted) and not isinstance(kept, Aborted)):
+        return new
+    return kept
+
+
 @dataclasses.dataclass
 class PrefillRoom:
-    """State of one ``bootstrap_room`` on the prefill. Fields written by helper threads are
-    marked; everything else belongs to the engine thread."""
+    """State of one ``bootstrap_room`` on the prefill (engine thread only: the worker's threads
+    report chunks written, write failures, page lists and aborts as events)."""
 
     room: int
     created_s: float
     state: KVPoll = KVPoll.Bootstrapping
     state_s: float = 0.0
     req: Request | None = None
-    # From the decode's TransferRequest (receiver thread).
+    # From the decode's TransferRequest.
     peer_id: str | None = None
     dst_pages: np.ndarray | None = None
     dst_slot: int = -1
@@ -43,19 +50,16 @@ class PrefillRoom:
     # Progress.
     src_slot: int | None = None
     next_page: int = 0                  # next prompt page to send
-    jobs_inflight: int = 0              # chunk/notice jobs queued or running (worker)
+    jobs_inflight: int = 0              # chunk/notice jobs queued or running in the worker
     last_queued: bool = False
     first_send_s: float = 0.0
-    done: bool = False                  # worker: last chunk + metadata written
-    # A failure a helper thread saw (a write error, a bad page list, the decode's abort),
-    # applied by the engine thread at its next poll; ``failure``: why the room is Failed.
-    reported: RoomFailure | None = None
-    failure: RoomFailure | None = None
+    done: bool = False                  # last chunk + metadata written
+    failure: RoomFailure | None = None  # why the room is Failed
     status_code: int = 0                # 4xx: this server refused the request (told the decode)
     notified: bool = False              # the decode was told the outcome
     output: GenerateOutput | None = None
     output_sent: bool = False
-    # Accounting (worker).
+    # Accounting (the worker's ChunkWritten events).
     bytes: int = 0
     pages: int = 0
     copies: int = 0
@@ -70,13 +74,6 @@ class PrefillRoom:
     @property
     def fail_reason(self) -> str | None:
         return None if self.failure is None else str(self.failure)
-
-    def report(self, failure: RoomFailure) -> None:
-        """Record a helper thread's failure (under the manager's lock). The first one is
-        kept, except that the decode's abort wins over a write error."""
-        if self.reported is None or (isinstance(failure, Aborted)
-                                     and not isinstance(self.reported, Aborted)):
-            self.reported = failure
 
     def tombstone(self) -> "PrefillRoom":
         """What stays of a failed room after its request was answered: a late request or page
@@ -126,18 +123,15 @@ class CompletedRooms:
 # ------------------------------------------------------------------------------- decode side
 @dataclasses.dataclass
 class PrefillPeer:
-    """One prefill server, keyed by its bootstrap ``host:port``."""
+    """One prefill server, keyed by its bootstrap ``host:port`` (engine thread only; the
+    decode worker's threads report pairing and heartbeat outcomes as events)."""
 
     host: str
     port: int
     engine_id: str                     # this decode's id towards that prefill
     state: PeerState = PeerState.CONNECTING
     failure: RoomFailure | None = None  # why it is FAILED (PairingFailed, PeerLost)
-    register_reason: str = ""          # the prefill's answer to the registration
     endpoint: str | None = None        # the prefill rank's ZMQ PULL socket
-    accepted: bool | None = None
-    health_failures: int = 0
-    registered: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -145,7 +139,7 @@ class PrefillPeer:
 
     @property
     def reason(self) -> str:
-        return str(self.failure) if self.failure is not None else self.register_reason
+        return str(self.failure) if self.failure is not None else ""
 
     def set_ready(self) -> None:
         self.state = peer_transition(self.state, PeerState.READY)
@@ -157,9 +151,9 @@ class PrefillPeer:
 
 @dataclasses.dataclass
 class DecodeRoom:
-    """One PD request on the decode. ``status`` (the prefill's Success or Failed),
-    ``status_failure`` (why, when Failed) and ``status_code`` are set by the receiver thread;
-    the rest belongs to the engine thread."""
+    """One PD request on the decode (engine thread only). ``status`` (the prefill's Success or
+    Failed), ``status_failure`` (why, when Failed) and ``status_code`` come from the worker's
+    ``StatusArrived`` event."""
 
     room: int | None                   # None for a fake (warm-up) request
     req: Request

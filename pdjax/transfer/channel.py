@@ -53,14 +53,16 @@ class MessageChannel:
     """A bound PULL socket with a receiver thread, plus cached PUSH sockets.
 
     ``handler(msg)`` runs on the receiver thread for every valid message; it must not block
-    for long. ``on_reject(reason, kind)`` is called for every dropped frame (``kind``:
+    for long. With ``handler`` None the socket is bound (``endpoint`` is known) but nothing is
+    read until ``start(handler)``: ZMQ queues what arrives, so the owner of the channel can be
+    built after it and still miss no message. ``on_reject(reason, kind)`` is called for every dropped frame (``kind``:
     ``malformed``, or the ``AuthError`` reason). ``secret``: seal and authenticate every frame
     (None: plain frames, as before). ``send`` is thread-safe and returns False (logging why)
     when the message could not be queued within ``SEND_TIMEOUT_MS``. Raises
     ``zmq.ZMQError`` if no port can be bound.
     """
 
-    def __init__(self, host: str, handler: Callable[[Message], None], name: str,
+    def __init__(self, host: str, handler: Callable[[Message], None] | None, name: str,
                  on_reject: Callable[[str, str], None] | None = None,
                  secret: str | bytes | None = None):
         self.name = name
@@ -81,7 +83,21 @@ class MessageChannel:
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self.num_rejected = 0
-        self._thread = threading.Thread(target=self._run, name=f"pd-{name}-recv", daemon=True)
+        self._thread: threading.Thread | None = None
+        if handler is not None:
+            self.start(handler)
+
+    def start(self, handler: Callable[[Message], None],
+              on_reject: Callable[[str, str], None] | None = None) -> None:
+        """Start the receiver thread with ``handler`` (and ``on_reject``, when given);
+        ``RuntimeError`` when already started."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: the channel's receiver is already running")
+        self._handler = handler
+        if on_reject is not None:
+            self._on_reject = on_reject
+        self._thread = threading.Thread(target=self._run, name=f"pd-{self.name}-recv",
+                                        daemon=True)
         self._thread.start()
 
     # -- receiving -------------------------------------------------------------------------
@@ -167,7 +183,8 @@ class MessageChannel:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join(2.0)
+        if self._thread is not None:
+            self._thread.join(2.0)
         with self._send_lock:
             for sock in self._push.values():
                 sock.close(0)

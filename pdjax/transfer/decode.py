@@ -46,12 +46,13 @@ from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, KVPoll, MetadataGate,
                                 PeerState, RoomConflict, RoomFailure, Timeout)
-from pdjax.pd.protocol import Abort, Message, TransferRequest
+from pdjax.pd.protocol import Abort, AbortAck, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
 from pdjax.request import FinishReason, Request
 from pdjax.transfer.decode_ranks import DecodeRanks
-from pdjax.transfer.decode_worker import DecodeTransferWorker
+from pdjax.transfer.decode_worker import (AbortAcked, DecodeTransferWorker, PeerFailed,
+                                          PeerReady, StatusArrived)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
@@ -83,8 +84,8 @@ class DecodeConnector(RoleManager):
 
     role = "decode"
 
-    def __init__(self, host):
-        super().__init__(host)
+    def __init__(self, host, parts):
+        super().__init__(host, parts)
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
         self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
         self.peers: dict[tuple[str, int], PrefillPeer] = {}
@@ -93,12 +94,20 @@ class DecodeConnector(RoleManager):
         self._quarantine_seq = itertools.count()
         self.num_quarantine_released_by_ack = 0
         self.num_quarantine_released_by_timeout = 0
+        self._acked: set[int] = set()        # rooms whose abort the prefill acknowledged
+        self.num_abort_acks = 0
         # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
         self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
         # The worker handles what the channel receives: it exists before the other nodes are
         # told this endpoint (a DecodeRankInfo that came first was lost, and the decode waited
         # for it until its clients timed out).
-        self.worker = DecodeTransferWorker(self)
+        self.worker = DecodeTransferWorker(
+            channel=self.channel, local_kv=self.local_kv, meta=self.meta,
+            transfer_engine=self.transfer_engine, ranks=self.ranks, page_size=self.page_size,
+            bootstrap_timeout_s=self.args.bootstrap_timeout_s,
+            heartbeat_interval_s=self.args.heartbeat_interval_s, wake=self.wake,
+            on_reject=self.count_rejected)
+        self.start_channel()
         if self.ranks is not None:
             self.ranks.announce(self.channel.endpoint)
 
@@ -117,18 +126,18 @@ class DecodeConnector(RoleManager):
         self._check_new_request(req, self.rooms)
         now = time.monotonic()
         peer_key = None
-        with self.lock:
-            if room is not None:
-                if room in self.room_owner:
-                    raise RoomConflict(f"bootstrap_room {room} is already in use on this "
-                                       f"decode server (duplicate room)")
-                self.room_owner[room] = req.rid
-                port = g.bootstrap_port or self.args.disaggregation_bootstrap_port
-                peer_key = (g.bootstrap_host, int(port))
-            self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
-                                             digest=b"" if fake else prompt_digest(req.prompt_ids))
-        if peer_key is not None:
-            self.worker.ensure_peer(peer_key)
+        if room is not None:
+            if room in self.room_owner:
+                raise RoomConflict(f"bootstrap_room {room} is already in use on this "
+                                   f"decode server (duplicate room)")
+            self.room_owner[room] = req.rid
+            port = g.bootstrap_port or self.args.disaggregation_bootstrap_port
+            peer_key = (g.bootstrap_host, int(port))
+            if peer_key not in self.peers:
+                self.peers[peer_key] = PrefillPeer(peer_key[0], peer_key[1],
+                                                   self.worker.pair(peer_key))
+        self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
+                                         digest=b"" if fake else prompt_digest(req.prompt_ids))
         self.wake()
         return True
 
@@ -138,10 +147,9 @@ class DecodeConnector(RoleManager):
         scheduler (returns None)."""
         r = self.rooms.get(rid)
         if r is None:
-            with self.lock:
-                for room, owner in list(self.room_owner.items()):
-                    if owner == rid:
-                        del self.room_owner[room]
+            for room, owner in list(self.room_owner.items()):
+                if owner == rid:
+                    del self.room_owner[room]
             return None
         in_flight = r.state == KVPoll.Transferring and not r.fake
         self._fail(r, Aborted(f"aborted by client: {message}"), quarantine=in_flight,
@@ -154,10 +162,10 @@ class DecodeConnector(RoleManager):
         """Advance rooms in arrival order: pairing, preallocation, commits, failures and
         timeouts; release quarantined pages. Returns outputs to push."""
         now = self._begin_poll()
+        self._apply_events()
         outputs: list[GenerateOutput] = []
         self._release_quarantine(now)
-        with self.lock:
-            rooms = list(self.rooms.values())
+        rooms = list(self.rooms.values())
         admit = True
         for r in rooms:
             peer = None if r.fake else self.peers.get(r.peer_key)
@@ -182,8 +190,7 @@ class DecodeConnector(RoleManager):
                     out = self._fail(r, Timeout(f"waiting timeout: no KV pages free within "
                                                 f"{self.args.waiting_timeout_s:g} s"))
             if out is None and r.state == KVPoll.Transferring:
-                with self.lock:
-                    status, failure = r.status, r.status_failure
+                status, failure = r.status, r.status_failure
                 if status == KVPoll.Success or r.fake:
                     # The KV is in; the request joins the running batch when it has a row.
                     if len(self.scheduler.running) < self.args.max_running_requests:
@@ -196,13 +203,57 @@ class DecodeConnector(RoleManager):
                                      quarantine=True, send_abort=True)
             if out is not None:
                 outputs.append(out)
-        with self.lock:
-            used = {r.peer_key for r in self.rooms.values()}
-            for key, p in list(self.peers.items()):
-                if p.state == PeerState.FAILED and key not in used:
-                    del self.peers[key]      # the next request bootstraps again
+        used = {r.peer_key for r in self.rooms.values()}
+        for key, p in list(self.peers.items()):
+            if p.state == PeerState.FAILED and key not in used:
+                del self.peers[key]          # the next request bootstraps again
+                self.worker.forget(p.engine_id)
         self.update_gauges()
         return outputs
+
+    def _apply_events(self) -> None:
+        """What the worker's threads saw since the last poll, in order (DESIGN.md §4): peers
+        paired or lost, the prefill's status of a room, abort acks."""
+        for ev in self.worker.events():
+            if isinstance(ev, StatusArrived):
+                self._on_status(ev)
+                continue
+            if isinstance(ev, AbortAcked):
+                self._acked.add(ev.room)
+                self.num_abort_acks += 1
+                continue
+            peer = self.peers.get(ev.key)
+            if peer is None or peer.engine_id != ev.engine_id:
+                continue                      # a peer dropped already: its rooms are gone
+            if isinstance(ev, PeerReady) and peer.state == PeerState.CONNECTING:
+                peer.endpoint = ev.endpoint
+                peer.set_ready()
+            elif isinstance(ev, PeerFailed) and peer.state != PeerState.FAILED:
+                peer.fail(ev.failure)         # its rooms fail in this poll
+
+    def _on_status(self, ev: StatusArrived) -> None:
+        """Record the prefill's Success or Failed on its room (answering an Abort with an
+        ``AbortAck``); a status for a room that is not waiting for one is refused, except when
+        it crossed this side's own failure of the room (a client abort)."""
+        rid = self.room_owner.get(ev.room)
+        r = self.rooms.get(rid) if rid is not None else None
+        ok = r is not None and r.state == KVPoll.Transferring and r.status is None
+        if ok:
+            r.status, r.status_failure, r.status_code = ev.state, ev.failure, ev.status_code
+        peer = None if r is None or r.fake else self.peers.get(r.peer_key)
+        if ev.ack_sender is not None and peer is not None and peer.endpoint:
+            self.send(peer.endpoint, AbortAck(bootstrap_room=ev.room, sender_id=peer.engine_id))
+        if ok:
+            return
+        if r is None and any(rec["room"] == ev.room and rec["state"] == "Failed"
+                             for rec in self.recent):
+            # The room failed here (a client abort, a timeout) while the prefill's last word
+            # was on its way: the messages crossed, nothing is wrong with either side.
+            logger.info("PD decode: %s status for bootstrap_room %d, which failed here "
+                        "already: ignored", ev.state.name, ev.room)
+            return
+        self.worker.reject(f"{ev.state.name} status for bootstrap_room {ev.room}, which is not "
+                           f"waiting for a transfer here")
 
     def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
                   now: float) -> tuple[bool, GenerateOutput | None]:
@@ -310,11 +361,10 @@ class DecodeConnector(RoleManager):
             self.metrics.on_success(nbytes, now - r.sent_s)
         rec = r.record()
         rec.update(bytes=nbytes, latency_s=now - r.sent_s)
-        with self.lock:   # a room out of ``rooms`` (``load``'s count) is in ``recent``
-            del self.rooms[req.rid]
-            if req.is_finished and r.room is not None:
-                self.room_owner.pop(r.room, None)
-            self.recent.append(rec)
+        del self.rooms[req.rid]
+        if req.is_finished and r.room is not None:
+            self.room_owner.pop(r.room, None)
+        self.recent.append(rec)
         return self.host.make_output(req, tokens, lps, tops)
 
     def _fail(self, r: DecodeRoom, failure: RoomFailure, quarantine: bool = False,
@@ -346,11 +396,10 @@ class DecodeConnector(RoleManager):
         if r.slot is not None:
             self.meta.free(r.slot)
             r.slot = None
-        with self.lock:
-            self.rooms.pop(req.rid, None)
-            if r.room is not None and self.room_owner.get(r.room) == req.rid:
-                del self.room_owner[r.room]
-            self.recent.append(r.record())
+        self.rooms.pop(req.rid, None)
+        if r.room is not None and self.room_owner.get(r.room) == req.rid:
+            del self.room_owner[r.room]
+        self.recent.append(r.record())
         if not answer:
             return None
         return error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): {reason}",
@@ -359,7 +408,7 @@ class DecodeConnector(RoleManager):
     def _release_quarantine(self, now: float) -> None:
         if not self.quarantine:
             return
-        acked = self.worker.take_acked()
+        acked, self._acked = self._acked, set()
         for key, (deadline, slot, pages) in list(self.quarantine.items()):
             by_ack = key[0] in acked
             if not by_ack and now < deadline:
@@ -386,10 +435,9 @@ class DecodeConnector(RoleManager):
                 self.ranks.check()
             moved = self.ranks.take_moved() or moved
         if moved:
-            with self.lock:
-                moving = [r for r in self.rooms.values()
-                          if r.state == KVPoll.Transferring and not r.fake]
-                peers = [p for p in self.peers.values() if p.state == PeerState.READY]
+            moving = [r for r in self.rooms.values()
+                      if r.state == KVPoll.Transferring and not r.fake]
+            peers = [p for p in self.peers.values() if p.state == PeerState.READY]
             for r in moving:
                 out = self._fail(r, CacheMoved("the decode KV cache moved after a donated step"),
                                  quarantine=True, send_abort=True)
@@ -397,16 +445,15 @@ class DecodeConnector(RoleManager):
                     outputs.append(out)
             for p in peers:
                 try:
-                    self.send(p.endpoint, self.worker.register_msg(p))
+                    self.send(p.endpoint, self.worker.register_msg(p.engine_id))
                 except ValueError as e:      # a node's buffers changed shape: cannot happen
                     logger.error("PD decode: cannot register again with %s: %s", p.endpoint, e)
         done = [o.rid for o in outputs if o.finished]
         if done and self.room_owner:
-            with self.lock:
-                finished = set(done)
-                for room, rid in list(self.room_owner.items()):
-                    if rid in finished and rid not in self.rooms:
-                        del self.room_owner[room]
+            finished = set(done)
+            for room, rid in list(self.room_owner.items()):
+                if rid in finished and rid not in self.rooms:
+                    del self.room_owner[room]
         return outputs
 
     def _on_message(self, msg: Message) -> None:
@@ -437,15 +484,14 @@ class DecodeConnector(RoleManager):
 
     def debug_state(self) -> dict[str, Any]:
         state = self.base_state()
-        with self.lock:
-            state["rooms"] = [r.record() for r in self.rooms.values()]
-            state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state.value,
-                               "reason": p.reason, "endpoint": p.endpoint,
-                               "engine_id": p.engine_id} for p in self.peers.values()]
+        state["rooms"] = [r.record() for r in self.rooms.values()]
+        state["peers"] = [{"bootstrap": f"{p.host}:{p.port}", "state": p.state.value,
+                           "reason": p.reason, "endpoint": p.endpoint,
+                           "engine_id": p.engine_id} for p in self.peers.values()]
         if self.ranks is not None:
             state["nodes"] = self.ranks.state()
         state.update(num_quarantined_pages=self.num_quarantined_pages,
-                     num_abort_acks=self.worker.num_abort_acks,
+                     num_abort_acks=self.num_abort_acks,
                      num_quarantine_released_by_ack=self.num_quarantine_released_by_ack,
                      num_quarantine_released_by_timeout=self.num_quarantine_released_by_timeout)
         return state

@@ -105,20 +105,27 @@ class DecodeRanks:
 
 
 class DecodeRankNode:
-    """Node R > 0 of a multi-host decode: its own transfer engine and ``LocalKV`` (direct), the
-    prefill writes its shards; ``handlers`` for ``Cluster.follow`` (``kv_ranks``,
-    ``kv_check``), made in step order. ``host``: the follower's ``NodeRunner``."""
+    """Node R > 0 of a multi-host decode (node rank ``rank``): its own transfer ``engine`` and
+    ``LocalKV`` (direct), into which the prefill writes its shards, and its control
+    ``channel``; ``handlers`` for ``Cluster.follow`` (``kv_ranks``, ``kv_check``), made in step
+    order. ``for_host`` builds the real parts of a follower's ``NodeRunner``."""
 
-    def __init__(self, host):
-        from pdjax.pd.frame_auth import resolve_secret
-
-        args = self.args = host.args
-        self.rank = args.node_rank
-        self.engine, self.local_kv, self.channel = node_data_plane(
-            host, self._on_message, f"decode-node-{self.rank}",
-            resolve_secret(args.disaggregation_secret), receives=True)
+    def __init__(self, rank: int, engine, local_kv, channel):
+        self.rank, self.engine, self.local_kv, self.channel = rank, engine, local_kv, channel
         self.reply: str | None = None          # node 0's control channel (from kv_ranks)
         self.generation = 0
+
+    @classmethod
+    def for_host(cls, host) -> "DecodeRankNode":
+        from pdjax.pd.frame_auth import resolve_secret
+
+        args = host.args
+        engine, local_kv, channel = node_data_plane(
+            host, None, f"decode-node-{args.node_rank}",
+            resolve_secret(args.disaggregation_secret), receives=True)
+        node = cls(args.node_rank, engine, local_kv, channel)
+        channel.start(node._on_message)
+        return node
 
     @property
     def handlers(self) -> dict[str, Any]:

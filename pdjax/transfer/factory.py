@@ -29,12 +29,14 @@ def create_kv_connection(host: RoleHost) -> KVConnection | None:
         return kv_connector_factory(name)(host)
     if role == "prefill":
         from pdjax.transfer.prefill import PrefillConnector
+        from pdjax.transfer.role import build_role_parts
 
-        pd = PrefillConnector(host)
+        pd = PrefillConnector(host, build_role_parts(host, role))
         return KVConnection(pd, pd.worker, pd)
     if role == "decode":
         from pdjax.transfer.decode import DecodeConnector
+        from pdjax.transfer.role import build_role_parts
 
-        pd = DecodeConnector(host)
+        pd = DecodeConnector(host, build_role_parts(host, role))
         return KVConnection(pd, pd.worker, pd)
     return None

@@ -43,16 +43,18 @@ from typing import Any
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.pd.bootstrap import BootstrapServer
-from pdjax.pd.lifecycle import (Aborted, BadDestination, CacheMoved, KVPoll, PromptMismatch,
-                                Refused, RoomConflict, RoomFailure, Timeout)
-from pdjax.pd.protocol import Message
-from pdjax.pd.rooms import CompletedRooms, PrefillRoom
+from pdjax.pd.lifecycle import (ROOM_CONFLICT_STATUS, Aborted, BadDestination, CacheMoved,
+                                KVPoll, PromptMismatch, Refused, RoomConflict, RoomFailure,
+                                Timeout)
+from pdjax.pd.protocol import Message, TransferRequest, TransferStatus
+from pdjax.pd.rooms import CompletedRooms, PrefillRoom, prefer_failure
 from pdjax.pd.wire import MAX_ROOM, prompt_digest
 from pdjax.request import FinishReason, Request
-from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
 from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
-from pdjax.transfer.prefill_worker import PrefillChunk, PrefillTransferWorker
+from pdjax.transfer.prefill_worker import (BadPageList, ChunkWritten, DecodeAborted, JobDone,
+                                           PageListArrived, PrefillChunk,
+                                           PrefillTransferWorker, RoomFailed)
 from pdjax.transfer.role import RoleManager, check_room, error_output
 
 logger = logging.getLogger(__name__)
@@ -71,15 +73,13 @@ class PrefillConnector(RoleManager):
 
     role = "prefill"
 
-    def __init__(self, host):
+    def __init__(self, host, parts):
         self.ranks: PrefillRanks | None = None
-        super().__init__(host)
+        super().__init__(host, parts)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
         # Rooms whose transfer completed, for the bootstrap timeout: a reuse is a 409 at once.
         self.completed_rooms = CompletedRooms(self.args.bootstrap_timeout_s)
-        self.peers: dict[str, DecodePeer] = {}
-        self.worker = PrefillTransferWorker(self)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
                                          secret=self.secret,
                                          on_unauthorized=lambda: self.count_rejected("bootstrap"))
@@ -87,6 +87,13 @@ class PrefillConnector(RoleManager):
         # Multi-host (DESIGN.md §6): every node registers its own shards; node 0 plans over all.
         self.ranks = (PrefillRanks(join_cluster(self.args), self.bootstrap, self.local_kv,
                                    self.channel.endpoint) if self.args.nnodes > 1 else None)
+        self.worker = PrefillTransferWorker(
+            channel=self.channel, local_kv=self.local_kv, meta=self.meta,
+            transfer_engine=self.transfer_engine, ranks=self.ranks, page_size=self.page_size,
+            transfer_timeout_s=self.args.transfer_timeout_s, sender_id=self.sender_id,
+            wait_for_kv=host.wait_for_kv, wake=self.wake, on_reject=self.count_rejected)
+        self.start_channel()
+        # Only now can a decode find this server: its rank is published.
         self.bootstrap.add_rank(rank_info(self.args, 0, self.channel, self.local_kv,
                                           self.transfer_engine))
         logger.info("PD prefill: bootstrap server on port %d", self.bootstrap_port)
@@ -107,24 +114,22 @@ class PrefillConnector(RoleManager):
         # Raised to the caller, whose ``on_rejected`` tells the decode.
         self._check_new_request(req, self.rooms_by_rid)
         now = time.monotonic()
-        with self.lock:
-            r = self.rooms.get(room)
-            if r is not None and r.req is not None:
-                raise RoomConflict(f"bootstrap_room {room} is already in use on this prefill "
-                                   f"server (duplicate room)")
-            if room in self.completed_rooms:
-                raise RoomConflict(self.completed_reason(room))
-            if r is not None and r.state == KVPoll.Failed:
-                # A client room that failed (e.g. a prompt mismatch) is not used again until
-                # its tombstone expires; a refusal keeps its own status.
-                cls = RoomConflict if r.status_code in (0, RoomConflict.status_code) \
-                    else ValueError
-                raise cls(f"bootstrap_room {room} already failed on this prefill "
-                          f"server: {r.fail_reason}")
-            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
-            r.req = req
-            r.created_s = now
-            self.rooms_by_rid[req.rid] = r
+        r = self.rooms.get(room)
+        if r is not None and r.req is not None:
+            raise RoomConflict(f"bootstrap_room {room} is already in use on this prefill "
+                               f"server (duplicate room)")
+        if room in self.completed_rooms:
+            raise RoomConflict(self.completed_reason(room))
+        if r is not None and r.state == KVPoll.Failed:
+            # A client room that failed (e.g. a prompt mismatch) is not used again until its
+            # tombstone expires; a refusal keeps its own status.
+            cls = RoomConflict if r.status_code in (0, RoomConflict.status_code) else ValueError
+            raise cls(f"bootstrap_room {room} already failed on this prefill "
+                      f"server: {r.fail_reason}")
+        r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
+        r.req = req
+        r.created_s = now
+        self.rooms_by_rid[req.rid] = r
         self.wake()
         return True
 
@@ -141,12 +146,11 @@ class PrefillConnector(RoleManager):
         if isinstance(room, bool) or not isinstance(room, int) or not 1 <= room <= MAX_ROOM:
             return
         now = time.monotonic()
-        with self.lock:
-            r = self.rooms.get(room)
-            if r is not None and (r.req is not None or r.state == KVPoll.Failed) \
-                    or room in self.completed_rooms:
-                return
-            r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
+        r = self.rooms.get(room)
+        if r is not None and (r.req is not None or r.state == KVPoll.Failed) \
+                or room in self.completed_rooms:
+            return
+        r = r or self.rooms.setdefault(room, PrefillRoom(room, created_s=now, state_s=now))
         r.status_code = status_code if 400 <= status_code < 500 else 0
         self._fail(r, Refused(f"the prefill server refused the request: {message}"))
         self.wake()
@@ -169,16 +173,11 @@ class PrefillConnector(RoleManager):
         enforce timeouts, conclude finished rooms. Returns outputs to push."""
         now = self._begin_poll()
         outputs: list[GenerateOutput] = []
-        with self.lock:
-            rooms = list(self.rooms.values())
-            self.completed_rooms.expire(now)
-        for r in rooms:
-            with self.lock:
-                reported, done = r.reported, r.done
+        self.completed_rooms.expire(now)
+        self._apply_events()
+        for r in list(self.rooms.values()):
             if r.state != KVPoll.Failed:
-                if reported is not None:
-                    self._fail(r, reported, notify=None)
-                elif done and r.state != KVPoll.Success:
+                if r.done and r.state != KVPoll.Success:
                     self._set_state(r, KVPoll.Success, now)
                     self.metrics.on_success(r.bytes, now - r.first_send_s)
                 elif r.state == KVPoll.Bootstrapping:
@@ -190,6 +189,92 @@ class PrefillConnector(RoleManager):
                 outputs.append(out)
         self.update_gauges()
         return outputs
+
+    def _apply_events(self) -> None:
+        """What the worker's threads saw since the last poll, in order (DESIGN.md §4). A room
+        fails with the first failure reported, except that the decode's abort wins
+        (``prefer_failure``)."""
+        failed: dict[int, tuple[PrefillRoom, RoomFailure]] = {}
+
+        def report(r: PrefillRoom, failure: RoomFailure) -> None:
+            r.notified = True                  # told by the worker, or nobody to tell
+            kept = failed.get(id(r), (r, None))[1]
+            failed[id(r)] = (r, prefer_failure(kept, failure))
+
+        for ev in self.worker.events():
+            if isinstance(ev, ChunkWritten):
+                r = ev.room
+                r.bytes += ev.nbytes
+                r.pages += len(ev.src)
+                r.copies += ev.copies
+                r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(ev.node_bytes),
+                                                      ev.node_bytes)]
+                r.write_s += ev.write_s
+                r.chunks.append({"src": ev.src, "dst": ev.dst, "copies": ev.copies,
+                                 "last": ev.last, "write_s": ev.write_s})
+                self.metrics.on_chunk(ev.nbytes, len(ev.src), ev.copies, ev.write_s)
+                if ev.last:
+                    r.done = r.notified = True      # the worker sent Success
+            elif isinstance(ev, RoomFailed):
+                report(ev.room, ev.failure)
+            elif isinstance(ev, JobDone):
+                ev.room.jobs_inflight -= 1
+            elif isinstance(ev, PageListArrived):
+                self._bind(ev.msg, ev.dst)
+            elif isinstance(ev, BadPageList):
+                r = self.rooms.get(ev.room)
+                if r is not None and r.peer_id is None:
+                    report(r, BadDestination(ev.reason))   # the prefill client hears of it
+            elif isinstance(ev, DecodeAborted):
+                r = self.rooms.get(ev.room)
+                if r is not None and r.peer_id == ev.sender_id:
+                    report(r, Aborted(f"aborted by the decode server: "
+                                      f"{ev.reason or 'no reason'}"))
+                    self.worker.cancel(ev.room)     # before the ack is queued
+                peer = self.worker.peer(ev.sender_id)
+                if peer is not None:
+                    # After every job queued so far (the room's chunk in flight included).
+                    self.worker.ack(ev.room, peer.reply_endpoint)
+        for r, failure in failed.values():
+            self._fail(r, failure, notify=None)
+
+    def _bind(self, msg: TransferRequest, dst) -> None:
+        """Give the room of a checked page list its destination; the decode hears at once
+        when the room already has one (409), this server failed it, or it completed a transfer
+        within the bootstrap timeout."""
+        peer = self.worker.peer(msg.decode_engine_id)
+        r = self.rooms.get(msg.bootstrap_room)
+        refused = None
+        if r is None and msg.bootstrap_room in self.completed_rooms:
+            refused = (self.completed_reason(msg.bootstrap_room), ROOM_CONFLICT_STATUS)
+        elif r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
+            # This server already failed the room (refused its request, a prompt mismatch, an
+            # abort): the decode hears why at once instead of waiting out a timeout.
+            if r.peer_id is None:
+                r.peer_id, r.notified = msg.decode_engine_id, True
+            refused = (r.fail_reason or "failed", r.status_code)
+        elif r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
+            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
+                      f"(the room already has a destination)")
+            self.worker.reject(reason)
+            # Also to the room's own decode: it sends one page list per request and binds a
+            # room to one request at a time, so this one is from a later request there.
+            refused = (reason, ROOM_CONFLICT_STATUS)
+        if refused is not None:
+            if peer is not None:
+                self.send(peer.reply_endpoint, TransferStatus(
+                    bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed,
+                    reason=refused[0][:4000], status_code=refused[1]))
+            return
+        now = time.monotonic()
+        r = r or self.rooms.setdefault(msg.bootstrap_room,
+                                       PrefillRoom(msg.bootstrap_room, now, state_s=now))
+        r.peer_id = msg.decode_engine_id
+        r.dst_pages = dst
+        r.dst_slot = msg.dst_metadata_slot
+        r.decode_prefix_len = msg.decode_prefix_len
+        r.prompt_len = msg.prompt_len
+        r.prompt_digest = msg.prompt_digest
 
     def _try_start(self, r: PrefillRoom, now: float) -> None:
         """Bootstrapping -> WaitingForInput once both the request and its destination are here."""
@@ -250,6 +335,7 @@ class PrefillConnector(RoleManager):
         if r.state == KVPoll.Failed:
             return
         self._set_state(r, KVPoll.Failed)
+        self.worker.cancel(r.room)           # its chunks still queued are not written
         r.failure = failure
         if failure.status_code is not None and not r.status_code:
             r.status_code = failure.status_code   # the client's mistake: a 4xx on both sides
@@ -264,11 +350,8 @@ class PrefillConnector(RoleManager):
 
     def _try_conclude(self, r: PrefillRoom) -> GenerateOutput | None:
         """Release pages and answer the client once the room is final and idle."""
-        if r.state not in (KVPoll.Success, KVPoll.Failed):
+        if r.state not in (KVPoll.Success, KVPoll.Failed) or r.jobs_inflight:
             return None
-        with self.lock:
-            if r.jobs_inflight:
-                return None
         req = r.req
         if req is not None and req.rid in self.scheduler.held:
             self.worker.sent(req.rid)      # the scheduler gives its pages back
@@ -284,23 +367,23 @@ class PrefillConnector(RoleManager):
                 out = error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): "
                                             f"{r.fail_reason}", req.num_prompt_tokens,
                                    r.status_code or None)
-        with self.lock:
-            if self.rooms.get(r.room) is r:
-                if r.state == KVPoll.Failed and req is None:
-                    # Keep a tombstone so a late request or page list for this room fails at
-                    # once (with this reason) instead of starting the room again.
-                    if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
-                        return out
-                    del self.rooms[r.room]
-                elif r.state == KVPoll.Failed:
-                    self.rooms[r.room] = r.tombstone()
-                else:
-                    del self.rooms[r.room]
-                    self.completed_rooms.add(r.room, time.monotonic())
-            if req is not None:
-                self.rooms_by_rid.pop(req.rid, None)
-            # Under the lock: a room out of ``rooms`` (``load``'s count) is in ``recent``.
-            self.recent.append(r.record())
+        if self.rooms.get(r.room) is r:
+            if r.state == KVPoll.Failed and req is None:
+                # Keep a tombstone so a late request or page list for this room fails at once
+                # (with this reason) instead of starting the room again.
+                if time.monotonic() - r.state_s < self.args.bootstrap_timeout_s:
+                    return out
+                del self.rooms[r.room]
+                self.worker.release(r.room)
+            elif r.state == KVPoll.Failed:
+                self.rooms[r.room] = r.tombstone()
+            else:
+                del self.rooms[r.room]
+                self.worker.release(r.room)
+                self.completed_rooms.add(r.room, time.monotonic())
+        if req is not None:
+            self.rooms_by_rid.pop(req.rid, None)
+        self.recent.append(r.record())
         return out
 
     # ------------------------------------------------------------------ KVConnector
@@ -313,9 +396,8 @@ class PrefillConnector(RoleManager):
         pages each PD row completed -- full pages for a chunk, all the rest plus the metadata
         row (written here) once the first token is sampled. None when there is nothing."""
         if self.local_kv.check_addresses():
-            with self.lock:
-                moving = [r for r in self.rooms.values()
-                          if r.state == KVPoll.Transferring or r.jobs_inflight]
+            moving = [r for r in self.rooms.values()
+                      if r.state == KVPoll.Transferring or r.jobs_inflight]
             for r in moving:
                 self._fail(r, CacheMoved("the prefill KV cache moved after a donated step; "
                                          "transfers in flight were failed"))
@@ -389,18 +471,16 @@ class PrefillConnector(RoleManager):
         return count
 
     def load(self) -> dict[str, Any]:
-        with self.lock:
-            live = sum(r.state != KVPoll.Failed for r in self.rooms.values())
+        live = sum(r.state != KVPoll.Failed for r in self.rooms.values())
         return {"disaggregation_mode": "prefill", "num_pd_rooms": live,
                 "num_held_reqs": len(self.scheduler.held), **self.baseline_load(),
                 "num_prefill_bootstrap_queue_reqs": self.queue_sizes()["bootstrap"]}
 
     def debug_state(self) -> dict[str, Any]:
         state = self.base_state()
-        with self.lock:
-            state["rooms"] = [r.record() for r in self.rooms.values()]
-            state["num_completed_rooms"] = len(self.completed_rooms)
-            state["peers"] = sorted(self.peers)
+        state["rooms"] = [r.record() for r in self.rooms.values()]
+        state["num_completed_rooms"] = len(self.completed_rooms)
+        state["peers"] = self.worker.peer_ids()
         state["bootstrap_port"] = self.bootstrap_port
         return state
 

@@ -234,29 +234,43 @@ class RankSender:
     registered with node 0's bootstrap server, and the ``kv_peer`` / ``kv_write`` handlers
     ``Cluster.follow`` calls in step order (``handlers``).
 
-    ``host``: the follower's ``NodeRunner`` (``args``, ``runner``, ``model_cfg``,
-    ``model_path``, ``context_length``). Every error in a command is reported to node 0 as a
-    failed ``RankWriteDone`` (or logged, without a valid job number); none stops the node.
+    Parts: ``args`` (``nnodes``, ``node_rank``, ``disaggregation_bootstrap_port``), ``runner``
+    (its ``caches``), ``engine``, ``local_kv`` and ``channel`` (its own data plane);
+    ``for_host`` builds them for a follower's ``NodeRunner`` and starts the node (``start``:
+    the write thread, and the registration with node 0's bootstrap server). Every error in a
+    command is reported to node 0 as a failed ``RankWriteDone`` (or logged, without a valid
+    job number); none stops the node.
     """
 
-    def __init__(self, host):
-        from pdjax.distributed.node import endpoints
-        from pdjax.pd.frame_auth import resolve_secret
-
-        args = self.args = host.args
-        self.rank = args.node_rank
-        self.runner = host.runner
-        secret = resolve_secret(args.disaggregation_secret)
-        self.engine, self.local_kv, self.channel = node_data_plane(
-            host, self._on_message, f"prefill-node-{self.rank}", secret)
+    def __init__(self, args, runner, engine, local_kv, channel):
+        self.args, self.rank, self.runner = args, args.node_rank, runner
+        self.engine, self.local_kv, self.channel = engine, local_kv, channel
         self.peers: dict[int, _Peer | str] = {}     # index -> peer, or why it is unusable
         self.reply: str | None = None               # node 0's control channel (from kv_peer)
         self._generation = 0        # bumped when the cache moved: older queued copies are void
         self._jobs: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="pd-rank-transfer", daemon=True)
-        self._worker.start()
-        leader_host, _ = endpoints(args.dist_init_addr)
-        info = rank_info(args, self.rank, self.channel, self.local_kv, self.engine)
+
+    @classmethod
+    def for_host(cls, host) -> "RankSender":
+        from pdjax.pd.frame_auth import resolve_secret
+
+        args = host.args
+        secret = resolve_secret(args.disaggregation_secret)
+        engine, local_kv, channel = node_data_plane(
+            host, None, f"prefill-node-{args.node_rank}", secret)
+        node = cls(args, host.runner, engine, local_kv, channel)
+        channel.start(node._on_message)
+        node.start(secret)
+        return node
+
+    def start(self, secret) -> None:
+        """Start the write thread and register this node's shards with node 0 (on a thread:
+        node 0 refuses every pairing, naming this node, until it has them)."""
+        from pdjax.distributed.node import endpoints
+
+        threading.Thread(target=self._work, name="pd-rank-transfer", daemon=True).start()
+        leader_host, _ = endpoints(self.args.dist_init_addr)
+        info = rank_info(self.args, self.rank, self.channel, self.local_kv, self.engine)
         threading.Thread(target=self._register, args=(leader_host, info, secret),
                          name="pd-rank-register", daemon=True).start()
         logger.info("PD prefill node %d: transfer session %s, %d B per page of its shards",

@@ -8,12 +8,21 @@
   once).
 * The ZMQ receiver thread hands it the decode's messages: a registration (checked, and
   planned over every node of a multi-host prefill), a page list (validated against the
-  registered pool; bound to its room), an Abort (acked through the transfer queue), a
-  multi-host node's write report.
+  registered pool), an Abort, a multi-host node's write report.
+
+The worker owns what its threads share -- the registered decodes (``peer``) and the rooms
+whose remaining chunks must not be written (``cancel``) -- under its own lock, and touches no
+room: what happened reaches the engine thread as typed events through one queue, which
+``PrefillConnector.poll`` drains::
+
+    transfer thread:  a chunk written        -> ChunkWritten   (then JobDone, per job)
+                      a write failed         -> RoomFailed     (the decode was told)
+    receiver thread:  a checked page list    -> PageListArrived
+                      a page list refused    -> BadPageList    (the decode was told)
+                      the decode's Abort     -> DecodeAborted  (acked by the engine, in order)
 
 ``PrefillConnector.build_meta`` plans a step's chunks on the engine thread; ``start`` stages
-their pages and queues them; the threads only record what happened on a room (under the
-connector's lock) and wake the engine; ``poll`` reports the requests whose pages may go back
+their pages and queues them; ``poll`` reports the requests whose pages may go back
 (``finished_sending``).
 """
 
@@ -24,11 +33,11 @@ import logging
 import queue
 import threading
 import time
+from typing import Any, Callable
 
 import numpy as np
 
-from pdjax.pd.lifecycle import (ROOM_CONFLICT_STATUS, Aborted, BadDestination, KVPoll,
-                                RoomFailure, WriteFailed)
+from pdjax.pd.lifecycle import KVPoll, RoomFailure, WriteFailed
 from pdjax.pd.protocol import (Abort, AbortAck, Message, RankWriteDone, RegisterDecode,
                                RegisterResult, TransferRequest, TransferStatus)
 from pdjax.pd.rooms import PrefillRoom
@@ -53,14 +62,92 @@ class PrefillChunk:
     last: bool
 
 
-class PrefillTransferWorker(KVTransferWorker):
-    """The transfer thread of ``pd`` (a ``PrefillConnector``: its lock, peers, metadata
-    buffers, local KV, transfer engine, multi-host ranks, control channel and metrics)."""
+# --------------------------------------------------------------------------- events
+@dataclasses.dataclass(frozen=True)
+class ChunkWritten:
+    """A chunk of ``room`` reached the decode: ``nbytes`` bytes over ``copies`` copies
+    (``node_bytes`` per decode node, node 0 first) in ``write_s`` seconds; ``last``: with the
+    metadata row, and the Success status was sent."""
 
-    def __init__(self, pd):
-        self.pd = pd
+    room: PrefillRoom
+    src: list[int]
+    dst: list[int]
+    nbytes: int
+    copies: int
+    node_bytes: list[int]
+    write_s: float
+    last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RoomFailed:
+    """The transfer thread could not write ``room`` (the decode was told, where it could be)."""
+
+    room: PrefillRoom
+    failure: RoomFailure
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDone:
+    """One chunk or notice job of ``room`` is over (after its ``ChunkWritten`` or
+    ``RoomFailed``)."""
+
+    room: PrefillRoom
+
+
+@dataclasses.dataclass(frozen=True)
+class PageListArrived:
+    """A ``TransferRequest`` from a registered decode, its ``dst`` pages range-checked."""
+
+    msg: TransferRequest
+    dst: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class BadPageList:
+    """A page list for ``room`` was refused (``reason``; the decode was told)."""
+
+    room: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeAborted:
+    """The registered decode ``sender_id`` aborted ``room``; it waits for an ``AbortAck``."""
+
+    room: int
+    sender_id: str
+    reason: str
+
+
+PrefillEvent = ChunkWritten | RoomFailed | JobDone | PageListArrived | BadPageList | DecodeAborted
+
+
+class PrefillTransferWorker(KVTransferWorker):
+    """The transfer and receiver threads of a prefill server (see the module docstring).
+
+    Parts: ``channel`` (``MessageChannel``: ``send``), ``local_kv`` (``LocalKV``: ``layout``,
+    ``stage_out``), ``meta`` (``MetadataBuffers``: ``copy_to``, ``bytes_per_slot``),
+    ``transfer_engine``, ``ranks`` (``PrefillRanks`` of a multi-host prefill, else None),
+    ``page_size``, ``transfer_timeout_s`` (a multi-host write's wait for the other nodes),
+    ``sender_id`` (this prefill's id in its Abort messages), ``wait_for_kv()`` (blocks until
+    the KV writes dispatched so far landed), ``wake()`` and ``on_reject(kind)``.
+    """
+
+    def __init__(self, *, channel, local_kv, meta, transfer_engine, ranks, page_size: int,
+                 transfer_timeout_s: float, sender_id: str, wait_for_kv: Callable[[], None],
+                 wake: Callable[[], None], on_reject: Callable[[str], None]):
+        self.channel, self.local_kv, self.meta = channel, local_kv, meta
+        self.transfer_engine, self.ranks, self.page_size = transfer_engine, ranks, page_size
+        self.transfer_timeout_s, self.sender_id = transfer_timeout_s, sender_id
+        self._wait_for_kv, self._wake, self._on_reject = wait_for_kv, wake, on_reject
+        self._events: queue.SimpleQueue[PrefillEvent] = queue.SimpleQueue()
+        self._finished_sending: set[str] = set()      # engine thread only
+        # The worker's own state, shared by its threads (and the engine's calls) under _lock.
+        self._lock = threading.Lock()
+        self._peers: dict[str, DecodePeer] = {}        # registered decodes by engine id
+        self._cancelled: set[int] = set()              # rooms whose chunks are not written
         self._jobs: queue.Queue = queue.Queue()
-        self._finished_sending: set[str] = set()
         self._thread = threading.Thread(target=self._work, name="pd-prefill-transfer",
                                         daemon=True)
         self._thread.start()
@@ -69,25 +156,54 @@ class PrefillTransferWorker(KVTransferWorker):
     def start(self, meta: list[PrefillChunk]) -> None:
         """Stage the chunks' pages (after every KV write dispatched so far has landed) and
         queue them; the other nodes of a multi-host prefill are told to write theirs."""
-        self.pd.host.wait_for_kv()
+        self._wait_for_kv()
         for c in meta:
-            self.pd.local_kv.stage_out(c.src)
-            job = (self.pd.ranks.send_write(c.room.peer_id, c.src, c.dst)
-                   if self.pd.ranks is not None else None)
-            with self.pd.lock:
-                c.room.jobs_inflight += 1
-            self._jobs.put(("chunk", c.room, (c.src, c.dst, c.last, job)))
+            r = c.room
+            self.local_kv.stage_out(c.src)
+            job = (self.ranks.send_write(r.peer_id, c.src, c.dst)
+                   if self.ranks is not None else None)
+            r.jobs_inflight += 1
+            self._jobs.put(("chunk", r, (r.room, r.peer_id, r.src_slot, r.dst_slot, c.src,
+                                         c.dst, c.last, job)))
 
     def notify(self, r: PrefillRoom, kind: str) -> None:
         """Tell the decode that ``r`` failed (``kind`` ``status``: a Failed status; ``abort``:
         an Abort) after the room's queued chunks."""
-        with self.pd.lock:
-            r.jobs_inflight += 1
-        self._jobs.put(("notice", r, kind))
+        r.jobs_inflight += 1
+        self._jobs.put(("notice", r, (r.room, r.peer_id, kind, r.fail_reason or "failed",
+                                      r.status_code)))
 
-    def ack(self, room: int, endpoint: str, sender: str) -> None:
+    def ack(self, room: int, endpoint: str) -> None:
         """Acknowledge a decode's Abort of ``room`` after every job queued so far."""
-        self._jobs.put(("ack", room, (endpoint, sender)))
+        self._jobs.put(("ack", None, (room, endpoint)))
+
+    def cancel(self, room: int) -> None:
+        """The engine failed ``room``: chunks of it still queued are not written."""
+        with self._lock:
+            self._cancelled.add(room)
+
+    def release(self, room: int) -> None:
+        """The engine forgot ``room`` (no job of it is queued): the number may be used again."""
+        with self._lock:
+            self._cancelled.discard(room)
+
+    def peer(self, engine_id: str | None) -> DecodePeer | None:
+        """The registered decode ``engine_id`` (any thread)."""
+        with self._lock:
+            return self._peers.get(engine_id)
+
+    def peer_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
+    def events(self) -> list[PrefillEvent]:
+        """Every event since the last call, oldest first (engine thread)."""
+        out = []
+        while True:
+            try:
+                out.append(self._events.get_nowait())
+            except queue.Empty:
+                return out
 
     def sent(self, rid: str) -> None:
         """The room of held request ``rid`` is concluded: report it in ``finished_sending``."""
@@ -104,6 +220,10 @@ class PrefillTransferWorker(KVTransferWorker):
         self._jobs.put(None)
         self._thread.join(5.0)
 
+    def _post(self, event: PrefillEvent) -> None:
+        self._events.put(event)
+        self._wake()
+
     # ------------------------------------------------------------------ transfer thread
     def _work(self) -> None:
         while True:
@@ -115,94 +235,81 @@ class PrefillTransferWorker(KVTransferWorker):
                 if kind == "chunk":
                     self._write_chunk(r, *arg)
                 elif kind == "notice":
-                    self._send_notice(r, arg)
+                    self._send_notice(*arg)
                 elif kind == "ack":
-                    endpoint, sender = arg
-                    self.pd.send(endpoint, AbortAck(bootstrap_room=r, sender_id=sender))
+                    room, endpoint = arg
+                    self.channel.send(endpoint, AbortAck(bootstrap_room=room,
+                                                         sender_id=self.sender_id))
             except Exception as e:       # never let the worker die
                 logger.exception("PD prefill worker: %s job failed", kind)
                 if kind == "chunk":
-                    with self.pd.lock:
-                        r.report(WriteFailed(f"internal error in the transfer worker: {e}"))
+                    self._post(RoomFailed(r, WriteFailed(f"internal error in the transfer "
+                                                         f"worker: {e}")))
             finally:
                 if kind in ("chunk", "notice"):
-                    with self.pd.lock:
-                        r.jobs_inflight -= 1
-                self.pd.wake()
+                    self._post(JobDone(r))
+                else:
+                    self._wake()
 
-    def _write_chunk(self, r: PrefillRoom, src: list[int], dst: list[int], last: bool,
+    def _write_chunk(self, r: PrefillRoom, room: int, peer_id: str, src_slot: int,
+                     dst_slot: int, src: list[int], dst: list[int], last: bool,
                      job: int | None = None) -> None:
-        with self.pd.lock:
-            skip = r.reported is not None or r.state == KVPoll.Failed
-            peer = self.pd.peers.get(r.peer_id)
+        with self._lock:
+            skip = room in self._cancelled
+            peer = self._peers.get(peer_id)
         if skip or peer is None:
             if job is not None:          # the other nodes were told to write: wait for them
-                self.pd.ranks.join(job, self.pd.args.transfer_timeout_s)
+                self.ranks.join(job, self.transfer_timeout_s)
             if peer is None and not skip:
-                with self.pd.lock:
-                    r.report(RoomFailure(f"decode engine {r.peer_id!r} is no longer registered"))
+                self._post(RoomFailed(r, RoomFailure(f"decode engine {peer_id!r} is no longer "
+                                                     f"registered")))
             return
         try:
-            meta = [self.pd.meta.copy_to(r.src_slot, peer.metadata_addr, r.dst_slot,
-                                         peer.metadata_num_slots,
-                                         peer.metadata_bytes_per_slot)] if last else []
+            meta = [self.meta.copy_to(src_slot, peer.metadata_addr, dst_slot,
+                                      peer.metadata_num_slots,
+                                      peer.metadata_bytes_per_slot)] if last else []
             t0 = time.perf_counter()
             if job is None:
                 node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
             else:            # multi-host: every node's shards, then the metadata row
-                node_bytes, n_kv = self.pd.ranks.write(self.pd.transfer_engine, r.peer_id, src,
-                                                       dst, meta, job,
-                                                       self.pd.args.transfer_timeout_s)
+                node_bytes, n_kv = self.ranks.write(self.transfer_engine, peer_id, src, dst,
+                                                    meta, job, self.transfer_timeout_s)
             write_s = time.perf_counter() - t0
-            # What the decode's shards receive: pages x its bytes per page, over its shards.
-            nbytes = sum(node_bytes)
         except (TransferError, ValueError) as e:
             reason = f"KV write to decode {peer.session_id} failed: {e}"
-            with self.pd.lock:
-                r.report(WriteFailed(reason))
-                r.notified = True
-            self.pd.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                             state=KVPoll.Failed, reason=reason))
+            self.cancel(room)                # the room's later chunks are not written
+            self.channel.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=room, state=KVPoll.Failed, reason=reason))
+            self._post(RoomFailed(r, WriteFailed(reason)))
             return
-        with self.pd.lock:
-            r.bytes += nbytes
-            r.pages += len(src)
-            r.copies += n_kv
-            r.node_bytes = [a + b for a, b in zip(r.node_bytes or [0] * len(node_bytes),
-                                                  node_bytes)]
-            r.write_s += write_s
-            r.chunks.append({"src": src, "dst": dst, "copies": n_kv, "last": last,
-                             "write_s": write_s})
-        self.pd.metrics.on_chunk(nbytes, len(src), n_kv, write_s)
         if last:
-            self.pd.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                             state=KVPoll.Success))
-            with self.pd.lock:
-                r.done = True
-                r.notified = True
+            self.channel.send(peer.reply_endpoint, TransferStatus(bootstrap_room=room,
+                                                                  state=KVPoll.Success))
+        # What the decode's shards receive: pages x its bytes per page, over its shards.
+        self._post(ChunkWritten(r, src, dst, sum(node_bytes), n_kv, list(node_bytes), write_s,
+                                last))
 
     def _write_nodes(self, peer, src: list[int], dst: list[int],
                      meta: list) -> tuple[list[int], int]:
         """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
         node's shards into its own session, node 0 last with the metadata row ``meta`` (the
         gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
-        return write_nodes(self.pd.transfer_engine, self.pd.local_kv.layout, peer.layout,
+        return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
                            peer.node_writes(), src, dst, meta=meta)
 
-    def _send_notice(self, r: PrefillRoom, kind: str) -> None:
-        peer = self.pd.peers.get(r.peer_id)
+    def _send_notice(self, room: int, peer_id: str, kind: str, reason: str,
+                     status_code: int) -> None:
+        peer = self.peer(peer_id)
         if peer is None:
             return
-        reason = r.fail_reason or "failed"
         if kind == "abort":
-            self.pd.send(peer.reply_endpoint, Abort(bootstrap_room=r.room,
-                                                    sender_id=self.pd.sender_id,
-                                                    reason=reason[:4000]))
+            self.channel.send(peer.reply_endpoint, Abort(bootstrap_room=room,
+                                                         sender_id=self.sender_id,
+                                                         reason=reason[:4000]))
         else:
-            self.pd.send(peer.reply_endpoint, TransferStatus(bootstrap_room=r.room,
-                                                             state=KVPoll.Failed,
-                                                             reason=reason[:4000],
-                                                             status_code=r.status_code))
+            self.channel.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=room, state=KVPoll.Failed, reason=reason[:4000],
+                status_code=status_code))
 
     # ------------------------------------------------------------------ receiver thread
     def on_message(self, msg: Message) -> None:
@@ -211,47 +318,50 @@ class PrefillTransferWorker(KVTransferWorker):
         elif isinstance(msg, TransferRequest):
             self._on_transfer_request(msg)
         elif isinstance(msg, Abort):
-            self._on_abort(msg)
+            if self.peer(msg.sender_id) is None:
+                self.reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
+                            f"{msg.sender_id!r}")
+            else:
+                self._post(DecodeAborted(msg.bootstrap_room, msg.sender_id, msg.reason))
         elif isinstance(msg, AbortAck):
             logger.info("PD prefill: abort of bootstrap_room %d acknowledged", msg.bootstrap_room)
         elif isinstance(msg, RankWriteDone):
-            if self.pd.ranks is None or not self.pd.ranks.on_done(msg):
-                self._reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
+            if self.ranks is None or not self.ranks.on_done(msg):
+                self.reject(f"RankWriteDone of unknown job {msg.job} from node {msg.node_rank}")
         elif type(msg).__name__ != "Heartbeat":
-            self._reject(f"unexpected {type(msg).__name__} on a prefill server")
+            self.reject(f"unexpected {type(msg).__name__} on a prefill server")
 
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
+        """Log and count a refused control message (any thread)."""
         logger.error("PD prefill: rejected a control message: %s", reason)
-        self.pd.count_rejected("refused")
+        self._on_reject("refused")
 
     def _on_register(self, msg: RegisterDecode) -> None:
         try:
-            plan = self.pd.ranks.plan() if self.pd.ranks is not None else None
-            peer = DecodePeer.from_registration(msg, self.pd.local_kv, self.pd.page_size,
-                                                self.pd.meta.bytes_per_slot,
+            plan = self.ranks.plan() if self.ranks is not None else None
+            peer = DecodePeer.from_registration(msg, self.local_kv, self.page_size,
+                                                self.meta.bytes_per_slot,
                                                 plan.layout if plan is not None else None)
         except ValueError as e:
             reason = str(e)
-            self._reject(f"registration of {msg.decode_engine_id}: {reason}")
-            self.pd.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                         accepted=False, reason=reason))
+            self.reject(f"registration of {msg.decode_engine_id}: {reason}")
+            self.channel.send(msg.reply_endpoint, RegisterResult(
+                decode_engine_id=msg.decode_engine_id, accepted=False, reason=reason))
             return
-        layout = peer.layout
-        with self.pd.lock:
-            self.pd.peers[msg.decode_engine_id] = peer
+        with self._lock:
+            self._peers[msg.decode_engine_id] = peer
         if plan is not None:
-            self.pd.ranks.paired(msg.decode_engine_id, peer, plan)
+            self.ranks.paired(msg.decode_engine_id, peer, plan)
         logger.info("PD prefill: decode %s registered (session %s, %d pages)",
-                    msg.decode_engine_id, msg.engine_session_id, layout.num_pages)
-        self.pd.send(msg.reply_endpoint, RegisterResult(decode_engine_id=msg.decode_engine_id,
-                                                     accepted=True))
+                    msg.decode_engine_id, msg.engine_session_id, peer.layout.num_pages)
+        self.channel.send(msg.reply_endpoint, RegisterResult(
+            decode_engine_id=msg.decode_engine_id, accepted=True))
 
     def _on_transfer_request(self, msg: TransferRequest) -> None:
-        with self.pd.lock:
-            peer = self.pd.peers.get(msg.decode_engine_id)
+        peer = self.peer(msg.decode_engine_id)
         if peer is None:
-            self._reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
-                         f"unregistered decode {msg.decode_engine_id!r}")
+            self.reject(f"TransferRequest for bootstrap_room {msg.bootstrap_room} from "
+                        f"unregistered decode {msg.decode_engine_id!r}")
             return
         try:
             dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
@@ -261,75 +371,14 @@ class PrefillTransferWorker(KVTransferWorker):
                                     f"[0, {peer.metadata_num_slots})")
         except ProtocolError as e:
             reason = f"bad TransferRequest for bootstrap_room {msg.bootstrap_room}: {e}"
-            self._reject(reason)
-            self.pd.send(peer.reply_endpoint, TransferStatus(bootstrap_room=msg.bootstrap_room,
-                                                          state=KVPoll.Failed, reason=reason))
-            with self.pd.lock:
-                r = self.pd.rooms.get(msg.bootstrap_room)
-                if r is not None and r.peer_id is None:
-                    r.report(BadDestination(reason))     # the prefill client hears of it too
-                    r.notified = True
-            self.pd.wake()
+            self.reject(reason)
+            self.channel.send(peer.reply_endpoint, TransferStatus(
+                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason))
+            self._post(BadPageList(msg.bootstrap_room, reason))
             return
-        duplicate, refused = self._bind(msg, dst)
-        if refused is not None:
-            reason, status_code = refused
-            self.pd.send(peer.reply_endpoint, TransferStatus(
-                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason[:4000],
-                status_code=status_code))
-            return
-        if duplicate:
-            reason = (f"duplicate TransferRequest for bootstrap_room {msg.bootstrap_room} "
-                      f"(the room already has a destination)")
-            self._reject(reason)
-            # Also to the room's own decode: it sends one page list per request and binds a
-            # room to one request at a time, so this one is from a later request there.
-            self.pd.send(peer.reply_endpoint, TransferStatus(
-                bootstrap_room=msg.bootstrap_room, state=KVPoll.Failed, reason=reason,
-                status_code=ROOM_CONFLICT_STATUS))
-            return
-        self.pd.wake()
+        self._post(PageListArrived(msg, dst))
 
-    def _bind(self, msg: TransferRequest, dst: np.ndarray
-              ) -> tuple[bool, tuple[str, int] | None]:
-        """Give the room of a checked ``TransferRequest`` its destination, unless the room
-        already has one (``duplicate``) or is refused: this server failed it, or it completed
-        a transfer within the bootstrap timeout (``(reason, HTTP status or 0)``). Returns
-        ``(duplicate, refused)``."""
-        now = time.monotonic()
-        with self.pd.lock:
-            r = self.pd.rooms.get(msg.bootstrap_room)
-            if r is None and msg.bootstrap_room in self.pd.completed_rooms:
-                return False, (self.pd.completed_reason(msg.bootstrap_room), ROOM_CONFLICT_STATUS)
-            if r is not None and r.state == KVPoll.Failed and r.jobs_inflight == 0:
-                # This server already failed the room (refused its request, a prompt mismatch,
-                # an abort): the decode hears why at once instead of waiting out a timeout.
-                if r.peer_id is None:
-                    r.peer_id, r.notified = msg.decode_engine_id, True
-                return False, (r.fail_reason or "failed", r.status_code)
-            if r is not None and (r.peer_id is not None or r.state == KVPoll.Failed):
-                return True, None
-            r = r or self.pd.rooms.setdefault(msg.bootstrap_room,
-                                              PrefillRoom(msg.bootstrap_room, now, state_s=now))
-            r.peer_id = msg.decode_engine_id
-            r.dst_pages = dst
-            r.dst_slot = msg.dst_metadata_slot
-            r.decode_prefix_len = msg.decode_prefix_len
-            r.prompt_len = msg.prompt_len
-            r.prompt_digest = msg.prompt_digest
-        return False, None
-
-    def _on_abort(self, msg: Abort) -> None:
-        with self.pd.lock:
-            peer = self.pd.peers.get(msg.sender_id)
-            r = self.pd.rooms.get(msg.bootstrap_room)
-            if r is not None and r.peer_id == msg.sender_id:
-                r.report(Aborted(f"aborted by the decode server: {msg.reason or 'no reason'}"))
-                r.notified = True
-        if peer is None:
-            self._reject(f"Abort of bootstrap_room {msg.bootstrap_room} from unknown sender "
-                         f"{msg.sender_id!r}")
-            return
-        # Acked after every job queued so far (the room's in-flight chunk included) is done.
-        self.ack(msg.bootstrap_room, peer.reply_endpoint, self.pd.sender_id)
-        self.pd.wake()
+    # ------------------------------------------------------------------ introspection
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            return {"peers": sorted(self._peers), "num_cancelled_rooms": len(self._cancelled)}

@@ -14,7 +14,7 @@ Pure Python; ``node_data_plane`` reaches JAX only through ``LocalKV`` and the ru
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from pdjax.pd.bootstrap import PrefillRankInfo
 from pdjax.pd.kv_buffers import KVBufferDesc
@@ -172,23 +172,19 @@ def rank_layouts(infos: Sequence[PrefillRankInfo], nnodes: int) -> dict[int, KVL
     return got
 
 
-def node_data_plane(host, on_message: Callable, name: str, secret, receives: bool = False):
+def node_data_plane(host, name: str, secret, receives: bool = False):
     """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
     at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
     and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
-    to ``args.host``. ``host``: the follower's ``NodeRunner``; ``receives``: peers write
-    pages into this pool (a decode node; ``LocalKV``). Returns the three."""
-    from pdjax.transfer.channel import MessageChannel, advertise_host
-    from pdjax.transfer.engine import create_transfer_engine
+    to ``args.host`` and not yet reading (``start`` it with the node's handler). ``host``: the
+    follower's ``NodeRunner``; ``receives``: peers write pages into this pool (a decode node;
+    ``LocalKV``). Returns the three."""
+    from pdjax.transfer.channel import MessageChannel
     from pdjax.transfer.local_kv import LocalKV
-    from pdjax.transfer.role import kv_head_repeat
+    from pdjax.transfer.role import create_role_transfer_engine, kv_head_repeat
 
     args = host.args
-    kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
-    if args.disaggregation_transfer_backend != "fake" and args.disaggregation_ib_device:
-        kwargs["device_name"] = args.disaggregation_ib_device
-    engine = create_transfer_engine(args.disaggregation_transfer_backend,
-                                    advertise_host(args.host), **kwargs)
+    engine = create_role_transfer_engine(args)
     local_kv = LocalKV(host.runner, engine, "direct", -(-host.context_length // args.page_size),
                        head_repeat=kv_head_repeat(host), receives=receives)
-    return engine, local_kv, MessageChannel(args.host, on_message, name, secret=secret)
+    return engine, local_kv, MessageChannel(args.host, None, name, secret=secret)

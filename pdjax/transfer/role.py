@@ -4,15 +4,18 @@ A ``RoleManager`` is built by ``transfer.factory.create_kv_connection`` for
 ``--role prefill|decode`` and lives on the engine thread. It is two things at once: the
 scheduler's ``KVConnector`` (``pdjax/sched/kv_connector.py``; the defaults below are what
 neither role uses) and the engine's ``EngineRole`` (``pdjax/engine_roles.py``), and it sees the
-engine only as a ``RoleHost``. Its helper threads (ZMQ receiver, transfer worker, bootstrap,
-heartbeat) only record events and wake the engine, which applies every change to the
-scheduler itself (through the scheduler's public methods):
+engine only as a ``RoleHost``. Its worker's threads (ZMQ receiver, transfer, bootstrap,
+heartbeat) report typed events through the worker's queue and wake the engine, which applies
+every change to rooms, peers and the scheduler itself (DESIGN.md §4, "Threads and their
+events"):
 
-    engine thread: step() = role.poll() -> worker.poll() -> schedule -> forward -> sample
-                            -> worker.start(build_meta) -> role.after_step()
-    helper threads: record under ``lock`` -> wake()
+    engine thread: step() = role.poll() [drains the worker's events] -> worker.poll()
+                            -> schedule -> forward -> sample -> worker.start(build_meta)
+                            -> role.after_step()
+    worker threads: event -> queue -> wake()
 
-It owns the transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
+It is built from its parts (``RoleParts``, made by ``build_role_parts``) and owns them: the
+transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
 the engine sees it (``LocalKV``: direct or staging), the ``MetadataBuffers`` pool, the control
 channel and the PD metrics. ``--disaggregation-transfer-path`` picks the KV path
 (auto|direct|staging), ``--disaggregation-transfer-max-batch`` the most copies per engine
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -81,17 +85,62 @@ def kv_head_repeat(host: RoleHost) -> int:
     return run_kvh // kvh if kvh and run_kvh % kvh == 0 else 1
 
 
+@dataclasses.dataclass
+class RoleParts:
+    """What a PD role is built from (``build_role_parts``; a test passes fakes): the transfer
+    engine (``--disaggregation-transfer-backend``), this server's KV pool as the engine sees it
+    (``LocalKV``), the ``MetadataBuffers`` pool registered with the engine, and the control
+    channel, bound but not yet reading (the role starts it once it can handle messages)."""
+
+    transfer_engine: Any
+    local_kv: Any
+    meta: Any
+    channel: Any
+
+
+def create_role_transfer_engine(args) -> Any:
+    """The transfer engine of ``args`` (``--disaggregation-transfer-backend``, ``-max-batch``,
+    ``--disaggregation-ib-device``) at this host's advertised address. ``ValueError`` for an
+    unknown backend, ``ImportError`` when its library is missing."""
+    kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
+    backend = args.disaggregation_transfer_backend
+    if backend != "fake" and args.disaggregation_ib_device:
+        kwargs["device_name"] = args.disaggregation_ib_device
+    return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
+
+
+def build_role_parts(host: RoleHost, role: str) -> RoleParts:
+    """The real parts of a ``role`` (``prefill``/``decode``) server on ``host``: they register
+    the KV pool and the metadata rows with the transfer engine and bind the control socket.
+    ``ValueError`` for an unknown backend, ``ImportError`` when its library is missing."""
+    args = host.args
+    engine = create_role_transfer_engine(args)
+    if args.disaggregation_transfer_backend == "fake":
+        logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
+                       "are meaningless (control-plane testing only)", role)
+    max_pages = -(-host.context_length // args.page_size)
+    local_kv = LocalKV(host.runner, engine, args.disaggregation_transfer_path, max_pages,
+                       head_repeat=kv_head_repeat(host), receives=role == "decode")
+    local_kv.warmup()
+    meta = MetadataBuffers(max(32, 8 * args.max_running_requests), MAX_TOP_LOGPROBS)
+    meta.register(engine)
+    channel = MessageChannel(args.host, None, role,
+                             secret=resolve_secret(args.disaggregation_secret))
+    return RoleParts(engine, local_kv, meta, channel)
+
+
 class RoleManager(abc.ABC):
-    """Base of ``PrefillConnector`` and ``DecodeConnector`` (see the module docstring)."""
+    """Base of ``PrefillConnector`` and ``DecodeConnector`` (see the module docstring). A
+    subclass calls ``start_channel()`` at the end of its constructor, once its worker exists."""
 
     role = ""
 
-    def __init__(self, host: RoleHost):
+    def __init__(self, host: RoleHost, parts: RoleParts):
         self.host = host
         self.args = host.args
         self.scheduler = host.scheduler
         self.page_size = host.args.page_size
-        self.lock = threading.RLock()
+        self._count_lock = threading.Lock()      # the refused-message counters: any thread
         self._wake_cb: Callable[[], None] | None = None
         self._event = threading.Event()
         self._last_poll = 0.0
@@ -105,32 +154,20 @@ class RoleManager(abc.ABC):
             logger.warning("PD %s: no --disaggregation-secret (or PDJAX_DISAGGREGATION_SECRET): "
                            "the bootstrap server and the ZMQ control channel accept anyone who "
                            "can reach them", self.role)
-        address = advertise_host(self.args.host)
-        kwargs: dict[str, Any] = {"max_batch": self.args.disaggregation_transfer_max_batch}
-        backend = self.args.disaggregation_transfer_backend
-        if backend != "fake" and self.args.disaggregation_ib_device:
-            kwargs["device_name"] = self.args.disaggregation_ib_device
-        self.transfer_engine = create_transfer_engine(backend, address, **kwargs)
-        if backend == "fake":
-            logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
-                           "are meaningless (control-plane testing only)", self.role)
-        max_pages = -(-host.context_length // self.page_size)
-        self.local_kv = LocalKV(host.runner, self.transfer_engine,
-                                self.args.disaggregation_transfer_path, max_pages,
-                                head_repeat=kv_head_repeat(host),
-                                receives=self.role == "decode")
-        self.local_kv.warmup()
-        num_slots = max(32, 8 * self.args.max_running_requests)
-        self.meta = MetadataBuffers(num_slots, MAX_TOP_LOGPROBS)
-        self.meta.register(self.transfer_engine)
-        self.channel = MessageChannel(self.args.host, self._on_message, self.role,
-                                      on_reject=lambda reason, kind: self.count_rejected(kind),
-                                      secret=self.secret)
+        self.transfer_engine = parts.transfer_engine
+        self.local_kv = parts.local_kv
+        self.meta = parts.meta
+        self.channel = parts.channel
         logger.info("PD %s: transfer backend %s (session %s), KV path %s, %d B per page over "
-                    "%d layer buffers, control channel %s", self.role, backend,
-                    self.transfer_engine.session_id, self.local_kv.mode,
-                    self.local_kv.bytes_per_page, self.local_kv.num_layer_buffers,
-                    self.channel.endpoint)
+                    "%d layer buffers, control channel %s", self.role,
+                    self.transfer_engine.backend, self.transfer_engine.session_id,
+                    self.local_kv.mode, self.local_kv.bytes_per_page,
+                    self.local_kv.num_layer_buffers, self.channel.endpoint)
+
+    def start_channel(self) -> None:
+        """Start reading the control channel (messages that came before wait in its socket)."""
+        self.channel.start(self._on_message,
+                           on_reject=lambda reason, kind: self.count_rejected(kind))
 
     # -- plumbing --------------------------------------------------------------------------
     def set_wake(self, wake: Callable[[], None]) -> None:
@@ -149,7 +186,7 @@ class RoleManager(abc.ABC):
     def count_rejected(self, kind: str = "malformed") -> None:
         """One refused control message; ``kind`` other than ``malformed`` / ``refused`` is an
         authentication failure (``hmac``, ``replay``, ``stale``, ``bootstrap``)."""
-        with self.lock:
+        with self._count_lock:
             self.num_rejected_messages += 1
             if kind not in ("malformed", "refused"):
                 self.num_auth_rejected[kind] = self.num_auth_rejected.get(kind, 0) + 1
@@ -165,12 +202,10 @@ class RoleManager(abc.ABC):
         """How many of ``self.rooms`` (a subclass's dict of room records, each with a
         ``state``) are in each state that ``names`` maps to a queue name; every name is a key
         of the result, in the order of ``names`` (0 when no room is in its state)."""
-        with self.lock:
-            states = [r.state for r in self.rooms.values()]
         count = dict.fromkeys(names.values(), 0)
-        for state in states:
-            if state in names:
-                count[names[state]] += 1
+        for r in self.rooms.values():
+            if r.state in names:
+                count[names[r.state]] += 1
         return count
 
     def _check_new_request(self, req, room_rids) -> None:

@@ -37,19 +37,19 @@ def test_failure_labels_are_distinct_and_the_message_is_the_text():
 
 def test_prefill_room_keeps_the_first_report_but_an_abort_wins():
     from pdjax.pd.lifecycle import KVPoll
-    from pdjax.pd.rooms import PrefillRoom
+    from pdjax.pd.rooms import PrefillRoom, prefer_failure
 
     r = PrefillRoom(room=9, created_s=0.0)
-    r.report(lifecycle.WriteFailed("KV write to decode s failed: rc=-1"))
-    r.report(lifecycle.RoomFailure("decode engine 'd' is no longer registered"))
-    assert isinstance(r.reported, lifecycle.WriteFailed)
-    r.report(lifecycle.Aborted("aborted by the decode server: client gone"))
-    r.report(lifecycle.WriteFailed("a later write error"))
-    assert str(r.reported) == "aborted by the decode server: client gone"
+    kept = prefer_failure(None, lifecycle.WriteFailed("KV write to decode s failed: rc=-1"))
+    kept = prefer_failure(kept, lifecycle.RoomFailure("decode engine 'd' is no longer registered"))
+    assert isinstance(kept, lifecycle.WriteFailed)
+    kept = prefer_failure(kept, lifecycle.Aborted("aborted by the decode server: client gone"))
+    kept = prefer_failure(kept, lifecycle.WriteFailed("a later write error"))
+    assert str(kept) == "aborted by the decode server: client gone"
     assert r.fail_reason is None                      # reported, not applied yet
     with pytest.raises(AssertionError):
         r.tombstone()                                 # only a failed room leaves one
-    r.state, r.failure, r.status_code, r.peer_id = KVPoll.Failed, r.reported, 0, "d"
+    r.state, r.failure, r.status_code, r.peer_id = KVPoll.Failed, kept, 0, "d"
     t = r.tombstone()
     assert (t.room, t.state, t.fail_reason, t.peer_id, t.notified, t.output_sent, t.req) == \
         (9, KVPoll.Failed, "aborted by the decode server: client gone", "d", True, True, None)
@@ -60,9 +60,8 @@ def test_prefill_peer_moves_along_its_table():
 
     p = PrefillPeer("10.0.0.1", 8998, "decode-x-0")
     assert p.state is PeerState.CONNECTING and p.reason == ""
-    p.register_reason = "accepted"
     p.set_ready()
-    assert p.state is PeerState.READY and p.reason == "accepted"
+    assert p.state is PeerState.READY and p.reason == ""
     p.fail(lifecycle.PeerLost("lost connection with prefill 10.0.0.1:8998 (2 failed heartbeats)"))
     assert p.state is PeerState.FAILED and p.failure.label == "lost"
     assert p.reason.startswith("lost connection")

@@ -11,6 +11,7 @@ import threading
 import types
 
 import pytest
+from pd_fakes import FakeChannel, prefill_worker
 from rank_fakes import FakeCluster, RecordingEngine
 
 from pdjax.pd.bootstrap import PrefillRankInfo
@@ -20,8 +21,6 @@ from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.decode_ranks import DecodeRankNode, DecodeRanks
 from pdjax.transfer.kv_export import KVLayout, build_copies
-from pdjax.transfer.prefill import PrefillConnector
-from pdjax.transfer.prefill_worker import PrefillTransferWorker
 from pdjax.transfer.prefill_ranks import PrefillRanks
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16
@@ -143,13 +142,12 @@ def test_node_zero_records_reports_in_generation_order_and_names_a_missing_node(
 
 
 def test_a_decode_follower_reports_at_current_addresses_and_after_a_move():
-    node = DecodeRankNode.__new__(DecodeRankNode)
-    node.rank, node.reply, node.generation = 1, None, 0
-    node.engine = types.SimpleNamespace(session_id="s1")
     moves = [True, False, True]            # moved in warm-up, then not, then once more
-    node.local_kv = types.SimpleNamespace(layout=_node(1), check_addresses=lambda: moves.pop(0))
     sent = []
-    node.channel = types.SimpleNamespace(send=lambda endpoint, msg: sent.append((endpoint, msg)))
+    node = DecodeRankNode(
+        1, types.SimpleNamespace(session_id="s1"),
+        types.SimpleNamespace(layout=_node(1), check_addresses=lambda: moves.pop(0)),
+        types.SimpleNamespace(send=lambda endpoint, msg: sent.append((endpoint, msg))))
     assert set(node.handlers) == {"kv_ranks", "kv_check"}
     node.on_ranks({"reply": "udp://x"})            # refused: nothing reported, nothing checked
     assert sent == [] and len(moves) == 3
@@ -166,13 +164,11 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
                                      shard_nodes=owners))
     peer = DecodePeer("d1", msg.reply_endpoint, "s0", layout, 0x5000, 4, 64, sessions, owners)
     assert [s for s, _ in peer.node_writes()] == ["s1", "s0"]      # node 0 (metadata) last
-    pm = PrefillConnector.__new__(PrefillConnector)
-    pm.transfer_engine, pm.local_kv = RecordingEngine(), types.SimpleNamespace(layout=PREFILL)
-    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
-    worker.pd = pm
+    worker = prefill_worker(transfer_engine=RecordingEngine(),
+                            local_kv=types.SimpleNamespace(layout=PREFILL))
     src, dst, meta = [3, 4, 9], [7, 8, 2], [(0x7000, 0x5000, 64)]
     node_bytes, n = worker._write_nodes(peer, src, dst, meta)
-    (s1, c1), (s0, c0) = pm.transfer_engine.writes
+    (s1, c1), (s0, c0) = worker.transfer_engine.writes
     assert (s1, s0) == ("s1", "s0") and c0[-1] == meta[0] and meta[0] not in c1
     whole = build_copies(PREFILL, layout, src, dst)
     assert collections.Counter(whole) == collections.Counter(c0[:-1] + c1) and n == len(whole)
@@ -183,40 +179,38 @@ def test_the_prefill_writes_each_decode_node_into_its_own_session():
     half = len(src) * LAYERS * sum(b.bytes_per_page for b in _node(0).buffers)
     assert node_bytes == [half, half]
     # One process: one write with everything.
-    pm.transfer_engine = RecordingEngine()
+    worker.transfer_engine = RecordingEngine()
     single = DecodePeer("d2", "tcp://d:2", "s9", KVLayout("layer_major", PREFILL.buffers),
                         0x5000, 4, 64)
     assert worker._write_nodes(single, src, dst, meta) == ([2 * half], len(build_copies(
         PREFILL, PREFILL, src, dst)))
-    assert [s for s, _ in pm.transfer_engine.writes] == ["s9"]
+    assert [s for s, _ in worker.transfer_engine.writes] == ["s9"]
+    worker.close()
 
 
 def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     layout, sessions, owners = _merged()
     msg = RegisterDecode(**_register(kv_buffers=layout.buffers, node_sessions=sessions,
                                      shard_nodes=owners))
-    pm = PrefillConnector.__new__(PrefillConnector)
     local_kv = types.SimpleNamespace(layout=_node(0), kv_dtype="float32", fingerprint="f")
     bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
         PrefillRankInfo(rank_ip="h", rank_port=1, tp_rank=r, tp_size=2, page_size=PS,
                         kv_dtype="float32", layout_fingerprint="f", session_id=f"p{r}",
                         kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
-    pm.ranks = PrefillRanks(FakeCluster(), bootstrap, local_kv, "tcp://127.0.0.1:1")
-    pm.local_kv, pm.page_size = local_kv, PS
-    pm.meta = types.SimpleNamespace(bytes_per_slot=64)
-    told, rejected = [], []
-    pm.send = lambda endpoint, m: told.append(m)
-    pm.peers, pm.lock = {}, threading.RLock()
-    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
-    worker.pd = pm
-    worker._reject = rejected.append
-    worker._on_register(msg)
+    ranks = PrefillRanks(FakeCluster(), bootstrap, local_kv, "tcp://127.0.0.1:1")
+    channel, rejected = FakeChannel(), []
+    worker = prefill_worker(channel=channel, local_kv=local_kv, ranks=ranks, page_size=PS,
+                            meta=types.SimpleNamespace(bytes_per_slot=64),
+                            on_reject=rejected.append)
+    worker.on_message(msg)
+    worker.close()
+    told = [m for _, m in channel.sent]
     assert told[0].accepted and rejected == [], told[0].reason
-    peer = pm.peers["d1"]
+    peer = worker.peer("d1")
     assert (peer.node_sessions, peer.shard_nodes) == (sessions, owners)
     # The plan over both prefill nodes' shards, for kv_peer: each node writes both sessions.
-    job = pm.ranks.send_write("d1", [3], [7])
-    op, kv_peer = pm.ranks.cluster.sent[0]
+    job = ranks.send_write("d1", [3], [7])
+    op, kv_peer = ranks.cluster.sent[0]
     assert op == "kv_peer" and kv_peer["node_sessions"] == ["s0", "s1"]
     assert kv_peer["shard_nodes"] == [[0, 1]] * 2 and job == 1
     assert PrefillRoom(room=1, created_s=0.0).record()["node_bytes"] == []

@@ -4,7 +4,6 @@ invariant check, the decode's reservation arithmetic, the staging path of ``Loca
 router's request arithmetic."""
 
 import dataclasses
-import threading
 
 import jax
 import jax.numpy as jnp
@@ -12,19 +11,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
 from pdjax.router import _merge_input_logprobs, parse_prefill_args
 from pdjax.server.validation import num_samples
 from pdjax.models.loader import make_mesh
-from pdjax.runner.entry_points import EntryPoints
-from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import BucketKey
 from pdjax.sched.kv_connector import KVConnectorOutput, NullConnector
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.decode import decode_reserve_pages
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
+from pd_fakes import KVRunner as _Runner
 
 PS = 4
 
@@ -126,21 +123,6 @@ def test_decode_reserve_pages_counts_running_and_reserved():
     s.check_invariants()
 
 
-class _Runner(ModelRunner):
-    """The runner's KV-page methods over two random buffers (no model)."""
-
-    def __init__(self, shape, dtype=jnp.float32):
-        L, N, ps, h, d = shape
-        self.cache_specs = gqa_cache_spec(L, h, d, num_pages=N, page_size=ps, dtype=dtype)
-        self.jits = EntryPoints(None, make_mesh(1), self.cache_specs, max_rows=1, vocab_size=1,
-                                page_size=ps)
-        rng = np.random.default_rng(0)
-        self.caches = {s.name: jnp.asarray(rng.standard_normal(s.shape), dtype)
-                       for s in self.cache_specs}
-        self.kv_copying, self.in_place_kv_required = {}, False
-        self._kv_copy_lock = threading.Lock()
-
-
 def test_staging_path_round_trip_and_direct_addresses():
     shape = (2, 9, PS, 2, 8)                       # [layers, pages, page_size, heads, dim]
     src, dst = _Runner(shape), _Runner(shape)
@@ -217,36 +199,3 @@ def test_router_sample_counts_ports_and_logprob_merge():
     merged = _merge_input_logprobs([d], [p])[0]["meta_info"]
     assert merged["input_token_logprobs"] == [[None, 5, None], [-1.5, 6, None]]
     assert merged["input_top_logprobs"] == [None, []]
-
-
-def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(caplog):
-    """A client abort fails the room on the decode while the prefill's Success is on its way:
-    that status is expected (logged at INFO, not counted as a refused message); a status for a
-    room this decode never failed still is one."""
-    import collections
-    import logging
-    from types import SimpleNamespace
-
-    from pdjax.pd.lifecycle import KVPoll
-    from pdjax.pd.protocol import TransferStatus
-    from pdjax.transfer.decode_worker import DecodeTransferWorker
-
-    rejected = []
-    pd = SimpleNamespace(lock=threading.Lock(), room_owner={}, rooms={}, peers={},
-                         recent=collections.deque([{"room": 7, "state": "Failed"},
-                                                   {"room": 8, "state": "Success"}]),
-                         args=SimpleNamespace(heartbeat_interval_s=60.0), wake=lambda: None,
-                         count_rejected=rejected.append)
-    worker = DecodeTransferWorker(pd)
-    try:
-        with caplog.at_level(logging.INFO, logger="pdjax.transfer.decode_worker"):
-            worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
-            assert rejected == []
-            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-            assert "which failed here already" in caplog.text
-            for room in (8, 9):      # finished here, or never seen: not an expected crossing
-                worker.on_message(TransferStatus(bootstrap_room=room, state=KVPoll.Success))
-        assert rejected == ["refused", "refused"]
-        assert sum(r.levelno == logging.ERROR for r in caplog.records) == 2
-    finally:
-        worker.close()

@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from pd_fakes import FakeChannel, prefill_worker
 from rank_fakes import FakeCluster, RecordingEngine
 
 from pdjax.pd.bootstrap import PrefillRankInfo
@@ -22,8 +23,7 @@ from pdjax.pd.protocol import ProtocolError, RankWriteDone, TransferStatus, deco
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
 from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
-from pdjax.transfer.prefill import PrefillConnector
-from pdjax.transfer.prefill_worker import PrefillTransferWorker
+from pdjax.transfer.prefill_worker import ChunkWritten, RoomFailed
 from pdjax.transfer.prefill_ranks import PrefillRanks, RankSender, RankWrites
 from pdjax.transfer.ranks import RankedLayout, RankError, rank_layouts
 
@@ -167,10 +167,9 @@ def test_node_zero_waits_for_every_node_and_names_the_missing_or_failed_one():
     assert not writes.report(RankWriteDone(job=b, node_rank=1, **ok))      # too late
 
 
-def _manager(fail_node: bool):
-    """A ``PrefillConnector`` with only what its worker's ``_write_chunk`` uses: node 0's half
-    on the fake engine, node 1 answering the job as ``fail_node`` says."""
-    pm = PrefillConnector.__new__(PrefillConnector)
+def _worker(fail_node: bool):
+    """A prefill worker over node 0's half on the fake engine, node 1 answering the job as
+    ``fail_node`` says, one registered decode ``d1``."""
     engine = create_transfer_engine("fake")
     local_kv = types.SimpleNamespace(layout=_node(0))
     bootstrap = types.SimpleNamespace(registered_ranks=lambda: [
@@ -178,48 +177,52 @@ def _manager(fail_node: bool):
                         kv_dtype="float32", layout_fingerprint="f", session_id=f"s{r}",
                         kv_layout="layer_major", kv_buffers=_node(r).buffers) for r in (0, 1)])
     cluster = FakeCluster()
-    pm.ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
+    ranks = PrefillRanks(cluster, bootstrap, local_kv, "tcp://127.0.0.1:1")
     peer = types.SimpleNamespace(session_id="decode:1", layout=DECODE, reply_endpoint="tcp://d:1",
                                  metadata_addr=0x5000, metadata_num_slots=4,
                                  metadata_bytes_per_slot=64, node_sessions=(), shard_nodes=())
-    pm.ranks.paired("d1", peer, pm.ranks.plan())
-    pm.lock, pm.peers, pm.transfer_engine, pm.local_kv = threading.RLock(), {"d1": peer}, \
-        engine, local_kv
-    pm.args = types.SimpleNamespace(transfer_timeout_s=5.0)
-    pm.meta = types.SimpleNamespace(copy_to=lambda *a: (0x7000, 0x5000, 64))
-    pm.metrics = types.SimpleNamespace(on_chunk=lambda *a: None)
-    pm.told = []
-    pm.send = lambda endpoint, msg: pm.told.append(msg)
-    r = PrefillRoom(room=11, created_s=0.0, peer_id="d1", dst_slot=0, src_slot=0)
-    job = pm.ranks.send_write("d1", [3, 4], [7, 8])
-    pm.ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=not fail_node, bytes=4 * 512,
-                                   copies=32, reason="KV write to decode:1 failed: rc=-1",
-                                   node_bytes=() if fail_node else (4 * 512,)))
-    return pm, r, job, engine, cluster
+    ranks.paired("d1", peer, ranks.plan())
+    channel = FakeChannel()
+    worker = prefill_worker(channel=channel, local_kv=local_kv, transfer_engine=engine,
+                            ranks=ranks, meta=types.SimpleNamespace(
+                                copy_to=lambda *a: (0x7000, 0x5000, 64)))
+    worker._peers["d1"] = peer
+    job = ranks.send_write("d1", [3, 4], [7, 8])
+    ranks.on_done(RankWriteDone(job=job, node_rank=1, ok=not fail_node, bytes=4 * 512,
+                                copies=32, reason="KV write to decode:1 failed: rc=-1",
+                                node_bytes=() if fail_node else (4 * 512,)))
+    return worker, channel, job, engine, cluster
 
 
 @pytest.mark.parametrize("fail_node", [False, True])
 def test_a_chunk_succeeds_only_when_every_node_wrote(fail_node):
-    pm, r, job, engine, cluster = _manager(fail_node)
-    assert [op for op, _ in cluster.sent] == ["kv_peer", "kv_write"]
-    assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8])
-    worker = PrefillTransferWorker.__new__(PrefillTransferWorker)
-    worker.pd = pm
-    worker._write_chunk(r, [3, 4], [7, 8], True, job)
-    own = 2 * 2 * LAYERS * PS          # node 0: K and V of head 0, a copy per page, layer, token
-    if fail_node:
-        assert isinstance(r.reported, WriteFailed) and "node 1: KV write" in str(r.reported)
-        assert not r.done and r.bytes == 0
-        assert engine.counters().copies == own          # the metadata row was never written
-        assert pm.told == [TransferStatus(bootstrap_room=11, state=KVPoll.Failed,
-                                          reason=pm.told[0].reason)]
-        assert "node 1: KV write to decode:1 failed" in pm.told[0].reason
-    else:
-        assert r.reported is None and r.done
-        assert (r.copies, r.bytes) == (own + 32, 2 * 2 * LAYERS * PS * HEAD_BYTES + 4 * 512)
-        assert engine.counters().copies == own + 1      # then the metadata row
-        assert pm.told == [TransferStatus(bootstrap_room=11, state=KVPoll.Success)]
-    assert pm.ranks.writes.pending() == 0
+    worker, channel, job, engine, cluster = _worker(fail_node)
+    try:
+        assert [op for op, _ in cluster.sent] == ["kv_peer", "kv_write"]
+        assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8])
+        r = PrefillRoom(room=11, created_s=0.0, peer_id="d1", dst_slot=0, src_slot=0)
+        worker._write_chunk(r, 11, "d1", 0, 0, [3, 4], [7, 8], True, job)
+        told = [m for _, m in channel.sent]
+        (event,) = worker.events()
+        assert event.room is r
+        own = 2 * 2 * LAYERS * PS      # node 0: K and V of head 0, a copy per page, layer, token
+        if fail_node:
+            assert isinstance(event, RoomFailed) and isinstance(event.failure, WriteFailed)
+            assert "node 1: KV write" in str(event.failure)
+            assert engine.counters().copies == own      # the metadata row was never written
+            assert told == [TransferStatus(bootstrap_room=11, state=KVPoll.Failed,
+                                           reason=told[0].reason)]
+            assert "node 1: KV write to decode:1 failed" in told[0].reason
+            assert worker.state()["num_cancelled_rooms"] == 1   # no later chunk is written
+        else:
+            assert isinstance(event, ChunkWritten) and event.last
+            assert (event.copies, event.nbytes) == (own + 32,
+                                                    2 * 2 * LAYERS * PS * HEAD_BYTES + 4 * 512)
+            assert engine.counters().copies == own + 1  # then the metadata row
+            assert told == [TransferStatus(bootstrap_room=11, state=KVPoll.Success)]
+        assert worker.ranks.writes.pending() == 0
+    finally:
+        worker.close()
 
 
 class _Channel:
@@ -231,14 +234,11 @@ class _Channel:
 
 
 def _sender():
-    s = RankSender.__new__(RankSender)
-    s.rank, s.args = 1, types.SimpleNamespace(nnodes=2)
-    s.peers, s.reply, s.channel = {}, None, _Channel()
-    s.local_kv = types.SimpleNamespace(layout=_node(1), check_addresses=lambda: False)
-    s.runner = types.SimpleNamespace(caches=[])
-    s._generation = 0
-    s._jobs = __import__("queue").Queue()
-    return s
+    """Node 1 of a 2-node prefill, not started (its write queue is read by the test)."""
+    return RankSender(types.SimpleNamespace(nnodes=2, node_rank=1),
+                      types.SimpleNamespace(caches=[]), None,
+                      types.SimpleNamespace(layout=_node(1), check_addresses=lambda: False),
+                      _Channel())
 
 
 def test_a_follower_refuses_bad_commands_and_says_why():
