@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 from typing import Any
+import re
 
 from pdjax.transfer.engine import available_backends
 
@@ -655,6 +656,19 @@ class ServerArgs:
         unknown = sorted(set(kwargs) - set(_GROUP_OF))
         if unknown:
             raise TypeError(f"ServerArgs: unknown setting(s) {unknown}")
+class FlagParser(argparse.ArgumentParser):
+    """``argparse`` whose every error, its own included, is one line on stderr and exit 2:
+    ``error: FIELD: message`` (``argument --page-size: invalid int value: 'x'`` becomes
+    ``error: page_size: invalid int value: 'x'``), without the usage block (``--help`` prints
+    it)."""
+
+    def error(self, message: str):
+        m = re.match(r"argument --([\w-]+)(?:/--[\w-]+)?: (.*)", message, re.S)
+        if m:
+            message = f"{m.group(1).replace('-', '_')}: {m.group(2)}"
+        self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
         for name, group in groups.items():
             changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
             object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes

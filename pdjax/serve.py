@@ -11,22 +11,35 @@ default SmolLM2 model is served. The HTTP server starts at once and answers ``/h
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
 
-from pdjax.config import ServerArgs
+from pdjax.config import FlagParser, ServerArgs
 
 
 def parse_args(argv=None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="python -m pdjax.serve", description=__doc__.splitlines()[0])
+    """``ServerArgs`` of ``argv`` with everything checked that can be before the model loads:
+    each flag, the checkpoint's config, weight files and tokenizer, the output folders and
+    ports, and (one host, not the ``pd`` launcher, whose children check themselves) the
+    devices' count and memory (``settings.check_devices``). Any error is one line
+    ``error: FIELD: ...`` on stderr and ``SystemExit(2)``."""
+    parser = FlagParser(prog="python -m pdjax.serve", description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))
-        from pdjax.engine.settings import check_checkpoint_paths
+        from pdjax.engine import settings
+        from pdjax.transfer.factory import check_kv_connector
 
-        check_checkpoint_paths(args)
+        check_kv_connector(args.kv_connector)
+
+        model_path, model_cfg = settings.check_checkpoint_paths(args)
+        settings.check_serve_files(args, model_path)
+        if args.nnodes == 1 and args.role != "pd":
+            settings.check_local_devices(args, model_cfg)
+        else:   # the devices are known after joining (multi-host) or in the children (pd)
+            settings.check_devices(args, model_cfg, platform="", num_devices=None,
+                                   device_bytes=None)
         if args.profile_dir is not None:
             from pdjax.paths import writable_folder
 

@@ -13,12 +13,12 @@ import os
 import sys
 import time
 
-from pdjax.config import ServerArgs
+from pdjax.config import FlagParser, ServerArgs
 from pdjax.paths import writable_folder
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         prog="python -m pdjax.aot",
         description="Compile a server's executables for a TPU or GPU target on a machine "
                     "without one; print compile times, kernels and the per-chip HBM budget.")
@@ -71,9 +71,9 @@ def main(argv=None) -> int:
     try:
         args = ServerArgs.from_cli_args(ns)
         _check_outputs(ns)
-        from pdjax.engine.settings import check_checkpoint_paths
+        from pdjax.engine.settings import check_checkpoint_paths, check_devices
 
-        check_checkpoint_paths(args)
+        _, model_cfg = check_checkpoint_paths(args)
         from pdjax.aot.targets import gpu_target, tpu_target
 
         chips = args.tp_size * ns.dp
@@ -87,6 +87,10 @@ def main(argv=None) -> int:
             if chips > len(target.devices):
                 raise ValueError(f"dp: TP {args.tp_size} x DP {ns.dp} = {chips} chips; "
                                  f"{target.name} has {len(target.devices)}")
+        # What a chip cannot hold by itself is refused as a server refuses it (the compiler
+        # would report an out-of-memory per entry, after minutes).
+        check_devices(args, model_cfg, platform=target.platform, num_devices=None,
+                      device_bytes=target.hbm_bytes)
         from pdjax.aot.engine import AbstractEngine
 
         engine = AbstractEngine(args, target)

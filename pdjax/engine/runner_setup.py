@@ -11,7 +11,8 @@ import dataclasses
 from typing import Any, Callable
 
 from pdjax.config import ServerArgs
-from pdjax.engine.settings import EngineConfig, make_buckets, resolve_engine_config
+from pdjax.engine.settings import (EngineConfig, check_local_devices, make_buckets,
+                                   resolve_engine_config)
 from pdjax.engine.speculative import model_kwargs, verify_width
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, make_mesh
@@ -49,6 +50,7 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
     (before anything asks JAX for its backend; resolving "auto" does)."""
     enable_compilation_cache()
     config = resolve_engine_config(args)
+    check_local_devices(args, config.model_cfg)     # before anything loads or allocates
     mesh = make_mesh(args.tp_size)
     phase("backend")
     model_cfg, model = load_model(

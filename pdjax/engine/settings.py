@@ -5,6 +5,7 @@ scheduler's ``SchedulerConfig`` is built here (DESIGN.md §1)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any
@@ -13,7 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.config import ModelConfig, ServerArgs
-from pdjax.models.loader import checkpoint_config, resolve_dtype, resolve_model_path
+from pdjax.models.checkpoint import check_weight_files
+from pdjax.models.loader import (checkpoint_config, is_gguf, is_orbax_checkpoint, resolve_dtype,
+                                 resolve_model_path)
+from pdjax.models.registry import model_family
 from pdjax.models.platform import PlatformProfile
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.scheduler import SchedulerConfig
@@ -34,7 +38,8 @@ class EngineConfig:
     never picks the ``cpu`` attention kernel). ``scheduler.max_context_len``:
     ``context_length``, or the model's ``max_position_embeddings``. ``overlap``: overlapped
     scheduling (off with ``disable_overlap_schedule`` and for the prefill role, whose requests
-    all end after one token).
+    all end after one token). ``model_cfg``: the checkpoint's config as written
+    (``checkpoint_config``).
     """
 
     args: ServerArgs
@@ -44,6 +49,7 @@ class EngineConfig:
     profile: PlatformProfile
     scheduler: SchedulerConfig
     overlap: bool
+    model_cfg: Any = None
 
     @property
     def attention_impl(self) -> str:
@@ -58,24 +64,162 @@ class EngineConfig:
         return self.profile.cpu_matmul_kernel
 
 
-def check_checkpoint_paths(args: ServerArgs) -> None:
+def check_checkpoint_paths(args: ServerArgs) -> tuple[str, Any]:
     """Read the config of every checkpoint ``args`` names (metadata only: no tensor, no jax
     device), so that a path that is no checkpoint (a file that is neither a folder nor a
     ``.gguf``, a folder without a readable config.json, an unsupported architecture, a
     corrupt GGUF header) is one error line before the server loads anything.
 
-    Raises ``ValueError`` naming the field (``model_path``, ``speculative_draft_model_path``,
+    Returns ``(path, config)`` of ``model_path`` (resolved; ``checkpoint_config``). Raises
+    ``ValueError`` naming the field (``model_path``, ``speculative_draft_model_path``,
     ``tokenizer_path``)."""
     paths = {"model_path": args.model_path}
     if args.speculative_draft_model_path:
         paths["speculative_draft_model_path"] = args.speculative_draft_model_path
+    read = {}
     for field, path in paths.items():
         try:
-            checkpoint_config(resolve_model_path(path, args.revision))
+            resolved = resolve_model_path(path, args.revision)
+            read[field] = resolved, checkpoint_config(resolved)
         except ValueError as e:
             raise ValueError(f"{field}: {e}") from None
     if args.tokenizer_path is not None and not os.path.exists(args.tokenizer_path):
         raise ValueError(f"tokenizer_path: {args.tokenizer_path}: not found")
+    return read["model_path"]
+
+
+def check_serve_files(args: ServerArgs, model_path: str) -> None:
+    """What a server reads after the model's config, checked at parse time without loading it
+    (``model_path``: resolved): the weight files of every checkpoint with ``load_format``
+    ``auto`` (``check_weight_files``), the tokenizer (``check_tokenizer``) and
+    ``aot_executables``. Raises ``ValueError`` naming the field."""
+    if args.load_format == "auto":
+        paths = {"model_path": model_path}
+        if args.speculative_draft_model_path:
+            paths["speculative_draft_model_path"] = resolve_model_path(
+                args.speculative_draft_model_path, args.revision)
+        for field, path in paths.items():
+            try:
+                check_weight_files(path)
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+    check_tokenizer(args, model_path)
+    check_aot_executables(args)
+
+
+def check_local_devices(args: ServerArgs, model_cfg) -> None:
+    """``check_devices`` against this process's JAX devices (starts the backend: a multi-host
+    node joins first): their count and the first one's memory
+    (``model_runner.device_memory_bytes``)."""
+    from pdjax.runner import model_runner
+
+    check_devices(args, model_cfg, platform=jax.default_backend(),
+                  num_devices=jax.device_count(),
+                  device_bytes=model_runner.device_memory_bytes(jax.local_devices()[0]))
+
+
+def check_tokenizer(args: ServerArgs, model_path: str) -> None:
+    """Check the tokenizer the server will load (``--tokenizer-path``, else the checkpoint at
+    ``model_path``, already resolved) without transformers: a folder's ``tokenizer.json``
+    parses as one (``tokenizers``), its ``tokenizer_config.json`` is a JSON object, or it
+    holds a slow tokenizer's files; a GGUF file carries its own. Raises ``ValueError`` naming
+    the field (``tokenizer_path`` or ``model_path``) and the file: a broken tokenizer was a
+    transformers traceback after the model had loaded."""
+    field, path = (("tokenizer_path", args.tokenizer_path) if args.tokenizer_path
+                   else ("model_path", model_path))
+    if is_gguf(path) or is_orbax_checkpoint(path):
+        return                  # the GGUF reader / pdjax.convert own these
+    if not os.path.isdir(path):
+        raise ValueError(f"{field}: {path}: a tokenizer folder (or a .gguf file), got a file")
+    config = os.path.join(path, "tokenizer_config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config) as f:
+                if not isinstance(json.load(f), dict):
+                    raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ValueError(f"{field}: {config}: cannot read ({e})") from None
+    fast = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(fast):
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(fast)
+        except Exception as e:   # tokenizers raises its own Exception for any bad file
+            raise ValueError(f"{field}: {fast}: not a tokenizer ({' '.join(str(e).split())})") \
+                from None
+        return
+    if not any(all(os.path.isfile(os.path.join(path, f)) for f in files)
+               for files in _SLOW_TOKENIZER_FILES):
+        raise ValueError(f"{field}: {path}: no tokenizer (tokenizer.json, tokenizer.model, or "
+                         "vocab.json and merges.txt)")
+
+
+# The files of a slow tokenizer transformers converts: sentencepiece, byte-level BPE, WordPiece.
+_SLOW_TOKENIZER_FILES = (("tokenizer.model",), ("vocab.json", "merges.txt"), ("vocab.txt",))
+
+
+def check_aot_executables(args: ServerArgs) -> None:
+    """``ValueError`` naming ``aot_executables`` when it is set and is no folder written by
+    ``python -m pdjax.aot --serialize`` (no readable manifest); whether its executables match
+    this server's devices is known only later, and logged then."""
+    if args.aot_executables is not None:
+        from pdjax.runner.executables import read_manifest
+
+        read_manifest(args.aot_executables)
+
+
+def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: int | None,
+                  device_bytes: int | None) -> None:
+    """Refuse what the devices cannot serve, from the settings and the checkpoint's config
+    alone (nothing built or allocated), so that it is one error line at parse time:
+
+    - ``tp_size`` over ``num_devices`` (None: not known here, e.g. multi-host before joining),
+      or one that does not split the model's heads / MLP (the family's ``run_config``);
+    - one device's memory (``device_bytes``; None: not checked) below the weights, the KV pool
+      and the buffers of the largest bucket (``runner.step_memory``, lower bounds), naming
+      ``max_total_tokens``, ``max_running_requests`` or the setting that sizes a forward's
+      tokens (``chunked_prefill_size``, ``max_num_batched_tokens``).
+
+    ``model_cfg``: the checkpoint's config as written (``checkpoint_config``); ``platform``:
+    ``"cpu"``, ``"gpu"`` or ``"tpu"``. Raises ``ValueError`` naming the field."""
+    if num_devices is not None and not 1 <= args.tp_size <= num_devices:
+        raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
+                         f"{args.tp_size}")
+    run_cfg = model_family(model_cfg.architecture).run_config(model_cfg, args.tp_size)
+    if device_bytes is None:
+        return
+    from pdjax.models.cache_spec import gqa_cache_spec
+    from pdjax.models.deepseek import deepseek_cache_spec
+    from pdjax.pallas_kernels.lanes import kv_row_align
+    from pdjax.runner import step_memory
+    from pdjax.runner.model_runner import check_pool_bytes
+
+    tp, cache = args.tp_size, args.cache
+    dtype = jnp.dtype(resolve_dtype(args.dtype, platform))
+    kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype]
+    pages = dict(num_pages=args.num_pages, page_size=args.page_size, dtype=kv_dtype)
+    specs = (gqa_cache_spec(run_cfg.num_layers, run_cfg.num_kv_heads, run_cfg.head_dim,
+                            rows=kv_row_align(platform) > 1, **pages)
+             if isinstance(run_cfg, ModelConfig) else
+             deepseek_cache_spec(run_cfg, row_align=kv_row_align(platform), **pages))
+    pool = sum(s.num_layers * s.bytes_per_page_layer * s.num_pages
+               // (tp if "tp" in tuple(s.partition) else 1) for s in specs)
+    check_pool_bytes(pool, args.num_pages, args.page_size, device_bytes)
+    rows = args.max_running_requests
+    if args.max_num_batched_tokens is not None:
+        token_field = "max_num_batched_tokens"
+    else:
+        token_field = "chunked_prefill_size"
+    tokens = getattr(args, token_field)
+    if rows >= tokens:          # the largest decode batch is the largest forward
+        token_field, tokens = "max_running_requests", rows
+    need = step_memory.StepMemory(
+        weights=step_memory.weight_bytes(model_cfg, tp, dtype.itemsize), kv_pool=pool,
+        rows=step_memory.row_bytes(model_cfg.vocab_size, rows, tp),
+        tokens=step_memory.token_bytes(run_cfg, tokens, tp, dtype.itemsize))
+    step_memory.check_step_fits(need, device_bytes, max_rows=rows, max_tokens=tokens,
+                                token_field=token_field, token_value=getattr(args, token_field))
 
 
 def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> EngineConfig:
@@ -118,7 +262,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> Engi
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
         profile=profile, scheduler=scheduler,
-        overlap=not sched.disable_overlap_schedule and args.role != "prefill")
+        overlap=not sched.disable_overlap_schedule and args.role != "prefill", model_cfg=model_cfg)
 
 
 def make_buckets(args: ServerArgs, context_length: int, attention_impl: str,

@@ -294,3 +294,72 @@ def checkpoint_architecture(path: str) -> str:
         # ModelConfig.from_hf_dir names exactly what is wrong with the config.json.
         return ModelConfig.from_hf_dir(path).architecture
     return arch
+
+def _safetensors_table(file: str) -> dict[str, dict]:
+    """The tensor table of a ``.safetensors`` file from its header alone (8-byte little-endian
+    length, then a JSON object ``{name: {dtype, shape, data_offsets}}``), checked against the
+    file's size: no tensor is read. ``ValueError`` naming the file when it is missing, its
+    header is not one, or it is shorter than its tensors (a download or copy cut short)."""
+    if not os.path.isfile(file):
+        raise ValueError(f"{file}: file not found")
+    size = os.path.getsize(file)
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= 100 << 20:          # safetensors' own limit on the header
+                raise ValueError(f"a header length of {n}")
+            if 8 + n > size:
+                raise _Truncated(8 + n)
+            table = json.loads(f.read(n))
+        if not isinstance(table, dict):
+            raise ValueError("not a JSON object")
+        table.pop("__metadata__", None)
+        end = max((int(t["data_offsets"][1]) for t in table.values()), default=0)
+        if size < 8 + n + end:
+            raise _Truncated(8 + n + end)
+    except _Truncated as e:
+        raise ValueError(f"{file}: truncated: its header and tensors end at byte "
+                         f"{e.args[0]:,}, the file has {size:,}") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"{file}: cannot read safetensors (header: {e})") from None
+    return table
+
+
+class _Truncated(Exception):
+    """A safetensors file shorter than the byte its header says it ends at (``args[0]``)."""
+
+
+def check_weight_files(path: str) -> None:
+    """Check the weight files of the checkpoint at ``path`` (resolved) without reading a
+    tensor, so that a missing or cut-short file is refused before anything loads: an HF
+    folder's index names files that are there, each a safetensors file as long as its header
+    says, holding the tensors the index puts in it. A GGUF file cut short already fails to
+    open (``read_gguf_config``); a pdjax Orbax checkpoint is left to Orbax. Raises ``ValueError``
+    naming the file (and tensor)."""
+    from pdjax.models.orbax_checkpoint import is_orbax_checkpoint
+
+    if is_gguf(path) or not os.path.isdir(path) or is_orbax_checkpoint(path):
+        return
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        if not os.path.isfile(os.path.join(path, "model.safetensors")):
+            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        _safetensors_table(os.path.join(path, "model.safetensors"))
+        return
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        if not all(isinstance(v, str) for v in weight_map.values()):
+            raise TypeError("file names are not strings")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: malformed index ({e!r})") from None
+    tables = {}
+    for name in sorted(set(weight_map.values())):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise ValueError(f"{file}: file not found (listed in the index)")
+        tables[name] = _safetensors_table(file)
+    for tensor, name in weight_map.items():
+        if tensor not in tables[name]:
+            raise ValueError(f"{index}: tensor {tensor!r} listed but not found in {name}")

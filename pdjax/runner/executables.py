@@ -69,6 +69,26 @@ def save_executables(engine, results, out_dir: str) -> str:
     return path
 
 
+def read_manifest(directory: str) -> dict:
+    """The manifest of a folder written by ``save_executables`` (a JSON object with an
+    ``entries`` object). Raises ``ValueError`` naming ``aot_executables`` when the folder or
+    its manifest is missing or not one."""
+    if not os.path.isdir(directory):
+        raise ValueError(f"aot_executables: {directory}: no such folder (python -m pdjax.aot "
+                         "--serialize DIR writes one)")
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"aot_executables: no readable {MANIFEST} in {directory}: {e}") \
+            from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), dict):
+        raise ValueError(f"aot_executables: {path}: not a manifest of python -m pdjax.aot "
+                         "--serialize (no 'entries' object)")
+    return manifest
+
+
 class ExecutableStore:
     """The executables of ``directory`` that may run on this process's devices (``devices``:
     the mesh's, in its order; default: every local device).
@@ -79,13 +99,7 @@ class ExecutableStore:
     """
 
     def __init__(self, directory: str, device_kind: str, devices=None):
-        path = os.path.join(directory, MANIFEST)
-        try:
-            with open(path) as f:
-                self.manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"aot_executables: no readable {MANIFEST} in {directory}: {e}") \
-                from e
+        self.manifest = read_manifest(directory)
         self.directory = directory
         self.devices = None if devices is None else list(devices)
         self.by_fingerprint = {e["fingerprint"]: e for e in self.manifest.get("entries", {})

@@ -101,10 +101,13 @@ def check_pool_fits(caches: dict, num_pages: int, page_size: int, limit: int | N
     bytes (a device's memory, ``device_memory_bytes``; None: unknown, not checked): it would
     fail deep in an allocation (a MemoryError, an XLA out-of-memory) after the weights had
     loaded, or in the compiler."""
-    if limit is None:
-        return
-    per_device = sum(shard_bytes(c) for c in caches.values())
-    if per_device > limit:
+    check_pool_bytes(sum(shard_bytes(c) for c in caches.values()), num_pages, page_size, limit)
+
+
+def check_pool_bytes(per_device: int, num_pages: int, page_size: int, limit: int | None) -> None:
+    """``check_pool_fits`` from the pool's bytes on one device (``per_device``); the parse-time
+    check (``engine.settings.check_devices``) computes them from the cache specs alone."""
+    if limit is not None and per_device > limit:
         raise ValueError(f"max_total_tokens: a KV pool of {num_pages * page_size:,} tokens "
                          f"needs {per_device / 2**30:,.1f} GiB on each device, more than its "
                          f"{limit / 2**30:,.1f} GiB")

@@ -121,7 +121,7 @@ def test_buckets_override_is_checked():
         AbstractEngine(args, cpu_target(), buckets=short)
 
 
-def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
+def test_bad_settings_are_refused_before_compiling(capsys, tmp_path, monkeypatch):
     base = ["--topology", "v5e:2x2", "--model-path", TINY_LLAMA]
     for extra, field in ((["--mem-fraction", "1.5"], "mem_fraction"),
                          (["--mem-fraction", "0"], "mem_fraction"), (["--dp", "0"], "dp"),
@@ -134,7 +134,22 @@ def test_bad_settings_are_refused_before_compiling(capsys, tmp_path):
                          (["--model-path", os.path.join(ROOT, "README.md")], "model_path"),
                          (["--model-path", str(tmp_path)], "model_path")):
         assert aot_main(base + extra) == 2, extra
-        assert capsys.readouterr().err.startswith(f"error: {field}"), extra
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {field}") and err.count("\n") == 1, (extra, err)
+    # Buffers no chip holds (the CPU target: 1 GiB) are refused as a server refuses them
+    # (they compiled, out of memory, entry after entry).
+    from pdjax.aot import targets
+
+    monkeypatch.setattr(targets, "tpu_target", lambda name: cpu_target())
+    for flag in ("--chunked-prefill-size", "--max-running-requests"):
+        assert aot_main(base + [flag, "1000000"]) == 2, flag
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag[2:].replace('-', '_')}: 1,000,000 ") and \
+            "more than its 1.0 GiB" in err, err
+    with pytest.raises(SystemExit) as e:        # argparse's own: one line too, no usage block
+        aot_main(base + ["--page-size", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: page_size: invalid int value: 'x'\n"
     # A pool larger than a chip by itself is refused before compiling (it compiled, and the
     # compiler's out-of-memory lines scrolled by with exit 0).
     with pytest.raises(ValueError, match=r"^max_total_tokens: a KV pool of 33,554,4\d\d tokens "

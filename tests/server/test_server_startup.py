@@ -20,17 +20,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.parametrize("tp,needle", [(64, "tp_size must be in"),
                                        (3, "tp_size (3) must divide num_attention_heads (4)")])
 def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tp, needle):
-    """A setting the engine refuses at start (too many devices; heads that do not split)
-    exits 1 with the reason on one line, no traceback (it is the user's setting, not a bug)."""
+    """A setting the engine would refuse at start (too many devices; heads that do not split)
+    exits 2 at parse time with the reason on one line, no traceback (it is the user's
+    setting, not a bug; it was exit 1 once the engine had started)."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4")
     proc = subprocess.run(
         [sys.executable, "-m", "pdjax.serve", "--model-path", tiny_checkpoints["llama"],
          "--port", str(free_port()), "--tp-size", str(tp), "--skip-warmup-progress"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert needle in proc.stderr and "failed to start" in proc.stderr, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"error: {needle}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("argv,needle", [(["--port", "99999"], "port"),

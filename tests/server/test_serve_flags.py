@@ -1,0 +1,177 @@
+"""``python -m pdjax.serve``'s parse step, in this process: every setting a server would fail on
+after loading its model (an ERROR line or a traceback, exit 1) is one line
+``error: FIELD: ...`` and exit 2 before anything loads (issue 44)."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from pdjax.serve import parse_args
+
+
+def _parse_error(capsys, argv) -> str:
+    """The one stderr line of ``parse_args(argv)``, which must exit 2."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err   # no usage block
+    return err.strip()
+
+
+def _copy(src, tmp_path, name="ckpt"):
+    dst = tmp_path / name
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--port", "x"], "error: port: invalid int value: 'x'"),
+    (["--role", "bogus"], "error: role: invalid choice: 'bogus'"),
+    (["--unroll-layers", "--bogus"], "error: unrecognized arguments: --bogus"),
+    (["--page-size", "0"], "error: page_size must be a positive integer, got 0"),
+    (["--max-running-requests"], "error: max_running_requests: expected one argument"),
+])
+def test_every_flag_error_is_one_line(capsys, argv, line):
+    """argparse's own errors too: no usage block, the flag as its field's name."""
+    assert _parse_error(capsys, argv).startswith(line)
+
+
+@pytest.mark.parametrize("model,tp,line", [
+    ("llama", 7, "error: tp_size must be in [1, 4] (devices available), got 7"),
+    ("llama", 3, "error: tp_size (3) must divide num_attention_heads (4)"),
+    ("deepseek_v3", 3, "error: tp_size (3) must divide"),
+])
+def test_a_tp_size_the_devices_or_heads_refuse_fails_at_parse(capsys, tiny_checkpoints, model,
+                                                               tp, line):
+    """It was 'failed to start' and exit 1 once the engine had started."""
+    argv = ["--model-path", tiny_checkpoints[model], "--tp-size", str(tp)]
+    assert _parse_error(capsys, argv).startswith(line)
+
+
+def test_a_tp_size_that_replicates_kv_heads_is_accepted(tiny_checkpoints):
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["llama"], "--tp-size", "4"])
+    assert args.tp_size == 4
+
+
+def _truncate(path, keep):
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+@pytest.mark.parametrize("flag", ["--model-path", "--speculative-draft-model-path"])
+def test_missing_or_cut_weight_files_fail_at_parse(capsys, tiny_checkpoints, tmp_path, flag):
+    """Headers and sizes only (no tensor read); each was a load error after the engine had
+    started, or (a cut file) an error from deep in safetensors."""
+    d = _copy(tiny_checkpoints["llama"], tmp_path)
+    shard = d / "model-00002-of-00006.safetensors"
+    field = flag[2:].replace("-", "_")
+    extra = ["--speculative-algorithm", "draft"] if field != "model_path" else []
+
+    def error():
+        return _parse_error(capsys, [flag, str(d), *extra])
+
+    size = shard.stat().st_size
+    _truncate(shard, size - 1)
+    assert error() == (f"error: {field}: {shard}: truncated: its header and tensors end at "
+                       f"byte {size:,}, the file has {size - 1:,}")
+    shard.write_bytes(b"\x00garbage")
+    assert error().startswith(f"error: {field}: {shard}: cannot read safetensors (header: ")
+    shard.unlink()
+    assert error() == f"error: {field}: {shard}: file not found (listed in the index)"
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if "00002" not in v}
+    index["weight_map"]["model.layers.9.extra.weight"] = "model-00001-of-00006.safetensors"
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert error() == (f"error: {field}: {d / 'model.safetensors.index.json'}: tensor "
+                       "'model.layers.9.extra.weight' listed but not found in "
+                       "model-00001-of-00006.safetensors")
+    if field == "model_path":        # random weights read no file
+        assert parse_args(["--port", "0", flag, str(d), "--load-format", "dummy"]).load_format \
+            == "dummy"
+    single = _copy(tiny_checkpoints["qwen3"], tmp_path, "single")
+    _truncate(single / "model.safetensors", 1000)
+    assert _parse_error(capsys, [flag, str(single), *extra]).startswith(
+        f"error: {field}: {single / 'model.safetensors'}: truncated: its header and tensors "
+        "end at byte")
+
+
+def test_a_cut_gguf_fails_at_parse(capsys, tmp_path):
+    """(Its header parse already fails on a cut file; kept with the other weight files.)"""
+    from pdjax.models.checkpoint import default_model_path
+
+    cut = tmp_path / "cut.gguf"
+    with open(default_model_path(), "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(os.path.getsize(default_model_path()) - 4096))
+    line = _parse_error(capsys, ["--model-path", str(cut)])
+    assert line.startswith(f"error: model_path: {cut}: cannot read GGUF ("), line
+
+
+def test_aot_executables_without_a_manifest_fail_at_parse(capsys, tmp_path):
+    """A folder python -m pdjax.aot --serialize did not write was a ValueError when the
+    runner was built, after the model had loaded."""
+    assert _parse_error(capsys, ["--aot-executables", "/nonexistent"]) == (
+        "error: aot_executables: /nonexistent: no such folder (python -m pdjax.aot "
+        "--serialize DIR writes one)")
+    assert _parse_error(capsys, ["--aot-executables", str(tmp_path)]).startswith(
+        f"error: aot_executables: no readable manifest.json in {tmp_path}: ")
+    (tmp_path / "manifest.json").write_text("[]")
+    assert _parse_error(capsys, ["--aot-executables", str(tmp_path)]).startswith(
+        f"error: aot_executables: {tmp_path / 'manifest.json'}: not a manifest")
+
+
+def test_a_tokenizer_fault_fails_at_parse(capsys, tiny_checkpoints, tmp_path):
+    """Each was a transformers traceback from the tokenizer thread after the model loaded."""
+    d = _copy(tiny_checkpoints["qwen3"], tmp_path)
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": 5}')
+    assert _parse_error(capsys, ["--model-path", str(d)]).startswith(
+        f"error: model_path: {d / 'tokenizer.json'}: not a tokenizer (")
+    (d / "tokenizer.json").unlink()
+    assert _parse_error(capsys, ["--model-path", str(d)]) == (
+        f"error: model_path: {d}: no tokenizer (tokenizer.json, tokenizer.model, or vocab.json "
+        "and merges.txt)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _parse_error(capsys, ["--model-path", tiny_checkpoints["qwen3"], "--tokenizer-path",
+                                 str(empty)]).startswith(f"error: tokenizer_path: {empty}: no "
+                                                         "tokenizer")
+    good = _copy(tiny_checkpoints["qwen3"], tmp_path, "good")
+    (good / "tokenizer_config.json").write_text("{")
+    assert _parse_error(capsys, ["--model-path", str(good)]).startswith(
+        f"error: model_path: {good / 'tokenizer_config.json'}: cannot read (")
+    # Its own folder with a good tokenizer is accepted.
+    args = parse_args(["--port", "0", "--model-path", str(good), "--tokenizer-path",
+                       tiny_checkpoints["qwen3"]])
+    assert args.tokenizer_path == tiny_checkpoints["qwen3"]
+
+
+def test_a_wrongly_typed_config_value_fails_at_parse(capsys, tiny_checkpoints, tmp_path):
+    d = _copy(tiny_checkpoints["qwen3"], tmp_path)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": "big"}))
+    assert _parse_error(capsys, ["--model-path", str(d)]) == (
+        f"error: model_path: {d / 'config.json'}: hidden_size: expected an integer, got 'big'")
+
+
+def test_buffers_no_device_holds_fail_at_parse(capsys, tiny_checkpoints, monkeypatch):
+    """Rows and tokens past a device's memory ended in XLA's out-of-memory at warm-up; the
+    estimate (lower bounds) refuses them and accepts the defaults. A 256 MiB device here."""
+    from pdjax.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: 256 * 2 ** 20)
+    llama = ["--model-path", tiny_checkpoints["llama"]]
+    # 100,000 rows of 512 logits: 2 x 4 B (logits + a sampling temporary) + 5 B of penalty
+    # tables each, 0.62 GiB.
+    assert _parse_error(capsys, [*llama, "--max-running-requests", "100000"]).startswith(
+        "error: max_running_requests: 100,000 rows need at least 0.6 GiB of logits and penalty "
+        "tables on each device, with the weights (0.0 GiB) and the KV pool (0.0 GiB), more than "
+        "its 0.2 GiB")
+    for flag in ("--chunked-prefill-size", "--max-num-batched-tokens"):
+        field = flag[2:].replace("-", "_")
+        assert _parse_error(capsys, [*llama, flag, "100000000"]).startswith(
+            f"error: {field}: 100,000,000 needs at least 166.9 GiB of activations and logits")
+    assert _parse_error(capsys, [*llama, "--max-total-tokens", "4000000"]).startswith(
+        "error: max_total_tokens: a KV pool of 4,000,016 tokens needs 1.9 GiB on each device")
+    assert parse_args(["--port", "0", *llama]).max_running_requests == 16
