@@ -623,6 +623,19 @@ class SpeculativeArgs:
                              f"{self.speculative_algorithm!r}")
 
 
+class FlagParser(argparse.ArgumentParser):
+    """``argparse`` whose every error, its own included, is one line on stderr and exit 2:
+    ``error: FIELD: message`` (``argument --page-size: invalid int value: 'x'`` becomes
+    ``error: page_size: invalid int value: 'x'``), without the usage block (``--help`` prints
+    it)."""
+
+    def error(self, message: str):
+        m = re.match(r"argument --([\w-]+)(?:/--[\w-]+)?: (.*)", message, re.S)
+        if m:
+            message = f"{m.group(1).replace('-', '_')}: {m.group(2)}"
+        self.exit(2, f"error: {' '.join(message.split())}\n")
+
+
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
 ARG_GROUPS = {"model": ModelArgs, "cache": CacheArgs, "scheduler": SchedulerArgs,
               "disaggregation": DisaggregationArgs, "server": HTTPServerArgs,
@@ -656,19 +669,6 @@ class ServerArgs:
         unknown = sorted(set(kwargs) - set(_GROUP_OF))
         if unknown:
             raise TypeError(f"ServerArgs: unknown setting(s) {unknown}")
-class FlagParser(argparse.ArgumentParser):
-    """``argparse`` whose every error, its own included, is one line on stderr and exit 2:
-    ``error: FIELD: message`` (``argument --page-size: invalid int value: 'x'`` becomes
-    ``error: page_size: invalid int value: 'x'``), without the usage block (``--help`` prints
-    it)."""
-
-    def error(self, message: str):
-        m = re.match(r"argument --([\w-]+)(?:/--[\w-]+)?: (.*)", message, re.S)
-        if m:
-            message = f"{m.group(1).replace('-', '_')}: {m.group(2)}"
-        self.exit(2, f"error: {' '.join(message.split())}\n")
-
-
         for name, group in groups.items():
             changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
             object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes
