@@ -14,8 +14,8 @@ import argparse
 import dataclasses
 import json
 import os
-from typing import Any
 import re
+from typing import Any
 
 from pdjax.transfer.engine import available_backends
 
