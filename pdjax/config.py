@@ -298,12 +298,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
-def _kv_connectors() -> tuple[str, ...]:
-    from pdjax.sched.kv_connector import available_kv_connectors
-
-    return available_kv_connectors()
-
-
 def _arg(default, help: str = "", choices=None):
     """A settings field: its default, its ``--help`` text and its allowed values, a tuple or a
     function returning one (a registry that tests extend); checked on construction, ``None``
@@ -488,8 +482,8 @@ class DisaggregationArgs:
     heartbeat_interval_s: float = _arg(5.0, "PD: seconds between heartbeats to paired peers")
     kv_connector: str | None = _arg(
         None, "colocated server: a KV connector registered with "
-              "pdjax.sched.kv_connector.register_kv_connector (KV from elsewhere, DESIGN.md §4)",
-        _kv_connectors)
+              "pdjax.transfer.factory.register_kv_connector (KV from elsewhere, DESIGN.md §4; "
+              "checked before the model loads)")
 
     def __post_init__(self):
         _check_fields(self)

@@ -83,6 +83,47 @@ class EngineRole(Protocol):
         """Stop the role's threads and sockets (engine shutdown)."""
 
 
+class NullRole:
+    """The ``EngineRole`` of a server that is no PD role (colocated, or a ``--kv-connector``
+    one): it takes no request, has no work, reports no load of its own."""
+
+    def add_request(self, g, req) -> bool:
+        return False
+
+    def has_work(self) -> bool:
+        return False
+
+    def poll(self) -> list:
+        return []
+
+    def after_step(self, batch, outputs: list) -> list:
+        return outputs
+
+    def abort(self, rid: str, message: str):
+        return None
+
+    def on_rejected(self, g, message: str, status_code: int = 400) -> None:
+        pass
+
+    def reject_room(self, room, message: str, status_code: int = 400) -> None:
+        pass
+
+    def load(self) -> dict[str, Any]:
+        return {}
+
+    def debug_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_wake(self, wake) -> None:
+        pass
+
+    def attach_metrics(self, metrics) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class RoleHost(Protocol):
     """What a role may use of the engine (``EngineCore`` implements it)."""
 

@@ -29,6 +29,9 @@ def parse_args(argv=None) -> ServerArgs:
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))
         from pdjax.engine import settings
+        from pdjax.transfer.factory import check_kv_connector
+
+        check_kv_connector(args.kv_connector)
 
         model_path, model_cfg = settings.check_checkpoint_paths(args)
         settings.check_serve_files(args, model_path)

@@ -14,7 +14,8 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
     server       server (the HTTP API; sees the engine as an EngineClient)
     entrypoints  entrypoints, serve, router (+ router_pool), convert, aot, the package root
 
-Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows, and are skipped.
+Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows of the layers, and are skipped
+there; no import circle is allowed at all, annotations and lazy imports included.
 """
 
 from __future__ import annotations
@@ -134,6 +135,69 @@ def test_the_checker_sees_an_upward_import():
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pdjax.engine\n"
     assert upward_imports("pdjax.engine_roles", typing_only) == []
     assert upward_imports("pdjax.engine", "from pdjax.transfer.factory import x\n") == []
+
+
+def all_imports(source: str) -> set[str]:
+    """The ``pdjax`` modules ``source`` imports, at any depth and under ``if TYPE_CHECKING:``
+    too (an annotation is an arrow of a circle as well). ``from pkg import sub`` of a submodule
+    points at ``pkg.sub`` alone."""
+    out: set[str] = set()
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            subs = {f"{n.module}.{a.name}" for a in n.names} & set(MODULES)
+            out |= subs
+            if len(subs) < len(n.names):
+                out.add(n.module)
+    return out & set(MODULES)
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of ``graph`` (module -> the modules it imports): each strongly connected
+    set of two or more modules, sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while True:
+                w = stack.pop()
+                members.append(w)
+                if w == v:
+                    break
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(circles)
+
+
+def test_no_import_circle_annotations_and_lazy_imports_included():
+    graph = {m: all_imports(p.read_text()) - {m} for m, p in MODULES.items()}
+    assert import_circles(graph) == []
+
+
+def test_the_circle_checker_sees_a_circle_through_an_annotation():
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pdjax.engine\n"
+    assert all_imports(typing_only) == {"pdjax.engine"}
+    lazy = "def f():\n    from pdjax.sched import kv_connector, Scheduler\n"
+    assert all_imports(lazy) == {"pdjax.sched.kv_connector", "pdjax.sched"}
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e2"}, "e2": {"e"}}
+    assert import_circles(graph) == [["a", "b", "c"], ["e", "e2"]]
 
 
 @pytest.mark.slow      # starts a process

@@ -220,14 +220,12 @@ class AsyncEngine:
                 except ValueError as e:
                     # Bad input is a 400; a room another request holds a 409 (RoomConflict).
                     status = getattr(e, "status_code", 400)
-                    if core.disagg is not None:
-                        core.disagg.on_rejected(req, str(e))   # PD: the peer hears of it at once
+                    core.disagg.on_rejected(req, str(e))   # PD: the peer hears of it at once
                     self._push(GenerateOutput(req.rid, [], finished=True, error=str(e),
                                               finish_reason=FinishReason.abort(str(e), status)))
             case RejectRooms(rooms, message, status_code):
-                if core.disagg is not None:
-                    for room in rooms:
-                        core.disagg.reject_room(room, message, status_code)
+                for room in rooms:
+                    core.disagg.reject_room(room, message, status_code)
             case AbortRequest(rid):
                 out = core.abort_request(rid)
                 if out is not None:
@@ -237,7 +235,7 @@ class AsyncEngine:
             case GetLoad():
                 return core.get_load()
             case GetPDState():
-                return core.disagg.debug_state() if core.disagg is not None else {}
+                return core.disagg.debug_state()
             case StartProfile(output_dir, num_steps):
                 core.runner.start_profile(output_dir)
                 self._profile_dir, self._profile_steps_left = output_dir, num_steps
@@ -274,10 +272,9 @@ class AsyncEngine:
                                    tokenizer=self._tokenizer.result)
             if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
                 self.metrics.attach_engine(self.core)
-            if self.core.disagg is not None:
-                self.core.disagg.set_wake(self._wake.set)
-                if self.metrics is not None:
-                    self.core.disagg.attach_metrics(self.metrics)
+            self.core.disagg.set_wake(self._wake.set)
+            if self.metrics is not None:
+                self.core.disagg.attach_metrics(self.metrics)
             if self.core.cluster is not None:
                 self.core.cluster.on_lost = self._on_node_lost
             self.is_ready = True
@@ -319,10 +316,8 @@ class AsyncEngine:
                     self.core.runner.stop_profile()
                     self._profile_dir = self._profile_steps_left = None
         self.watchdog.stop()
-        if self.core.kv_worker is not None:
-            self.core.kv_worker.close()        # before the role's sockets close
-        if self.core.disagg is not None:
-            self.core.disagg.close()
+        self.core.kv_worker.close()            # before the role's sockets close
+        self.core.disagg.close()
         if self.core.cluster is not None:
             self.core.cluster.close()
 

@@ -41,7 +41,7 @@ from pdjax.runner.device_sampler import MAX_HELD_STOP_IDS, MAX_TOP_LOGPROBS
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
-from pdjax.transfer.factory import create_kv_connection
+from pdjax.transfer.factory import check_kv_connector, create_kv_connection
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class EngineCore(ForwardStep):
         phase = PhaseTimer()         # seconds of each start-up phase, printed as one line
         self.startup_phases_s = phase.phases
         self.args = args
+        check_kv_connector(args.kv_connector)       # before anything loads
         # Multi-host (--nnodes > 1): JAX's distributed runtime, the nodes checked (DESIGN.md §6);
         # before anything asks JAX for its backend (resolving "auto" does). The engine runs on
         # node 0; the other nodes only build the runner (pdjax.entrypoints.multihost).
@@ -148,13 +149,12 @@ class EngineCore(ForwardStep):
         self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
         self._warm_up(progress, background_compile, phase)
         # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
-        # step polls and starts, and a PD role (pdjax/engine_roles.py; this core is its
-        # RoleHost). Colocated: none of them.
+        # step polls and starts, and the role that sees requests first (pdjax/engine_roles.py;
+        # this core is its RoleHost). Colocated: the null connection, never None.
         conn = create_kv_connection(self)
-        self.disagg: EngineRole | None = conn.role if conn is not None else None
-        self.kv_worker = conn.worker if conn is not None else None
-        if conn is not None:
-            self.scheduler.connector = conn.connector
+        self.disagg: EngineRole = conn.role
+        self.kv_worker = conn.worker
+        self.scheduler.connector = conn.connector
 
     def _warm_up(self, progress: bool, background_compile: bool, phase: PhaseTimer) -> None:
         """Compile the buckets (and a draft model's), seed the cost model under an ITL target,
@@ -242,7 +242,7 @@ class EngineCore(ForwardStep):
         if sp.grammar is not None:
             self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
-        if self.disagg is not None and self.disagg.add_request(g, req):
+        if self.disagg.add_request(g, req):
             return req                # PD: the role's manager schedules it later
         self.scheduler.add_request(req)
         if sp.max_new_tokens == 0 and not req.return_logprob:
@@ -254,14 +254,12 @@ class EngineCore(ForwardStep):
         """Whether ``step()`` has something to do (scheduled requests, a step in flight, or PD
         events)."""
         return (self.scheduler.has_work or self._inflight is not None
-                or (self.disagg is not None and self.disagg.has_work())
-                or (self.kv_worker is not None and self.kv_worker.has_work()))
+                or self.disagg.has_work() or self.kv_worker.has_work())
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
-        if self.disagg is not None:
-            out = self.disagg.abort(rid, message)
-            if out is not None:
-                return out
+        out = self.disagg.abort(rid, message)
+        if out is not None:
+            return out
         req = self.scheduler.abort_request(rid, message)
         return None if req is None else self.make_output(req, [], [], [])
 
@@ -285,8 +283,7 @@ class EngineCore(ForwardStep):
             return []
         outputs, fetch_s = self._complete(done)
         self._start_transfers(done.batch)
-        if self.disagg is not None:
-            outputs = self.disagg.after_step(done.batch, outputs)
+        outputs = self.disagg.after_step(done.batch, outputs)
         self.forward_time_s += fetch_s
         for hook in self.step_hooks:
             hook(done.batch, outputs)
@@ -345,10 +342,8 @@ class EngineCore(ForwardStep):
     def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
         """PD events, what the transfer worker finished, requests done without a forward, then
         the scheduler's batch."""
-        if self.disagg is not None:
-            outputs += self.disagg.poll()
-        if self.kv_worker is not None:
-            self.scheduler.update_from_kv_output(self.kv_worker.poll())
+        outputs += self.disagg.poll()
+        self.scheduler.update_from_kv_output(self.kv_worker.poll())
         while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
             req = self._zero_token_reqs.pop()
             if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):
@@ -389,17 +384,16 @@ class EngineCore(ForwardStep):
             clock.device_s += self._sample_deferred(launched, outputs)
         batch = done.batch if done is not None else None
         self._start_transfers(batch)     # every step: a request admitted now may wait for KV
-        if self.disagg is not None and (done is not None or outputs):
+        if done is not None or outputs:
             # done None: no forward's results were read, but requests may have finished.
             outputs = self.disagg.after_step(batch, outputs)
         return done, in_flight, outputs
 
     def _start_transfers(self, batch: ScheduledBatch | None) -> None:
         """Hand the worker what the connector says must move after ``batch`` was read."""
-        if self.kv_worker is not None:
-            meta = self.scheduler.build_connector_meta(batch)
-            if meta is not None:
-                self.kv_worker.start(meta)
+        meta = self.scheduler.build_connector_meta(batch)
+        if meta is not None:
+            self.kv_worker.start(meta)
 
     def _read(self, done: Launched, clock: StepClock) -> list[GenerateOutput]:
         outputs, fetch_s = self._complete(done)

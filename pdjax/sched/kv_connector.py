@@ -23,22 +23,19 @@ a pairing and a page list, and arrive with their first token) reserves through t
 scheduler's public ``reserve_remote`` / ``commit_remote`` / ``drop_remote`` instead; pages it
 keeps outside any request (a decode's quarantine) it reports through ``owned_pages``.
 
-``NullConnector`` is the colocated server's: nothing is remote, nothing is held.
-``register_kv_connector`` names a connector ``--kv-connector`` can pick
-(``pdjax.transfer.factory.create_kv_connection`` builds it). Pure Python; never imports JAX or
-``pdjax.transfer``.
+``NullConnector`` is the colocated server's: nothing is remote, nothing is held. A connector
+is built, with its worker, by ``pdjax.transfer.factory`` (``register_kv_connector`` names one
+``--kv-connector`` can pick). Pure Python; imports nothing of ``pdjax`` but the request types.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:      # annotations only
-    from pdjax.engine_roles import EngineRole, RoleHost
     from pdjax.request import Request
     from pdjax.sched.output import ScheduledBatch
-    from pdjax.transfer.worker import KVTransferWorker
 
 
 @dataclasses.dataclass
@@ -107,43 +104,3 @@ class NullConnector:
 
     def owned_pages(self):
         return []
-
-
-@dataclasses.dataclass
-class KVConnection:
-    """What ``EngineCore`` plugs in: ``connector`` goes to the scheduler, ``worker`` (a
-    ``pdjax.transfer.worker.KVTransferWorker``) is polled and started every step, ``role``
-    (an ``EngineRole``; None: the scheduler takes every request) sees requests first, answers
-    aborts and reports its load."""
-
-    connector: KVConnector
-    worker: KVTransferWorker | None = None
-    role: EngineRole | None = None
-
-
-_REGISTRY: dict[str, Callable[[RoleHost], KVConnection]] = {}
-
-
-def register_kv_connector(name: str, factory: Callable[[RoleHost], KVConnection]) -> None:
-    """Make ``--kv-connector name`` build ``factory(host)`` (``host``: the engine as a
-    ``RoleHost``); ``ValueError`` for a taken name."""
-    if name in _REGISTRY:
-        raise ValueError(f"kv_connector {name!r} is already registered")
-    _REGISTRY[name] = factory
-
-
-def unregister_kv_connector(name: str) -> None:
-    _REGISTRY.pop(name, None)
-
-
-def kv_connector_factory(name: str) -> Callable[[RoleHost], KVConnection]:
-    """The factory registered as ``name``; ``ValueError`` naming the known ones otherwise."""
-    if name not in _REGISTRY:
-        raise ValueError(f"kv_connector {name!r} is not registered (known: "
-                         f"{', '.join(available_kv_connectors()) or 'none'})")
-    return _REGISTRY[name]
-
-
-def available_kv_connectors() -> tuple[str, ...]:
-    """The names ``--kv-connector`` accepts."""
-    return tuple(sorted(_REGISTRY))

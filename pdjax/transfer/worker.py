@@ -42,3 +42,13 @@ class KVTransferWorker(abc.ABC):
 
     def close(self) -> None:
         """Stop the worker's threads (engine shutdown)."""
+
+
+class NullWorker(KVTransferWorker):
+    """A colocated server's worker: nothing to move, nothing ever finished."""
+
+    def start(self, meta: Any) -> None:
+        raise AssertionError(f"NullWorker.start({meta!r}): a NullConnector plans no transfer")
+
+    def poll(self) -> KVConnectorOutput:
+        return KVConnectorOutput()

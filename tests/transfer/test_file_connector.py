@@ -15,8 +15,8 @@ import pytest
 
 from pdjax.engine import Engine
 from pdjax.pd.wire import prompt_digest
-from pdjax.sched.kv_connector import (KVConnection, KVConnectorOutput, NullConnector,
-                                      register_kv_connector, unregister_kv_connector)
+from pdjax.sched.kv_connector import KVConnectorOutput, NullConnector
+from pdjax.transfer.factory import KVConnection, register_kv_connector, unregister_kv_connector
 from pdjax.transfer.worker import KVTransferWorker
 
 PAGE = 8
@@ -148,3 +148,20 @@ def test_a_second_engine_reads_the_prompt_kv_from_a_file_instead_of_computing_it
     assert [o["meta_info"]["cached_tokens"] for o in outs] == [16, 32]
     assert not core.scheduler.waiting_remote
     core.scheduler.check_invariants()
+
+
+def test_an_unknown_kv_connector_is_refused_before_anything_loads(capsys):
+    """The registry lives with the builder (``transfer/factory``), not in ``config``: serve's
+    parse step and the engine check the name before a model loads."""
+    from pdjax.config import ServerArgs
+    from pdjax.engine.core import EngineCore
+    from pdjax.serve import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", "--kv-connector", "nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: kv_connector: 'nope' is not registered (known: ")
+    assert err.count("\n") == 1, err
+    with pytest.raises(ValueError, match=r"^kv_connector: 'nope' is not registered"):
+        EngineCore(ServerArgs(kv_connector="nope", model_path="/nonexistent/checkpoint"))
