@@ -254,10 +254,12 @@ def test_grammar_requests_speculate_within_their_grammar(spec_engine, llama_engi
 
 
 def test_min_new_tokens_rejects_drafted_stop_tokens(spec_engine, llama_engine):
-    """A stop token the looping greedy output (and so the n-gram drafts) keeps producing is held
-    back below min_new_tokens in every row of a verify span: the drafts of it are rejected
-    there, and the tokens equal those of the engine without speculation under the same
-    params; past min_new_tokens it stops the request again."""
+    """A stop token the looping greedy output keeps producing is held back below
+    min_new_tokens on a speculating engine: verify rows run and the tokens equal those of the
+    engine without speculation under the same params; past min_new_tokens it stops the
+    request again. (The drafter here learns from the held-back output and rarely proposes the
+    stop token: the rejection of a drafted stop token is checked on the device sampler,
+    tests/runner/test_verify.py.)"""
     prompts = _prompts(4, seed=6, lengths=(40, 33, 48, 25))
     ref = _reference(llama_engine, prompts)
     params = []

@@ -144,3 +144,27 @@ def test_penalties_see_the_drafts_before_a_row():
     assert np.asarray(out.emitted).tolist() == [True, True]
     # The slot counts the emitted tokens once each (the draft is not counted twice).
     assert np.asarray(counts)[1].tolist() == [0, 0, 0, 1, 0, 1, 0, 0]
+
+
+def test_min_new_tokens_rejects_a_drafted_stop_token_below_it():
+    """A verify span (``verify_sampling_rows``) of a request with min_new_tokens 3 whose drafts
+    are [4, 2, 2] (2 = EOS, the argmax everywhere, 4 the runner-up): row 0 takes 4 (EOS held),
+    row 1 is at position 2 < 3, so EOS is held back and the draft 2 rejected: the span emits
+    [4, 4]; with min_new_tokens 2 rows 1.. may draw EOS and every draft is accepted (the host's
+    stop check then ends the request on the first EOS)."""
+    from pdjax.engine.speculative import verify_sampling_rows
+
+    logits = np.zeros((4, V), np.float32)
+    logits[:, 2], logits[:, 4] = 5.0, 3.0
+    emitted_tokens = []
+    for min_new in (3, 2):
+        req = _req(1, temperature=0.0, min_new_tokens=min_new)
+        req.output_ids = [6]                        # the span's rows draw positions 1..4
+        rows = verify_sampling_rows(req, [4, 2, 2], 0, eos_token_ids=(2,))
+        assert [r.held_stop_ids for r in rows] == [(2,)] * (min_new - 1) + [()] * (5 - min_new)
+        sp = ds.build_sampling_inputs(rows, 4)
+        out, _ = _sample(jnp.asarray(logits), ds.SamplingInputs(*map(jnp.asarray, sp)),
+                         jnp.zeros((2, V), bool), jnp.zeros((2, V), jnp.int32), 4)
+        tokens, emitted = np.asarray(out.tokens)[:4], np.asarray(out.emitted)
+        emitted_tokens.append(tokens[emitted].tolist())
+    assert emitted_tokens == [[4, 4], [4, 2, 2, 2]]
