@@ -68,7 +68,8 @@ def check_checkpoint_paths(args: ServerArgs) -> tuple[str, Any]:
     """Read the config of every checkpoint ``args`` names (metadata only: no tensor, no jax
     device), so that a path that is no checkpoint (a file that is neither a folder nor a
     ``.gguf``, a folder without a readable config.json, an unsupported architecture, a
-    corrupt GGUF header) is one error line before the server loads anything.
+    corrupt GGUF header) is one error line before the server loads anything; with them, what
+    speculation needs of them (an MTP layer; a draft model of the target's vocabulary).
 
     Returns ``(path, config)`` of ``model_path`` (resolved; ``checkpoint_config``). Raises
     ``ValueError`` naming the field (``model_path``, ``speculative_draft_model_path``,
@@ -85,7 +86,16 @@ def check_checkpoint_paths(args: ServerArgs) -> tuple[str, Any]:
             raise ValueError(f"{field}: {e}") from None
     if args.tokenizer_path is not None and not os.path.exists(args.tokenizer_path):
         raise ValueError(f"tokenizer_path: {args.tokenizer_path}: not found")
-    return read["model_path"]
+    path, cfg = read["model_path"]
+    if args.speculative_algorithm == "mtp" and getattr(cfg, "num_nextn_predict_layers", 0) < 1:
+        raise ValueError(f"speculative_algorithm: 'mtp' needs a DeepSeek-V3 / V3.2 / GLM-5 "
+                         f"checkpoint with num_nextn_predict_layers >= 1; {path} has none")
+    if "speculative_draft_model_path" in read:
+        draft = read["speculative_draft_model_path"][1]
+        if draft.vocab_size != cfg.vocab_size:
+            raise ValueError(f"speculative_draft_model_path: the draft model's vocabulary "
+                             f"({draft.vocab_size}) differs from the target's ({cfg.vocab_size})")
+    return path, cfg
 
 
 def check_serve_files(args: ServerArgs, model_path: str) -> None:
@@ -108,11 +118,13 @@ def check_serve_files(args: ServerArgs, model_path: str) -> None:
 
 
 def check_local_devices(args: ServerArgs, model_cfg) -> None:
-    """``check_devices`` against this process's JAX devices (starts the backend: a multi-host
-    node joins first): their count and the first one's memory
-    (``model_runner.device_memory_bytes``)."""
+    """The settings resolved for this process's JAX platform (``resolve_engine_config``: an
+    attention backend or weight layout it has no kernel for) and ``check_devices`` against its
+    devices (starts the backend: a multi-host node joins first): their count and the first
+    one's memory (``model_runner.device_memory_bytes``)."""
     from pdjax.runner import model_runner
 
+    resolve_engine_config(args, model_cfg=model_cfg)
     check_devices(args, model_cfg, platform=jax.default_backend(),
                   num_devices=jax.device_count(),
                   device_bytes=model_runner.device_memory_bytes(jax.local_devices()[0]))
@@ -222,16 +234,18 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
                                 token_field=token_field, token_value=getattr(args, token_field))
 
 
-def resolve_engine_config(args: ServerArgs, platform: str | None = None) -> EngineConfig:
+def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
+                          model_cfg=None) -> EngineConfig:
     """Resolve ``args`` (reads the checkpoint's config from its metadata, no tensor) for
     ``platform`` (``"cpu"``, ``"tpu"``, ``"gpu"``; default: the default backend's; the
-    abstract engine of ``pdjax.aot`` passes its target's).
+    abstract engine of ``pdjax.aot`` passes its target's). ``model_cfg``: the checkpoint's
+    config when already read (``check_checkpoint_paths``).
 
     Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
     platform has no kernel for."""
     platform = platform or jax.default_backend()
     model_path = resolve_model_path(args.model_path, args.revision)
-    model_cfg = checkpoint_config(model_path)
+    model_cfg = model_cfg if model_cfg is not None else checkpoint_config(model_path)
     dtype = resolve_dtype(args.dtype, platform)
     profile = PlatformProfile.resolve(
         platform, attention_backend=args.attention_backend, unroll_layers=args.unroll_layers,

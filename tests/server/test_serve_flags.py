@@ -68,7 +68,8 @@ def test_missing_or_cut_weight_files_fail_at_parse(capsys, tiny_checkpoints, tmp
     d = _copy(tiny_checkpoints["llama"], tmp_path)
     shard = d / "model-00002-of-00006.safetensors"
     field = flag[2:].replace("-", "_")
-    extra = ["--speculative-algorithm", "draft"] if field != "model_path" else []
+    extra = (["--speculative-algorithm", "draft", "--model-path", tiny_checkpoints["qwen3"]]
+             if field != "model_path" else [])
 
     def error():
         return _parse_error(capsys, [flag, str(d), *extra])
@@ -175,3 +176,24 @@ def test_buffers_no_device_holds_fail_at_parse(capsys, tiny_checkpoints, monkeyp
     assert _parse_error(capsys, [*llama, "--max-total-tokens", "4000000"]).startswith(
         "error: max_total_tokens: a KV pool of 4,000,016 tokens needs 1.9 GiB on each device")
     assert parse_args(["--port", "0", *llama]).max_running_requests == 16
+
+
+def test_what_the_engine_refused_at_start_fails_at_parse(capsys, tiny_checkpoints, tmp_path):
+    """The same gap in other flags (each was 'failed to start', exit 1, after the model
+    loaded): a kernel the platform lacks, an MTP run without an MTP layer, a draft model of
+    another vocabulary."""
+    llama = ["--model-path", tiny_checkpoints["llama"]]
+    assert _parse_error(capsys, [*llama, "--cpu-matmul-kernel", "--tp-size", "2"]) == (
+        "error: cpu_matmul_kernel: it runs on one device; tp_size is 2")
+    assert _parse_error(capsys, [*llama, "--attention-backend", "cpu", "--tp-size", "2"]) == (
+        "error: attention_backend 'cpu' runs on one device; tp_size is 2 (use 'xla' or 'auto')")
+    assert _parse_error(capsys, [*llama, "--speculative-algorithm", "mtp"]).startswith(
+        "error: speculative_algorithm: 'mtp' needs a DeepSeek-V3 / V3.2 / GLM-5 checkpoint with "
+        "num_nextn_predict_layers >= 1")
+    draft = _copy(tiny_checkpoints["qwen3"], tmp_path)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1024}))
+    assert _parse_error(capsys, [*llama, "--speculative-algorithm", "draft",
+                                 "--speculative-draft-model-path", str(draft)]) == (
+        "error: speculative_draft_model_path: the draft model's vocabulary (1024) differs from "
+        "the target's (512)")
