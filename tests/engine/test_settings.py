@@ -159,3 +159,26 @@ def test_cpu_matmul_kernel_auto_and_refusals(tiny_checkpoints):
         assert ServerArgs.from_cli_args(parser.parse_args(argv)).cpu_matmul_kernel is want
     with pytest.raises(ValueError, match="cpu_matmul_kernel must be true, false or null"):
         ServerArgs(cpu_matmul_kernel="yes")
+
+
+def test_the_offline_engine_refuses_what_no_device_holds_before_loading(tiny_checkpoints,
+                                                                        monkeypatch):
+    """``build_runner`` runs the parse-time device checks too (``pdjax.Engine`` has no parse
+    step): 100,000 rows of a 256 MiB device were XLA's out-of-memory at warm-up, after the
+    weights had loaded; now a ValueError naming the setting before the model loads."""
+    from pdjax.engine import Engine
+    from pdjax.models import loader
+    from pdjax.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: 256 * 2 ** 20)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(loader, "load_model", no_load)
+    monkeypatch.setattr("pdjax.engine.runner_setup.load_model", no_load)
+    with pytest.raises(ValueError, match=r"^max_running_requests: 100,000 rows need at least "
+                                         r"0\.6 GiB .* more than its 0\.2 GiB"):
+        Engine(tiny_checkpoints["llama"], max_running_requests=100_000, progress=False)
+    with pytest.raises(ValueError, match=r"^tp_size must be in \[1, 4\] \(devices available\)"):
+        Engine(tiny_checkpoints["llama"], tp_size=8, progress=False)
