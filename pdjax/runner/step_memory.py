@@ -7,8 +7,9 @@ as evenly as it can be), so the check refuses only what cannot fit; XLA's real p
 
     weights        params of the config x param dtype / tp      (Llama family; 0 for MLA)
     KV pool        the cache buffers of ``num_pages`` pages      (``check_pool_fits``)
-    row buffers    R rows: logits [R, V] float32 (a forward's output) and the sampler's
-                   cumulative distribution of the same shape (``device_sampler``) (/ tp),
+    row buffers    R rows: logits [R, V] float32 (a forward's output) and one more array of
+                   that shape in the sampler (``device_sampler.sample``: its log-probabilities
+                   output, allocated whether a row asks or not; a draw's cumsum) (/ tp),
                    the penalty tables [R + 1, V] int32 + bool (replicated)
     token buffers  T tokens: the residual and a layer's output [T, H], the queries
                    [T, Hq * D / tp] and the MLP's gate and up [T, I / tp], in the param dtype
@@ -54,7 +55,7 @@ def weight_bytes(model_cfg, tp_size: int, param_bytes: int) -> int:
 
 def row_bytes(vocab_size: int, max_rows: int, tp_size: int) -> int:
     """Lower bound of the buffers of ``max_rows`` sampling rows on one device: the logits and
-    the sampler's cumulative distribution ``[R, V / tp]`` float32, the penalty tables
+    one sampler array of their shape ``[R, V / tp]`` float32, the penalty tables
     ``[R + 1, V]`` int32 + bool (replicated)."""
     return 2 * max_rows * (-(-vocab_size // tp_size)) * 4 + (max_rows + 1) * vocab_size * 5
 
