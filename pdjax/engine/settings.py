@@ -101,7 +101,7 @@ def check_checkpoint_paths(args: ServerArgs) -> tuple[str, Any]:
 def check_serve_files(args: ServerArgs, model_path: str) -> None:
     """What a server reads after the model's config, checked at parse time without loading it
     (``model_path``: resolved): the weight files of every checkpoint with ``load_format``
-    ``auto`` (``check_weight_files``), the tokenizer (``check_tokenizer``) and
+    ``auto`` (``check_weight_files``), the tokenizer (``check_tokenizer``; node 0's) and
     ``aot_executables``. Raises ``ValueError`` naming the field."""
     if args.load_format == "auto":
         paths = {"model_path": model_path}
@@ -113,7 +113,8 @@ def check_serve_files(args: ServerArgs, model_path: str) -> None:
                 check_weight_files(path)
             except ValueError as e:
                 raise ValueError(f"{field}: {e}") from None
-    check_tokenizer(args, model_path)
+    if args.node_rank == 0:         # a multi-host follower loads no tokenizer
+        check_tokenizer(args, model_path)
     check_aot_executables(args)
 
 
