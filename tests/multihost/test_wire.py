@@ -102,9 +102,14 @@ def test_a_multi_host_decode_needs_no_bootstrap_port():
 def test_node_flags_from_the_cli():
     from pdjax.serve import parse_args
 
+    # TP 3 splits the default model (SmolLM2: 9 heads, 3 KV heads); its devices are counted
+    # only once the nodes have joined.
     args = parse_args(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
-                       "--tp-size", "16"])
+                       "--tp-size", "3"])
     assert (args.nnodes, args.node_rank, args.dist_init_addr) == (2, 1, "10.0.0.1:5000")
+    with pytest.raises(SystemExit):       # heads TP 16 cannot split: refused before joining
+        parse_args(["--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+                    "--tp-size", "16"])
 
 
 def test_weights_fingerprint_sees_sizes_sampled_bytes_and_names_only_of_weight_files(tmp_path):
