@@ -84,6 +84,8 @@ def read_hf_config(path: str) -> dict[str, Any]:
             cfg = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{cfg_path}: malformed JSON ({e})") from None
+    except OSError as e:              # unreadable (permissions, an I/O error)
+        raise ValueError(f"{cfg_path}: cannot read ({e.strerror})") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path}: a JSON object of settings, got a JSON "
                          f"{type(cfg).__name__}")
