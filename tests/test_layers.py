@@ -12,7 +12,7 @@ Layers, lowest first; a module may import its own layer and the ones below, neve
     transfer     transfer (the PD roles and their data plane; sees the engine as a RoleHost)
     engine       engine (EngineCore, Engine, AsyncEngine; builds its role via transfer.factory)
     server       server (the HTTP API; sees the engine as an EngineClient)
-    entrypoints  entrypoints, serve, router (+ router_pool), convert, aot, the package root
+    entrypoints  entrypoints, serve, router, convert, aot, the package root
 
 Imports inside ``if TYPE_CHECKING:`` are annotations, not arrows of the layers, and are skipped
 there; no import circle is allowed at all, annotations and lazy imports included.
@@ -43,7 +43,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("transfer", ("pdjax.transfer",)),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),
-    ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router", "pdjax.router_pool",
+    ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router",
                      "pdjax.convert", "pdjax.aot", "pdjax")),
 ]
 

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from pdjax.router import PDRouter, create_router_app
-from pdjax.router_pool import WorkerPool
+from pdjax.router.pool import WorkerPool
 
 
 def test_pool_prefers_fewest_outstanding_then_kv_usage_then_round_robin():

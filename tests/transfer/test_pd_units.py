@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pdjax.request import FinishReason, Request, RequestState, SamplingParams
-from pdjax.router import _merge_input_logprobs, parse_prefill_args
+from pdjax.router import parse_prefill_args
+from pdjax.router.pd_router import _merge_input_logprobs
 from pdjax.server.validation import num_samples
 from pdjax.models.loader import make_mesh
 from pdjax.sched.buckets import BucketKey
