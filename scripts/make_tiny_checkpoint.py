@@ -16,6 +16,13 @@ tensors of layer ``num_hidden_layers`` under the HF names (``enorm``, ``hnorm``,
 beside the untouched ``model.safetensors``, an index JSON naming both, and
 ``num_nextn_predict_layers: 1`` in config.json. A folder made before this is upgraded in
 place (its other tensors keep their bytes).
+
+The checkpoints in ``FP8_CHECKPOINTS`` are then rewritten as FP8 checkpoints ship
+(``quantize_checkpoint``): every linear weight that DeepSeek-V3.2 / GLM-5 quantize is float8
+e4m3 with a float32 ``weight_scale_inv`` per 128 x 128 block (dims of 192 make partial edge
+blocks), the other tensors bfloat16, ``quantization_config`` in config.json.
+``write_dequantized`` writes their float32 twin (config without ``quantization_config``),
+transformers' oracle on the same weights.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 VOCAB = 512
@@ -43,6 +51,11 @@ _MLA = dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=32, kv_lora_
 _DSA = dict(index_topk=32, index_head_dim=32, index_n_heads=4)
 _DSA_LONG = dict(index_topk=16, index_head_dim=32, index_n_heads=16)
 _GLM_TYPES = ["full", "shared", "full"]
+# FP8 MLA: hidden and q_lora 192 (a 128-block and a partial 64 one); the widths TP splits
+# (heads x head dims, intermediate sizes) are 256 so TP 2 shards hold whole 128-blocks.
+_MLA_FP8 = dict(_MLA, hidden_size=192, intermediate_size=256, moe_intermediate_size=256,
+                q_lora_rank=192, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+                head_dim=64)
 
 # name -> (transformers config class name, overrides, save kwargs)
 CONFIGS: dict[str, tuple[str, dict, dict]] = {
@@ -72,7 +85,16 @@ CONFIGS: dict[str, tuple[str, dict, dict]] = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_MLA, **_DSA, indexer_types=_GLM_TYPES), {}),
     "glm_moe_dsa_long": ("GlmMoeDsaConfig", dict(_MLA, **_DSA_LONG, indexer_types=_GLM_TYPES),
                          {}),
+    # FP8 block-scaled (FP8_CHECKPOINTS): DeepSeek-V3.2 with ue8m0 scales, GLM-5 with float ones.
+    "deepseek_v32_fp8": ("DeepseekV32Config", dict(_MLA_FP8, **_DSA), {}),
+    "glm_moe_dsa_fp8": ("GlmMoeDsaConfig", dict(_MLA_FP8, **_DSA, indexer_types=_GLM_TYPES), {}),
 }
+
+# FP8 checkpoints -> scale_fmt (None: any float32 scale; "ue8m0": powers of two).
+FP8_CHECKPOINTS: dict[str, str | None] = {"deepseek_v32_fp8": "ue8m0", "glm_moe_dsa_fp8": None}
+# The weights FP8 DeepSeek-V3.2 / GLM-5 checkpoints quantize (everything else stays bf16).
+_FP8_WEIGHT = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|"
+                         r"up_proj|down_proj|indexer\.wq_b|indexer\.wk)\.weight$")
 
 # Checkpoints that get an MTP layer -> whether it stores its own copies of the embedding and
 # the LM head (DeepSeek-V3's files do; both equal the main model's) or none (shared).
@@ -144,6 +166,8 @@ def make_checkpoint(name: str, out_root: str, seed: int = 0) -> str:
                 buf.copy_(torch.rand(buf.shape) * 0.2)
     model.save_pretrained(out_dir, **save_kwargs)
     make_tokenizer(out_dir)
+    if name in FP8_CHECKPOINTS:
+        quantize_checkpoint(out_dir, FP8_CHECKPOINTS[name])
     marker = {"name": name}
     if name in MTP_CHECKPOINTS:
         add_mtp_layer(out_dir, own_copies=MTP_CHECKPOINTS[name], seed=seed)
@@ -196,6 +220,93 @@ def add_mtp_layer(out_dir: str, *, own_copies: bool, seed: int = 0) -> None:
     cfg["num_nextn_predict_layers"] = 1
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+_ST_NAMES = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3"}
+
+
+def write_safetensors(file: str, tensors: dict) -> None:
+    """Write numpy ``tensors`` (float32, ``ml_dtypes`` bfloat16 or float8_e4m3fn) as one
+    safetensors file: 8-byte little-endian header length, JSON header, data (written here
+    because ``safetensors.numpy`` has no float8)."""
+    import numpy as np
+
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        blob = a.tobytes()
+        header[name] = {"dtype": _ST_NAMES[a.dtype.name], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+def quantize_checkpoint(out_dir: str, scale_fmt: str | None) -> None:
+    """Rewrite the float32 single-file checkpoint in ``out_dir`` as an FP8 block-scaled one:
+    each ``_FP8_WEIGHT`` tensor float8 e4m3 + ``weight_scale_inv`` float32 ``[ceil(out/128),
+    ceil(in/128)]`` (``pdjax.models.fp8.quantize``; powers of two with ``ue8m0``), the other
+    tensors bfloat16 (the router's correction bias float32), and ``quantization_config`` in
+    config.json."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from pdjax.models.fp8 import quantize
+
+    file = os.path.join(out_dir, "model.safetensors")
+    out = {}
+    for key, value in load_file(file).items():
+        if _FP8_WEIGHT.search(key) and value.ndim == 2:
+            out[key], out[key + "_scale_inv"] = quantize(value, ue8m0=scale_fmt == "ue8m0")
+        elif key.endswith("e_score_correction_bias"):
+            out[key] = value.astype(np.float32)
+        else:
+            out[key] = value.astype(ml_dtypes.bfloat16)
+    write_safetensors(file, out)
+    with open(os.path.join(out_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    if scale_fmt:
+        cfg["quantization_config"]["scale_fmt"] = scale_fmt
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+
+
+def write_dequantized(src: str, dst: str) -> str:
+    """The float32 twin of the FP8 checkpoint ``src`` in ``dst`` (every FP8 weight times its
+    block scales, other tensors widened; config.json without ``quantization_config``), for
+    transformers to load as the oracle. Returns ``dst``."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from pdjax.models.checkpoint import read_safetensors_lazy
+    from pdjax.models.fp8 import FP8_DTYPE, dequantize
+
+    os.makedirs(dst, exist_ok=True)
+    tensors = read_safetensors_lazy(os.path.join(src, "model.safetensors"))
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith("_scale_inv"):
+            continue
+        out[key] = (dequantize(value, tensors[key + "_scale_inv"]) if value.dtype == FP8_DTYPE
+                    else np.asarray(value, np.float32))
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return dst
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,8 @@
 safetensors (single or sharded + index JSON), GGUF (dequantized with the ``gguf`` package,
 llama.cpp's q/k row permutation undone), the device mesh and the parameter dtype.
 
-Everything returns HF-named float32 numpy tensors; each family's weight mapping
+Everything returns HF-named float32 numpy tensors (or, ``read_hf_tensors(lazy=True)``,
+memory-mapped views in the stored dtype, FP8 included); each family's weight mapping
 (``llama_weights.py``, ``deepseek.py``) turns them into its stacked parameters. Every missing
 or malformed file or tensor raises ``ValueError`` naming the file and the tensor.
 """
@@ -16,6 +17,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
@@ -96,10 +98,8 @@ def is_gguf(path: str) -> bool:
 
 # --------------------------------------------------------------------------- HF safetensors
 
-def read_hf_tensors(path: str, progress: bool = True) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint folder as float32 numpy (sharded or single file)."""
-    from safetensors.numpy import load_file
-
+def _hf_files(path: str) -> tuple[dict | None, list[str], str]:
+    """``(weight_map or None, safetensors file names, index path)`` of an HF folder."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
@@ -107,16 +107,29 @@ def read_hf_tensors(path: str, progress: bool = True) -> dict[str, np.ndarray]:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
             raise ValueError(f"{index}: malformed index ({e!r})") from None
-        files = sorted(set(weight_map.values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        weight_map, files = None, ["model.safetensors"]
-    else:
-        raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        return weight_map, sorted(set(weight_map.values())), index
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return None, ["model.safetensors"], index
+    raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def read_hf_tensors(path: str, progress: bool = True, lazy: bool = False
+                    ) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint folder (sharded or single file).
+
+    Default: float32 numpy copies. ``lazy``: read-only memory-mapped views in the file's own
+    dtype (``read_safetensors_lazy``: float8_e4m3fn and bfloat16 as ``ml_dtypes`` types), so
+    nothing is read until a slice is (FP8 checkpoints, where no float32 host copy may exist)."""
+    weight_map, files, index = _hf_files(path)
     tensors: dict[str, np.ndarray] = {}
     for name in tqdm(files, desc="loading safetensors", disable=not progress, unit="file"):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise ValueError(f"{file}: file not found (listed in the index)")
+        if lazy:
+            tensors.update(read_safetensors_lazy(file))
+            continue
+        from safetensors.numpy import load_file
         try:
             part = load_file(file)
         except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -129,6 +142,59 @@ def read_hf_tensors(path: str, progress: bool = True) -> dict[str, np.ndarray]:
             raise ValueError(f"{index}: tensor {missing[0]!r} listed but not found in "
                              f"{weight_map[missing[0]]}")
     return tensors
+
+
+# safetensors dtype names -> numpy (ml_dtypes for the types numpy lacks).
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_MAX_HEADER_BYTES = 100 << 20      # safetensors' own limit on the JSON header
+
+
+def read_safetensors_lazy(file: str) -> dict[str, np.ndarray]:
+    """Every tensor of one ``.safetensors`` file as a read-only view of an ``np.memmap`` of
+    it, in the stored dtype (``SAFETENSORS_DTYPES``): no byte of data is read until a slice of
+    the view is. The format is an 8-byte little-endian header length, a JSON header
+    ``{name: {dtype, shape, data_offsets: [begin, end]}}`` (offsets from the end of the
+    header) and the data. ``safetensors.numpy`` cannot read ``F8_E4M3`` (numpy has no float8
+    type), hence this reader. Raises ``ValueError`` naming the file and tensor for a header
+    that is not valid, a dtype it does not know, or a tensor whose bytes are not in the file."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 2 or n > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{file}: cannot read safetensors (header length {n} in a file of "
+                             f"{size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: cannot read safetensors (header: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: cannot read safetensors (header is not an object)")
+    start = 8 + n
+    data = np.memmap(file, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except KeyError as e:
+            raise ValueError(f"{file}: tensor {name!r}: unknown dtype or missing field "
+                             f"{e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError):
+            raise ValueError(f"{file}: tensor {name!r}: malformed header entry {info!r}") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if begin < 0 or end - begin != nbytes or start + end > size:
+            raise ValueError(f"{file}: tensor {name!r}: data_offsets [{begin}, {end}] do not "
+                             f"hold {shape} {dtype.name} in a file of {size} bytes")
+        out[name] = data[start + begin:start + end].view(dtype).reshape(shape)
+    return out
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -294,6 +360,7 @@ def checkpoint_architecture(path: str) -> str:
         # ModelConfig.from_hf_dir names exactly what is wrong with the config.json.
         return ModelConfig.from_hf_dir(path).architecture
     return arch
+
 
 def _safetensors_table(file: str) -> dict[str, dict]:
     """The tensor table of a ``.safetensors`` file from its header alone (8-byte little-endian

@@ -38,7 +38,10 @@ from jax.sharding import PartitionSpec as P
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
 from pdjax.models.deepseek_config import DeepseekConfig
+from pdjax.models.fp8 import (FP8_DTYPE, SCALE_SUFFIX, LazyStack, check_ue8m0, dequantize,
+                              num_blocks)
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
+from pdjax.models.linear import Fp8BlockWeight, dense_weight, linear
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
@@ -104,7 +107,59 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
     groups = {"attn": (cfg.num_layers, attn), "dense": (len(cfg.dense_layers), dense),
               "moe": (len(cfg.moe_layers), moe),
               "indexer": (len(cfg.full_indexer_layers), indexer)}
+    for group, name in fp8_params(cfg):
+        shape, spec = groups[group][1][name]
+        scale = (*shape[:-2], num_blocks(shape[-2], cfg.weight_block_size),
+                 num_blocks(shape[-1], cfg.weight_block_size))
+        groups[group][1][name + SCALE_SUFFIX] = (scale, spec)
     return {k: v for k, v in groups.items() if v[0] > 0}
+
+
+# The linear weights FP8 checkpoints quantize -> their HF module under ``model.layers.{i}.``
+# (``{e}``: the expert). kv_b_proj is quantized too, but it is split into the absorbed
+# ``w_uk`` / ``w_uv`` and dequantized once on the host (as SGLang's w_kc / w_vc); norms, the
+# router, the indexer's weights_proj, embeddings and the LM head are not quantized.
+FP8_MODULES: dict[tuple[str, str], str] = {
+    ("attn", "w_qa"): "self_attn.q_a_proj", ("attn", "w_qb"): "self_attn.q_b_proj",
+    ("attn", "w_kva"): "self_attn.kv_a_proj_with_mqa", ("attn", "w_o"): "self_attn.o_proj",
+    ("dense", "w_gate"): "mlp.gate_proj", ("dense", "w_up"): "mlp.up_proj",
+    ("dense", "w_down"): "mlp.down_proj",
+    ("moe", "w_gate"): "mlp.experts.{e}.gate_proj", ("moe", "w_up"): "mlp.experts.{e}.up_proj",
+    ("moe", "w_down"): "mlp.experts.{e}.down_proj",
+    ("moe", "sh_gate"): "mlp.shared_experts.gate_proj",
+    ("moe", "sh_up"): "mlp.shared_experts.up_proj",
+    ("moe", "sh_down"): "mlp.shared_experts.down_proj",
+    ("indexer", "wq_b"): "self_attn.indexer.wq_b", ("indexer", "wk"): "self_attn.indexer.wk",
+}
+
+
+def _group_layers(cfg: DeepseekConfig, group: str) -> tuple[int, ...]:
+    return {"attn": tuple(range(cfg.num_layers)), "dense": cfg.dense_layers,
+            "moe": cfg.moe_layers, "indexer": cfg.full_indexer_layers}[group]
+
+
+def fp8_params(cfg: DeepseekConfig) -> set[tuple[str, str]]:
+    """The ``(group, name)`` parameters held as ``Fp8BlockWeight`` (float8 + ``name`` +
+    ``SCALE_SUFFIX`` block scales): none without ``weight_block_size``; else every
+    ``FP8_MODULES`` entry of a group the model has, less those ``modules_to_not_convert``
+    names (substrings of the module name, as transformers matches them). ``ValueError`` when
+    it leaves a weight unquantized in some layers only (one format per stacked parameter)."""
+    if not cfg.weight_block_size:
+        return set()
+    out = set()
+    for (group, name), module in FP8_MODULES.items():
+        layers = _group_layers(cfg, group)
+        if not layers or (group == "moe" and name.startswith("sh_") and not cfg.n_shared_experts):
+            continue
+        skipped = [any(m in f"model.layers.{i}.{module.format(e=0)}"
+                       for m in cfg.modules_to_not_convert) for i in layers]
+        if any(skipped) and not all(skipped):
+            raise ValueError(f"quantization_config.modules_to_not_convert: {module} is left "
+                             "unquantized in some layers only; pdjax needs one format per "
+                             "weight across layers")
+        if not any(skipped):
+            out.add((group, name))
+    return out
 
 
 # Kept in float32 whatever the model dtype (transformers' _keep_in_fp32_modules).
@@ -119,7 +174,11 @@ class _Stack(nnx.Module):
         for name, (shape, _) in shapes.items():
             dt = jnp.float32 if (group, name) in _FP32_PARAMS else dtype
             full = (n, *shape)
-            if name.endswith("norm") or name == "k_norm_w":
+            if name + SCALE_SUFFIX in shapes:           # FP8 values (made in float32, cast)
+                value = init(rngs.params(), full, jnp.float32).astype(FP8_DTYPE)
+            elif name.endswith(SCALE_SUFFIX):
+                value = jnp.ones(full, jnp.float32)
+            elif name.endswith("norm") or name == "k_norm_w":
                 value = jnp.ones(full, dt)
             elif name in ("router_bias", "k_norm_b") or name.startswith("b_"):
                 value = jnp.zeros(full, dt)
@@ -127,8 +186,18 @@ class _Stack(nnx.Module):
                 value = init(rngs.params(), full, dt)
             setattr(self, name, nnx.Param(value))
 
-    def values(self, shapes: ParamShapes) -> dict[str, jax.Array]:
-        return {name: getattr(self, name)[...] for name in shapes}
+    def values(self, shapes: ParamShapes) -> dict:
+        """name -> stacked array, or ``Fp8BlockWeight`` pairing an FP8 weight with its
+        ``SCALE_SUFFIX`` scales (the scales get no entry of their own)."""
+        out = {}
+        for name in shapes:
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            value = getattr(self, name)[...]
+            if name + SCALE_SUFFIX in shapes:
+                value = Fp8BlockWeight(value, getattr(self, name + SCALE_SUFFIX)[...])
+            out[name] = value
+        return out
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -150,7 +219,7 @@ def _layer_norm(x, weight, bias, eps):
 
 
 def _swiglu(h, w_gate, w_up, w_down):
-    return (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+    return linear(jax.nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down)
 
 
 def route(cfg: DeepseekConfig, h: jax.Array, router: jax.Array, router_bias: jax.Array):
@@ -192,9 +261,11 @@ def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> j
     token = order // k
     group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
     xs = h[token]                                                                # [T*k, Hd]
-    gate = jax.lax.ragged_dot(xs, p["w_gate"], group_sizes)
-    up = jax.lax.ragged_dot(xs, p["w_up"], group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, p["w_down"], group_sizes)   # [T*k, Hd]
+    # FP8 experts: the reference path dequantizes this layer's expert stack first.
+    gate = jax.lax.ragged_dot(xs, dense_weight(p["w_gate"], xs.dtype), group_sizes)
+    up = jax.lax.ragged_dot(xs, dense_weight(p["w_up"], xs.dtype), group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(p["w_down"], xs.dtype),
+                            group_sizes)                                         # [T*k, Hd]
     ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
     out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
     if cfg.n_shared_experts:
@@ -289,12 +360,12 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     rope = _rope_interleaved if cfg.rope_interleave else apply_rope
 
     h = rms_norm(x, a["input_norm"], cfg.rms_norm_eps)
-    q_a = h @ a["w_qa"]
-    kv_a = h @ a["w_kva"]
+    q_a = linear(h, a["w_qa"])
+    kv_a = linear(h, a["w_kva"])
     if cfg.attention_bias:
         q_a, kv_a = q_a + a["b_qa"], kv_a + a["b_kva"]
     q_resid = rms_norm(q_a, a["q_a_norm"], LATENT_NORM_EPS)                  # [T, q_lora]
-    q = (q_resid @ a["w_qb"]).reshape(T, H, cfg.qk_head_dim)
+    q = linear(q_resid, a["w_qb"]).reshape(T, H, cfg.qk_head_dim)
     q_pe = rope(q[..., N:], md.positions, inv_freq, rope_scale)              # [T, H, R]
     q_lat = jnp.einsum("thn,hnc->thc", q[..., :N], a["w_uk"])               # [T, H, C]
     c_kv = rms_norm(kv_a[:, :C], a["kv_a_norm"], LATENT_NORM_EPS)
@@ -320,7 +391,7 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
         sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl,
         interpret=interpret)                                                     # [T, H, C]
     attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
-    attn = attn @ a["w_o"]
+    attn = linear(attn, a["w_o"])
     if cfg.attention_bias:
         attn = attn + a["b_o"]
     x = x + attn
@@ -340,8 +411,8 @@ def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_cache, md, inv_f
     Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
     p = jax.tree.map(lambda w: w[islot], params)
     rope = _rope_interleaved if cfg.indexer_rope_interleave else apply_rope
-    q = (q_resid @ p["wq_b"]).reshape(T, Hi, Di)
-    key = _layer_norm(h @ p["wk"], p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
+    q = linear(q_resid, p["wq_b"]).reshape(T, Hi, Di)
+    key = _layer_norm(linear(h, p["wk"]), p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
     # The rotary part comes first in the indexer (unlike MLA's [nope | rope]).
     q = jnp.concatenate([rope(q[..., :R], md.positions, inv_freq, rope_scale), q[..., R:]], -1)
     key = jnp.concatenate([rope(key[:, None, :R], md.positions, inv_freq, rope_scale)[:, 0],
@@ -560,6 +631,21 @@ def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
     for name, value in checks:
         if value % tp_size:
             raise ValueError(f"tp_size ({tp_size}) must divide {name} ({value})")
+    if tp_size > 1:
+        groups = param_groups(cfg)
+        B = cfg.weight_block_size
+        fp8 = fp8_params(cfg)
+        for group, name in (key for key in FP8_MODULES if key in fp8):
+            shape, spec = groups[group][1][name]
+            axis = list(spec).index("tp") if "tp" in spec else None
+            if axis is not None and (shape[axis] // tp_size) % B:
+                side = "output" if axis == len(shape) - 1 else "input"
+                raise ValueError(
+                    f"tp_size: {tp_size} cuts the FP8 scale blocks of {FP8_MODULES[group, name]}"
+                    f": its {shape[axis]} {side} features split into shards of "
+                    f"{shape[axis] // tp_size}, not a multiple of the {B}-wide blocks "
+                    f"(quantization_config.weight_block_size); use a tp_size whose shards hold "
+                    f"whole blocks")
 
 
 def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
@@ -568,18 +654,76 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
 
     Experts may be fused (transformers 5: ``mlp.experts.gate_up_proj [E, 2F, Hd]``,
     ``down_proj [E, Hd, F]``) or per expert (``mlp.experts.{e}.gate_proj.weight`` ...).
-    Raises ``ValueError`` naming a missing or mis-shaped tensor, or an FP8 block-quantized
-    checkpoint (``weight_scale_inv``), which must be dequantized first.
-    """
-    scaled = next((k for k in tensors if k.endswith("weight_scale_inv")), None)
-    if scaled is not None:
-        raise ValueError(f"{source}: FP8 block-quantized tensor {scaled!r} is not supported; "
-                         "dequantize the checkpoint to bfloat16 first")
 
-    def get(name):
+    FP8 checkpoints (``cfg.weight_block_size``; ``tensors`` the lazy views of
+    ``checkpoint.read_hf_tensors(lazy=True)``): each ``fp8_params`` weight comes as a
+    ``LazyStack`` of its float8 ``[in, out]`` views (nothing read yet) plus ``name +
+    SCALE_SUFFIX``, the float32 block scales stacked the same way; every other tensor is read
+    to float32, an FP8 one (``kv_b_proj``, an MTP ``eh_proj``) dequantized on the host.
+
+    Raises ``ValueError`` naming a missing or mis-shaped tensor: a missing scale, a scale
+    whose shape is not the weight's blocks, a non-power-of-two scale under ``ue8m0``, an
+    unquantized weight where the config says FP8, or FP8 tensors without a
+    ``quantization_config``.
+    """
+    B = cfg.weight_block_size
+    fp8 = fp8_params(cfg)
+    if not B:
+        scaled = next((k for k, v in tensors.items()
+                       if k.endswith("weight_scale_inv") or v.dtype == FP8_DTYPE), None)
+        if scaled is not None:
+            raise ValueError(f"{source}: FP8 tensor {scaled!r} but config.json has no "
+                             "quantization_config (quant_method fp8, weight_block_size "
+                             "[128, 128])")
+
+    def raw(name):
         if name not in tensors:
             raise ValueError(f"{source}: missing tensor {name!r}")
         return tensors[name]
+
+    def scale_of(name, w):
+        """The float32 block scales ``[ceil(out/B), ceil(in/B)]`` of FP8 weight ``name``."""
+        sname = name + "_scale_inv"
+        if sname not in tensors:
+            raise ValueError(f"{source}: missing tensor {sname!r} (the block scales of the "
+                             f"float8 {name!r})")
+        s = np.asarray(tensors[sname], np.float32)
+        expect = (num_blocks(w.shape[0], B), num_blocks(w.shape[1], B)) if w.ndim == 2 else None
+        if s.shape != expect:
+            raise ValueError(f"{source}: tensor {sname!r} has shape {s.shape}, expected "
+                             f"{expect}: the {B}x{B} blocks of {name!r} {tuple(w.shape)}")
+        if not np.isfinite(s).all():
+            raise ValueError(f"{source}: tensor {sname!r} has a scale that is not finite")
+        if cfg.scale_fmt == "ue8m0":
+            check_ue8m0(s, f"{source}: tensor {sname!r}")
+        return s
+
+    def get(name):
+        """A float32 host copy (an FP8 tensor dequantized)."""
+        w = raw(name)
+        if w.dtype == FP8_DTYPE:
+            if not B:
+                raise ValueError(f"{source}: FP8 tensor {name!r} but config.json has no "
+                                 "quantization_config")
+            return dequantize(w, scale_of(name, w), B)
+        return np.asarray(w, np.float32)
+
+    def lin(group, name, hf):
+        """Weight ``hf`` ``[out, in]`` as ours ``[in, out]``: float32, or for an FP8
+        parameter ``(float8 view, scales)``, both transposed, no byte read."""
+        if (group, name) not in fp8:
+            return get(hf).T
+        w = raw(hf)
+        if w.dtype != FP8_DTYPE:
+            raise ValueError(f"{source}: tensor {hf!r} is {w.dtype.name}, expected "
+                             "float8_e4m3fn with its weight_scale_inv (quantization_config; "
+                             "modules_to_not_convert lists the modules kept unquantized)")
+        return w.T, scale_of(hf, w).T
+
+    def stacked(items):
+        if isinstance(items[0], tuple):
+            return LazyStack([q for q, _ in items]), np.stack([sc for _, sc in items])
+        return np.stack(items)
 
     H, N, Vd, C = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     Fm = cfg.moe_intermediate_size
@@ -590,14 +734,14 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
         kv_b = get(sa + "kv_b_proj.weight").reshape(H, N + Vd, C)
         out = {
             "input_norm": get(pre + "input_layernorm.weight"),
-            "w_qa": get(sa + "q_a_proj.weight").T,
+            "w_qa": lin("attn", "w_qa", sa + "q_a_proj.weight"),
             "q_a_norm": get(sa + "q_a_layernorm.weight"),
-            "w_qb": get(sa + "q_b_proj.weight").T,
-            "w_kva": get(sa + "kv_a_proj_with_mqa.weight").T,
+            "w_qb": lin("attn", "w_qb", sa + "q_b_proj.weight"),
+            "w_kva": lin("attn", "w_kva", sa + "kv_a_proj_with_mqa.weight"),
             "kv_a_norm": get(sa + "kv_a_layernorm.weight"),
             "w_uk": kv_b[:, :N, :],
             "w_uv": kv_b[:, N:, :].transpose(0, 2, 1),
-            "w_o": get(sa + "o_proj.weight").T,
+            "w_o": lin("attn", "w_o", sa + "o_proj.weight"),
             "post_norm": get(pre + "post_attention_layernorm.weight"),
         }
         if cfg.attention_bias:
@@ -607,33 +751,39 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
 
     def dense_layer(i):
         m = f"model.layers.{i}.mlp."
-        return {"w_gate": get(m + "gate_proj.weight").T, "w_up": get(m + "up_proj.weight").T,
-                "w_down": get(m + "down_proj.weight").T}
+        return {"w_gate": lin("dense", "w_gate", m + "gate_proj.weight"),
+                "w_up": lin("dense", "w_up", m + "up_proj.weight"),
+                "w_down": lin("dense", "w_down", m + "down_proj.weight")}
 
     def moe_layer(i):
         m = f"model.layers.{i}.mlp."
         if m + "experts.gate_up_proj" in tensors:
+            if ("moe", "w_gate") in fp8:
+                raise ValueError(f"{source}: FP8 experts must be stored per expert "
+                                 f"({m}experts.E.gate_proj.weight ...), not fused")
             gate_up = get(m + "experts.gate_up_proj")                           # [E, 2F, Hd]
             w_gate = gate_up[:, :Fm, :].transpose(0, 2, 1)
             w_up = gate_up[:, Fm:, :].transpose(0, 2, 1)
             w_down = get(m + "experts.down_proj").transpose(0, 2, 1)            # [E, F, Hd]
         else:
             e_range = range(cfg.n_routed_experts)
-            w_gate = np.stack([get(f"{m}experts.{e}.gate_proj.weight").T for e in e_range])
-            w_up = np.stack([get(f"{m}experts.{e}.up_proj.weight").T for e in e_range])
-            w_down = np.stack([get(f"{m}experts.{e}.down_proj.weight").T for e in e_range])
+            w_gate, w_up, w_down = (
+                stacked([lin("moe", w, f"{m}experts.{e}.{proj}.weight") for e in e_range])
+                for w, proj in (("w_gate", "gate_proj"), ("w_up", "up_proj"),
+                                ("w_down", "down_proj")))
         out = {"router": get(m + "gate.weight").T,
                "router_bias": get(m + "gate.e_score_correction_bias"),
                "w_gate": w_gate, "w_up": w_up, "w_down": w_down}
         if cfg.n_shared_experts:
-            out.update(sh_gate=get(m + "shared_experts.gate_proj.weight").T,
-                       sh_up=get(m + "shared_experts.up_proj.weight").T,
-                       sh_down=get(m + "shared_experts.down_proj.weight").T)
+            out.update(sh_gate=lin("moe", "sh_gate", m + "shared_experts.gate_proj.weight"),
+                       sh_up=lin("moe", "sh_up", m + "shared_experts.up_proj.weight"),
+                       sh_down=lin("moe", "sh_down", m + "shared_experts.down_proj.weight"))
         return out
 
     def indexer_layer(i):
         ix = f"model.layers.{i}.self_attn.indexer."
-        return {"wq_b": get(ix + "wq_b.weight").T, "wk": get(ix + "wk.weight").T,
+        return {"wq_b": lin("indexer", "wq_b", ix + "wq_b.weight"),
+                "wk": lin("indexer", "wk", ix + "wk.weight"),
                 "k_norm_w": get(ix + "k_norm.weight"), "k_norm_b": get(ix + "k_norm.bias"),
                 "w_weights": get(ix + "weights_proj.weight").T}
 
@@ -648,11 +798,17 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
         layers, read = readers[group]
         per_layer = [read(i) for i in layers]
         for name, (shape, _) in shapes.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
             for i, entry in zip(layers, per_layer):
-                if entry[name].shape != shape:
+                if _weight_shape(entry[name]) != shape:
                     raise ValueError(f"{source}: layer {i} {group}.{name} has shape "
-                                     f"{entry[name].shape}, expected {shape}")
-            out[f"{group}.{name}"] = np.stack([entry[name] for entry in per_layer])
+                                     f"{_weight_shape(entry[name])}, expected {shape}")
+            value = stacked([entry[name] for entry in per_layer])
+            if isinstance(value, tuple):
+                out[f"{group}.{name}"], out[f"{group}.{name}{SCALE_SUFFIX}"] = value
+            else:
+                out[f"{group}.{name}"] = value
     for key, expect in (("embed_tokens", (cfg.vocab_size, cfg.hidden_size)),
                         ("norm", (cfg.hidden_size,))):
         if out[key].shape != expect:
@@ -660,12 +816,17 @@ def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],
     if cfg.num_nextn_predict_layers and f"model.layers.{cfg.num_layers}.eh_proj.weight" in tensors:
         out.update(_mtp_params(cfg, tensors, source, out, {
             "attn": attn_layer, "dense": dense_layer, "moe": moe_layer,
-            "indexer": indexer_layer}))
+            "indexer": indexer_layer}, get))
     return out
 
 
+def _weight_shape(value) -> tuple[int, ...]:
+    """Shape of a stacked entry: an array's, or an FP8 ``(values, scales)`` pair's values'."""
+    return tuple((value[0] if isinstance(value, tuple) else value).shape)
+
+
 def _mtp_params(cfg: DeepseekConfig, tensors: dict[str, np.ndarray], source: str,
-                main: dict[str, np.ndarray], readers) -> dict[str, np.ndarray]:
+                main: dict[str, np.ndarray], readers, get) -> dict[str, np.ndarray]:
     """The MTP module's parameters (``DeepseekMTP``) from the HF tensors of layer
     ``N = num_hidden_layers``: ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and the
     decoder layer's usual names, read by the main layers' ``readers``. Its own
@@ -684,20 +845,26 @@ def _mtp_params(cfg: DeepseekConfig, tensors: dict[str, np.ndarray], source: str
         if tensors[pre + name].shape != expect:
             raise ValueError(f"{source}: MTP tensor {pre + name} has shape "
                              f"{tensors[pre + name].shape}, expected {expect}")
-        out[key] = tensors[pre + name]
+        out[key] = get(pre + name)
     out["mtp.eh_proj"] = out["mtp.eh_proj"].T                     # [2 Hd, Hd]: [in, out]
     for own, shared in (("embed_tokens.weight", "embed_tokens"),
                         ("shared_head.head.weight", "lm_head")):
         if pre + own in tensors and shared in main:
-            mine = tensors[pre + own] if shared == "embed_tokens" else tensors[pre + own].T
+            mine = get(pre + own) if shared == "embed_tokens" else get(pre + own).T
             if mine.shape != main[shared].shape or not np.array_equal(mine, main[shared]):
                 logger.warning("%s: %s%s differs from the main model's; the MTP layer uses "
                                "the main model's %s", source, pre, own, shared)
     for group, (_, shapes) in param_groups(cfg.mtp_layer_config()).items():
         entry = readers[group](N)
         for name, (shape, _) in shapes.items():
-            if entry[name].shape != shape:
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if _weight_shape(entry[name]) != shape:
                 raise ValueError(f"{source}: MTP layer {N} {group}.{name} has shape "
-                                 f"{entry[name].shape}, expected {shape}")
-            out[f"mtp.{group}.{name}"] = entry[name][None]
+                                 f"{_weight_shape(entry[name])}, expected {shape}")
+            if isinstance(entry[name], tuple):
+                out[f"mtp.{group}.{name}"] = LazyStack([entry[name][0]])
+                out[f"mtp.{group}.{name}{SCALE_SUFFIX}"] = entry[name][1][None]
+            else:
+                out[f"mtp.{group}.{name}"] = entry[name][None]
     return out

@@ -21,6 +21,7 @@ from typing import Any
 
 from pdjax.config import (check_positive_ints, check_rope_type, hf_architecture, hf_bool,
                           hf_common_fields, hf_float, hf_int, hf_str_list, read_hf_config)
+from pdjax.models.fp8 import FP8_BLOCK_SIZE, quantization_fields
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 INDEXER_TYPES = ("none", "full", "shared")
@@ -36,6 +37,8 @@ class DeepseekConfig:
     indexer key per token per ``"full"`` layer ``index_head_dim``. ``mlp_layer_types[i]`` is
     ``"dense"`` (SwiGLU of ``intermediate_size``) or ``"sparse"`` (MoE); ``indexer_types[i]`` is
     one of ``INDEXER_TYPES``. ``rope_scaling`` is a sorted tuple of ``(key, value)`` pairs.
+    ``weight_block_size`` / ``scale_fmt`` / ``modules_to_not_convert``: the FP8 block-scaled
+    weights of ``quantization_config`` (``models/fp8.quantization_fields``; 0: unquantized).
     """
 
     architecture: str
@@ -74,6 +77,9 @@ class DeepseekConfig:
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
     num_nextn_predict_layers: int = 0
+    weight_block_size: int = 0                  # FP8 block-scaled weights (models/fp8.py); 0: none
+    scale_fmt: str | None = None
+    modules_to_not_convert: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
@@ -126,6 +132,9 @@ class DeepseekConfig:
             if "none" in self.indexer_types:
                 raise ValueError("indexer_types: mixing 'none' with indexed layers is not supported")
         check_rope_type(self.rope_scaling, _ROPE_TYPES)
+        if self.weight_block_size not in (0, FP8_BLOCK_SIZE):
+            raise ValueError(f"weight_block_size must be 0 (no FP8) or {FP8_BLOCK_SIZE}, got "
+                             f"{self.weight_block_size!r}")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -230,6 +239,7 @@ class DeepseekConfig:
                 attention_bias=hf_bool(cfg, "attention_bias", False),
                 num_nextn_predict_layers=hf_int(cfg, "num_nextn_predict_layers", 0),
                 **hf_common_fields(cfg),
+                **quantization_fields(cfg),
             )
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None

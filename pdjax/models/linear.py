@@ -1,5 +1,6 @@
-"""One linear layer, two weight formats: a plain ``[in, out]`` array, or a ``PackedWeight`` for
-the native CPU matmul (``pallas_kernels/dense_cpu``). Models call ``linear`` (or
+"""One linear layer, three weight formats: a plain ``[in, out]`` array, a ``PackedWeight`` for
+the native CPU matmul (``pallas_kernels/dense_cpu``), or an ``Fp8BlockWeight`` (float8 e4m3
+with a float32 scale per 128 x 128 block, as FP8 checkpoints ship; ``models/fp8.py``). Models call ``linear`` (or
 ``linear_group``) and never ask which format they hold; the platform profile
 (``models/platform.py``) chooses the format once, after loading (DESIGN.md §2, dense layers
 on CPU).
@@ -54,8 +55,45 @@ class PackedWeight:
         return sum(self.widths)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8BlockWeight:
+    """A ``[K, N]`` linear weight (or a stack ``[..., K, N]``: layers, experts) as float8 e4m3
+    values and one float32 scale per ``block_size`` x ``block_size`` block (edge blocks
+    partial): ``W[k, n] = q[k, n] * scale_inv[k // B, n // B]``.
+
+    ``q``: ``[..., K, N]`` float8_e4m3fn. ``scale_inv``: ``[..., ceil(K/B), ceil(N/B)]``
+    float32 (the checkpoint's ``weight_scale_inv``, transposed like the weight). Both are
+    pytree leaves, so a layer scan slices them together. ``dequantize`` is the reference path
+    (DESIGN.md §2, FP8 weights): XLA does not fuse it into the matmul, so it writes the
+    dequantized weight of the one layer (or expert stack) being run, never the whole model's.
+    """
+
+    q: jax.Array
+    scale_inv: jax.Array
+    block_size: int = dataclasses.field(default=128, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype) -> jax.Array:
+        """``[..., K, N]`` of ``dtype``: ``q * scale_inv`` per block, computed in float32."""
+        B = self.block_size
+        K, N = self.q.shape[-2:]
+        s = jnp.repeat(jnp.repeat(self.scale_inv.astype(jnp.float32), B, axis=-2), B, axis=-1)
+        return (self.q.astype(jnp.float32) * s[..., :K, :N]).astype(dtype)
+
+
+def dense_weight(w, dtype) -> jax.Array:
+    """``w`` as a plain array: an ``Fp8BlockWeight`` dequantized to ``dtype``, an array as it
+    is (for the ops that take weights ``linear`` does not: ``lax.ragged_dot``, einsums)."""
+    return w.dequantize(dtype) if isinstance(w, Fp8BlockWeight) else w
+
+
 def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
-    """``x [..., K] @ w`` -> ``[..., N]`` for a plain ``[K, N]`` array or a ``PackedWeight``.
+    """``x [..., K] @ w`` -> ``[..., N]`` for a plain ``[K, N]`` array, a ``PackedWeight`` or an
+    ``Fp8BlockWeight`` (dequantized to ``x``'s dtype first: the reference path).
 
     ``num_rows`` (int32 scalar, traced; None: all): rows of ``x`` flattened to ``[M, K]`` from
     it on are padding. The packed matmul skips them (their outputs are 0); a plain dot computes
@@ -63,7 +101,7 @@ def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
     has ``x``'s dtype, computed in float32 (``dense_cpu.packed_matmul``)."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w.panels, w.out_features, num_rows=num_rows)
-    return x @ w
+    return x @ dense_weight(w, x.dtype)
 
 
 def linear_group(x: jax.Array, params: Mapping, group: str, members: Sequence[str],

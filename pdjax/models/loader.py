@@ -41,7 +41,9 @@ def read_params(path: str, progress: bool = True) -> tuple[ModelFamily, object, 
         cfg, tensors = read_gguf(path, progress)
     else:
         cfg = family.read_config(path)
-        tensors = read_hf_tensors(path, progress)
+        # The MLA family reads lazily (its FP8 checkpoints: each device reads only its shard;
+        # stack_hf_tensors widens the rest to float32 itself).
+        tensors = read_hf_tensors(path, progress, lazy=family.name == "deepseek")
     return family, cfg, family.stack_params(cfg, tensors, path), path
 
 

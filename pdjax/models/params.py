@@ -10,6 +10,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pdjax.models.fp8 import LazyStack
+
 
 def _split_abstract(make_model: Callable[[], nnx.Module]):
     graphdef, state = nnx.split(nnx.eval_shape(make_model))
@@ -67,7 +69,8 @@ def place_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.n
     placed with ``NamedSharding(mesh, specs[path])``. A value that is already a ``jax.Array``
     with that sharding and dtype (e.g. restored shard by shard from an Orbax checkpoint) is
     used as it is, without a trip through the host. On a mesh over several processes each
-    process places only its own devices' shards (``jax.make_array_from_callback``).
+    process places only its own devices' shards (``jax.make_array_from_callback``), and a
+    ``fp8.LazyStack`` (memory-mapped FP8 weights) is read shard by shard on any mesh.
 
     Raises ``ValueError`` naming the parameter when ``params`` lacks it or its shape differs.
     """
@@ -81,7 +84,12 @@ def place_params(make_model: Callable[[], nnx.Module], params: Mapping[str, np.n
         if tuple(value.shape) != tuple(abstract.shape):
             raise ValueError(f"parameter {key!r}: shape {tuple(value.shape)}, expected {abstract.shape}")
         sharding = NamedSharding(mesh, specs[key])
-        if not (isinstance(value, jax.Array) and value.dtype == abstract.dtype
+        if isinstance(value, LazyStack):
+            # Each device reads only its own shard of the memory-mapped weights.
+            value = jax.make_array_from_callback(
+                value.shape, sharding,
+                lambda i, v=value, dt=abstract.dtype: v[i].astype(dt, copy=False))
+        elif not (isinstance(value, jax.Array) and value.dtype == abstract.dtype
                 and value.sharding.is_equivalent_to(sharding, value.ndim)):
             if sharding.is_fully_addressable:
                 value = jax.device_put(jnp.asarray(np.asarray(value), dtype=abstract.dtype),

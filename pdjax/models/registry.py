@@ -19,13 +19,15 @@ family module imports the loader:
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable
 
 import numpy as np
 
-from pdjax.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pdjax.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_config
 from pdjax.models import deepseek, llama, llama_weights
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
+from pdjax.models.fp8 import quantization_fields
 
 Params = dict[str, np.ndarray]
 
@@ -83,13 +85,28 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def _llama_read_config(path: str) -> ModelConfig:
+    """``ModelConfig.from_hf_dir``, refusing a ``quantization_config`` (the Llama family loads
+    unquantized weights only): ``ValueError`` naming config.json and the field."""
+    cfg = ModelConfig.from_hf_dir(path)
+    if read_hf_config(path).get("quantization_config") is not None:
+        source = os.path.join(path, "config.json")
+        try:
+            quantization_fields(read_hf_config(path))
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        raise ValueError(f"{source}: quantization_config: FP8 weights are supported for "
+                         f"{', '.join(DEEPSEEK_ARCHITECTURES)} only")
+    return cfg
+
+
 def _deepseek_run_config(cfg: DeepseekConfig, tp_size: int) -> DeepseekConfig:
     deepseek.check_tp(cfg, tp_size)
     return cfg
 
 
 register_model_family(ModelFamily(
-    name="llama", architectures=SUPPORTED_ARCHITECTURES, read_config=ModelConfig.from_hf_dir,
+    name="llama", architectures=SUPPORTED_ARCHITECTURES, read_config=_llama_read_config,
     stack_params=llama_weights.stack_hf_tensors, run_config=llama_weights.tp_model_config,
     adapt_params=llama_weights.replicate_kv_heads, param_specs=llama.param_partition_specs,
     model_class=llama.LlamaForCausalLM))
