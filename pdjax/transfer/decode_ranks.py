@@ -121,7 +121,7 @@ class DecodeRankNode:
 
         args = host.args
         engine, local_kv, channel = node_data_plane(
-            host, None, f"decode-node-{args.node_rank}",
+            host, f"decode-node-{args.node_rank}",
             resolve_secret(args.disaggregation_secret), receives=True)
         node = cls(args.node_rank, engine, local_kv, channel)
         channel.start(node._on_message)

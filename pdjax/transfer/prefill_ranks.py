@@ -257,7 +257,7 @@ class RankSender:
         args = host.args
         secret = resolve_secret(args.disaggregation_secret)
         engine, local_kv, channel = node_data_plane(
-            host, None, f"prefill-node-{args.node_rank}", secret)
+            host, f"prefill-node-{args.node_rank}", secret)
         node = cls(args, host.runner, engine, local_kv, channel)
         channel.start(node._on_message)
         node.start(secret)

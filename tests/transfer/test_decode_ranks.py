@@ -214,3 +214,29 @@ def test_a_multi_host_prefill_pairs_with_a_multi_host_decode():
     assert op == "kv_peer" and kv_peer["node_sessions"] == ["s0", "s1"]
     assert kv_peer["shard_nodes"] == [[0, 1]] * 2 and job == 1
     assert PrefillRoom(room=1, created_s=0.0).record()["node_bytes"] == []
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_follower_node_builds_its_own_data_plane(role):
+    """``RankSender.for_host`` / ``DecodeRankNode.for_host``, the follower's real path (run
+    only in multi-host children before): its own fake-backend engine, a direct ``LocalKV``
+    over the runner's buffers, a control channel that reads."""
+    from pd_fakes import KVRunner
+
+    from pdjax.config import ServerArgs
+    from pdjax.transfer.prefill_ranks import RankSender
+
+    args = ServerArgs(role=role, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:9",
+                      page_size=4, disaggregation_transfer_backend="fake")
+    host = types.SimpleNamespace(args=args, runner=KVRunner((2, 9, 4, 2, 8)), context_length=32,
+                                 model_cfg=types.SimpleNamespace(num_kv_heads=2),
+                                 model_path="unused")
+    node = (RankSender if role == "prefill" else DecodeRankNode).for_host(host)
+    try:
+        assert node.rank == 1 and node.engine.backend == "fake"
+        assert node.local_kv.mode == "direct" and node.local_kv.num_pages == 9
+        assert node.channel.name == f"{role}-node-1" and node.channel._thread.is_alive()
+        assert set(node.handlers) == ({"kv_peer", "kv_write"} if role == "prefill"
+                                      else {"kv_ranks", "kv_check"})
+    finally:
+        node.channel.close()
