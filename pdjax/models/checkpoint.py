@@ -105,7 +105,10 @@ def _hf_files(path: str) -> tuple[dict | None, list[str], str]:
         try:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> file name")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{index}: malformed index ({e!r})") from None
         return weight_map, sorted(set(weight_map.values())), index
     if os.path.isfile(os.path.join(path, "model.safetensors")):
@@ -153,6 +156,34 @@ SAFETENSORS_DTYPES = {
 _MAX_HEADER_BYTES = 100 << 20      # safetensors' own limit on the JSON header
 
 
+def safetensors_header(file: str) -> tuple[dict[str, dict], int, int]:
+    """``(tensor table, data start, file size)`` of a ``.safetensors`` file from its header
+    alone: an 8-byte little-endian length, then a JSON object ``{name: {dtype, shape,
+    data_offsets: [begin, end]}}`` (offsets from the end of the header; ``__metadata__``
+    dropped). No tensor is read. Raises ``ValueError`` naming the file when it is missing, its
+    header is not one, or the file ends inside it (``truncated``)."""
+    if not os.path.isfile(file):
+        raise ValueError(f"{file}: file not found")
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if n < 2 or n > _MAX_HEADER_BYTES:
+            raise ValueError(f"{file}: cannot read safetensors (header length {n} in a file of "
+                             f"{size} bytes)")
+        if 8 + n > size:
+            raise ValueError(f"{file}: truncated: its header ends at byte {8 + n:,}, the file "
+                             f"has {size:,}")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file}: cannot read safetensors (header: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: cannot read safetensors (header is not an object)")
+    header.pop("__metadata__", None)
+    return header, 8 + n, size
+
+
 def read_safetensors_lazy(file: str) -> dict[str, np.ndarray]:
     """Every tensor of one ``.safetensors`` file as a read-only view of an ``np.memmap`` of
     it, in the stored dtype (``SAFETENSORS_DTYPES``): no byte of data is read until a slice of
@@ -161,25 +192,10 @@ def read_safetensors_lazy(file: str) -> dict[str, np.ndarray]:
     header) and the data. ``safetensors.numpy`` cannot read ``F8_E4M3`` (numpy has no float8
     type), hence this reader. Raises ``ValueError`` naming the file and tensor for a header
     that is not valid, a dtype it does not know, or a tensor whose bytes are not in the file."""
-    size = os.path.getsize(file)
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
-        if n < 2 or n > min(_MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{file}: cannot read safetensors (header length {n} in a file of "
-                             f"{size} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file}: cannot read safetensors (header: {e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{file}: cannot read safetensors (header is not an object)")
-    start = 8 + n
+    header, start, size = safetensors_header(file)
     data = np.memmap(file, dtype=np.uint8, mode="r")
     out: dict[str, np.ndarray] = {}
     for name, info in header.items():
-        if name == "__metadata__":
-            continue
         try:
             dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
             shape = tuple(int(d) for d in info["shape"])
@@ -362,71 +378,33 @@ def checkpoint_architecture(path: str) -> str:
     return arch
 
 
-def _safetensors_table(file: str) -> dict[str, dict]:
-    """The tensor table of a ``.safetensors`` file from its header alone (8-byte little-endian
-    length, then a JSON object ``{name: {dtype, shape, data_offsets}}``), checked against the
-    file's size: no tensor is read. ``ValueError`` naming the file when it is missing, its
-    header is not one, or it is shorter than its tensors (a download or copy cut short)."""
-    if not os.path.isfile(file):
-        raise ValueError(f"{file}: file not found")
-    size = os.path.getsize(file)
-    try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 2 <= n <= 100 << 20:          # safetensors' own limit on the header
-                raise ValueError(f"a header length of {n}")
-            if 8 + n > size:
-                raise _Truncated(8 + n)
-            table = json.loads(f.read(n))
-        if not isinstance(table, dict):
-            raise ValueError("not a JSON object")
-        table.pop("__metadata__", None)
-        end = max((int(t["data_offsets"][1]) for t in table.values()), default=0)
-        if size < 8 + n + end:
-            raise _Truncated(8 + n + end)
-    except _Truncated as e:
-        raise ValueError(f"{file}: truncated: its header and tensors end at byte "
-                         f"{e.args[0]:,}, the file has {size:,}") from None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{file}: cannot read safetensors (header: {e})") from None
-    return table
-
-
-class _Truncated(Exception):
-    """A safetensors file shorter than the byte its header says it ends at (``args[0]``)."""
-
 
 def check_weight_files(path: str) -> None:
     """Check the weight files of the checkpoint at ``path`` (resolved) without reading a
-    tensor, so that a missing or cut-short file is refused before anything loads: an HF
-    folder's index names files that are there, each a safetensors file as long as its header
-    says, holding the tensors the index puts in it. A GGUF file cut short already fails to
-    open (``read_gguf_config``); a pdjax Orbax checkpoint is left to Orbax. Raises ``ValueError``
-    naming the file (and tensor)."""
+    tensor, so that a missing or cut-short file is refused before anything loads: every file
+    the index names is there, its header parses (``safetensors_header``), the file is as long
+    as its tensors, and every tensor of the index is in the file it names. A GGUF file cut
+    short already fails to open (``read_gguf_config``); a pdjax Orbax checkpoint is left to
+    Orbax. Raises ``ValueError`` naming the file (and tensor)."""
     from pdjax.models.orbax_checkpoint import is_orbax_checkpoint
 
     if is_gguf(path) or not os.path.isdir(path) or is_orbax_checkpoint(path):
         return
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        if not os.path.isfile(os.path.join(path, "model.safetensors")):
-            raise ValueError(f"{path}: no model.safetensors or model.safetensors.index.json")
-        _safetensors_table(os.path.join(path, "model.safetensors"))
-        return
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        if not all(isinstance(v, str) for v in weight_map.values()):
-            raise TypeError("file names are not strings")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{index}: malformed index ({e!r})") from None
+    weight_map, files, index = _hf_files(path)
     tables = {}
-    for name in sorted(set(weight_map.values())):
+    for name in files:
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             raise ValueError(f"{file}: file not found (listed in the index)")
-        tables[name] = _safetensors_table(file)
-    for tensor, name in weight_map.items():
+        table, start, size = safetensors_header(file)
+        try:
+            end = start + max((int(t["data_offsets"][1]) for t in table.values()), default=0)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise ValueError(f"{file}: cannot read safetensors (header: {e!r})") from None
+        if end > size:
+            raise ValueError(f"{file}: truncated: its tensors end at byte {end:,}, the file "
+                             f"has {size:,}")
+        tables[name] = table
+    for tensor, name in (weight_map or {}).items():
         if tensor not in tables[name]:
             raise ValueError(f"{index}: tensor {tensor!r} listed but not found in {name}")

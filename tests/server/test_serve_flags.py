@@ -76,10 +76,10 @@ def test_missing_or_cut_weight_files_fail_at_parse(capsys, tiny_checkpoints, tmp
 
     size = shard.stat().st_size
     _truncate(shard, size - 1)
-    assert error() == (f"error: {field}: {shard}: truncated: its header and tensors end at "
-                       f"byte {size:,}, the file has {size - 1:,}")
+    assert error() == (f"error: {field}: {shard}: truncated: its tensors end at byte "
+                       f"{size:,}, the file has {size - 1:,}")
     shard.write_bytes(b"\x00garbage")
-    assert error().startswith(f"error: {field}: {shard}: cannot read safetensors (header: ")
+    assert error().startswith(f"error: {field}: {shard}: cannot read safetensors (header ")
     shard.unlink()
     assert error() == f"error: {field}: {shard}: file not found (listed in the index)"
     index = json.loads((d / "model.safetensors.index.json").read_text())
@@ -89,14 +89,16 @@ def test_missing_or_cut_weight_files_fail_at_parse(capsys, tiny_checkpoints, tmp
     assert error() == (f"error: {field}: {d / 'model.safetensors.index.json'}: tensor "
                        "'model.layers.9.extra.weight' listed but not found in "
                        "model-00001-of-00006.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    assert error().startswith(f"error: {field}: {d / 'model.safetensors.index.json'}: "
+                              "malformed index (TypeError('weight_map is not an object")
     if field == "model_path":        # random weights read no file
         assert parse_args(["--port", "0", flag, str(d), "--load-format", "dummy"]).load_format \
             == "dummy"
     single = _copy(tiny_checkpoints["qwen3"], tmp_path, "single")
     _truncate(single / "model.safetensors", 1000)
     assert _parse_error(capsys, [flag, str(single), *extra]).startswith(
-        f"error: {field}: {single / 'model.safetensors'}: truncated: its header and tensors "
-        "end at byte")
+        f"error: {field}: {single / 'model.safetensors'}: truncated: its header ends at byte")
 
 
 def test_a_cut_gguf_fails_at_parse(capsys, tmp_path):
