@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import numbers
 import os
 import re
 from typing import Any
@@ -312,9 +313,45 @@ def _choices(f: dataclasses.Field) -> tuple | None:
     return choices() if callable(choices) else choices
 
 
+# A setting's declared type -> what its value may be. Integers also fit a C long (each field's
+# own check bounds it further): a larger one would overflow in numpy or the OS.
+_SETTING_TYPES = {"int": ((numbers.Integral,), "an integer"),
+                  "float": ((numbers.Real,), "a number"),
+                  "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
+_INT_SETTING_MAX = (1 << 63) - 1
+
+
+def _check_type(obj, f: dataclasses.Field) -> None:
+    """``ValueError`` naming the field for a value of another type than the field's
+    (``Engine(context_length="128")`` was a ``TypeError`` from a comparison, ``"yes"`` for a
+    bool was taken as true) or an integer past ``_INT_SETTING_MAX``; a path object in a
+    string field is taken as its string."""
+    annotation = str(f.type)
+    optional = annotation.endswith(" | None")
+    kind = _SETTING_TYPES.get(annotation.removesuffix(" | None"))
+    v = getattr(obj, f.name)
+    if kind is None or (v is None and optional):
+        return
+    types, what = kind
+    if str in types and isinstance(v, os.PathLike):
+        object.__setattr__(obj, f.name, os.fspath(v))
+        return
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+        if optional:      # "true, false or null", "an integer or null"
+            what = what.replace(" or ", ", ") + " or null"
+        raise ValueError(f"{f.name} must be {what}, got {type(v).__name__} {v!r:.60}")
+    if types == (numbers.Integral,):
+        if abs(v) > _INT_SETTING_MAX:
+            raise ValueError(f"{f.name} must be at most {_INT_SETTING_MAX} in magnitude, got "
+                             f"{v}")
+        object.__setattr__(obj, f.name, int(v))       # a numpy integer becomes an int
+
+
 def _check_fields(obj) -> None:
-    """Every field with ``choices`` holds one of them."""
+    """Every field holds a value of its declared type (``_check_type``), and every field with
+    ``choices`` one of them."""
     for f in dataclasses.fields(obj):
+        _check_type(obj, f)
         v = getattr(obj, f.name)
         choices = _choices(f)
         if choices is not None and v not in choices and not (v is None and f.default is None):
@@ -491,6 +528,9 @@ class DisaggregationArgs:
         _check_fields(self)
         _check_int(self, "disaggregation_bootstrap_port", 0, 65535)
         _check_int(self, "disaggregation_transfer_max_batch", 1)
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError(f"num_reserved_decode_tokens must be >= 0, got "
+                             f"{self.num_reserved_decode_tokens}")
         _check_positive(self, "bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
                         "heartbeat_interval_s")
 

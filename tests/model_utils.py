@@ -108,7 +108,12 @@ def assert_speculation_keeps_tokens(engine, prompts, sampling_params: dict, what
     return out, compared
 
 
-def boundary_prompts(n, seed=0, page=8, chunk=16, lengths=None, vocab=500):
+# Token ids of the tiny checkpoints' tokenizer: prompt ids stay below it, as the HTTP server
+# and the offline Engine require (the models' embeddings have 512 rows).
+TINY_TOKENIZER_VOCAB = 448
+
+
+def boundary_prompts(n, seed=0, page=8, chunk=16, lengths=None, vocab=TINY_TOKENIZER_VOCAB):
     """Prompts whose lengths sit at page and chunk boundaries (k*page, k*page+1, k*chunk-1,
     k*chunk+1) and in between."""
     rng = np.random.default_rng(seed)

@@ -5,7 +5,7 @@ after warm-up; seeded sampling independent of the batch."""
 import numpy as np
 import pytest
 
-from model_utils import assert_output_agrees, boundary_prompts, set_sched
+from model_utils import TINY_TOKENIZER_VOCAB, assert_output_agrees, boundary_prompts, set_sched
 from pdjax.runner.model_runner import compile_count
 
 NEW = 8
@@ -77,7 +77,8 @@ def test_small_pool_completes_with_same_tokens(llama_engine):
 def test_100_requests_trigger_no_compile_after_warmup(llama_engine):
     set_sched(llama_engine, chunked_prefill_size=16, enable_mixed_chunk=True)
     rng = np.random.default_rng(3)
-    prompts = [[int(x) for x in rng.integers(3, 500, rng.integers(1, 100))] for _ in range(100)]
+    prompts = [[int(x) for x in rng.integers(3, TINY_TOKENIZER_VOCAB, rng.integers(1, 100))]
+               for _ in range(100)]
     params = [{"max_new_tokens": int(rng.integers(1, 20)), "temperature": float(rng.choice([0, 0.8])),
                "ignore_eos": True} for _ in prompts]
     before, before_engine = compile_count(), llama_engine.core.runner.compiles_after_warmup
@@ -120,9 +121,10 @@ def test_stop_conditions(llama_engine):
     out = llama_engine.generate(input_ids=prompt, sampling_params={**GREEDY, "ignore_eos": False,
                                 "stop_token_ids": []})
     assert eos not in out["output_ids"][:-1]
-    # Context length: generation stops at the engine's context length.
+    # Context length: generation stops at the engine's context length (max_new_tokens None:
+    # up to it; an explicit 50 would not fit after the prompt, a ValueError).
     long = boundary_prompts(1, seed=8, lengths=(120,))[0]
-    out = llama_engine.generate(input_ids=long, sampling_params={**GREEDY, "max_new_tokens": 50})
+    out = llama_engine.generate(input_ids=long, sampling_params={**GREEDY, "max_new_tokens": None})
     assert len(long) + len(out["output_ids"]) == llama_engine.core.context_length
     assert out["meta_info"]["finish_reason"]["type"] == "length"
 
@@ -182,8 +184,8 @@ def test_max_new_tokens_zero_returns_no_tokens(llama_engine):
 
 def _shared_prefix_prompts(seed=21, prefix_len=37, tails=(3, 11, 1, 20, 6)):
     rng = np.random.default_rng(seed)
-    prefix = rng.integers(5, 500, prefix_len).tolist()
-    return [prefix + rng.integers(5, 500, t).tolist() for t in tails]
+    prefix = rng.integers(5, TINY_TOKENIZER_VOCAB, prefix_len).tolist()
+    return [prefix + rng.integers(5, TINY_TOKENIZER_VOCAB, t).tolist() for t in tails]
 
 
 def test_a_batch_sharing_a_prefix_computes_it_once_with_the_same_tokens(llama_engine):

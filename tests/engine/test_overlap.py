@@ -5,7 +5,8 @@ finish ever reaches a client; no compile after warm-up."""
 
 import numpy as np
 
-from model_utils import assert_tokens_match, boundary_prompts, set_sched, top2_gaps_from_top_logprobs
+from model_utils import (TINY_TOKENIZER_VOCAB, assert_tokens_match, boundary_prompts, set_sched,
+                         top2_gaps_from_top_logprobs)
 from pdjax.engine_io import GenerateRequest
 from pdjax.request import PENDING_TOKEN, SamplingParams
 from pdjax.runner.model_runner import compile_count
@@ -48,7 +49,8 @@ def test_greedy_seeded_logprobs_and_lengths_equal(llama_engine, overlap):
         else:
             sp.update(temperature=0)
         params.append(sp)
-    off, on = _both(overlap, lambda e: _gen(e, prompts, params, logprob_start_len=3))
+    # logprob_start_len must be below every prompt's length (one prompt has 1 token)
+    off, on = _both(overlap, lambda e: _gen(e, prompts, params, logprob_start_len=0))
     _exactly_equal(off, on)
     assert [len(o["output_ids"]) for o in on] == [p["max_new_tokens"] for p in params]
     assert sum(len(o["meta_info"]["input_token_logprobs"]) for o in on) > 50
@@ -148,7 +150,8 @@ def test_200_random_requests_no_compile_with_overlap(llama_engine, overlap):
     set_sched(llama_engine, chunked_prefill_size=16, enable_mixed_chunk=True)
     eng = overlap(True)
     rng = np.random.default_rng(25)
-    prompts = [[int(x) for x in rng.integers(3, 500, rng.integers(1, 100))] for _ in range(200)]
+    prompts = [[int(x) for x in rng.integers(3, TINY_TOKENIZER_VOCAB, rng.integers(1, 100))]
+               for _ in range(200)]
     params = []
     for _ in prompts:
         sp = {"max_new_tokens": int(rng.integers(1, 16)), "ignore_eos": bool(rng.integers(2)),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import CHUNK_BIG, PAGE
-from model_utils import assert_tokens_match, set_sched, top2_gaps_from_top_logprobs
+from model_utils import (TINY_TOKENIZER_VOCAB, assert_tokens_match, set_sched,
+                         top2_gaps_from_top_logprobs)
 from pdjax.engine import Engine
 from pdjax.runner.model_runner import compile_count
 
@@ -34,9 +35,9 @@ def _prompts(n, seed, lengths=(20, 37, 9, 52, 15, 30, 44, 26)):
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
-        pat = rng.integers(3, 500, int(rng.integers(3, 8))).tolist()
+        pat = rng.integers(3, TINY_TOKENIZER_VOCAB, int(rng.integers(3, 8))).tolist()
         body = (pat * 20)[:lengths[i % len(lengths)]]
-        out.append(body + rng.integers(3, 500, 2).tolist())
+        out.append(body + rng.integers(3, TINY_TOKENIZER_VOCAB, 2).tolist())
     return out
 
 

@@ -5,7 +5,7 @@ decode entry), tie-aware (DESIGN.md §5); verify rows ran; no compile after warm
 import numpy as np
 import pytest
 
-from model_utils import assert_speculation_keeps_tokens
+from model_utils import TINY_TOKENIZER_VOCAB, assert_speculation_keeps_tokens
 from pdjax.engine import Engine
 from pdjax.runner.model_runner import compile_count
 
@@ -20,7 +20,7 @@ def test_mla_greedy_tokens_equal_with_speculation(tiny_checkpoints, name):
         rng = np.random.default_rng(5)
         prompts = []
         for n in (20, 37, 50):
-            pat = rng.integers(3, 500, int(rng.integers(3, 7))).tolist()
+            pat = rng.integers(3, TINY_TOKENIZER_VOCAB, int(rng.integers(3, 7))).tolist()
             prompts.append((pat * 20)[:n])
         sp = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
         before = compile_count()

@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from model_utils import (assert_speculation_keeps_tokens, assert_tokens_match,
+from model_utils import (TINY_TOKENIZER_VOCAB, assert_speculation_keeps_tokens,
+                         assert_tokens_match,
                          top2_gaps_from_top_logprobs)
 from pdjax.config import ServerArgs
 from pdjax.engine import Engine
@@ -33,7 +34,7 @@ class _Req:
 
 def _prompts(seed, lengths=(20, 37, 9, 45)):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, n).tolist() for n in lengths]
+    return [rng.integers(3, TINY_TOKENIZER_VOCAB, n).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from model_utils import assert_tokens_match, set_sched, top2_gaps_from_top_logprobs
+from model_utils import (TINY_TOKENIZER_VOCAB, assert_tokens_match, set_sched,
+                         top2_gaps_from_top_logprobs)
 from pdjax.config import ServerArgs
 from pdjax.engine import Engine
 from pdjax.models.attention import AttentionMetadata
@@ -186,7 +187,7 @@ def mtp_engine(request, tiny_checkpoints):
 
 def _prompts(seed, lengths=(20, 37, 50)):
     rng = np.random.default_rng(seed)
-    return [rng.integers(3, 500, n).tolist() for n in lengths]
+    return [rng.integers(3, TINY_TOKENIZER_VOCAB, n).tolist() for n in lengths]
 
 
 def _record(drafter, log, check_fresh):

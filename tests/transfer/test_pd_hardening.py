@@ -213,7 +213,9 @@ def test_lone_decode_request_that_cannot_grow_is_answered(hard, rogue):
         held = pool.submit(post, d.url + "/generate", holder)
         rogue.wait(TransferRequest, holder_room, timeout_s=10.0)
         assert load(d)["num_pinned_pages"] == 15
-        (ps, pb), (ds, db) = _dispatch(hard, prompt, timeout_s=60, max_new_tokens=60,
+        # max_new_tokens null: up to the context (an explicit 60 does not fit the prefill's
+        # 64-token context after the prompt: a 400, as vLLM answers)
+        (ps, pb), (ds, db) = _dispatch(hard, prompt, timeout_s=60, max_new_tokens=None,
                                        ignore_eos=True)
         assert ps == 200 and ds == 200, (pb, db)
         # 17 pages hold 68 tokens: the 69th token is sampled, then no page is left for it.
