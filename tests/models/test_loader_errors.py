@@ -159,3 +159,44 @@ def test_an_unreadable_config_is_named(tiny_checkpoints, tmp_path, monkeypatch):
     monkeypatch.setattr(config, "open", unreadable, raising=False)
     with pytest.raises(ValueError, match=r"ckpt/config\.json: cannot read \(Permission denied\)"):
         checkpoint_config(str(d))
+
+
+def _gguf(path, **fields):
+    """A GGUF file of llama metadata ``fields`` (name with '.' as '__') and one tensor."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        key = key.replace("__", ".")
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_a_wrongly_typed_or_missing_gguf_field_is_named(tmp_path):
+    """GGUF metadata is the config of a .gguf checkpoint: a field of the wrong type was int()'s
+    message without its name ("invalid literal for int() with base 10: 'big'")."""
+    from pdjax.models.loader import checkpoint_config
+
+    good = dict(llama__attention__head_count=2, llama__embedding_length=8,
+                llama__vocab_size=8, llama__feed_forward_length=16, llama__block_count=1,
+                llama__attention__layer_norm_rms_epsilon=1e-5, llama__context_length=64)
+    assert checkpoint_config(_gguf(tmp_path / "good.gguf", **good)).max_position_embeddings == 64
+    path = _gguf(tmp_path / "bad.gguf", **{**good, "llama__context_length": "big"})
+    with pytest.raises(ValueError, match=r"bad\.gguf: llama\.context_length: expected an "
+                                         r"integer, got 'big'"):
+        checkpoint_config(path)
+    del good["llama__block_count"]
+    path = _gguf(tmp_path / "short.gguf", **good)
+    with pytest.raises(ValueError, match=r"short\.gguf: missing GGUF field 'llama\.block_count'"):
+        checkpoint_config(path)
