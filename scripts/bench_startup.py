@@ -24,6 +24,8 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,10 +34,31 @@ from bench_common import (ROOT, ServerProcess, http_json, machine_info, now_iso,
 from pdjax.ports import free_port  # noqa: E402
 
 
+def wait_health(server: ServerProcess) -> None:
+    """Return as soon as ``server``'s ``/health`` answers 200. ``ServerProcess.wait_healthy``
+    also waits for every background shape (``/get_load``), which is the later figure this
+    script reports separately. Raises ``RuntimeError`` (with the log tail) when the server exits
+    or is not healthy within its ``timeout_s``."""
+    deadline = time.monotonic() + server.timeout_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.proc.returncode}:\n"
+                               f"{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.url + server.health_path, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"not healthy after {server.timeout_s} s:\n{server.log_tail()}")
+
+
 def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | None,
                       timeout_s: float) -> dict:
     """One launch; returns ``{"health_s", "first_request_s", "all_shapes_s", "warmup_line",
-    "phases_line", "warmup_phases_line"}``. Raises ``RuntimeError`` (with the
+    "phases_line", "warmup_phases_line", "load_average"}`` (``load_average``: the 1, 5 and 15
+    minute load averages at launch and at the end, ``{"before": [...], "after": [...]}``). Raises ``RuntimeError`` (with the
     server log tail) when the server exits or is not healthy within ``timeout_s``."""
     port = free_port()
     env = {"PDJAX_CACHE_DIR": cache_dir,
@@ -45,10 +68,11 @@ def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | N
                            cwd=os.path.abspath(code_root) if code_root else ROOT)
     if code_root:           # `python -m` puts the cwd first on sys.path, then PYTHONPATH
         server.env["PYTHONPATH"] = os.path.abspath(code_root)
+    load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.monotonic()
     server.start()
     try:
-        server.wait_healthy()
+        wait_health(server)
         health_s = time.monotonic() - t0
         t1 = time.monotonic()
         http_json(server.url + "/generate", {"text": "The capital of France is",
@@ -74,7 +98,9 @@ def launch_to_healthy(server_args: list[str], cache_dir: str, code_root: str | N
     return {"health_s": health_s, "first_request_s": first_request_s, "all_shapes_s": all_shapes_s,
             "warmup_line": last(r"pdjax warm-up: .*"),
             "phases_line": last(r"pdjax start-up phases .*"),
-            "warmup_phases_line": last(r"pdjax warm-up phases .*")}
+            "warmup_phases_line": last(r"pdjax warm-up phases .*"),
+            "load_average": {"before": load_before,
+                             "after": [round(x, 2) for x in os.getloadavg()]}}
 
 
 def main(argv=None) -> dict:
@@ -107,6 +133,8 @@ def main(argv=None) -> dict:
               "warm_first_request_s": [w["first_request_s"] for w in warm],
               "warm_all_shapes_s": [w["all_shapes_s"] for w in warm],
               "load_average": os.getloadavg(), "warmup_line": cold["warmup_line"],
+              "load_average_per_run": {"cold": cold["load_average"],
+                                       "warm": [w["load_average"] for w in warm]},
               "phases": {"cold": cold["phases_line"], "warm": [w["phases_line"] for w in warm]},
               "warmup_phases": {"cold": cold["warmup_phases_line"],
                                 "warm": [w["warmup_phases_line"] for w in warm]}}
@@ -114,8 +142,10 @@ def main(argv=None) -> dict:
     for name, run in [("empty caches", cold)] + [(f"warm caches #{i + 1}", w) for i, w in enumerate(warm)]:
         rows += [(f"launch -> /health 200, {name} (s)", round(run["health_s"], 1)),
                  (f"  first request right after (s), {name}", round(run["first_request_s"], 2)),
-                 (f"  launch -> every shape compiled (s), {name}", round(run["all_shapes_s"], 1))]
-    rows.append(("load average (1, 5, 15 min) at the end", " ".join(f"{x:.1f}" for x in os.getloadavg())))
+                 (f"  launch -> every shape compiled (s), {name}", round(run["all_shapes_s"], 1)),
+                 (f"  load average (1, 5, 15 min) at launch -> end, {name}",
+                  " ".join(f"{x:.1f}" for x in run["load_average"]["before"]) + " -> "
+                  + " ".join(f"{x:.1f}" for x in run["load_average"]["after"]))]
     print_table("pdjax server start-up", rows, width=60)
     for name, run in [("cold", cold)] + [(f"warm #{i + 1}", w) for i, w in enumerate(warm)]:
         for key in ("warmup_line", "phases_line", "warmup_phases_line"):
