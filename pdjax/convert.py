@@ -11,13 +11,13 @@ own shards.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import sys
 import time
 
+from pdjax.config import FlagParser
 from pdjax.models.checkpoint import is_gguf, resolve_model_path
 from pdjax.models.loader import load_tokenizer, read_params
 from pdjax.models.orbax_checkpoint import save_params
@@ -42,8 +42,7 @@ def convert(src: str | None, dst: str, *, progress: bool = True) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdjax.convert",
-                                     description=__doc__.split("\n\n")[0])
+    parser = FlagParser(prog="python -m pdjax.convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", nargs="?", default=None,
                         help="HF checkpoint folder or .gguf file (default: with --default only)")
     parser.add_argument("dst", help="output folder (must not hold a checkpoint yet)")
@@ -56,7 +55,7 @@ def main(argv=None) -> int:
     try:
         convert(args.src, args.dst)
     except ValueError as e:
-        print(f"pdjax.convert: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"wrote {args.dst} in {time.perf_counter() - t0:.1f} s")
     return 0

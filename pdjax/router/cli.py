@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from pdjax.config import FlagParser
 from pdjax.router.handlers import serve_router
 from pdjax.router.pd_router import PDRouter
 from pdjax.router.pool import POLICIES
@@ -32,7 +33,8 @@ def parse_prefill_args(values: list[list[str]]) -> list[tuple[str, int | None]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pdjax.router", description="a minimal PD router (sglang-router's PD arguments)")
+    p = FlagParser(prog="python -m pdjax.router",
+                   description="a minimal PD router (sglang-router's PD arguments)")
     p.add_argument("--prefill", nargs="+", action="append", required=True,
                    metavar=("URL", "BOOTSTRAP_PORT"), help="a prefill server and its bootstrap port")
     p.add_argument("--decode", action="append", required=True, metavar="URL")
