@@ -1,6 +1,6 @@
 """scripts/bench_startup.py: launch -> /health 200 is timed at /health, not when every background
 shape is compiled (the benchmarks' ServerProcess.wait_healthy waits for those too, so the
-start-up figure was the later "every shape compiled" one; issue 44)."""
+start-up figure was the later "every shape compiled" one)."""
 
 import http.server
 import json

@@ -72,7 +72,7 @@ def test_chat_prompts_hit_the_target_lengths(tiny_checkpoints):
 def test_default_prompts_are_disjoint(tiny_checkpoints):
     """The default workload's 16 prompts (16-400 tokens): no prompt shares more than the chat
     template's head (and a word's first letters: the tiny tokenizer spells most words letter by
-    letter) with another, so no prompt is a prefix of another (issue 44: each was cut
+    letter) with another, so no prompt is a prefix of another (each was cut
     from the start of one text, 2,853 of SmolLM2's 3,343 prompt tokens a prefix of an earlier
     prompt, and pdjax's radix cache skipped them)."""
     tok = load_tokenizer(tiny_checkpoints["llama"])
