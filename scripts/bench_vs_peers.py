@@ -445,12 +445,10 @@ def _print(result: dict[str, Any]) -> None:
               f"{'agree (tie-aware)':>19}{'load avg before -> after':>30}")
         for r in w["rows"]:
             ms = r["single_stream_ms_per_token"]
-            load = r["load_average"]
+            before, after = (" ".join(map(str, r["load_average"][k])) for k in ("before", "after"))
             print(f"{r['system']:<32}{r['offline_s']:>10.2f}{r['offline_output_tok_s']:>14.1f}"
                   f"{'-' if ms is None else f'{ms:.1f}':>17}"
-                  f"{r['prompts_agreeing_tie_aware']:>12}/{n}"
-                  f"{' '.join(map(str, load['before'])):>18} -> {' '.join(map(str, load['after']))}",
-                  flush=True)
+                  f"{r['prompts_agreeing_tie_aware']:>12}/{n}{before:>18} -> {after}", flush=True)
     if result["vllm_env"]:
         print("vLLM environment: " + " ".join(f"{k}={v}" for k, v in result["vllm_env"].items()))
 

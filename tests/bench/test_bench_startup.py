@@ -15,7 +15,8 @@ import bench_startup
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        body = {"/health": {}, "/get_load": {"num_ready_buckets": 2, "num_buckets": 10}}.get(self.path)
+        body = {"/health": {},
+                "/get_load": {"num_ready_buckets": 2, "num_buckets": 10}}.get(self.path)
         data = json.dumps(body).encode()
         self.send_response(200 if body is not None else 404)
         self.send_header("Content-Length", str(len(data)))
