@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import bench_vs_peers
 import pytest
@@ -122,3 +123,82 @@ def test_vllm_env_preloads_tcmalloc_and_iomp(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         bench_vs_peers.parse_args(["--vllm-python", python, "--vllm-preload",
                                    os.path.join(str(tmp_path), "missing.so")])
+
+
+FAKE_VLLM = '''
+import json, os
+LOG = os.environ["FAKE_VLLM_LOG"]
+
+
+def _log(*event):
+    with open(LOG, "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+
+class SamplingParams:
+    def __init__(self, temperature, max_tokens, ignore_eos):
+        self.max_tokens = max_tokens
+
+
+class LLM:
+    def __init__(self, **kw):
+        _log("init", kw["enable_prefix_caching"], kw["max_model_len"])
+
+    def reset_prefix_cache(self):
+        _log("reset")
+
+    def generate(self, prompts, sp, use_tqdm):
+        _log("generate", len(prompts), prompts[0]["prompt_token_ids"][0], sp.max_tokens)
+        return [type("R", (), {"outputs": [type("C", (), {
+            "token_ids": [p["prompt_token_ids"][0]] * sp.max_tokens})]}) for p in prompts]
+'''
+
+
+def test_vllm_worker_resets_the_prefix_cache_before_each_timed_run(tmp_path):
+    """The vLLM worker (run against a stand-in ``vllm`` package): prefix caching on, a warm-up
+    on the warm-up prompts, an empty prefix cache before every timed run (its warm-up seeded
+    the cache with timed prompts before), each workload's tokens returned by name."""
+    pkg = tmp_path / "fake" / "vllm"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_VLLM)
+    (pkg / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                   "    return {'prompt_token_ids': prompt_token_ids}\n")
+    log = tmp_path / "calls.jsonl"
+    job = {"workloads": {"disjoint": [[1, 5], [2, 6]], "shared_prefix": [[3, 7], [3, 7, 8]]},
+           "warmup": [[9], [10]], "single": [2, 6], "output_len": 3, "context": 32,
+           "dtype": "float32", "model": "m", "tokenizer": None}
+    out = bench_vs_peers.run_peer(sys.executable, bench_vs_peers.VLLM_WORKER, job,
+                                  {"PYTHONPATH": str(tmp_path / "fake"),
+                                   "FAKE_VLLM_LOG": str(log)}, 60)
+    assert out["output_ids"] == {"disjoint": [[1, 1, 1], [2, 2, 2]],
+                                 "shared_prefix": [[3, 3, 3], [3, 3, 3]]}
+    assert set(out["offline_s"]) == {"disjoint", "shared_prefix"}
+    assert out["single_stream_ms_per_token"] is not None
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [["init", True, 32],
+                     ["reset"], ["generate", 2, 9, 3],           # warm-up
+                     ["reset"], ["generate", 2, 1, 3],           # disjoint
+                     ["reset"], ["generate", 2, 3, 3],           # shared prefix
+                     ["reset"], ["generate", 1, 2, 1],           # single stream, 1 token
+                     ["reset"], ["generate", 1, 2, 3]]           # and output_len tokens
+
+
+def test_llamacpp_worker_runs_each_workload(tmp_path):
+    """The llama.cpp worker against a stand-in ``llama_cpp`` (generate yields the prompt's
+    first id forever): each workload's tokens by name, ``output_len`` of them per prompt."""
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import itertools\n"
+        "class Llama:\n"
+        "    def __init__(self, **kw):\n"
+        "        pass\n"
+        "    def generate(self, ids, **kw):\n"
+        "        return itertools.repeat(ids[0])\n")
+    job = {"workloads": {"disjoint": [[1, 5], [2, 6]], "shared_prefix": [[3, 7]]},
+           "warmup": [[9]], "single": [2, 6], "output_len": 2, "context": 32,
+           "dtype": "float32", "gguf": "m.gguf", "threads": 2}
+    out = bench_vs_peers.run_peer(sys.executable, bench_vs_peers.LLAMACPP_WORKER, job,
+                                  {"PYTHONPATH": str(tmp_path / "fake")}, 60)
+    assert out["output_ids"] == {"disjoint": [[1, 1], [2, 2]], "shared_prefix": [[3, 3]]}
+    assert set(out["offline_s"]) == {"disjoint", "shared_prefix"}
