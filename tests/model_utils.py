@@ -21,6 +21,22 @@ def _forward(model, input_ids, kc, vc, md, logits_indices):
     return model(input_ids, kc, vc, md, logits_indices)
 
 
+def allocate_caches(specs, mesh=None) -> dict[str, jax.Array]:
+    """``{spec.name: zeros}`` of ``CacheBufferSpec``s; with a mesh each buffer is placed with
+    its partition spec (the runner allocates its own pool; tests of a bare model use this)."""
+    from jax.sharding import NamedSharding
+
+    return {s.name: s.zeros(None if mesh is None else NamedSharding(mesh, s.partition))
+            for s in specs}
+
+
+def kv_cache_spec():
+    """KV cache rows ``[L, pages, page_size, KVH * D]``: split between KV heads over ``tp``."""
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(None, None, None, "tp")
+
+
 def new_cache(cfg, num_pages, page_size, dtype=jnp.float32, sharding=None):
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
     kc = jnp.zeros(shape, dtype)

@@ -93,14 +93,6 @@ def bytes_per_page(specs: tuple[CacheBufferSpec, ...] | list[CacheBufferSpec]) -
     return sum(s.bytes_per_page for s in specs)
 
 
-def allocate_caches(specs, mesh=None) -> dict[str, jax.Array]:
-    """``{spec.name: zeros}``; with a mesh each buffer is placed with its partition spec."""
-    from jax.sharding import NamedSharding
-
-    return {s.name: s.zeros(None if mesh is None else NamedSharding(mesh, s.partition))
-            for s in specs}
-
-
 def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pages: int,
                    page_size: int, dtype=jnp.float32,
                    rows: bool = False) -> tuple[CacheBufferSpec, ...]:

@@ -262,6 +262,3 @@ def param_partition_specs(cfg: ModelConfig, tp_size: int) -> dict[str, P]:
     return specs
 
 
-def kv_cache_spec() -> P:
-    """KV cache rows ``[L, pages, page_size, KVH * D]``: split between KV heads over ``tp``."""
-    return P(None, None, None, "tp")

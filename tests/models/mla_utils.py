@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.models.attention import AttentionMetadata
-from pdjax.models.cache_spec import allocate_caches
+from model_utils import allocate_caches
 from pdjax.sched.batch import BatchRow, build_flat_batch
 
 PAGE = 4

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from model_utils import assign_pages, new_cache, require_matmul_kernel, run_rows
 from pdjax.models.linear import PackedWeight
-from pdjax.models.llama import kv_cache_spec
+from model_utils import kv_cache_spec
 from pdjax.models.loader import load_model, make_mesh
 from pdjax.models.platform import prepare_model
 from pdjax.sched.batch import BatchRow

@@ -12,7 +12,7 @@ import pytest
 from pdjax.config import ModelConfig
 from pdjax.convert import convert, main
 from pdjax.models.attention import AttentionMetadata
-from pdjax.models.cache_spec import allocate_caches
+from model_utils import allocate_caches
 from pdjax.models.checkpoint import default_model_path, read_gguf, read_gguf_config
 from pdjax.models.loader import load_model, load_tokenizer, make_mesh
 from pdjax.models.orbax_checkpoint import MARKER_FILE

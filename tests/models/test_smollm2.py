@@ -79,7 +79,7 @@ def test_tensor_parallel_3_matches_single_device(smol):
     assert cfg3.num_kv_heads == 3
     ids = tok.encode(PROMPTS[0])
     from jax.sharding import NamedSharding
-    from pdjax.models.llama import kv_cache_spec
+    from model_utils import kv_cache_spec
 
     pages = assign_pages([len(ids)], PAGE, 32)[0]
     kc, vc = new_cache(cfg, 32, PAGE)
