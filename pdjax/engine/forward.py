@@ -29,7 +29,7 @@ from pdjax.runner.device_sampler import (SamplingRow, StepOutputs, build_samplin
                                          uses_penalties)
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import BucketKey
-from pdjax.sched.output import ScheduledBatch
+from pdjax.sched.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

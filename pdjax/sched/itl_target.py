@@ -6,7 +6,7 @@ DESIGN.md §3). Pure Python over a ``StepCostModel``'s predictions (``token_buck
 from __future__ import annotations
 
 from pdjax.request import Request
-from pdjax.sched.output import ScheduledRow, chunk_pairs
+from pdjax.sched.scheduled_batch import ScheduledRow, chunk_pairs
 
 
 def fit_target(cost_model, config, rows: list[ScheduledRow], req: Request, n_max: int,

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:      # annotations only
     from pdjax.request import Request
-    from pdjax.sched.output import ScheduledBatch
+    from pdjax.sched.scheduled_batch import ScheduledBatch
 
 
 @dataclasses.dataclass

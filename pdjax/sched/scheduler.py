@@ -56,7 +56,7 @@ from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.sched.itl_target import fit_target
 from pdjax.sched.kv_connector import KVConnector, NullConnector
-from pdjax.sched.output import ScheduledBatch, ScheduledRow
+from pdjax.sched.scheduled_batch import ScheduledBatch, ScheduledRow
 from pdjax.sched.remote_kv import RemoteKV
 from pdjax.sched.spec_rows import SpecRows
 

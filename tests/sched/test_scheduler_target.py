@@ -14,7 +14,7 @@ import pytest
 from pdjax.request import Request, SamplingParams
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
-from pdjax.sched.output import chunk_pairs
+from pdjax.sched.scheduled_batch import chunk_pairs
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 4
