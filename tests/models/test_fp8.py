@@ -250,6 +250,7 @@ def test_bad_quantization_config_is_refused_at_parse_time(tiny_checkpoints, tmp_
         Engine(path, dtype="float32", progress=False)
 
 
+@pytest.mark.slow          # starts a process (the fast tier starts none)
 def test_serve_refuses_awq_in_one_line(tiny_checkpoints, tmp_path):
     path = _variant(tiny_checkpoints["glm_moe_dsa_fp8"], tmp_path / "awq",
                     edit_quant=lambda q: q.update(quant_method="awq"))
