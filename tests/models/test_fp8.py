@@ -312,3 +312,23 @@ def test_orbax_conversion_keeps_fp8_and_scales(tiny_checkpoints, tmp_path):
             a, b = getattr(getattr(ours, group), n)[...], getattr(getattr(back, group), n)[...]
             assert a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
             assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_each_device_reads_only_its_shard(tiny_checkpoints, monkeypatch):
+    """At TP 2 the routed experts' float8 stacks are read in halves, one per device, never
+    whole: gate/up [2 layers, 8, 192, 256] by columns, down [2, 8, 256, 192] by rows."""
+    reads = {"gate_up": [], "down": []}
+    original = LazyStack.__getitem__
+
+    def spy(self, index):
+        if self.shape == (2, 8, 192, 256):
+            reads["gate_up"].append((index[-1].start or 0, index[-1].stop))
+        elif self.shape == (2, 8, 256, 192):
+            reads["down"].append((index[-2].start or 0, index[-2].stop))
+        return original(self, index)
+
+    monkeypatch.setattr(LazyStack, "__getitem__", spy)
+    load_model(tiny_checkpoints["deepseek_v32_fp8"], dtype="float32", progress=False,
+               mesh=make_mesh(2))
+    assert sorted(reads["gate_up"]) == [(0, 128), (0, 128), (128, 256), (128, 256)]
+    assert sorted(reads["down"]) == [(0, 128), (128, 256)]
