@@ -4,7 +4,7 @@ llama.cpp's q/k row permutation undone), the device mesh and the parameter dtype
 
 Everything returns HF-named float32 numpy tensors (or, ``read_hf_tensors(lazy=True)``,
 memory-mapped views in the stored dtype, FP8 included); each family's weight mapping
-(``llama_weights.py``, ``deepseek.py``) turns them into its stacked parameters. Every missing
+(``llama_weights.py``, ``deepseek_weights.py``) turns them into its stacked parameters. Every missing
 or malformed file or tensor raises ``ValueError`` naming the file and the tensor.
 """
 

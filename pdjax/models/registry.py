@@ -4,8 +4,8 @@
     "Qwen2ForCausalLM"   ├─> family "llama"    -> LlamaForCausalLM     (llama.py, llama_weights.py)
     "Qwen3ForCausalLM"  ─┘
     "DeepseekV3ForCausalLM"  ─┐
-    "DeepseekV32ForCausalLM"  ├─> family "deepseek" -> DeepseekForCausalLM (deepseek.py)
-    "GlmMoeDsaForCausalLM"   ─┘
+    "DeepseekV32ForCausalLM"  ├─> family "deepseek" -> DeepseekForCausalLM (deepseek.py,
+    "GlmMoeDsaForCausalLM"   ─┘                          deepseek_weights.py)
 
 A ``ModelFamily`` is the whole recipe the generic loader (``loader.py``) and the Orbax
 checkpoints (``orbax_checkpoint.py``) follow, so neither branches on architecture names and no
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pdjax.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_config
-from pdjax.models import deepseek, llama, llama_weights
+from pdjax.models import deepseek, deepseek_weights, llama, llama_weights
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
 from pdjax.models.fp8 import quantization_fields
 
@@ -101,7 +101,7 @@ def _llama_read_config(path: str) -> ModelConfig:
 
 
 def _deepseek_run_config(cfg: DeepseekConfig, tp_size: int) -> DeepseekConfig:
-    deepseek.check_tp(cfg, tp_size)
+    deepseek_weights.check_tp(cfg, tp_size)
     return cfg
 
 
@@ -112,6 +112,7 @@ register_model_family(ModelFamily(
     model_class=llama.LlamaForCausalLM))
 register_model_family(ModelFamily(
     name="deepseek", architectures=DEEPSEEK_ARCHITECTURES, read_config=DeepseekConfig.from_hf_dir,
-    stack_params=deepseek.stack_hf_tensors, run_config=_deepseek_run_config,
+    stack_params=deepseek_weights.stack_hf_tensors, run_config=_deepseek_run_config,
     adapt_params=lambda params, cfg, run_cfg: params,
-    param_specs=deepseek.param_partition_specs, model_class=deepseek.DeepseekForCausalLM))
+    param_specs=deepseek_weights.param_partition_specs,
+    model_class=deepseek.DeepseekForCausalLM))

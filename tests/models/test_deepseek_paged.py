@@ -238,7 +238,7 @@ def test_model_from_synthetic_weights_runs_and_rejects_bad_tp():
     import dataclasses
 
     from flax import nnx
-    from pdjax.models.deepseek import check_tp
+    from pdjax.models.deepseek_weights import check_tp
     from pdjax.models.loader import build_model
     from pdjax.models.registry import model_family
 

@@ -22,7 +22,8 @@ import make_tiny_checkpoint as mk
 from model_utils import assert_tokens_match
 from pdjax.engine.offline import Engine
 from pdjax.models.checkpoint import read_safetensors_lazy
-from pdjax.models.deepseek import DeepseekForCausalLM, param_partition_specs
+from pdjax.models.deepseek import DeepseekForCausalLM
+from pdjax.models.deepseek_weights import param_partition_specs
 from pdjax.models.fp8 import FP8_DTYPE, LazyStack, dequantize, quantize
 from pdjax.models.loader import checkpoint_config, load_model, make_mesh
 from pdjax.models.params import abstract_params

@@ -1,0 +1,65 @@
+"""The DeepSeek-V3 mixture of experts: grouped top-k routing (noaux_tc) and the routed plus
+shared experts of one MoE layer (``lax.ragged_dot`` over token copies sorted by expert)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.models.deepseek_config import DeepseekConfig
+from pdjax.models.linear import dense_weight, linear
+
+
+def swiglu(h, w_gate, w_up, w_down):
+    return linear(jax.nn.silu(linear(h, w_gate)) * linear(h, w_up), w_down)
+
+
+def route(cfg: DeepseekConfig, h: jax.Array, router: jax.Array, router_bias: jax.Array):
+    """DeepSeek-V3 grouped top-k routing (noaux_tc).
+
+    Sigmoid scores; the bias-corrected scores pick ``topk_group`` groups (each scored by the sum
+    of its top-2 experts) and then ``num_experts_per_tok`` experts inside them; the weights are
+    the uncorrected scores of the chosen experts, normalized when ``norm_topk_prob``, times
+    ``routed_scaling_factor``.
+
+    Returns ``(experts [T, k] int32, weights [T, k] float32)``.
+    """
+    E, G = cfg.n_routed_experts, cfg.n_group
+    logits = h.astype(jnp.float32) @ router.astype(jnp.float32)                 # [T, E]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + router_bias.astype(jnp.float32)
+    if G > 1:
+        grouped = choice.reshape(-1, G, E // G)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)                      # [T, G]
+        _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jax.nn.one_hot(groups, G, dtype=jnp.bool_).any(axis=1)           # [T, G]
+        keep = jnp.repeat(keep, E // G, axis=1)
+        choice = jnp.where(keep, choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """Routed experts (grouped matmul with ``lax.ragged_dot`` over token copies sorted by
+    expert) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
+    T, Hd = h.shape
+    k = cfg.num_experts_per_tok
+    experts, weights = route(cfg, h, p["router"], p["router_bias"])
+    flat = experts.reshape(-1)                                                   # [T*k]
+    order = jnp.argsort(flat, stable=True)
+    token = order // k
+    group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
+    xs = h[token]                                                                # [T*k, Hd]
+    # FP8 experts: the reference path dequantizes this layer's expert stack first.
+    gate = jax.lax.ragged_dot(xs, dense_weight(p["w_gate"], xs.dtype), group_sizes)
+    up = jax.lax.ragged_dot(xs, dense_weight(p["w_up"], xs.dtype), group_sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(p["w_down"], xs.dtype),
+                            group_sizes)                                         # [T*k, Hd]
+    ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
+    out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
+    if cfg.n_shared_experts:
+        out = out + swiglu(h, p["sh_gate"], p["sh_up"], p["sh_down"])
+    return out.astype(h.dtype)
