@@ -60,3 +60,8 @@ class GenerateOutput:
     def status_code(self) -> int | None:
         """HTTP status for ``error`` (400: bad input; None: the default, 500)."""
         return self.finish_reason.status if self.finish_reason is not None else None
+
+    @property
+    def error_param(self) -> str | None:
+        """The request field ``error`` is about (the HTTP error's ``param``), or None."""
+        return self.finish_reason.param if self.finish_reason is not None else None

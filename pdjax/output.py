@@ -83,6 +83,7 @@ class RequestOutput:
     cached_tokens: int = 0
     error: str | None = None
     error_status: int = 500
+    error_param: str | None = None       # the request field at fault (the error's param)
     finished: bool = False
     spec_verify_ct: int = 0          # speculative verify rows (0: none ran)
     spec_accepted_tokens: int = 0    # drafts they accepted
@@ -164,7 +165,7 @@ class OutputAccumulator:
             r.prompt_logprobs = list(out.prompt_logprobs)
             r.prompt_top_logprobs = list(out.prompt_top_logprobs or [])
         if out.error:
-            return self.fail(out.error, out.status_code or 500)
+            return self.fail(out.error, out.status_code or 500, out.error_param)
         ids = [int(t) for t in out.new_token_ids]
         try:
             step = self.detok.add_tokens(
@@ -203,11 +204,12 @@ class OutputAccumulator:
         r.text += text
         return OutputDelta(text, accepted, lps, tops, r.finished, offset, stop_string_hit)
 
-    def fail(self, message: str, status: int) -> OutputDelta:
-        """The request failed: finish with an abort carrying ``message`` (HTTP ``status``)."""
+    def fail(self, message: str, status: int, param: str | None = None) -> OutputDelta:
+        """The request failed: finish with an abort carrying ``message`` (HTTP ``status``;
+        ``param``: the request field at fault)."""
         r = self.result
-        r.error, r.error_status = message, status
-        r.finish_reason = FinishReason.abort(message, status)
+        r.error, r.error_status, r.error_param = message, status, param
+        r.finish_reason = FinishReason.abort(message, status, param)
         r.finished = True
         return OutputDelta("", [], [], [], True, len(r.output_ids))
 

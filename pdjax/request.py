@@ -312,7 +312,8 @@ class FinishReason:
 
     ``matched``: what a stop matched: a token id (``int``, its text is trimmed), a stop string,
     or None (a grammar reached its end). ``length``: output tokens at a length finish.
-    ``message`` / ``status``: an abort's message and HTTP status (None: the caller's default).
+    ``message`` / ``status``: an abort's message and HTTP status (None: the caller's default);
+    ``param``: the request field a 4xx abort is about (the error's ``param``), or None.
     ``to_dict`` gives SGLang's ``meta_info.finish_reason``; called only at the HTTP edge and by
     the offline ``Engine``'s results.
     """
@@ -322,6 +323,7 @@ class FinishReason:
     length: int = 0
     message: str = ""
     status: int | None = None
+    param: str | None = None
 
     @classmethod
     def stop(cls, matched: int | str | None) -> "FinishReason":
@@ -332,8 +334,9 @@ class FinishReason:
         return cls(FinishType.LENGTH, length=length)
 
     @classmethod
-    def abort(cls, message: str, status: int | None = None) -> "FinishReason":
-        return cls(FinishType.ABORT, message=message, status=status)
+    def abort(cls, message: str, status: int | None = None,
+              param: str | None = None) -> "FinishReason":
+        return cls(FinishType.ABORT, message=message, status=status, param=param)
 
     @property
     def matched_token(self) -> int | None:
@@ -472,11 +475,13 @@ class Request:
         self.finish_reason = FinishReason.abort(message, status)
         self.set_state(RequestState.ABORTED)
 
-    def fail(self, error: str, status: int | None = None) -> FinishReason:
+    def fail(self, error: str, status: int | None = None,
+             param: str | None = None) -> FinishReason:
         """Record ``error`` (the request failed; the server answers with it, not text) and
-        return the abort reason that finishes the request (HTTP ``status``; None: 500)."""
+        return the abort reason that finishes the request (HTTP ``status``; None: 500;
+        ``param``: the request field at fault)."""
         self.error = error
-        return FinishReason.abort(error, status)
+        return FinishReason.abort(error, status, param)
 
     # ------------------------------------------------------------------ counters
     def set_num_computed_tokens(self, n: int) -> None:

@@ -408,8 +408,9 @@ class EngineCore(ForwardStep):
         if req.grammar is not None and not req.grammar.accept(tok):
             # The client's grammar cannot be continued (e.g. it nests without end, or grows
             # past the grammar library's limits): a 400 naming the grammar's field.
-            return req.fail(f"{req.grammar.spec.field}: token {tok} was not allowed "
-                            f"({_short(req.grammar.error)})", 400)
+            field = req.grammar.spec.field
+            return req.fail(f"{field}: token {tok} was not allowed "
+                            f"({_short(req.grammar.error)})", 400, param=field)
         return token_finish_reason(
             req.sampling_params, tok, len(req.output_ids), self.eos_token_ids,
             grammar_terminated=req.grammar is not None and req.grammar.is_terminated)

@@ -54,7 +54,7 @@ async def _stream(request: web.Request, group: RequestGroup,
     first = await group.next_delta()
     if first is not None and group.samples[first.index].result.error:
         r = group.samples[first.index].result
-        return error_response(r.error, r.error_status)
+        return error_response(r.error, r.error_status, r.error_param)
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
         await resp.prepare(request)
@@ -64,7 +64,7 @@ async def _stream(request: web.Request, group: RequestGroup,
         while d is not None:
             r = group.samples[d.index].result
             if r.error:
-                await write_sse(resp, error_body(r.error, r.error_status))
+                await write_sse(resp, error_body(r.error, r.error_status, r.error_param))
                 failed = True
                 break
             for obj in on_delta(d):
@@ -104,7 +104,7 @@ def _pd_rooms(body: Any) -> list[int]:
 
 def _result_error(group: RequestGroup) -> web.Response | None:
     r = group.first_error()
-    return None if r is None else error_response(r.error, r.error_status)
+    return None if r is None else error_response(r.error, r.error_status, r.error_param)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -151,6 +151,7 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(llama_engine
     assert reason.message == req.error
     # The client's grammar is at fault: a 400, and the library's state dump is cut to a line.
     assert reason.status == 400 and len(req.error) < 400 and "\n" not in req.error
+    assert reason.param == "grammar"            # the spec's field: the HTTP error's param
 
 
 def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(llama_engine):

@@ -106,7 +106,8 @@ class FakeEngine:
     Logprobs are synthetic: output token ``i`` has logprob ``-0.5 - 0.01 * i``; its top list is
     ``[(tok, lp), (tok + 1, lp - 1), ...]``; prompt position ``p`` has ``-1 - 0.001 * p``.
     Knobs: ``step_s`` (seconds per engine step), ``tokens_per_step``, ``fail_after`` (emit an
-    error after that many tokens), ``reject`` (exception raised by ``generate``).
+    error after that many tokens: ``fail_with``'s abort reason, or a 500 "injected engine
+    failure"), ``reject`` (exception raised by ``generate``).
 
     ``script``: a scripted model, the texts the successive requests answer (``script[k]`` for
     the ``k``-th request, the last one repeated), each then EOS, cut into the byte-level tokens
@@ -145,6 +146,7 @@ class FakeEngine:
         self.page_size = page_size
         self.disaggregation_mode = disaggregation_mode
         self.fail_after: int | None = None
+        self.fail_with: FinishReason | None = None
         self.reject: Exception | None = None
         self.submitted: list[GenerateRequest] = []
         self.aborted: list[str] = []
@@ -271,7 +273,8 @@ class FakeEngine:
             finish = FinishReason.of_length(0)
         while finish is None and len(new) < self.tokens_per_step:
             if self.fail_after is not None and live.num_out >= self.fail_after:
-                error = "injected engine failure"
+                error = self.fail_with.message if self.fail_with else "injected engine failure"
+                finish = self.fail_with
                 break
             i = live.num_out
             tok = live.plan[i % len(live.plan)]

@@ -294,6 +294,27 @@ async def test_stream_error_event_and_http_errors(make_client):
     assert (await client.post("/generate", json={"text": "Hi"})).status == 200
 
 
+async def test_a_request_failed_by_its_grammar_mid_generation_names_the_field(make_client):
+    """A grammar that compiled but refuses a token later (the grammar library's limits) ends
+    the request as a 400 whose ``param`` is the grammar's field, streamed or not (it was null)."""
+    from pdjax.request import FinishReason
+
+    engine = FakeEngine()
+    client, _ = await make_client(engine)
+    message = "response_format: token 7 was not allowed (limit reached)"
+    engine.fail_after, engine.fail_with = 2, FinishReason.abort(message, 400, "response_format")
+    resp = await client.post("/v1/chat/completions", json={"messages": CHAT})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {"message": message, "type": "invalid_request_error",
+                                             "param": "response_format", "code": 400}
+    resp = await client.post("/v1/chat/completions", json={"messages": CHAT, "stream": True})
+    events = parse_sse(await resp.text())
+    assert events[-2]["error"]["param"] == "response_format" and events[-1] == "[DONE]"
+    engine.fail_after = 0                 # before the first token: a plain HTTP error
+    resp = await client.post("/generate", json={"text": "Hi", "stream": True})
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "response_format"
+
+
 # -------------------------------------------------------------------------------------------
 # Aborts
 # -------------------------------------------------------------------------------------------
