@@ -27,7 +27,8 @@ subprocess fed the same token ids. pdjax runs with its defaults (on CPU: the lay
 the native decode kernel); with ``--scan-layers`` it runs a second time with
 ``--no-unroll-layers`` (its own row). Tokens agreement is against transformers, tie-aware
 (DESIGN.md §5, ``bench_vs_hf.compare``). Each row records the load average (1, 5, 15 min)
-before and after its system ran: on a shared machine compare systems within one run only.
+before and after its system ran: on a shared machine compare systems within one run, and only
+where the load stayed level (the systems run one after another).
 
     python scripts/bench_vs_peers.py
     python scripts/bench_vs_peers.py --export-hf /work/venvs/smollm2-hf   # vLLM's copy, once
