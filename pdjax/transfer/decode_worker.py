@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import uuid
 from typing import Any, Callable
@@ -37,7 +36,7 @@ from pdjax.pd.lifecycle import (Aborted, KVPoll, PairingFailed, PeerLost, Refuse
 from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
                                RegisterResult, TransferStatus)
 from pdjax.sched.kv_connector import KVConnectorOutput
-from pdjax.transfer.worker import KVTransferWorker
+from pdjax.transfer.worker import EventQueue, KVTransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class DecodeTransferWorker(KVTransferWorker):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._wake, self._on_reject = wake, on_reject
         self._fetch_info, self._health_check = fetch_info, health_check
-        self._events: queue.SimpleQueue[DecodeEvent] = queue.SimpleQueue()
+        self._events = EventQueue(wake)
         self._uid = uuid.uuid4().hex[:12]
         self._peer_ids = itertools.count()
         # The worker's own state, shared by its threads only.
@@ -151,20 +150,14 @@ class DecodeTransferWorker(KVTransferWorker):
 
     def events(self) -> list[DecodeEvent]:
         """Every event since the last call, oldest first (engine thread)."""
-        out = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        return self._events.drain()
 
     def close(self) -> None:
         self._stop.set()
         self._heartbeat.join(5.0)
 
     def _post(self, event: DecodeEvent) -> None:
-        self._events.put(event)
-        self._wake()
+        self._events.post(event)
 
     # ------------------------------------------------------------------ pairing
     def pair(self, key: tuple[str, int]) -> str:

@@ -46,7 +46,7 @@ from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import TransferError
 from pdjax.transfer.kv_export import write_nodes
-from pdjax.transfer.worker import KVTransferWorker
+from pdjax.transfer.worker import EventQueue, KVTransferWorker
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class PrefillTransferWorker(KVTransferWorker):
         self.transfer_engine, self.ranks, self.page_size = transfer_engine, ranks, page_size
         self.transfer_timeout_s, self.sender_id = transfer_timeout_s, sender_id
         self._wait_for_kv, self._wake, self._on_reject = wait_for_kv, wake, on_reject
-        self._events: queue.SimpleQueue[PrefillEvent] = queue.SimpleQueue()
+        self._events = EventQueue(wake)
         self._finished_sending: set[str] = set()      # engine thread only
         # The worker's own state, shared by its threads (and the engine's calls) under _lock.
         self._lock = threading.Lock()
@@ -198,12 +198,7 @@ class PrefillTransferWorker(KVTransferWorker):
 
     def events(self) -> list[PrefillEvent]:
         """Every event since the last call, oldest first (engine thread)."""
-        out = []
-        while True:
-            try:
-                out.append(self._events.get_nowait())
-            except queue.Empty:
-                return out
+        return self._events.drain()
 
     def sent(self, rid: str) -> None:
         """The room of held request ``rid`` is concluded: report it in ``finished_sending``."""
@@ -221,8 +216,7 @@ class PrefillTransferWorker(KVTransferWorker):
         self._thread.join(5.0)
 
     def _post(self, event: PrefillEvent) -> None:
-        self._events.put(event)
-        self._wake()
+        self._events.post(event)
 
     # ------------------------------------------------------------------ transfer thread
     def _work(self) -> None:

@@ -19,9 +19,32 @@ state, as vLLM's scheduler and worker connectors share a class.
 from __future__ import annotations
 
 import abc
-from typing import Any
+import queue
+from typing import Any, Callable
 
 from pdjax.sched.kv_connector import KVConnectorOutput
+
+
+class EventQueue:
+    """The typed events a worker's threads report to the engine thread (DESIGN.md §4, "Threads
+    and their events"): ``post`` from any thread (then ``wake()``: the engine should step),
+    ``drain`` on the engine thread, oldest first."""
+
+    def __init__(self, wake: Callable[[], None]):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = wake
+
+    def post(self, event: Any) -> None:
+        self._queue.put(event)
+        self._wake()
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
 
 
 class KVTransferWorker(abc.ABC):
