@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pdjax.config import ModelConfig, ServerArgs
+from pdjax.config import ServerArgs
+from pdjax.model_config import ModelConfig
 from pdjax.models.checkpoint import check_weight_files
 from pdjax.models.loader import (checkpoint_config, is_gguf, is_orbax_checkpoint, resolve_dtype,
                                  resolve_model_path)

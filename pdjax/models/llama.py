@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.models.attention import AttentionMetadata, paged_attention
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
 from pdjax.models.linear import linear, linear_group

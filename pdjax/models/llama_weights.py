@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.models.llama import layer_param_shapes
 
 # HF per-layer tensor name -> (our stacked name, transpose?)

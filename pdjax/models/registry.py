@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from pdjax.config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_config
+from pdjax.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_config
 from pdjax.models import deepseek, deepseek_weights, llama, llama_weights
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
 from pdjax.models.fp8 import quantization_fields

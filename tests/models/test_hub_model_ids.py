@@ -89,7 +89,7 @@ def test_a_model_id_loads_and_serves_its_snapshot(hub_cache, tiny_checkpoints):
     env = dict(os.environ, HF_HUB_CACHE=cache, HF_HUB_OFFLINE="1", PYTHONPATH=ROOT)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True, timeout=300)
-    from pdjax.config import ModelConfig
+    from pdjax.model_config import ModelConfig
     from transformers import AutoTokenizer
 
     cfg = ModelConfig.from_hf_dir(tiny_checkpoints["llama"])

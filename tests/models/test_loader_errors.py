@@ -148,7 +148,7 @@ def test_a_wrongly_typed_config_value_is_named(tiny_checkpoints, tmp_path, name)
 
 def test_an_unreadable_config_is_named(tiny_checkpoints, tmp_path, monkeypatch):
     """An OSError opening config.json (permissions, I/O) was a traceback at parse time."""
-    from pdjax import config
+    from pdjax import model_config
     from pdjax.models.loader import checkpoint_config
 
     d = _copy(tiny_checkpoints["qwen3"], tmp_path)
@@ -156,7 +156,7 @@ def test_an_unreadable_config_is_named(tiny_checkpoints, tmp_path, monkeypatch):
     def unreadable(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(config, "open", unreadable, raising=False)
+    monkeypatch.setattr(model_config, "open", unreadable, raising=False)
     with pytest.raises(ValueError, match=r"ckpt/config\.json: cannot read \(Permission denied\)"):
         checkpoint_config(str(d))
 

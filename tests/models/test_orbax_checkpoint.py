@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdjax.config import ModelConfig
+from pdjax.model_config import ModelConfig
 from pdjax.convert import convert, main
 from pdjax.models.attention import AttentionMetadata
 from model_utils import allocate_caches
