@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's test command: set up (if needed) and run the whole suite (CI runs this).
-#   --fast   the loop before each commit: no test that starts a process or runs a benchmark
-#            (``-m "not slow"``) and no TPU/GPU compiler virtualenvs; a few minutes
+#   --fast   the loop before each commit: ``-m "not slow"`` (no test that starts a process,
+#            runs a benchmark or is a heavy model or kernel check) and no TPU/GPU compiler
+#            virtualenvs; a few minutes
 # Other arguments go to pytest. Exit status: pytest's, except that "no tests collected" (5)
 # is a failure too.
 set -uo pipefail

@@ -5,6 +5,8 @@ import pytest
 from model_utils import boundary_prompts
 from pdjax.engine import Engine
 
+pytestmark = pytest.mark.slow      # slow tier: whole engines on forced Pallas kernels
+
 SETTINGS = dict(dtype="float32", page_size=8, max_total_tokens=512, max_running_requests=2,
                 chunked_prefill_size=16, context_length=40, enable_mixed_chunk=True,
                 progress=False)

@@ -10,6 +10,8 @@ from model_utils import assert_speculation_keeps_tokens
 from pdjax.engine import Engine
 from pdjax.runner.model_runner import compile_count
 
+pytestmark = pytest.mark.slow      # slow tier: speculative decoding on the default 135M model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -11,6 +11,8 @@ from model_utils import assign_pages, greedy_match_len, new_cache, run_rows
 from pdjax.models.loader import default_model_path, load_model, load_tokenizer, make_mesh
 from pdjax.sched.batch import BatchRow
 
+pytestmark = pytest.mark.slow      # slow tier: the default 135M model against transformers
+
 PAGE = 16
 NEW_TOKENS = 16
 PROMPTS = ["The capital of France is", "Once upon a time, a little robot",

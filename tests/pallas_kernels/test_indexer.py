@@ -19,8 +19,9 @@ from kernel_cases import interpret_mode, kernel_device, lowering_context, paged_
 from pdjax.pallas_kernels.indexer import indexer_scores, indexer_scores_reference, topk_positions
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+    pytest.mark.slow]   # slow tier: interpret-mode kernels, TPU/GPU lowering
 
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 32, 6, 6, 8, 2
 NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ + 3

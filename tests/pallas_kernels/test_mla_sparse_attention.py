@@ -25,8 +25,9 @@ from pdjax.pallas_kernels.mla_sparse_attention import (
 from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+    pytest.mark.slow]   # slow tier: interpret-mode kernels, TPU/GPU lowering
 
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 32, 6, 6, 8, 2
 NUM_PAGES = 1 + NUM_SEQS * PAGES_PER_SEQ + 3

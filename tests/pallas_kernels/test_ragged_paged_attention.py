@@ -38,8 +38,9 @@ from pdjax.pallas_kernels.ragged_paged_attention.tuning import (
 from pdjax.pallas_kernels.ragged_paged_attention.xla import ragged_paged_attention_xla
 
 # jax 0.11 warns on every Triton lowering; the GPU kernel picks Triton on purpose (kernel_gpu.py).
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+pytestmark = [pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+    pytest.mark.slow]   # slow tier: interpret-mode kernels, TPU/GPU lowering
 
 # Fixed envelope so that each configuration compiles once.
 NUM_TOKENS, NUM_SEQS, PAGES_PER_SEQ, PAGE_SIZE, NUM_LAYERS = 48, 8, 6, 16, 2
@@ -564,7 +565,6 @@ def test_cpu_kernel_build_is_cached_and_reports_failure(tmp_path):
         cpu_build.build_library(kernel_cpu.KERNEL_SOURCE, "/bin/false", str(tmp_path / "bad"))
 
 
-@pytest.mark.slow      # starts a process
 def test_cpu_kernel_switch_and_fallback():
     """``PDJAX_CPU_KERNEL=0``: auto resolves to ``xla`` and ``impl="cpu"`` is an error that
     says why; the matmul kernel is off too (a fresh process: the status is decided once per
@@ -838,7 +838,6 @@ def _lower_engine_buckets(impl, platform, custom_call):
     assert lowered.as_text().count(custom_call) == 3
 
 
-@pytest.mark.slow      # starts a process
 def test_package_import_is_light():
     """The GPU check host has only jax, numpy and pytest: importing the kernels (and pdjax)
     must not pull in flax, zmq or transformers."""

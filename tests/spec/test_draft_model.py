@@ -19,6 +19,8 @@ from pdjax.engine import Engine
 from pdjax.runner.model_runner import compile_count
 from pdjax.spec.draft_model import DraftModelDrafter
 
+pytestmark = pytest.mark.slow      # slow tier: draft-model speculation, two engines a test
+
 PAGE = 8
 K = 4                       # speculative_num_draft_tokens: the newest token + 3 drafts
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

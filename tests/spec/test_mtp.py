@@ -31,6 +31,8 @@ from pdjax.models.loader import load_model
 from pdjax.runner.model_runner import compile_count
 from pdjax.sched.batch import BatchRow, build_flat_batch
 
+pytestmark = pytest.mark.slow      # slow tier: MTP drafting end to end on the tiny MLA models
+
 NAMES = ["deepseek_v32", "glm_moe_dsa"]
 K = 4                       # speculative_num_draft_tokens: the newest token + 3 drafts
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
