@@ -54,9 +54,30 @@ def parse_args(argv=None) -> ServerArgs:
                                      "too; the HTTP and bootstrap servers need a port each")
                 check_listen_port("disaggregation_bootstrap_port", args.host,
                                   args.disaggregation_bootstrap_port)
+            if args.role == "pd" and args.port:
+                _check_pd_child_ports(args, check_listen_port)
         return args
     except ValueError as e:
         parser.error(str(e))
+
+
+def _check_pd_child_ports(args: ServerArgs, check_listen_port) -> None:
+    """``--role pd`` runs its prefill on ``--port + 1`` and its decode on ``--port + 2``:
+    ``ValueError`` naming ``port`` when either is past 65535, is the bootstrap port, or cannot
+    be listened on (they failed in the children, exit 1, after the router had started)."""
+    for offset, child in ((1, "prefill"), (2, "decode")):
+        port = args.port + offset
+        why = (f"{port} is past 65535" if port > 65535 else
+               "it is --disaggregation-bootstrap-port" if port == args.disaggregation_bootstrap_port
+               else None)
+        if why is not None:
+            raise ValueError(f"port: --role pd runs its {child} server on --port + {offset}, and "
+                             f"{why}")
+        try:
+            check_listen_port("port", args.host, port)
+        except ValueError as e:
+            raise ValueError(f"{e} (--role pd runs its {child} server on --port + {offset})") \
+                from None
 
 
 def run_colocated(args: ServerArgs) -> int:

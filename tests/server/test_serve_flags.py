@@ -199,3 +199,33 @@ def test_what_the_engine_refused_at_start_fails_at_parse(capsys, tiny_checkpoint
                                  "--speculative-draft-model-path", str(draft)]) == (
         "error: speculative_draft_model_path: the draft model's vocabulary (1024) differs from "
         "the target's (512)")
+
+
+def test_role_pd_checks_its_childrens_ports_at_parse(capsys):
+    """``--role pd`` serves its prefill and decode on --port + 1 and + 2: a port past 65535,
+    the bootstrap port or one in use failed in the children (exit 1, after the router had
+    started; found by a new-user trial)."""
+    import socket
+
+    from pdjax.ports import free_port
+
+    assert _parse_error(capsys, ["--role", "pd", "--port", "65535"]) == (
+        "error: port: --role pd runs its prefill server on --port + 1, and 65536 is past 65535")
+    port = free_port()
+    assert _parse_error(capsys, ["--role", "pd", "--port", str(port),
+                                 "--disaggregation-bootstrap-port", str(port + 2)]) == (
+        "error: port: --role pd runs its decode server on --port + 2, and it is "
+        "--disaggregation-bootstrap-port")
+    with socket.socket() as held:
+        for _ in range(50):        # a free port whose next one this test can hold
+            port = free_port()
+            try:
+                held.bind(("127.0.0.1", port + 1))
+                break
+            except OSError:
+                continue
+        held.listen()
+        line = _parse_error(capsys, ["--role", "pd", "--port", str(port),
+                                     "--disaggregation-bootstrap-port", str(free_port())])
+    assert line.startswith(f"error: port: cannot listen on 127.0.0.1:{port + 1}"), line
+    assert line.endswith("(--role pd runs its prefill server on --port + 1)"), line
