@@ -108,6 +108,12 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
                 router.num_errors += 1
                 return _worker_error("prefill", p_url, p_status, p_raw, p_type)
         await asyncio.wait({d_task})
+        if _never_reached(d_task):
+            # The prefill cannot have caused this, and without its decode it only waits out
+            # its bootstrap timeout: no verdict to wait for (it was PREFILL_VERDICT_S).
+            router.num_errors += 1
+            await cancel_tasks(p_task)
+            return _error(f"decode server {d_url} unreachable: {d_task.exception()}", 502)
         d_status, d_raw, d_type = _result(d_task)
         if d_status != 200:
             router.num_errors += 1
@@ -157,6 +163,12 @@ async def _prefill_verdict(p_task: asyncio.Task, p_url: str) -> web.Response | N
     if 400 <= status < 500:
         return _worker_error("prefill", p_url, status, raw, content_type)
     return None
+
+
+def _never_reached(task: asyncio.Task) -> bool:
+    """Whether a finished ``_post`` task failed to connect at all (nothing listens there)."""
+    return (not task.cancelled() and
+            isinstance(task.exception(), (aiohttp.ClientConnectorError, ConnectionRefusedError)))
 
 
 def _result(task: asyncio.Task) -> tuple[int, bytes, str]:

@@ -244,3 +244,31 @@ async def test_a_dead_decode_is_skipped_and_a_stream_it_breaks_ends_with_an_erro
         await rs.close()
         for w in workers.values():
             await w.close()
+
+
+async def test_an_unreachable_decode_is_a_502_at_once(monkeypatch):
+    """A decode nothing listens on cannot have failed because of the prefill: the router
+    answers 502 'unreachable' at once and cancels the prefill's request, instead of waiting
+    PREFILL_VERDICT_S (5 s) for a prefill that only waits for its decode (found by a new-user
+    trial; the stream path answered at once already)."""
+    from pdjax.router import handlers
+
+    monkeypatch.setattr(handlers, "PREFILL_VERDICT_S", 120.0)
+    served = []
+    never = asyncio.Event()
+    prefill = _worker(0.0, 0.0, served, gate=never.wait)      # holds its answer, as a real
+    await prefill.start_server()                              # prefill waits for its decode
+    router = PDRouter([(str(prefill.make_url("")).rstrip("/"), 8998)], ["http://127.0.0.1:1"],
+                      load_poll_interval_s=60)
+    rs = TestServer(create_router_app(router))
+    await rs.start_server()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.post(rs.make_url("/generate"), json={"text": "hi"}) as r:
+                assert r.status == 502
+                message = (await r.json())["error"]["message"]
+        assert message.startswith("decode server http://127.0.0.1:1 unreachable: "), message
+        assert len(served) == 1 and router.decode_pool.down_at[0] > 0   # marked down
+    finally:
+        await rs.close()
+        await prefill.close()
