@@ -37,6 +37,24 @@ def kv_cache_spec():
     return PartitionSpec(None, None, None, "tp")
 
 
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, **generate_kwargs):
+    """transformers' greedy continuation of ``prompt`` by model ``hf``: ``(tokens, logits
+    [max_new_tokens, V] float32 numpy)``; ``generate_kwargs`` go to ``hf.generate``."""
+    import torch
+
+    with torch.no_grad():
+        gen = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                          do_sample=False, output_logits=True, return_dict_in_generate=True,
+                          **generate_kwargs)
+    return gen.sequences[0, len(prompt):].tolist(), np.stack([l[0].numpy() for l in gen.logits])
+
+
+def top2_gaps(logits) -> list[float]:
+    """Per row of ``logits [n, V]``, the gap between its two largest values (tie-aware token
+    checks skip positions whose gap is tiny)."""
+    return [float(np.diff(np.sort(row)[-2:])[0]) for row in logits]
+
+
 def new_cache(cfg, num_pages, page_size, dtype=jnp.float32, sharding=None):
     shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads * cfg.head_dim)
     kc = jnp.zeros(shape, dtype)

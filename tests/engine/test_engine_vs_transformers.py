@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from model_utils import assert_tokens_match, boundary_prompts, set_sched
+from model_utils import assert_tokens_match, boundary_prompts, hf_greedy, set_sched, top2_gaps
 
 NEW = 12
 
@@ -20,14 +20,8 @@ def test_batch_greedy_and_logprobs_match_transformers(llama_engine, tiny_checkpo
                                                            dtype=torch.float32).eval()
     compared = 0
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True,
-                              eos_token_id=None, pad_token_id=0)
-        ref = gen.sequences[0, len(p):].tolist()
-        logits = np.stack([l[0].numpy() for l in gen.logits])
-        gaps = [float(np.diff(np.sort(l)[-2:])[0]) for l in logits]
-        n = assert_tokens_match(out["output_ids"], ref, gaps, what=f"len {len(p)}")
+        ref, logits = hf_greedy(hf, p, NEW, eos_token_id=None, pad_token_id=0)
+        n = assert_tokens_match(out["output_ids"], ref, top2_gaps(logits), what=f"len {len(p)}")
         ref_lp = torch.log_softmax(torch.tensor(logits, dtype=torch.float64), -1).numpy()
         ours_lp = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         for i in range(n):

@@ -19,7 +19,7 @@ import transformers
 from flax import nnx
 
 import make_tiny_checkpoint as mk
-from model_utils import assert_tokens_match
+from model_utils import assert_tokens_match, hf_greedy, top2_gaps
 from pdjax.engine.offline import Engine
 from pdjax.models.checkpoint import read_safetensors_lazy
 from pdjax.models.deepseek import DeepseekForCausalLM
@@ -164,13 +164,9 @@ def test_engine_greedy_matches_transformers_on_dequantized_weights(
         eng.shutdown()
     compared = 0
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True,
-                              eos_token_id=None, pad_token_id=0)
-        ref = gen.sequences[0, len(p):].tolist()
-        gaps = [float(np.diff(np.sort(l[0].numpy())[-2:])[0]) for l in gen.logits]
-        compared += assert_tokens_match(out["output_ids"], ref, gaps, what=f"{name} tp{tp}")
+        ref, logits = hf_greedy(hf, p, NEW, eos_token_id=None, pad_token_id=0)
+        compared += assert_tokens_match(out["output_ids"], ref, top2_gaps(logits),
+                                        what=f"{name} tp{tp}")
     assert compared >= 3 * NEW // 2
 
 

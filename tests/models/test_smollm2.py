@@ -94,7 +94,7 @@ def test_tensor_parallel_3_matches_single_device(smol):
 def test_engine_batch_greedy_matches_transformers(smol):
     """16 chat prompts of varied lengths through the offline Engine (one batch, chunked,
     mixed) vs transformers' greedy generation, tie-aware."""
-    from model_utils import assert_tokens_match
+    from model_utils import assert_tokens_match, hf_greedy, top2_gaps
     from pdjax.engine import Engine
 
     _, _, tok, hf = smol
@@ -113,12 +113,8 @@ def test_engine_batch_greedy_matches_transformers(smol):
     for text, out in zip(prompts, outs):
         ids = tok.encode(text)
         assert out["meta_info"]["prompt_tokens"] == len(ids)
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-        ref = gen.sequences[0, len(ids):].tolist()
-        gaps = [float(np.diff(np.sort(l[0].numpy())[-2:])[0]) for l in gen.logits]
-        n = assert_tokens_match(out["output_ids"], ref, gaps, what=text)
+        ref, logits = hf_greedy(hf, ids, NEW_TOKENS)
+        n = assert_tokens_match(out["output_ids"], ref, top2_gaps(logits), what=text)
         if n == len(ref):
             assert out["output_ids"] == ref
             assert out["text"] == tok.decode(ref, skip_special_tokens=True)
