@@ -42,6 +42,29 @@ def route(cfg: DeepseekConfig, h: jax.Array, router: jax.Array, router_bias: jax
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, *,
+                   impl: str | None = None, interpret: bool = False) -> jax.Array:
+    """The routed experts' SwiGLU MLP over token rows sorted by expert (a grouped GEMM).
+
+    ``xs [M, H]``: rows sorted by expert, the first ``group_sizes[0]`` rows for expert 0, the
+    next ``group_sizes[1]`` for expert 1, and so on. ``group_sizes [E]`` int32 (traced; rows
+    from ``sum(group_sizes)`` on belong to no expert and come back 0). ``w_gate``, ``w_up``:
+    ``[E, H, F]``; ``w_down``: ``[E, F, H]``; plain arrays or ``Fp8BlockWeight`` stacks.
+    Returns ``ys [M, H]`` of ``xs``'s dtype:
+    ``ys[r] = (silu(xs[r] @ w_gate[e]) * (xs[r] @ w_up[e])) @ w_down[e]`` for the expert ``e``
+    of row ``r``.
+
+    Expert parallelism calls this with the local experts only (``E`` of this device).
+    ``impl``: the model's kernel choice (``attention_impl``; None: reference). Reference path:
+    ``lax.ragged_dot``, FP8 stacks dequantized first (DESIGN.md §2). ``interpret``: run a
+    Pallas kernel interpreted (CPU tests).
+    """
+    gate = jax.lax.ragged_dot(xs, dense_weight(w_gate, xs.dtype), group_sizes)
+    up = jax.lax.ragged_dot(xs, dense_weight(w_up, xs.dtype), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(w_down, xs.dtype),
+                              group_sizes)
+
+
 def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
     """Routed experts (grouped matmul with ``lax.ragged_dot`` over token copies sorted by
     expert) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
@@ -53,11 +76,7 @@ def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> j
     token = order // k
     group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
     xs = h[token]                                                                # [T*k, Hd]
-    # FP8 experts: the reference path dequantizes this layer's expert stack first.
-    gate = jax.lax.ragged_dot(xs, dense_weight(p["w_gate"], xs.dtype), group_sizes)
-    up = jax.lax.ragged_dot(xs, dense_weight(p["w_up"], xs.dtype), group_sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(p["w_down"], xs.dtype),
-                            group_sizes)                                         # [T*k, Hd]
+    ys = grouped_swiglu(xs, group_sizes, p["w_gate"], p["w_up"], p["w_down"])   # [T*k, Hd]
     ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
     out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
     if cfg.n_shared_experts:
