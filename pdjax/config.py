@@ -32,6 +32,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "tpu", "gpu")
 TRANSFER_PATHS = ("auto", "direct", "staging")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# SGLang's --hicache-write-policy values; pdjax builds write_through (DESIGN.md §3, "Host tier").
+HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
@@ -176,6 +178,17 @@ class CacheArgs:
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the parameter dtype",
                                KV_CACHE_DTYPES)
     disable_radix_cache: bool = _arg(False, "turn off the prefix cache")
+    enable_hierarchical_cache: bool = _arg(
+        False, "HiCache's host tier (L2): full pages of the prefix cache are copied to a host "
+               "memory pool, and a prefix found there is loaded back instead of recomputed "
+               "(colocated servers; DESIGN.md §3)")
+    hicache_ratio: float = _arg(2.0, "host KV pool pages over device KV pool pages")
+    hicache_size: int = _arg(0, "GiB of host memory for the host KV pool; overrides "
+                                "--hicache-ratio when > 0")
+    hicache_write_policy: str = _arg(
+        "write_through", "when pages reach the host tier: write_through (as they enter the "
+                         "prefix cache); write_back and write_through_selective are not built",
+        HICACHE_WRITE_POLICIES)
 
     def __post_init__(self):
         _check_fields(self)
@@ -184,6 +197,16 @@ class CacheArgs:
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")
+        _check_positive(self, "hicache_ratio")
+        if self.hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 GiB (0: use hicache_ratio), got "
+                             f"{self.hicache_size}")
+        if self.hicache_write_policy != "write_through":
+            raise ValueError(f"hicache_write_policy: {self.hicache_write_policy!r} is not built "
+                             f"yet; only 'write_through' is")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache: the host tier backs the prefix cache, "
+                             "which disable_radix_cache turns off")
 
     @property
     def num_pages(self) -> int:
@@ -345,6 +368,21 @@ def _check_multihost_role(args) -> None:
                          "the other nodes register their KV shards there")
 
 
+def _check_hicache_server(args) -> None:
+    """The host tier is a KV connection of a colocated single-host server (it is built by
+    ``transfer.factory`` in place of the null connection): ``ValueError`` naming
+    ``enable_hierarchical_cache`` next to a PD role, another ``--kv-connector`` or nnodes > 1
+    (the followers would not mirror its page copies)."""
+    if not args.cache.enable_hierarchical_cache:
+        return
+    why = (f"role {args.role!r}" if args.role != "colocated" else
+           f"kv_connector {args.kv_connector!r}" if args.kv_connector is not None else
+           f"nnodes {args.nnodes}" if args.nnodes > 1 else None)
+    if why is not None:
+        raise ValueError(f"enable_hierarchical_cache: only on a colocated single-host server "
+                         f"without another KV connector, got {why}")
+
+
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "mtp")
 
 
@@ -443,6 +481,7 @@ class ServerArgs:
             changes = {k: v for k, v in kwargs.items() if _GROUP_OF[k] == name}
             object.__setattr__(self, name, dataclasses.replace(group, **changes) if changes
                                else group)
+        _check_hicache_server(self)
         if self.distributed.nnodes > 1:
             _check_multihost_role(self)
             if self.speculative.speculative_algorithm in ("draft", "mtp"):

@@ -1,0 +1,47 @@
+"""The host tier's flags (SGLang's names): one ``error: FIELD: ...`` line at parse time for what
+is not built or cannot work, nothing loaded (DESIGN.md §3, "Host tier")."""
+
+import pytest
+
+from pdjax.config import ServerArgs
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--hicache-write-policy", "write_back"],
+     "error: hicache_write_policy: 'write_back' is not built yet; only 'write_through' is\n"),
+    (["--hicache-write-policy", "write_through_selective"],
+     "error: hicache_write_policy: 'write_through_selective' is not built yet; only "
+     "'write_through' is\n"),
+    (["--enable-hierarchical-cache", "--disable-radix-cache"],
+     "error: enable_hierarchical_cache: the host tier backs the prefix cache, which "
+     "disable_radix_cache turns off\n"),
+    (["--enable-hierarchical-cache", "--role", "decode"],
+     "error: enable_hierarchical_cache: only on a colocated single-host server without another "
+     "KV connector, got role 'decode'\n"),
+    (["--hicache-ratio", "0"], "error: hicache_ratio must be > 0, got 0.0\n"),
+    (["--hicache-size", "-1"],
+     "error: hicache_size must be >= 0 GiB (0: use hicache_ratio), got -1\n"),
+    (["--hicache-size", "1.5"], "error: hicache_size: invalid int value: '1.5'\n"),
+])
+def test_hicache_flag_errors_are_one_line(capsys, argv, line):
+    from pdjax.serve import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err == line
+
+
+def test_hicache_flags_parse_and_default():
+    from pdjax.serve import parse_args
+
+    args = parse_args(["--port", "0", "--enable-hierarchical-cache", "--hicache-ratio", "3.5",
+                       "--hicache-size", "2", "--hicache-write-policy", "write_through"])
+    assert (args.enable_hierarchical_cache, args.hicache_ratio, args.hicache_size,
+            args.hicache_write_policy) == (True, 3.5, 2, "write_through")
+    off = ServerArgs()
+    assert (off.enable_hierarchical_cache, off.hicache_ratio, off.hicache_size,
+            off.hicache_write_policy) == (False, 2.0, 0, "write_through")
+    with pytest.raises(ValueError, match=r"^enable_hierarchical_cache: .* got kv_connector 'x'"):
+        ServerArgs(enable_hierarchical_cache=True, kv_connector="x")
+    with pytest.raises(ValueError, match=r"^enable_hierarchical_cache: .* got nnodes 2"):
+        ServerArgs(enable_hierarchical_cache=True, nnodes=2, dist_init_addr="h:1234")
