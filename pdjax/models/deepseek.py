@@ -42,6 +42,7 @@ from pdjax.models.linear import linear
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
+from pdjax.pallas_kernels.mla_sparse_attention import fp8_record
 from pdjax.models.deepseek_params import _Stack, param_groups
 from pdjax.models.moe import moe_forward, swiglu
 
@@ -167,8 +168,14 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     c_kv = rms_norm(kv_a[:, :C], a["kv_a_norm"], LATENT_NORM_EPS)
     k_pe = rope(kv_a[:, None, C:], md.positions, inv_freq, rope_scale)[:, 0]
     caches = dict(caches)
-    caches["latent"] = _write_rows(caches["latent"], layer,
-                                   jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
+    if fp8_record.is_fp8_latent(caches):
+        layout = fp8_record.Fp8LatentLayout(C, cfg.qk_rope_head_dim,
+                                            1 if "latent_scale" in caches else
+                                            fp8_record.TPU_LANES)
+        caches = fp8_record.write_rows(caches, layout, layer, c_kv, k_pe, md.slot_mapping)
+    else:
+        caches["latent"] = _write_rows(caches["latent"], layer,
+                                       jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
 
     if cfg.has_indexer:
         def full_branch(topk, k_cache):
@@ -182,7 +189,8 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
             topk, caches["indexer_k"] = full_branch(topk, caches["indexer_k"])
 
     out_lat = mla_sparse_attention(
-        jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1), caches["latent"],
+        jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1),
+        fp8_record.latent_view(caches),
         layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
         sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl,
         interpret=interpret)                                                     # [T, H, C]
@@ -269,9 +277,11 @@ class DeepseekForCausalLM(nnx.Module):
             dtype = self.embed_tokens[...].dtype
         specs = deepseek_cache_spec(self.cfg, num_pages=num_pages, page_size=page_size,
                                     dtype=dtype, row_align=row_align)
-        if self.mtp_enabled:
+        if self.mtp_enabled:      # hidden states: never FP8 (the KV dtype may be)
+            hidden_dtype = (self.embed_tokens[...].dtype if jnp.dtype(dtype).itemsize == 1
+                            else dtype)
             specs += (CacheBufferSpec("mtp_hidden", (1, num_pages, page_size, aligned_width(
-                self.cfg.hidden_size, row_align)), jnp.dtype(dtype)),)
+                self.cfg.hidden_size, row_align)), jnp.dtype(hidden_dtype)),)
         return specs
 
     def mtp_cache_spec(self, num_pages: int, page_size: int, dtype=None,
@@ -387,12 +397,26 @@ def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
     zero lanes to a multiple of ``row_align`` (``lanes.kv_row_align``: 128 on TPU, so 576-wide
     latent rows are 640). Raises ``ValueError`` for a non-positive ``num_pages``,
     ``page_size`` or ``row_align``.
+
+    ``dtype`` float8_e4m3fn (``--kv-cache-dtype fp8_e4m3``): the latent is the FP8 record of
+    ``pallas_kernels/mla_sparse_attention/fp8_record.py`` in its planes (``"latent"`` FP8,
+    ``"latent_scale"`` float32, ``"latent_rope"`` bfloat16: 656 bytes per token per layer for
+    DeepSeek; on TPU the scales ride in the rope plane's pad lanes). ``indexer_k`` stays
+    bfloat16.
     """
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
     dtype = jnp.dtype(dtype)
-    specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size,
-                                        aligned_width(cfg.latent_dim, row_align)), dtype)]
+    if dtype == jnp.dtype(fp8_record.FP8_DTYPE):
+        layout = fp8_record.Fp8LatentLayout(cfg.kv_lora_rank, cfg.qk_rope_head_dim, row_align)
+        specs = [CacheBufferSpec(name, (cfg.num_layers, num_pages, page_size, width), d)
+                 for name, width, d in layout.planes()]
+        dtype = jnp.dtype(jnp.bfloat16)
+    elif dtype.itemsize == 1:
+        raise ValueError(f"dtype: a 1-byte KV cache must be float8_e4m3fn, got {dtype}")
+    else:
+        specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size,
+                                            aligned_width(cfg.latent_dim, row_align)), dtype)]
     if cfg.has_indexer:
         specs.append(CacheBufferSpec(
             "indexer_k", (len(cfg.full_indexer_layers), num_pages, page_size,

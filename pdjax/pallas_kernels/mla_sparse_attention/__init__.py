@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pdjax.pallas_kernels.lanes import pad_query_to_rows
+from pdjax.pallas_kernels.mla_sparse_attention.fp8_record import Fp8Latent
 from pdjax.pallas_kernels.tp_shard import tp_map
 from pdjax.pallas_kernels.mla_sparse_attention.reference import mla_sparse_attention_reference
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
@@ -21,7 +22,7 @@ from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
 def mla_sparse_attention(
     q: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: jax.Array | Fp8Latent,
     layer: jax.Array | int,
     kv_lens: jax.Array,
     page_indices: jax.Array,
@@ -40,7 +41,9 @@ def mla_sparse_attention(
       q: ``[T, H, kv_lora_rank + rope_dim]`` float32 or bfloat16.
       kv_cache: ``[layers, num_pages, page_size, W]``, ``W = kv_lora_rank + rope_dim`` or
         wider (rows padded with zero lanes on TPU, ``pallas_kernels/lanes.py``: the query is
-        padded to match), this step's rows already written.
+        padded to match), this step's rows already written. Or an ``Fp8Latent``: the planes
+        of the FP8 record (``fp8_record.py``; ``q`` stays ``[T, H, Dl + Dr]``), dequantized
+        as read by every path.
       layer: int32 scalar; kv_lens ``[R]``, page_indices ``[R, P]``, cu_q_lens ``[R+1]``,
         distribution ``[3]``: DESIGN.md §2 metadata (int32).
       topk_indices: ``[T, K]`` int32 sequence positions per token (``-1`` = empty), or None
@@ -56,7 +59,8 @@ def mla_sparse_attention(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
-    q = pad_query_to_rows(q, kv_cache)
+    if not isinstance(kv_cache, Fp8Latent):
+        q = pad_query_to_rows(q, kv_cache)
     args = (q, kv_cache, layer, kv_lens, page_indices, cu_q_lens, distribution, topk_indices)
     kwargs = dict(sm_scale=sm_scale, kv_lora_rank=kv_lora_rank)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own

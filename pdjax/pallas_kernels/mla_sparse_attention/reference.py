@@ -28,6 +28,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pdjax.pallas_kernels.mla_sparse_attention.fp8_record import (
+    Fp8Latent, dequantize_rows, layout_of)
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     token_request_ids, validate_metadata)
 
@@ -39,10 +41,14 @@ def validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
     """Static checks of the contract; raises ``ValueError`` naming the field."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_heads, kv_lora_rank + rope_dim], got {q.shape}")
-    if kv_cache.ndim != 4:
+    if isinstance(kv_cache, Fp8Latent):
+        if not 0 < kv_lora_rank < q.shape[2]:
+            raise ValueError(f"kv_lora_rank must be in [1, {q.shape[2] - 1}], got {kv_lora_rank}")
+        layout_of(kv_cache, kv_lora_rank, q.shape[2] - kv_lora_rank)
+    elif kv_cache.ndim != 4:
         raise ValueError("kv_cache must be [layers, num_pages, page_size, kv_lora_rank + "
                          f"rope_dim], got {kv_cache.shape}")
-    if kv_cache.shape[3] != q.shape[2]:
+    elif kv_cache.shape[3] != q.shape[2]:
         raise ValueError(f"last dim of q ({q.shape[2]}) and kv_cache ({kv_cache.shape[3]}) differ")
     if not 0 < kv_lora_rank <= q.shape[2]:
         raise ValueError(f"kv_lora_rank must be in [1, {q.shape[2]}], got {kv_lora_rank}")
@@ -93,6 +99,10 @@ def check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribut
     """The contract (``validate_inputs``) plus the kernels' dtypes; ``ValueError``."""
     validate_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution, topk_indices,
                     kv_lora_rank)
+    if isinstance(kv_cache, Fp8Latent):       # planes checked by validate_inputs
+        if q.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"q must be float32 or bfloat16, got {q.dtype}")
+        return
     if q.dtype not in (jnp.float32, jnp.bfloat16) or kv_cache.dtype not in (jnp.float32,
                                                                                jnp.bfloat16):
         raise ValueError(f"q and kv_cache must be float32 or bfloat16, got {q.dtype}, "
@@ -141,7 +151,8 @@ def mla_sparse_attention_reference(
     Args:
       q: ``[T, H, Dl + Dr]`` absorbed queries (float32 or bfloat16).
       kv_cache: ``[layers, num_pages, page_size, Dl + Dr]`` latent rows, this step's rows
-        already written; slots past ``kv_lens`` may hold anything, NaN included.
+        already written; slots past ``kv_lens`` may hold anything, NaN included. Or an
+        ``fp8_record.Fp8Latent`` of the FP8 record's planes (dequantized as gathered).
       layer: int32 scalar, the layer of ``kv_cache`` to read.
       kv_lens: ``[R]`` int32; page_indices: ``[R, P]`` int32; cu_q_lens: ``[R+1]`` int32;
       distribution: ``[3]`` int32 (DESIGN.md §2; every row is treated alike here).
@@ -157,9 +168,19 @@ def mla_sparse_attention_reference(
                     kv_lora_rank)
     del distribution
     num_tokens, num_heads, dim = q.shape
-    page_size = kv_cache.shape[2]
+    fp8 = isinstance(kv_cache, Fp8Latent)
+    page_size = (kv_cache.latent if fp8 else kv_cache).shape[2]
     max_pages = page_indices.shape[1]
     req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
+
+    def rows_at(layer, pages, offsets):
+        if not fp8:
+            return kv_cache[layer, pages, offsets].astype(jnp.float32)
+        scale = None if kv_cache.scale is None else kv_cache.scale[layer, pages, offsets]
+        return dequantize_rows(kv_cache.latent[layer, pages, offsets], scale,
+                               kv_cache.rope[layer, pages, offsets],
+                               kv_lora_rank=kv_lora_rank, rope_dim=dim - kv_lora_rank)
+
     if topk_indices is None:
         span = max_pages * page_size
     else:
@@ -183,7 +204,7 @@ def mla_sparse_attention_reference(
         safe = jnp.maximum(idx, 0)
         page_slot = jnp.minimum(safe // page_size, max_pages - 1)
         pages = jnp.take_along_axis(rows_pages, page_slot, axis=1)          # [T, B]
-        kv = kv_cache[layer, pages, safe % page_size].astype(jnp.float32)   # [T, B, D]
+        kv = rows_at(layer, pages, safe % page_size)                       # [T, B, D]
         kv = jnp.where(ok[..., None], kv, 0.0)        # NaN in unused slots must not leak
         s = jnp.einsum("thd,tbd->thb", qf, kv)
         s = jnp.where(ok[:, None, :], s, MASK_VALUE)
