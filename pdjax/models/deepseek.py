@@ -45,6 +45,7 @@ from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 from pdjax.pallas_kernels.mla_sparse_attention import fp8_record
 from pdjax.models.deepseek_params import _Stack, param_groups
 from pdjax.models.moe import moe_forward, swiglu
+from pdjax.models.moe_ep import moe_forward_ep
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     m = jax.tree.map(lambda w: w[mslot], params["dense" if kind == "dense" else "moe"])
     if kind == "dense":
         x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
+    elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)
+        x = x + moe_forward_ep(cfg, h, m, impl=impl, interpret=interpret)
     else:
         x = x + moe_forward(cfg, h, m)
     return (x, caches, topk), None

@@ -40,6 +40,8 @@ class DeepseekConfig:
     one of ``INDEXER_TYPES``. ``rope_scaling`` is a sorted tuple of ``(key, value)`` pairs.
     ``weight_block_size`` / ``scale_fmt`` / ``modules_to_not_convert``: the FP8 block-scaled
     weights of ``quantization_config`` (``models/fp8.quantization_fields``; 0: unquantized).
+    ``ep_size`` / ``moe_tp_size`` / ``moe_a2a_backend``: the expert parallelism of a run
+    (``moe_ep.expert_parallel_config``; ``ep_size`` 1: the experts split by width over TP).
     """
 
     architecture: str
@@ -81,6 +83,11 @@ class DeepseekConfig:
     weight_block_size: int = 0                  # FP8 block-scaled weights (models/fp8.py); 0: none
     scale_fmt: str | None = None
     modules_to_not_convert: tuple[str, ...] = ()
+    # Expert parallelism the model runs (models/moe_ep.py; set by expert_parallel_config, not
+    # read from config.json): ep_size 1 is plain TP.
+    ep_size: int = 1
+    moe_tp_size: int = 1
+    moe_a2a_backend: str = "none"
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:

@@ -20,7 +20,8 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
 
     Heads, MLP widths and expert widths are split over the mesh axis ``"tp"``; the latent
     projections, the router and the indexer are replicated (the latent cache is shared by all
-    heads, so every rank keeps it whole).
+    heads, so every rank keeps it whole). With ``cfg.ep_size > 1`` the routed experts are
+    split by expert instead (``moe_ep.py``: ``[moe_tp_size * E, ...]`` stacks over ``"tp"``).
     """
     Hd, H, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     attn: ParamShapes = {
@@ -51,6 +52,11 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
         "w_up": ((E, Hd, Fm), P(None, None, "tp")),
         "w_down": ((E, Fm, Hd), P(None, "tp", None)),
     }
+    if cfg.ep_size > 1:       # EP: split by expert (entry t * E + e: expert e's slice t)
+        S, Fs = cfg.moe_tp_size * E, Fm // cfg.moe_tp_size
+        moe.update(w_gate=((S, Hd, Fs), P("tp", None, None)),
+                   w_up=((S, Hd, Fs), P("tp", None, None)),
+                   w_down=((S, Fs, Hd), P("tp", None, None)))
     if cfg.n_shared_experts:
         Fs = Fm * cfg.n_shared_experts
         moe.update(sh_gate=((Hd, Fs), P(None, "tp")), sh_up=((Hd, Fs), P(None, "tp")),

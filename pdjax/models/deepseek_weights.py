@@ -14,6 +14,7 @@ from pdjax.models.fp8 import (FP8_DTYPE, SCALE_SUFFIX, LazyStack, check_ue8m0, d
                               num_blocks)
 
 from pdjax.models.deepseek_params import FP8_MODULES, fp8_params, param_groups
+from pdjax.models.moe_ep import EXPERT_WEIGHTS, expert_parallel_config, expert_shards
 
 logger = logging.getLogger(__name__)
 
@@ -34,12 +35,17 @@ def param_partition_specs(cfg: DeepseekConfig, tp_size: int) -> dict[str, P]:
 
 
 def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
-    """Raises ``ValueError`` when heads or MLP/expert widths do not split over ``tp_size``."""
+    """Raises ``ValueError`` when heads or MLP/expert widths do not split over ``tp_size``
+    (under EP, ``cfg.ep_size > 1``, the routed experts are ``moe_ep.check_expert_parallel``'s
+    to check; the shared experts' width still splits over ``tp_size``)."""
     checks = [("num_attention_heads", cfg.num_heads)]
     if cfg.dense_layers:
         checks.append(("intermediate_size", cfg.intermediate_size))
-    if cfg.moe_layers:
+    if cfg.moe_layers and cfg.ep_size == 1:
         checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    elif cfg.moe_layers and cfg.n_shared_experts:
+        checks.append(("the shared experts' width (moe_intermediate_size x n_shared_experts)",
+                       cfg.moe_intermediate_size * cfg.n_shared_experts))
     for name, value in checks:
         if value % tp_size:
             raise ValueError(f"tp_size ({tp_size}) must divide {name} ({value})")
@@ -48,6 +54,8 @@ def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
         B = cfg.weight_block_size
         fp8 = fp8_params(cfg)
         for group, name in (key for key in FP8_MODULES if key in fp8):
+            if cfg.ep_size > 1 and group == "moe" and not name.startswith("sh_"):
+                continue                    # split by expert (moe_ep.check_expert_parallel)
             shape, spec = groups[group][1][name]
             axis = list(spec).index("tp") if "tp" in spec else None
             if axis is not None and (shape[axis] // tp_size) % B:
@@ -58,6 +66,32 @@ def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
                     f"{shape[axis] // tp_size}, not a multiple of the {B}-wide blocks "
                     f"(quantization_config.weight_block_size); use a tp_size whose shards hold "
                     f"whole blocks")
+
+
+def expert_parallel_run_config(cfg: DeepseekConfig, tp_size: int, ep_size: int,
+                               moe_a2a_backend: str = "none") -> DeepseekConfig:
+    """The run config of ``cfg`` at TP ``tp_size`` with EP ``ep_size``
+    (``moe_ep.expert_parallel_config``, then ``check_tp``); ``ValueError`` naming the field."""
+    run_cfg = expert_parallel_config(cfg, tp_size, ep_size, moe_a2a_backend)
+    check_tp(run_cfg, tp_size)
+    return run_cfg
+
+
+def expert_parallel_params(params: dict, cfg: DeepseekConfig, run_cfg: DeepseekConfig) -> dict:
+    """``params`` of ``cfg`` (stacked, HF expert order) for ``run_cfg``: under EP with
+    ``moe_tp_size > 1`` the routed expert stacks (and their FP8 scales, the MTP layer's too)
+    in ``moe_ep.expert_shards``'s layout; otherwise ``params`` as they are. Lazy FP8 stacks
+    stay lazy."""
+    if run_cfg.ep_size == 1 or run_cfg.moe_tp_size == 1:
+        return params
+    out = dict(params)
+    for prefix in ("moe.", "mtp.moe."):
+        for name in EXPERT_WEIGHTS:
+            width_axis = -2 if name == "w_down" else -1
+            for key in (prefix + name, prefix + name + SCALE_SUFFIX):
+                if key in out:
+                    out[key] = expert_shards(out[key], run_cfg.moe_tp_size, width_axis)
+    return out
 
 
 def stack_hf_tensors(cfg: DeepseekConfig, tensors: dict[str, np.ndarray],

@@ -51,21 +51,37 @@ def _family_model(family: ModelFamily, run_cfg, dtype, model_kwargs):
     return lambda: family.model_class(run_cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs)
 
 
+def run_config(family: ModelFamily, cfg, tp_size: int, ep_size: int = 1,
+               moe_a2a_backend: str = "none"):
+    """The config ``family``'s model runs at TP ``tp_size`` and EP ``ep_size`` (``--ep-size``:
+    ``family.expert_parallel``; 1: ``family.run_config``). ``ValueError`` naming the field
+    when the layout cannot split the model (``ep_size`` on a family without routed experts
+    included)."""
+    if ep_size == 1:
+        return family.run_config(cfg, tp_size)
+    if family.expert_parallel is None:
+        raise ValueError(f"ep_size: {family.name} models have no routed experts (ep_size "
+                         f"{ep_size} needs an MoE model)")
+    return family.expert_parallel(cfg, tp_size, ep_size, moe_a2a_backend)
+
+
 def build_model(family: ModelFamily, cfg, params: Params, mesh: Mesh, dtype="auto",
-                **model_kwargs):
+                ep_size: int = 1, moe_a2a_backend: str = "none", **model_kwargs):
     """Place the stacked ``params`` of ``cfg`` on ``mesh`` as ``family``'s module.
 
-    Returns ``(run_cfg, model)``: ``run_cfg`` is ``family.run_config(cfg, tp)`` (Llama: KV
-    heads replicated up to the TP size when fewer). ``ValueError`` when TP does not split the
-    model or a parameter is missing or mis-shaped."""
+    Returns ``(run_cfg, model)``: ``run_cfg`` is ``run_config(family, cfg, tp, ep_size,
+    moe_a2a_backend)`` (Llama: KV heads replicated up to the TP size when fewer; MoE under
+    EP: ``moe_ep.py``). ``ValueError`` when TP / EP does not split the model or a parameter
+    is missing or mis-shaped."""
     tp_size = mesh.shape["tp"]
-    run_cfg = family.run_config(cfg, tp_size)
+    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend)
     params = family.adapt_params(params, cfg, run_cfg)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     return run_cfg, place_params(make, params, family.param_specs(run_cfg, tp_size), mesh)
 
 
-def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
+def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
+                     moe_a2a_backend: str = "none", **model_kwargs):
     """Restore a pdjax Orbax checkpoint (``orbax_checkpoint.py``) onto ``mesh``.
 
     When the run config equals the checkpoint's (no KV-head replication), every parameter is
@@ -74,10 +90,12 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
     family = model_family(read_marker(path)["architecture"])
     cfg = family.read_config(path)
     tp_size = mesh.shape["tp"]
-    run_cfg = family.run_config(cfg, tp_size)
+    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend)
     if run_cfg != cfg:
-        logger.info("%s: TP %d replicates KV heads; restoring through the host", path, tp_size)
-        return build_model(family, cfg, restore_params(path), mesh, dtype, **model_kwargs)
+        logger.info("%s: TP %d (EP %d) changes the layout; restoring through the host", path,
+                    tp_size, ep_size)
+        return build_model(family, cfg, restore_params(path), mesh, dtype, ep_size,
+                           moe_a2a_backend, **model_kwargs)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     specs = family.param_specs(run_cfg, tp_size)
     targets = {k: a.update(sharding=NamedSharding(mesh, specs[k]))
@@ -85,14 +103,16 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
     return run_cfg, place_params(make, restore_params(path, targets), specs, mesh)
 
 
-def load_dummy_model(path: str, *, dtype="auto", mesh: Mesh, **model_kwargs):
+def load_dummy_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
+                     moe_a2a_backend: str = "none", **model_kwargs):
     """A model of the config at ``path`` (an HF folder with only a config.json is enough, a
     GGUF file or an Orbax checkpoint also do) with random weights made on the devices of
     ``mesh`` (``params.random_params``): no tensor is read. For benchmarks of a model's shape
     without its weights (``scripts/gpu_check.sh``). Returns ``(run_cfg, model)`` like
     ``load_model``; ``ValueError`` naming the config field that is wrong."""
     family = model_family(checkpoint_architecture(path))
-    run_cfg = family.run_config(checkpoint_config(path), mesh.shape["tp"])
+    run_cfg = run_config(family, checkpoint_config(path), mesh.shape["tp"], ep_size,
+                         moe_a2a_backend)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     specs = family.param_specs(run_cfg, mesh.shape["tp"])
     return run_cfg, place_params(make, random_params(make, specs, mesh), specs, mesh)
@@ -109,7 +129,8 @@ def checkpoint_config(path: str):
 
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
                progress: bool = True, load_format: str = "auto", unroll_layers: bool = False,
-               cpu_matmul_kernel: bool = False, **model_kwargs):
+               cpu_matmul_kernel: bool = False, ep_size: int = 1,
+               moe_a2a_backend: str = "none", **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
     The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
@@ -119,20 +140,22 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
     or a pdjax Orbax checkpoint. ``load_format``: ``auto`` reads the weights, ``dummy`` makes
     random ones of the checkpoint's config (``load_dummy_model``). ``unroll_layers`` /
     ``cpu_matmul_kernel``: the weight layout of the platform profile, applied once loaded
-    (``platform.prepare_model``). Raises ``ValueError`` naming the file, tensor, architecture
-    or layout that is wrong.
+    (``platform.prepare_model``). ``ep_size`` / ``moe_a2a_backend``: expert parallelism
+    over the ``tp`` mesh (``moe_ep.py``; MoE models only). Raises ``ValueError`` naming the
+    file, tensor, architecture or layout that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be one of auto, dummy; got {load_format!r}")
+    ep = dict(ep_size=ep_size, moe_a2a_backend=moe_a2a_backend)
     if load_format == "dummy":
-        run_cfg, model = load_dummy_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+        run_cfg, model = load_dummy_model(path, dtype=dtype, mesh=mesh, **ep, **model_kwargs)
     elif is_orbax_checkpoint(path):
-        run_cfg, model = load_orbax_model(path, dtype=dtype, mesh=mesh, **model_kwargs)
+        run_cfg, model = load_orbax_model(path, dtype=dtype, mesh=mesh, **ep, **model_kwargs)
     else:
         family, cfg, params, _ = read_params(path, progress)
-        run_cfg, model = build_model(family, cfg, params, mesh, dtype, **model_kwargs)
+        run_cfg, model = build_model(family, cfg, params, mesh, dtype, **ep, **model_kwargs)
     prepare_model(model, unroll_layers=unroll_layers, cpu_matmul_kernel=cpu_matmul_kernel)
     return run_cfg, model
 

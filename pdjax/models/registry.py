@@ -46,6 +46,8 @@ class ModelFamily:
       adapt_params: ``(params of cfg, cfg, run_cfg)`` -> params of ``run_cfg``.
       param_specs: ``(run_cfg, tp_size)`` -> partition spec of every parameter path.
       model_class: the NNX module, ``model_class(run_cfg, dtype=..., rngs=..., **kwargs)``.
+      expert_parallel: ``(cfg, tp_size, ep_size, moe_a2a_backend)`` -> the run config with
+        the routed experts split over ``ep_size`` (``--ep-size``); None: no routed experts.
     """
 
     name: str
@@ -56,6 +58,7 @@ class ModelFamily:
     adapt_params: Callable[[Params, Any, Any], Params]
     param_specs: Callable[[Any, int], dict]
     model_class: type
+    expert_parallel: Callable[[Any, int, int, str], Any] | None = None
 
 
 _REGISTRY: dict[str, ModelFamily] = {}
@@ -113,6 +116,7 @@ register_model_family(ModelFamily(
 register_model_family(ModelFamily(
     name="deepseek", architectures=DEEPSEEK_ARCHITECTURES, read_config=DeepseekConfig.from_hf_dir,
     stack_params=deepseek_weights.stack_hf_tensors, run_config=_deepseek_run_config,
-    adapt_params=lambda params, cfg, run_cfg: params,
+    adapt_params=deepseek_weights.expert_parallel_params,
     param_specs=deepseek_weights.param_partition_specs,
-    model_class=deepseek.DeepseekForCausalLM))
+    model_class=deepseek.DeepseekForCausalLM,
+    expert_parallel=deepseek_weights.expert_parallel_run_config))
