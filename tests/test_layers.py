@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                  "pdjax.kv", "pdjax.pd", "pdjax.transfer.engine", "pdjax.distributed.wire")),
     ("device", ("pdjax.jax_setup", "pdjax.models", "pdjax.pallas_kernels", "pdjax.runner",
                 "pdjax.distributed", "pdjax.spec.draft_model", "pdjax.spec.mtp")),
-    ("transfer", ("pdjax.transfer",)),
+    ("transfer", ("pdjax.transfer", "pdjax.kv.hicache")),
     ("engine", ("pdjax.engine",)),
     ("server", ("pdjax.server",)),
     ("entrypoints", ("pdjax.entrypoints", "pdjax.serve", "pdjax.router",

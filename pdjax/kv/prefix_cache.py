@@ -115,6 +115,14 @@ class RadixCache:
         node, pages = self._descend(token_ids, num_pages)
         return pages, node
 
+    def cached_pages_of(self, token_ids: Sequence[int]) -> list[int]:
+        """The page ids caching the longest prefix of ``token_ids`` in full pages, read-only:
+        no split, no LRU touch (the host tier, ``pdjax.kv.hicache``, asks which pages to copy
+        without changing what is evicted first). ``[]`` when disabled."""
+        if not self.enabled:
+            return []
+        return self._peek(token_ids, len(token_ids) // self.page_size)
+
     def num_path_pages(self, node: Node) -> int:
         """Pages on the path root..``node`` (0 for the root); ``ValueError`` if ``node`` is no
         longer in the tree."""

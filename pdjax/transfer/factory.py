@@ -74,6 +74,9 @@ def create_kv_connection(host: RoleHost) -> KVConnection:
         check_kv_connector(name)
         return _REGISTRY[name](host)
     if role not in ("prefill", "decode"):
+        if getattr(host.args, "enable_hierarchical_cache", False):
+            from pdjax.kv.hicache.worker import build_host_tier    # HiCache's host tier
+            return KVConnection(*build_host_tier(host))
         return KVConnection()
     from pdjax.transfer.role import build_role_parts
 

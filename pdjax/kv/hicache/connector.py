@@ -1,0 +1,162 @@
+"""The host tier's ``KVConnector``: what the scheduler asks of it, and the plan it hands the
+worker (DESIGN.md §3, "Host tier"; §4 for the calls).
+
+    admission      get_num_new_matched_tokens(req, local)  pages past the device hit that the
+                   host holds, whole pages, one prompt token left (the index's ``match``)
+                   update_state_after_alloc(req, n)        pin their slots, plan the load into
+                                                           the pages just allocated
+    a finish       request_finished(req) -> False          remember its tokens (write-through)
+    after a step   build_meta(batch)                       the loads, and the writes: every
+                   prefix the step computed (its prefill rows) or finished, cut to the pages
+                   the device prefix cache holds for it now, minus those the host knows
+
+Write-through copies a page to the host once it is computed and cached on the device, so a
+page the device evicts later is on the host already (SGLang's ``write_through``). The device
+pages of a write are read from the prefix cache when the plan is made (``cached_pages_of``): a
+page in the cache then holds its prefix's KV, written by a forward dispatched before the gather
+that copies it (device order), and no request can be handed it before the next ``schedule``.
+Pure Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from pdjax.kv.hicache.host_pool import HostIndex
+from pdjax.kv.hicache.page_hash import page_hashes
+from pdjax.request import PENDING_TOKEN
+from pdjax.sched.kv_connector import KVConnectorOutput
+
+if TYPE_CHECKING:      # annotations only
+    from pdjax.request import Request
+    from pdjax.sched.scheduled_batch import ScheduledBatch
+    from pdjax.sched.scheduler import Scheduler
+
+
+@dataclasses.dataclass
+class LoadJob:
+    """Host slots ``slots[i]`` -> device page ``pages[i]`` for ``req`` (waiting for its KV)."""
+
+    req: Request
+    pages: list[int]
+    slots: list[int]
+
+
+@dataclasses.dataclass
+class WriteJob:
+    """Device pages ``pages[i]`` -> host slots ``slots[i]``, the pages ``new`` (indices into
+    ``path``) of the prefix whose page hashes are ``path``."""
+
+    path: list[bytes]
+    new: list[int]
+    pages: list[int]
+    slots: list[int]
+
+
+@dataclasses.dataclass
+class HiCacheMeta:
+    """One step's plan for ``HiCacheWorker.start``."""
+
+    loads: list[LoadJob]
+    writes: list[WriteJob]
+
+
+@dataclasses.dataclass
+class HiCacheStats:
+    """Counters of ``/get_load`` (``HiCacheRole.load``)."""
+
+    loaded_pages: int = 0
+    written_pages: int = 0
+    load_jobs_dropped: int = 0   # loads planned for a request that left before they started
+
+
+class HiCacheConnector:
+    """The host tier as the scheduler's ``KVConnector`` (see the module docstring).
+
+    ``scheduler``: the engine's (its ``prefix_cache`` and ``waiting_remote`` are read);
+    ``index``: the host pool's ``HostIndex``."""
+
+    def __init__(self, scheduler: Scheduler, index: HostIndex, page_size: int):
+        self.scheduler = scheduler
+        self.index = index
+        self.page_size = page_size
+        self.stats = HiCacheStats()
+        self._loads: list[LoadJob] = []
+        self._finished: list[list[int]] = []
+        # The worker's ``flush``: commits the writes in flight (set by ``build_host_tier``).
+        self.wait_for_writes: Callable[[], None] | None = None
+
+    # ---- admission -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int:
+        ps = self.page_size
+        max_pages = (req.num_prompt_tokens - 1) // ps       # one prompt token to compute
+        first = num_computed_tokens // ps
+        if first >= max_pages:
+            return 0
+        hashes = page_hashes(req.prompt_ids, ps, max_pages)
+        n = self.index.match(hashes, first)
+        if first + n < max_pages and self.index.is_pending(hashes[first + n]) \
+                and self.wait_for_writes is not None:
+            # The next page is on its way to the host (the device evicted it since): wait for
+            # the copy rather than recompute it.
+            self.wait_for_writes()
+            n = self.index.match(hashes, first)
+        return n * ps
+
+    def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        if not num_external_tokens:
+            return
+        ps = self.page_size
+        n = num_external_tokens // ps
+        first = len(req.pages) - n
+        hashes = page_hashes(req.prompt_ids, ps, first + n)
+        slots = self.index.slots(hashes[first:])     # matched in this same schedule()
+        self.index.pin(slots)
+        self.index.touch(hashes)
+        self._loads.append(LoadJob(req, req.pages[first:], slots))
+
+    # ---- finish and step -----------------------------------------------------------------
+    def request_finished(self, req: Request) -> bool:
+        self._finished.append(req.all_ids)
+        return False
+
+    def build_meta(self, batch: ScheduledBatch | None) -> HiCacheMeta | None:
+        loads = []
+        for job in self._loads:
+            if self.scheduler.waiting_remote.get(job.req.rid) is job.req:
+                loads.append(job)
+            else:                           # aborted before its load started
+                self.index.unpin(job.slots)
+                self.stats.load_jobs_dropped += 1
+        self._loads = []
+        prefixes, self._finished = self._finished, []
+        if batch is not None:
+            prefixes += [row.req.all_ids for row in batch.rows
+                         if not row.is_decode and not row.is_verify]
+        writes = [w for ids in prefixes if (w := self._plan_write(ids)) is not None]
+        return HiCacheMeta(loads, writes) if loads or writes else None
+
+    def _plan_write(self, ids: list[int]) -> WriteJob | None:
+        """The pages of prefix ``ids`` the device caches and the host does not know yet."""
+        if PENDING_TOKEN in ids:
+            ids = ids[:ids.index(PENDING_TOKEN)]
+        pages = self.scheduler.prefix_cache.cached_pages_of(ids)
+        if not pages:
+            return None
+        path = page_hashes(ids, self.page_size, len(pages))
+        self.index.touch(path)              # kept while slots are made for the rest
+        new = [i for i, h in enumerate(path) if not self.index.is_known(h)]
+        if not new:
+            return None
+        slots = self.index.reserve([path[i] for i in new])
+        if not slots:
+            return None
+        new = new[:len(slots)]
+        return WriteJob(path[:new[-1] + 1], new, [pages[i] for i in new], slots)
+
+    def update(self, output: KVConnectorOutput) -> None:
+        pass
+
+    def owned_pages(self) -> list[int]:
+        return []
