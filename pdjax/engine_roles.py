@@ -4,18 +4,20 @@
 in through ``EngineRole``, which the engine calls at fixed points, and sees the engine only
 through ``RoleHost``, which ``EngineCore`` implements. Neither side reaches into the other's
 privates. The scheduler calls the same object as its ``KVConnector``
-(``pdjax/sched/kv_connector.py``); the role reserves and commits a decode's pages through the
-scheduler's public ``reserve_remote`` / ``commit_remote`` / ``drop_remote``.
+(``pdjax/sched/kv_connector.py``): a decode's requests are admitted by the scheduler like any
+other, the role answering ``get_num_new_matched_tokens`` and its worker reporting the KV in.
 
 One engine step and where the role is called (engine thread)::
 
     step():  [read a grammar step in flight]
-             role.poll()                      -> outputs   (admit, commit, fail, time out)
-             scheduler.update_from_kv_output(worker.poll())     (held pages back)
+             role.poll()                      -> outputs   (events, gates, timeouts)
+             scheduler.update_from_kv_output(worker.poll())     (KV in or failed, held
+                                                                 pages back)
              scheduler.schedule() -> launch -> read a step's tokens
              worker.start(connector.build_meta(batch))          (queue KV chunks)
              role.after_step(batch, outputs)  -> outputs   (hold answers, address checks)
-    add_request(g): role.add_request(g, req)  -> True: the role schedules it later
+    add_request(g): role.add_request(g, req)  -> True: the role hands it to the scheduler
+                                                 later (PD prefill); False: queued now
     abort_request:  role.abort(rid, message)  -> an output, or None: the scheduler's
     a request refused before it reached the role: role.on_rejected / role.reject_room
     has_work:       role.has_work()           (events from its helper threads, timeouts)

@@ -2,8 +2,9 @@
 the forward (which samples on the device) and processes a step's results; overlapped by
 default. With KV from or to elsewhere the step also talks to the transfer side::
 
-    step():  role.poll()                              (PD: rooms, commits, timeouts)
-             scheduler.update_from_kv_output(worker.poll())   what the worker finished
+    step():  role.poll()                              (PD: rooms, the metadata gate, timeouts)
+             scheduler.update_from_kv_output(worker.poll())   what the worker finished: KV
+                                                       in (with a first token) or failed
              scheduler.schedule()  ->  launch  ->  read the step due (ForwardStep)
              worker.start(scheduler.build_connector_meta(batch))   what to move now
              role.after_step(batch, outputs)           (PD: hold answers until sent)
@@ -243,9 +244,11 @@ class EngineCore(ForwardStep):
             self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
         if self.disagg.add_request(g, req):
-            return req                # PD: the role's manager schedules it later
+            return req                # PD prefill: its bootstrap queue hands it over later
         self.scheduler.add_request(req)
-        if sp.max_new_tokens == 0 and not req.return_logprob:
+        # A PD decode's request still moves its KV (its prefill waits for the page list): the
+        # scheduler finishes it once the KV is in.
+        if sp.max_new_tokens == 0 and not req.return_logprob and self.args.role != "decode":
             self._zero_token_reqs.append(req)
         return req
 
@@ -343,7 +346,11 @@ class EngineCore(ForwardStep):
         """PD events, what the transfer worker finished, requests done without a forward, then
         the scheduler's batch."""
         outputs += self.disagg.poll()
-        self.scheduler.update_from_kv_output(self.kv_worker.poll())
+        # KV that arrived or will not: a request's first token (PD decode), or its error.
+        for req in self.scheduler.update_from_kv_output(self.kv_worker.poll(), self.stop_check):
+            outputs.append(self.make_output(req, list(req.output_ids),
+                                            list(req.output_logprobs),
+                                            list(req.output_top_logprobs)))
         while self._zero_token_reqs:       # max_new_tokens = 0: done without a forward
             req = self._zero_token_reqs.pop()
             if self.scheduler.finish_waiting(req, FinishReason.of_length(0)):

@@ -273,7 +273,9 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
         disable_radix_cache=cache.disable_radix_cache,
         max_context_len=args.context_length or model_len,
         page_aligned_chunks=args.role == "prefill",
-        max_num_batched_tokens=sched.max_num_batched_tokens, target_itl_ms=sched.target_itl_ms)
+        max_num_batched_tokens=sched.max_num_batched_tokens, target_itl_ms=sched.target_itl_ms,
+        num_reserved_decode_tokens=(args.disaggregation.num_reserved_decode_tokens
+                                    if args.role == "decode" else 0))
     return EngineConfig(
         args=args, model_path=model_path, dtype=dtype,
         kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],

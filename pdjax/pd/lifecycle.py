@@ -169,12 +169,6 @@ class PeerLost(RoomFailure):
     label = "lost"
 
 
-class DoesNotFit(RoomFailure):
-    """The prompt does not fit the decode's KV pool even when it is empty."""
-
-    label = "fit"
-
-
 class RemoteFailure(RoomFailure):
     """The prefill reported Failed (its reason is the message)."""
 

@@ -170,6 +170,7 @@ class DecodeRoom:
     status_code: int = 0               # a prefill's 4xx refusal, passed on to the client
     failure: RoomFailure | None = None
     digest: bytes = b""                # wire.prompt_digest of the prompt
+    quarantine: bool = False           # failed while the prefill may still write its pages
 
     @property
     def fake(self) -> bool:

@@ -1,145 +1,164 @@
 """The scheduler's page books for KV that moves between servers (DESIGN.md §4): requests whose
-KV is arriving (``waiting_remote``) and finished requests whose KV is still leaving
-(``held``). A ``KVConnector`` (``pdjax.sched.kv_connector``) moves requests in and out of them
-only through the calls below; ``Scheduler.check_invariants`` counts every page they hold.
+KV is arriving (``waiting``), those whose KV has arrived and wait for a running slot
+(``arrived``), and finished requests whose KV is still leaving or may still be written
+(``held``). ``Scheduler`` holds one ``RemoteKV`` and changes it only through the calls below
+(on the connector's answers and its worker's ``KVConnectorOutput``); ``Scheduler.
+check_invariants`` counts every page it holds. Pure Python; never imports JAX.
 
-``RemoteKV`` is a mixin of ``pdjax.sched.scheduler.Scheduler``: it reads the scheduler's
-allocator, prefix cache, queues and ``_release``. Pure Python; never imports JAX.
+    waiting --admission: connector has n tokens--> RemoteKV.waiting --finished_recving-->
+        arrived (first token, when n was the rest of the prompt) --a running slot--> running
+    RemoteKV.waiting --failed_recving / abort--> request_finished: True -> held, False -> free
+    running --finish, request_finished True--> held --finished_sending--> released
 
-    waiting --admission, connector has n tokens--> waiting_remote --finished_recving--> running
-    none --reserve_remote--> waiting_remote --commit_remote(first token)--> running
-                                    '--drop_remote--> free (or the connector's, e.g. quarantine)
-    running --finish, connector.request_finished True--> held --finished_sending--> released
+A request in ``waiting`` has the pages of its whole prompt (or of its local prefix plus the
+external tokens) and has computed nothing: released, its own pages go back to the free list,
+never into the prefix cache (its KV may be partial or foreign).
 """
 
 from __future__ import annotations
 
-import time
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Iterator, Mapping
 
+from pdjax.kv.allocator import PageAllocator
 from pdjax.request import Request
-from pdjax.sched.kv_connector import KVConnectorOutput
+from pdjax.sched.kv_connector import FirstToken, KVConnector, NullConnector
 
 
 class RemoteKV:
-    """``Scheduler``'s remote-KV methods; the state (``connector``, ``_held``,
-    ``_waiting_remote``) is created in ``Scheduler.__init__``."""
+    """The remote-KV books of one scheduler and its ``connector`` (see the module docstring).
 
+    ``release(req)``: the scheduler's page release (full computed pages into the prefix cache,
+    the rest freed). ``num_reserved_decode_tokens``: when a request's whole prompt arrives from
+    elsewhere, admission also keeps free ``ceil(min(this, tokens it may still generate) /
+    page_size)`` pages for it and for every running or arriving request (SGLang's
+    ``pop_preallocated`` on a PD decode server, simplified; 0: none)."""
+
+    def __init__(self, allocator: PageAllocator, page_size: int,
+                 release: Callable[[Request], None], num_reserved_decode_tokens: int = 0,
+                 connector: KVConnector | None = None):
+        self.connector: KVConnector = connector if connector is not None else NullConnector()
+        self._allocator = allocator
+        self._page_size = page_size
+        self._release = release
+        self.num_reserved_decode_tokens = num_reserved_decode_tokens
+        self._held: dict[str, Request] = {}        # finished; pages kept until finished_sending
+        self._waiting: dict[str, Request] = {}     # pages reserved, KV arriving
+        # KV arrived (with the first token when the whole prompt came), in arrival order:
+        # they join the running batch when it has a slot.
+        self._arrived: dict[str, FirstToken | None] = {}
+        # Requests whose connector answered "not yet" at their last admission attempt: no
+        # reason to step for them until the connector wakes the engine.
+        self.not_yet: set[str] = set()
+
+    # ------------------------------------------------------------------ views
     @property
     def held(self) -> Mapping[str, Request]:
-        """Finished requests whose pages are kept until ``finished_sending`` (read-only view)."""
+        """Finished requests whose pages are kept until ``finished_sending`` (read-only)."""
         return MappingProxyType(self._held)
 
     @property
-    def waiting_remote(self) -> Mapping[str, Request]:
-        """Requests with reserved pages whose KV is arriving (read-only view, rid -> request)."""
-        return MappingProxyType(self._waiting_remote)
+    def waiting(self) -> Mapping[str, Request]:
+        """Requests with reserved pages whose KV has not joined the running batch yet
+        (read-only view, rid -> request; those whose KV arrived are in ``arrived`` too)."""
+        return MappingProxyType(self._waiting)
 
-    # ------------------------------------------------------------------ the connector's calls
-    def build_connector_meta(self, batch) -> object | None:
-        """What the transfer worker must move after ``batch`` (``KVConnector.build_meta``)."""
-        return self.connector.build_meta(batch)
+    @property
+    def arrived(self) -> Mapping[str, FirstToken | None]:
+        """rid -> first token (None: a partial prompt) of the requests whose KV arrived and
+        that wait for a running slot, oldest first (read-only)."""
+        return MappingProxyType(self._arrived)
 
-    def update_from_kv_output(self, output: KVConnectorOutput | None) -> None:
-        """Apply what the worker finished (vLLM's ``_update_from_kv_xfer_finished``): a held
-        request named in ``finished_sending`` gives its pages back (full pages into the prefix
-        cache); a request in ``waiting_remote`` named in ``finished_recving`` joins the running
-        batch with the arrived tokens computed (its full pages shared in the prefix cache).
-        Unknown rids are ignored (an abort came first). Then ``connector.update(output)``."""
-        if not output:
-            return
-        for rid in output.finished_sending:
-            req = self._held.pop(rid, None)
-            if req is not None:
-                self._release(req)
-        for rid in output.finished_recving:
-            req = self._waiting_remote.pop(rid, None)
-            if req is None:
-                continue
-            loaded = len(req.pages) * self.page_size
-            req.start_running(req.num_cached_tokens)
-            req.set_num_computed_tokens(loaded)
-            req.set_reported_cached_tokens(loaded)
-            self.running.append(req)
-            self._share_computed(req, loaded)
-        self.connector.update(output)
+    def requests(self) -> Iterator[Request]:
+        """Every request whose pages the books hold (held and waiting)."""
+        yield from self._held.values()
+        yield from self._waiting.values()
 
-    def _admit_remote(self, req: Request, num_external_tokens: int) -> None:
-        """Admission found ``num_external_tokens`` tokens past ``req``'s local prefix at the
-        connector: allocate their pages (already made free) and park ``req`` until they
-        arrive. ``ValueError`` for a count that is not whole pages inside the prompt."""
-        ps = self.page_size
+    # ------------------------------------------------------------------ admission
+    @staticmethod
+    def check_external(req: Request, num_local: int, num_external: int, page_size: int) -> bool:
+        """Whether ``num_external`` tokens after ``num_local`` local ones are the rest of
+        ``req``'s prompt (True) or whole pages leaving a prompt token to compute (False).
+        ``ValueError`` for any other count."""
+        if num_local + num_external == req.num_prompt_tokens:
+            return True
+        if num_external % page_size or num_local + num_external >= req.num_prompt_tokens:
+            raise ValueError(f"connector: {num_external} external tokens after {num_local} "
+                             f"local ones must be the rest of the prompt of "
+                             f"{req.num_prompt_tokens} tokens or whole pages of {page_size} "
+                             f"leaving a prompt token to compute")
+        return False
+
+    def reserved_decode_pages(self, req: Request, running: list[Request]) -> int:
+        """Pages to keep free for decode tokens when ``req``'s whole prompt is admitted from
+        elsewhere (``num_reserved_decode_tokens``): for ``req`` and every running or arriving
+        request; a request with no output yet counts its first token as generated."""
+        n, ps = self.num_reserved_decode_tokens, self._page_size
+        if not n:
+            return 0
+
+        def need(r: Request) -> int:
+            mnt = r.sampling_params.max_new_tokens
+            left = n if mnt is None else max(0, min(n, mnt - max(1, len(r.output_ids))))
+            return -(-left // ps)
+
+        return need(req) + sum(map(need, running)) + sum(map(need, self._waiting.values()))
+
+    def admit(self, req: Request, num_external: int) -> None:
+        """``req`` holds its local prefix pages (``req.pages``); allocate the pages of its
+        ``num_external`` tokens (the rest of the prompt, or whole pages), park it in
+        ``waiting`` and tell the connector. The pages must be free already."""
+        ps = self._page_size
         local = len(req.pages) * ps
-        if num_external_tokens % ps or local + num_external_tokens >= req.num_prompt_tokens:
-            raise ValueError(f"connector: {num_external_tokens} external tokens after {local} "
-                             f"local ones must be whole pages of {ps} leaving a prompt token "
-                             f"of {req.num_prompt_tokens} to compute")
-        req.pages += self.allocator.alloc(num_external_tokens // ps)
+        whole = self.check_external(req, local, num_external, ps)
+        n_new = -(-req.num_prompt_tokens // ps) - len(req.pages) if whole else num_external // ps
+        req.pages += self._allocator.alloc(n_new)
         req.reserve_prebuilt(local)
-        self._waiting_remote[req.rid] = req
-        self.connector.update_state_after_alloc(req, num_external_tokens)
+        self._waiting[req.rid] = req
+        self.not_yet.discard(req.rid)
+        self.connector.update_state_after_alloc(req, num_external)
 
-    # ------------------------------------------------------------------ self-admitted requests
-    def reserve_remote(self, req: Request, extra_free_pages: int = 0) -> bool:
-        """Admission by a connector (PD decode): match the prompt in the prefix cache (full
-        pages), lock the match and allocate the pages for the rest of the prompt, provided
-        ``extra_free_pages`` more (reserved for decode tokens) could also be freed. Returns
-        False (no change) otherwise. Afterwards ``req.num_cached_tokens`` = matched prefix
-        tokens (a multiple of page_size), ``req.pages`` covers the whole prompt and the request
-        is in ``waiting_remote``. ``ValueError`` if ``req`` is already known or too long."""
-        if req.rid in self.requests or req.rid in self._waiting_remote or req.rid in self._held:
-            raise ValueError(f"rid {req.rid!r} is already in use")
-        if req.num_prompt_tokens >= self.max_request_tokens:
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
-                             f"context length {self.max_request_tokens}")
-        ps = self.page_size
-        pages, node = self.prefix_cache.match_prefix(req.prompt_ids,
-                                                     max_pages=req.num_prompt_tokens // ps)
-        self.prefix_cache.lock(node)
-        new = -(-req.num_prompt_tokens // ps) - len(pages)
-        if not self._make_free(new + max(0, extra_free_pages)):
-            self.prefix_cache.unlock(node)
-            return False
-        req.prefix_node = node
-        req.pages = list(pages) + self.allocator.alloc(new)
-        req.reserve_prebuilt(len(pages) * ps)
-        self._waiting_remote[req.rid] = req
-        return True
+    # ------------------------------------------------------------------ the worker's output
+    def arrive(self, rid: str, first: FirstToken | None) -> Request | None:
+        """The KV of ``rid`` (in ``waiting``) arrived; ``first``: its first token when the
+        whole prompt came. Returns the request, or None for an rid that is not waiting (an
+        abort came first) or arrived already."""
+        req = self._waiting.get(rid)
+        if req is None or rid in self._arrived:
+            return None
+        self._arrived[rid] = first
+        return req
 
-    def commit_remote(self, req: Request, first_token_id: int) -> None:
-        """A reserved request joins the running batch: its prompt KV is in its pages, its first
-        output token is ``first_token_id`` (sampled by the prefill server). The next decode
-        step computes that token's KV; the prompt is never recomputed.
-        ``ValueError`` if ``req`` is not in ``waiting_remote``."""
-        if self._waiting_remote.get(req.rid) is not req:
-            raise ValueError(f"rid {req.rid!r} has no reserved pages")
-        del self._waiting_remote[req.rid]
-        req.arrival_time = req.arrival_time or time.monotonic()
-        req.start_prebuilt(first_token_id, self.step_id)
-        self.requests[req.rid] = req
-        self.running.append(req)
+    def is_whole_prompt(self, req: Request) -> bool:
+        """Whether ``req`` (in ``waiting``) was admitted for the whole rest of its prompt."""
+        return len(req.pages) * self._page_size >= req.num_prompt_tokens
 
-    def drop_remote(self, req: Request, free: bool = True) -> list[int]:
-        """A reserved request leaves without its KV (a failed transfer): the matched prefix is
-        unlocked, its own pages never enter the prefix cache. ``free`` False hands them to the
-        caller instead of the free list (a connector keeps them where a late write may still
-        land, reports them in ``owned_pages`` and gives them back with ``free_pages``).
-        Returns the own pages. ``ValueError`` if ``req`` is not in ``waiting_remote``."""
-        if self._waiting_remote.get(req.rid) is not req:
-            raise ValueError(f"rid {req.rid!r} has no reserved pages")
-        del self._waiting_remote[req.rid]
-        own = req.pages[self.num_shared_pages(req):]
-        if req.prefix_node is not None:
-            self.prefix_cache.unlock(req.prefix_node)
-            req.prefix_node = None
-        if free and own:
-            self.allocator.free(own)
-        req.pages = []
-        return own
+    def take_arrived(self) -> tuple[Request, FirstToken | None]:
+        """The oldest arrived request, out of the books (the scheduler runs it)."""
+        rid = next(iter(self._arrived))
+        return self._waiting.pop(rid), self._arrived.pop(rid)
 
-    def free_pages(self, pages: list[int]) -> int:
-        """Give back pages ``drop_remote(free=False)`` handed out; returns how many."""
-        if pages:
-            self.allocator.free(pages)
-        return len(pages)
+    def sent(self, rid: str) -> None:
+        """The KV of held ``rid`` has left (or can no longer be written): pages back."""
+        req = self._held.pop(rid, None)
+        if req is not None:
+            self._release(req)
+
+    # ------------------------------------------------------------------ endings
+    def end_waiting(self, req: Request) -> None:
+        """``req`` (in ``waiting``) leaves without running (failed, aborted, nothing to
+        decode): the connector's ``request_finished`` keeps its pages (``held``) or they go
+        back now."""
+        del self._waiting[req.rid]
+        self._arrived.pop(req.rid, None)
+        self.finished(req)
+
+    def finished(self, req: Request) -> None:
+        """A request with pages ended: ``held`` if the connector keeps them, else released."""
+        if self.connector.request_finished(req):
+            self._held[req.rid] = req
+        else:
+            self._release(req)
+
+    def owns(self, req: Request) -> bool:
+        return self._waiting.get(req.rid) is req

@@ -35,8 +35,12 @@ Policy, per step:
    free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
    (``resolve_verify``).
 6. A ``KVConnector`` (``pdjax.sched.kv_connector``) is asked at admission how many prompt
-   tokens arrive from elsewhere (such a request waits in ``waiting_remote``) and at a finish
-   whether the pages stay (``held``) until their KV has left (``RemoteKV``).
+   tokens arrive from elsewhere (such a request waits in ``waiting_remote``; "not yet" skips
+   it for this step, the rest of the queue goes on) and at a finish whether the pages stay
+   (``held``) until their KV has left (the books: ``pdjax.sched.remote_kv.RemoteKV``). A
+   request whose whole prompt arrives (PD decode) joins the running batch with the first token
+   the worker reports, when it has a slot; such admissions do not wait for a running slot
+   (at most ``max_running_requests`` of them in flight) and run every step.
 
 Page ownership, checked by ``check_invariants`` from independent sides:
 
@@ -50,12 +54,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Mapping
 
 from pdjax.kv.allocator import PageAllocator
 from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.sched.itl_target import fit_target
-from pdjax.sched.kv_connector import KVConnector, NullConnector
+from pdjax.sched.kv_connector import KVConnector, KVConnectorOutput, NullConnector
 from pdjax.sched.scheduled_batch import ScheduledBatch, ScheduledRow
 from pdjax.sched.remote_kv import RemoteKV
 from pdjax.sched.spec_rows import SpecRows
@@ -76,6 +81,7 @@ class SchedulerConfig:
     page_aligned_chunks: bool = False   # PD prefill: non-last chunks end on a page boundary
     max_num_batched_tokens: int | None = None   # tokens per forward, decode rows included
     target_itl_ms: float | None = None          # stall-free mixed steps (policy 4 above)
+    num_reserved_decode_tokens: int = 0         # whole-prompt admissions (``RemoteKV``)
 
     def __post_init__(self):
         for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size",
@@ -85,6 +91,11 @@ class SchedulerConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.num_reserved_decode_tokens, int) or \
+                isinstance(self.num_reserved_decode_tokens, bool) or \
+                self.num_reserved_decode_tokens < 0:
+            raise ValueError(f"num_reserved_decode_tokens must be a non-negative integer, got "
+                             f"{self.num_reserved_decode_tokens!r}")
         if self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
         if self.page_aligned_chunks and min(self.chunked_prefill_size, self.token_budget) < self.page_size:
@@ -106,7 +117,7 @@ class SchedulerConfig:
         return min(self.max_context_len, (self.num_pages - 2) * self.page_size)
 
 
-class Scheduler(RemoteKV, SpecRows):
+class Scheduler(SpecRows):
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
@@ -119,7 +130,6 @@ class Scheduler(RemoteKV, SpecRows):
                  connector: KVConnector | None = None):
         self.config = config
         self.cost_model = cost_model
-        self.connector: KVConnector = connector if connector is not None else NullConnector()
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.num_pages)
         self.prefix_cache = RadixCache(config.page_size, self.allocator,
@@ -134,10 +144,10 @@ class Scheduler(RemoteKV, SpecRows):
         # Requests finished inside schedule() (no forward, so no sampled output carries their
         # finish): the engine drains them every step with ``pop_finished`` and answers them.
         self._finished_unreported: list[Request] = []
-        # KV that moves between servers (``RemoteKV``; read-only views ``held``,
-        # ``waiting_remote``): changed only through the connector's calls.
-        self._held: dict[str, Request] = {}           # finished, pages kept until sent
-        self._waiting_remote: dict[str, Request] = {}  # pages reserved, KV arriving
+        # KV that moves between servers (read-only views ``held``, ``waiting_remote``):
+        # changed only on the connector's answers and its worker's output.
+        self.remote = RemoteKV(self.allocator, config.page_size, self._release,
+                               config.num_reserved_decode_tokens, connector)
         # Requests whose pending token is certainly their last (length limits): not scheduled
         # again while it is pending (overlap).
         self.finishing: set[str] = set()
@@ -147,6 +157,25 @@ class Scheduler(RemoteKV, SpecRows):
     def max_request_tokens(self) -> int:
         """Most tokens one request may hold (``SchedulerConfig.max_request_tokens``)."""
         return self.config.max_request_tokens
+
+    @property
+    def connector(self) -> KVConnector:
+        """The ``KVConnector`` asked at admission and finish."""
+        return self.remote.connector
+
+    @connector.setter
+    def connector(self, connector: KVConnector) -> None:
+        self.remote.connector = connector
+
+    @property
+    def held(self) -> Mapping[str, Request]:
+        """Finished requests whose pages are kept until ``finished_sending`` (read-only)."""
+        return self.remote.held
+
+    @property
+    def waiting_remote(self) -> Mapping[str, Request]:
+        """Admitted requests whose KV arrives from elsewhere (read-only, rid -> request)."""
+        return self.remote.waiting
 
     def add_request(self, req: Request) -> None:
         """Queue ``req``; ``ValueError`` if its prompt cannot fit the context or the pool."""
@@ -167,20 +196,26 @@ class Scheduler(RemoteKV, SpecRows):
             self.speculator.release(rid)
         if req is None:
             return None
-        if self._waiting_remote.get(rid) is req:
-            self.drop_remote(req)
         self.drop_pending(req)
-        if req in self.waiting:
+        req.abort(message)                 # first: the connector reads why
+        if self.remote.owns(req):
+            self.remote.end_waiting(req)   # a write may still land: the connector decides
+        elif req in self.waiting:
             self.waiting.remove(req)
-        if req in self.running:
+            self.remote.not_yet.discard(rid)
+            self.connector.request_finished(req)      # no pages: the connector forgets it
+        elif req in self.running:
             self.running.remove(req)
             self._release(req)
-        req.abort(message)
         return req
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether ``schedule`` may do something: running requests, KV arrived for a slot, or
+        a queued request the connector did not answer "not yet" (the connector wakes the
+        engine when that changes)."""
+        return bool(self.running or self.remote.arrived or any(
+            r.rid not in self.remote.not_yet for r in self.waiting))
 
     # ------------------------------------------------------------------ pages
     def _pages_needed(self, req: Request, num_tokens: int) -> int:
@@ -228,6 +263,8 @@ class Scheduler(RemoteKV, SpecRows):
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's rows; None when there is nothing to run."""
         self.step_id += 1
+        if type(self.connector) is not NullConnector:     # colocated: nothing is remote
+            self._admit_remote_only()
         decode_reqs = [r for r in self.running
                        if not r.is_prefilling and r.rid not in self.finishing]
         has_prefill_work = any(r.is_prefilling for r in self.running) or any(
@@ -294,50 +331,89 @@ class Scheduler(RemoteKV, SpecRows):
         self._add_drafts(rows, spare // 2 if has_prefill else spare)
         return rows
 
-    def _admit(self, req: Request) -> bool:
-        """Admit the head of the queue: its prefix-cache hit, then what the connector has of
-        the rest (``KVConnector.get_num_new_matched_tokens``; such a request waits in
-        ``waiting_remote`` for it). False (no change) when its pages cannot be freed."""
+    def _admit(self, req: Request, remote_only: bool = False) -> bool | None:
+        """Admit a queued request: its prefix-cache hit, then what the connector has of the
+        rest (``KVConnector.get_num_new_matched_tokens``; such a request waits in
+        ``waiting_remote`` for it). False (no change) when its pages cannot be freed, or
+        ``remote_only`` and the connector has nothing; None when the connector does not know
+        yet (the request stays queued, skipped)."""
         ps = self.page_size
         max_pages = (req.num_tokens - 1) // ps
         if req.return_logprob and req.logprob_start_len >= 0:
             max_pages = min(max_pages, max(0, req.logprob_start_len - 1) // ps)
         pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
-        self.prefix_cache.lock(node)
-        need = -(-req.num_tokens // ps) + 1 - len(pages)
         external = 0
         if not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
             external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
-        if not self._make_free(need):
+            if external is None:
+                self.remote.not_yet.add(req.rid)
+                return None
+        self.remote.not_yet.discard(req.rid)
+        if remote_only and not external:
+            return False
+        need = -(-req.num_tokens // ps) + 1 - len(pages)
+        reserve = 0
+        if external and RemoteKV.check_external(req, len(pages) * ps, external, ps):
+            need -= 1                     # nothing is computed here: no page for a next token
+            reserve = self.remote.reserved_decode_pages(req, self.running)
+        self.prefix_cache.lock(node)
+        # The decode reservation yields when nothing else holds pages (it could never fit).
+        if not self._make_free(need + reserve) and (
+                not reserve or self.running or self.remote.waiting or not self._make_free(need)):
             self.prefix_cache.unlock(node)
             return False
         req.prefix_node = node
         req.pages = list(pages)
         if external:
-            self._admit_remote(req, external)
+            self.remote.admit(req, external)
             return True
         req.start_running(len(pages) * ps)
         self.connector.update_state_after_alloc(req, 0)
         self.running.append(req)
         return True
 
+    def _admit_remote_only(self) -> None:
+        """Admit, in queue order, the requests whose KV the connector provides (a PD decode's
+        every request): they need no forward, so they do not wait for a prefill step or a
+        running slot; at most ``max_running_requests`` wait for their KV at once. Stops at the
+        first request that would be computed here or does not fit."""
+        i = 0
+        while i < len(self.waiting) and len(self.remote.waiting) < self.config.max_running_requests:
+            req = self.waiting[i]
+            if req.last_scheduled_step == self.step_id:
+                return
+            admitted = self._admit(req, remote_only=True)
+            if admitted is None:
+                i += 1
+                continue
+            if not admitted:
+                return
+            del self.waiting[i]
+
     def _schedule_prefill(self, budget: int, decode_rows: list[ScheduledRow]) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         candidates = [r for r in self.running if r.is_prefilling]
         targeted = bool(decode_rows) and self.config.target_itl_ms is not None \
             and self.cost_model is not None
+        i = 0           # the next queued request to try (those the connector cannot answer yet stay)
         while budget > 0:
             if candidates:
                 req = candidates.pop(0)
             else:
-                if not self.waiting or len(self.running) + len(self._waiting_remote) \
+                if i >= len(self.waiting) or len(self.running) + len(self.remote.waiting) \
                         >= self.config.max_running_requests:
                     break
-                req = self.waiting[0]
-                if req.last_scheduled_step == self.step_id or not self._admit(req):
+                req = self.waiting[i]
+                if req.last_scheduled_step == self.step_id:
                     break
-                self.waiting.popleft()
-                if req.rid in self._waiting_remote:
+                admitted = self._admit(req)
+                if admitted is None:
+                    i += 1
+                    continue
+                if not admitted:
+                    break
+                del self.waiting[i]
+                if self.remote.owns(req):
                     continue          # its KV arrives first
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(budget, remaining, self.config.chunked_prefill_size)
@@ -371,6 +447,94 @@ class Scheduler(RemoteKV, SpecRows):
         node = self.prefix_cache.extend_locked(req.prefix_node, ids, req.pages[:full])
         if node is not None:
             req.prefix_node = node
+
+    # ------------------------------------------------------------------ KV from elsewhere
+    def build_connector_meta(self, batch: ScheduledBatch | None) -> object | None:
+        """What the transfer worker must move after ``batch`` (``KVConnector.build_meta``)."""
+        return self.connector.build_meta(batch)
+
+    def update_from_kv_output(self, output: KVConnectorOutput | None,
+                              stop_check=None) -> list[Request]:
+        """Apply what the worker finished (vLLM's ``_update_from_kv_xfer_finished``), then let
+        arrived requests join the running batch while it has slots.
+
+        ``finished_sending``: a held request's pages go back (full pages into the prefix
+        cache). ``failed_recving``: a queued or arriving request ends with the connector's
+        error (``request_finished`` decides its pages). ``finished_recving``: an arriving
+        request's KV is in; it runs from past the arrived tokens (their full pages shared in
+        the prefix cache) or, when its whole prompt arrived, from its first token
+        (``first_tokens``; missing: the request fails). ``stop_check(req)`` (the engine's)
+        checks that first token. Unknown rids are ignored (an abort came first).
+
+        Returns the requests the client must hear about: those that got their first token
+        (maybe finished at once) and those that ended."""
+        changed: list[Request] = []
+        if output:
+            for rid in output.finished_sending:
+                self.remote.sent(rid)
+            for rid, failure in output.failed_recving.items():
+                req = self.requests.get(rid)
+                if req is not None and (self.remote.owns(req) or req in self.waiting):
+                    self._end_unrun(req, req.fail(failure.message, failure.status_code))
+                    changed.append(req)
+            # In admission order (a set has none): the oldest gets the first free slot.
+            for rid in [r for r in self.remote.waiting if r in output.finished_recving]:
+                req = self.remote.arrive(rid, output.first_tokens.get(rid))
+                if req is not None and self.remote.is_whole_prompt(req) \
+                        and rid not in output.first_tokens:
+                    self._end_unrun(req, req.fail("connector: the whole prompt's KV arrived "
+                                                  "without its first token"))
+                    changed.append(req)
+        if output is not None:
+            self.connector.update(output)
+        while self.remote.arrived and len(self.running) < self.config.max_running_requests:
+            req, first = self.remote.take_arrived()
+            if first is None:                 # a prefix arrived: the rest is computed here
+                loaded = len(req.pages) * self.page_size
+                req.start_running(req.num_cached_tokens)
+                req.set_num_computed_tokens(loaded)
+                req.set_reported_cached_tokens(loaded)
+                self.running.append(req)
+                self._share_computed(req, loaded)
+                continue
+            changed.append(req)
+            if req.sampling_params.max_new_tokens == 0:
+                # Nothing to decode (colocated finishes such a request without a forward):
+                # the prefill's first token is not the client's; the pages go back.
+                self.remote.finished(req)
+                self.requests.pop(req.rid, None)
+                req.finish(FinishReason.of_length(0))
+                continue
+            self._start_with_first_token(req, first, stop_check)
+        return changed
+
+    def _start_with_first_token(self, req: Request, first, stop_check) -> None:
+        """``req``'s prompt KV is in its pages and its first output token is ``first``: it
+        joins the running batch; the next decode step computes that token's KV (the prompt is
+        never recomputed). Finished at once when that token stops it."""
+        req.start_prebuilt(first.token_id, self.step_id)
+        if req.return_logprob:
+            req.append_logprobs(float(first.logprob or 0.0),
+                                list(first.top_logprobs)[:req.top_logprobs_num])
+        if first.cached_tokens is not None:
+            req.set_reported_cached_tokens(first.cached_tokens)
+        self.running.append(req)
+        reason = stop_check(req) if stop_check is not None else None
+        if reason is None and req.num_tokens >= self.max_request_tokens:
+            reason = FinishReason.of_length(len(req.output_ids))
+        if reason is not None:
+            self.finish_request(req, reason)
+
+    def _end_unrun(self, req: Request, reason: FinishReason) -> None:
+        """Finish ``req``, queued or arriving, without running it (its KV will not come)."""
+        if self.remote.owns(req):
+            self.remote.end_waiting(req)
+        else:
+            self.waiting.remove(req)
+            self.remote.not_yet.discard(req.rid)
+            self.connector.request_finished(req)
+        self.requests.pop(req.rid, None)
+        req.finish(reason)
 
     # ------------------------------------------------------------------ results
     def process_results(self, batch: ScheduledBatch, sampled: dict[int, int],
@@ -456,10 +620,7 @@ class Scheduler(RemoteKV, SpecRows):
             self.speculator.release(req.rid)
         if req in self.running:
             self.running.remove(req)
-            if self.connector.request_finished(req):
-                self._held[req.rid] = req          # pages stay until finished_sending
-            else:
-                self._release(req)
+            self.remote.finished(req)          # held until finished_sending, or released
         self.requests.pop(req.rid, None)
         req.finish(reason)
 
@@ -484,11 +645,13 @@ class Scheduler(RemoteKV, SpecRows):
         pool (counted from each side independently) and requests' pages are disjoint."""
         free = set(self.allocator.free_pages())
         cached = set(self.prefix_cache.cached_pages())
-        assert not self._held.keys() & self.requests.keys(), "a held request is also scheduled"
-        assert not {r.rid for r in self.running} & self._waiting_remote.keys(), \
+        assert not self.held.keys() & self.requests.keys(), "a held request is also scheduled"
+        assert not {r.rid for r in self.running} & self.waiting_remote.keys(), \
             "a request waiting for its KV also runs"
+        assert not {r.rid for r in self.waiting} & self.waiting_remote.keys(), \
+            "a request waiting for its KV is also queued"
         owned: list[int] = list(self.connector.owned_pages())
-        for r in [*self.running, *self._held.values(), *self._waiting_remote.values()]:
+        for r in [*self.running, *self.remote.requests()]:
             k = self.num_shared_pages(r)
             assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
             assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"

@@ -24,11 +24,16 @@ Safety rules (each one a bug SGLang once shipped; DESIGN.md §4):
 * the page list carries the prompt's length and digest, and the metadata row must carry the
   same digest back: a room reused by another prompt never commits foreign KV.
 
-Admission (SGLang's ``pop_preallocated``, simplified): a request is preallocated when the pool
-can free its prompt pages minus the decode-side prefix hit, plus
-``ceil(min(num_reserved_decode_tokens, tokens still to generate) / page_size)`` pages for it
-and for every running or preallocated request. Requests are preallocated in arrival order. A request that does not fit waits (pages held by
-running requests or quarantined come back) and fails only by ``waiting_timeout_s``.
+Admission is the scheduler's, the one path every request takes (DESIGN.md §4): a decode
+request waits in the scheduler's queue; ``get_num_new_matched_tokens`` answers "not yet" while
+its room pairs (or no metadata slot is free), then "the rest of the prompt"; the scheduler
+allocates the pages (keeping ``num_reserved_decode_tokens`` free, SGLang's
+``pop_preallocated``, simplified) and hands them over in ``update_state_after_alloc``, which
+sends the page list. The worker reports the KV in with the prefill's first token (the
+scheduler's ``finished_recving`` + ``first_tokens``) or the room's failure
+(``failed_recving``); ``request_finished`` answers whether a failed or aborted room's pages
+stay held (quarantined) until the prefill's ``AbortAck`` or ``drain_timeout_s``. A request that
+does not fit waits in the queue and fails only by ``waiting_timeout_s``.
 
 Over several hosts (``--nnodes > 1``, DESIGN.md §6) this is node 0: it pairs only once every
 other node reported its KV shards (``transfer/decode_ranks.py``, ``DecodeRanks``), and registers them
@@ -37,49 +42,35 @@ all; the prefill writes each node's shards itself.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.pd.lifecycle import (Aborted, CacheMoved, DoesNotFit, KVPoll, MetadataGate,
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, KVPoll, MetadataGate,
                                 PeerState, RoomConflict, RoomFailure, Timeout)
 from pdjax.pd.protocol import Abort, AbortAck, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
-from pdjax.request import FinishReason, Request
+from pdjax.request import Request
+from pdjax.sched.kv_connector import FirstToken, RecvFailure
 from pdjax.transfer.decode_ranks import DecodeRanks
 from pdjax.transfer.decode_worker import (AbortAcked, DecodeTransferWorker, PeerFailed,
                                           PeerReady, StatusArrived)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
-from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.role import RoleManager, check_room
 
 logger = logging.getLogger(__name__)
 
 
-def decode_reserve_pages(s, req: Request, num_reserved_decode_tokens: int) -> int:
-    """Pages the scheduler ``s`` must keep free for decode tokens when ``req`` is admitted: for
-    ``req`` and every running or reserved request, ``ceil(min(num_reserved_decode_tokens,
-    tokens it may still generate) / page_size)`` (SGLang's ``pop_preallocated``, simplified; a
-    request that has no output yet counts its first token as generated)."""
-    ps = s.page_size
-
-    def need(r: Request) -> int:
-        mnt = r.sampling_params.max_new_tokens
-        left = (num_reserved_decode_tokens if mnt is None else
-                max(0, min(num_reserved_decode_tokens, mnt - max(1, len(r.output_ids)))))
-        return -(-left // ps)
-
-    return need(req) + sum(map(need, s.running)) + sum(map(need, s.waiting_remote.values()))
-
-
 class DecodeConnector(RoleManager):
-    """``--role decode``: pairing with prefills, preallocation, the metadata gate, commits.
+    """``--role decode``: pairing with prefills, the page lists, the metadata gate, failures.
 
-    ``EngineRole`` (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``,
-    ``abort``, ``has_work``, ``load``, ``debug_state``, ``close``.
+    The scheduler's ``KVConnector``: ``get_num_new_matched_tokens``,
+    ``update_state_after_alloc``, ``request_finished``. ``EngineRole``
+    (``pdjax/engine_roles.py``): ``add_request``, ``poll``, ``after_step``, ``abort``,
+    ``has_work``, ``load``, ``debug_state``, ``close``.
     """
 
     role = "decode"
@@ -89,9 +80,9 @@ class DecodeConnector(RoleManager):
         self.rooms: dict[str, DecodeRoom] = {}          # by rid, arrival order
         self.room_owner: dict[int, str] = {}            # room -> rid, until the request ends
         self.peers: dict[tuple[str, int], PrefillPeer] = {}
-        # (room, seq) -> (drain deadline, metadata slot, pages): where a late write may land
-        self.quarantine: dict[tuple[int, int], tuple[float, int | None, list[int]]] = {}
-        self._quarantine_seq = itertools.count()
+        # rid -> (drain deadline, metadata slot, room, pages): a failed room's request, held
+        # by the scheduler, whose pages a late write may still hit
+        self.quarantine: dict[str, tuple[float, int | None, int, int]] = {}
         self.num_quarantine_released_by_ack = 0
         self.num_quarantine_released_by_timeout = 0
         self._acked: set[int] = set()        # rooms whose abort the prefill acknowledged
@@ -113,9 +104,10 @@ class DecodeConnector(RoleManager):
 
     # ------------------------------------------------------------------ requests
     def add_request(self, g: GenerateRequest, req: Request) -> bool:
-        """Queue a PD request (always True: the decode owns every request until its KV is
-        in). Raises ``ValueError`` for missing/bad bootstrap fields or a prompt over the context
-        length, ``RoomConflict`` (HTTP 409) for a room another request holds here."""
+        """Open a room for a PD request and leave the request to the scheduler's queue (False):
+        it is admitted once the room is paired (``get_num_new_matched_tokens``). Raises
+        ``ValueError`` for missing/bad bootstrap fields or a prompt over the context length,
+        ``RoomConflict`` (HTTP 409) for a room another request holds here."""
         fake = g.bootstrap_host == FAKE_BOOTSTRAP_HOST
         room = None
         if not fake:
@@ -139,77 +131,68 @@ class DecodeConnector(RoleManager):
         self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
                                          digest=b"" if fake else prompt_digest(req.prompt_ids))
         self.wake()
-        return True
+        return False
 
     def abort(self, rid: str, message: str) -> GenerateOutput | None:
-        """Client abort (engine thread). A request still waiting for its KV fails here (an
-        Abort goes to the prefill if it may be writing); a running one is left to the
-        scheduler (returns None)."""
-        r = self.rooms.get(rid)
-        if r is None:
-            for room, owner in list(self.room_owner.items()):
-                if owner == rid:
-                    del self.room_owner[room]
-            return None
-        in_flight = r.state == KVPoll.Transferring and not r.fake
-        self._fail(r, Aborted(f"aborted by client: {message}"), quarantine=in_flight,
-                   send_abort=in_flight, answer=False)
-        return GenerateOutput(rid, [], finished=True, prompt_tokens=r.req.num_prompt_tokens,
-                              finish_reason=FinishReason.abort(message))
+        """Client abort (engine thread): always the scheduler's (None). A request whose room
+        is open ends there (``request_finished``); one that runs gives its room back here."""
+        if rid not in self.rooms:
+            self._unbind(rid)
+        return None
+
+    def _unbind(self, rid: str) -> None:
+        """``rid``'s request ended: its ``bootstrap_room`` may be used again."""
+        for room, owner in list(self.room_owner.items()):
+            if owner == rid:
+                del self.room_owner[room]
 
     # ------------------------------------------------------------------ engine thread
     def poll(self) -> list[GenerateOutput]:
-        """Advance rooms in arrival order: pairing, preallocation, commits, failures and
-        timeouts; release quarantined pages. Returns outputs to push."""
+        """Advance rooms in arrival order: pairing, the prefill's status, the metadata gate,
+        failures and timeouts; release quarantined pages. What it concludes reaches the
+        scheduler through the worker (``received`` / ``failed`` / ``released``); the engine
+        answers the clients. Returns no outputs of its own."""
         now = self._begin_poll()
         self._apply_events()
-        outputs: list[GenerateOutput] = []
         self._release_quarantine(now)
-        rooms = list(self.rooms.values())
-        admit = True
-        for r in rooms:
+        for r in list(self.rooms.values()):
+            if r.state == KVPoll.Failed:
+                continue                      # the scheduler ends its request next
             peer = None if r.fake else self.peers.get(r.peer_key)
             if not r.fake and (peer is None or peer.state == PeerState.FAILED):
                 failure = peer.failure if peer is not None else RoomFailure("prefill peer dropped")
-                in_flight = r.state == KVPoll.Transferring
-                out = self._fail(r, failure, quarantine=in_flight, send_abort=False)
+                self._fail(r, failure, quarantine=r.state == KVPoll.Transferring)
             elif r.state == KVPoll.Bootstrapping:
-                out = None
                 if r.fake or peer.state == PeerState.READY:
                     self._set_state(r, KVPoll.WaitingForInput, now)
                 elif now - r.created_s > self.args.bootstrap_timeout_s:
-                    out = self._fail(r, Timeout(f"bootstrap timeout: no pairing with the prefill "
-                                                f"within {self.args.bootstrap_timeout_s:g} s"))
-            else:
-                out = None
-            if out is None and r.state == KVPoll.WaitingForInput:
-                if admit:
-                    admit, out = self._prealloc(r, peer, now)
-                if r.state == KVPoll.WaitingForInput and \
-                        now - r.state_s > self.args.waiting_timeout_s:
-                    out = self._fail(r, Timeout(f"waiting timeout: no KV pages free within "
-                                                f"{self.args.waiting_timeout_s:g} s"))
-            if out is None and r.state == KVPoll.Transferring:
-                status, failure = r.status, r.status_failure
-                if status == KVPoll.Success or r.fake:
-                    # The KV is in; the request joins the running batch when it has a row.
-                    if len(self.scheduler.running) < self.args.max_running_requests:
-                        out = self._commit(r, now)
-                elif status == KVPoll.Failed:
-                    out = self._fail(r, failure, status_code=r.status_code or None)
+                    self._fail(r, Timeout(f"bootstrap timeout: no pairing with the prefill "
+                                          f"within {self.args.bootstrap_timeout_s:g} s"))
+            elif r.state == KVPoll.WaitingForInput:
+                if now - r.state_s > self.args.waiting_timeout_s:
+                    self._fail(r, Timeout(f"waiting timeout: no KV pages free within "
+                                          f"{self.args.waiting_timeout_s:g} s"))
+            elif r.state == KVPoll.Transferring:
+                if r.status == KVPoll.Success or r.fake:
+                    self._hand_over(r, now)
+                elif r.status == KVPoll.Failed:
+                    self._fail(r, r.status_failure, status_code=r.status_code or None)
                 elif now - r.state_s > self.args.transfer_timeout_s:
-                    out = self._fail(r, Timeout(f"transfer timeout: no KV from the prefill "
-                                                f"within {self.args.transfer_timeout_s:g} s"),
-                                     quarantine=True, send_abort=True)
-            if out is not None:
-                outputs.append(out)
+                    self._fail(r, Timeout(f"transfer timeout: no KV from the prefill "
+                                          f"within {self.args.transfer_timeout_s:g} s"),
+                               quarantine=True, send_abort=True)
+        self._drop_failed_peers()
+        self.update_gauges()
+        return []
+
+    def _drop_failed_peers(self) -> None:
+        """Forget failed prefills no room uses: the next request bootstraps again (a restarted
+        prefill has a new ZMQ port)."""
         used = {r.peer_key for r in self.rooms.values()}
         for key, p in list(self.peers.items()):
             if p.state == PeerState.FAILED and key not in used:
-                del self.peers[key]          # the next request bootstraps again
+                del self.peers[key]
                 self.worker.forget(p.engine_id)
-        self.update_gauges()
-        return outputs
 
     def _apply_events(self) -> None:
         """What the worker's threads saw since the last poll, in order (DESIGN.md §4): peers
@@ -245,8 +228,8 @@ class DecodeConnector(RoleManager):
             self.send(peer.endpoint, AbortAck(bootstrap_room=ev.room, sender_id=peer.engine_id))
         if ok:
             return
-        if r is None and any(rec["room"] == ev.room and rec["state"] == "Failed"
-                             for rec in self.recent):
+        if (r is None or r.state == KVPoll.Failed) and any(
+                rec["room"] == ev.room and rec["state"] == "Failed" for rec in self.recent):
             # The room failed here (a client abort, a timeout) while the prefill's last word
             # was on its way: the messages crossed, nothing is wrong with either side.
             logger.info("PD decode: %s status for bootstrap_room %d, which failed here "
@@ -255,105 +238,111 @@ class DecodeConnector(RoleManager):
         self.worker.reject(f"{ev.state.name} status for bootstrap_room {ev.room}, which is not "
                            f"waiting for a transfer here")
 
-    def _prealloc(self, r: DecodeRoom, peer: PrefillPeer | None,
-                  now: float) -> tuple[bool, GenerateOutput | None]:
-        """Reserve pages and a slot, send the page list. Returns (keep admitting, output)."""
-        s = self.scheduler
-        req = r.req
-        reserve = decode_reserve_pages(s, req, self.args.num_reserved_decode_tokens)
-        if not s.reserve_remote(req, reserve):
-            if s.running or s.waiting_remote:
-                return False, None
-            if not s.reserve_remote(req, 0):
-                if self.quarantine:
-                    # Pages a late write may still hit come back by ack or drain timeout: wait
-                    # like any request that does not fit yet.
-                    return False, None
-                return False, self._fail(r, DoesNotFit(f"the prompt of {req.num_prompt_tokens} "
-                                                       f"tokens does not fit the decode KV pool"))
+    # ------------------------------------------------------------------ KVConnector
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int | None:
+        """The rest of ``req``'s prompt once its room is paired and a metadata slot is free;
+        None (not yet) before. Its KV arrives with the prefill's first token."""
+        r = self.rooms.get(req.rid)
+        if r is None:
+            return 0
+        if r.state != KVPoll.WaitingForInput or (not r.fake and self.meta.num_free == 0):
+            return None
+        return req.num_prompt_tokens - num_computed_tokens
+
+    def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        """The scheduler reserved ``req``'s pages: take a metadata slot and send the page list
+        (the pages past the decode's own prefix hit) to the prefill."""
+        r = self.rooms.get(req.rid)
+        if r is None or not num_external_tokens:
+            return
+        now = time.monotonic()
         # Pages a finish or abort just released may still be written by the step in flight
         # (overlapped scheduling): let it land before a transfer may write them.
         self.host.wait_for_device()
-        slot = None
-        if not r.fake:
-            slot = self.meta.alloc()
-            if slot is None:
-                s.drop_remote(req)
-                return False, None
-        r.slot = slot
-        k = req.num_cached_tokens // self.page_size
-        r.dst_pages = list(req.pages[k:])
+        r.slot = None if r.fake else self.meta.alloc()   # free: checked at the answer above
         r.decode_prefix_len = req.num_cached_tokens
+        r.dst_pages = list(req.pages[req.num_cached_tokens // self.page_size:])
         r.sent_s = now
         self.metrics.on_bootstrap(now - r.created_s)
         self._set_state(r, KVPoll.Transferring, now)
         if r.fake:
-            return True, None
+            return
+        peer = self.peers[r.peer_key]
         msg = TransferRequest(bootstrap_room=r.room, dst_pages=tuple(r.dst_pages),
-                              dst_metadata_slot=slot, decode_prefix_len=r.decode_prefix_len,
+                              dst_metadata_slot=r.slot, decode_prefix_len=r.decode_prefix_len,
                               decode_engine_id=peer.engine_id, prompt_len=req.num_prompt_tokens,
                               prompt_digest=r.digest)
         if not self.send(peer.endpoint, msg):
-            return True, self._fail(r, RoomFailure(f"could not send the page list to "
-                                                   f"{peer.endpoint}"))
-        return True, None
+            self._fail(r, RoomFailure(f"could not send the page list to {peer.endpoint}"))
 
-    def _commit(self, r: DecodeRoom, now: float) -> GenerateOutput | None:
-        """The metadata gate, then the prebuilt path into the running batch."""
+    def request_finished(self, req: Request) -> bool:
+        """``req`` ended. A room still open (the client aborted, or the room failed) closes
+        here: True keeps the pages held (quarantined) when the prefill may still write them,
+        until its ``AbortAck`` or ``drain_timeout_s``; False otherwise."""
+        r = self.rooms.pop(req.rid, None)
+        if r is None:
+            self._unbind(req.rid)
+            return False
+        if r.state != KVPoll.Failed:        # the client's abort (the scheduler's abort_request)
+            in_flight = r.state == KVPoll.Transferring and not r.fake
+            why = req.finish_reason.message if req.finish_reason is not None else "aborted"
+            self._fail(r, Aborted(f"aborted by client: {why}"), quarantine=in_flight,
+                       send_abort=in_flight, report=False)
+        self._unbind(req.rid)
+        self._drop_failed_peers()
+        if r.quarantine:
+            self.quarantine[req.rid] = (time.monotonic() + self.args.drain_timeout_s, r.slot,
+                                        r.room, len(r.dst_pages))
+            return True
+        if r.slot is not None:
+            self.meta.free(r.slot)
+        return False
+
+    # ------------------------------------------------------------------ engine thread
+    def _hand_over(self, r: DecodeRoom, now: float) -> None:
+        """The metadata gate; then the worker reports the KV in with the prefill's first token
+        (the scheduler starts the request when it has a slot)."""
         req = r.req
-        token, lp, top = 0, None, None
+        first = FirstToken(0)
         if not r.fake and self.transfer_engine.backend == "fake":
             # --disaggregation-transfer-backend fake moves no bytes (SGLang's fake transfer):
             # no metadata gate, and the "first token" is whatever the slot holds.
-            token = self.meta.read(r.slot).output_token_id
-            self.meta.free(r.slot)
-            r.slot = None
+            first = FirstToken(self.meta.read(r.slot).output_token_id)
         elif not r.fake:
             got = self.meta.room(r.slot)
             if got != r.room:
                 what = "was never written" if got == 0 else f"holds room {got}"
-                return self._fail(r, MetadataGate(
+                self._fail(r, MetadataGate(
                     f"metadata gate: slot {r.slot} {what}, expected bootstrap_room {r.room} "
                     f"(metadata not ready or corrupt)"))
+                return
             try:
                 row = self.meta.read(r.slot)
             except ValueError as e:
-                return self._fail(r, MetadataGate(f"metadata row is corrupt: {e}"))
+                self._fail(r, MetadataGate(f"metadata row is corrupt: {e}"))
+                return
             if row.prompt_digest != r.digest:
-                return self._fail(r, MetadataGate(
+                self._fail(r, MetadataGate(
                     f"metadata gate: slot {r.slot} holds the KV of another prompt (digest "
                     f"mismatch for bootstrap_room {r.room})"))
+                return
             token = row.output_token_id
             if not 0 <= token < self.host.model_cfg.vocab_size:
-                return self._fail(r, MetadataGate(f"metadata: first token {token} outside the "
-                                                  f"vocabulary"))
-            lp = row.output_token_logprob
-            top = list(zip(row.top_logprob_ids, row.top_logprob_vals))[:req.top_logprobs_num]
+                self._fail(r, MetadataGate(f"metadata: first token {token} outside the "
+                                           f"vocabulary"))
+                return
             self.local_kv.stage_in(r.dst_pages)
-            self.meta.free(r.slot)
-            r.slot = None
             # What the request reused: the longer of the two prefix hits. Below the prefill's
             # hit no KV was computed, below the decode's none was computed for it here or
             # moved (DESIGN.md §4; the prefill's hit alone would report 0 of 9 tokens where
             # the decode reused 8).
-            req.set_reported_cached_tokens(max(row.cached_tokens, r.decode_prefix_len))
-        tokens, lps, tops = [token], [], []
-        if req.sampling_params.max_new_tokens == 0:
-            # Nothing to decode (colocated finishes such a request without a forward): the
-            # prefill's first token is not the client's, and the pages go back at once.
-            self.scheduler.drop_remote(req)
-            req.finish(FinishReason.of_length(0))
-            tokens = []
-        else:
-            self.scheduler.commit_remote(req, token)
-            if req.return_logprob:
-                lps, tops = [float(lp or 0.0)], [top or []]
-                req.append_logprobs(lps[0], tops[0])
-            reason = self.host.stop_check(req)
-            if reason is None and req.num_tokens >= self.scheduler.max_request_tokens:
-                reason = FinishReason.of_length(len(req.output_ids))
-            if reason is not None:
-                self.scheduler.finish_request(req, reason)
+            first = FirstToken(token, row.output_token_logprob,
+                               tuple(zip(row.top_logprob_ids, row.top_logprob_vals)),
+                               max(row.cached_tokens, r.decode_prefix_len))
+        if r.slot is not None:
+            self.meta.free(r.slot)
+            r.slot = None
+        self.worker.received(req.rid, first)
         self._set_state(r, KVPoll.Success, now)
         nbytes = len(r.dst_pages) * self.local_kv.bytes_per_page
         if not r.fake:
@@ -362,17 +351,17 @@ class DecodeConnector(RoleManager):
         rec = r.record()
         rec.update(bytes=nbytes, latency_s=now - r.sent_s)
         del self.rooms[req.rid]
-        if req.is_finished and r.room is not None:
-            self.room_owner.pop(r.room, None)
         self.recent.append(rec)
-        return self.host.make_output(req, tokens, lps, tops)
 
     def _fail(self, r: DecodeRoom, failure: RoomFailure, quarantine: bool = False,
-              send_abort: bool = False, answer: bool = True,
-              status_code: int | None = None) -> GenerateOutput | None:
-        """Fail a room: pages back (never into the prefix cache; quarantined when the prefill
-        may still write), the client answered with an error (HTTP ``status_code``, default
-        500) unless ``answer`` is False."""
+              send_abort: bool = False, status_code: int | None = None,
+              report: bool = True) -> None:
+        """Fail a room: an Abort to the prefill if ``send_abort``; ``quarantine``: its pages
+        (if any were reserved) stay held until the prefill's ack or the drain timeout, as the
+        prefill may still write them; never into the prefix cache. ``report``: the worker
+        tells the scheduler, which ends the request with the error (HTTP ``status_code``,
+        default 500) and asks ``request_finished``."""
+        r.quarantine = quarantine and r.room is not None and r.state == KVPoll.Transferring
         self._set_state(r, KVPoll.Failed)
         r.failure = failure
         reason = str(failure)
@@ -383,38 +372,21 @@ class DecodeConnector(RoleManager):
         if send_abort and peer is not None and peer.endpoint:
             self.send(peer.endpoint, Abort(bootstrap_room=r.room, sender_id=peer.engine_id,
                                            reason=reason[:4000]))
-        req = r.req
-        if req.rid in self.scheduler.waiting_remote:
-            if quarantine and r.room is not None:
-                key = (r.room, next(self._quarantine_seq))
-                own = self.scheduler.drop_remote(req, free=False)
-                self.quarantine[key] = (time.monotonic() + self.args.drain_timeout_s, r.slot,
-                                        own)
-                r.slot = None
-            else:
-                self.scheduler.drop_remote(req)
-        if r.slot is not None:
-            self.meta.free(r.slot)
-            r.slot = None
-        self.rooms.pop(req.rid, None)
-        if r.room is not None and self.room_owner.get(r.room) == req.rid:
-            del self.room_owner[r.room]
         self.recent.append(r.record())
-        if not answer:
-            return None
-        return error_output(req.rid, f"PD transfer failed (bootstrap_room {r.room}): {reason}",
-                            req.num_prompt_tokens, status_code)
+        if report:
+            self.worker.failed(r.req.rid, RecvFailure(
+                f"PD transfer failed (bootstrap_room {r.room}): {reason}", status_code))
 
     def _release_quarantine(self, now: float) -> None:
         if not self.quarantine:
             return
         acked, self._acked = self._acked, set()
-        for key, (deadline, slot, pages) in list(self.quarantine.items()):
-            by_ack = key[0] in acked
+        for rid, (deadline, slot, room, _) in list(self.quarantine.items()):
+            by_ack = room in acked
             if not by_ack and now < deadline:
                 continue
-            del self.quarantine[key]
-            self.scheduler.free_pages(pages)
+            del self.quarantine[rid]
+            self.worker.released(rid)          # the scheduler gives the held pages back
             if slot is not None:
                 self.meta.free(slot)
             if by_ack:
@@ -422,7 +394,7 @@ class DecodeConnector(RoleManager):
             else:
                 self.num_quarantine_released_by_timeout += 1
                 logger.warning("PD decode: drain timeout: reusing the pages of bootstrap_room %d "
-                               "without an abort ack", key[0])
+                               "without an abort ack", room)
 
     def after_step(self, batch, outputs: list[GenerateOutput]) -> list[GenerateOutput]:
         """After a step (``batch`` None: nothing ran, but requests may have finished): re-check
@@ -439,30 +411,22 @@ class DecodeConnector(RoleManager):
                       if r.state == KVPoll.Transferring and not r.fake]
             peers = [p for p in self.peers.values() if p.state == PeerState.READY]
             for r in moving:
-                out = self._fail(r, CacheMoved("the decode KV cache moved after a donated step"),
-                                 quarantine=True, send_abort=True)
-                if out is not None:
-                    outputs.append(out)
+                self._fail(r, CacheMoved("the decode KV cache moved after a donated step"),
+                           quarantine=True, send_abort=True)
             for p in peers:
                 try:
                     self.send(p.endpoint, self.worker.register_msg(p.engine_id))
                 except ValueError as e:      # a node's buffers changed shape: cannot happen
                     logger.error("PD decode: cannot register again with %s: %s", p.endpoint, e)
-        done = [o.rid for o in outputs if o.finished]
-        if done and self.room_owner:
-            finished = set(done)
-            for room, rid in list(self.room_owner.items()):
-                if rid in finished and rid not in self.rooms:
-                    del self.room_owner[room]
         return outputs
 
     def _on_message(self, msg: Message) -> None:
         self.worker.on_message(msg)         # the receiver thread
 
-    # ------------------------------------------------------------------ KVConnector
-    def owned_pages(self) -> list[int]:
-        """The quarantined pages (the scheduler's invariant check counts them)."""
-        return [p for _, _, pages in self.quarantine.values() for p in pages]
+    @property
+    def num_quarantined_pages(self) -> int:
+        """Pages of failed rooms a late write may still hit (held by the scheduler)."""
+        return sum(n for _, _, _, n in self.quarantine.values())
 
     # ------------------------------------------------------------------ introspection
     def num_live_rooms(self) -> int:

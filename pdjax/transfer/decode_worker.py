@@ -15,8 +15,10 @@ engine thread as typed events through one queue, which ``DecodeConnector.poll`` 
     engine thread:     events() -> rooms and peers change, in the order the events came
 
 The KV itself is written by the prefill into the pages the decode reserved: ``start`` has
-nothing to move and ``poll`` reports nothing to the scheduler (the decode commits its requests
-itself, ``Scheduler.commit_remote``).
+nothing to move. What the engine thread concluded from the events (``DecodeConnector.poll``)
+the worker reports to the scheduler at ``poll``, as a ``KVConnectorOutput``: a request's KV in,
+with its first token (``received``), given up (``failed``), or its quarantined pages free
+again (``released``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pdjax.pd.lifecycle import (Aborted, KVPoll, PairingFailed, PeerLost, Refuse
                                 RemoteFailure, RoomFailure)
 from pdjax.pd.protocol import (Abort, AbortAck, DecodeRankInfo, Message, RegisterDecode,
                                RegisterResult, TransferStatus)
-from pdjax.sched.kv_connector import KVConnectorOutput
+from pdjax.sched.kv_connector import FirstToken, KVConnectorOutput, RecvFailure
 from pdjax.transfer.worker import EventQueue, KVTransferWorker
 
 logger = logging.getLogger(__name__)
@@ -130,6 +132,7 @@ class DecodeTransferWorker(KVTransferWorker):
         self._wake, self._on_reject = wake, on_reject
         self._fetch_info, self._health_check = fetch_info, health_check
         self._events = EventQueue(wake)
+        self._outbox = KVConnectorOutput()               # engine thread only
         self._uid = uuid.uuid4().hex[:12]
         self._peer_ids = itertools.count()
         # The worker's own state, shared by its threads only.
@@ -145,8 +148,27 @@ class DecodeTransferWorker(KVTransferWorker):
     def start(self, meta) -> None:
         """Nothing to move: the prefill writes the KV (``DecodeConnector.build_meta`` is None)."""
 
+    # ------------------------------------------------------------------ the engine's reports
+    def received(self, rid: str, first: FirstToken) -> None:
+        """Engine thread: ``rid``'s prompt KV is in its pages, its first token ``first``."""
+        self._outbox.finished_recving.add(rid)
+        self._outbox.first_tokens[rid] = first
+
+    def failed(self, rid: str, failure: RecvFailure) -> None:
+        """Engine thread: ``rid``'s KV will not come."""
+        self._outbox.failed_recving[rid] = failure
+
+    def released(self, rid: str) -> None:
+        """Engine thread: no write can land in ``rid``'s held pages any more."""
+        self._outbox.finished_sending.add(rid)
+
     def poll(self) -> KVConnectorOutput:
-        return KVConnectorOutput()
+        """What the engine thread reported since the last call (engine thread)."""
+        out, self._outbox = self._outbox, KVConnectorOutput()
+        return out
+
+    def has_work(self) -> bool:
+        return bool(self._outbox)
 
     def events(self) -> list[DecodeEvent]:
         """Every event since the last call, oldest first (engine thread)."""

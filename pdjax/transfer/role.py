@@ -248,8 +248,8 @@ class RoleManager(abc.ABC):
         return self.channel.send(endpoint, msg)
 
     # -- KVConnector (pdjax/sched/kv_connector.py): what neither role uses -------------------
-    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
-        """0: a PD role admits its remote requests itself (``Scheduler.reserve_remote``)."""
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int | None:
+        """0: the prompt is computed here (the prefill's requests)."""
         return 0
 
     def update_state_after_alloc(self, req, num_external_tokens: int) -> None:

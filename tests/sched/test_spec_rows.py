@@ -110,13 +110,16 @@ def test_drafts_respect_max_new_tokens_the_budget_and_opt_outs():
 def test_pd_decode_drafts_from_its_first_step():
     """A PD decode server gets the prompt's KV and the first token from the prefill server:
     its first decode step already carries drafts looked up in the prompt (DESIGN.md §4)."""
-    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=4, chunked_prefill_size=16))
+    from kv_fakes import WholePromptConnector, admit_whole, arrive
+
+    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=4, chunked_prefill_size=16),
+                      connector=WholePromptConnector())
     sched.speculator = SpecController(FixedDrafter(), num_draft_tokens=4, adaptive=False)
     from pdjax.spec.drafter import NgramDrafter
     sched.speculator.drafter = NgramDrafter(1, 4)
     req = Request("pd", [7, 8, 9, 5, 6, 7, 8], SamplingParams(max_new_tokens=10, temperature=0))
-    assert sched.reserve_remote(req)
-    sched.commit_remote(req, 9)              # the prefill's first token
+    admit_whole(sched, req)
+    assert arrive(sched, req, 9) == [req]      # the prefill's first token
     batch = sched.schedule()
     row = batch.rows[0]
     assert row.is_verify and row.start == 7 and row.draft_ids == [5, 6, 7]

@@ -87,7 +87,8 @@ class FakeHost:
 
     def make_output(self, req, tokens, lps, tops, num_output=None) -> GenerateOutput:
         return GenerateOutput(req.rid, list(tokens), finished=req.is_finished,
-                              prompt_tokens=req.num_prompt_tokens)
+                              prompt_tokens=req.num_prompt_tokens, error=req.error,
+                              finish_reason=req.finish_reason if req.is_finished else None)
 
     def wait_for_device(self) -> None:
         pass
@@ -113,11 +114,38 @@ def decode_connector(page_size: int = 4, num_pages: int = 17, channel: FakeChann
                              max_total_tokens=(num_pages - 1) * page_size,
                              disaggregation_transfer_backend="fake", **args)
     scheduler = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=page_size,
-                                          max_running_requests=4, chunked_prefill_size=16))
+                                          max_running_requests=4, chunked_prefill_size=16,
+                                          num_reserved_decode_tokens=8))
     conn = DecodeConnector(FakeHost(server_args, scheduler, runner),
                            RoleParts(engine, local_kv, meta, channel))
     scheduler.connector = conn
     return conn, channel
+
+
+def engine_step(conn) -> list[GenerateOutput]:
+    """What ``EngineCore``'s step does around a PD role, without a forward: the role's
+    ``poll``, the scheduler's ``update_from_kv_output`` of the worker's report (a request's
+    first token, or its error: one output each) and ``schedule`` (the admission path).
+    Returns the outputs the engine would stream."""
+    outputs = list(conn.poll())
+    s = conn.scheduler
+    for req in s.update_from_kv_output(conn.worker.poll(), conn.host.stop_check):
+        outputs.append(conn.host.make_output(req, list(req.output_ids), [], []))
+    s.schedule()
+    return conn.after_step(None, outputs)
+
+
+def engine_add(conn, g, req) -> None:
+    """``EngineCore.add_request`` around a decode role: the role opens the room, the
+    scheduler queues the request."""
+    assert not conn.add_request(g, req)
+    conn.scheduler.add_request(req)
+
+
+def engine_abort(conn, rid: str, message: str) -> None:
+    """``EngineCore.abort_request`` around a decode role (the scheduler's abort)."""
+    assert conn.abort(rid, message) is None
+    conn.scheduler.abort_request(rid, message)
 
 
 def prefill_worker(**parts):

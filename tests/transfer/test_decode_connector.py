@@ -14,7 +14,7 @@ from pdjax.pd.lifecycle import KVPoll, PeerState
 from pdjax.pd.protocol import Abort, AbortAck, TransferRequest, TransferStatus
 from pdjax.request import Request, SamplingParams
 
-from pd_fakes import decode_connector
+from pd_fakes import decode_connector, engine_abort, engine_add, engine_step
 
 PS = 4
 
@@ -37,11 +37,11 @@ def _request(rid: str, room: int, port: int, n: int = 9, max_new: int = 4):
 
 
 def _poll_until(conn, pred, timeout_s: float = 10.0) -> list:
-    """Poll ``conn`` as the engine thread would until ``pred()``; returns the outputs."""
+    """Step ``conn`` as the engine thread would until ``pred()``; returns the outputs."""
     outputs, deadline = [], time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, "timed out"
-        outputs += conn.poll()
+        outputs += engine_step(conn)
         time.sleep(0.01)
     return outputs
 
@@ -71,7 +71,7 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
     free0 = conn.scheduler.allocator.num_free
     try:
         g, req = _request("a", 7, port)
-        assert conn.add_request(g, req)
+        engine_add(conn, g, req)
         _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
         (tr,) = _transfer_requests(channel)
         assert tr.bootstrap_room == 7 and len(tr.dst_pages) == 3           # 9 tokens, 4 a page
@@ -79,7 +79,7 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
         peer = conn.peers[("127.0.0.1", port)]
         assert peer.state == PeerState.READY
         g2, req2 = _request("b", 8, port)
-        assert conn.add_request(g2, req2)            # same peer, not paired again
+        engine_add(conn, g2, req2)                   # same peer, not paired again
         assert conn.rooms["b"].state == KVPoll.Bootstrapping
 
         woke.clear()                                 # nothing else wakes the engine now
@@ -88,7 +88,7 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
         assert peer.state == PeerState.READY         # nothing but the engine thread changed it
         assert conn.rooms["a"].state == KVPoll.Transferring
 
-        outs = {o.rid: o for o in conn.poll()}
+        outs = {o.rid: o for o in engine_step(conn)}
         assert peer.state == PeerState.FAILED
         assert set(outs) == {"a", "b"} and not conn.rooms
         for o in outs.values():
@@ -112,11 +112,11 @@ def test_a_status_is_applied_by_the_engine_thread_and_commits_the_request(prefil
     conn, channel, port = _paired(prefill_bootstrap)
     try:
         g, req = _request("a", 7, port)
-        conn.add_request(g, req)
+        engine_add(conn, g, req)
         _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
         conn.worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
         assert conn.rooms["a"].status is None
-        (out,) = conn.poll()
+        (out,) = engine_step(conn)
         assert out.rid == "a" and out.new_token_ids == [0] and out.error is None
         assert [r.rid for r in conn.scheduler.running] == ["a"]
         assert req.num_computed_tokens == 9 and not conn.rooms
@@ -133,28 +133,28 @@ def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(prefill_
     conn, channel, port = _paired(prefill_bootstrap)
     try:
         g, req = _request("a", 7, port)
-        conn.add_request(g, req)
+        engine_add(conn, g, req)
         _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
-        conn.abort("a", "client went away")
+        engine_abort(conn, "a", "client went away")
         with caplog.at_level(logging.INFO, logger="pdjax.transfer.decode"):
             caplog.clear()                   # (the abort's own warning)
             conn.worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
-            conn.poll()
+            engine_step(conn)
             assert conn.num_rejected_messages == 0
             assert not [r for r in caplog.records if r.levelno >= logging.WARNING
                         and r.name == "pdjax.transfer.decode"]
             assert "which failed here already" in caplog.text
             for room in (8, 9):          # never seen here: not an expected crossing
                 conn.worker.on_message(TransferStatus(bootstrap_room=room, state=KVPoll.Success))
-            conn.poll()
+            engine_step(conn)
         assert conn.num_rejected_messages == 2
 
         g2, req2 = _request("b", 10, port)
-        conn.add_request(g2, req2)
+        engine_add(conn, g2, req2)
         _poll_until(conn, lambda: conn.rooms["b"].state == KVPoll.Transferring)
         peer = conn.peers[("127.0.0.1", port)]
         conn.worker.on_message(Abort(bootstrap_room=10, sender_id="prefill@x", reason="bye"))
-        (out,) = conn.poll()
+        (out,) = engine_step(conn)
         assert out.rid == "b" and "aborted by the prefill server: bye" in out.error
         acks = [(e, m) for e, m in channel.sent if isinstance(m, AbortAck)]
         assert acks == [("tcp://127.0.0.1:5555", AbortAck(bootstrap_room=10,
@@ -170,7 +170,7 @@ def test_a_refused_registration_fails_the_pairing_with_the_prefill_reason(prefil
     free0 = conn.scheduler.allocator.num_free
     try:
         g, req = _request("a", 7, port)
-        conn.add_request(g, req)
+        engine_add(conn, g, req)
         outs = _poll_until(conn, lambda: "a" not in conn.rooms)
         (out,) = outs
         assert "cannot pair with prefill" in out.error

@@ -20,6 +20,8 @@ from pdjax.server.validation import checked_num_samples
 from pdjax.transfer.channel import MessageChannel
 from pdjax.transfer.pd_metrics import PDMetrics
 
+from kv_fakes import WholePromptConnector, admit_whole, arrive
+
 PS = 4
 
 
@@ -32,11 +34,11 @@ def _req(rid, n, seed=0):
 def test_scheduler_hands_back_a_lone_request_it_cannot_grow():
     # 7 usable pages: A (8 prompt tokens + 1 output) runs; B's reservation takes the other 5.
     s = Scheduler(SchedulerConfig(num_pages=8, page_size=PS, max_running_requests=4,
-                                  chunked_prefill_size=16))
+                                  chunked_prefill_size=16), connector=WholePromptConnector())
     a, b = _req("a", 8), _req("b", 20, seed=1)
-    assert s.reserve_remote(a)
-    s.commit_remote(a, 7)
-    assert s.reserve_remote(b)
+    admit_whole(s, a)
+    arrive(s, a, 7)
+    admit_whole(s, b)
     assert s.allocator.num_free == 0
     assert s.schedule() is None                  # A needs a third page; nothing can give one
     assert s.pop_finished() == [a] and s.pop_finished() == []
@@ -211,19 +213,18 @@ def test_reported_cached_tokens_are_the_prefill_hit_not_the_decode_hit():
     reports ``reported_cached_tokens`` (what ``_commit`` sets from the metadata row and the
     decode's hit); page accounting keeps the decode's."""
     s = Scheduler(SchedulerConfig(num_pages=33, page_size=PS, max_running_requests=4,
-                                  chunked_prefill_size=16))
+                                  chunked_prefill_size=16), connector=WholePromptConnector())
     warm = _req("warm", 12)
-    assert s.reserve_remote(warm)
-    s.commit_remote(warm, 5)
+    admit_whole(s, warm)
+    arrive(s, warm, 5)
     s.finish_request(warm, FinishReason.of_length(1))   # 3 full prompt pages cached
     for prefill_hit, want in ((0, 0), (4, 4), (99, 10)):
         req = Request(f"r{prefill_hit}", warm.prompt_ids[:8] + [9, 9],
                       SamplingParams(max_new_tokens=4))
-        assert s.reserve_remote(req)
+        admit_whole(s, req)
         assert req.num_cached_tokens == 8                     # the decode's own prefix hit
-        req.reported_cached_tokens = prefill_hit
+        arrive(s, req, 3, cached_tokens=prefill_hit)
         assert req.num_cached_tokens_reported == want          # clamped to the prompt (10)
-        s.commit_remote(req, 3)
         s.check_invariants()
         s.finish_request(req, FinishReason.of_length(1))
         s.check_invariants()

@@ -1,6 +1,6 @@
 """Fast PD pieces without processes: the scheduler's remote-KV books as the PD roles use them
-(held by ``request_finished``, reserved, committed, dropped or kept for a quarantine) under its
-invariant check, the decode's reservation arithmetic, the staging path of ``LocalKV``, and the
+(held by ``request_finished``; a decode's whole-prompt admission and its first token) under
+its invariant check, the decode's reservation arithmetic, the staging path of ``LocalKV``, and the
 router's request arithmetic."""
 
 import dataclasses
@@ -19,9 +19,9 @@ from pdjax.models.loader import make_mesh
 from pdjax.sched.buckets import BucketKey
 from pdjax.sched.kv_connector import KVConnectorOutput, NullConnector
 from pdjax.sched.scheduler import Scheduler, SchedulerConfig
-from pdjax.transfer.decode import decode_reserve_pages
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
+from kv_fakes import WholePromptConnector, admit_whole, arrive
 from pd_fakes import KVRunner as _Runner
 
 PS = 4
@@ -74,13 +74,13 @@ def test_held_pages_outlive_the_finish_until_released():
 
 
 def test_prebuilt_request_joins_decode_without_prompt_compute():
-    s = _sched()
+    s = _sched(connector=WholePromptConnector())
     req = _req("d", 9, max_new=3)
-    assert s.reserve_remote(req, extra_free_pages=2)
+    admit_whole(s, req)
     assert len(req.pages) == 3 and req.num_cached_tokens == 0
     assert s.waiting_remote == {"d": req}
     s.check_invariants()
-    s.commit_remote(req, 42)
+    arrive(s, req, 42)
     assert req.output_ids == [42] and req.num_computed_tokens == 9
     batch = s.schedule()
     assert batch.forward_mode == "decode" and [(r.start, r.num_tokens) for r in batch.rows] == [(9, 1)]
@@ -91,36 +91,39 @@ def test_prebuilt_request_joins_decode_without_prompt_compute():
     first_pages = list(req.pages[:2])
     s.finish_request(req, FinishReason.of_length(2))
     twin = Request("t", req.prompt_ids[:8] + [5, 6, 7], SamplingParams(max_new_tokens=2))
-    assert s.reserve_remote(twin)
+    admit_whole(s, twin)
     assert twin.num_cached_tokens == 8 and twin.pages[:2] == first_pages
     s.check_invariants()
 
 
-def test_reserve_respects_the_pool_and_the_decode_reservation():
-    s = _sched(num_pages=10)                       # 9 usable pages
-    big = _req("big", 30)                          # 8 pages
-    assert not s.reserve_remote(big, extra_free_pages=2)
-    assert s.num_used_pages == 0 and not s.waiting_remote
-    assert s.reserve_remote(big, extra_free_pages=1)
-    assert s.num_used_pages == 8                   # the reservation is checked, not taken
+def test_admission_respects_the_pool_and_the_decode_reservation():
+    s = _sched(num_pages=10, connector=WholePromptConnector(),   # 9 usable pages
+               num_reserved_decode_tokens=8)
+    big = _req("big", 30, max_new=16)                            # 8 pages + 2 reserved
+    s.add_request(big)
+    s.allocator.alloc(1)                           # one page away: 8 free
+    s.schedule()
+    # Alone, the request is admitted without its reservation (it could never fit otherwise).
+    assert dict(s.waiting_remote) == {"big": big} and s.num_used_pages == 9
     with pytest.raises(ValueError, match="already in use"):
-        s.reserve_remote(big)
-    s.check_invariants()
+        s.add_request(big)
 
 
 def test_decode_reserve_pages_counts_running_and_reserved():
-    s = _sched()
+    s = _sched(connector=WholePromptConnector(), num_reserved_decode_tokens=16)
     running = _req("run", 6, max_new=30)
-    assert s.reserve_remote(running)
-    s.commit_remote(running, 11)                      # 1 output token: 29 left, cap 16
+    admit_whole(s, running)
+    arrive(s, running, 11)                            # 1 output token: 29 left, cap 16
     reserved = _req("res", 6, max_new=5)              # none yet (counts 1): 4 left -> 1 page
-    assert s.reserve_remote(reserved)
+    admit_whole(s, reserved)
     new = _req("new", 6, max_new=None)                # no limit: the cap, 16 -> 4 pages
     new.sampling_params = dataclasses.replace(new.sampling_params, max_new_tokens=None)
-    assert decode_reserve_pages(s, new, 16) == 4 + 4 + 1
-    assert decode_reserve_pages(s, new, 3) == 1 + 1 + 1
+    assert s.remote.reserved_decode_pages(new, s.running) == 4 + 4 + 1
+    s.remote.num_reserved_decode_tokens = 3
+    assert s.remote.reserved_decode_pages(new, s.running) == 1 + 1 + 1
+    s.remote.num_reserved_decode_tokens = 16
     one = _req("one", 6, max_new=1)                   # the prefill's token is its only one
-    assert decode_reserve_pages(s, one, 16) == 0 + 4 + 1
+    assert s.remote.reserved_decode_pages(one, s.running) == 0 + 4 + 1
     s.check_invariants()
 
 
