@@ -147,6 +147,7 @@ class HiCacheRole(NullRole):
         return {"hicache_host_pages_used": self.index.num_used,
                 "hicache_host_pages_total": self.index.num_slots,
                 "hicache_host_pages_pinned": self.index.num_pinned,
+                "hicache_bytes_per_page": bpp,
                 "hicache_hit_tokens": s.loaded_pages * self.page_size,
                 "hicache_loaded_bytes": s.loaded_pages * bpp,
                 "hicache_written_bytes": s.written_pages * bpp,
