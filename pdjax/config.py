@@ -27,6 +27,8 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")
 # Structured outputs (SGLang's --grammar-backend; pdjax has llguidance, or none).
 GRAMMAR_BACKENDS = ("llguidance", "none")
 DTYPES = ("auto", "float32", "bfloat16")
+# Expert-parallel dispatch (SGLang's --moe-a2a-backend; pdjax.models.moe_ep).
+MOE_A2A_BACKENDS = ("none", "ragged")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8_e4m3")
 ATTENTION_BACKENDS = ("auto", "reference", "xla", "cpu", "tpu", "gpu")
@@ -132,6 +134,16 @@ class ModelArgs:
     dtype: str = _arg("auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
                       DTYPES)
     tp_size: int = _arg(1, "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)")
+    ep_size: int = _arg(
+        1, "expert-parallel size (MoE models): the routed experts split by expert over the "
+           "tp_size devices, each expert over tp_size / ep_size of them (the MoE's TP inside "
+           "an EP group); must divide tp_size and the routed experts; 1: experts split by "
+           "width over TP")
+    moe_a2a_backend: str = _arg(
+        "none", "expert-parallel dispatch: none (every device has every token: its local "
+                "experts, then one all-reduce; every platform), ragged (token copies sent to "
+                "their experts' devices with ragged all-to-all, dropless; TPU/GPU, a padded "
+                "all-to-all stands in on CPU)", MOE_A2A_BACKENDS)
     context_length: int | None = _arg(None, "longest sequence served; default: the model's")
     random_seed: int = _arg(0, "seed of requests without their own seed")
     attention_backend: str | None = _arg(
@@ -160,6 +172,10 @@ class ModelArgs:
     def __post_init__(self):
         _check_fields(self)
         _check_int(self, "tp_size", 1)
+        _check_int(self, "ep_size", 1)
+        if self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): "
+                             "the experts are split over the devices of the TP group")
         for name in ("unroll_layers", "cpu_matmul_kernel"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

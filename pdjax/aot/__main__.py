@@ -104,7 +104,10 @@ def main(argv=None) -> int:
     print(f"pdjax aot: {engine.config.model_path} ({type(engine.model_cfg).__name__}, "
           f"{np.dtype(engine.config.dtype).name} weights, KV {np.dtype(engine.config.kv_dtype).name})"
           f" on {target.name} "
-          f"({target.device_kind}), TP {args.tp_size}, attention {engine.config.attention_impl}",
+          f"({target.device_kind}), TP {args.tp_size}"
+          + (f", EP {args.ep_size} (MoE TP {args.tp_size // args.ep_size}, dispatch "
+             f"{args.moe_a2a_backend})" if args.ep_size > 1 else "")
+          + f", attention {engine.config.attention_impl}",
           flush=True)
     print(f"buckets: {engine.buckets.describe()}", flush=True)
     results = []

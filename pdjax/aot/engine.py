@@ -37,7 +37,7 @@ from pdjax.aot.targets import Target
 from pdjax.config import ServerArgs
 from pdjax.engine.settings import make_buckets, resolve_engine_config
 from pdjax.engine.speculative import model_kwargs
-from pdjax.models.loader import checkpoint_architecture, checkpoint_config
+from pdjax.models.loader import checkpoint_architecture, checkpoint_config, run_config
 from pdjax.models.params import abstract_model
 from pdjax.models.registry import model_family
 from pdjax.pallas_kernels.lanes import kv_row_align
@@ -119,8 +119,8 @@ class AbstractEngine:
                              f"{target.platform} (auto, xla or reference)")
         self.family = model_family(checkpoint_architecture(config.model_path))
         self.mesh = Mesh(np.array(target.devices[:args.tp_size]), ("tp",))
-        self.model_cfg = self.family.run_config(checkpoint_config(config.model_path),
-                                                args.tp_size)
+        self.model_cfg = run_config(self.family, checkpoint_config(config.model_path),
+                                    args.tp_size, args.ep_size, args.moe_a2a_backend)
         model = nnx.eval_shape(lambda: self.family.model_class(
             self.model_cfg, dtype=config.dtype, rngs=nnx.Rngs(0),
             attention_impl=config.attention_impl, interpret=False,

@@ -105,7 +105,9 @@ def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
     spare = len(engine.target.devices) - chips
     lines = [
         f"HBM per chip ({engine.target.device_kind}; {chips} chip{'s' * (chips > 1)}: "
-        f"TP {tp} x DP {b.dp}" + (f"; {spare} of {engine.target.name}'s chips unused"
+        f"TP {tp} x DP {b.dp}"
+        + (f", EP {engine.args.ep_size}" if engine.args.ep_size > 1 else "")
+        + (f"; {spare} of {engine.target.name}'s chips unused"
                                   if spare > 0 else "") + "):",
         f"  HBM {_size(b.hbm_bytes)} x mem_fraction {b.mem_fraction} = "
         f"{_size(int(b.mem_fraction * b.hbm_bytes))} usable",
@@ -135,6 +137,7 @@ def as_json(engine: AbstractEngine, results: list[CompiledEntry],
         e["kernels"] = list(e["kernels"])
     return {"target": engine.target.name, "device_kind": engine.target.device_kind,
             "model_path": engine.config.model_path, "tp_size": engine.args.tp_size,
+            "ep_size": engine.args.ep_size, "moe_a2a_backend": engine.args.moe_a2a_backend,
             "page_size": engine.args.page_size, "context_length": engine.context_length,
             "entries": entries,
             "budget": None if budget is None else {**dataclasses.asdict(budget),

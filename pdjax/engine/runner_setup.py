@@ -57,7 +57,8 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
         config.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
         load_format=args.load_format, attention_impl=config.attention_impl,
         interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
-        cpu_matmul_kernel=config.cpu_matmul_kernel, **model_kwargs(args, config.model_path))
+        cpu_matmul_kernel=config.cpu_matmul_kernel, ep_size=args.ep_size,
+        moe_a2a_backend=args.moe_a2a_backend, **model_kwargs(args, config.model_path))
     phase("model")
     context_length = config.scheduler.max_request_tokens
     node_buckets = make_buckets(args, context_length, config.attention_impl, model)

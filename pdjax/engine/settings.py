@@ -17,7 +17,7 @@ from pdjax.config import ServerArgs
 from pdjax.model_config import ModelConfig
 from pdjax.models.checkpoint import check_weight_files
 from pdjax.models.loader import (checkpoint_config, is_gguf, is_orbax_checkpoint, resolve_dtype,
-                                 resolve_model_path)
+                                 resolve_model_path, run_config)
 from pdjax.models.registry import model_family
 from pdjax.models.platform import PlatformProfile
 from pdjax.sched.buckets import Buckets
@@ -189,7 +189,8 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     alone (nothing built or allocated), so that it is one error line at parse time:
 
     - ``tp_size`` over ``num_devices`` (None: not known here, e.g. multi-host before joining),
-      or one that does not split the model's heads / MLP (the family's ``run_config``);
+      or one that does not split the model's heads / MLP (the family's ``run_config``), or
+      an ``ep_size`` that does not split its routed experts (``loader.run_config``);
     - one device's memory (``device_bytes``; None: not checked) below the weights, the KV pool
       and the buffers of the largest bucket (``runner.step_memory``, lower bounds), naming
       ``max_total_tokens``, ``max_running_requests`` or the setting that sizes a forward's
@@ -200,7 +201,8 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     if num_devices is not None and not 1 <= args.tp_size <= num_devices:
         raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
                          f"{args.tp_size}")
-    run_cfg = model_family(model_cfg.architecture).run_config(model_cfg, args.tp_size)
+    run_cfg = run_config(model_family(model_cfg.architecture), model_cfg, args.tp_size,
+                         args.ep_size, args.moe_a2a_backend)
     if device_bytes is None:
         return
     from pdjax.models.cache_spec import gqa_cache_spec

@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from pdjax.config import MOE_A2A_BACKENDS as A2A_BACKENDS
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.fp8 import LazyStack
 from pdjax.models.moe import grouped_swiglu, route, swiglu
 
-A2A_BACKENDS = ("none", "ragged")
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 

@@ -1,0 +1,186 @@
+"""``--ep-size`` / ``--moe-a2a-backend`` through ``pdjax.Engine`` and the serve flags: tiny
+DeepSeek-V3.2 and GLM-5 (bf16-free float32 and FP8) with their routed experts split by expert
+over the simulated CPU devices (conftest: 4) give transformers' greedy tokens (tie-aware) and
+TP 1's; each device reads only its own experts' FP8 bytes; a layout that cannot work is one
+``error: FIELD: ...`` line at parse time.
+
+The tiny checkpoints have 4 attention heads, so TP (and EP) 8 cannot run them; the 8-way
+layer split is ``tests/models/test_moe_ep.py``'s (``moe_ep`` at tp 4 and 2 there too)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import make_tiny_checkpoint as mk
+from model_utils import assert_tokens_match, hf_greedy, top2_gaps
+from pdjax.engine.offline import Engine
+from pdjax.models.fp8 import LazyStack
+from pdjax.models.loader import load_model, make_mesh
+from pdjax.serve import parse_args
+
+NEW = 8
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 400, n).tolist() for n in (5, 13, 21)]
+
+
+def _generate(path, prompts, **kwargs):
+    """Greedy outputs of an engine over ``path``; prompt + output stay under index_topk (32),
+    so the DSA indexer's ties at 0 cannot select differently (test_fp8.py's setting)."""
+    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=512,
+                 max_running_requests=4, chunked_prefill_size=16, context_length=32,
+                 progress=False, **kwargs)
+    try:
+        outs = eng.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})
+    finally:
+        eng.shutdown()
+    return [o["output_ids"] for o in outs]
+
+
+def _check(outs, hf, prompts, what, tp1=None):
+    compared = 0
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref, logits = hf_greedy(hf, p, NEW, eos_token_id=None, pad_token_id=0)
+        gaps = top2_gaps(logits)
+        compared += assert_tokens_match(out, ref, gaps, what=f"{what} vs transformers")
+        if tp1 is not None:
+            assert_tokens_match(out, tp1[i], gaps, what=f"{what} vs TP 1")
+    assert compared >= 3 * NEW // 2, f"{what}: only {compared} positions compared"
+
+
+@pytest.fixture(scope="module")
+def oracles(tiny_checkpoints, tmp_path_factory):
+    """name -> transformers model (FP8 checkpoints: their weights dequantized to float32)."""
+    root = tmp_path_factory.mktemp("dequantized")
+    out = {}
+    for name in ("deepseek_v32", "glm_moe_dsa", "deepseek_v32_fp8", "glm_moe_dsa_fp8"):
+        path = tiny_checkpoints[name]
+        if name.endswith("_fp8"):
+            path = mk.write_dequantized(path, str(root / name))
+        out[name] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager").eval()
+    return out
+
+
+def test_ep4_ragged_matches_transformers_and_tp1(tiny_checkpoints, oracles):
+    """The fast tier's one engine check: DeepSeek-V3.2 at TP 4, EP 4, ragged dispatch (its
+    padded CPU stand-in), against transformers and TP 1."""
+    prompts = _prompts()
+    path = tiny_checkpoints["deepseek_v32"]
+    tp1 = _generate(path, prompts)
+    _check(_generate(path, prompts, tp_size=4, ep_size=4, moe_a2a_backend="ragged"),
+           oracles["deepseek_v32"], prompts, "deepseek_v32 tp4 ep4 ragged", tp1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,tp,ep,backend", [
+    ("deepseek_v32", 4, 2, "none"),          # ep < tp: each expert over 2 devices
+    ("deepseek_v32", 4, 4, "none"),
+    ("glm_moe_dsa", 4, 4, "ragged"),
+    ("glm_moe_dsa", 4, 2, "ragged"),
+    ("glm_moe_dsa", 2, 2, "none"),
+    ("deepseek_v32_fp8", 2, 2, "ragged"),    # FP8: TP 4 would cut the dense layers' blocks
+    ("glm_moe_dsa_fp8", 2, 2, "none"),
+])
+def test_ep_matches_transformers_and_tp1(tiny_checkpoints, oracles, name, tp, ep, backend):
+    prompts = _prompts(tp + ep)
+    path = tiny_checkpoints[name]
+    tp1 = _generate(path, prompts)
+    _check(_generate(path, prompts, tp_size=tp, ep_size=ep, moe_a2a_backend=backend),
+           oracles[name], prompts, f"{name} tp{tp} ep{ep} {backend}", tp1)
+
+
+@pytest.mark.parametrize("ep,expect", [
+    # EP 2 on TP 2: device b holds experts [4b, 4b + 4), whole width.
+    (2, {"gate_up": [(0, 4), (0, 4), (4, 8), (4, 8)], "down": [(0, 4), (4, 8)]}),
+])
+def test_each_device_reads_only_its_experts(tiny_checkpoints, monkeypatch, ep, expect):
+    """The FP8 expert stacks [2 layers, 8 experts, ...] are read by expert, half per device,
+    never whole (plain TP reads them by width: test_fp8.py)."""
+    reads = {"gate_up": [], "down": []}
+    original = LazyStack.__getitem__
+
+    def spy(self, index):
+        if self.shape in ((2, 8, 192, 256), (2, 8, 256, 192)):
+            kind = "gate_up" if self.shape[-1] == 256 else "down"
+            assert index[-1] == slice(None) and index[-2] == slice(None), index
+            reads[kind].append((index[1].start or 0, index[1].stop))
+        return original(self, index)
+
+    monkeypatch.setattr(LazyStack, "__getitem__", spy)
+    _, model = load_model(tiny_checkpoints["deepseek_v32_fp8"], dtype="float32",
+                          progress=False, mesh=make_mesh(2), ep_size=ep)
+    assert {k: sorted(v) for k, v in reads.items()} == expect
+    q = model.moe.w_gate[...]
+    assert q.shape == (2, 8, 192, 256)
+    assert [s.data.shape for s in q.addressable_shards] == [(2, 4, 192, 256)] * 2
+
+
+def test_ep_below_tp_lays_out_expert_slices(tiny_checkpoints):
+    """EP 2 on TP 4: the stacks are [2 layers, 2 x 8 entries, ...] (entry t * 8 + e =
+    expert e's width slice t), each device 4 entries: experts of one EP rank, one slice."""
+    _, model = load_model(tiny_checkpoints["deepseek_v32"], dtype="float32", progress=False,
+                          mesh=make_mesh(4), ep_size=2)
+    assert model.moe.w_gate[...].shape == (2, 16, 64, 16)
+    assert model.moe.w_down[...].shape == (2, 16, 16, 64)
+    shards = model.moe.w_gate[...].addressable_shards
+    assert [s.data.shape for s in shards] == [(2, 4, 64, 16)] * 4
+
+
+# --------------------------------------------------------------------------- parse time
+
+def _parse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err.strip()
+
+
+def _six_experts(src, tmp_path):
+    dst = tmp_path / "six_experts"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(n_routed_experts=6, n_group=2, topk_group=1)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_layouts_that_cannot_work_fail_at_parse(capsys, tiny_checkpoints, tmp_path):
+    ds = tiny_checkpoints["deepseek_v32"]
+    cases = [
+        (["--model-path", ds, "--tp-size", "4", "--ep-size", "3"],
+         "error: ep_size (3) must divide tp_size (4)"),
+        (["--model-path", _six_experts(ds, tmp_path), "--load-format", "dummy",
+          "--tp-size", "4", "--ep-size", "4"],
+         "error: ep_size (4) must divide n_routed_experts (6)"),
+        (["--model-path", tiny_checkpoints["llama"], "--tp-size", "2", "--ep-size", "2"],
+         "error: ep_size: llama models have no routed experts"),
+        (["--model-path", ds, "--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "x"],
+         "error: moe_a2a_backend: invalid choice: 'x'"),
+        (["--model-path", tiny_checkpoints["deepseek_v32_fp8"], "--tp-size", "4",
+          "--ep-size", "2"], "error: tp_size: 4 cuts the FP8 scale blocks"),
+    ]
+    for argv, line in cases:
+        assert _parse_error(capsys, argv).startswith(line), argv
+
+
+def test_a_working_layout_parses(tiny_checkpoints):
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["glm_moe_dsa"],
+                       "--tp-size", "4", "--ep-size", "2", "--moe-a2a-backend", "ragged"])
+    assert (args.tp_size, args.ep_size, args.moe_a2a_backend) == (4, 2, "ragged")
+
+
+def test_engine_takes_the_same_names(tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"^ep_size \(3\) must divide tp_size \(4\)"):
+        Engine(tiny_checkpoints["deepseek_v32"], tp_size=4, ep_size=3, progress=False)
+    with pytest.raises(ValueError, match=r"^ep_size: llama models have no routed experts"):
+        Engine(tiny_checkpoints["llama"], tp_size=2, ep_size=2, progress=False)
