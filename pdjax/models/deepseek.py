@@ -38,7 +38,7 @@ from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
-from pdjax.models.linear import linear
+from pdjax.models.linear import linear, with_fp8_kernel
 from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
 from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
@@ -135,6 +135,8 @@ def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict
         topk0 = jnp.full((T, min(cfg.index_topk, span)), -1, jnp.int32)
     else:
         topk0 = None
+    # FP8 linears run the block-scaled Pallas GEMM where the attention kernels are Pallas.
+    params = with_fp8_kernel(params, param_groups(cfg), attention_impl, interpret)
     step = functools.partial(_decoder_layer, cfg=cfg, impl=attention_impl, interpret=interpret,
                              params=params, md=md, inv_freq=inv_freq, rope_scale=rope_scale,
                              mixed_indexer=mixed_indexer)
@@ -208,7 +210,7 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)
         x = x + moe_forward_ep(cfg, h, m, impl=impl, interpret=interpret)
     else:
-        x = x + moe_forward(cfg, h, m)
+        x = x + moe_forward(cfg, h, m, impl=impl, interpret=interpret)
     return (x, caches, topk), None
 
 

@@ -72,6 +72,13 @@ class Fp8BlockWeight:
     q: jax.Array
     scale_inv: jax.Array
     block_size: int = dataclasses.field(default=128, metadata=dict(static=True))
+    # How ``linear`` multiplies it (static; ``with_fp8_kernel`` sets them at trace time):
+    # ``impl`` "tpu" / "gpu" runs the block-scaled Pallas GEMM (``pallas_kernels/fp8_gemm``),
+    # anything else the reference; ``tp_dim`` (-2: K, -1: N, None: replicated) is the axis
+    # split over the mesh's "tp" devices, so the kernel runs per shard.
+    impl: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    tp_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -85,6 +92,60 @@ class Fp8BlockWeight:
         return (self.q.astype(jnp.float32) * s[..., :K, :N]).astype(dtype)
 
 
+def with_fp8_kernel(params: Mapping, groups: Mapping, impl: str | None,
+                    interpret: bool = False) -> dict:
+    """``params`` (group -> name -> value) with every ``Fp8BlockWeight`` set to run through
+    the block-scaled GEMM of ``impl`` (resolved: ``"tpu"`` / ``"gpu"`` the Pallas kernels,
+    anything else the reference). ``groups``: group -> ``(stack length, {name: (shape,
+    PartitionSpec)})`` (``deepseek_params.param_groups``), whose spec says which of the
+    weight's last two axes is split over ``"tp"``. Other values are returned as they are."""
+    from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+    impl = resolve_impl(impl)
+    out = {}
+    for group, values in params.items():
+        shapes = groups.get(group, (0, {}))[1]
+        if not isinstance(values, Mapping):
+            out[group] = values
+            continue
+        out[group] = dict(values)
+        for name, w in values.items():
+            if isinstance(w, Fp8BlockWeight) and name in shapes:
+                spec = tuple(shapes[name][1]) + (None,) * len(shapes[name][0])
+                spec = spec[:len(shapes[name][0])][-2:]
+                tp_dim = -2 if spec[0] == "tp" else -1 if spec[1] == "tp" else None
+                out[group][name] = dataclasses.replace(w, impl=impl, interpret=interpret,
+                                                       tp_dim=tp_dim)
+    return out
+
+
+def _fp8_kernel_linear(x: jax.Array, w: Fp8BlockWeight) -> jax.Array:
+    """``x @ w`` through ``fp8_gemm.fp8_matmul``, per "tp" shard where the mesh splits ``w``
+    (column-parallel: output split; row-parallel: partial sums added with ``psum``)."""
+    from jax.sharding import PartitionSpec as P
+
+    from pdjax.pallas_kernels.fp8_gemm import fp8_matmul
+    from pdjax.pallas_kernels.tp_shard import tp_size
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, K)
+
+    def local(rows, q, scale):
+        out = fp8_matmul(rows, q, scale, impl=w.impl, interpret=w.interpret)
+        return jax.lax.psum(out, "tp") if w.tp_dim == -2 else out
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if tp_size() == 1 or "tp" in mesh.manual_axes:
+        # One device, or already inside a shard_map over "tp": the shapes are this shard's.
+        out = fp8_matmul(rows, w.q, w.scale_inv, impl=w.impl, interpret=w.interpret)
+    else:
+        x_spec, w_spec, out_spec = {-2: (P(None, "tp"), P("tp", None), P()),
+                                    -1: (P(), P(None, "tp"), P(None, "tp")),
+                                    None: (P(), P(), P())}[w.tp_dim]
+        out = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, w_spec),
+                            out_specs=out_spec, check_vma=False)(rows, w.q, w.scale_inv)
+    return out.reshape(*lead, out.shape[-1])
+
+
 def dense_weight(w, dtype) -> jax.Array:
     """``w`` as a plain array: an ``Fp8BlockWeight`` dequantized to ``dtype``, an array as it
     is (for the ops that take weights ``linear`` does not: ``lax.ragged_dot``, einsums)."""
@@ -93,7 +154,8 @@ def dense_weight(w, dtype) -> jax.Array:
 
 def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
     """``x [..., K] @ w`` -> ``[..., N]`` for a plain ``[K, N]`` array, a ``PackedWeight`` or an
-    ``Fp8BlockWeight`` (dequantized to ``x``'s dtype first: the reference path).
+    ``Fp8BlockWeight`` (dequantized to ``x``'s dtype first, the reference path; or, once
+    ``with_fp8_kernel`` chose a TPU / GPU kernel, the block-scaled Pallas GEMM).
 
     ``num_rows`` (int32 scalar, traced; None: all): rows of ``x`` flattened to ``[M, K]`` from
     it on are padding. The packed matmul skips them (their outputs are 0); a plain dot computes
@@ -101,6 +163,8 @@ def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
     has ``x``'s dtype, computed in float32 (``dense_cpu.packed_matmul``)."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w.panels, w.out_features, num_rows=num_rows)
+    if isinstance(w, Fp8BlockWeight) and w.impl in ("tpu", "gpu"):
+        return _fp8_kernel_linear(x, w)
     return x @ dense_weight(w, x.dtype)
 
 

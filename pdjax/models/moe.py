@@ -1,13 +1,19 @@
 """The DeepSeek-V3 mixture of experts: grouped top-k routing (noaux_tc) and the routed plus
-shared experts of one MoE layer (``lax.ragged_dot`` over token copies sorted by expert)."""
+shared experts of one MoE layer (a grouped GEMM over token copies sorted by expert: the Pallas
+kernel on TPU / GPU, ``lax.ragged_dot`` otherwise)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from pdjax.models.deepseek_config import DeepseekConfig
-from pdjax.models.linear import dense_weight, linear
+from pdjax.models.linear import Fp8BlockWeight, dense_weight, linear
+from pdjax.pallas_kernels.grouped_gemm import KERNEL_IMPLS, grouped_matmul
+from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
+from pdjax.pallas_kernels.tp_shard import tp_size
 
 
 def swiglu(h, w_gate, w_up, w_down):
@@ -55,19 +61,52 @@ def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, 
     of row ``r``.
 
     Expert parallelism calls this with the local experts only (``E`` of this device).
-    ``impl``: the model's kernel choice (``attention_impl``; None: reference). Reference path:
-    ``lax.ragged_dot``, FP8 stacks dequantized first (DESIGN.md §2). ``interpret``: run a
-    Pallas kernel interpreted (CPU tests).
+    ``impl``: the model's kernel choice (``attention_impl``, resolved as
+    ``ragged_paged_attention.resolve_impl``): ``"tpu"`` / ``"gpu"`` run the Pallas grouped
+    GEMM (``pallas_kernels/grouped_gemm``: only the rows routed to each expert are read, FP8
+    tiles widened in the kernel); the others the reference, ``lax.ragged_dot`` with FP8
+    stacks dequantized first (DESIGN.md §2, §5). ``interpret``: run the Pallas kernel
+    interpreted (CPU tests).
+
+    Tensor parallelism: with the weights split over the mesh's ``"tp"`` axis as
+    ``param_groups`` lays them out (gate / up by F, down by F), the kernel runs per shard and
+    the partial sums are added (``psum``); inside a ``shard_map`` already manual over
+    ``"tp"``, the weights are this shard's and ``ys`` is its partial sum, as ragged_dot's is.
     """
+    impl = resolve_impl(impl)
+    if impl in KERNEL_IMPLS:
+        return _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl, interpret)
     gate = jax.lax.ragged_dot(xs, dense_weight(w_gate, xs.dtype), group_sizes)
     up = jax.lax.ragged_dot(xs, dense_weight(w_up, xs.dtype), group_sizes)
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(w_down, xs.dtype),
                               group_sizes)
 
 
-def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
-    """Routed experts (grouped matmul with ``lax.ragged_dot`` over token copies sorted by
-    expert) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
+def _gmm(x, w, group_sizes, impl, interpret):
+    if isinstance(w, Fp8BlockWeight):
+        return grouped_matmul(x, w.q, group_sizes, w.scale_inv, impl=impl, interpret=interpret)
+    return grouped_matmul(x, w.astype(x.dtype), group_sizes, impl=impl, interpret=interpret)
+
+
+def _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl, interpret):
+    def local(xs, group_sizes, w_gate, w_up, w_down):
+        gate = _gmm(xs, w_gate, group_sizes, impl, interpret)
+        up = _gmm(xs, w_up, group_sizes, impl, interpret)
+        return _gmm(jax.nn.silu(gate) * up, w_down, group_sizes, impl, interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if tp_size() == 1 or "tp" in mesh.manual_axes:
+        return local(xs, group_sizes, w_gate, w_up, w_down)
+    split_f, split_k = P(None, None, "tp"), P(None, "tp", None)
+    return jax.shard_map(lambda *a: jax.lax.psum(local(*a), "tp"), mesh=mesh,
+                         in_specs=(P(), P(), split_f, split_f, split_k), out_specs=P(),
+                         check_vma=False)(xs, group_sizes, w_gate, w_up, w_down)
+
+
+def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array], *,
+                impl: str | None = None, interpret: bool = False) -> jax.Array:
+    """Routed experts (``grouped_swiglu`` over token copies sorted by expert; ``impl`` and
+    ``interpret`` as there) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
     T, Hd = h.shape
     k = cfg.num_experts_per_tok
     experts, weights = route(cfg, h, p["router"], p["router_bias"])
@@ -76,7 +115,8 @@ def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> j
     token = order // k
     group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
     xs = h[token]                                                                # [T*k, Hd]
-    ys = grouped_swiglu(xs, group_sizes, p["w_gate"], p["w_up"], p["w_down"])   # [T*k, Hd]
+    ys = grouped_swiglu(xs, group_sizes, p["w_gate"], p["w_up"], p["w_down"],
+                        impl=impl, interpret=interpret)                          # [T*k, Hd]
     ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
     out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
     if cfg.n_shared_experts:

@@ -1,0 +1,50 @@
+"""Tile sizes of the grouped matmul kernels: ``tile_m`` rows x ``tile_n`` output columns, the
+reduction walked ``tile_k`` at a time. Starting points from register / VMEM budgets, not yet
+measured on hardware.
+
+Legal sizes:
+  * GPU (Triton): powers of two >= 16; with FP8 weights ``tile_k`` and ``tile_n`` divide the
+    128 scale block, so one scale covers a weight tile. Edges are masked.
+  * TPU (Mosaic): ``tile_m`` a multiple of 8; ``tile_n`` a multiple of 128 or all of N;
+    ``tile_k`` a multiple of 128 dividing K, or all of K (the reduction has no masked edge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdjax.pallas_kernels.block_sizes import pow2_ceil
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTiles:
+    """Static tiles of one call; ``num_warps`` / ``num_stages``: Triton launch parameters.
+    Raises ``ValueError`` naming the field when one is not a positive int."""
+
+    tile_m: int
+    tile_k: int
+    tile_n: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_k", "tile_n", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"GmmTiles.{name} must be a positive int, got {v!r}")
+
+
+def get_tiles(backend: str, *, num_rows: int, k: int, n: int, fp8: bool) -> GmmTiles:
+    """Legal tiles for one call (``backend``: ``"tpu"`` or ``"gpu"``); ``ValueError`` for
+    another backend."""
+    if backend == "gpu":
+        # 64 rows: decode spreads few rows over many experts, so small row tiles waste less.
+        tm = max(16, min(64, pow2_ceil(num_rows)))
+        return GmmTiles(tile_m=tm, tile_k=min(128, max(16, pow2_ceil(k))),
+                        tile_n=min(128, max(16, pow2_ceil(n))), num_warps=4, num_stages=3)
+    if backend == "tpu":
+        tm = min(256, -(-num_rows // 8) * 8)
+        tn = next((t for t in (512, 256, 128) if n % t == 0), n)
+        tk = next((t for t in (512, 256, 128) if k % t == 0), k)
+        return GmmTiles(tile_m=tm, tile_k=tk, tile_n=tn)
+    raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")

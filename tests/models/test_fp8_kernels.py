@@ -1,0 +1,143 @@
+"""The FP8 tiny models and the MoE with the Pallas GEMM kernels (interpreted on CPU): the
+grouped GEMM under ``grouped_swiglu`` (bf16 and FP8 experts, one device and TP 2), the
+block-scaled GEMM under ``linear``, and the whole model's logits against the reference path."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from kernel_cases import interpret_mode, kernel_device
+from mla_utils import PAGE, new_caches, prompts, run_rows
+from model_utils import assign_pages
+from pdjax.models.fp8 import dequantize, quantize
+from pdjax.models.linear import Fp8BlockWeight, linear, with_fp8_kernel
+from pdjax.models.loader import load_model, make_mesh
+from pdjax.models.moe import grouped_swiglu
+from pdjax.sched.batch import BatchRow
+
+pytestmark = [pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+    pytest.mark.slow]   # interpret-mode kernels inside the model
+
+E, H, F = 4, 256, 256
+SIZES = [5, 0, 9, 2]          # 16 routed rows of 19: 3 rows in no expert
+
+
+def _experts(seed, fp8):
+    rng = np.random.default_rng(seed)
+    ws = [rng.standard_normal((E, a, b)).astype(np.float32) * 0.1
+          for a, b in ((H, F), (H, F), (F, H))]
+    if not fp8:
+        return [jnp.asarray(w) for w in ws], ws
+    out, deq = [], []
+    for w in ws:
+        pairs = [quantize(w[e], ue8m0=True) for e in range(E)]
+        out.append(Fp8BlockWeight(jnp.asarray(np.stack([p[0] for p in pairs])),
+                                  jnp.asarray(np.stack([p[1] for p in pairs]))))
+        deq.append(np.stack([dequantize(*p) for p in pairs]))
+    return out, deq
+
+
+def _numpy_swiglu(xs, ws, sizes):
+    xs = np.asarray(xs, np.float64)
+    out, start = np.zeros_like(xs), 0
+    for e, n in enumerate(sizes):
+        r = xs[start:start + n]
+        g, u = r @ ws[0][e], r @ ws[1][e]
+        out[start:start + n] = (g / (1 + np.exp(-g)) * u) @ ws[2][e]
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_grouped_swiglu_kernel_matches_reference(impl, fp8):
+    weights, dense = _experts(1, fp8)
+    xs = jnp.asarray(np.random.default_rng(2).standard_normal((19, H)), jnp.float32)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    with kernel_device(impl):
+        out = grouped_swiglu(xs, gs, *weights, impl=impl, interpret=interpret_mode(impl))
+        ref = grouped_swiglu(xs, gs, *weights, impl="reference")
+    want = _numpy_swiglu(xs, dense, SIZES)
+    assert np.abs(np.asarray(out) - want).max() < 1e-3 * (np.abs(want).max() + 1)
+    assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 1e-3 * (np.abs(want).max() + 1)
+    assert not np.asarray(out)[sum(SIZES):].any()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
+def test_grouped_swiglu_kernel_at_tp2(fp8):
+    """Weights split over F as param_groups lays them out: the kernel per shard, then psum."""
+    weights, dense = _experts(3, fp8)
+    mesh = make_mesh(2)
+    split = lambda spec: NamedSharding(mesh, spec)                      # noqa: E731
+    placed = [jax.device_put(w, split(s)) for w, s in
+              zip(weights, (P(None, None, "tp"), P(None, None, "tp"), P(None, "tp", None)))]
+    xs = jnp.asarray(np.random.default_rng(4).standard_normal((19, H)), jnp.float32)
+    gs = jnp.asarray(SIZES, jnp.int32)
+    f = jax.jit(lambda *a: grouped_swiglu(*a, impl="tpu", interpret=True))
+    with jax.set_mesh(mesh):
+        out = f(xs, gs, *placed)
+        text = f.lower(xs, gs, *placed).as_text(debug_info=True)
+    assert "grouped_matmul_tpu" in text and "all_reduce" in text and "shard_map" in text
+    want = _numpy_swiglu(xs, dense, SIZES)
+    assert np.abs(np.asarray(out) - want).max() < 1e-3 * (np.abs(want).max() + 1)
+
+
+@pytest.mark.parametrize("tp_dim,spec", [(-1, P(None, "tp")), (-2, P("tp", None)),
+                                         (None, P())])
+def test_fp8_linear_kernel_per_tp_shard(tp_dim, spec):
+    """linear() on a kernel-marked Fp8BlockWeight, column- and row-parallel at TP 2 and
+    replicated, equals x @ the dequantized weight."""
+    rng = np.random.default_rng(5)
+    q, s = quantize(rng.standard_normal((256, 512)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((3, 7, 256)), jnp.float32)
+    mesh = make_mesh(2)
+    w = Fp8BlockWeight(jax.device_put(jnp.asarray(q), NamedSharding(mesh, spec)),
+                       jax.device_put(jnp.asarray(s), NamedSharding(mesh, spec)))
+    w = with_fp8_kernel({"g": {"w": w}}, {"g": (1, {"w": ((256, 512), spec)})}, "tpu",
+                        interpret=True)["g"]["w"]
+    assert (w.impl, w.tp_dim, w.interpret) == ("tpu", tp_dim, True)
+    with jax.set_mesh(mesh):
+        out = jax.jit(linear)(x, w)
+    want = np.asarray(x, np.float64) @ dequantize(q, s)
+    assert out.shape == (3, 7, 512)
+    assert np.abs(np.asarray(out) - want).max() < 1e-3
+
+
+@pytest.mark.parametrize("name,impl", [("deepseek_v32_fp8", "tpu"), ("glm_moe_dsa_fp8", "gpu")])
+def test_fp8_model_with_gemm_kernels_matches_reference(tiny_checkpoints, name, impl):
+    """The FP8 tiny model with the attention, grouped GEMM and FP8 GEMM kernels (interpreted)
+    gives the reference path's logits (whose greedy tokens test_fp8 checks against
+    transformers), on a prefill and a decode step; the lowered forward holds both GEMMs."""
+    path = tiny_checkpoints[name]
+    _, ref_model = load_model(path, dtype="float32", progress=False)
+    _, model = load_model(path, dtype="float32", progress=False, attention_impl=impl,
+                          interpret=True)
+    from pdjax.pallas_kernels.lanes import kv_row_align
+    prompt = prompts(3, (13,))[0]
+    pages = assign_pages([len(prompt) + 1], PAGE, 64, seed=1)[0]
+    out = []
+    for m, align in ((ref_model, 1), (model, kv_row_align(impl))):
+        caches = new_caches(m, row_align=align)
+        got, caches = run_rows(m, [BatchRow(prompt, 0, pages, logits_start=0)], caches,
+                               tokens=16, pages=4)
+        step, _ = run_rows(m, [BatchRow([int(np.argmax(got[0][-1]))], len(prompt), pages)],
+                           caches, tokens=16, pages=4)
+        out.append(np.concatenate([got[0], step[0]]))
+    assert out[0].shape[0] == len(prompt) + 1
+    assert np.abs(out[0] - out[1]).max() < 2e-3 * (np.abs(out[0]).max() + 1)
+    assert (out[0].argmax(-1) == out[1].argmax(-1)).all()
+    from mla_utils import _forward, _inputs
+    _, (ids, md, li) = _inputs([BatchRow(prompt, 0, pages)], PAGE, 16, 4, None)
+    text = _forward.lower(model, ids, new_caches(model, row_align=kv_row_align(impl)), md,
+                          li).as_text(debug_info=True)
+    names = set(re.findall(r"(grouped_matmul_(?:tpu|gpu))/pallas_call", text))
+    assert names == {f"grouped_matmul_{impl}"}
+    # The FP8 dense linears went through the kernel too: more GEMM calls than the MoE's 3.
+    assert len(re.findall(rf"grouped_matmul_{impl}/pallas_call", text)) > 3
