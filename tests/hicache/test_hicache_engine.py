@@ -101,12 +101,15 @@ def test_an_abort_during_a_load_leaks_no_page(engines, prompts):
     sp = SamplingParams.from_dict(SP)
 
     # Aborted while its load is in flight (dispatched, not yet reported).
+    loaded, dropped = conn.stats.loaded_pages, conn.stats.load_jobs_dropped
     core.add_request(GenerateRequest("load-then-abort", prompts[0], sp))
     core.step()
-    assert "load-then-abort" in sched.waiting_remote and worker.has_work()
+    assert "load-then-abort" in sched.waiting_remote and worker.num_in_flight == 1
     free_before = sched.allocator.num_free
     core.abort_request("load-then-abort")
     assert sched.allocator.num_free == free_before + FULL // PAGE     # its load's pages
+    worker.flush()          # the slots were read; the pages are not written (maybe reused)
+    assert conn.stats.load_jobs_dropped == dropped + 1 and conn.stats.loaded_pages == loaded
     while core.has_work:
         core.step()
     core.drain()

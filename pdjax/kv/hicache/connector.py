@@ -116,6 +116,10 @@ class HiCacheConnector:
         self.index.touch(hashes)
         self._loads.append(LoadJob(req, req.pages[first:], slots))
 
+    def is_waiting(self, req: Request) -> bool:
+        """Whether ``req`` still waits for its KV (not aborted since its load was planned)."""
+        return self.scheduler.waiting_remote.get(req.rid) is req
+
     # ---- finish and step -----------------------------------------------------------------
     def request_finished(self, req: Request) -> bool:
         self._finished.append(req.all_ids)
@@ -124,7 +128,7 @@ class HiCacheConnector:
     def build_meta(self, batch: ScheduledBatch | None) -> HiCacheMeta | None:
         loads = []
         for job in self._loads:
-            if self.scheduler.waiting_remote.get(job.req.rid) is job.req:
+            if self.is_waiting(job.req):
                 loads.append(job)
             else:                           # aborted before its load started
                 self.index.unpin(job.slots)

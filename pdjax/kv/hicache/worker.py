@@ -1,31 +1,37 @@
 """The host tier's ``KVTransferWorker`` and its connection (DESIGN.md §3, "Host tier").
 
-The engine thread calls ``start(meta)`` after a step and ``poll()`` before the next one; each
-copy is one jitted gather or scatter of a page bucket (``transfer.local_kv.page_buckets``,
-compiled in ``warmup``: nothing compiles on the request path):
+The engine thread calls ``start(meta)`` after a step and ``poll()`` before the next one; the
+host-side copies run on the worker's copy thread, so the engine thread spends on a write one
+gather dispatch and an asynchronous device->host copy, on a load one scatter dispatch. Each
+device copy is one jitted gather or scatter of a page bucket (``transfer.local_kv.
+page_buckets``, compiled in ``warmup``: nothing compiles on the request path):
 
-    load   host slots --numpy copy--> [layers, bucket, ...] --scatter_pages (donated)--> device
-           pages; dispatched at ``start`` and ordered before every later forward by the cache
-           it donates, so the request is reported in ``finished_recving`` at the next ``poll``
-    write  device pages --gather_pages--> device arrays --copy_to_host_async--> (the step goes
-           on) ... ``poll`` finds them ready -> host slots -> ``HostIndex.commit``
+    write  start: device pages --gather_pages--> device arrays --copy_to_host_async-->
+           copy thread: np.asarray (waits for the copy) -> host slots
+           poll: ``HostIndex.commit`` (the pages become readable)
+    load   copy thread: host slots -> padded [layers, bucket, ...] numpy parts
+           poll: the request still waits for it? -> scatter_pages (donated; ordered before
+           every later forward by the cache it donates) and ``finished_recving`` now; it was
+           aborted meanwhile (its pages may be another request's now) -> dropped, unpinned
 
-``start`` never waits for the device: a write costs the engine one gather dispatch and an
-asynchronous device->host copy; a load one host copy, a host->device transfer and a scatter
-dispatch. ``build_host_tier(host)`` makes the connector, this worker and ``HiCacheRole`` (the
+``build_host_tier(host)`` makes the connector, this worker and ``HiCacheRole`` (the
 ``/get_load`` counters), sized from ``--hicache-size`` or ``--hicache-ratio``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any, Sequence
+import queue
+import threading
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from pdjax.engine_roles import NullRole
-from pdjax.kv.hicache.connector import HiCacheConnector, HiCacheMeta, HiCacheStats, WriteJob
+from pdjax.kv.hicache.connector import HiCacheConnector, HiCacheMeta, HiCacheStats, LoadJob, \
+    WriteJob
 from pdjax.kv.hicache.host_pool import HostIndex, HostKVPool, page_bytes
 from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.local_kv import page_buckets
@@ -36,27 +42,61 @@ logger = logging.getLogger(__name__)
 GIB = 1 << 30
 
 
+@dataclasses.dataclass
+class _LoadRead:
+    """The copy thread read ``job``'s slots: ``chunks`` of (padded page ids, padded parts)."""
+
+    job: LoadJob
+    chunks: list[tuple[np.ndarray, list[np.ndarray]]]
+
+
+@dataclasses.dataclass
+class _Written:
+    """The copy thread stored ``jobs``' pages in their slots."""
+
+    jobs: list[WriteJob]
+
+
+@dataclasses.dataclass
+class _Failed:
+    """A copy raised ``error`` (re-raised on the engine thread by ``poll``)."""
+
+    error: BaseException
+
+
 class HiCacheWorker(KVTransferWorker):
     """Moves pages between ``runner``'s KV cache and ``pool`` (see the module docstring).
 
-    ``max_pages``: most pages one copy carries; larger plans are cut into copies of the
+    ``is_waiting(req)``: whether ``req`` still waits for its load (the connector's).
+    ``max_pages``: most pages one device copy carries; larger plans are cut into copies of the
     largest bucket."""
 
     def __init__(self, runner, pool: HostKVPool, index: HostIndex, stats: HiCacheStats,
-                 max_pages: int):
+                 max_pages: int, is_waiting: Callable[[Any], bool]):
         self.runner = runner
         self.pool = pool
         self.index = index
         self.stats = stats
+        self.is_waiting = is_waiting
         self.buckets = page_buckets(max(1, max_pages))
         self._recving: set[str] = set()
-        # (chunks [(device arrays, slots)], write jobs) per start, oldest first
-        self._writes: list[tuple[list[tuple[list, list[int]]], list[WriteJob]]] = []
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._in_flight = 0           # tasks queued whose results are not handled yet
+        self._wake: Callable[[], None] = lambda: None
+        self._thread = threading.Thread(target=self._copy_loop, name="pdjax-hicache-copy",
+                                        daemon=True)
+        self._thread.start()
 
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """``wake()`` is called when a copy finished (the engine should poll)."""
+        self._wake = wake
+
+    # ---- page buckets ------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _chunks(self, n: int):
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
         step = self.buckets[-1]
         return [(i, min(n, i + step)) for i in range(0, n, step)]
 
@@ -65,33 +105,56 @@ class HiCacheWorker(KVTransferWorker):
         idx[:len(pages)] = pages
         return idx
 
+    def _gather(self, idx: np.ndarray) -> list:
+        out = self.runner.jits.gather_pages(self.runner.caches, idx)
+        return [out[s.name] for s in self.runner.cache_specs]
+
     def warmup(self) -> None:
         """Compile the gather and the scatter of every page bucket (they move the null page
         only)."""
         for b in self.buckets:
             idx = np.zeros(b, np.int32)
-            parts = self._gather(idx)
-            self.runner.scatter_pages(idx, [np.asarray(p) for p in parts])
+            self.runner.scatter_pages(idx, [np.asarray(p) for p in self._gather(idx)])
 
-    def _gather(self, idx: np.ndarray) -> list:
-        out = self.runner.jits.gather_pages(self.runner.caches, idx)
-        return [out[s.name] for s in self.runner.cache_specs]
+    # ---- the copy thread ---------------------------------------------------------------------
+    def _copy_loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            try:
+                result = task()
+            except BaseException as e:       # handed to the engine thread
+                result = _Failed(e)
+            self._results.put(result)
+            self._wake()
 
-    # ---- the engine's calls ----------------------------------------------------------------
+    def _submit(self, task: Callable[[], Any]) -> None:
+        self._in_flight += 1
+        self._tasks.put(task)
+
+    def _read_load(self, job: LoadJob) -> _LoadRead:
+        parts = self.pool.read(job.slots)
+        chunks = []
+        for lo, hi in self._chunks(len(job.pages)):
+            idx = self._padded(job.pages[lo:hi])
+            padded = []
+            for p in parts:
+                buf = np.zeros((p.shape[0], len(idx), *p.shape[2:]), p.dtype)
+                buf[:, :hi - lo] = p[:, lo:hi]
+                padded.append(buf)
+            chunks.append((idx, padded))
+        return _LoadRead(job, chunks)
+
+    def _store(self, chunks: list[tuple[list, list[int]]], jobs: list[WriteJob]) -> _Written:
+        for arrays, slots in chunks:
+            self.pool.write(slots, [np.asarray(a) for a in arrays])
+        return _Written(jobs)
+
+    # ---- the engine's calls ------------------------------------------------------------------
     def start(self, meta: HiCacheMeta) -> None:
         for job in meta.loads:
-            parts = self.pool.read(job.slots)
-            self.index.unpin(job.slots)
-            for lo, hi in self._chunks(len(job.pages)):
-                idx = self._padded(job.pages[lo:hi])
-                padded = []
-                for p in parts:
-                    buf = np.zeros((p.shape[0], len(idx), *p.shape[2:]), p.dtype)
-                    buf[:, :hi - lo] = p[:, lo:hi]
-                    padded.append(buf)
-                self.runner.scatter_pages(idx, padded)
-            self._recving.add(job.req.rid)
-            self.stats.loaded_pages += len(job.pages)
+            self._submit(lambda job=job: self._read_load(job))
         if meta.writes:
             pages = [p for w in meta.writes for p in w.pages]
             slots = [s for w in meta.writes for s in w.slots]
@@ -101,46 +164,75 @@ class HiCacheWorker(KVTransferWorker):
                 for a in arrays:
                     a.copy_to_host_async()
                 chunks.append((arrays, slots[lo:hi]))
-            self._writes.append((chunks, meta.writes))
+            jobs = list(meta.writes)
+            self._submit(lambda: self._store(chunks, jobs))
 
-    def poll(self) -> KVConnectorOutput:
-        while self._writes and all(a.is_ready() for arrays, _ in self._writes[0][0]
-                                   for a in arrays):
-            chunks, jobs = self._writes.pop(0)
-            for arrays, slots in chunks:
-                self.pool.write(slots, [np.asarray(a) for a in arrays])
-            for job in jobs:
+    def _handle(self, result) -> None:
+        self._in_flight -= 1
+        if isinstance(result, _Failed):
+            raise RuntimeError(f"host KV tier copy failed: {result.error!r}") from result.error
+        if isinstance(result, _Written):
+            for job in result.jobs:
                 self.index.commit(job.path)
                 self.stats.written_pages += len(job.new)
+            return
+        job = result.job
+        self.index.unpin(job.slots)
+        if not self.is_waiting(job.req):         # aborted while its slots were read
+            self.stats.load_jobs_dropped += 1
+            return
+        for idx, parts in result.chunks:
+            self.runner.scatter_pages(idx, parts)
+        self._recving.add(job.req.rid)
+        self.stats.loaded_pages += len(job.pages)
+
+    def _handle_ready(self) -> None:
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(result)
+
+    def poll(self) -> KVConnectorOutput:
+        self._handle_ready()
         done, self._recving = KVConnectorOutput(finished_recving=self._recving), set()
         return done
 
     def has_work(self) -> bool:
-        return bool(self._recving or self._writes)
+        return bool(self._recving) or not self._results.empty()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Copies started whose results the engine thread has not handled yet."""
+        return self._in_flight
 
     def flush(self) -> None:
-        """Wait for every write in flight and commit it (shutdown, tests of the index)."""
-        for chunks, _ in self._writes:
-            for arrays, _ in chunks:
-                for a in arrays:
-                    a.block_until_ready()
-        recving, self._recving = self._recving, set()
-        self.poll()
-        self._recving = recving
+        """Wait for every copy in flight and handle it (a load's request is then reported
+        at the next ``poll``): admission waiting for a page on its way to the host, tests."""
+        while self._in_flight:
+            self._handle(self._results.get())
 
     def close(self) -> None:
-        for _, jobs in self._writes:
-            for job in jobs:
-                self.index.cancel([job.path[i] for i in job.new])
-        self._writes = []
+        """Stop the copy thread once the copies queued before have run; commit the writes
+        they stored."""
+        self._tasks.put(None)
+        self._thread.join(timeout=10)
+        try:
+            self._handle_ready()
+        except RuntimeError:
+            pass
 
 
 class HiCacheRole(NullRole):
     """The colocated role with the host tier's ``/get_load`` fields."""
 
-    def __init__(self, index: HostIndex, pool: HostKVPool, stats: HiCacheStats,
-                 page_size: int):
-        self.index, self.pool, self.stats, self.page_size = index, pool, stats, page_size
+    def __init__(self, worker: HiCacheWorker, page_size: int):
+        self.worker, self.index, self.pool = worker, worker.index, worker.pool
+        self.stats, self.page_size = worker.stats, page_size
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        self.worker.set_wake(wake)
 
     def load(self) -> dict[str, Any]:
         s, bpp = self.stats, self.pool.bytes_per_page
@@ -189,9 +281,10 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
     ps = args.page_size
     connector = HiCacheConnector(host.scheduler, index, ps)
     max_pages = -(-host.context_length // ps)
-    worker = HiCacheWorker(runner, pool, index, connector.stats, max_pages)
+    worker = HiCacheWorker(runner, pool, index, connector.stats, max_pages,
+                           connector.is_waiting)
     worker.warmup()
     connector.wait_for_writes = worker.flush
     logger.info("HiCache host tier: %d pages (%.2f GiB) behind %d device pages",
                 slots, slots * bpp / GIB, device_pages)
-    return connector, worker, HiCacheRole(index, pool, connector.stats, ps)
+    return connector, worker, HiCacheRole(worker, ps)
