@@ -15,6 +15,10 @@ Kernel shapes are per device: a TP-8 case carries the heads one device holds (th
 custom calls without a sharding rule; the model shards heads around them). A case passes when
 the compile succeeds and the optimized HLO holds the kernel's custom call (``KERNEL_CALLS``),
 so a silent fallback to a jnp path cannot pass.
+
+The GEMM kernels (the MoE's grouped GEMM, ``gmm``, and the dense block-scaled FP8 GEMM,
+``fp8_gemm``) are cases too, at real DeepSeek-V3.2 / GLM-5 expert and linear shapes per device
+(``gemm_cases``); ``--kernels gmm fp8_gemm`` runs only them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from pdjax.aot.gemm_cases import GEMM_KERNELS, gemm_cases
+from pdjax.aot.gemm_cases import case_function as gemm_case_function
 from pdjax.aot.targets import Target, resolve_target
 
 if TYPE_CHECKING:
@@ -96,6 +102,7 @@ BUCKETS = (
 PAGE_SIZES = (16, 32, 64)
 POOL_TOKENS = 65536          # KV pool of every case, in tokens per layer
 GQA_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
+MLA_KV_DTYPES = ("bfloat16", "float8_e4m3fn")    # fp8: the FP8 latent record (fp8_record.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +147,7 @@ def kernel_cases(models: Iterable[AttentionShape] = MODEL_SHAPES,
                  buckets: Iterable[TokenBucket] = BUCKETS,
                  kernels: Iterable[str] | None = None) -> list[KernelCase]:
     """The matrix: ragged paged attention for every GQA model x KV dtype (bf16, fp8) x page
-    size x bucket; MLA dense and sparse (bf16 latent cache) and the indexer (bf16 keys, with
+    size x bucket; MLA dense and sparse (bf16 latent cache and the FP8 record) and the indexer (bf16 keys, with
     the top-k) for every MLA shape x page size x bucket. ``kernels`` filters by kernel name."""
     cases = []
     for shape in models:
@@ -150,8 +157,9 @@ def kernel_cases(models: Iterable[AttentionShape] = MODEL_SHAPES,
                     cases += [KernelCase("rpa", shape, dt, page_size, bucket)
                               for dt in GQA_KV_DTYPES]
                 else:
-                    cases += [KernelCase(k, shape, "bfloat16", page_size, bucket)
-                              for k in ("mla_dense", "mla_sparse", "indexer")]
+                    cases += [KernelCase(k, shape, dt, page_size, bucket)
+                              for k in ("mla_dense", "mla_sparse") for dt in MLA_KV_DTYPES]
+                    cases.append(KernelCase("indexer", shape, "bfloat16", page_size, bucket))
     if kernels is not None:
         kernels = set(kernels)
         cases = [c for c in cases if c.kernel in kernels]
@@ -179,6 +187,8 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
     ``platform``: the kernels' ``impl`` (``"gpu"`` or ``"tpu"``). Raises ``ValueError`` for an
     unknown kernel name.
     """
+    if case.kernel in GEMM_KERNELS:
+        return gemm_case_function(case, platform)
     import jax.numpy as jnp
     s, b = case.shape, case.bucket
     kv_dtype = jnp.dtype(case.kv_dtype)
@@ -205,6 +215,19 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
             args.append(((t, s.index_topk), jnp.int32))
         fn = functools.partial(mla_sparse_attention, sm_scale=dim ** -0.5,
                                kv_lora_rank=s.kv_lora_rank, impl=platform)
+        if kv_dtype.itemsize == 1:      # the FP8 record's planes, as the engine lays them out
+            from pdjax.pallas_kernels.mla_sparse_attention import fp8_record
+            layout = fp8_record.Fp8LatentLayout(s.kv_lora_rank, s.rope_dim,
+                                                kv_row_align(platform))
+            planes = [((s.layers, num_pages, case.page_size, w), d)
+                      for _, w, d in layout.planes()]
+            n, attend = len(planes), fn
+
+            def fn(q, *rest):
+                kv = fp8_record.Fp8Latent(rest[0], rest[1] if n == 3 else None, rest[n - 1])
+                return attend(q, kv, *rest[n:])
+
+            args = [args[0], *planes, *args[2:]]
         return fn, args
     if case.kernel == "indexer":
         from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
@@ -303,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--gpu", help="GPU target config name (h100, h200)")
     group.add_argument("--topology", help="TPU topology (v5e:2x2, v6e:2x2, v5p:2x2x1, ...)")
     parser.add_argument("--kernels", nargs="+",
-                        choices=("rpa", "mla_dense", "mla_sparse", "indexer"),
+                        choices=("rpa", "mla_dense", "mla_sparse", "indexer", *GEMM_KERNELS),
                         help="only these kernels (default: all)")
     parser.add_argument("--page-sizes", nargs="+", type=int, default=list(PAGE_SIZES))
     parser.add_argument("--models", nargs="+", help="only these models (default: all)")
@@ -324,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     target = resolve_target(topology=args.topology, gpu=args.gpu)
     models = [m for m in MODEL_SHAPES if not args.models or m.model in args.models]
     cases = kernel_cases(models, args.page_sizes, kernels=args.kernels)
+    cases += gemm_cases(BUCKETS, kernels=args.kernels, models=args.models)
     print(f"target {target.name}: {len(target.devices)} x {target.device_kind} "
           f"({target.platform}); {len(cases)} cases", flush=True)
     print(TABLE_HEADER, flush=True)

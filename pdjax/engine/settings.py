@@ -255,10 +255,6 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
         platform, attention_backend=args.attention_backend, unroll_layers=args.unroll_layers,
         cpu_matmul_kernel=args.cpu_matmul_kernel, tp_size=args.tp_size, dtype=dtype,
         layer_stack=isinstance(model_cfg, ModelConfig))
-    if (profile.attention_impl in ("tpu", "gpu") and not isinstance(model_cfg, ModelConfig)
-            and args.cache.kv_cache_dtype == "fp8_e4m3"):
-        raise ValueError("kv_cache_dtype: the MLA kernels take a float32 or bfloat16 latent "
-                         "cache, not fp8_e4m3")
     model_len = model_cfg.max_position_embeddings
     if args.context_length is not None and args.context_length > model_len:
         # SGLang refuses this unless told to; pdjax serves it (the AOT sweeps size real models

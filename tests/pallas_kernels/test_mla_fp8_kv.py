@@ -162,3 +162,46 @@ def test_reference_refuses_planes_of_another_shape():
         mla_sparse_attention_reference(q, bad, *meta, sm_scale=SCALE, kv_lora_rank=32)
     with pytest.raises(ValueError, match="kv_cache.latent: expected .* 40"):
         mla_sparse_attention_reference(q, kv, *meta, sm_scale=SCALE, kv_lora_rank=40)
+
+
+def kernel(impl, lora, small):
+    if impl == "tpu":
+        from pdjax.pallas_kernels.mla_sparse_attention.kernel_tpu import (
+            mla_sparse_attention_tpu as fn)
+        blocks = MlaBlockSizes(8) if small else None
+    else:
+        from pdjax.pallas_kernels.mla_sparse_attention.kernel_gpu import (
+            mla_sparse_attention_gpu as fn)
+        blocks = MlaBlockSizes(16, heads_per_block=16) if small else None
+    return jax.jit(functools.partial(fn, sm_scale=SCALE, kv_lora_rank=lora,
+                                     interpret=interpret_mode(impl), block_sizes=blocks))
+
+
+@pytest.mark.slow     # interpret-mode Pallas kernels
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernels_read_the_record(impl, sparse):
+    """The GPU kernel over the 656-byte record's planes and the TPU kernel over the TPU split
+    match the reference over the dequantized rows (float32 queries: 1e-4; bf16: 3e-2), with
+    several blocks per token (small blocks) and NaN where no request reads."""
+    row_align = 128 if impl == "tpu" else 1
+    for q_dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 3e-2)):
+        q, kv, dense, meta, real = fp8_batch(heads=4, lora=32, rope=16, row_align=row_align,
+                                             sparse=sparse, q_dtype=q_dtype)
+        want = np.asarray(mla_sparse_attention_reference(
+            q.astype(jnp.float32), dense, *meta, sm_scale=SCALE, kv_lora_rank=32))
+        with kernel_device(impl):
+            got = np.asarray(kernel(impl, 32, q_dtype == jnp.float32)(q, kv, *meta)
+                             .astype(jnp.float32))
+        assert got.shape == (NUM_TOKENS, 4, 32) and np.isfinite(got).all()
+        err = float(np.abs(got - want).max())
+        assert err <= tol, f"{impl} {q_dtype.__name__}: max abs err {err:.3g}"
+        assert not got[real:].any() and np.abs(got[:real]).max() > 0.05
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_kernels_refuse_the_other_platforms_layout(impl):
+    row_align = 1 if impl == "tpu" else 128
+    q, kv, _, meta, _ = fp8_batch(heads=4, lora=32, rope=16, row_align=row_align, sparse=False)
+    with pytest.raises(ValueError, match="kv_cache: the (TPU|GPU) kernel reads"):
+        kernel(impl, 32, False)(q, kv, *meta)

@@ -12,6 +12,11 @@ straight from the pool with masked pointer loads:
 The row is loaded in two power-of-two pieces, latent ``[:Dl]`` and rope ``[Dl:]`` (Triton
 tiles are powers of two; 512 + 64 for DeepSeek). Each program stores its ``[BH, Dl]`` tile to
 a disjoint slice of ``[T, NHB * BH, Dl]``; the wrapper drops the padding heads.
+
+FP8 KV (``fp8_record.Fp8Latent``, the 656-byte record's planes): the latent piece is loaded as
+float8_e4m3fn and multiplied by its group's float32 scale (a ``[B, Dl]`` gather of the ``[B, G]``
+scales, one per 128 columns), the rope piece from the bf16 plane; the dots then run in the
+query's dtype as for a bf16 cache. The pool is read at 656 bytes per token instead of 1152.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
+from pdjax.pallas_kernels.mla_sparse_attention.fp8_record import SCALE_GROUP, Fp8Latent
 from pdjax.pallas_kernels.mla_sparse_attention.reference import (
     MASK_VALUE, check_kernel_inputs, kernel_metadata, pad_topk, token_scalars, topk_scan_lengths)
 from pdjax.pallas_kernels.mla_sparse_attention.tuning import MlaBlockSizes, get_block_sizes
@@ -39,9 +45,10 @@ def _kernel(
     page_indices_ref,  # [R * P] int32, clipped to [0, num_pages)
     topk_ref,          # [T, Kp] int32 (sparse) / [1, 1] unused (dense)
     q_ref,             # [T, H, Dl + Dr]
-    kv_ref,            # [L, N, page_size, Dl + Dr]
-    o_ref,             # [T, NHB * BH, Dl]
-    *,
+    kv_ref,            # [L, N, page_size, Dl + Dr]  (FP8: the latent plane [.., Dl] e4m3)
+    *refs,             # FP8: scale [L, N, ps, G] f32, rope [L, N, ps, Dr] bf16; then
+                       # o_ref [T, NHB * BH, Dl]
+    fp8: bool,
     sparse: bool,
     num_chunks: int,
     block: int,
@@ -51,6 +58,10 @@ def _kernel(
     sm_scale: float,
     kv_lora_rank: int,
 ):
+    if fp8:
+        scale_ref, rope_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     t, hb = pl.program_id(0), pl.program_id(1)
     _, num_heads, dim = q_ref.shape
     rope_dim = dim - kv_lora_rank
@@ -81,10 +92,19 @@ def _kernel(
         # Masked rows are not read (their value is undefined): zero them after the cast.
         mask_l = jnp.broadcast_to(ok[:, None], (block, kv_lora_rank))
         mask_r = jnp.broadcast_to(ok[:, None], (block, rope_dim))
-        kv_l = pltriton.load(kv_ref.at[layer, pages[:, None], offs[:, None], cols_l[None, :]],
-                             mask=mask_l).astype(compute_dtype)                 # [B, Dl]
-        kv_r = pltriton.load(kv_ref.at[layer, pages[:, None], offs[:, None], cols_r[None, :]],
-                             mask=mask_r).astype(compute_dtype)                 # [B, Dr]
+        at = (layer, pages[:, None], offs[:, None])
+        if fp8:
+            kv_l = pltriton.load(kv_ref.at[(*at, cols_l[None, :])], mask=mask_l)
+            group = lax.div(cols_l, jnp.int32(SCALE_GROUP))
+            scale = pltriton.load(scale_ref.at[(*at, group[None, :])], mask=mask_l)  # [B, Dl]
+            kv_l = (kv_l.astype(jnp.float32) * scale).astype(compute_dtype)
+            kv_r = pltriton.load(rope_ref.at[(*at, (cols_r - kv_lora_rank)[None, :])],
+                                 mask=mask_r).astype(compute_dtype)             # [B, Dr]
+        else:
+            kv_l = pltriton.load(kv_ref.at[(*at, cols_l[None, :])],
+                                 mask=mask_l).astype(compute_dtype)             # [B, Dl]
+            kv_r = pltriton.load(kv_ref.at[(*at, cols_r[None, :])],
+                                 mask=mask_r).astype(compute_dtype)             # [B, Dr]
         kv_l = jnp.where(mask_l, kv_l, jnp.zeros_like(kv_l))
         kv_r = jnp.where(mask_r, kv_r, jnp.zeros_like(kv_r))
         dims = (((1,), (1,)), ((), ()))
@@ -115,7 +135,7 @@ def _kernel(
 
 def mla_sparse_attention_gpu(
     q: jax.Array,
-    kv_cache: jax.Array,
+    kv_cache: jax.Array | Fp8Latent,
     layer: jax.Array | int,
     kv_lens: jax.Array,
     page_indices: jax.Array,
@@ -132,7 +152,8 @@ def mla_sparse_attention_gpu(
 
     Args:
       q: ``[T, H, Dl + Dr]`` float32 or bfloat16; ``Dl`` and ``Dr`` powers of two >= 16.
-      kv_cache: ``[layers, num_pages, page_size, Dl + Dr]`` float32 or bfloat16.
+      kv_cache: ``[layers, num_pages, page_size, Dl + Dr]`` float32 or bfloat16, or an
+        ``Fp8Latent`` in the GPU record (its ``scale`` plane float32; not the TPU split).
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       topk_indices: ``[T, K]`` int32 positions (-1 = empty) or None (dense causal).
       sm_scale: softmax scale; kv_lora_rank: value width ``Dl``.
@@ -148,8 +169,13 @@ def mla_sparse_attention_gpu(
     check_kernel_inputs(q, kv_cache, kv_lens, page_indices, cu_q_lens, distribution,
                         topk_indices, kv_lora_rank)
     del distribution
+    fp8 = isinstance(kv_cache, Fp8Latent)
+    if fp8 and kv_cache.scale is None:
+        raise ValueError("kv_cache: the GPU kernel reads the 656-byte record (a float32 "
+                         "scale plane), not the TPU split")
+    planes = tuple(kv_cache) if fp8 else (kv_cache,)
     num_tokens, num_heads, dim = q.shape
-    _, num_pages, page_size, _ = kv_cache.shape
+    _, num_pages, page_size, _ = planes[0].shape
     rope_dim = dim - kv_lora_rank
     for name, v in (("kv_lora_rank", kv_lora_rank), ("rope dim", rope_dim)):
         if not is_pow2(v) or v < 16:
@@ -174,11 +200,11 @@ def mla_sparse_attention_gpu(
     kernel = functools.partial(
         _kernel, sparse=sparse, num_chunks=num_chunks, block=block, heads_per_block=bh,
         page_size=page_size, pages_per_seq=pages_per_seq, sm_scale=float(sm_scale),
-        kv_lora_rank=kv_lora_rank)
+        kv_lora_rank=kv_lora_rank, fp8=fp8)
     out = triton_call(
-        kernel, grid=(num_tokens, num_head_blocks), num_inputs=9,
+        kernel, grid=(num_tokens, num_head_blocks), num_inputs=8 + len(planes),
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_head_blocks * bh, kv_lora_rank), q.dtype),
         block_sizes=bs, interpret=interpret,
         name="mla_sparse_attention_gpu" if sparse else "mla_dense_attention_gpu",
-    )(meta, req, pos, num_entries, kv_lens, flat_pages, topk, q, kv_cache)
+    )(meta, req, pos, num_entries, kv_lens, flat_pages, topk, q, *planes)
     return out[:, :num_heads]
