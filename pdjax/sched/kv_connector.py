@@ -94,8 +94,9 @@ class KVConnector(Protocol):
         ``waiting_remote`` for ``finished_recving``. The count must be whole pages leaving at
         least one prompt token to compute, or exactly the rest of the prompt (then the first
         output token arrives in ``KVConnectorOutput.first_tokens``). Asked again when the
-        pages cannot be freed now; not asked for a request that wants prompt logprobs or was
-        retracted."""
+        pages cannot be freed now; not asked for a retracted request. For a request that
+        wants prompt logprobs only the rest of the prompt counts (its prompt's logprobs come
+        from where the prompt is computed: the PD prefill); a part of it is ignored."""
 
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
         """``req`` was admitted and ``req.pages`` covers its prompt (``num_external_tokens``

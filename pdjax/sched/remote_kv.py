@@ -18,29 +18,27 @@ never into the prefix cache (its KV may be partial or foreign).
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
-from pdjax.kv.allocator import PageAllocator
 from pdjax.request import Request
+from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.kv_connector import FirstToken, KVConnector, NullConnector
 
 
 class RemoteKV:
     """The remote-KV books of one scheduler and its ``connector`` (see the module docstring).
 
-    ``release(req)``: the scheduler's page release (full computed pages into the prefix cache,
-    the rest freed). ``num_reserved_decode_tokens``: when a request's whole prompt arrives from
+    ``kv``: the scheduler's ``KVCacheManager`` (a request's pages come from its allocator
+    and go back through its ``release``). ``num_reserved_decode_tokens``: when a request's whole prompt arrives from
     elsewhere, admission also keeps free ``ceil(min(this, tokens it may still generate) /
     page_size)`` pages for it and for every running or arriving request (SGLang's
     ``pop_preallocated`` on a PD decode server, simplified; 0: none)."""
 
-    def __init__(self, allocator: PageAllocator, page_size: int,
-                 release: Callable[[Request], None], num_reserved_decode_tokens: int = 0,
+    def __init__(self, kv: KVCacheManager, num_reserved_decode_tokens: int = 0,
                  connector: KVConnector | None = None):
         self.connector: KVConnector = connector if connector is not None else NullConnector()
-        self._allocator = allocator
-        self._page_size = page_size
-        self._release = release
+        self._kv = kv
+        self._page_size = kv.page_size
         self.num_reserved_decode_tokens = num_reserved_decode_tokens
         self._held: dict[str, Request] = {}        # finished; pages kept until finished_sending
         self._waiting: dict[str, Request] = {}     # pages reserved, KV arriving
@@ -112,7 +110,7 @@ class RemoteKV:
         local = len(req.pages) * ps
         whole = self.check_external(req, local, num_external, ps)
         n_new = -(-req.num_prompt_tokens // ps) - len(req.pages) if whole else num_external // ps
-        req.pages += self._allocator.alloc(n_new)
+        req.pages += self._kv.allocator.alloc(n_new)
         req.reserve_prebuilt(local)
         self._waiting[req.rid] = req
         self.not_yet.discard(req.rid)
@@ -142,7 +140,7 @@ class RemoteKV:
         """The KV of held ``rid`` has left (or can no longer be written): pages back."""
         req = self._held.pop(rid, None)
         if req is not None:
-            self._release(req)
+            self._kv.release(req)
 
     # ------------------------------------------------------------------ endings
     def end_waiting(self, req: Request) -> None:
@@ -158,7 +156,7 @@ class RemoteKV:
         if self.connector.request_finished(req):
             self._held[req.rid] = req
         else:
-            self._release(req)
+            self._kv.release(req)
 
     def owns(self, req: Request) -> bool:
         return self._waiting.get(req.rid) is req

@@ -30,7 +30,7 @@ Policy, per step:
    chunk is fine in a colocated step), one page for page-aligned chunks; with nothing
    decoding, prefill gets the whole chunk. Before any forward is timed, the chunk is
    unconstrained.
-5. Speculative decoding (``SpecRows``, ``speculator`` set): decode rows of requests that
+5. Speculative decoding (``DraftRows``, ``speculator`` set): decode rows of requests that
    speculate carry drafts, within the token budget (half of it when prefill waits) and the
    free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
    (``resolve_verify``).
@@ -52,72 +52,20 @@ Page ownership, checked by ``check_invariants`` from independent sides:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from typing import Mapping
 
-from pdjax.kv.allocator import PageAllocator
-from pdjax.kv.prefix_cache import RadixCache
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.sched.itl_target import fit_target
+from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.kv_connector import KVConnector, KVConnectorOutput, NullConnector
 from pdjax.sched.scheduled_batch import ScheduledBatch, ScheduledRow
+from pdjax.sched.scheduler_config import SchedulerConfig
 from pdjax.sched.remote_kv import RemoteKV
-from pdjax.sched.spec_rows import SpecRows
+from pdjax.sched.spec_rows import DraftRows
 
 
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits in SGLang's terms; ``ValueError`` naming the field for a bad value."""
-
-    num_pages: int
-    page_size: int = 16
-    max_running_requests: int = 16
-    chunked_prefill_size: int = 256
-    max_prefill_tokens: int = 16384
-    enable_mixed_chunk: bool = False
-    disable_radix_cache: bool = False
-    max_context_len: int = 4096
-    page_aligned_chunks: bool = False   # PD prefill: non-last chunks end on a page boundary
-    max_num_batched_tokens: int | None = None   # tokens per forward, decode rows included
-    target_itl_ms: float | None = None          # stall-free mixed steps (policy 4 above)
-    num_reserved_decode_tokens: int = 0         # whole-prompt admissions (``RemoteKV``)
-
-    def __post_init__(self):
-        for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens", "max_context_len", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if v is None and name == "max_num_batched_tokens":
-                continue
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.num_reserved_decode_tokens, int) or \
-                isinstance(self.num_reserved_decode_tokens, bool) or \
-                self.num_reserved_decode_tokens < 0:
-            raise ValueError(f"num_reserved_decode_tokens must be a non-negative integer, got "
-                             f"{self.num_reserved_decode_tokens!r}")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
-        if self.page_aligned_chunks and min(self.chunked_prefill_size, self.token_budget) < self.page_size:
-            raise ValueError("chunked_prefill_size and max_num_batched_tokens must be >= page_size "
-                             "when chunks are page-aligned")
-        if self.target_itl_ms is not None and not (isinstance(self.target_itl_ms, (int, float))
-                                                   and 0 < self.target_itl_ms < float("inf")):
-            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
-                             f"{self.target_itl_ms!r}")
-
-    @property
-    def token_budget(self) -> int:
-        """Most tokens one forward carries, decode rows included."""
-        return self.max_num_batched_tokens or self.chunked_prefill_size
-
-    @property
-    def max_request_tokens(self) -> int:
-        """Most tokens one request may hold: the context length, and what the pool can hold."""
-        return min(self.max_context_len, (self.num_pages - 2) * self.page_size)
-
-
-class Scheduler(SpecRows):
+class Scheduler:
     """Owns the waiting/running queues, the page allocator and the prefix cache.
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
@@ -131,9 +79,12 @@ class Scheduler(SpecRows):
         self.config = config
         self.cost_model = cost_model
         self.page_size = config.page_size
-        self.allocator = PageAllocator(config.num_pages)
-        self.prefix_cache = RadixCache(config.page_size, self.allocator,
-                                       enabled=not config.disable_radix_cache)
+        # The pages (allocator, prefix cache) and what is done with a request's pages.
+        self.kv = KVCacheManager(config.num_pages, config.page_size, config.disable_radix_cache)
+        self.allocator = self.kv.allocator
+        self.prefix_cache = self.kv.prefix_cache
+        # Drafts of decode rows (speculative decoding; ``speculator`` None: off).
+        self.drafts = DraftRows(self.kv, config.max_request_tokens)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -146,8 +97,7 @@ class Scheduler(SpecRows):
         self._finished_unreported: list[Request] = []
         # KV that moves between servers (read-only views ``held``, ``waiting_remote``):
         # changed only on the connector's answers and its worker's output.
-        self.remote = RemoteKV(self.allocator, config.page_size, self._release,
-                               config.num_reserved_decode_tokens, connector)
+        self.remote = RemoteKV(self.kv, config.num_reserved_decode_tokens, connector)
         # Requests whose pending token is certainly their last (length limits): not scheduled
         # again while it is pending (overlap).
         self.finishing: set[str] = set()
@@ -157,6 +107,19 @@ class Scheduler(SpecRows):
     def max_request_tokens(self) -> int:
         """Most tokens one request may hold (``SchedulerConfig.max_request_tokens``)."""
         return self.config.max_request_tokens
+
+    @property
+    def speculator(self):
+        """The ``SpecController`` that drafts for decode rows, or None (set by the engine)."""
+        return self.drafts.speculator
+
+    @speculator.setter
+    def speculator(self, speculator) -> None:
+        self.drafts.speculator = speculator
+
+    def may_speculate(self, req: Request) -> bool:
+        """Whether ``req`` is one that speculates (it opted in)."""
+        return self.drafts.may_speculate(req)
 
     @property
     def connector(self) -> KVConnector:
@@ -206,7 +169,7 @@ class Scheduler(SpecRows):
             self.connector.request_finished(req)      # no pages: the connector forgets it
         elif req in self.running:
             self.running.remove(req)
-            self._release(req)
+            self.kv.release(req)
         return req
 
     @property
@@ -218,43 +181,9 @@ class Scheduler(SpecRows):
             r.rid not in self.remote.not_yet for r in self.waiting))
 
     # ------------------------------------------------------------------ pages
-    def _pages_needed(self, req: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.page_size) - len(req.pages))
-
-    def _make_free(self, n: int) -> bool:
-        """Evict from the prefix cache until ``n`` pages are free; False if impossible."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.prefix_cache.evict(short)
-        return self.allocator.num_free >= n
-
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Give ``req`` pages to hold ``num_tokens`` tokens; False (no change) if impossible."""
-        n = self._pages_needed(req, num_tokens)
-        if n == 0:
-            return True
-        if not self._make_free(n):
-            return False
-        req.pages.extend(self.allocator.alloc(n))
-        return True
-
-    def _release(self, req: Request) -> None:
-        """Return ``req``'s pages: full computed pages into the prefix cache, the rest freed."""
-        # Shared pages are the cache's already (a forward launched after their scheduling
-        # writes their KV, even when the request is dropped before it reads them).
-        full = max(min(req.num_computed_tokens // self.page_size, len(req.pages)),
-                   self.num_shared_pages(req))
-        if req.prefix_node is not None:
-            self.prefix_cache.unlock(req.prefix_node)
-            req.prefix_node = None
-        self.prefix_cache.insert(req.all_ids[:full * self.page_size], req.pages[:full])
-        if req.pages[full:]:
-            self.allocator.free(req.pages[full:])
-        req.pages = []
-
     def _retract(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.retract(self.step_id)
         self.waiting.appendleft(req)
         self.num_retractions += 1
@@ -306,8 +235,8 @@ class Scheduler(SpecRows):
         # request with the least progress until the rest fit.
         reqs = list(decode_reqs)
         while reqs:
-            need = sum(self._pages_needed(r, r.num_tokens) for r in reqs)
-            if self._make_free(need):
+            need = sum(self.kv.pages_needed(r, r.num_tokens) for r in reqs)
+            if self.kv.make_free(need):
                 break
             if len(reqs) == 1 and len(self.running) == 1:
                 # Alone and still no room: the pool cannot hold this request at all.
@@ -322,13 +251,13 @@ class Scheduler(SpecRows):
             self._retract(victim)
         rows = []
         for r in reqs:
-            grown = self._grow(r, r.num_tokens)
+            grown = self.kv.grow(r, r.num_tokens)
             assert grown, "decode pages were reserved above"
             rows.append(ScheduledRow(r, r.num_tokens - 1, 1))
-        # Drafts take at most half the budget when prefill work waits (SpecRows).
+        # Drafts take at most half the budget when prefill work waits (DraftRows).
         has_prefill = any(r.is_prefilling for r in self.running) or bool(self.waiting)
         spare = self.config.token_budget - len(rows)
-        self._add_drafts(rows, spare // 2 if has_prefill else spare)
+        self.drafts.add_drafts(rows, spare // 2 if has_prefill else spare)
         return rows
 
     def _admit(self, req: Request, remote_only: bool = False) -> bool | None:
@@ -339,27 +268,31 @@ class Scheduler(SpecRows):
         yet (the request stays queued, skipped)."""
         ps = self.page_size
         max_pages = (req.num_tokens - 1) // ps
-        if req.return_logprob and req.logprob_start_len >= 0:
+        prompt_logprobs = req.return_logprob and req.logprob_start_len >= 0
+        if prompt_logprobs:
             max_pages = min(max_pages, max(0, req.logprob_start_len - 1) // ps)
         pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
-        external = 0
-        if not req.output_ids and not (req.return_logprob and req.logprob_start_len >= 0):
+        external, whole = 0, False
+        if not req.output_ids:            # a retracted request recomputes what it had
             external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
             if external is None:
                 self.remote.not_yet.add(req.rid)
                 return None
+            whole = bool(external) and RemoteKV.check_external(req, len(pages) * ps, external, ps)
+            if prompt_logprobs and not whole:
+                external = 0              # its prompt's logprobs need the prompt computed here
         self.remote.not_yet.discard(req.rid)
         if remote_only and not external:
             return False
         need = -(-req.num_tokens // ps) + 1 - len(pages)
         reserve = 0
-        if external and RemoteKV.check_external(req, len(pages) * ps, external, ps):
+        if whole:
             need -= 1                     # nothing is computed here: no page for a next token
             reserve = self.remote.reserved_decode_pages(req, self.running)
         self.prefix_cache.lock(node)
         # The decode reservation yields when nothing else holds pages (it could never fit).
-        if not self._make_free(need + reserve) and (
-                not reserve or self.running or self.remote.waiting or not self._make_free(need)):
+        if not self.kv.make_free(need + reserve) and (
+                not reserve or self.running or self.remote.waiting or not self.kv.make_free(need)):
             self.prefix_cache.unlock(node)
             return False
         req.prefix_node = node
@@ -422,31 +355,14 @@ class Scheduler(SpecRows):
                                first=not rows)
             if n < remaining and self.config.page_aligned_chunks:
                 n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
-            if n <= 0 or not self._grow(req, req.num_computed_tokens + n):
+            if n <= 0 or not self.kv.grow(req, req.num_computed_tokens + n):
                 break
             rows.append(ScheduledRow(req, req.num_computed_tokens, n))
-            self._share_computed(req, req.num_computed_tokens + n)
+            self.kv.share(req, req.num_computed_tokens + n)
             budget -= n
             if n < remaining:
                 break          # one chunked request at a time
         return rows
-
-    def _share_computed(self, req: Request, num_tokens: int) -> None:
-        """The full pages of ``req``'s first ``num_tokens`` tokens, which this step computes,
-        join the prefix cache now: a request admitted later in this step, or after, reuses
-        them instead of computing the same prefix again (in-batch prefix sharing; vLLM caches
-        a block when it schedules it). A row of the same forward may attend to them: every
-        model writes a layer's KV for all the forward's tokens before any token of that layer
-        reads the cache (DESIGN.md §3, "Prefix cache")."""
-        full = min(num_tokens // self.page_size, len(req.pages))
-        if req.prefix_node is None or full <= self.num_shared_pages(req):
-            return
-        ids = req.all_ids[:full * self.page_size]
-        if PENDING_TOKEN in ids:
-            return
-        node = self.prefix_cache.extend_locked(req.prefix_node, ids, req.pages[:full])
-        if node is not None:
-            req.prefix_node = node
 
     # ------------------------------------------------------------------ KV from elsewhere
     def build_connector_meta(self, batch: ScheduledBatch | None) -> object | None:
@@ -495,7 +411,7 @@ class Scheduler(SpecRows):
                 req.set_num_computed_tokens(loaded)
                 req.set_reported_cached_tokens(loaded)
                 self.running.append(req)
-                self._share_computed(req, loaded)
+                self.kv.share(req, loaded)
                 continue
             changed.append(req)
             if req.sampling_params.max_new_tokens == 0:
@@ -624,43 +540,45 @@ class Scheduler(SpecRows):
         self.requests.pop(req.rid, None)
         req.finish(reason)
 
+    def resolve_verify(self, row: ScheduledRow, index: int, tokens: list[int],
+                       stop_check) -> tuple[int, bool]:
+        """Put a verify row's emitted ``tokens`` (accepted drafts, then the target's own token)
+        in place of the placeholder ``req.output_ids[index]``, checking the stop conditions
+        after each as ``resolve`` does (a stop drops the tokens after it); then give back the
+        pages only rejected drafts reached (``DraftRows``). Returns ``(tokens kept,
+        finished)``."""
+        req = row.req
+        # The newest token's KV and the accepted drafts'; the rest of the row is garbage.
+        req.set_num_computed_tokens(row.start + len(tokens))
+        for j, token in enumerate(tokens):
+            if j:
+                index = req.append_pending()
+            if self.resolve(req, index, token, stop_check):
+                return j + 1, True
+            if req.is_finished or req.rid not in self.requests:
+                return j, False           # aborted while the step ran
+        self.drafts.release_rejected_pages(req)
+        return len(tokens), False
+
     def num_shared_pages(self, req: Request) -> int:
-        """How many of ``req.pages`` (from the first) belong to the prefix cache: the path
-        its lock holds, the prefix it matched plus the full pages it shared while running."""
-        return 0 if req.prefix_node is None else self.prefix_cache.num_path_pages(req.prefix_node)
+        """How many of ``req.pages`` (from the first) belong to the prefix cache."""
+        return self.kv.num_shared_pages(req)
 
     def evict_unlocked(self) -> int:
-        """Evict every cached page no request holds; returns how many. For a failed step: the
-        pages its rows shared at scheduling may never have been written, and once its requests
-        are aborted nothing else tells them apart."""
-        return self.prefix_cache.evict(self.prefix_cache.num_evictable_pages)
+        """Evict every cached page no request holds (``KVCacheManager.evict_unlocked``)."""
+        return self.kv.evict_unlocked()
 
     # ------------------------------------------------------------------ accounting
     @property
     def num_used_pages(self) -> int:
-        return self.config.num_pages - 1 - self.allocator.num_free
+        return self.kv.num_used_pages
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` unless request-owned, cached and free pages partition the
         pool (counted from each side independently) and requests' pages are disjoint."""
-        free = set(self.allocator.free_pages())
-        cached = set(self.prefix_cache.cached_pages())
         assert not self.held.keys() & self.requests.keys(), "a held request is also scheduled"
         assert not {r.rid for r in self.running} & self.waiting_remote.keys(), \
             "a request waiting for its KV also runs"
         assert not {r.rid for r in self.waiting} & self.waiting_remote.keys(), \
             "a request waiting for its KV is also queued"
-        owned: list[int] = list(self.connector.owned_pages())
-        for r in [*self.running, *self.remote.requests()]:
-            k = self.num_shared_pages(r)
-            assert k >= r.num_cached_tokens // self.page_size, f"{r.rid}: matched pages not shared"
-            assert set(r.pages[:k]) <= cached, f"{r.rid}: prefix pages not in the prefix cache"
-            owned += r.pages[k:]
-        owned_set = set(owned)
-        assert len(owned_set) == len(owned), "a page is owned by two requests"
-        assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
-            "page sets overlap"
-        assert 0 not in owned_set | cached | free, "the null page escaped"
-        total = len(owned_set) + len(cached) + len(free)
-        assert owned_set | cached | free == set(range(1, self.config.num_pages)), \
-            f"pages leaked: {self.config.num_pages - 1 - total} missing"
+        self.kv.check([*self.running, *self.remote.requests()], self.connector.owned_pages())

@@ -1,8 +1,9 @@
 """Verify rows of the scheduler (DESIGN.md §3, "Speculative decoding"): drafts added to decode
 rows, and the pages of rejected drafts given back. Pure Python; never imports JAX.
 
-``SpecRows`` is a mixin of ``pdjax.sched.scheduler.Scheduler``: it reads the scheduler's
-allocator, config and ``resolve``. A verify row is a decode row carrying ``k`` drafts: it
+``DraftRows`` is held by ``pdjax.sched.scheduler.Scheduler`` (which resolves a verify row's
+tokens, ``resolve_verify``) and works on its ``KVCacheManager``. A verify row is a decode row
+carrying ``k`` drafts: it
 computes the KV of the request's newest token and of the drafts (positions ``start`` to
 ``start + k``), so its request holds pages up to position ``start + k`` for one step. After
 the forward only the accepted drafts count::
@@ -16,32 +17,38 @@ the forward only the accepted drafts count::
 Rollback is bookkeeping only, no copy: ``num_computed_tokens`` stops before the first
 rejected draft (attention reads ``kv_lens``, so the slots after it are never read, and the next
 tokens overwrite them), the rejected tokens never enter ``all_ids`` (so neither the prefix
-cache nor the allocator's owners see them: ``_release`` caches only full pages of computed
-tokens), and pages past the one the next token needs go back to the free list. Drafts use free
+cache nor the allocator's owners see them: ``KVCacheManager.release`` caches only full pages of
+computed tokens), and pages past the one the next token needs go back to the free list. Drafts use free
 pages only: speculation never evicts the prefix cache or retracts a request.
 """
 
 from __future__ import annotations
 
 from pdjax.request import PENDING_TOKEN
+from pdjax.sched.kv_cache_manager import KVCacheManager
 
 
-class SpecRows:
-    """``Scheduler``'s verify-row methods; ``speculator`` (a ``SpecController`` or None) is
-    set by the engine."""
+class DraftRows:
+    """The drafts of a scheduler's decode rows. ``kv``: the scheduler's ``KVCacheManager``;
+    ``max_request_tokens``: the most tokens one request may hold; ``speculator``: a
+    ``SpecController``, or None (no speculation; set by the engine)."""
 
-    speculator = None
+    def __init__(self, kv: KVCacheManager, max_request_tokens: int, speculator=None):
+        self.kv = kv
+        self.max_request_tokens = max_request_tokens
+        self.speculator = speculator
 
-    def may_speculate(self, req) -> bool:
+    @staticmethod
+    def may_speculate(req) -> bool:
         """Whether ``req`` is one that speculates (it opted in)."""
         return req.sampling_params.speculative
 
-    def _speculates(self, req) -> bool:
+    def speculates(self, req) -> bool:
         """Whether ``req`` may carry drafts this step: ``may_speculate``, and no token of it
         is pending (overlap: its newest token is still on the device)."""
         return self.may_speculate(req) and PENDING_TOKEN not in req.output_ids
 
-    def _add_drafts(self, rows: list, budget: int) -> None:
+    def add_drafts(self, rows: list, budget: int) -> None:
         """Give decode ``rows`` (``ScheduledRow``s of one token) the drafts their requests
         want, within ``budget`` tokens in all and the free pages; a row gets none where its
         ``max_new_tokens`` or the context leaves no room for more than one token."""
@@ -54,7 +61,7 @@ class SpecRows:
         picked, wants = [], []
         for row in rows:
             req = row.req
-            if not self._speculates(req):
+            if not self.speculates(req):
                 continue
             room = self.max_request_tokens - req.num_tokens - 1
             mnt = req.sampling_params.max_new_tokens
@@ -78,39 +85,16 @@ class SpecRows:
             if not draft:
                 continue
             req = row.req
-            need = self._pages_needed(req, req.num_tokens + len(draft))
-            if need > self.allocator.num_free:
+            need = self.kv.pages_needed(req, req.num_tokens + len(draft))
+            if need > self.kv.allocator.num_free:
                 continue
             if need:
-                req.pages.extend(self.allocator.alloc(need))
+                req.pages.extend(self.kv.allocator.alloc(need))
             row.draft_ids = list(draft)
             row.num_tokens += len(draft)
             budget -= len(draft)
 
-    def resolve_verify(self, row, index: int, tokens: list[int], stop_check) -> tuple[int, bool]:
-        """Put a verify row's emitted ``tokens`` (accepted drafts, then the target's own token)
-        in place of the placeholder ``req.output_ids[index]``, checking the stop conditions
-        after each as ``resolve`` does (a stop drops the tokens after it); then give back the
-        pages only rejected drafts reached. Returns ``(tokens kept, finished)``."""
-        req = row.req
-        # The newest token's KV and the accepted drafts'; the rest of the row is garbage.
-        req.set_num_computed_tokens(row.start + len(tokens))
-        for j, token in enumerate(tokens):
-            if j:
-                index = req.append_pending()
-            if self.resolve(req, index, token, stop_check):
-                return j + 1, True
-            if req.is_finished or req.rid not in self.requests:
-                return j, False           # aborted while the step ran
-        self.release_rejected_pages(req)
-        return len(tokens), False
-
     def release_rejected_pages(self, req) -> int:
         """Free ``req``'s pages past the one its next token's KV goes to (they held only
         rejected drafts); returns how many."""
-        keep = max(-(-req.num_tokens // self.page_size), self.num_shared_pages(req))
-        extra = req.pages[keep:]
-        if extra:
-            del req.pages[keep:]
-            self.allocator.free(extra)
-        return len(extra)
+        return self.kv.truncate(req, -(-req.num_tokens // self.kv.page_size))

@@ -330,3 +330,26 @@ def test_invariants_catch_a_request_in_two_sets():
     s.running.append(req)                 # corrupt on purpose: reserved and running at once
     with pytest.raises(AssertionError, match="also runs"):
         s.check_invariants()
+
+
+def test_a_request_for_prompt_logprobs_takes_a_whole_prompt_but_computes_a_partial_one():
+    """A PD decode's request may ask for prompt logprobs (the router merges the prefill's):
+    its whole prompt still comes from the connector (it hung, the prefill waiting for a page
+    list the decode never sent). A part of a prompt is not taken for such a request: the
+    logprobs of those positions need the prompt computed here."""
+    def want(req):
+        return Request(req.rid, req.prompt_ids, req.sampling_params, return_logprob=True,
+                       logprob_start_len=0)
+
+    s = _sched(connector=_Connector(external=_whole))
+    req = want(_req("d", 9))
+    s.add_request(req)
+    assert s.schedule() is None and dict(s.waiting_remote) == {"d": req}
+    conn = _Connector(external=4)
+    s = _sched(connector=conn)
+    req = want(_req("p", 9))
+    s.add_request(req)
+    batch = s.schedule()
+    assert not s.waiting_remote and [(r.start, r.num_tokens) for r in batch.rows] == [(0, 9)]
+    assert conn.calls == [("matched", "p", 0), ("matched", "p", 0), ("alloc", "p", 0, 0)]
+    s.check_invariants()
