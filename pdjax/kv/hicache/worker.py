@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -64,6 +65,23 @@ class _Failed:
     error: BaseException
 
 
+def _copy_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
+               wake: list[Callable[[], None]]) -> None:
+    """The copy thread: run each task, post its result (or ``_Failed``), wake the engine;
+    None ends it."""
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        try:
+            result = task()
+        except BaseException as e:       # handed to the engine thread
+            result = _Failed(e)
+        del task                         # its closure may hold the worker
+        results.put(result)
+        wake[0]()
+
+
 class HiCacheWorker(KVTransferWorker):
     """Moves pages between ``runner``'s KV cache and ``pool`` (see the module docstring).
 
@@ -83,14 +101,18 @@ class HiCacheWorker(KVTransferWorker):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._in_flight = 0           # tasks queued whose results are not handled yet
-        self._wake: Callable[[], None] = lambda: None
-        self._thread = threading.Thread(target=self._copy_loop, name="pdjax-hicache-copy",
+        self._wake: list[Callable[[], None]] = [lambda: None]
+        # The thread holds the queues, not the worker: an engine dropped without close()
+        # (the offline Engine's shutdown) frees the host pool, and the thread ends.
+        self._thread = threading.Thread(target=_copy_loop, name="pdjax-hicache-copy",
+                                        args=(self._tasks, self._results, self._wake),
                                         daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._tasks.put, None)
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """``wake()`` is called when a copy finished (the engine should poll)."""
-        self._wake = wake
+        self._wake[0] = wake
 
     # ---- page buckets ------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -116,19 +138,7 @@ class HiCacheWorker(KVTransferWorker):
             idx = np.zeros(b, np.int32)
             self.runner.scatter_pages(idx, [np.asarray(p) for p in self._gather(idx)])
 
-    # ---- the copy thread ---------------------------------------------------------------------
-    def _copy_loop(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            try:
-                result = task()
-            except BaseException as e:       # handed to the engine thread
-                result = _Failed(e)
-            self._results.put(result)
-            self._wake()
-
+    # ---- the copy thread's tasks -------------------------------------------------------------
     def _submit(self, task: Callable[[], Any]) -> None:
         self._in_flight += 1
         self._tasks.put(task)
