@@ -32,6 +32,7 @@ import numpy as np
 
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import TransferEngine
+from pdjax.models.cache_spec import kv_format
 from pdjax.transfer.kv_export import (KVLayout, changed_addresses, export_kv_layout,
                                       kv_layout_fingerprint, register_kv_layout,
                                       unregister_kv_layout)
@@ -99,7 +100,8 @@ class LocalKV:
         self.row_heads = [s.row_heads for s in runner.cache_specs]
         self.fingerprint = kv_layout_fingerprint(arrays, head_repeat=head_repeat,
                                                  row_heads=self.row_heads)
-        self.kv_dtype = np.dtype(arrays[0].dtype).name
+        # The KV format (dtype, or the FP8 record) a peer must share: cache_spec.kv_format.
+        self.kv_dtype = kv_format(runner.cache_specs)
         self.num_pages = int(arrays[0].shape[1])
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
         self.mirrors: list[np.ndarray] = []
