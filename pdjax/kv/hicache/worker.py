@@ -60,9 +60,12 @@ class _Written:
 
 @dataclasses.dataclass
 class _Failed:
-    """A copy raised ``error`` (re-raised on the engine thread by ``poll``)."""
+    """A copy raised ``error``: ``poll`` unpins the load's slots or cancels the writes'
+    pending pages, then raises it on the engine thread (the step fails)."""
 
     error: BaseException
+    load: LoadJob | None = None
+    writes: list[WriteJob] = dataclasses.field(default_factory=list)
 
 
 def _copy_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
@@ -143,7 +146,13 @@ class HiCacheWorker(KVTransferWorker):
         self._in_flight += 1
         self._tasks.put(task)
 
-    def _read_load(self, job: LoadJob) -> _LoadRead:
+    def _read_load(self, job: LoadJob) -> _LoadRead | _Failed:
+        try:
+            return self._read_load_parts(job)
+        except Exception as e:
+            return _Failed(e, load=job)
+
+    def _read_load_parts(self, job: LoadJob) -> _LoadRead:
         parts = self.pool.read(job.slots)
         chunks = []
         for lo, hi in self._chunks(len(job.pages)):
@@ -156,9 +165,13 @@ class HiCacheWorker(KVTransferWorker):
             chunks.append((idx, padded))
         return _LoadRead(job, chunks)
 
-    def _store(self, chunks: list[tuple[list, list[int]]], jobs: list[WriteJob]) -> _Written:
-        for arrays, slots in chunks:
-            self.pool.write(slots, [np.asarray(a) for a in arrays])
+    def _store(self, chunks: list[tuple[list, list[int]]],
+               jobs: list[WriteJob]) -> _Written | _Failed:
+        try:
+            for arrays, slots in chunks:
+                self.pool.write(slots, [np.asarray(a) for a in arrays])
+        except Exception as e:
+            return _Failed(e, writes=jobs)
         return _Written(jobs)
 
     # ---- the engine's calls ------------------------------------------------------------------
@@ -180,6 +193,10 @@ class HiCacheWorker(KVTransferWorker):
     def _handle(self, result) -> None:
         self._in_flight -= 1
         if isinstance(result, _Failed):
+            if result.load is not None:
+                self.index.unpin(result.load.slots)
+            for job in result.writes:
+                self.index.cancel([job.path[i] for i in job.new])
             raise RuntimeError(f"host KV tier copy failed: {result.error!r}") from result.error
         if isinstance(result, _Written):
             for job in result.jobs:
