@@ -49,7 +49,8 @@ from pdjax.transfer.local_kv import page_buckets
 
 # Kernel names as they appear in a compiled executable's text (Pallas names its calls).
 _KERNEL_NAMES = re.compile(
-    r"\b((?:ragged_paged_attention|mla_sparse_attention|mla_dense_attention|indexer_scores)"
+    r"\b((?:ragged_paged_attention|mla_sparse_attention|mla_dense_attention|indexer_scores"
+    r"|grouped_matmul)"
     r"_(?:tpu|gpu)(?:_\w+)?)\b")
 
 

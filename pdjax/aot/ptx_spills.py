@@ -24,7 +24,7 @@ import subprocess
 
 # PTX entry names of pdjax's Pallas GPU kernels (the ``name=`` of their pallas_call).
 KERNEL_ENTRY_PREFIXES = ("ragged_paged_attention_gpu", "mla_sparse_attention_gpu",
-                         "mla_dense_attention_gpu", "indexer_scores_gpu")
+                         "mla_dense_attention_gpu", "indexer_scores_gpu", "grouped_matmul_gpu")
 _ENTRY = re.compile(r"^\.(?:visible\s+)?\.entry\s+([A-Za-z_][\w$]*)", re.M)
 _TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.M)
 _THREADS = re.compile(r"\.reqntid\s+(\d+)")
