@@ -130,8 +130,9 @@ def moe_forward_ep(cfg: DeepseekConfig, h: jax.Array, p: dict, *, impl: str | No
     to ``moe.moe_forward`` (same routing, same experts, dropless). ``p``: the layer's ``moe``
     params, the expert stacks in the EP layout (``expert_shards``), plain or
     ``Fp8BlockWeight``. Traced under a mesh with a ``tp`` axis of ``ep_size * moe_tp_size``
-    devices (the runner's on accelerators; none on the CPU, where one is made from
-    ``cfg``); ``ValueError`` for another one. ``impl`` / ``interpret``: the grouped GEMM's
+    devices (the runner's on accelerators), ``ValueError`` for another one; without a mesh
+    context (the CPU runner's case) one is made from ``cfg`` and ``ragged`` takes its padded
+    stand-in, which runs on every platform. ``impl`` / ``interpret``: the grouped GEMM's
     (``moe.grouped_swiglu``), run per device on its local experts."""
     tp = cfg.ep_size * cfg.moe_tp_size
     mesh = jax.sharding.get_abstract_mesh()

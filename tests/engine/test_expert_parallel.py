@@ -69,9 +69,11 @@ def oracles(tiny_checkpoints, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_ep4_ragged_matches_transformers_and_tp1(tiny_checkpoints, oracles):
-    """The fast tier's one engine check: DeepSeek-V3.2 at TP 4, EP 4, ragged dispatch (its
-    padded CPU stand-in), against transformers and TP 1."""
+    """DeepSeek-V3.2 at TP 4, EP 4, ragged dispatch (its padded CPU stand-in), against
+    transformers and TP 1 (slow: two engines compile, about 100 s cold; the fast tier's EP
+    checks are the layer's, tests/models/test_moe_ep.py)."""
     prompts = _prompts()
     path = tiny_checkpoints["deepseek_v32"]
     tp1 = _generate(path, prompts)
