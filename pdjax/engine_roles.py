@@ -16,8 +16,9 @@ One engine step and where the role is called (engine thread)::
              scheduler.schedule() -> launch -> read a step's tokens
              worker.start(connector.build_meta(batch))          (queue KV chunks)
              role.after_step(batch, outputs)  -> outputs   (hold answers, address checks)
-    add_request(g): role.add_request(g, req)  -> True: the role hands it to the scheduler
-                                                 later (PD prefill); False: queued now
+    add_request(g): role.add_request(g, req)  (its room), then scheduler.add_request(req):
+                                              one queue; the connector answers "not yet"
+                                              until the room is ready
     abort_request:  role.abort(rid, message)  -> an output, or None: the scheduler's
     a request refused before it reached the role: role.on_rejected / role.reject_room
     has_work:       role.has_work()           (events from its helper threads, timeouts)
@@ -45,9 +46,9 @@ class EngineRole(Protocol):
     runs on the engine thread; a role's own threads only record events and call the wake
     callback."""
 
-    def add_request(self, g: GenerateRequest, req: Request) -> bool:
-        """Take ``req`` (True: the role schedules it later) or leave it to the scheduler
-        (False). ``ValueError`` naming the field for a bad PD request."""
+    def add_request(self, g: GenerateRequest, req: Request) -> None:
+        """Open the role's record of ``req`` (a PD room) before the scheduler queues it;
+        ``ValueError`` naming the field for a bad PD request (nothing is kept then)."""
 
     def has_work(self) -> bool:
         """Whether the engine should step now for the role's sake."""
@@ -89,8 +90,8 @@ class NullRole:
     """The ``EngineRole`` of a server that is no PD role (colocated, or a ``--kv-connector``
     one): it takes no request, has no work, reports no load of its own."""
 
-    def add_request(self, g, req) -> bool:
-        return False
+    def add_request(self, g, req) -> None:
+        pass
 
     def has_work(self) -> bool:
         return False

@@ -243,8 +243,7 @@ class EngineCore(ForwardStep):
         if sp.grammar is not None:
             self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
-        if self.disagg.add_request(g, req):
-            return req                # PD prefill: its bootstrap queue hands it over later
+        self.disagg.add_request(g, req)      # PD: the request's room (ValueError: refused)
         self.scheduler.add_request(req)
         # A PD decode's request still moves its KV (its prefill waits for the page list): the
         # scheduler finishes it once the KV is in.

@@ -103,9 +103,9 @@ class DecodeConnector(RoleManager):
             self.ranks.announce(self.channel.endpoint)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, g: GenerateRequest, req: Request) -> bool:
-        """Open a room for a PD request and leave the request to the scheduler's queue (False):
-        it is admitted once the room is paired (``get_num_new_matched_tokens``). Raises
+    def add_request(self, g: GenerateRequest, req: Request) -> None:
+        """Open a room for a PD request; the request then waits in the scheduler's queue until
+        the room is paired (``get_num_new_matched_tokens``). Raises
         ``ValueError`` for missing/bad bootstrap fields or a prompt over the context length,
         ``RoomConflict`` (HTTP 409) for a room another request holds here."""
         fake = g.bootstrap_host == FAKE_BOOTSTRAP_HOST
@@ -131,7 +131,6 @@ class DecodeConnector(RoleManager):
         self.rooms[req.rid] = DecodeRoom(room, req, peer_key, now, state_s=now,
                                          digest=b"" if fake else prompt_digest(req.prompt_ids))
         self.wake()
-        return False
 
     def abort(self, rid: str, message: str) -> GenerateOutput | None:
         """Client abort (engine thread): always the scheduler's (None). A request whose room

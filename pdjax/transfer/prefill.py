@@ -11,7 +11,8 @@ then releases its own pages. One ``PrefillRoom`` per ``bootstrap_room``:
          any state --(timeout, bad destination, write error, abort either way)--> Failed
 
 Rules kept here:
-* nothing is written before the decode's page list arrives; the request is not even scheduled;
+* nothing is written before the decode's page list arrives; the request is not even admitted
+  (it waits in the scheduler's queue: ``get_num_new_matched_tokens`` answers "not yet");
 * non-last chunks send full pages only (the scheduler ends them on page boundaries), the last
   chunk sends the rest plus the metadata row; pages the decode already holds
   (``decode_prefix_len``) are skipped;
@@ -99,17 +100,19 @@ class PrefillConnector(RoleManager):
         logger.info("PD prefill: bootstrap server on port %d", self.bootstrap_port)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, g: GenerateRequest, req: Request) -> bool:
-        """Take a PD request into the bootstrap queue (True), or leave a warm-up request with
-        the fake host 2.2.2.2 to the scheduler (False). Forces ``max_new_tokens = 1``.
-        Raises ``ValueError`` for a missing or bad ``bootstrap_room``, ``RoomConflict`` (HTTP
-        409) for a room another request holds or that failed here."""
+    def add_request(self, g: GenerateRequest, req: Request) -> None:
+        """Open (or join) the room of a PD request; the request then waits in the scheduler's
+        queue, where it waits, "not yet" admitted, until the decode's page list is
+        here (``get_num_new_matched_tokens``); a warm-up request with the fake host 2.2.2.2
+        has no room. Forces ``max_new_tokens = 1``. Raises ``ValueError`` for a missing or
+        bad ``bootstrap_room``, ``RoomConflict`` (HTTP 409) for a room another request holds
+        or that failed here."""
         # min_new_tokens >= 1 still holds back the first token's EOS (sampled here).
         sp = req.sampling_params
         req.sampling_params = dataclasses.replace(sp, max_new_tokens=1,
                                                   min_new_tokens=min(sp.min_new_tokens, 1))
         if g.bootstrap_host == FAKE_BOOTSTRAP_HOST:
-            return False
+            return
         room = check_room(g.bootstrap_room, self.role)
         # Raised to the caller, whose ``on_rejected`` tells the decode.
         self._check_new_request(req, self.rooms_by_rid)
@@ -131,7 +134,6 @@ class PrefillConnector(RoleManager):
         r.created_s = now
         self.rooms_by_rid[req.rid] = r
         self.wake()
-        return True
 
     def completed_reason(self, room: int) -> str:
         """Why a request or page list for ``room``, one of ``completed_rooms``, is refused."""
@@ -312,11 +314,6 @@ class PrefillConnector(RoleManager):
         if slot is None:
             return                       # all metadata slots busy: try again next poll
         r.src_slot = slot
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:
-            self._fail(r, RoomFailure(str(e)))
-            return
         self.metrics.on_bootstrap(now - r.created_s)
         self._set_state(r, KVPoll.WaitingForInput, now)
 
@@ -387,6 +384,15 @@ class PrefillConnector(RoleManager):
         return out
 
     # ------------------------------------------------------------------ KVConnector
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int | None:
+        """0 (the prompt is computed here) once the request's room has the decode's page list
+        and a metadata row (WaitingForInput); None (not yet) before: nothing is computed that
+        could not be sent. A warm-up request (no room): 0."""
+        r = self.rooms_by_rid.get(req.rid)
+        if r is None or r.state == KVPoll.WaitingForInput:
+            return 0
+        return None
+
     def request_finished(self, req: Request) -> bool:
         """Hold the pages of a PD request until its room concludes (DESIGN.md §4 step 7)."""
         return req.rid in self.rooms_by_rid
