@@ -141,3 +141,39 @@ def test_fp8_model_with_gemm_kernels_matches_reference(tiny_checkpoints, name, i
     assert names == {f"grouped_matmul_{impl}"}
     # The FP8 dense linears went through the kernel too: more GEMM calls than the MoE's 3.
     assert len(re.findall(rf"grouped_matmul_{impl}/pallas_call", text)) > 3
+
+
+@pytest.mark.parametrize("tp,ep,backend", [(4, 2, "none"), (2, 2, "ragged")])
+def test_expert_parallel_layer_with_the_kernel(tiny_checkpoints, tp, ep, backend):
+    """moe_ep calls grouped_swiglu inside its shard_map (manual over "tp"): the kernel runs on
+    the device's local experts as they are, and the layer equals the unsplit reference."""
+    from jax.sharding import Mesh
+
+    from pdjax.models.deepseek_config import DeepseekConfig
+    from pdjax.models.moe import moe_forward
+    from pdjax.models.moe_ep import expert_parallel_config, expert_shards, moe_forward_ep
+
+    cfg = DeepseekConfig.from_hf_dir(tiny_checkpoints["deepseek_v32"])
+    rng = np.random.default_rng(8)
+    E, Hd, Fm = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    Fs = Fm * cfg.n_shared_experts
+    w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)       # noqa: E731
+    p = {"router": w(Hd, E), "router_bias": rng.uniform(0, 0.2, E).astype(np.float32),
+         "w_gate": w(E, Hd, Fm), "w_up": w(E, Hd, Fm), "w_down": w(E, Fm, Hd),
+         "sh_gate": w(Hd, Fs), "sh_up": w(Hd, Fs), "sh_down": w(Fs, Hd)}
+    h = rng.normal(0, 1, (11, Hd)).astype(np.float32)
+    ref = np.asarray(jax.jit(lambda x: moe_forward(cfg, x, p))(h))
+    run_cfg = expert_parallel_config(cfg, tp, ep, backend)
+    mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+    placed = {name: jax.device_put(
+        expert_shards(v, run_cfg.moe_tp_size, -2 if name == "w_down" else -1)
+        if name in ("w_gate", "w_up", "w_down") else v,
+        NamedSharding(mesh, P("tp") if name in ("w_gate", "w_up", "w_down") else P()))
+        for name, v in p.items()}
+    f = jax.jit(lambda x, q: moe_forward_ep(run_cfg, x, q, impl="tpu", interpret=True))
+    x = jax.device_put(h, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        out = np.asarray(f(x, placed))
+        text = f.lower(x, placed).as_text(debug_info=True)
+    assert "grouped_matmul_tpu" in text
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
