@@ -64,6 +64,8 @@ def _ask_twice(model, *extra):
         first = _post(url + "/generate", body)
         again = _post(url + "/generate", body)
         load = _get(url + "/get_load")
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            load["metrics"] = r.read().decode()
     finally:
         proc.terminate()
         try:
@@ -89,3 +91,4 @@ def test_a_server_with_the_host_tier_serves_re_asked_prompts_from_it(tiny_checkp
     assert all(c >= 0.8 * PROMPT for c in cached[1]), cached[1]
     assert load["hicache_hit_tokens"] >= 5 * 304 and load["hicache_host_pages_pinned"] == 0
     assert load["hicache_host_pages_total"] == (1 << 30) // load["hicache_bytes_per_page"]
+    assert f"pdjax:hicache_hit_tokens_total {load['hicache_hit_tokens']}.0" in load["metrics"]

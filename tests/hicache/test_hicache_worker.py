@@ -121,3 +121,34 @@ def test_a_failed_copy_frees_its_slots_and_pins_then_raises():
     assert index.num_pinned == 0 and worker.num_in_flight == 0
     worker.close()
     assert not worker._thread.is_alive()
+
+
+def test_metrics_count_hits_bytes_and_copy_seconds():
+    from prometheus_client import generate_latest
+
+    from pdjax.kv.hicache.worker import HiCacheRole
+    from pdjax.metrics import Metrics
+
+    runner, pool, index, worker = _worker()
+    role = HiCacheRole(worker, 4)
+    metrics = Metrics()
+    role.attach_metrics(metrics)
+    job = _write(index, [3, 7])
+    worker.start(HiCacheMeta([], [job]))
+    worker.flush()
+    index.pin(job.slots)
+    worker.start(HiCacheMeta([LoadJob(types.SimpleNamespace(rid="r"), [1], job.slots[:1])], []))
+    index.unpin(job.slots[1:])
+    worker.flush()
+    text = generate_latest(metrics.registry).decode()
+    bpp = pool.bytes_per_page
+    assert f"pdjax:hicache_written_bytes_total {2 * bpp}.0" in text
+    assert f"pdjax:hicache_loaded_bytes_total {bpp}.0" in text
+    assert "pdjax:hicache_hit_tokens_total 4.0" in text
+    assert "pdjax:hicache_load_seconds_count 1.0" in text
+    assert "pdjax:hicache_write_seconds_count 1.0" in text
+    assert "pdjax:hicache_host_pages_used 2.0" in text
+    assert "pdjax:hicache_host_pages_total 6.0" in text
+    load = role.load()
+    assert (load["hicache_hit_tokens"], load["hicache_loaded_bytes"],
+            load["hicache_written_bytes"]) == (4, bpp, 2 * bpp)

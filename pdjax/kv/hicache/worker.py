@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,7 @@ from pdjax.engine_roles import NullRole
 from pdjax.kv.hicache.connector import HiCacheConnector, HiCacheMeta, HiCacheStats, LoadJob, \
     WriteJob
 from pdjax.kv.hicache.host_pool import HostIndex, HostKVPool, page_bytes
+from pdjax.kv.hicache.metrics import HiCacheMetrics
 from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.local_kv import page_buckets
 from pdjax.transfer.worker import KVTransferWorker
@@ -100,6 +102,7 @@ class HiCacheWorker(KVTransferWorker):
         self.stats = stats
         self.is_waiting = is_waiting
         self.buckets = page_buckets(max(1, max_pages))
+        self.metrics: HiCacheMetrics | None = None     # set by HiCacheRole.attach_metrics
         self._recving: set[str] = set()
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
@@ -144,7 +147,8 @@ class HiCacheWorker(KVTransferWorker):
     # ---- the copy thread's tasks -------------------------------------------------------------
     def _submit(self, task: Callable[[], Any]) -> None:
         self._in_flight += 1
-        self._tasks.put(task)
+        t0 = time.perf_counter()
+        self._tasks.put(lambda: (t0, task()))
 
     def _read_load(self, job: LoadJob) -> _LoadRead | _Failed:
         try:
@@ -190,8 +194,12 @@ class HiCacheWorker(KVTransferWorker):
             jobs = list(meta.writes)
             self._submit(lambda: self._store(chunks, jobs))
 
-    def _handle(self, result) -> None:
+    def _handle(self, timed) -> None:
         self._in_flight -= 1
+        if isinstance(timed, _Failed):           # the task itself raised (not expected)
+            raise RuntimeError(f"host KV tier copy failed: {timed.error!r}") from timed.error
+        t0, result = timed
+        seconds = time.perf_counter() - t0
         if isinstance(result, _Failed):
             if result.load is not None:
                 self.index.unpin(result.load.slots)
@@ -202,6 +210,8 @@ class HiCacheWorker(KVTransferWorker):
             for job in result.jobs:
                 self.index.commit(job.path)
                 self.stats.written_pages += len(job.new)
+            if self.metrics is not None:
+                self.metrics.on_write(sum(len(j.new) for j in result.jobs), seconds)
             return
         job = result.job
         self.index.unpin(job.slots)
@@ -212,6 +222,8 @@ class HiCacheWorker(KVTransferWorker):
             self.runner.scatter_pages(idx, parts)
         self._recving.add(job.req.rid)
         self.stats.loaded_pages += len(job.pages)
+        if self.metrics is not None:
+            self.metrics.on_load(len(job.pages), seconds)
 
     def _handle_ready(self) -> None:
         while True:
@@ -260,6 +272,11 @@ class HiCacheRole(NullRole):
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         self.worker.set_wake(wake)
+
+    def attach_metrics(self, metrics: Any) -> None:
+        """Register the host tier's metrics (``pdjax.kv.hicache.metrics``) on the server's."""
+        self.worker.metrics = HiCacheMetrics(metrics, self.page_size, self.pool.bytes_per_page,
+                                             lambda: self.index.num_used, self.index.num_slots)
 
     def load(self) -> dict[str, Any]:
         s, bpp = self.stats, self.pool.bytes_per_page
