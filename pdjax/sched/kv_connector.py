@@ -101,7 +101,9 @@ class KVConnector(Protocol):
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
         """``req`` was admitted and ``req.pages`` covers its prompt (``num_external_tokens``
         > 0: up to the external tokens); the connector may now plan to write the
-        ``num_external_tokens`` tokens after its local prefix."""
+        ``num_external_tokens`` tokens after its local prefix. After a "rest of the prompt"
+        answer the count may be smaller than answered, 0 included: every full page of the
+        prompt the prefix cache holds is used (the first token still comes)."""
 
     def build_meta(self, batch: ScheduledBatch | None) -> Any:
         """After a step's results were read (``batch`` None: no forward was read): what the

@@ -108,7 +108,7 @@ class RemoteKV:
         ``waiting`` and tell the connector. The pages must be free already."""
         ps = self._page_size
         local = len(req.pages) * ps
-        whole = self.check_external(req, local, num_external, ps)
+        whole = self.check_external(req, local, num_external, ps)   # 0: all local, but whole
         n_new = -(-req.num_prompt_tokens // ps) - len(req.pages) if whole else num_external // ps
         req.pages += self._kv.allocator.alloc(n_new)
         req.reserve_prebuilt(local)

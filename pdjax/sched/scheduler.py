@@ -281,8 +281,14 @@ class Scheduler:
             whole = bool(external) and RemoteKV.check_external(req, len(pages) * ps, external, ps)
             if prompt_logprobs and not whole:
                 external = 0              # its prompt's logprobs need the prompt computed here
+            if whole and len(pages) < req.num_prompt_tokens // ps:
+                # Nothing is computed here: the prompt's last full page may be a hit too (the
+                # rest of the prompt then has no token; the first token still comes).
+                pages, node = self.prefix_cache.match_prefix(
+                    req.all_ids, max_pages=req.num_prompt_tokens // ps)
+                external = req.num_prompt_tokens - len(pages) * ps
         self.remote.not_yet.discard(req.rid)
-        if remote_only and not external:
+        if remote_only and not whole and not external:
             return False
         need = -(-req.num_tokens // ps) + 1 - len(pages)
         reserve = 0
@@ -297,7 +303,7 @@ class Scheduler:
             return False
         req.prefix_node = node
         req.pages = list(pages)
-        if external:
+        if external or whole:
             self.remote.admit(req, external)
             return True
         req.start_running(len(pages) * ps)

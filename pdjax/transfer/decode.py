@@ -252,7 +252,7 @@ class DecodeConnector(RoleManager):
         """The scheduler reserved ``req``'s pages: take a metadata slot and send the page list
         (the pages past the decode's own prefix hit) to the prefill."""
         r = self.rooms.get(req.rid)
-        if r is None or not num_external_tokens:
+        if r is None or r.state != KVPoll.WaitingForInput:
             return
         now = time.monotonic()
         # Pages a finish or abort just released may still be written by the step in flight

@@ -153,9 +153,10 @@ def test_a_failed_prompt_that_matched_the_prefix_cache_unlocks_the_match():
     twin = Request("twin", list(first.prompt_ids), SamplingParams(max_new_tokens=2))
     s.add_request(twin)
     assert s.schedule() is None
-    # A whole-prompt admission matches every full page but the one holding the last token.
-    assert conn.calls == [("matched", "twin", 4), ("alloc", "twin", 4, 2)]
-    assert twin.num_cached_tokens == 4 and s.prefix_cache.num_evictable_pages == 1
+    # Nothing is computed for a whole-prompt admission: it uses every full page of the prompt
+    # the cache holds, the last one too (the rest of the prompt is then 0 tokens).
+    assert conn.calls == [("matched", "twin", 4), ("alloc", "twin", 0, 2)]
+    assert twin.num_cached_tokens == 8 and s.prefix_cache.num_evictable_pages == 0
     s.update_from_kv_output(KVConnectorOutput(failed_recving={"twin": RecvFailure("x")}))
     s.check_invariants()
     assert s.prefix_cache.num_evictable_pages == 2 and s.num_used_pages == 2
