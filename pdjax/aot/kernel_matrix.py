@@ -147,8 +147,9 @@ def kernel_cases(models: Iterable[AttentionShape] = MODEL_SHAPES,
                  buckets: Iterable[TokenBucket] = BUCKETS,
                  kernels: Iterable[str] | None = None) -> list[KernelCase]:
     """The matrix: ragged paged attention for every GQA model x KV dtype (bf16, fp8) x page
-    size x bucket; MLA dense and sparse (bf16 latent cache and the FP8 record) and the indexer (bf16 keys, with
-    the top-k) for every MLA shape x page size x bucket. ``kernels`` filters by kernel name."""
+    size x bucket; MLA dense and sparse (bf16 latent cache and the FP8 record) and the indexer
+    (bf16 keys and FP8 keys with their scales, bf16 on TPU as the engine keeps them; with the
+    top-k) for every MLA shape x page size x bucket. ``kernels`` filters by kernel name."""
     cases = []
     for shape in models:
         for page_size in page_sizes:
@@ -159,7 +160,8 @@ def kernel_cases(models: Iterable[AttentionShape] = MODEL_SHAPES,
                 else:
                     cases += [KernelCase(k, shape, dt, page_size, bucket)
                               for k in ("mla_dense", "mla_sparse") for dt in MLA_KV_DTYPES]
-                    cases.append(KernelCase("indexer", shape, "bfloat16", page_size, bucket))
+                    cases += [KernelCase("indexer", shape, dt, page_size, bucket)
+                              for dt in MLA_KV_DTYPES]
     if kernels is not None:
         kernels = set(kernels)
         cases = [c for c in cases if c.kernel in kernels]
@@ -241,6 +243,18 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
                 ((t, s.index_heads), jnp.float32),
                 ((s.layers, num_pages, case.page_size,
                   aligned_width(s.index_head_dim, kv_row_align(platform))), kv_dtype), *meta]
+        if kv_dtype.itemsize == 1 and platform == "tpu":     # the engine keeps them bf16 there
+            args[2] = (args[2][0], jnp.bfloat16)
+        elif kv_dtype.itemsize == 1:      # FP8 keys and their float32 scale per 128
+            from pdjax.pallas_kernels.indexer import Fp8Keys
+            from pdjax.pallas_kernels.mla_sparse_attention.fp8_record import num_scale_groups
+            lead = (s.layers, num_pages, case.page_size)
+            args[2:3] = [(lead + (s.index_head_dim,), kv_dtype),
+                         (lead + (num_scale_groups(s.index_head_dim),), jnp.float32)]
+            score = indexer
+
+            def indexer(q, weights, keys, scale, *metadata):
+                return score(q, weights, Fp8Keys(keys, scale), *metadata)
         return indexer, args
     raise ValueError(f"kernel must be one of rpa, mla_dense, mla_sparse, indexer, "
                      f"got {case.kernel!r}")

@@ -38,8 +38,8 @@ from pdjax.models.attention import AttentionMetadata
 from pdjax.models.cache_spec import CacheBufferSpec
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
-from pdjax.models.linear import linear, with_fp8_kernel
-from pdjax.pallas_kernels.indexer import indexer_scores, topk_positions
+from pdjax.models.linear import linear, slice_layer, with_fp8_kernel
+from pdjax.pallas_kernels.indexer import indexer_scores, key_view, topk_positions
 from pdjax.pallas_kernels.lanes import aligned_width, pad_last_dim
 from pdjax.pallas_kernels.mla_sparse_attention import mla_sparse_attention
 from pdjax.pallas_kernels.mla_sparse_attention import fp8_record
@@ -156,7 +156,8 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     layer, mslot, islot, full = xs
     T = x.shape[0]
     H, C, N = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim
-    a = jax.tree.map(lambda w: w[layer], params["attn"])
+    # slice_layer: kernel-run FP8 weights stay stacked, read in place (linear.py).
+    a = slice_layer(params["attn"], layer)
     rope = _rope_interleaved if cfg.rope_interleave else apply_rope
 
     h = rms_norm(x, a["input_norm"], cfg.rms_norm_eps)
@@ -181,15 +182,19 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
                                        jnp.concatenate([c_kv, k_pe], axis=-1), md.slot_mapping)
 
     if cfg.has_indexer:
-        def full_branch(topk, k_cache):
-            return _indexer(cfg, impl, interpret, h, q_resid, params["indexer"], islot, k_cache,
-                            md, inv_freq, rope_scale, topk.shape[1])
+        names = [n for n in ("indexer_k", "indexer_k_scale") if n in caches]
 
+        def full_branch(topk, k_planes):
+            return _indexer(cfg, impl, interpret, h, q_resid, params["indexer"], islot,
+                            dict(zip(names, k_planes)), md, inv_freq, rope_scale, topk.shape[1])
+
+        k_planes = tuple(caches[n] for n in names)
         if mixed_indexer:
-            topk, caches["indexer_k"] = jax.lax.cond(
-                full, full_branch, lambda t, c: (t, c), topk, caches["indexer_k"])
+            topk, k_planes = jax.lax.cond(full, full_branch, lambda t, c: (t, c), topk,
+                                          k_planes)
         else:
-            topk, caches["indexer_k"] = full_branch(topk, caches["indexer_k"])
+            topk, k_planes = full_branch(topk, k_planes)
+        caches.update(zip(names, k_planes))
 
     out_lat = mla_sparse_attention(
         jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1),
@@ -204,7 +209,10 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     x = x + attn
 
     h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
-    m = jax.tree.map(lambda w: w[mslot], params["dense" if kind == "dense" else "moe"])
+    group = params["dense" if kind == "dense" else "moe"]
+    # EP's shard_map splits the expert stacks itself: slice them plainly there.
+    m = (jax.tree.map(lambda w: w[mslot], group) if kind != "dense" and cfg.ep_size > 1
+         else slice_layer(group, mslot))
     if kind == "dense":
         x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
     elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)
@@ -214,11 +222,14 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     return (x, caches, topk), None
 
 
-def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_cache, md, inv_freq, rope_scale, k):
-    """Score the cached tokens, write this step's indexer keys first, keep the top ``k``."""
+def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_planes, md, inv_freq,
+             rope_scale, k):
+    """Score the cached tokens, write this step's indexer keys first, keep the top ``k``.
+    ``k_planes``: ``{"indexer_k": ...}``, plus ``"indexer_k_scale"`` for FP8 keys (quantized
+    per 128 as written). Returns ``(top-k [T, k], the planes as a tuple, in order)``."""
     T = h.shape[0]
     Hi, Di, R = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
-    p = jax.tree.map(lambda w: w[islot], params)
+    p = slice_layer(params, islot)
     rope = _rope_interleaved if cfg.indexer_rope_interleave else apply_rope
     q = linear(q_resid, p["wq_b"]).reshape(T, Hi, Di)
     key = _layer_norm(linear(h, p["wk"]), p["k_norm_w"], p["k_norm_b"], INDEXER_NORM_EPS)
@@ -227,11 +238,16 @@ def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_cache, md, inv_f
     key = jnp.concatenate([rope(key[:, None, :R], md.positions, inv_freq, rope_scale)[:, 0],
                            key[:, R:]], -1)
     weights = (h.astype(jnp.float32) @ p["w_weights"].astype(jnp.float32)) * Hi ** -0.5
-    k_cache = _write_rows(k_cache, islot, key, md.slot_mapping)
-    scores = indexer_scores(q, weights, k_cache, islot, md.kv_lens, md.page_indices,
-                            md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
+    k_planes = dict(k_planes)
+    if "indexer_k_scale" in k_planes:
+        key, scale = fp8_record.quantize_groups(key)
+        k_planes["indexer_k_scale"] = _write_rows(k_planes["indexer_k_scale"], islot, scale,
+                                                  md.slot_mapping)
+    k_planes["indexer_k"] = _write_rows(k_planes["indexer_k"], islot, key, md.slot_mapping)
+    scores = indexer_scores(q, weights, key_view(k_planes), islot, md.kv_lens,
+                            md.page_indices, md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
                             impl=impl, interpret=interpret)
-    return topk_positions(scores, k), k_cache
+    return topk_positions(scores, k), tuple(k_planes.values())
 
 
 # --------------------------------------------------------------------------- the model
@@ -406,12 +422,15 @@ def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
     ``dtype`` float8_e4m3fn (``--kv-cache-dtype fp8_e4m3``): the latent is the FP8 record of
     ``pallas_kernels/mla_sparse_attention/fp8_record.py`` in its planes (``"latent"`` FP8,
     ``"latent_scale"`` float32, ``"latent_rope"`` bfloat16: 656 bytes per token per layer for
-    DeepSeek; on TPU the scales ride in the rope plane's pad lanes). ``indexer_k`` stays
-    bfloat16.
+    DeepSeek; on TPU the scales ride in the rope plane's pad lanes). The DSA indexer keys are
+    FP8 too on GPU/CPU (``row_align`` 1): ``"indexer_k"`` float8_e4m3fn and
+    ``"indexer_k_scale"`` ``[Li, N, ps, ceil(Di / 128)]`` float32 (132 bytes a token for Di
+    128); on TPU they stay bfloat16 (a float32 scale would need a 128-lane row of its own).
     """
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
     dtype = jnp.dtype(dtype)
+    fp8_keys = dtype == jnp.dtype(fp8_record.FP8_DTYPE) and row_align == 1
     if dtype == jnp.dtype(fp8_record.FP8_DTYPE):
         layout = fp8_record.Fp8LatentLayout(cfg.kv_lora_rank, cfg.qk_rope_head_dim, row_align)
         specs = [CacheBufferSpec(name, (cfg.num_layers, num_pages, page_size, width), d)
@@ -422,7 +441,14 @@ def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
     else:
         specs = [CacheBufferSpec("latent", (cfg.num_layers, num_pages, page_size,
                                             aligned_width(cfg.latent_dim, row_align)), dtype)]
-    if cfg.has_indexer:
+    if cfg.has_indexer and fp8_keys:
+        lead = (len(cfg.full_indexer_layers), num_pages, page_size)
+        specs += [CacheBufferSpec("indexer_k", lead + (cfg.index_head_dim,),
+                                  jnp.dtype(fp8_record.FP8_DTYPE)),
+                  CacheBufferSpec("indexer_k_scale",
+                                  lead + (fp8_record.num_scale_groups(cfg.index_head_dim),),
+                                  jnp.dtype(fp8_record.SCALE_DTYPE))]
+    elif cfg.has_indexer:
         specs.append(CacheBufferSpec(
             "indexer_k", (len(cfg.full_indexer_layers), num_pages, page_size,
                           aligned_width(cfg.index_head_dim, row_align)), dtype))

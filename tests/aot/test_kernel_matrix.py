@@ -39,3 +39,13 @@ def test_fp8_mla_cases_take_the_records_planes():
             (512, jnp.float8_e4m3fn), (4, jnp.float32), (64, jnp.bfloat16)]
         assert [(a[0][-1], jnp.dtype(a[1])) for a in tpu[1:3]] == [
             (512, jnp.float8_e4m3fn), (128, jnp.bfloat16)]
+
+
+def test_fp8_indexer_cases_take_keys_and_scales_on_gpu_bf16_keys_on_tpu():
+    import jax.numpy as jnp
+    case = _case("indexer", "deepseek-v3.2", "float8_e4m3fn")
+    gpu = km.case_function(case, "gpu")[1]
+    tpu = km.case_function(case, "tpu")[1]
+    assert [(a[0][-1], jnp.dtype(a[1])) for a in gpu[2:4]] == [
+        (128, jnp.float8_e4m3fn), (1, jnp.float32)]
+    assert (tpu[2][0][-1], jnp.dtype(tpu[2][1])) == (128, jnp.bfloat16)

@@ -44,8 +44,8 @@ def test_kv_format_names_dtype_or_record():
                                         dtype=jnp.float8_e4m3fn))
     tpu = kv_format(deepseek_cache_spec(cfg, num_pages=4, page_size=PS,
                                         dtype=jnp.float8_e4m3fn, row_align=128))
-    assert gpu == "fp8_e4m3/mla656+bfloat16"          # FlashMLA's record, bf16 indexer keys
-    assert tpu == "fp8_e4m3/mla768+bfloat16"          # the TPU split
+    assert gpu == "fp8_e4m3/mla656+fp8_e4m3/idx132"   # FlashMLA's record, FP8 indexer keys
+    assert tpu == "fp8_e4m3/mla768+bfloat16"          # the TPU split, bf16 indexer keys
     assert max(len(gpu), len(tpu)) <= 32              # the wire field's limit
 
 
@@ -78,10 +78,11 @@ def test_mismatched_kv_formats_are_refused_naming_both():
     equal formats pair, and the record's planes are registered as they are."""
     fp8 = LocalKV(_MlaRunner(jnp.float8_e4m3fn), FakeTransferEngine(), "direct")
     bf16 = LocalKV(_MlaRunner(jnp.bfloat16), FakeTransferEngine(), "direct")
-    assert fp8.kv_dtype == "fp8_e4m3/mla68+bfloat16"   # tiny: 32 e4m3 + 4 B scale + 16 bf16
+    # tiny: latent 32 e4m3 + 4 B scale + 16 bf16; indexer keys 32 e4m3 + 4 B scale
+    assert fp8.kv_dtype == "fp8_e4m3/mla68+fp8_e4m3/idx36"
     assert bf16.kv_dtype == "bfloat16"
-    assert len(fp8.layout.buffers) == 4                     # latent, scale, rope, indexer keys
-    assert fp8.bytes_per_page == 3 * PS * 68 + 3 * PS * 32 * 2
+    assert len(fp8.layout.buffers) == 5          # latent, scale, rope, indexer keys, scale
+    assert fp8.bytes_per_page == 3 * PS * 68 + 3 * PS * 36
     for prefill, decode in ((fp8, bf16), (bf16, fp8)):
         with pytest.raises(ValueError, match=re.escape(
                 f"prefill refuses to pair: kv_dtype: prefill '{prefill.kv_dtype}' != decode "
@@ -97,4 +98,4 @@ def test_mismatched_kv_formats_are_refused_naming_both():
     peer = DecodePeer.from_registration(
         _register(LocalKV(_MlaRunner(jnp.float8_e4m3fn), FakeTransferEngine(), "direct")),
         fp8, PS, 64)
-    assert len(peer.layout.buffers) == 4
+    assert len(peer.layout.buffers) == 5

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pdjax.pallas_kernels.tp_shard import tp_map
-from pdjax.pallas_kernels.indexer.reference import indexer_scores_reference, topk_positions
+from pdjax.pallas_kernels.indexer.reference import (
+    Fp8Keys, indexer_scores_reference, key_view, topk_positions)
 from pdjax.pallas_kernels.lanes import pad_query_to_rows
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 
@@ -40,7 +41,9 @@ def indexer_scores(
       q: ``[T, index_n_heads, index_head_dim]`` (RoPE applied); weights: ``[T, index_n_heads]``
         (``weights_proj(x) * n_heads ** -0.5``).
       k_cache: ``[layers, num_pages, page_size, W]``, ``W = index_head_dim`` or wider (rows
-        padded with zero lanes on TPU, ``pallas_kernels/lanes.py``), this step's keys written.
+        padded with zero lanes on TPU, ``pallas_kernels/lanes.py``), this step's keys written;
+        or ``Fp8Keys`` (FP8 keys and their float32 scale per 128: the reference and the GPU
+        kernel).
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       sm_scale: scale inside the relu (``index_head_dim ** -0.5``).
       impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``.
@@ -53,7 +56,8 @@ def indexer_scores(
       ValueError: unknown ``impl`` or inputs outside the contract (named field).
     """
     impl = resolve_impl(impl)
-    q = pad_query_to_rows(q, k_cache)
+    if not isinstance(k_cache, Fp8Keys):
+        q = pad_query_to_rows(q, k_cache)
     args = (q, weights, k_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
     if impl in ("reference", "xla", "cpu"):   # no jnp path or CPU kernel of its own
         return indexer_scores_reference(*args, sm_scale=sm_scale)
@@ -67,4 +71,5 @@ def indexer_scores(
     return run(q, weights, k_cache, jnp.asarray(layer, jnp.int32), *args[4:])
 
 
-__all__ = ["indexer_scores", "indexer_scores_reference", "topk_positions"]
+__all__ = ["Fp8Keys", "indexer_scores", "indexer_scores_reference", "key_view",
+           "topk_positions"]

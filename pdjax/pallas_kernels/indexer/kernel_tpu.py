@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pdjax.pallas_kernels.indexer.reference import NEG_INF, check_kernel_inputs
+from pdjax.pallas_kernels.indexer.reference import NEG_INF, Fp8Keys, check_kernel_inputs
 from pdjax.pallas_kernels.indexer.tuning import IndexerBlockSizes, get_block_sizes
 from pdjax.pallas_kernels.mla_sparse_attention.reference import kernel_metadata, token_scalars
 
@@ -120,8 +120,13 @@ def indexer_scores_tpu(
       ``[T, P * page_size]`` float32, ``-inf`` where not selectable.
 
     Raises:
-      ValueError: inputs outside the contract or an illegal block size.
+      ValueError: inputs outside the contract, an illegal block size, or ``Fp8Keys`` (on TPU
+        the engine keeps the indexer keys bf16: a float32 scale per token would take a
+        128-lane row of its own, more than the FP8 saves).
     """
+    if isinstance(k_cache, Fp8Keys):
+        raise ValueError("k_cache: the TPU indexer kernel reads bfloat16/float32 keys, not "
+                         "FP8 keys (the engine keeps them bf16 on TPU)")
     check_kernel_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens, num_heads, head_dim = q.shape

@@ -23,10 +23,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from typing import NamedTuple
+
+from pdjax.pallas_kernels.mla_sparse_attention.fp8_record import (
+    FP8_DTYPE, SCALE_DTYPE, dequantize_groups, num_scale_groups)
 from pdjax.pallas_kernels.mla_sparse_attention.reference import token_positions
 from pdjax.pallas_kernels.ragged_paged_attention.reference import validate_metadata
 
 NEG_INF = float("-inf")
+
+
+class Fp8Keys(NamedTuple):
+    """FP8 indexer keys (``--kv-cache-dtype fp8_e4m3`` on GPU/CPU, DeepSeek-V3.2's indexer
+    cache): ``keys [L, N, page_size, Di]`` float8_e4m3fn and ``scale [L, N, page_size,
+    ceil(Di / 128)]`` float32, one power-of-two scale per 128 values (``fp8_record``); 132
+    bytes a token for ``Di`` 128 (bf16: 256)."""
+
+    keys: jax.Array
+    scale: jax.Array
+
+
+def key_view(caches: dict):
+    """The indexer key cache as the scorers take it: ``"indexer_k"``, or ``Fp8Keys`` of it
+    and ``"indexer_k_scale"``."""
+    if "indexer_k_scale" in caches:
+        return Fp8Keys(caches["indexer_k"], caches["indexer_k_scale"])
+    return caches["indexer_k"]
 
 
 def validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution):
@@ -35,6 +57,15 @@ def validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distr
         raise ValueError(f"q must be [T, index_n_heads, index_head_dim], got {q.shape}")
     if weights.shape != q.shape[:2]:
         raise ValueError(f"weights must be [T, index_n_heads] = {q.shape[:2]}, got {weights.shape}")
+    if isinstance(k_cache, Fp8Keys):
+        keys, scale = k_cache
+        groups = num_scale_groups(q.shape[2])
+        if keys.dtype != FP8_DTYPE or scale.dtype != SCALE_DTYPE or scale.ndim != 4 or (
+                scale.shape != keys.shape[:3] + (groups,)):
+            raise ValueError(f"k_cache: FP8 keys must be float8_e4m3fn [L, N, ps, Di] with "
+                             f"float32 scales [L, N, ps, {groups}], got {keys.dtype} "
+                             f"{keys.shape}, {scale.dtype} {scale.shape}")
+        k_cache = keys
     if k_cache.ndim != 4 or k_cache.shape[3] != q.shape[2]:
         raise ValueError("k_cache must be [layers, num_pages, page_size, index_head_dim="
                          f"{q.shape[2]}], got {k_cache.shape}")
@@ -68,7 +99,8 @@ def indexer_scores_reference(
       q: ``[T, Hi, Di]`` indexer queries (RoPE applied), float32 or bfloat16.
       weights: ``[T, Hi]`` per-head weights (already scaled by ``Hi ** -0.5``).
       k_cache: ``[layers, num_pages, page_size, Di]`` indexer keys, this step's keys written;
-        slots past ``kv_lens`` may hold anything, NaN included.
+        slots past ``kv_lens`` may hold anything, NaN included. Or ``Fp8Keys`` (dequantized
+        as gathered).
       layer: int32 scalar, the layer of ``k_cache`` to read.
       kv_lens: ``[R]``; page_indices: ``[R, P]``; cu_q_lens: ``[R+1]``; distribution: ``[3]``
         (all int32; DESIGN.md §2).
@@ -81,7 +113,8 @@ def indexer_scores_reference(
     validate_inputs(q, weights, k_cache, kv_lens, page_indices, cu_q_lens, distribution)
     del distribution
     num_tokens = q.shape[0]
-    page_size = k_cache.shape[2]
+    fp8 = isinstance(k_cache, Fp8Keys)
+    page_size = (k_cache.keys if fp8 else k_cache).shape[2]
     max_pages = page_indices.shape[1]
     span = max_pages * page_size
     req, pos, kv_len = token_positions(kv_lens, cu_q_lens, num_tokens)
@@ -97,7 +130,11 @@ def indexer_scores_reference(
     def score_block(b):
         pages = jax.lax.dynamic_slice_in_dim(rows_pages, b * pages_per_block, pages_per_block,
                                              axis=1)                       # [T, ppb]
-        k = k_cache[layer, pages].astype(jnp.float32).reshape(num_tokens, block, -1)
+        if fp8:
+            k = dequantize_groups(k_cache.keys[layer, pages], k_cache.scale[layer, pages])
+        else:
+            k = k_cache[layer, pages].astype(jnp.float32)
+        k = k.reshape(num_tokens, block, -1)
         s = jax.nn.relu(jnp.einsum("thd,tsd->ths", qf, k) * sm_scale)
         s = jnp.einsum("th,ths->ts", wf, s)
         i = b * block + jnp.arange(block, dtype=jnp.int32)[None, :]
