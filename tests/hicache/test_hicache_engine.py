@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from model_utils import assert_output_agrees
+
 from pdjax.engine import Engine
 from pdjax.engine_io import GenerateRequest
 from pdjax.request import SamplingParams
@@ -39,8 +41,17 @@ def engines(tiny_checkpoints):
         e.shutdown()
 
 
-def _ids(outs):
-    return [o["output_ids"] for o in outs]
+def _gen(engine, prompts):
+    """Greedy outputs with the top-2 logprobs of every token (tie-aware comparisons)."""
+    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
+                           top_logprobs_num=2)
+
+
+def _agree(ref, outs, what):
+    """``outs`` give ``ref``'s greedy tokens, tie-aware, and logprobs within 1e-4."""
+    assert len(ref) == len(outs)
+    for i, (r, o) in enumerate(zip(ref, outs)):
+        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
 
 
 def _cached(outs):
@@ -61,20 +72,19 @@ def _check_idle(engine):
 
 def test_prompts_asked_twice_come_back_cached_from_the_host(engines, prompts):
     plain = engines["plain"]
-    first = plain.generate(input_ids=prompts, sampling_params=SP)
-    again = plain.generate(input_ids=prompts, sampling_params=SP)
-    want = _ids(first)
-    assert _ids(again) == want
+    first = _gen(plain, prompts)
+    again = _gen(plain, prompts)
+    _agree(first, again, "plain, asked again")
     # Without the tier the prompts evicted each other: all recomputed.
     assert _cached(first) == _cached(again) == [0] * 8
 
     tier = engines["tier"]
     sched, conn, worker = _parts(tier)
-    assert _ids(tier.generate(input_ids=prompts, sampling_params=SP)) == want
+    _agree(first, _gen(tier, prompts), "tier, first time")
     computed = sched.num_prompt_tokens_computed
     loaded = conn.stats.loaded_pages
-    outs = tier.generate(input_ids=prompts, sampling_params=SP)
-    assert _ids(outs) == want
+    outs = _gen(tier, prompts)
+    _agree(first, outs, "tier, asked again")
     cached = _cached(outs)
     assert all(c >= 0.8 * PROMPT for c in cached), cached
     assert cached == [FULL] * 8
@@ -96,7 +106,7 @@ def test_an_abort_during_a_load_leaks_no_page(engines, prompts):
     core = tier.core
     sched, conn, worker = _parts(tier)
     tier.generate(input_ids=prompts[:3], sampling_params=SP)
-    want = _ids(engines["plain"].generate(input_ids=prompts[:3], sampling_params=SP))
+    want = _gen(engines["plain"], prompts[:3])
     assert sched.prefix_cache.reset()            # the device forgets: only the host has them
     sp = SamplingParams.from_dict(SP)
 
@@ -125,25 +135,47 @@ def test_an_abort_during_a_load_leaks_no_page(engines, prompts):
     assert conn.stats.load_jobs_dropped == dropped + 1
     _check_idle(tier)
 
-    outs = tier.generate(input_ids=prompts[:3], sampling_params=SP)
-    assert _ids(outs) == want and _cached(outs) == [FULL] * 3
+    outs = _gen(tier, prompts[:3])
+    _agree(want, outs, "after the aborts")
+    assert _cached(outs) == [FULL] * 3
     _check_idle(tier)
 
 
 def test_a_full_host_pool_evicts_its_least_recent_pages_and_stays_correct(engines, prompts):
     small = engines["small"]
     sched, conn, worker = _parts(small)
-    want = _ids(engines["plain"].generate(input_ids=prompts, sampling_params=SP))
-    assert _ids(small.generate(input_ids=prompts, sampling_params=SP)) == want
+    want = _gen(engines["plain"], prompts)
+    _agree(want, _gen(small, prompts), "small host pool, first time")
     worker.flush()
     index = conn.index
     # 8 x 19 pages written into 128 slots: the oldest 24 went, prompt 0's first.
     assert index.num_used == index.num_slots == 128 and index.num_evicted == 8 * 19 - 128
     assert sched.prefix_cache.reset()
     for i, expect in ((3, FULL), (0, 0)):
-        outs = small.generate(input_ids=[prompts[i]], sampling_params=SP)
-        assert _ids(outs) == [want[i]] and _cached(outs) == [expect], i
+        outs = _gen(small, [prompts[i]])
+        _agree([want[i]], outs, f"small host pool, prompt {i} again")
+        assert _cached(outs) == [expect], i
     _check_idle(small)
     # Everything asked once more: whatever hit or missed, the tokens are unchanged.
-    assert _ids(small.generate(input_ids=prompts, sampling_params=SP)) == want
+    _agree(want, _gen(small, prompts), "small host pool, all again")
     _check_idle(small)
+
+
+def test_prefixes_of_prefixes_under_host_pressure_keep_the_tokens(engines, prompts):
+    """Prompts cut from three long ones at random lengths, with random tails: a host hit ends
+    mid-prompt, on a page another prompt wrote, or past the device hit; three rounds on the
+    small host pool, each against the engine without the tier."""
+    small = engines["small"]
+    sched, conn, _ = _parts(small)
+    rng = np.random.default_rng(5)
+    loaded = conn.stats.loaded_pages
+    for round_ in range(3):
+        batch = []
+        for _ in range(10):
+            base = prompts[int(rng.integers(0, 3))]
+            cut = int(rng.integers(20, PROMPT))
+            batch.append(base[:cut] + [int(t) for t in rng.integers(3, 250,
+                                                                    int(rng.integers(1, 30)))])
+        _agree(_gen(engines["plain"], batch), _gen(small, batch), f"round {round_}")
+        _check_idle(small)
+    assert conn.stats.loaded_pages > loaded          # the host served some of them
