@@ -79,17 +79,22 @@ class Fp8BlockWeight:
     impl: str | None = dataclasses.field(default=None, metadata=dict(static=True))
     interpret: bool = dataclasses.field(default=False, metadata=dict(static=True))
     tp_dim: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # A layer view (``slice_layer``): int32 scalar; ``q`` is then the whole stack ``[L, ...]``
+    # and ``scale_inv`` this layer's, so the kernel reads the layer in place (a slice passed
+    # to a custom call is copied first: 1.3 GiB a device for DeepSeek-V3.2's FP8 experts).
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.q.shape)
+        return tuple(self.q.shape[1:] if self.layer is not None else self.q.shape)
 
     def dequantize(self, dtype) -> jax.Array:
         """``[..., K, N]`` of ``dtype``: ``q * scale_inv`` per block, computed in float32."""
         B = self.block_size
-        K, N = self.q.shape[-2:]
+        q = self.q if self.layer is None else self.q[self.layer]
+        K, N = q.shape[-2:]
         s = jnp.repeat(jnp.repeat(self.scale_inv.astype(jnp.float32), B, axis=-2), B, axis=-1)
-        return (self.q.astype(jnp.float32) * s[..., :K, :N]).astype(dtype)
+        return (q.astype(jnp.float32) * s[..., :K, :N]).astype(dtype)
 
 
 def with_fp8_kernel(params: Mapping, groups: Mapping, impl: str | None,
@@ -118,6 +123,33 @@ def with_fp8_kernel(params: Mapping, groups: Mapping, impl: str | None,
     return out
 
 
+def slice_layer(values: Mapping, index: jax.Array) -> dict:
+    """Entry ``index`` of each stacked value of ``values`` (name -> value; a layer scan's
+    body), but an ``Fp8BlockWeight`` that ``with_fp8_kernel`` gave a kernel becomes a layer
+    view: its scales sliced, its float8 stack kept whole with ``layer = index``, which the
+    kernels read in place. ``index``: int32 scalar (traced)."""
+    out = {}
+    for name, w in values.items():
+        if isinstance(w, Fp8BlockWeight) and w.impl in _KERNEL_IMPLS and w.layer is None:
+            out[name] = dataclasses.replace(w, scale_inv=w.scale_inv[index], layer=index)
+        else:
+            out[name] = jax.tree.map(lambda a: a[index], w)
+    return out
+
+
+def fp8_spec(w, spec):
+    """The ``shard_map`` spec (a pytree prefix) of ``w`` for ``spec``, the partition spec of
+    its ``[..., K, N]`` value: ``spec`` itself, or for a layer view the stack's (one more
+    leading axis), the scales' and a replicated layer index."""
+    from jax.sharding import PartitionSpec as P
+    if isinstance(w, Fp8BlockWeight) and w.layer is not None:
+        return dataclasses.replace(w, q=P(None, *spec), scale_inv=spec, layer=P())
+    return spec
+
+
+_KERNEL_IMPLS = ("tpu", "gpu")
+
+
 def _fp8_kernel_linear(x: jax.Array, w: Fp8BlockWeight) -> jax.Array:
     """``x @ w`` through ``fp8_gemm.fp8_matmul``, per "tp" shard where the mesh splits ``w``
     (column-parallel: output split; row-parallel: partial sums added with ``psum``)."""
@@ -129,20 +161,22 @@ def _fp8_kernel_linear(x: jax.Array, w: Fp8BlockWeight) -> jax.Array:
     lead, K = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, K)
 
-    def local(rows, q, scale):
-        out = fp8_matmul(rows, q, scale, impl=w.impl, interpret=w.interpret)
+    def local(rows, w):
+        out = fp8_matmul(rows, w.q, w.scale_inv, layer=w.layer, impl=w.impl,
+                         interpret=w.interpret)
         return jax.lax.psum(out, "tp") if w.tp_dim == -2 else out
 
     mesh = jax.sharding.get_abstract_mesh()
     if tp_size() == 1 or "tp" in mesh.manual_axes:
         # One device, or already inside a shard_map over "tp": the shapes are this shard's.
-        out = fp8_matmul(rows, w.q, w.scale_inv, impl=w.impl, interpret=w.interpret)
+        out = fp8_matmul(rows, w.q, w.scale_inv, layer=w.layer, impl=w.impl,
+                         interpret=w.interpret)
     else:
         x_spec, w_spec, out_spec = {-2: (P(None, "tp"), P("tp", None), P()),
                                     -1: (P(), P(None, "tp"), P(None, "tp")),
                                     None: (P(), P(), P())}[w.tp_dim]
-        out = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, w_spec, w_spec),
-                            out_specs=out_spec, check_vma=False)(rows, w.q, w.scale_inv)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, fp8_spec(w, w_spec)),
+                            out_specs=out_spec, check_vma=False)(rows, w)
     return out.reshape(*lead, out.shape[-1])
 
 
@@ -163,7 +197,7 @@ def linear(x: jax.Array, w, num_rows: jax.Array | None = None) -> jax.Array:
     has ``x``'s dtype, computed in float32 (``dense_cpu.packed_matmul``)."""
     if isinstance(w, PackedWeight):
         return packed_matmul(x, w.panels, w.out_features, num_rows=num_rows)
-    if isinstance(w, Fp8BlockWeight) and w.impl in ("tpu", "gpu"):
+    if isinstance(w, Fp8BlockWeight) and w.impl in _KERNEL_IMPLS:
         return _fp8_kernel_linear(x, w)
     return x @ dense_weight(w, x.dtype)
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pdjax.models.deepseek_config import DeepseekConfig
-from pdjax.models.linear import Fp8BlockWeight, dense_weight, linear
+from pdjax.models.linear import Fp8BlockWeight, dense_weight, fp8_spec, linear
 from pdjax.pallas_kernels.grouped_gemm import KERNEL_IMPLS, grouped_matmul
 from pdjax.pallas_kernels.ragged_paged_attention import resolve_impl
 from pdjax.pallas_kernels.tp_shard import tp_size
@@ -55,7 +55,8 @@ def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, 
     ``xs [M, H]``: rows sorted by expert, the first ``group_sizes[0]`` rows for expert 0, the
     next ``group_sizes[1]`` for expert 1, and so on. ``group_sizes [E]`` int32 (traced; rows
     from ``sum(group_sizes)`` on belong to no expert and come back 0). ``w_gate``, ``w_up``:
-    ``[E, H, F]``; ``w_down``: ``[E, F, H]``; plain arrays or ``Fp8BlockWeight`` stacks.
+    ``[E, H, F]``; ``w_down``: ``[E, F, H]``; plain arrays or ``Fp8BlockWeight`` stacks
+    (or their layer views, ``linear.slice_layer``).
     Returns ``ys [M, H]`` of ``xs``'s dtype:
     ``ys[r] = (silu(xs[r] @ w_gate[e]) * (xs[r] @ w_up[e])) @ w_down[e]`` for the expert ``e``
     of row ``r``.
@@ -83,8 +84,9 @@ def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, 
 
 
 def _gmm(x, w, group_sizes, impl, interpret):
-    if isinstance(w, Fp8BlockWeight):
-        return grouped_matmul(x, w.q, group_sizes, w.scale_inv, impl=impl, interpret=interpret)
+    if isinstance(w, Fp8BlockWeight):       # a layer view reads its layer from the stack
+        return grouped_matmul(x, w.q, group_sizes, w.scale_inv, layer=w.layer, impl=impl,
+                              interpret=interpret)
     return grouped_matmul(x, w.astype(x.dtype), group_sizes, impl=impl, interpret=interpret)
 
 
@@ -98,8 +100,9 @@ def _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl, interpre
     if tp_size() == 1 or "tp" in mesh.manual_axes:
         return local(xs, group_sizes, w_gate, w_up, w_down)
     split_f, split_k = P(None, None, "tp"), P(None, "tp", None)
+    specs = (fp8_spec(w_gate, split_f), fp8_spec(w_up, split_f), fp8_spec(w_down, split_k))
     return jax.shard_map(lambda *a: jax.lax.psum(local(*a), "tp"), mesh=mesh,
-                         in_specs=(P(), P(), split_f, split_f, split_k), out_specs=P(),
+                         in_specs=(P(), P(), *specs), out_specs=P(),
                          check_vma=False)(xs, group_sizes, w_gate, w_up, w_down)
 
 

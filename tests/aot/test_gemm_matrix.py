@@ -64,3 +64,34 @@ def test_extend_gmm_compiles_for_h200_without_a_dense_operand():
     assert 0 < result.temp_bytes < dense_operand / 1000
     assert result.temp_bytes <= 2 * 16384 * 256 * 2 + (1 << 20)     # gate and up outputs
     assert math.isfinite(result.compile_s)
+
+
+@pytest.mark.slow
+def test_a_layer_of_the_stack_is_not_copied_on_h200():
+    """The expert stack [L, E, K, N] with the layer index: no copy of the layer (448 MiB at
+    DeepSeek-V3.2's TP-8 gate shape) before the kernel, as a slice passed to it would be."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    gpu_environment()
+    missing = cuda_plugin_missing()
+    if missing is not None:
+        pytest.skip(f"CUDA plugin missing ({missing})")
+    from pdjax.aot.targets import gpu_target
+    from pdjax.pallas_kernels.grouped_gemm import grouped_matmul
+    target = gpu_target("h200", num_gpus=1)
+    sharding = NamedSharding(Mesh(target.devices[:1], ("tp",)), P())
+    S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    args = (S((1024, 7168), jnp.bfloat16), S((256,), jnp.int32),
+            S((4, 256, 7168, 256), jnp.float8_e4m3fn), S((256, 56, 2), jnp.float32),
+            S((), jnp.int32))
+    layer_bytes = 256 * 7168 * 256
+    temps = {}
+    for name, fn in (("view", lambda x, g, q, s, i: grouped_matmul(x, q, g, s, layer=i,
+                                                                     impl="gpu")),
+                     ("slice", lambda x, g, q, s, i: grouped_matmul(x, q[i], g, s,
+                                                                      impl="gpu"))):
+        with target.device_context():
+            compiled = jax.jit(fn).trace(*args).lower().compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    assert temps["slice"] >= layer_bytes > 50 * temps["view"], temps

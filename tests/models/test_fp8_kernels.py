@@ -4,6 +4,7 @@ block-scaled GEMM under ``linear``, and the whole model's logits against the ref
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -177,3 +178,62 @@ def test_expert_parallel_layer_with_the_kernel(tiny_checkpoints, tp, ep, backend
         text = f.lower(x, placed).as_text(debug_info=True)
     assert "grouped_matmul_tpu" in text
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_slice_layer_keeps_kernel_weights_stacked():
+    """A layer scan's slice: kernel-run FP8 weights become layer views (the float8 stack
+    whole, this layer's scales), the others are sliced; a view multiplies like the slice."""
+    from pdjax.models.linear import slice_layer
+    rng = np.random.default_rng(9)
+    pairs = [quantize(rng.standard_normal((256, 128)).astype(np.float32)) for _ in range(3)]
+    stack = Fp8BlockWeight(jnp.asarray(np.stack([p[0] for p in pairs])),
+                           jnp.asarray(np.stack([p[1] for p in pairs])))
+    values = {"w": stack, "norm": jnp.arange(6.0).reshape(3, 2)}
+    groups = {"g": (3, {"w": ((256, 128), P()), "norm": ((2,), P())})}
+    plain = slice_layer(values, jnp.int32(1))
+    assert plain["w"].layer is None and plain["w"].q.shape == (256, 128)
+    marked = with_fp8_kernel({"g": values}, groups, "gpu", interpret=True)["g"]
+    view = slice_layer(marked, jnp.int32(1))
+    assert view["w"].q.shape == (3, 256, 128) and view["w"].scale_inv.shape == (2, 1)
+    assert view["w"].shape == (256, 128) and view["norm"].tolist() == [2.0, 3.0]
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.float32)
+    want = np.asarray(x, np.float64) @ dequantize(*pairs[1])
+    for w in (view["w"], plain["w"], dataclasses.replace(view["w"], impl=None)):
+        assert np.abs(np.asarray(linear(x, w)) - want).max() < 1e-3
+
+
+def test_layer_views_at_tp2():
+    """Layer views under TP 2: the stack [L, K, N] split on its last axis (column-parallel
+    linear) and the expert stacks [L, E, H, F] / [L, E, F, H] split on F, per shard."""
+    from pdjax.models.linear import slice_layer
+    rng = np.random.default_rng(12)
+    mesh = make_mesh(2)
+    put = lambda a, spec: jax.device_put(jnp.asarray(a), NamedSharding(mesh, spec))  # noqa: E731
+    L = 2
+    dense = [quantize(rng.standard_normal((256, 256)).astype(np.float32)) for _ in range(L)]
+    lin = Fp8BlockWeight(put(np.stack([d[0] for d in dense]), P(None, None, "tp")),
+                         put(np.stack([d[1] for d in dense]), P(None, None, "tp")))
+    layers = [_experts(20 + i, True) for i in range(L)]
+    experts = [Fp8BlockWeight(put(np.stack([ly[0][j].q for ly in layers]), spec),
+                              put(np.stack([ly[0][j].scale_inv for ly in layers]), spec))
+               for j, spec in enumerate((P(None, None, None, "tp"), P(None, None, None, "tp"),
+                                         P(None, None, "tp", None)))]
+    groups = {"g": (L, {"lin": ((256, 256), P(None, "tp")),
+                        "w_gate": ((E, H, F), P(None, None, "tp")),
+                        "w_up": ((E, H, F), P(None, None, "tp")),
+                        "w_down": ((E, F, H), P(None, "tp", None))})}
+    params = {"g": {"lin": lin, "w_gate": experts[0], "w_up": experts[1], "w_down": experts[2]}}
+    xs = jnp.asarray(rng.standard_normal((19, H)), jnp.float32)
+    gs = jnp.asarray(SIZES, jnp.int32)
+
+    def f(params, xs, gs, layer):
+        v = slice_layer(with_fp8_kernel(params, groups, "tpu", interpret=True)["g"], layer)
+        return linear(xs, v["lin"]), grouped_swiglu(xs, gs, v["w_gate"], v["w_up"],
+                                                     v["w_down"], impl="tpu", interpret=True)
+
+    with jax.set_mesh(mesh):
+        lin_out, moe_out = jax.jit(f)(params, xs, gs, jnp.int32(1))
+    want = np.asarray(xs, np.float64) @ dequantize(*dense[1])
+    assert np.abs(np.asarray(lin_out) - want).max() < 1e-3
+    want = _numpy_swiglu(xs, layers[1][1], SIZES)
+    assert np.abs(np.asarray(moe_out) - want).max() < 1e-3 * (np.abs(want).max() + 1)

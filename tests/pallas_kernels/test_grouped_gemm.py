@@ -224,3 +224,33 @@ def test_kernels_lower_at_deepseek_shapes(impl, platform, custom_call):
         text = jax.jit(functools.partial(fp8_matmul, impl=impl)).trace(*args).lower(
             lowering_platforms=(platform,)).as_text()
         assert text.count(custom_call) == 1
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_layer_of_a_stack_is_read_in_place(impl):
+    """``layer``: the kernels take the whole stack [L, G, K, N] and the layer index (the
+    layer scan's), and equal the reference on ``w[layer]``; the dense FP8 GEMM too."""
+    rng = np.random.default_rng(11)
+    L, sizes = 3, [4, 0, 9]
+    stacks = [_fp8_stack(rng, 3, 256, 128) for _ in range(L)]
+    q = jnp.stack([s[0] for s in stacks])
+    x = jnp.asarray(rng.standard_normal((15, 256)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    for layer in (0, 2):
+        with kernel_device(impl):
+            out = jax.jit(functools.partial(grouped_matmul, impl=impl,
+                                            interpret=interpret_mode(impl)))(
+                x, q, gs, stacks[layer][1], layer=jnp.int32(layer))
+        want = _numpy_grouped(x, stacks[layer][2], sizes)
+        assert np.abs(np.asarray(out) - want).max() < 1e-3, layer
+        ref = grouped_matmul_reference(x, q, gs, stacks[layer][1], layer=jnp.int32(layer))
+        assert np.abs(np.asarray(ref) - want).max() < 1e-3
+    with kernel_device(impl):
+        dense = fp8_matmul(x, q[:, 1], stacks[1][1][1], layer=jnp.int32(1), impl=impl,
+                           interpret=interpret_mode(impl))
+    want = np.asarray(x, np.float64) @ stacks[1][2][1]
+    assert np.abs(np.asarray(dense) - want).max() < 1e-3
+    with pytest.raises(ValueError, match=r"w must be \[layers, groups, K, N\] with layer"):
+        grouped_matmul(x, q[0], gs, stacks[0][1], layer=jnp.int32(0), impl="reference")
+    with pytest.raises(ValueError, match="layer must be an integer scalar"):
+        grouped_matmul(x, q, gs, stacks[0][1], layer=jnp.zeros(2, jnp.int32), impl="reference")

@@ -20,7 +20,7 @@ KERNEL_IMPLS = ("tpu", "gpu")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
-                   w_scale: jax.Array | None = None, *, impl: str | None = None,
+                   w_scale: jax.Array | None = None, *, layer=None, impl: str | None = None,
                    interpret=False) -> jax.Array:
     """``out [M, N]`` with ``out[r] = x[r] @ W[group of r]``, 0 past ``sum(group_sizes)``.
 
@@ -29,6 +29,8 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
       w: ``[G, K, N]`` of x's dtype, or float8_e4m3fn with
         ``w_scale [G, ceil(K/128), ceil(N/128)]`` float32 (``W = w * scale`` per block).
       group_sizes: ``[G]`` int32 (traced).
+      layer: int32 scalar (traced) or None: ``w`` is a stack ``[L, G, K, N]`` and ``w[layer]``
+        is used, read in place by the kernels (``reference.py``); ``w_scale`` is that layer's.
       impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``.
       interpret: kernels only: run through the Pallas interpreter (CPU).
 
@@ -40,12 +42,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     """
     impl = resolve_impl(impl)
     if impl not in KERNEL_IMPLS:
-        return grouped_matmul_reference(x, w, group_sizes, w_scale)
+        return grouped_matmul_reference(x, w, group_sizes, w_scale, layer=layer)
     if impl == "tpu":
         from pdjax.pallas_kernels.grouped_gemm.kernel_tpu import grouped_matmul_tpu as kernel
     else:
         from pdjax.pallas_kernels.grouped_gemm.kernel_gpu import grouped_matmul_gpu as kernel
-    return kernel(x, w, group_sizes, w_scale, interpret=interpret)
+    return kernel(x, w, group_sizes, w_scale, layer=layer, interpret=interpret)
 
 
 __all__ = ["KERNEL_IMPLS", "check_inputs", "dequantize_blocks", "group_metadata",

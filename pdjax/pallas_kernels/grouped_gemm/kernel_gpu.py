@@ -37,8 +37,9 @@ def _kernel(
     start_ref,   # [G] int32: first row of each group
     end_ref,     # [G] int32: one past its last row
     count_ref,   # [1] int32: real items
+    layer_ref,   # [1] int32: the layer of the stack
     x_ref,       # [Mp, K]   (Mp: M padded to whole row tiles)
-    w_ref,       # [G, K, N] x's dtype or float8_e4m3fn
+    w_ref,       # [L, G, K, N] x's dtype or float8_e4m3fn (L = 1 without a stack)
     *rest,       # (scale_ref [G, ceil(K/128), ceil(N/128)] float32,) o_ref [Mp, Np]
     tm: int,
     tk: int,
@@ -47,13 +48,13 @@ def _kernel(
 ):
     scale_ref, o_ref = rest if fp8 else (None, rest[0])
     i, j = pl.program_id(0), pl.program_id(1)
-    _, K, N = w_ref.shape
+    _, _, K, N = w_ref.shape
     compute_dtype = x_ref.dtype
     precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
     @pl.when(i < count_ref[0])
     def _():
-        g = group_ref[i]
+        g, layer = group_ref[i], layer_ref[0]
         rows = tile_ref[i] * tm + lax.broadcasted_iota(jnp.int32, (tm,), 0)
         row_ok = (rows >= start_ref[g]) & (rows < end_ref[g])
         cols = j * tn + lax.broadcasted_iota(jnp.int32, (tn,), 0)
@@ -66,7 +67,7 @@ def _kernel(
                               mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [tm, tk]
             w_ok = k_ok[:, None] & col_ok[None, :]
             # No fill value for the float8 load (Triton cannot cast one to it): mask after.
-            w = pltriton.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=w_ok)
+            w = pltriton.load(w_ref.at[layer, g, ks[:, None], cols[None, :]], mask=w_ok)
             w = jnp.where(w_ok, w.astype(compute_dtype), 0)                    # [tk, tn]
             part = lax.dot_general(x, w, (((1,), (0,)), ((), ())),
                                    precision=precision,
@@ -81,13 +82,15 @@ def _kernel(
 
 
 def grouped_matmul_gpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8_BLOCK,
-                       interpret: bool = False, tiles: GmmTiles | None = None) -> jax.Array:
+                       layer=None, interpret: bool = False,
+                       tiles: GmmTiles | None = None) -> jax.Array:
     """Pallas GPU (Triton) grouped matmul; contract of ``grouped_matmul_reference``.
 
     Args:
       x: ``[M, K]`` float32 / bfloat16, rows sorted by group. w: ``[G, K, N]`` of x's dtype,
         or float8_e4m3fn with ``w_scale [G, ceil(K/128), ceil(N/128)]`` float32.
       group_sizes: ``[G]`` int32 (traced).
+      layer: int32 scalar: ``w`` is ``[L, G, K, N]`` and ``w[layer]`` is used (read in place).
       interpret: run on CPU through the Pallas interpreter. tiles: override of ``get_tiles``.
 
     Returns:
@@ -96,9 +99,11 @@ def grouped_matmul_gpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
     Raises:
       ValueError: inputs outside the contract (``check_inputs``) or tiles Triton cannot take.
     """
-    check_inputs(x, w, group_sizes, w_scale, block_size)
+    check_inputs(x, w, group_sizes, w_scale, block_size, layer)
+    if layer is None:
+        w, layer = w[None], 0
     M, K = x.shape
-    G, _, N = w.shape
+    G, _, N = w.shape[1:]
     fp8 = w_scale is not None
     t = tiles or get_tiles("gpu", num_rows=M, k=K, n=N, fp8=fp8)
     for name in ("tile_m", "tile_k", "tile_n"):
@@ -113,7 +118,8 @@ def grouped_matmul_gpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
     if Mp != M:            # whole row tiles: every store lands inside the output
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
     meta = group_metadata(group_sizes, M, tm)
-    operands = (*meta, x, w) + ((w_scale,) if fp8 else ())
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    operands = (*meta, layer, x, w) + ((w_scale,) if fp8 else ())
     kernel = functools.partial(_kernel, tm=tm, tk=tk, tn=tn, fp8=fp8)
     out = triton_call(
         kernel, grid=(meta[0].shape[0], Np // tn), num_inputs=len(operands),

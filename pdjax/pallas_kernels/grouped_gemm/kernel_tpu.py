@@ -41,9 +41,10 @@ def _kernel(
     start_ref,   # [G] int32: first row of each group
     end_ref,     # [G] int32: one past its last row
     count_ref,   # [1] int32: real items
+    layer_ref,   # [1] int32: the layer of the stack
     # Inputs.
     x_ref,       # [tm, tk] block of x
-    w_ref,       # [tk, tn] block of w[g]
+    w_ref,       # [tk, tn] block of w[layer, g]
     *rest,       # (scale_ref [tk/128 (ceil), 1, tn] f32,) o_ref [tm, tn], acc_ref [tm, tn] f32
     fp8: bool,
 ):
@@ -81,7 +82,7 @@ def _kernel(
 
 
 def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8_BLOCK,
-                       interpret: bool | pltpu.InterpretParams = False,
+                       layer=None, interpret: bool | pltpu.InterpretParams = False,
                        tiles: GmmTiles | None = None) -> jax.Array:
     """Pallas TPU grouped matmul; contract of ``grouped_matmul_reference``.
 
@@ -89,6 +90,8 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
       x: ``[M, K]`` float32 / bfloat16, rows sorted by group. w: ``[G, K, N]`` of x's dtype,
         or float8_e4m3fn with ``w_scale [G, ceil(K/128), ceil(N/128)]`` float32.
       group_sizes: ``[G]`` int32 (traced).
+      layer: int32 scalar: ``w`` is ``[L, G, K, N]`` and ``w[layer]`` is used (its blocks DMA'd
+        from the stack).
       interpret: False on TPU; True or ``pltpu.InterpretParams`` to run on CPU.
       tiles: override of ``get_tiles``.
 
@@ -98,9 +101,11 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
     Raises:
       ValueError: inputs outside the contract (``check_inputs``) or illegal tiles.
     """
-    check_inputs(x, w, group_sizes, w_scale, block_size)
+    check_inputs(x, w, group_sizes, w_scale, block_size, layer)
+    if layer is None:
+        w, layer = w[None], 0
     M, K = x.shape
-    G, _, N = w.shape
+    G, _, N = w.shape[1:]
     fp8 = w_scale is not None
     t = tiles or get_tiles("tpu", num_rows=M, k=K, n=N, fp8=fp8)
     tm, tk, tn = t.tile_m, t.tile_k, t.tile_n
@@ -117,7 +122,9 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
     meta = group_metadata(group_sizes, M, tm)
     in_specs = [pl.BlockSpec((tm, tk), lambda n, i, k, grp, tile, *_: (tile[i], k)),
-                pl.BlockSpec((None, tk, tn), lambda n, i, k, grp, tile, *_: (grp[i], k, n))]
+                pl.BlockSpec((None, None, tk, tn),
+                             lambda n, i, k, grp, tile, start, end, count, lay:
+                             (lay[0], grp[i], k, n))]
     operands = [x, w]
     if fp8:
         kb = pl.cdiv(tk, FP8_BLOCK)
@@ -127,7 +134,7 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
                                      lambda n, i, k, grp, tile, *_: (grp[i], k, 0, n)))
         operands.append(cols)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=5,
+        num_scalar_prefetch=6,
         grid=(N // tn, meta[0].shape[0], K // tk),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((tm, tn), lambda n, i, k, grp, tile, *_: (tile[i], n)),
@@ -141,5 +148,5 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
         name="grouped_matmul_tpu",
-    )(*meta, *operands)
+    )(*meta, jnp.asarray(layer, jnp.int32).reshape(1), *operands)
     return zero_unrouted(out[:M], group_sizes)

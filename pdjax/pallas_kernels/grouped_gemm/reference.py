@@ -12,7 +12,12 @@ Contract::
     out[r] = x[r] @ W[g(r)]            for the group g(r) of row r
     out[r] = 0                         for rows from sum(group_sizes) on (no group)
 
-``out`` is ``[M, N]`` of ``x``'s dtype, accumulated in float32. Negative sizes count as 0 and
+``out`` is ``[M, N]`` of ``x``'s dtype, accumulated in float32. With ``layer`` (an int32
+scalar, traced) ``w`` is a stack ``[L, G, K, N]`` of every layer's weights and the call uses
+``w[layer]`` (``w_scale`` is that layer's): the kernels read the layer's tiles straight from
+the stack, where a slice taken before a custom call would be copied whole first (XLA cannot
+pass a dynamic slice into one; a layer of DeepSeek-V3.2's FP8 experts is 1.3 GiB a device at
+TP 8). Negative sizes count as 0 and
 rows past ``M`` are dropped (the sizes are traced, so they cannot be checked).
 
 The kernels walk ``(group, row tile)`` pairs, as megablox's ``gmm`` does (its
@@ -41,8 +46,16 @@ def num_blocks(n: int, block: int = FP8_BLOCK) -> int:
     return -(-n // block)
 
 
-def check_inputs(x, w, group_sizes, w_scale=None, block_size: int = FP8_BLOCK) -> None:
+def check_inputs(x, w, group_sizes, w_scale=None, block_size: int = FP8_BLOCK,
+                 layer=None) -> None:
     """Static checks of the contract; raises ``ValueError`` naming the field."""
+    if layer is not None:
+        if w.ndim != 4:
+            raise ValueError(f"w must be [layers, groups, K, N] with layer, got shape {w.shape}")
+        if getattr(layer, "shape", ()) != () or not jnp.issubdtype(
+                getattr(layer, "dtype", jnp.int32), jnp.integer):
+            raise ValueError(f"layer must be an integer scalar, got {layer!r}")
+        w = jax.ShapeDtypeStruct(w.shape[1:], w.dtype)
     if x.ndim != 2:
         raise ValueError(f"x must be [M, K], got shape {x.shape}")
     if jnp.dtype(x.dtype) not in map(jnp.dtype, ACT_DTYPES):
@@ -87,11 +100,13 @@ def dequantize_blocks(w, w_scale, dtype, block_size: int = FP8_BLOCK) -> jax.Arr
 
 
 def grouped_matmul_reference(x, w, group_sizes, w_scale=None, *,
-                             block_size: int = FP8_BLOCK) -> jax.Array:
+                             block_size: int = FP8_BLOCK, layer=None) -> jax.Array:
     """The contract (module docstring) with ``lax.ragged_dot``, an FP8 ``w`` dequantized to
     ``x``'s dtype first. ``[M, N]`` of ``x``'s dtype. Raises ``ValueError`` (``check_inputs``).
     """
-    check_inputs(x, w, group_sizes, w_scale, block_size)
+    check_inputs(x, w, group_sizes, w_scale, block_size, layer)
+    if layer is not None:
+        w = w[layer]
     if w_scale is not None:
         w = dequantize_blocks(w, w_scale, x.dtype, block_size)
     sizes = jnp.maximum(group_sizes, 0)
