@@ -8,6 +8,7 @@ The tiny checkpoints have 4 attention heads, so TP (and EP) 8 cannot run them; t
 layer split is ``tests/models/test_moe_ep.py``'s (``moe_ep`` at tp 4 and 2 there too)."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -186,3 +187,34 @@ def test_engine_takes_the_same_names(tiny_checkpoints):
         Engine(tiny_checkpoints["deepseek_v32"], tp_size=4, ep_size=3, progress=False)
     with pytest.raises(ValueError, match=r"^ep_size: llama models have no routed experts"):
         Engine(tiny_checkpoints["llama"], tp_size=2, ep_size=2, progress=False)
+
+
+# --------------------------------------------------------------------------- pdjax.aot
+
+def test_aot_takes_ep_size(capsys):
+    """``pdjax.aot`` builds the EP model (its expert stacks split by expert over ``tp``) and
+    refuses a layout that cannot work in one line, before any target is made."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from pdjax.aot.__main__ import main as aot_main
+    from pdjax.aot.engine import AbstractEngine
+    from pdjax.aot.targets import Target
+    from pdjax.config import ServerArgs
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tiny = os.path.join(root, "pdjax", "aot", "configs", "tiny-deepseek-v3.2")
+    assert aot_main(["--topology", "v5e:2x2", "--model-path", tiny, "--tp-size", "4",
+                     "--ep-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ep_size (3) must divide tp_size (4)") and err.count("\n") == 1
+    target = Target("cpu", "cpu", tuple(jax.devices("cpu")), "cpu", 1 << 30)
+    args = ServerArgs(model_path=tiny, tp_size=4, ep_size=2, moe_a2a_backend="ragged",
+                      max_total_tokens=512, context_length=128, chunked_prefill_size=64,
+                      max_running_requests=4, attention_backend="xla", dtype="float32",
+                      load_format="dummy", grammar_backend="none")
+    engine = AbstractEngine(args, target)
+    assert (engine.model_cfg.ep_size, engine.model_cfg.moe_tp_size,
+            engine.model_cfg.moe_a2a_backend) == (2, 2, "ragged")
+    w = engine.state["moe"]["w_gate"].get_value()
+    assert w.shape == (2, 16, 64, 16) and w.sharding.spec == P(None, "tp", None, None)
