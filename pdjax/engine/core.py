@@ -245,9 +245,11 @@ class EngineCore(ForwardStep):
             req.grammar = self.grammar_backend.matcher(sp.grammar)
         self.disagg.add_request(g, req)      # PD: the request's room (ValueError: refused)
         self.scheduler.add_request(req)
-        # A PD decode's request still moves its KV (its prefill waits for the page list): the
-        # scheduler finishes it once the KV is in.
-        if sp.max_new_tokens == 0 and not req.return_logprob and self.args.role != "decode":
+        # The role's sampling parameters (a PD prefill samples one token whatever the client
+        # asked). A PD decode's request still moves its KV (its prefill waits for the page
+        # list): the scheduler finishes it once the KV is in.
+        if req.sampling_params.max_new_tokens == 0 and not req.return_logprob \
+                and self.args.role != "decode":
             self._zero_token_reqs.append(req)
         return req
 
