@@ -11,8 +11,8 @@ from pdjax.engine import Engine
 
 pytestmark = pytest.mark.slow     # two engines per model
 
-# FP8 KV moves the tiny models' decode logits by <= 0.08 (tests/models/test_mla_fp8_kv.py,
-# bound 0.15): a position whose bf16-KV top-2 logprob gap is under 2 x 0.15 may flip, so tokens
+# FP8 KV moves the tiny models' decode logits by <= 0.08
+# (tests/models/test_mla_fp8_kv_logits.py, bound 0.15): a position whose bf16-KV top-2 logprob gap is under 2 x 0.15 may flip, so tokens
 # are compared up to the first difference, which must be at such a position; the tokens'
 # logprobs before it agree within the same gap.
 FLIP_GAP = 0.3
