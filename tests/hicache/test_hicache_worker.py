@@ -152,3 +152,16 @@ def test_metrics_count_hits_bytes_and_copy_seconds():
     load = role.load()
     assert (load["hicache_hit_tokens"], load["hicache_loaded_bytes"],
             load["hicache_written_bytes"]) == (4, bpp, 2 * bpp)
+
+
+def test_no_copy_moves_more_than_64_mib_whatever_the_context():
+    from pdjax.kv.hicache.worker import COPY_MAX_BYTES, copy_pages_limit
+    from pdjax.transfer.local_kv import page_buckets
+
+    assert COPY_MAX_BYTES == 64 << 20
+    # SmolLM2-135M float32: 737,280 bytes a page -> 91 fit, the bucket is 64 pages.
+    assert copy_pages_limit(737_280) == 64
+    assert copy_pages_limit(8192) == 8192 and copy_pages_limit(1 << 30) == 1
+    for bpp in (737_280, 2 << 20, 3 << 20, 8192):
+        largest = page_buckets(min(128_000 // 16, copy_pages_limit(bpp)))[-1]
+        assert largest * bpp <= COPY_MAX_BYTES

@@ -43,6 +43,7 @@ from pdjax.transfer.worker import KVTransferWorker
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
+COPY_MAX_BYTES = 64 << 20       # most bytes one gather or scatter moves
 
 
 @dataclasses.dataclass
@@ -290,6 +291,13 @@ class HiCacheRole(NullRole):
                 "hicache_evicted_pages": self.index.num_evicted}
 
 
+def copy_pages_limit(bytes_per_page: int) -> int:
+    """The most pages one copy moves: the largest power of two (a page bucket) whose pages
+    fit ``COPY_MAX_BYTES``, at least 1."""
+    fit = max(1, COPY_MAX_BYTES // bytes_per_page)
+    return 1 << (fit.bit_length() - 1)
+
+
 def host_pool_slots(args, device_pages: int, bytes_per_page: int) -> int:
     """Host pages of ``--hicache-size`` GiB (when > 0) or ``--hicache-ratio`` times the
     device pool's ``device_pages``. ``ValueError`` naming the setting when that is no page,
@@ -324,7 +332,9 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
     index = HostIndex(slots)
     ps = args.page_size
     connector = HiCacheConnector(host.scheduler, index, ps)
-    max_pages = -(-host.context_length // ps)
+    # A copy's device buffer stays small whatever the context: at most a request's pages
+    # and COPY_MAX_BYTES (larger plans are cut into several copies).
+    max_pages = min(-(-host.context_length // ps), copy_pages_limit(bpp))
     worker = HiCacheWorker(runner, pool, index, connector.stats, max_pages,
                            connector.is_waiting)
     worker.warmup()
