@@ -165,3 +165,11 @@ def test_no_copy_moves_more_than_64_mib_whatever_the_context():
     for bpp in (737_280, 2 << 20, 3 << 20, 8192):
         largest = page_buckets(min(128_000 // 16, copy_pages_limit(bpp)))[-1]
         assert largest * bpp <= COPY_MAX_BYTES
+
+
+def test_waiting_on_a_stopped_copy_thread_raises_instead_of_hanging():
+    runner, pool, index, worker = _worker()
+    worker.close()
+    worker.start(HiCacheMeta([], [_write(index, [2])]))
+    with pytest.raises(RuntimeError, match="the copy thread is gone"):
+        worker.flush()

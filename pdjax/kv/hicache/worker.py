@@ -85,7 +85,10 @@ def _copy_loop(tasks: queue.SimpleQueue, results: queue.SimpleQueue,
             result = _Failed(e)
         del task                         # its closure may hold the worker
         results.put(result)
-        wake[0]()
+        try:
+            wake[0]()
+        except Exception:                # the engine polls every step anyway
+            logger.exception("host KV tier: waking the engine failed")
 
 
 class HiCacheWorker(KVTransferWorker):
@@ -251,7 +254,13 @@ class HiCacheWorker(KVTransferWorker):
         """Wait for every copy in flight and handle it (a load's request is then reported
         at the next ``poll``): admission waiting for a page on its way to the host, tests."""
         while self._in_flight:
-            self._handle(self._results.get())
+            try:
+                result = self._results.get(timeout=1.0)
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("host KV tier: the copy thread is gone") from None
+                continue
+            self._handle(result)
 
     def close(self) -> None:
         """Stop the copy thread once the copies queued before have run; commit the writes
