@@ -237,3 +237,36 @@ def test_layer_views_at_tp2():
     assert np.abs(np.asarray(lin_out) - want).max() < 1e-3
     want = _numpy_swiglu(xs, layers[1][1], SIZES)
     assert np.abs(np.asarray(moe_out) - want).max() < 1e-3 * (np.abs(want).max() + 1)
+
+
+@pytest.mark.parametrize("name,impl", [("deepseek_v32_fp8", "gpu"), ("glm_moe_dsa_fp8", "tpu")])
+def test_engine_with_gemm_kernels_gives_transformers_greedy_tokens(tiny_checkpoints, tmp_path,
+                                                                   name, impl):
+    """pdjax.Engine on the FP8 tiny model with the Pallas kernels forced (interpreted): the
+    greedy tokens of transformers on the same weights dequantized to float32, tie-aware."""
+    import torch
+    import transformers
+
+    import make_tiny_checkpoint as mk
+    from model_utils import assert_tokens_match, hf_greedy, top2_gaps
+    from pdjax.engine.offline import Engine
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        mk.write_dequantized(tiny_checkpoints[name], str(tmp_path / name)),
+        dtype=torch.float32, attn_implementation="eager").eval()
+    rng = np.random.default_rng(4)
+    prompts_ = [rng.integers(5, 400, n).tolist() for n in (6, 14)]
+    eng = Engine(tiny_checkpoints[name], dtype="float32", page_size=8, max_total_tokens=256,
+                 max_running_requests=2, chunked_prefill_size=16, context_length=32,
+                 attention_backend=impl, pallas_interpret=True, progress=False)
+    try:
+        outs = eng.generate(input_ids=prompts_, sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+    finally:
+        eng.shutdown()
+    compared = 0
+    for p, out in zip(prompts_, outs):
+        ref, logits = hf_greedy(hf, p, 6, eos_token_id=None, pad_token_id=0)
+        compared += assert_tokens_match(out["output_ids"], ref, top2_gaps(logits),
+                                        what=f"{name} {impl}")
+    assert compared >= 6
