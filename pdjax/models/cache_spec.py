@@ -119,38 +119,42 @@ def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pag
 
 
 # Planes of one FP8 record (fp8_record.py): named together in the KV format.
-_RECORD_PLANES = {"latent": "mla", "latent_scale": "mla", "latent_rope": "mla",
-                  "indexer_k_scale": "idx"}
+_RECORD_OF = {"latent": "mla", "latent_scale": "mla", "latent_rope": "mla",
+              "indexer_k": "idx", "indexer_k_scale": "idx"}
+KV_FORMAT_MAX_LEN = 32       # the PD wire field's limit (pd/protocol.py, pd/bootstrap.py)
 
 
 def kv_format(specs: tuple[CacheBufferSpec, ...] | list[CacheBufferSpec]) -> str:
     """The KV format two PD servers must share, named for people (at most 32 characters).
 
     Buffers of one element dtype: that dtype's name (``"bfloat16"``, ``"float8_e4m3fn"``: the
-    names PD used before records existed). A model with an FP8 record names it by its bytes
-    per token per layer: ``"fp8_e4m3/mla656"`` (FlashMLA's record: latent, float32 scales,
-    bf16 rope; ``mla768`` is the TPU split), joined by ``+`` with the dtypes of its other
-    buffers, e.g. ``"fp8_e4m3/mla656+bfloat16"`` (DSA's bf16 indexer keys). Raises
-    ``ValueError`` for no buffers."""
+    names PD used before records existed). A model with FP8 records: ``"fp8:"`` and each
+    record by its bytes a token a layer, then the dtypes of the other buffers, joined by
+    ``+``: ``"fp8:mla656+idx132"`` (FlashMLA's latent record and DSA's FP8 indexer keys, GPU
+    / CPU), ``"fp8:mla768+bfloat16"`` (the TPU split, bf16 indexer keys), ``"+bfloat16"``
+    more with MTP's hidden-state buffer. Raises ``ValueError`` for no buffers or a name past
+    32 characters."""
     if not specs:
         raise ValueError("specs: no KV buffers")
-    by_name = {s.name: s for s in specs}
-    if "latent_rope" not in by_name and len({jnp.dtype(s.dtype) for s in specs}) == 1:
+    names = {s.name for s in specs}
+    if "latent_rope" not in names and len({jnp.dtype(s.dtype) for s in specs}) == 1:
         return jnp.dtype(specs[0].dtype).name
+    records = {"mla"} if "latent_rope" in names else set()
+    if "indexer_k_scale" in names:
+        records.add("idx")
     parts: list[str] = []
     for s in specs:
-        record = _RECORD_PLANES.get(s.name)
-        if s.name == "latent_rope":
-            record = "mla"
-        if s.name == "indexer_k" and "indexer_k_scale" in by_name:
-            record = "idx"
-        if record is None:
-            part = jnp.dtype(s.dtype).name
+        record = _RECORD_OF.get(s.name)
+        if record in records:
+            row = sum(math.prod(p.shape[3:]) * jnp.dtype(p.dtype).itemsize for p in specs
+                      if _RECORD_OF.get(p.name) == record)
+            part = f"{record}{row}"
         else:
-            planes = [p for p in specs if (_RECORD_PLANES.get(p.name) == record
-                                           or (record == "idx" and p.name == "indexer_k"))]
-            row = sum(math.prod(p.shape[3:]) * jnp.dtype(p.dtype).itemsize for p in planes)
-            part = f"fp8_e4m3/{record}{row}"
+            part = jnp.dtype(s.dtype).name
         if part not in parts:
             parts.append(part)
-    return "+".join(parts)
+    name = "fp8:" + "+".join(parts)
+    if len(name) > KV_FORMAT_MAX_LEN:
+        raise ValueError(f"specs: KV format {name!r} is longer than {KV_FORMAT_MAX_LEN} "
+                         f"characters")
+    return name

@@ -107,7 +107,7 @@ class RegisterDecode(Message):
     ``metadata_addr``/``metadata_bytes_per_slot``/``metadata_num_slots`` (the MetadataBuffers
     pool; rows padded to 64 bytes), ``page_size`` (tokens per page), ``kv_dtype`` (the KV
     format, ``cache_spec.kv_format``: a dtype name, or the FP8 record such as
-    ``fp8_e4m3/mla656+bfloat16``) and ``layout_fingerprint`` (both must equal the prefill's).
+    ``fp8:mla656+idx132``) and ``layout_fingerprint`` (both must equal the prefill's).
 
     A multi-host decode (DESIGN.md §6) lists every node's shards in ``kv_buffers`` and says
     which node holds each: ``node_sessions[n]`` is node ``n``'s transfer session (node 0's is

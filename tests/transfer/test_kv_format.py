@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdjax.models.cache_spec import gqa_cache_spec, kv_format
+from pdjax.models.cache_spec import CacheBufferSpec, gqa_cache_spec, kv_format
 from pdjax.models.deepseek import deepseek_cache_spec
 from pdjax.models.loader import checkpoint_config, make_mesh
 from pdjax.pd.bootstrap import IncompatiblePeerError, PrefillServerInfo, check_compatible
@@ -44,9 +44,16 @@ def test_kv_format_names_dtype_or_record():
                                         dtype=jnp.float8_e4m3fn))
     tpu = kv_format(deepseek_cache_spec(cfg, num_pages=4, page_size=PS,
                                         dtype=jnp.float8_e4m3fn, row_align=128))
-    assert gpu == "fp8_e4m3/mla656+fp8_e4m3/idx132"   # FlashMLA's record, FP8 indexer keys
-    assert tpu == "fp8_e4m3/mla768+bfloat16"          # the TPU split, bf16 indexer keys
-    assert max(len(gpu), len(tpu)) <= 32              # the wire field's limit
+    assert gpu == "fp8:mla656+idx132"          # FlashMLA's record, FP8 indexer keys
+    assert tpu == "fp8:mla768+bfloat16"        # the TPU split, bf16 indexer keys
+    # MTP's hidden-state buffer stays in the model dtype; the name stays under the wire limit.
+    mtp = CacheBufferSpec("mtp_hidden", (1, 4, PS, 7168), jnp.dtype(jnp.float32))
+    specs = deepseek_cache_spec(cfg, num_pages=4, page_size=PS, dtype=jnp.float8_e4m3fn)
+    assert kv_format(specs + (mtp,)) == "fp8:mla656+idx132+float32"
+    many = tuple(CacheBufferSpec(f"x{i}", (1, 4, PS, 8), jnp.dtype(d)) for i, d in enumerate(
+        (jnp.int8, jnp.int16, jnp.int32, jnp.uint8, jnp.uint16)))
+    with pytest.raises(ValueError, match="specs: KV format .* longer than 32"):
+        kv_format(specs + many)
 
 
 class _MlaRunner(ModelRunner):
@@ -79,7 +86,7 @@ def test_mismatched_kv_formats_are_refused_naming_both():
     fp8 = LocalKV(_MlaRunner(jnp.float8_e4m3fn), FakeTransferEngine(), "direct")
     bf16 = LocalKV(_MlaRunner(jnp.bfloat16), FakeTransferEngine(), "direct")
     # tiny: latent 32 e4m3 + 4 B scale + 16 bf16; indexer keys 32 e4m3 + 4 B scale
-    assert fp8.kv_dtype == "fp8_e4m3/mla68+fp8_e4m3/idx36"
+    assert fp8.kv_dtype == "fp8:mla68+idx36"
     assert bf16.kv_dtype == "bfloat16"
     assert len(fp8.layout.buffers) == 5          # latent, scale, rope, indexer keys, scale
     assert fp8.bytes_per_page == 3 * PS * 68 + 3 * PS * 36

@@ -79,6 +79,6 @@ def test_bf16_decode_is_refused_naming_both_formats(fp8_pd):
     status, out = post(decode.url + "/generate", body)
     text = json.dumps(out)
     assert status >= 400 or "error" in text, out
-    assert "kv_dtype: prefill 'fp8_e4m3/mla" in text and "!= decode 'bfloat16'" in text, text
+    assert "kv_dtype: prefill 'fp8:mla" in text and "!= decode 'bfloat16'" in text, text
     assert sum(r["bytes"] for r in pd_state(prefill)["recent"]) == moved
     assert wait_until(lambda: at_baseline(decode), 10)
