@@ -4,12 +4,14 @@ over the simulated CPU devices (conftest: 4) give transformers' greedy tokens (t
 TP 1's; each device reads only its own experts' FP8 bytes; a layout that cannot work is one
 ``error: FIELD: ...`` line at parse time.
 
-The tiny checkpoints have 4 attention heads, so TP (and EP) 8 cannot run them; the 8-way
-layer split is ``tests/models/test_moe_ep.py``'s (``moe_ep`` at tp 4 and 2 there too)."""
+The tiny checkpoints have 4 attention heads, so TP 8 runs 8-head copies of them, made here,
+in a child process with 8 simulated devices (``ep8_child.py``)."""
 
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ import torch
 import transformers
 
 import make_tiny_checkpoint as mk
-from model_utils import assert_tokens_match, hf_greedy, top2_gaps
+from model_utils import (assert_speculation_keeps_tokens, assert_tokens_match, hf_greedy,
+                         top2_gaps)
 from pdjax.engine.offline import Engine
 from pdjax.models.fp8 import LazyStack
 from pdjax.models.loader import load_model, make_mesh
@@ -135,6 +138,56 @@ def test_ep_below_tp_lays_out_expert_slices(tiny_checkpoints):
     assert model.moe.w_down[...].shape == (2, 16, 16, 64)
     shards = model.moe.w_gate[...].addressable_shards
     assert [s.data.shape for s in shards] == [(2, 4, 64, 16)] * 4
+
+
+@pytest.mark.slow
+def test_mtp_speculation_under_ep(tiny_checkpoints, oracles):
+    """The MTP layer's MoE runs EP too (its stacks re-laid like the main layers'): at TP 2,
+    EP 2, ragged, speculating keeps the tokens of not speculating, which are transformers'."""
+    prompts = _prompts(5)
+    eng = Engine(tiny_checkpoints["deepseek_v32"], dtype="float32", page_size=8,
+                 max_total_tokens=512, max_running_requests=4, chunked_prefill_size=16,
+                 context_length=32, progress=False, tp_size=2, ep_size=2,
+                 moe_a2a_backend="ragged", speculative_algorithm="mtp",
+                 speculative_num_draft_tokens=3, speculative_disable_adaptive=True)
+    try:
+        params = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+        out, _ = assert_speculation_keeps_tokens(eng, prompts, params, "mtp under ep 2")
+    finally:
+        eng.shutdown()
+    _check([o["output_ids"] for o in out], oracles["deepseek_v32"], prompts, "mtp ep 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layouts", [
+    ("deepseek_v32", [[8, 8, "none"], [8, 2, "ragged"]]),
+    ("glm_moe_dsa", [[8, 8, "ragged"], [8, 4, "none"]]),
+])
+def test_tp8_on_eight_devices(tmp_path_factory, name, layouts):
+    """TP 8 with EP 8 and EP below TP, on 8-head copies of the tiny checkpoints (same
+    experts, routing and MLA widths), against transformers and TP 1."""
+    cls, overrides, save = mk.CONFIGS[name]
+    heads8 = f"{name}_heads8"
+    mk.CONFIGS[heads8] = (cls, dict(overrides, num_attention_heads=8, num_key_value_heads=8),
+                          save)
+    try:
+        path = mk.make_checkpoint(heads8, str(tmp_path_factory.mktemp("heads8")))
+    finally:
+        del mk.CONFIGS[heads8]
+    prompts = _prompts(8)
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep8_child.py")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, child, path, json.dumps([[1, 1, "none"], *layouts]),
+                          json.dumps(prompts)], capture_output=True, text=True, env=env,
+                         timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outs = json.loads(run.stdout.strip().splitlines()[-1])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    tp1 = outs.pop("1,1,none")
+    for layout, got in outs.items():
+        _check(got, hf, prompts, f"{heads8} tp,ep,backend {layout}", tp1)
 
 
 # --------------------------------------------------------------------------- parse time
