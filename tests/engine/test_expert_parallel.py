@@ -1,5 +1,5 @@
 """``--ep-size`` / ``--moe-a2a-backend`` through ``pdjax.Engine`` and the serve flags: tiny
-DeepSeek-V3.2 and GLM-5 (bf16-free float32 and FP8) with their routed experts split by expert
+DeepSeek-V3.2 and GLM-5 (float32 and FP8 weights) with their routed experts split by expert
 over the simulated CPU devices (conftest: 4) give transformers' greedy tokens (tie-aware) and
 TP 1's; each device reads only its own experts' FP8 bytes; a layout that cannot work is one
 ``error: FIELD: ...`` line at parse time.
