@@ -9,7 +9,7 @@ which are plain Python::
     CUDA_VISIBLE_DEVICES=-1 JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. \\
         .venv-cuda/bin/python -m pytest tests/pallas_kernels/test_gpu_compile.py
 
-``PDJAX_GPU_COMPILE_ALL=1`` compiles the whole ``pdjax.aot.kernel_matrix`` matrix (120 cases
+``PDJAX_GPU_COMPILE_ALL=1`` compiles the whole ``pdjax.aot.kernel_matrix`` matrix (192 cases
 per GPU, a few minutes) instead of the representative subset.
 """
 
@@ -74,8 +74,9 @@ def test_missing_plugin_is_a_clear_error():
 
 def test_matrix_covers_the_supported_models():
     cases = km.kernel_cases()
-    # 4 GQA shapes x 3 pages x 2 buckets x 2 dtypes + 4 MLA shapes x 3 pages x 2 buckets x 3.
-    assert len(cases) == 4 * 3 * 2 * 2 + 4 * 3 * 2 * 3 == 120
+    # 4 GQA shapes x 3 pages x 2 buckets x 2 dtypes + 4 MLA shapes x 3 pages x 2 buckets x 3
+    # kernels x 2 KV dtypes (bf16, the FP8 record / FP8 indexer keys).
+    assert len(cases) == 4 * 3 * 2 * 2 + 4 * 3 * 2 * 3 * 2 == 192
     rpa = {(c.shape.num_q_heads, c.shape.num_kv_heads, c.shape.head_dim)
            for c in cases if c.kernel == "rpa"}
     assert rpa == {(32, 8, 128), (8, 1, 128), (16, 2, 128), (9, 3, 64)}
@@ -88,7 +89,9 @@ def test_matrix_covers_the_supported_models():
                                 ("glm-5", 8))}
     assert {(c.shape.index_heads, c.shape.index_topk) for c in cases
             if c.kernel == "indexer"} == {(64, 2048), (32, 2048)}
-    assert len({c.label for c in cases}) == 120
+    assert {c.kv_dtype for c in cases if c.shape.family == "mla"} == {"bfloat16",
+                                                                       "float8_e4m3fn"}
+    assert len({c.label for c in cases}) == 192
 
 
 @needs_cuda
@@ -127,6 +130,10 @@ SUBSET = [
     (_case("indexer", "deepseek-v3.2", 1, "bfloat16", 64, "mixed"), 1),
     (_case("mla_sparse", "glm-5", 8, "bfloat16", 64, "mixed"), 1),
     (_case("indexer", "glm-5", 1, "bfloat16", 16, "decode"), 1),
+    # FP8 KV: the 656-byte record's planes and the FP8 indexer keys with their scales.
+    (_case("mla_sparse", "deepseek-v3.2", 8, "float8_e4m3fn", 64, "mixed"), 1),
+    (_case("mla_dense", "deepseek-v3.2", 1, "float8_e4m3fn", 16, "decode"), 1),
+    (_case("indexer", "deepseek-v3.2", 1, "float8_e4m3fn", 64, "mixed"), 1),
 ]
 
 
