@@ -95,3 +95,28 @@ def test_fp8_kv_on_fp8_weights(tiny_checkpoints, tmp_path, name):
     got, _ = decode_logits(model, jnp.float8_e4m3fn)
     step = np.abs(got - ref).max(axis=1)
     assert 1e-3 < step.max() <= FP8_WEIGHTS_STEP_TOL, (name, step)
+
+
+@pytest.mark.parametrize("impl,row_align", [("gpu", 1), ("tpu", 128)])
+def test_fp8_kv_kernels_under_tp2_match_the_reference(tiny_checkpoints, impl, row_align):
+    """At TP 2 each device runs the (interpreted) kernels on its heads over the replicated
+    FP8 planes (``tp_map``): the logits equal one device's reference path over the record."""
+    import jax
+
+    from pdjax.models.loader import make_mesh
+
+    path = tiny_checkpoints["glm_moe_dsa_long"]
+    mesh = make_mesh(2)
+    _, ref = load_model(path, dtype="float32", progress=False)
+    _, model = load_model(path, dtype="float32", progress=False, mesh=mesh,
+                          attention_impl=impl, interpret=True)
+    prompt = prompts(4, (21,))[0]
+    pages = assign_pages([24], PAGE, 96, seed=2)[0]
+    rows = [BatchRow(prompt, 0, pages, logits_start=0)]
+    want, _ = run_rows(ref, rows, allocate_caches(ref.cache_spec(
+        96, PAGE, jnp.float8_e4m3fn, row_align=row_align)), tokens=32, pages=8)
+    with jax.set_mesh(mesh):
+        got, caches = run_rows(model, rows, allocate_caches(model.cache_spec(
+            96, PAGE, jnp.float8_e4m3fn, row_align=row_align), mesh=mesh), tokens=32, pages=8)
+    assert caches["latent"].dtype == jnp.float8_e4m3fn
+    assert np.abs(got[0] - want[0]).max() < 1e-4
