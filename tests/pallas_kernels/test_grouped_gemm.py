@@ -181,8 +181,13 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="GmmTiles.tile_n must be a positive int"):
         GmmTiles(8, 128, 0)
     # Real DeepSeek-V3.2 expert shapes at TP 8: whole-block TPU tiles, 128-wide GPU tiles.
-    assert get_tiles("tpu", num_rows=16384, k=7168, n=256, fp8=True) == GmmTiles(256, 512, 256)
-    assert get_tiles("gpu", num_rows=1024, k=256, n=7168, fp8=True).tile_n == 128
+    # Row tiles follow the rows an expert gets: 64 in the extend step, 4 in a decode step.
+    assert get_tiles("tpu", num_rows=16384, k=7168, n=256, fp8=True,
+                     num_groups=256) == GmmTiles(128, 1024, 256)
+    assert get_tiles("tpu", num_rows=1024, k=7168, n=256, fp8=True, num_groups=256).tile_m == 16
+    assert get_tiles("gpu", num_rows=16384, k=7168, n=256, fp8=True, num_groups=256) == \
+        GmmTiles(64, 128, 128, num_warps=4, num_stages=3)
+    assert get_tiles("gpu", num_rows=1024, k=256, n=7168, fp8=True, num_groups=256).tile_m == 16
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])

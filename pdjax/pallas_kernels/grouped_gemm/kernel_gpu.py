@@ -105,7 +105,8 @@ def grouped_matmul_gpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
     M, K = x.shape
     G, _, N = w.shape[1:]
     fp8 = w_scale is not None
-    t = tiles or get_tiles("gpu", num_rows=M, k=K, n=N, fp8=fp8)
+    t = tiles or get_tiles("gpu", num_rows=M, k=K, n=N, fp8=fp8,
+                           num_groups=G)
     for name in ("tile_m", "tile_k", "tile_n"):
         if not is_pow2(getattr(t, name)) or getattr(t, name) < 16:
             raise ValueError(f"tiles.{name} must be a power of two >= 16 for the GPU kernel, "

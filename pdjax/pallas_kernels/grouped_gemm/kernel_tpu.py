@@ -107,7 +107,8 @@ def grouped_matmul_tpu(x, w, group_sizes, w_scale=None, *, block_size: int = FP8
     M, K = x.shape
     G, _, N = w.shape[1:]
     fp8 = w_scale is not None
-    t = tiles or get_tiles("tpu", num_rows=M, k=K, n=N, fp8=fp8)
+    t = tiles or get_tiles("tpu", num_rows=M, k=K, n=N, fp8=fp8,
+                           num_groups=G)
     tm, tk, tn = t.tile_m, t.tile_k, t.tile_n
     if tm % 8:
         raise ValueError(f"tiles.tile_m must be a multiple of 8, got {tm}")

@@ -34,17 +34,23 @@ class GmmTiles:
                 raise ValueError(f"GmmTiles.{name} must be a positive int, got {v!r}")
 
 
-def get_tiles(backend: str, *, num_rows: int, k: int, n: int, fp8: bool) -> GmmTiles:
-    """Legal tiles for one call (``backend``: ``"tpu"`` or ``"gpu"``); ``ValueError`` for
-    another backend."""
+def get_tiles(backend: str, *, num_rows: int, k: int, n: int, fp8: bool,
+              num_groups: int = 1) -> GmmTiles:
+    """Legal tiles for one call (``backend``: ``"tpu"`` or ``"gpu"``; ``num_groups``: the
+    experts); ``ValueError`` for another backend.
+
+    Row tiles follow the rows an expert gets on average: a decode step spreads few rows over
+    many experts (DeepSeek-V3.2: 1,024 rows over 256 experts), where a tall tile would
+    multiply mostly other experts' (masked) rows; an extend step gives each expert dozens."""
+    per_group = -(-num_rows // max(1, num_groups))
     if backend == "gpu":
-        # 64 rows: decode spreads few rows over many experts, so small row tiles waste less.
-        tm = max(16, min(64, pow2_ceil(num_rows)))
+        tm = max(16, min(64, pow2_ceil(per_group), pow2_ceil(num_rows)))
         return GmmTiles(tile_m=tm, tile_k=min(128, max(16, pow2_ceil(k))),
                         tile_n=min(128, max(16, pow2_ceil(n))), num_warps=4, num_stages=3)
     if backend == "tpu":
-        tm = min(256, -(-num_rows // 8) * 8)
+        # Whole 16-row bf16 tiles; long K steps keep the grid (0.35 us a step) short.
+        tm = min(256, max(16, pow2_ceil(2 * per_group)), -(-num_rows // 16) * 16)
         tn = next((t for t in (512, 256, 128) if n % t == 0), n)
-        tk = next((t for t in (512, 256, 128) if k % t == 0), k)
+        tk = next((t for t in (2048, 1024, 512, 256, 128) if k % t == 0), k)
         return GmmTiles(tile_m=tm, tile_k=tk, tile_n=tn)
     raise ValueError(f"backend must be 'tpu' or 'gpu', got {backend!r}")
