@@ -210,9 +210,7 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
 
     h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
     group = params["dense" if kind == "dense" else "moe"]
-    # EP's shard_map splits the expert stacks itself: slice them plainly there.
-    m = (jax.tree.map(lambda w: w[mslot], group) if kind != "dense" and cfg.ep_size > 1
-         else slice_layer(group, mslot))
+    m = slice_layer(group, mslot)   # EP too: moe_ep's shard_map splits a layer view's stack
     if kind == "dense":
         x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
     elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)

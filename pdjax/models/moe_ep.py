@@ -42,6 +42,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from pdjax.config import MOE_A2A_BACKENDS as A2A_BACKENDS
 from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.fp8 import LazyStack
+from pdjax.models.linear import fp8_spec
 from pdjax.models.moe import grouped_swiglu, route, swiglu
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -148,8 +149,10 @@ def moe_forward_ep(cfg: DeepseekConfig, h: jax.Array, p: dict, *, impl: str | No
     gemm = functools.partial(grouped_swiglu, impl=impl, interpret=interpret)
     body = functools.partial(body, cfg=cfg, gemm=gemm, padded=platform == "cpu")
     ws = tuple(p[name] for name in EXPERT_WEIGHTS)
+    # A kernel-run FP8 layer view (linear.slice_layer) keeps its [L, ...] stack: split axis 1.
+    w_specs = tuple(fp8_spec(w, P("tp")) for w in ws)
     with jax.sharding.use_abstract_mesh(mesh):
-        out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), P("tp")),
+        out = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), w_specs),
                             out_specs=P(), check_vma=False)(h, experts, weights, ws)
     if cfg.n_shared_experts:
         out = out + swiglu(h, p["sh_gate"], p["sh_up"], p["sh_down"])

@@ -155,3 +155,48 @@ def test_no_routed_experts(tiny_checkpoints):
     cfg = dataclasses.replace(_cfg(tiny_checkpoints), mlp_layer_types=("dense",) * 3)
     with pytest.raises(ValueError, match=r"^ep_size: .* has no routed experts"):
         check_expert_parallel(cfg, 4, 2)
+
+
+@pytest.mark.parametrize("tp,ep,backend", [(4, 2, "ragged"), (4, 4, "none")])
+def test_fp8_layer_views_under_ep(tiny_checkpoints, tp, ep, backend):
+    """Kernel-run FP8 expert stacks reach the EP shard_map as layer views
+    (``linear.slice_layer``: the whole ``[L, moe_tp * E, ...]`` stack and the layer index,
+    read in place by the grouped GEMM, interpreted here), split on their expert axis: layer 1
+    equals the unsplit reference of layer 1's weights."""
+    from pdjax.models.linear import slice_layer
+
+    cfg = _cfg(tiny_checkpoints, "deepseek_v32_fp8")
+    run_cfg = expert_parallel_config(cfg, tp, ep, backend)
+    mesh = _mesh(tp)
+    layers = [_layer(cfg, seed=s) for s in (4, 5)]
+    B = cfg.weight_block_size
+    stacks, ref_p = {}, dict(layers[1])
+    for name in ("w_gate", "w_up", "w_down"):
+        axis = -2 if name == "w_down" else -1
+        qs, ss = [], []
+        for i, layer in enumerate(layers):
+            q, s = zip(*(quantize(w, block=B) for w in layer[name]))
+            qs.append(np.stack(q))
+            ss.append(np.stack(s))
+            if i == 1:
+                ref_p[name] = Fp8BlockWeight(jnp.asarray(qs[-1]), jnp.asarray(ss[-1]), B)
+        split = NamedSharding(mesh, P(None, "tp"))
+        stacks[name] = Fp8BlockWeight(
+            jax.device_put(expert_shards(np.stack(qs), run_cfg.moe_tp_size, axis), split),
+            jax.device_put(expert_shards(np.stack(ss), run_cfg.moe_tp_size, axis), split), B,
+            impl="tpu", interpret=True)
+    rest = {k: jax.device_put(np.stack([layer[k] for layer in layers]),
+                              NamedSharding(mesh, P())) for k in layers[0]
+            if k not in stacks}
+    h = np.random.default_rng(6).normal(0, 1, (9, cfg.hidden_size)).astype(np.float32)
+    ref = np.asarray(jax.jit(lambda x: moe_forward(cfg, x, ref_p))(h))
+
+    def f(x, params):
+        m = slice_layer(params, jnp.int32(1))
+        assert m["w_gate"].layer is not None            # a view, the stack kept whole
+        return moe_forward_ep(run_cfg, x, m, impl="tpu", interpret=True)
+
+    with jax.set_mesh(mesh):
+        out = np.asarray(jax.jit(f)(jax.device_put(h, NamedSharding(mesh, P())),
+                                    {**stacks, **rest}))
+    np.testing.assert_allclose(out, ref, atol=1e-3, rtol=1e-3)
