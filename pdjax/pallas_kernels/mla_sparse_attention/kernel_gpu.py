@@ -97,7 +97,8 @@ def _kernel(
             kv_l = pltriton.load(kv_ref.at[(*at, cols_l[None, :])], mask=mask_l)
             group = lax.div(cols_l, jnp.int32(SCALE_GROUP))
             scale = pltriton.load(scale_ref.at[(*at, group[None, :])], mask=mask_l)  # [B, Dl]
-            kv_l = (kv_l.astype(jnp.float32) * scale).astype(compute_dtype)
+            # Exact in the compute dtype: e4m3 values and power-of-two scales fit bf16.
+            kv_l = kv_l.astype(compute_dtype) * scale.astype(compute_dtype)
             kv_r = pltriton.load(rope_ref.at[(*at, (cols_r - kv_lora_rank)[None, :])],
                                  mask=mask_r).astype(compute_dtype)             # [B, Dr]
         else:
