@@ -1,5 +1,5 @@
-"""The ``pallas_call`` the three Pallas GPU kernels share (ragged paged attention, MLA attention,
-the indexer).
+"""The ``pallas_call`` the Pallas GPU kernels share (ragged paged attention, MLA attention,
+the indexer, the grouped GEMM).
 
 Each takes its operands whole in global memory (``pl.ANY``): a program gathers the rows of the
 pages it needs with masked ``pltriton.load``s, so there are no block specs to tile. Triton is
