@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from pdjax.aot.kernel_case import KernelCase
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
@@ -72,8 +74,6 @@ WEIGHT_DTYPES = ("bfloat16", "float8_e4m3fn")
 def gemm_cases(buckets, kernels=None, models=None) -> list:
     """``gmm`` for every shape x weight dtype x bucket; ``fp8_gemm`` for every shape with dense
     linears x bucket. ``kernels`` / ``models`` filter by name."""
-    from pdjax.aot.kernel_matrix import KernelCase
-
     cases = []
     for shape in GEMM_SHAPES:
         if models and shape.model.split("/")[0] not in models:

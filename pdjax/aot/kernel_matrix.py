@@ -32,6 +32,7 @@ import traceback
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from pdjax.aot.gemm_cases import GEMM_KERNELS, gemm_cases
+from pdjax.aot.kernel_case import KernelCase
 from pdjax.aot.gemm_cases import case_function as gemm_case_function
 from pdjax.aot.targets import Target, resolve_target
 
@@ -103,23 +104,6 @@ PAGE_SIZES = (16, 32, 64)
 POOL_TOKENS = 65536          # KV pool of every case, in tokens per layer
 GQA_KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 MLA_KV_DTYPES = ("bfloat16", "float8_e4m3fn")    # fp8: the FP8 latent record (fp8_record.py)
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelCase:
-    """One compile: ``kernel`` (``"rpa"``, ``"mla_dense"``, ``"mla_sparse"``, ``"indexer"``)
-    at ``shape`` with a ``kv_dtype`` cache of ``page_size`` pages, for ``bucket``."""
-
-    kernel: str
-    shape: AttentionShape
-    kv_dtype: str
-    page_size: int
-    bucket: TokenBucket
-
-    @property
-    def label(self) -> str:
-        return (f"{self.kernel} {self.shape.model} tp{self.shape.tp} {self.kv_dtype} "
-                f"page{self.page_size} {self.bucket.name}")
 
 
 @dataclasses.dataclass(frozen=True)
