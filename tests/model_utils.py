@@ -166,10 +166,10 @@ def set_sched(engine, **changes):
 
     core = engine.core
     assert not core.scheduler.has_work
-    speculator = core.scheduler.speculator
     core.scheduler = Scheduler(dataclasses.replace(core.sched_config, **changes),
-                               cost_model=core.cost_model)
-    core.scheduler.speculator = speculator
+                               cost_model=core.cost_model, connector=core.scheduler.connector,
+                               speculator=core.scheduler.speculator)
+    core.forward.scheduler = core.scheduler       # the device half reads the same one
     return core.scheduler
 
 

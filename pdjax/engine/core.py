@@ -101,18 +101,17 @@ class EngineCore(ForwardStep):
                           else load_tokenizer(args.tokenizer_path or self.model_path))
         phase("tokenizer")
         self.sched_config = config.scheduler
-        self.scheduler = Scheduler(self.sched_config)
         warn_if_context_cut(self.sched_config, self.context_length)
         # Fitted from every timed forward; the scheduler plans with it under target_itl_ms.
         self.cost_model = StepCostModel(self.buckets.pick, self.buckets.token_buckets,
                                         token_scale=self.buckets.token_buckets[-1],
                                         cached_scale=self.context_length)
-        self.scheduler.cost_model = self.cost_model
         # Speculative decoding (None: off): drafts per request, their statistics.
-        self.speculator = self.scheduler.speculator = make_speculator(
-            args, config, self.model_cfg, self.runner)
+        self.speculator = make_speculator(args, config, self.model_cfg, self.runner)
         if self.speculator is not None:
             phase("speculator")
+        self.scheduler = Scheduler(self.sched_config, cost_model=self.cost_model,
+                                   speculator=self.speculator)
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)   # node 0's calls go to every node
         eos = set(self.model_cfg.eos_token_ids)
@@ -121,7 +120,6 @@ class EngineCore(ForwardStep):
         self.eos_token_ids = frozenset(eos)
         self._rng = random.Random(args.random_seed)
         self._zero_token_reqs: list[Request] = []
-        self.num_steps = 0
         self.host_time_s = 0.0        # scheduling + batch building + sampling
         self.forward_time_s = 0.0
         self.step_hooks: list = []    # callables(batch, outputs) after each step (metrics)
@@ -134,20 +132,18 @@ class EngineCore(ForwardStep):
         # ``drain``: inside a step it flows as a value (``_read_first`` -> ``_run`` ->
         # ``_process``), so here it still names the step in flight when the step began.
         self._inflight: Launched | None = None
-        self._last_forward_end_s = 0.0
-        self.last_forward_device_s: float | None = None    # device time of the last forward read
-        # Forwards dispatched while the previous one still ran on the device (the host's work
-        # for the step was hidden behind it), and those dispatched after it had finished.
-        self.num_overlapped_dispatches = 0
-        self.num_exposed_dispatches = 0
-        self._penalty_slots: dict[int, Request] = {}     # penalty slot -> request
         self._grammar_backend = None                     # built on first use (grammar_backend)
         self._grammar_lock = threading.Lock()
-        # Steps whose grammar rows were sampled in a second dispatch after the step before was
-        # read (overlap kept), and grammar rows so sampled.
-        self.num_grammar_split_steps = 0
-        self.num_grammar_split_rows = 0
         self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
+        # The device half of the step: inputs, dispatch, split grammar rows, reading tokens.
+        self.forward = ForwardStep(
+            runner=self.runner, buckets=self.buckets, scheduler=self.scheduler,
+            cost_model=self.cost_model, speculator=self.speculator, model_cfg=self.model_cfg,
+            page_size=args.page_size, eos_token_ids=self.eos_token_ids,
+            dispatch_hooks=self.dispatch_hooks,
+            split_grammar_sampling=lambda: self.split_grammar_sampling,
+            stop_check=self.stop_check, make_output=self.make_output,
+            abort_request=self.abort_request)
         self._warm_up(progress, background_compile, phase)
         # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
         # step polls and starts, and the role that sees requests first (pdjax/engine_roles.py;
@@ -173,9 +169,39 @@ class EngineCore(ForwardStep):
             self.speculator.drafter.warmup()     # a draft model's buckets (DESIGN.md §3)
         phase("warmup")
         if args.target_itl_ms is not None:
-            self.seed_cost_model()
+            self.forward.seed_cost_model()
             phase("seed_cost_model")
         phase.report()
+
+    # ------------------------------------------------------------------ the forward's counters
+    @property
+    def num_steps(self) -> int:
+        """Steps whose results were read."""
+        return self.forward.num_steps
+
+    @property
+    def num_overlapped_dispatches(self) -> int:
+        """Forwards dispatched while the previous one still ran on the device."""
+        return self.forward.num_overlapped_dispatches
+
+    @property
+    def num_exposed_dispatches(self) -> int:
+        """Forwards dispatched after the previous one had finished."""
+        return self.forward.num_exposed_dispatches
+
+    @property
+    def num_grammar_split_steps(self) -> int:
+        """Steps whose grammar rows were drawn in a second dispatch (overlap kept)."""
+        return self.forward.num_grammar_split_steps
+
+    @property
+    def num_grammar_split_rows(self) -> int:
+        return self.forward.num_grammar_split_rows
+
+    @property
+    def last_forward_device_s(self) -> float | None:
+        """Device seconds of the last forward read (None: it compiled)."""
+        return self.forward.last_forward_device_s
 
     # ------------------------------------------------------------------ grammars
     @property
@@ -285,7 +311,7 @@ class EngineCore(ForwardStep):
         done, self._inflight = self._inflight, None
         if done is None:
             return []
-        outputs, fetch_s = self._complete(done)
+        outputs, fetch_s = self.forward.complete(done)
         self._start_transfers(done.batch)
         outputs = self.disagg.after_step(done.batch, outputs)
         self.forward_time_s += fetch_s
@@ -368,7 +394,7 @@ class EngineCore(ForwardStep):
         ``prev``, the step still in flight."""
         if batch is None:
             return None
-        launched, dispatch_s = self._launch(batch, prev, outputs)
+        launched, dispatch_s = self.forward.launch(batch, prev, outputs)
         clock.device_s += dispatch_s
         return launched
 
@@ -389,7 +415,7 @@ class EngineCore(ForwardStep):
         if launched is not None and launched.deferred:
             # The step before is read and its tokens taken by the matchers: fill the masks
             # while the new forward runs, then sample its grammar rows.
-            clock.device_s += self._sample_deferred(launched, outputs)
+            clock.device_s += self.forward.sample_deferred(launched, outputs)
         batch = done.batch if done is not None else None
         self._start_transfers(batch)     # every step: a request admitted now may wait for KV
         if done is not None or outputs:
@@ -404,7 +430,7 @@ class EngineCore(ForwardStep):
             self.kv_worker.start(meta)
 
     def _read(self, done: Launched, clock: StepClock) -> list[GenerateOutput]:
-        outputs, fetch_s = self._complete(done)
+        outputs, fetch_s = self.forward.complete(done)
         clock.device_s += fetch_s
         return outputs
 

@@ -3,9 +3,10 @@
 again once the step before is read, read a launched step's tokens into its requests, and feed
 the cost model the forward's device time.
 
-``ForwardStep`` is a mixin of ``pdjax.engine.core.EngineCore``: it reads the core's runner,
-buckets, scheduler, speculator and cost model, and ``Launched`` is what one dispatch leaves in
-flight.
+``EngineCore`` holds one ``ForwardStep``, built from what it uses (the runner, the buckets,
+the scheduler, the cost model, the speculator, and the core's ``stop_check``,
+``make_output`` and ``abort_request``); it owns the penalty slots and the dispatch counters.
+``Launched`` is what one dispatch leaves in flight.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -49,7 +50,7 @@ class Launched:
     t_start: float = 0.0                         # perf_counter when the dispatch began
     compiled: bool = False                       # a compile happened in the dispatch
     # Split grammar rows (overlap): their masks need the tokens of the step before, so they
-    # are sampled again by ``_sample_deferred`` from ``logits`` once that step is read.
+    # are sampled again by ``sample_deferred`` from ``logits`` once that step is read.
     deferred: list[tuple[int, Request, SamplingRow]] = dataclasses.field(default_factory=list)
     logits: Any = None                           # [R, V] on the device while deferred rows wait
     has_grammar: bool = False                    # a pending token belongs to a grammar request
@@ -57,9 +58,39 @@ class Launched:
 
 
 class ForwardStep:
-    """``EngineCore``'s forward: launch, resample, read (see the module docstring)."""
+    """``EngineCore``'s forward: launch, resample, read (see the module docstring).
 
-    def _launch(self, batch: ScheduledBatch, prev: Launched | None,
+    ``split_grammar_sampling()``: whether grammar rows whose input token is still on the
+    device are drawn in a second dispatch (``EngineCore.split_grammar_sampling``).
+    ``dispatch_hooks``: the core's list of callables ``(batch, key, device array,
+    t_dispatch)`` run after each dispatch. ``eos_token_ids``: the model's and the tokenizer's.
+    """
+
+    def __init__(self, *, runner, buckets, scheduler, cost_model, speculator, model_cfg,
+                 page_size: int, eos_token_ids: frozenset[int],
+                 dispatch_hooks: list, split_grammar_sampling: Callable[[], bool],
+                 stop_check: Callable, make_output: Callable, abort_request: Callable):
+        self.runner, self.buckets, self.scheduler = runner, buckets, scheduler
+        self.cost_model, self.speculator, self.model_cfg = cost_model, speculator, model_cfg
+        self.page_size, self.eos_token_ids = page_size, eos_token_ids
+        self.dispatch_hooks = dispatch_hooks
+        self._split_grammar_sampling = split_grammar_sampling
+        self.stop_check, self.make_output = stop_check, make_output
+        self.abort_request = abort_request
+        self.penalty_slots: dict[int, Request] = {}     # penalty slot -> request
+        self.num_steps = 0                               # steps read
+        self._last_forward_end_s = 0.0
+        self.last_forward_device_s: float | None = None  # device time of the last forward read
+        # Forwards dispatched while the previous one still ran on the device (the host's work
+        # for the step was hidden behind it), and those dispatched after it had finished.
+        self.num_overlapped_dispatches = 0
+        self.num_exposed_dispatches = 0
+        # Steps whose grammar rows were sampled in a second dispatch after the step before was
+        # read (overlap kept), and grammar rows so sampled.
+        self.num_grammar_split_steps = 0
+        self.num_grammar_split_rows = 0
+
+    def launch(self, batch: ScheduledBatch, prev: Launched | None,
                 outputs: list[GenerateOutput]):
         """Build the metadata and sampling inputs of ``batch`` and dispatch its forward (not
         waited for); count its tokens in the scheduler. ``prev``: the step still in flight,
@@ -67,7 +98,7 @@ class ForwardStep:
         ``(Launched, dispatch s)``."""
         rows = [BatchRow(r.token_ids, r.start, r.req.pages, 0 if r.is_verify else None)
                 for r in batch.rows]
-        max_pages = max(-(-(r.start + r.num_tokens) // self.args.page_size) for r in batch.rows)
+        max_pages = max(-(-(r.start + r.num_tokens) // self.page_size) for r in batch.rows)
         key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
                                 ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
@@ -102,7 +133,7 @@ class ForwardStep:
         """The per-row inputs of ``batch``'s forward after its metadata ``fb``: ``prev_idx``
         (for each input token sampled by ``prev``, the step in flight, its row there; -1
         otherwise), the device sampling inputs (penalty slots, grammar masks, a verify row's
-        rows), the grammar rows deferred to ``_sample_deferred`` and the verify rows. A row
+        rows), the grammar rows deferred to ``sample_deferred`` and the verify rows. A row
         whose sampling state fails is aborted (its output appended to ``outputs``) and left
         undrawn; the batch goes on. Returns ``(prev_idx, sampling, deferred, verify)``."""
         prev_idx = np.full(key.num_tokens, -1, np.int32)
@@ -125,9 +156,9 @@ class ForwardStep:
                 row_params = SamplingRow.from_request(req, slot,
                                                      eos_token_ids=self.eos_token_ids)
                 if req.grammar is not None and PENDING_TOKEN in req.output_ids:
-                    if not self.split_grammar_sampling:
+                    if not self._split_grammar_sampling():
                         raise RuntimeError("grammar row scheduled while a token is pending")
-                    # Its mask needs the token in flight: drawn by ``_sample_deferred``.
+                    # Its mask needs the token in flight: drawn by ``sample_deferred``.
                     deferred.append((i, req, row_params))
                     samp_rows.append(None)
                     continue
@@ -164,7 +195,7 @@ class ForwardStep:
                 out.error = f"sampling failed: {e}"
                 outputs.append(out)
 
-    def _sample_deferred(self, launched: Launched, outputs: list[GenerateOutput]) -> float:
+    def sample_deferred(self, launched: Launched, outputs: list[GenerateOutput]) -> float:
         """Fill the masks of ``launched``'s deferred grammar rows from their matchers (which
         took the previous step's tokens) and dispatch their draw from the forward's logits
         (``ModelRunner.resample``); rows of requests that ended meanwhile are not drawn (their
@@ -200,7 +231,7 @@ class ForwardStep:
         launched.logits = None
         return time.perf_counter() - t1
 
-    def _complete(self, done: Launched) -> tuple[list[GenerateOutput], float]:
+    def complete(self, done: Launched) -> tuple[list[GenerateOutput], float]:
         """Read a launched step's results (blocks until its forward has run) and update and
         stream its requests; the one place tokens reach clients. Returns the outputs and the
         seconds spent waiting for the device."""
@@ -258,18 +289,18 @@ class ForwardStep:
         """``req``'s penalty slot; a new one (set from its known tokens) if it has none. A slot
         whose request is not running is reused: at most ``max_running_requests`` requests run,
         so one is always there."""
-        for slot, owner in self._penalty_slots.items():
+        for slot, owner in self.penalty_slots.items():
             if owner is req:
                 return slot
         running = set(map(id, self.scheduler.running))
         slot = next((s for s in range(1, self.runner.num_penalty_slots)
-                     if s not in self._penalty_slots or id(self._penalty_slots[s]) not in running),
+                     if s not in self.penalty_slots or id(self.penalty_slots[s]) not in running),
                     None)
         if slot is None:
             raise RuntimeError("no free penalty slot")
         if PENDING_TOKEN in req.output_ids:
             raise RuntimeError(f"request {req.rid}: penalty slot needed while a token is pending")
-        self._penalty_slots[slot] = req
+        self.penalty_slots[slot] = req
         self.runner.init_penalty_slot(slot, req.prompt_ids, req.output_ids)
         return slot
 

@@ -66,16 +66,18 @@ from pdjax.sched.spec_rows import DraftRows
 
 
 class Scheduler:
-    """Owns the waiting/running queues, the page allocator and the prefix cache.
+    """Owns the waiting/running queues; holds the pages (``KVCacheManager``), the remote-KV
+    books (``RemoteKV``) and the drafts (``DraftRows``).
 
     ``cost_model``: a ``StepCostModel`` (or any object with its ``token_buckets``, ``predict``
     and ``margin``), needed for ``target_itl_ms``; each batch carries its prediction.
     ``connector``: the ``KVConnector`` asked at admission and finish (default
-    ``NullConnector``: colocated serving).
+    ``NullConnector``: colocated serving). ``speculator``: the ``SpecController`` that drafts
+    for decode rows (None: no speculation).
     """
 
     def __init__(self, config: SchedulerConfig, cost_model=None,
-                 connector: KVConnector | None = None):
+                 connector: KVConnector | None = None, speculator=None):
         self.config = config
         self.cost_model = cost_model
         self.page_size = config.page_size
@@ -84,7 +86,7 @@ class Scheduler:
         self.allocator = self.kv.allocator
         self.prefix_cache = self.kv.prefix_cache
         # Drafts of decode rows (speculative decoding; ``speculator`` None: off).
-        self.drafts = DraftRows(self.kv, config.max_request_tokens)
+        self.drafts = DraftRows(self.kv, config.max_request_tokens, speculator)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
