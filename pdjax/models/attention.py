@@ -12,6 +12,7 @@ import dataclasses
 import jax
 
 from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pdjax.pallas_kernels.ragged_paged_attention.fp8_kv import quantize_kv
 
 
 @jax.tree_util.register_dataclass
@@ -35,25 +36,45 @@ class AttentionMetadata:
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, scales: tuple[jax.Array, jax.Array] | None = None):
     """Scatter this step's ``k, v [T, KVH, D]`` into the rows of ``[layers, pages, page_size,
-    KVH * D]`` (the cache layout of ``cache_spec.gqa_cache_spec``)."""
+    KVH * D]`` (or ``[.., KVH, D]``; the cache layout of ``cache_spec.gqa_cache_spec``).
+
+    ``scales``: ``(k_scale, v_scale)`` ``[layers, pages, page_size, KVH]`` float32 of a
+    float8_e4m3fn cache (``fp8_kv``): each token's head is quantized with its own scale
+    (amax / 448) and the scale written beside it. Returns ``(k_cache, v_cache)``, plus the
+    updated ``scales`` when given."""
     page_size = k_cache.shape[2]
     page, offset = slot_mapping // page_size, slot_mapping % page_size
     rows = k_cache.shape[3:]
+    if scales is not None:
+        (k, k_s), (v, v_s) = quantize_kv(k), quantize_kv(v)
+        scales = (scales[0].at[layer, page, offset].set(k_s),
+                  scales[1].at[layer, page, offset].set(v_s))
     k_cache = k_cache.at[layer, page, offset].set(k.reshape(-1, *rows).astype(k_cache.dtype))
     v_cache = v_cache.at[layer, page, offset].set(v.reshape(-1, *rows).astype(v_cache.dtype))
-    return k_cache, v_cache
+    if scales is None:
+        return k_cache, v_cache
+    return k_cache, v_cache, scales
 
 
 def paged_attention(q, k, v, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
-                    impl: str | None = None, interpret: bool = False):
+                    impl: str | None = None, interpret: bool = False,
+                    scales: tuple[jax.Array, jax.Array] | None = None):
     """Write ``k, v`` into the caches, then attend; the write precedes every read of the step.
 
-    Returns ``(out [T, QH, D], k_cache, v_cache)``.
+    ``scales``: the ``(k_scale, v_scale)`` buffers of an FP8 cache with real scales
+    (``write_kv``), or None. Returns ``(out [T, QH, D], k_cache, v_cache)``, plus the updated
+    ``scales`` when given.
     """
-    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping)
+    written = write_kv(k_cache, v_cache, layer, k, v, md.slot_mapping, scales)
+    k_cache, v_cache = written[:2]
+    scales = written[2] if scales is not None else None
     out = ragged_paged_attention(q, k_cache, v_cache, layer, md.kv_lens, md.page_indices,
                                  md.cu_q_lens, md.distribution, sm_scale=sm_scale, impl=impl,
-                                 interpret=interpret, decode_only=md.decode_only)
-    return out, k_cache, v_cache
+                                 interpret=interpret, decode_only=md.decode_only,
+                                 k_scales=None if scales is None else scales[0],
+                                 v_scales=None if scales is None else scales[1])
+    if scales is None:
+        return out, k_cache, v_cache
+    return out, k_cache, v_cache, scales

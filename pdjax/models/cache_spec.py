@@ -106,21 +106,38 @@ def gqa_cache_spec(num_layers: int, num_kv_heads: int, head_dim: int, *, num_pag
     TP 8, one KV head per shard, needed 53 GB of temporaries on v6e; DESIGN.md §7)::
 
         row of token t:  [ head 0: D lanes | head 1: D lanes | ... ]   (shard j: heads j*KVH/tp..)
+
+    With ``dtype`` float8_e4m3fn the values come with real scales (``fp8_kv``): two more
+    buffers ``k_scale``, ``v_scale`` ``[L, N, ps, KVH]`` float32, one scale per token per KV
+    head, split over ``tp`` with their heads (KV format ``fp8:gqa<bytes>``, ``kv_format``).
     """
+    dtype = jnp.dtype(dtype)
     if not rows:      # CPU and GPU: [L, N, ps, KVH, D] (the same memory)
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         part = P(None, None, None, "tp", None)
-        return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part),
-                CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part))
-    shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
-    part = P(None, None, None, "tp")
-    return (CacheBufferSpec("k_cache", shape, jnp.dtype(dtype), part, num_kv_heads),
-            CacheBufferSpec("v_cache", shape, jnp.dtype(dtype), part, num_kv_heads))
+        specs = (CacheBufferSpec("k_cache", shape, dtype, part),
+                 CacheBufferSpec("v_cache", shape, dtype, part))
+    else:
+        shape = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
+        part = P(None, None, None, "tp")
+        specs = (CacheBufferSpec("k_cache", shape, dtype, part, num_kv_heads),
+                 CacheBufferSpec("v_cache", shape, dtype, part, num_kv_heads))
+    if dtype != jnp.dtype(jnp.float8_e4m3fn):
+        return specs
+    scale = (num_layers, num_pages, page_size, num_kv_heads)
+    return specs + tuple(CacheBufferSpec(name, scale, jnp.dtype(jnp.float32),
+                                         P(None, None, None, "tp"), num_kv_heads)
+                         for name in GQA_SCALE_BUFFERS)
+
+
+# The per-token scale buffers of an FP8 GQA cache (``fp8_kv``), in the model's cache dict.
+GQA_SCALE_BUFFERS = ("k_scale", "v_scale")
 
 
 # Planes of one FP8 record (fp8_record.py): named together in the KV format.
 _RECORD_OF = {"latent": "mla", "latent_scale": "mla", "latent_rope": "mla",
-              "indexer_k": "idx", "indexer_k_scale": "idx"}
+              "indexer_k": "idx", "indexer_k_scale": "idx",
+              "k_cache": "gqa", "v_cache": "gqa", "k_scale": "gqa", "v_scale": "gqa"}
 KV_FORMAT_MAX_LEN = 32       # the PD wire field's limit (pd/protocol.py, pd/bootstrap.py)
 
 
@@ -132,7 +149,9 @@ def kv_format(specs: tuple[CacheBufferSpec, ...] | list[CacheBufferSpec]) -> str
     record by its bytes a token a layer, then the dtypes of the other buffers, joined by
     ``+``: ``"fp8:mla656+idx132"`` (FlashMLA's latent record and DSA's FP8 indexer keys, GPU
     / CPU), ``"fp8:mla768+bfloat16"`` (the TPU split, bf16 indexer keys), ``"+bfloat16"``
-    more with MTP's hidden-state buffer. Raises ``ValueError`` for no buffers or a name past
+    more with MTP's hidden-state buffer; GQA's e4m3 K and V with a float32 scale per token
+    per KV head ``"fp8:gqa408"`` (SmolLM2: 2 x (3 heads x 64 + 3 x 4) bytes; the plain
+    cast without scales was ``"float8_e4m3fn"``). Raises ``ValueError`` for no buffers or a name past
     32 characters."""
     if not specs:
         raise ValueError("specs: no KV buffers")
@@ -142,6 +161,8 @@ def kv_format(specs: tuple[CacheBufferSpec, ...] | list[CacheBufferSpec]) -> str
     records = {"mla"} if "latent_rope" in names else set()
     if "indexer_k_scale" in names:
         records.add("idx")
+    if "k_scale" in names:
+        records.add("gqa")
     parts: list[str] = []
     for s in specs:
         record = _RECORD_OF.get(s.name)

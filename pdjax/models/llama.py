@@ -79,7 +79,9 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, nnx.Param(value))
 
     def __call__(self, x, k_cache, v_cache, md: AttentionMetadata, *, attention_impl=None,
-                 interpret=False):
+                 interpret=False, scales=None):
+        """Returns ``(x, k_cache, v_cache)``; with ``scales`` (the ``(k_scale, v_scale)``
+        buffers of an FP8 cache, ``fp8_kv``) ``(x, k_cache, v_cache, scales)``."""
         cfg = self.cfg
         T = x.shape[0]
         QH, KVH, D = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
@@ -92,7 +94,7 @@ class DecoderLayers(nnx.Module):
             return linear_group(h, p, group, LINEAR_GROUPS[group], num_real_tokens)
 
         def layer_step(carry, xs):
-            x, k_cache, v_cache = carry
+            x, k_cache, v_cache, scales = carry
             p, layer = xs
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
             q, k, v = project(h, p, "wqkv")
@@ -104,25 +106,26 @@ class DecoderLayers(nnx.Module):
                 k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
             q = apply_rope(q, md.positions, inv_freq, rope_scale)
             k = apply_rope(k, md.positions, inv_freq, rope_scale)
-            attn, k_cache, v_cache = paged_attention(
+            attn, k_cache, v_cache, *rest = paged_attention(
                 q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5,
-                impl=attention_impl, interpret=interpret)
+                impl=attention_impl, interpret=interpret, scales=scales)
+            scales = rest[0] if rest else None
             (out,) = project(attn.reshape(T, QH * D), p, "wo")
             x = x + out
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
             gate, up = project(h, p, "w_gate_up")
             (down,) = project(jax.nn.silu(gate) * up, p, "w_down")
             x = x + down
-            return (x, k_cache, v_cache), None
+            return (x, k_cache, v_cache, scales), None
 
-        carry = (x, k_cache, v_cache)
+        carry = (x, k_cache, v_cache, scales)
         if _is_unrolled(params["input_norm"]):
             for i in range(cfg.num_layers):
                 carry, _ = layer_step(carry, ({name: w[i] for name, w in params.items()}, i))
-            return carry
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(layer_step, carry, (params, layers))
-        return carry
+        else:
+            layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(layer_step, carry, (params, layers))
+        return carry if scales is not None else carry[:3]
 
     def unstack(self) -> None:
         """Split every stacked ``[L, ...]`` parameter into a tuple of ``L`` arrays, in place,
@@ -197,10 +200,12 @@ class LlamaForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
 
-    def hidden_states(self, input_ids, k_cache, v_cache, md: AttentionMetadata):
+    def hidden_states(self, input_ids, k_cache, v_cache, md: AttentionMetadata, scales=None):
+        """``(x [T, H], k_cache, v_cache)``, plus ``scales`` updated when given (the
+        ``(k_scale, v_scale)`` buffers of an FP8 cache; ``DecoderLayers``)."""
         x = self.embed_tokens[...][input_ids]
         return self.layers(x, k_cache, v_cache, md, attention_impl=self.attention_impl,
-                           interpret=self.interpret)
+                           interpret=self.interpret, scales=scales)
 
     def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32. ``num_rows``
@@ -240,13 +245,24 @@ class LlamaForCausalLM(nnx.Module):
 
     def paged_forward(self, input_ids, caches: dict, md: AttentionMetadata):
         """The engine's model interface: ``(hidden [T, H], caches)`` with ``caches`` the dict
-        of buffers named by ``cache_spec``."""
-        x, k, v = self.hidden_states(input_ids, caches["k_cache"], caches["v_cache"], md)
-        return x, {"k_cache": k, "v_cache": v}
+        of buffers named by ``cache_spec`` (an FP8 cache: ``k_scale``/``v_scale`` too)."""
+        from pdjax.models.cache_spec import GQA_SCALE_BUFFERS
 
-    def __call__(self, input_ids, k_cache, v_cache, md: AttentionMetadata, logits_indices):
-        x, k_cache, v_cache = self.hidden_states(input_ids, k_cache, v_cache, md)
-        return self.compute_logits(x[logits_indices]), k_cache, v_cache
+        scales = (tuple(caches[n] for n in GQA_SCALE_BUFFERS)
+                  if GQA_SCALE_BUFFERS[0] in caches else None)
+        x, k, v, *rest = self.hidden_states(input_ids, caches["k_cache"], caches["v_cache"], md,
+                                            scales=scales)
+        out = {"k_cache": k, "v_cache": v}
+        if rest:
+            out.update(zip(GQA_SCALE_BUFFERS, rest[0]))
+        return x, out
+
+    def __call__(self, input_ids, k_cache, v_cache, md: AttentionMetadata, logits_indices,
+                 scales=None):
+        """``(logits, k_cache, v_cache)``, plus the updated ``scales`` when given."""
+        x, k_cache, v_cache, *rest = self.hidden_states(input_ids, k_cache, v_cache, md,
+                                                        scales=scales)
+        return (self.compute_logits(x[logits_indices]), k_cache, v_cache, *rest)
 
 
 def param_partition_specs(cfg: ModelConfig, tp_size: int) -> dict[str, P]:

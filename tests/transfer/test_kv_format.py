@@ -36,8 +36,9 @@ def test_kv_format_names_dtype_or_record():
     cfg = _real_size()
     assert kv_format(gqa_cache_spec(2, 2, 8, num_pages=4, page_size=PS,
                                     dtype=jnp.bfloat16)) == "bfloat16"
+    # GQA fp8: e4m3 K/V with a float32 scale per token per KV head (2 x (2 x 8 + 2 x 4) B).
     assert kv_format(gqa_cache_spec(2, 2, 8, num_pages=4, page_size=PS,
-                                    dtype=jnp.float8_e4m3fn)) == "float8_e4m3fn"
+                                    dtype=jnp.float8_e4m3fn)) == "fp8:gqa48"
     assert kv_format(deepseek_cache_spec(cfg, num_pages=4, page_size=PS,
                                          dtype=jnp.bfloat16)) == "bfloat16"
     gpu = kv_format(deepseek_cache_spec(cfg, num_pages=4, page_size=PS,

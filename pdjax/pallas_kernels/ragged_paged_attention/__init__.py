@@ -81,6 +81,8 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     impl: str | None = None,
     interpret=False,
     decode_only: bool = False,
@@ -99,6 +101,10 @@ def ragged_paged_attention(
       sm_scale: softmax scale. sliding_window: keys at positions ``> p - window`` only.
       soft_cap: scores become ``soft_cap * tanh(s / soft_cap)``.
       k_scale, v_scale: static float dequantization scales of a quantized cache, or None.
+      k_scales, v_scales: ``[layers, num_pages, page_size, num_kv_heads]`` float32, one scale
+        per token per KV head of a float8_e4m3fn cache (``fp8_kv``, written by the model's KV
+        write), or None. The reference and the xla / cpu paths read them; the TPU and GPU
+        kernels do not yet and refuse them (ValueError) rather than read unscaled values.
       impl: one of ``ATTENTION_IMPLS`` or None (auto).
       interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
         kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
@@ -115,11 +121,15 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   k_scale=k_scale, v_scale=v_scale)
     args = (q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens, distribution)
+    scales = dict(k_scales=k_scales, v_scales=v_scales)
     if impl == "reference":
-        return ragged_paged_attention_reference(*args, **kwargs)
+        return ragged_paged_attention_reference(*args, **kwargs, **scales)
     if impl in ("xla", "cpu"):
-        return ragged_paged_attention_xla(*args, **kwargs, decode_only=decode_only,
+        return ragged_paged_attention_xla(*args, **kwargs, **scales, decode_only=decode_only,
                                           native_decode=impl == "cpu")
+    if k_scales is not None or v_scales is not None:
+        raise ValueError(f"k_scales/v_scales: the {impl} kernel does not read an FP8 cache with "
+                         f"per-token scales yet; use impl='xla' (or --attention-backend xla)")
     if impl == "tpu":
         from pdjax.pallas_kernels.ragged_paged_attention.kernel_tpu import (
             ragged_paged_attention_tpu as kernel)

@@ -41,16 +41,17 @@ def cpu_kernel_available() -> bool:
     return cpu_kernel_status()[0]
 
 
-def supports(q: jax.Array, k_cache: jax.Array, k_scale, v_scale) -> bool:
+def supports(q: jax.Array, k_cache: jax.Array, k_scale, v_scale, k_scales=None) -> bool:
     """Whether the kernel takes this query and cache: a float32 or bfloat16 cache, static
-    scales or None, and a head_dim that is a multiple of 8 (its vector width)."""
-    return (k_cache.dtype in CACHE_DTYPES and q.shape[-1] % 8 == 0
+    scales or None, no per-token scale caches (an FP8 cache, ``fp8_kv``: the jnp path reads
+    it), and a head_dim that is a multiple of 8 (its vector width)."""
+    return (k_cache.dtype in CACHE_DTYPES and q.shape[-1] % 8 == 0 and k_scales is None
             and all(s is None or isinstance(s, (int, float)) for s in (k_scale, v_scale)))
 
 
 def decode_attention_cpu(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows, *,
                          sm_scale, sliding_window=None, soft_cap=None, k_scale=None,
-                         v_scale=None):
+                         v_scale=None, k_scales=None, v_scales=None):
     """``xla.decode_attention``'s contract through the native kernel.
 
     Args:
@@ -71,7 +72,7 @@ def decode_attention_cpu(q, k_cache, v_cache, layer, kv_lens, page_indices, num_
     ok, why = cpu_kernel_status()
     if not ok:
         raise RuntimeError(f"CPU attention kernel unavailable: {why}")
-    if not supports(q, k_cache, k_scale, v_scale):
+    if not supports(q, k_cache, k_scale, v_scale, k_scales):
         raise ValueError(f"k_cache/q: the CPU kernel does not take a {k_cache.dtype} cache with "
                          f"q {q.shape} (see kernel_cpu.supports)")
     n = q.shape[0]

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pdjax.pallas_kernels.ragged_paged_attention.fp8_kv import check_scale_caches, load_kv
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -114,6 +116,8 @@ def ragged_paged_attention_reference(
     pages_per_block: int | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of every query row over its request's paged KV cache.
 
@@ -134,6 +138,8 @@ def ragged_paged_attention_reference(
       pages_per_block: pages visited per online-softmax step (default: up to 8).
       k_scale, v_scale: dequantization scales of a quantized (e.g. float8_e4m3fn) cache: the
         stored values are multiplied by them after the cast to float32; None = no scaling.
+      k_scales, v_scales: ``[layers, num_pages, page_size, num_kv_heads]`` float32 scales of
+        an FP8 cache with real scales (``fp8_kv``), one per token per KV head, or None.
 
     Returns:
       ``[T, num_q_heads, head_dim]`` in ``q.dtype``; padding rows are 0.
@@ -142,6 +148,7 @@ def ragged_paged_attention_reference(
     del distribution
     num_tokens, num_q_heads, head_dim = q.shape
     k_cache, v_cache = split_kv_heads(k_cache, head_dim), split_kv_heads(v_cache, head_dim)
+    check_scale_caches(k_cache, k_scales, v_scales)
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     max_pages = page_indices.shape[1]
@@ -168,14 +175,10 @@ def ragged_paged_attention_reference(
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(page_indices, b * pages_per_block,
                                              pages_per_block, axis=1)[req_c]   # [T, ppb]
-        k = k_cache[layer, pages].astype(jnp.float32)      # [T, ppb, ps, KVH, D]
-        v = v_cache[layer, pages].astype(jnp.float32)
+        k = load_kv(k_cache, k_scales, k_scale, layer, pages)   # [T, ppb, ps, KVH, D]
+        v = load_kv(v_cache, v_scales, v_scale, layer, pages)
         k = k.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
         v = v.reshape(num_tokens, block_tokens, num_kv_heads, head_dim)
-        if k_scale is not None:
-            k = k * k_scale
-        if v_scale is not None:
-            v = v * v_scale
         kv_pos = b * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)    # [S]
         mask = (kv_pos[None, :] <= positions[:, None]) & (kv_pos[None, :] < kv_len_tok[:, None])
         if sliding_window is not None:

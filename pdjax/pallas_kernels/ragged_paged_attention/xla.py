@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.pallas_kernels.ragged_paged_attention import kernel_cpu
+from pdjax.pallas_kernels.ragged_paged_attention.fp8_kv import check_scale_caches, load_kv
 from pdjax.pallas_kernels.ragged_paged_attention.reference import (
     _MASK_VALUE, split_kv_heads, validate_inputs)
 
@@ -73,7 +74,7 @@ NATIVE_TOKEN_ROWS_MAX = 32
 
 def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows, *, sm_scale,
                      sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                     pages_per_block=None):
+                     k_scales=None, v_scales=None, pages_per_block=None):
     """Attention of decode rows: token ``r`` is the only query of request ``r``; KV heads
     folded into the key axis up to ``DECODE_FOLD_MAX_KV_HEADS`` of them, head-major blocks
     beyond (module docstring).
@@ -82,8 +83,8 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows
       q: ``[n, QH, D]`` the decode rows' queries (``n <= R``).
       k_cache, v_cache, layer, kv_lens ``[R]``, page_indices ``[R, P]``: as in the reference.
       num_rows: int32 scalar: rows ``[0, num_rows)`` are decode rows; the rest give 0.
-      sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference (the query
-        sits at position ``kv_lens[r] - 1``).
+      sm_scale, sliding_window, soft_cap, k_scale, v_scale, k_scales, v_scales: as in the
+        reference (the query sits at position ``kv_lens[r] - 1``).
       pages_per_block: pages per KV block (static; default ``DECODE_KV_BLOCK_TOKENS``' worth).
 
     Returns:
@@ -119,12 +120,8 @@ def decode_attention(q, k_cache, v_cache, layer, kv_lens, page_indices, num_rows
     def body(b, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, b * pages_per_block, pages_per_block, 1)
-        k = k_cache[layer, pages].astype(jnp.float32)                         # [n, Pb, ps, KVH, D]
-        v = v_cache[layer, pages].astype(jnp.float32)
-        if k_scale is not None:
-            k = k * k_scale
-        if v_scale is not None:
-            v = v * v_scale
+        k = load_kv(k_cache, k_scales, k_scale, layer, pages)                  # [n, Pb, ps, KVH, D]
+        v = load_kv(v_cache, v_scales, v_scale, layer, pages)
         pos = b * block + key_token                                            # [S*KVH] or [S]
         seen = pos[None, :] < kv_len[:, None]                                  # [n, S*KVH] or [n, S]
         if sliding_window is not None:
@@ -171,6 +168,8 @@ def ragged_paged_attention_xla(
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     q_block: int | None = None,
     kv_pages_per_block: int | None = None,
     decode_pages_per_block: int | None = None,
@@ -187,7 +186,8 @@ def ragged_paged_attention_xla(
       distribution: ``[3]`` int32 ``(decode_end, prefill_end, num_seqs)``: rows
         ``[0:decode_end)`` must have q_len 1; rows ``[decode_end:num_seqs)`` may have any q_len;
         rows from ``num_seqs`` on are padding and give 0.
-      sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
+      sm_scale, sliding_window, soft_cap, k_scale, v_scale, k_scales, v_scales: as in the
+        reference (``k_scales``/``v_scales``: per-token scales of an FP8 cache, ``fp8_kv``).
       q_block, kv_pages_per_block: query rows per tile and pages per KV block (static). When
         either is given, every request takes those tiles (the other defaulting to 128 rows /
         512 tokens' worth, at most P). By default each request picks (``lax.cond``) long tiles
@@ -210,21 +210,22 @@ def ragged_paged_attention_xla(
     """
     validate_inputs(q, k_cache, v_cache, kv_lens, page_indices, cu_q_lens, distribution)
     k_cache, v_cache = split_kv_heads(k_cache, q.shape[2]), split_kv_heads(v_cache, q.shape[2])
+    check_scale_caches(k_cache, k_scales, v_scales)
     opts = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                k_scale=k_scale, v_scale=v_scale)
+                k_scale=k_scale, v_scale=v_scale, k_scales=k_scales, v_scales=v_scales)
     num_seqs_pad = page_indices.shape[0]
     num_decode = min(q.shape[0], num_seqs_pad)
 
     def decode_rows(num_rows):
         """``[num_decode, QH, D]`` float32 of the first ``num_rows`` tokens (decode rows)."""
-        if native_decode and kernel_cpu.supports(q, k_cache, k_scale, v_scale):
+        if native_decode and kernel_cpu.supports(q, k_cache, k_scale, v_scale, k_scales):
             return kernel_cpu.decode_attention_cpu(q[:num_decode], k_cache, v_cache, layer,
                                                    kv_lens, page_indices, num_rows, **opts)
         return decode_attention(q[:num_decode], k_cache, v_cache, layer, kv_lens, page_indices,
                                 num_rows, pages_per_block=decode_pages_per_block, **opts)
 
     if (native_decode and q.shape[0] <= NATIVE_TOKEN_ROWS_MAX and not decode_only
-            and kernel_cpu.supports(q, k_cache, k_scale, v_scale)):
+            and kernel_cpu.supports(q, k_cache, k_scale, v_scale, k_scales)):
         tok_kv_lens, tok_pages = token_rows(kv_lens, page_indices, cu_q_lens, distribution,
                                             q.shape[0])
         return kernel_cpu.decode_attention_cpu(q, k_cache, v_cache, layer, tok_kv_lens,
@@ -248,7 +249,7 @@ def ragged_paged_attention_xla(
     tiled = dict(qf=qf, k_cache=k_cache, v_cache=v_cache, layer=layer, kv_lens=kv_lens,
                  page_indices=page_indices, cu_q_lens=cu_q_lens, q_lens=q_lens,
                  sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-                 v_scale=v_scale)
+                 v_scale=v_scale, k_scales=k_scales, v_scales=v_scales)
 
     def kv_pages(tokens):
         return max(1, min(max_pages, tokens // page_size))
@@ -298,7 +299,7 @@ def token_rows(kv_lens, page_indices, cu_q_lens, distribution, num_tokens: int):
 
 
 def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens, page_indices,
-           cu_q_lens, q_lens, sliding_window, soft_cap, k_scale, v_scale):
+           cu_q_lens, q_lens, sliding_window, soft_cap, k_scale, v_scale, k_scales, v_scales):
     """``request_step(r, out)``: request ``r``'s rows in query tiles of ``q_block`` tokens,
     each over KV blocks of ``kv_pages_per_block`` pages (online softmax), written into
     ``out [T, QH, D]`` float32. ``qf`` is the scaled query ``[T, KVH, G, D]`` float32."""
@@ -314,14 +315,10 @@ def _tiles(q_block, kv_pages_per_block, *, qf, k_cache, v_cache, layer, kv_lens,
             m, l, acc = carry
             pages = jax.lax.dynamic_slice_in_dim(page_indices[r], b * kv_pages_per_block,
                                                  kv_pages_per_block)
-            k = k_cache[layer, pages].astype(jnp.float32).reshape(kv_block, num_kv_heads,
-                                                                   head_dim)
-            v = v_cache[layer, pages].astype(jnp.float32).reshape(kv_block, num_kv_heads,
-                                                                   head_dim)
-            if k_scale is not None:
-                k = k * k_scale
-            if v_scale is not None:
-                v = v * v_scale
+            k = load_kv(k_cache, k_scales, k_scale, layer, pages).reshape(
+                kv_block, num_kv_heads, head_dim)
+            v = load_kv(v_cache, v_scales, v_scale, layer, pages).reshape(
+                kv_block, num_kv_heads, head_dim)
             kv_pos = b * kv_block + jnp.arange(kv_block, dtype=jnp.int32)        # [S]
             # Slots past kv_len (NaN allowed there) must not leak through 0 * NaN.
             v = jnp.where((kv_pos < kv_lens[r])[:, None, None], v, 0.0)
