@@ -90,20 +90,34 @@ def _random_case(seed=1, num_kv_heads=2, group=2, head_dim=16, kv_len=(13, 1, 30
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "cpu"])
-def test_attention_reads_scales(impl):
-    """Each jnp path over (e4m3 values, scales) equals the reference over the dequantized
-    float32 cache (1e-5), rows and 5-dim views; without the scales the answer is far off."""
-    q, k, v, meta = _random_case()
+@pytest.mark.parametrize("heads", [(2, 2, 16), (3, 3, 64), (8, 1, 128)])
+def test_attention_reads_scales(impl, heads):
+    """Each jnp path and the native CPU kernel over (e4m3 values, scales) equal the reference
+    over the dequantized float32 cache (1e-5), rows and 5-dim views, mixed rows (the CPU
+    kernel's token groups) and decode rows; without the scales the answer is far off."""
+    from pdjax.pallas_kernels.ragged_paged_attention import kernel_cpu
+
+    kvh, group, head_dim = heads
+    q, k, v, meta = _random_case(num_kv_heads=kvh, group=group, head_dim=head_dim)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+    # Decode rows: one query each over the same requests (q_len 1, all decode).
+    decode_meta = (meta[0], meta[1], jnp.arange(4, dtype=jnp.int32),
+                   jnp.asarray([3, 3, 3], jnp.int32))
+    for qq, md, only in ((q, meta, False), (q[:3], decode_meta, True)):
+        want = np.asarray(ragged_paged_attention(qq, kd, vd, 1, *md, sm_scale=0.25,
+                                                 impl="reference"))
+        for view in (lambda c: c, lambda c: c.reshape(*c.shape[:3], -1)):
+            fn = jax.jit(lambda *a: ragged_paged_attention(
+                *a, sm_scale=0.25, impl=impl, k_scales=ks, v_scales=vs, decode_only=only))
+            args = (qq, view(kq), view(vq), 1, *md)
+            if impl == "cpu" and kernel_cpu.cpu_kernel_available():   # the kernel reads it
+                assert kernel_cpu.FFI_TARGET in fn.lower(*args).as_text()
+            np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-5,
+                                       atol=1e-5 * np.abs(want).max())
+    plain = np.asarray(ragged_paged_attention(q, kq, vq, 1, *meta, sm_scale=0.25, impl=impl))
     want = np.asarray(ragged_paged_attention(q, kd, vd, 1, *meta, sm_scale=0.25,
                                              impl="reference"))
-    for view in (lambda c: c, lambda c: c.reshape(*c.shape[:3], -1)):
-        got = ragged_paged_attention(q, view(kq), view(vq), 1, *meta, sm_scale=0.25, impl=impl,
-                                     k_scales=ks, v_scales=vs)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(
-            want).max())
-    plain = np.asarray(ragged_paged_attention(q, kq, vq, 1, *meta, sm_scale=0.25, impl=impl))
     assert not np.allclose(plain, want, rtol=0.1, atol=0.1 * np.abs(want).max())
 
 

@@ -15,6 +15,11 @@
 // tokens. Both passes prefetch the next page as they go. Items run on XLA's intra-op thread
 // pool, longest first.
 //
+// An FP8 cache (float8_e4m3fn values, fp8_kv.py) comes with float32 scales [L, NP, ps, KVH],
+// one per token per KV head: a row's item multiplies each key's scores by its K scale after
+// pass 1 and each probability by its V scale before pass 2 (the softmax sums are taken
+// first); a group's item scales each widened key and value row.
+//
 // Indices that come from the host (layer, page ids, kv lens, num_rows) are clamped to the
 // buffers' ranges before they address memory (page ids to [0, num_pages), as the Pallas kernels
 // clamp them).
@@ -39,6 +44,32 @@ using pdjax_cpu::f32x8;
 using pdjax_cpu::kLanes;
 using pdjax_cpu::load8;
 using pdjax_cpu::store8;
+
+// float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, S.1111.111
+// is NaN) widened by a 256-entry table.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 0xF, m = b & 7;
+      float v = e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                       : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 0xF && m == 7) v = NAN;
+      value[b] = (b & 0x80) ? -v : v;
+    }
+  }
+};
+const Fp8Table kFp8Table;
+
+inline f32x8 load8(const Fp8E4M3* p) {
+  f32x8 v;
+  for (int64_t j = 0; j < kLanes; ++j) v[j] = kFp8Table.value[p[j].bits];
+  return v;
+}
 
 constexpr int64_t kKeysPerBlock = 4;  // keys scored together (independent FMA chains)
 constexpr int64_t kCacheLine = 64;
@@ -231,6 +262,8 @@ struct Problem {
   const float* q;          // [rows, QH, D]
   const void* k_cache;     // [L, NP, ps, KVH, D]
   const void* v_cache;
+  const float* k_scales;   // [L, NP, ps, KVH] float32 per-token scales of an FP8 cache, or null
+  const float* v_scales;
   const int32_t* kv_lens;       // [>= rows]
   const int32_t* page_indices;  // [>= rows, P]
   float* out;                   // [rows, QH, D]
@@ -301,6 +334,24 @@ const T* layer_of(const Problem& pb, const void* cache) {
          pb.layer * pb.num_pages * pb.page_size * pb.kv_heads * pb.head_dim;
 }
 
+// Layer pb.layer of a scale cache ([L, NP, ps, KVH]); the scale of the token whose element
+// offset in a layer of the value cache is `off` (a multiple of KVH * D), head h, is at
+// off / D + h.
+inline const float* scales_of(const Problem& pb, const float* scales) {
+  return scales + pb.layer * pb.num_pages * pb.page_size * pb.kv_heads;
+}
+
+// x[(hh * G + g) * stride + i] *= scale[i * KVH + h0 + hh] for the `run` keys of a run whose
+// first token's scales start at `scale` (hh < H heads, g < G rows each).
+inline void scale_run(float* x, int64_t H, int64_t G, int64_t stride, const float* scale,
+                      int64_t kv_heads, int64_t h0, int64_t run) {
+  for (int64_t hh = 0; hh < H; ++hh)
+    for (int64_t g = 0; g < G; ++g) {
+      float* xg = x + (hh * G + g) * stride;
+      for (int64_t i = 0; i < run; ++i) xg[i] *= scale[i * kv_heads + h0 + hh];
+    }
+}
+
 // One row (it.r0), KV heads [h0, h1): out[r, h0 * G : h1 * G, :]. A run's tokens are
 // contiguous ([run, KVH, D]), so the heads of an item read it from L1 after the first.
 template <typename T>
@@ -324,9 +375,11 @@ void attend_row(const Problem& pb, const Item& it, Scratch& scratch) {
   scratch.scores.resize(HG * n_keys);
   float* sc = scratch.scores.data();
   const T* k_heads = layer_of<T>(pb, pb.k_cache) + it.h0 * D;
+  const float* k_sc = pb.k_scales ? scales_of(pb, pb.k_scales) : nullptr;
   runs.each([&](int64_t s, int64_t off, int64_t next, int64_t run) {
     score_run(qs, it.h1 - it.h0, G, D, k_heads + off, token_stride, run, sc + s, n_keys,
               next < 0 ? nullptr : k_heads + next);
+    if (k_sc) scale_run(sc + s, it.h1 - it.h0, G, n_keys, k_sc + off / D, pb.kv_heads, it.h0, run);
   });
   scratch.inv_sum.resize(HG);
   for (int64_t g = 0; g < HG; ++g) {
@@ -345,7 +398,10 @@ void attend_row(const Problem& pb, const Item& it, Scratch& scratch) {
   }
   // Pass 2: probabilities times values.
   const T* v_heads = layer_of<T>(pb, pb.v_cache) + it.h0 * D;
+  const float* v_sc = pb.v_scales ? scales_of(pb, pb.v_scales) : nullptr;
   runs.each([&](int64_t s, int64_t off, int64_t next, int64_t run) {
+    // The V scales weigh the probabilities (their sums are taken above, unscaled).
+    if (v_sc) scale_run(sc + s, it.h1 - it.h0, G, n_keys, v_sc + off / D, pb.kv_heads, it.h0, run);
     weigh_run(sc + s, it.h1 - it.h0, G, D, v_heads + off, token_stride, run, out, n_keys,
               next < 0 ? nullptr : v_heads + next);
   });
@@ -363,6 +419,15 @@ void widen_run(const T* src, int64_t token_stride, int64_t D, int64_t run, float
       prefetch_l2(next + i * token_stride, D * static_cast<int64_t>(sizeof(T)));
     for (int64_t d = 0; d < D; d += kLanes)
       store8(dst + i * D + d, load8(src + i * token_stride + d));
+  }
+}
+
+// tile[i * D + d] *= scale[i * kv_heads] for the `run` widened rows of one head.
+inline void scale_rows(float* tile, int64_t run, int64_t D, const float* scale,
+                       int64_t kv_heads) {
+  for (int64_t i = 0; i < run; ++i) {
+    const float c = scale[i * kv_heads];
+    for (int64_t d = 0; d < D; ++d) tile[i * D + d] *= c;
   }
 }
 
@@ -448,8 +513,11 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
       }
     // Pass 1: scores [n_keys, Mp].
     const T* k_head = layer_of<T>(pb, pb.k_cache) + h * D;
+    const float* k_sc = pb.k_scales ? scales_of(pb, pb.k_scales) + h : nullptr;
+    const float* v_sc = pb.v_scales ? scales_of(pb, pb.v_scales) + h : nullptr;
     runs.each([&](int64_t s, int64_t off, int64_t next, int64_t run) {
       widen_run(k_head + off, token_stride, D, run, tile, next < 0 ? nullptr : k_head + next);
+      if (k_sc) scale_rows(tile, run, D, k_sc + off / D, pb.kv_heads);
       for (int64_t v0 = 0; v0 < Mp; v0 += 3 * kLanes) {
         float* out = sc + s * Mp + v0;
         switch (std::min<int64_t>(Mp - v0, 3 * kLanes) / kLanes) {
@@ -480,6 +548,7 @@ void attend_group(const Problem& pb, const Item& it, Scratch& scratch) {
     const T* v_head = layer_of<T>(pb, pb.v_cache) + h * D;
     runs.each([&](int64_t s, int64_t off, int64_t next, int64_t run) {
       widen_run(v_head + off, token_stride, D, run, tile, next < 0 ? nullptr : v_head + next);
+      if (v_sc) scale_rows(tile, run, D, v_sc + off / D, pb.kv_heads);
       const float* p = sc + s * Mp;
       const float* values = tile;
       for (int64_t m = 0; m < M; m += kRowsPerBlock) {
@@ -565,6 +634,7 @@ void run_problem(const Problem& pb, ffi::ThreadPool pool) {
 
 ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                  ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                 ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
                                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> kv_lens,
                                  ffi::Buffer<ffi::S32> page_indices,
                                  ffi::Buffer<ffi::S32> num_rows, float sm_scale,
@@ -603,10 +673,24 @@ ffi::Error decode_attention_impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   pb.q = q.typed_data();
   pb.k_cache = k_cache.untyped_data();
   pb.v_cache = v_cache.untyped_data();
+  // Scales: [L, NP, ps, KVH] float32 with an FP8 cache, [0] without.
+  const size_t scale_count = static_cast<size_t>(pb.num_layers * pb.num_pages * pb.page_size *
+                                                 pb.kv_heads);
+  const bool fp8 = k_cache.element_type() == ffi::F8E4M3FN;
+  if (k_scales.element_count() != (fp8 ? scale_count : 0) ||
+      v_scales.element_count() != k_scales.element_count())
+    return ffi::Error::InvalidArgument(
+        "decode_attention: an FP8 cache needs k/v scales [L, NP, ps, KVH], another none");
+  pb.k_scales = fp8 ? k_scales.typed_data() : nullptr;
+  pb.v_scales = fp8 ? v_scales.typed_data() : nullptr;
   pb.kv_lens = kv_lens.typed_data();
   pb.page_indices = page_indices.typed_data();
   pb.out = out->typed_data();
   auto run = [&](auto element) { run_problem<decltype(element)>(pb, pool); };
+  if (fp8) {
+    run(Fp8E4M3{});
+    return ffi::Error::Success();
+  }
   return pdjax_cpu::with_float_type(k_cache.element_type(),
                                     "decode_attention: cache dtype not float32/bfloat16", run);
 }
@@ -619,6 +703,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PdjaxPagedDecodeAttention, decode_attention_impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // q
                                   .Arg<ffi::AnyBuffer>()          // k_cache
                                   .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales ([0]: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
                                   .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_indices

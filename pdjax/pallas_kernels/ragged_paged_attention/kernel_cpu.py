@@ -42,10 +42,13 @@ def cpu_kernel_available() -> bool:
 
 
 def supports(q: jax.Array, k_cache: jax.Array, k_scale, v_scale, k_scales=None) -> bool:
-    """Whether the kernel takes this query and cache: a float32 or bfloat16 cache, static
-    scales or None, no per-token scale caches (an FP8 cache, ``fp8_kv``: the jnp path reads
-    it), and a head_dim that is a multiple of 8 (its vector width)."""
-    return (k_cache.dtype in CACHE_DTYPES and q.shape[-1] % 8 == 0 and k_scales is None
+    """Whether the kernel takes this query and cache: a float32 or bfloat16 cache without
+    per-token scales, or a float8_e4m3fn cache with them (``k_scales``, ``fp8_kv``; a plain
+    fp8 cast is left to the jnp path), static scales or None, and a head_dim that is a
+    multiple of 8 (its vector width)."""
+    fp8 = k_cache.dtype == jnp.float8_e4m3fn
+    return (((k_cache.dtype in CACHE_DTYPES and k_scales is None)
+             or (fp8 and k_scales is not None)) and q.shape[-1] % 8 == 0
             and all(s is None or isinstance(s, (int, float)) for s in (k_scale, v_scale)))
 
 
@@ -56,7 +59,9 @@ def decode_attention_cpu(q, k_cache, v_cache, layer, kv_lens, page_indices, num_
 
     Args:
       q: ``[n, QH, D]`` the decode rows' queries (any float dtype; computed in float32).
-      k_cache, v_cache: ``[layers, num_pages, page_size, KVH, D]`` float32 or bfloat16.
+      k_cache, v_cache: ``[layers, num_pages, page_size, KVH, D]`` float32 or bfloat16, or
+        float8_e4m3fn with ``k_scales``/``v_scales`` ``[layers, num_pages, page_size, KVH]``
+        float32 (one scale per token per KV head, ``fp8_kv``).
       layer: int32 scalar; kv_lens ``[R]``, page_indices ``[R, P]`` int32 with ``R >= n``.
       num_rows: int32 scalar: rows ``[0, num_rows)`` are decode rows; the rest give 0.
       sm_scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference (the query sits
@@ -78,7 +83,10 @@ def decode_attention_cpu(q, k_cache, v_cache, layer, kv_lens, page_indices, num_
     n = q.shape[0]
     call = jax.ffi.ffi_call(FFI_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
-    return call(q.astype(jnp.float32), k_cache, v_cache,
+    none = jnp.zeros((0,), jnp.float32)
+    k_scales = none if k_scales is None else k_scales.astype(jnp.float32)
+    v_scales = none if v_scales is None else v_scales.astype(jnp.float32)
+    return call(q.astype(jnp.float32), k_cache, v_cache, k_scales, v_scales,
                 jnp.asarray(layer, jnp.int32).reshape(()), kv_lens[:n].astype(jnp.int32),
                 page_indices[:n].astype(jnp.int32), jnp.asarray(num_rows, jnp.int32).reshape(()),
                 sm_scale=np.float32(sm_scale), sliding_window=np.int64(sliding_window or 0),
