@@ -1,0 +1,81 @@
+"""PD with FP8 GQA KV (issue 40, ``fp8_kv``): the tiny Llama's e4m3 K/V and their float32
+per-token scales move from prefill to decode as they are (bytes per page = values + scales),
+the decode's greedy tokens equal a colocated FP8-KV engine's, and a bf16-KV decode is refused
+by the FP8 prefill before any byte moves, naming both KV formats."""
+
+import json
+import os
+
+import pytest
+from pd_harness import (at_baseline, free_port, greedy_agrees, load, pd_body, pd_router,
+                        pd_server, pd_state, post, running, wait_until)
+
+pytestmark = pytest.mark.slow      # starts processes
+
+ARGS = dict(page_size=8, max_total_tokens=512, chunked_prefill_size=16, max_running_requests=2,
+            context_length=64)
+
+
+@pytest.fixture(scope="module")
+def gqa_fp8_pd(tiny_checkpoints, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("pd_gqa_fp8_kv"))
+    model = tiny_checkpoints["llama"]
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model, progress=False, kv_cache_dtype="fp8_e4m3", **ARGS)
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
+                        kv_cache_dtype="fp8_e4m3", **ARGS)
+    decode = pd_server("decode", "decode", model, logs, kv_cache_dtype="fp8_e4m3", **ARGS)
+    decode_bf16 = pd_server("decode_bf16", "decode", model, logs, kv_cache_dtype="bfloat16",
+                            **ARGS)
+    router = pd_router("router", prefill, bport, decode, logs)
+    try:
+        with running([prefill, decode, decode_bf16, router]):
+            yield dict(prefill=prefill, decode=decode, decode_bf16=decode_bf16, router=router,
+                       colocated=colocated, model=model, bport=bport)
+    finally:
+        colocated.shutdown()
+
+
+def test_fp8_values_and_scales_move_as_they_are(gqa_fp8_pd):
+    with open(os.path.join(gqa_fp8_pd["model"], "config.json")) as f:
+        cfg = json.load(f)
+    lengths = [9, 17, 33, 41]
+    prompts = [[(7 * i + 3 * n) % 400 + 3 for i in range(n)] for n in lengths]
+    sp = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    ref = gqa_fp8_pd["colocated"].generate(input_ids=prompts, return_logprob=True,
+                                           top_logprobs_num=2, sampling_params=sp)
+    compared = 0
+    for p, r in zip(prompts, ref):
+        status, out = post(gqa_fp8_pd["router"].url + "/generate",
+                           {"input_ids": p, "sampling_params": sp})
+        assert status == 200, out
+        compared += greedy_agrees(r["output_ids"], r["meta_info"]["output_top_logprobs"],
+                                  out["output_ids"])
+    assert compared >= 0.8 * 6 * len(prompts)
+    # Bytes per page from the config alone: K and V of every layer, each token's KV heads as
+    # head_dim e4m3 values and one float32 scale.
+    ps, kvh = ARGS["page_size"], cfg["num_key_value_heads"]
+    per_page = cfg["num_hidden_layers"] * ps * 2 * kvh * (cfg["head_dim"] + 4)
+    assert wait_until(lambda: at_baseline(gqa_fp8_pd["prefill"]), 30), load(gqa_fp8_pd["prefill"])
+    state = pd_state(gqa_fp8_pd["prefill"])
+    assert state["kv_bytes_per_page"] == per_page
+    recs = {rec["prompt_len"]: rec for rec in state["recent"]}
+    for n in lengths:
+        rec = recs[n]
+        assert rec["state"] == "Success"
+        pages = -(-n // ps) - rec["decode_prefix_len"] // ps
+        assert rec["pages"] == pages and rec["bytes"] == pages * per_page
+
+
+def test_bf16_decode_is_refused_naming_both_formats(gqa_fp8_pd):
+    prefill, decode = gqa_fp8_pd["prefill"], gqa_fp8_pd["decode_bf16"]
+    moved = sum(r["bytes"] for r in pd_state(prefill)["recent"])
+    body = pd_body(list(range(3, 20)), 9100, gqa_fp8_pd["bport"], max_new_tokens=4)
+    status, out = post(decode.url + "/generate", body)
+    text = json.dumps(out)
+    assert status >= 400 or "error" in text, out
+    assert "kv_dtype: prefill 'fp8:gqa80' != decode 'bfloat16'" in text, text
+    assert sum(r["bytes"] for r in pd_state(prefill)["recent"]) == moved
+    assert wait_until(lambda: at_baseline(decode), 10)
