@@ -2,8 +2,8 @@
 
 ``EngineCore`` runs the same step for every role; a PD role (``--role prefill|decode``) plugs
 in through ``EngineRole``, which the engine calls at fixed points, and sees the engine only
-through ``RoleHost``, which ``EngineCore`` implements. Neither side reaches into the other's
-privates. The scheduler calls the same object as its ``KVConnector``
+through a ``RoleHost``, which ``EngineCore`` builds before its scheduler (no scheduler, no
+model runner beyond its KV methods). Neither side reaches into the other's privates. The scheduler calls the same object as its ``KVConnector``
 (``pdjax/sched/kv_connector.py``): a decode's requests are admitted by the scheduler like any
 other, the role answering ``get_num_new_matched_tokens`` and its worker reporting the KV in.
 
@@ -30,14 +30,14 @@ Pure Python (typing only): both sides import it, the engine from above, the role
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:      # annotations only: no import at run time
     from pdjax.config import ServerArgs
     from pdjax.engine_io import GenerateOutput, GenerateRequest
-    from pdjax.request import FinishReason, Request
-    from pdjax.runner.model_runner import ModelRunner
-    from pdjax.sched.scheduler import ScheduledBatch, Scheduler
+    from pdjax.request import Request
+    from pdjax.sched.scheduled_batch import ScheduledBatch
 
 
 @runtime_checkable
@@ -127,26 +127,29 @@ class NullRole:
         pass
 
 
-class RoleHost(Protocol):
-    """What a role may use of the engine (``EngineCore`` implements it)."""
+@dataclasses.dataclass(frozen=True)
+class RoleHost:
+    """What a KV connection (a PD role, a registered ``--kv-connector``, the host KV tier) may
+    use of the engine; ``EngineCore`` builds it before its scheduler, and nothing in it is the
+    scheduler or the engine itself.
+
+    ``model_cfg``: the model's config (``vocab_size``, ``num_kv_heads``, ...). ``runner``: its
+    KV methods (``kv_buffers``, ``gather_pages``, ``scatter_pages``, ``cache_specs``; ``LocalKV``
+    and the host tier). ``kv``: the pages (``KVCacheManager``: its allocator's free count, the
+    prefix cache's ``cached_pages_of``), read only. ``wait_for_device()``: block until the step
+    in flight has run (pages a finish released are not written any more). ``wait_for_kv()``:
+    block until every KV write dispatched so far has landed. ``abort_request(rid, message)``:
+    end a request wherever the scheduler holds it (a role that failed it; unknown rids are
+    ignored). ``num_prompt_tokens_computed()``: the scheduler's count (PD gauges).
+    """
 
     args: ServerArgs
     model_path: str
-    model_cfg: Any                 # the model's config: vocab_size, num_kv_heads, ...
-    scheduler: Scheduler           # PD page sets through its methods only
-    runner: ModelRunner            # kv_buffers / gather_pages / scatter_pages (LocalKV)
+    model_cfg: Any
     context_length: int
-
-    def stop_check(self, req: Request) -> FinishReason | None:
-        """The finish reason after ``req``'s newest token (the decode's first token)."""
-
-    def make_output(self, req: Request, tokens, lps, tops,
-                    num_output: int | None = None) -> GenerateOutput:
-        """The ``GenerateOutput`` increment of ``req`` carrying ``tokens``."""
-
-    def wait_for_device(self) -> None:
-        """Block until the step in flight has run (pages a finish released are not written
-        any more)."""
-
-    def wait_for_kv(self) -> None:
-        """Block until every KV write dispatched so far has landed in the cache."""
+    runner: Any
+    kv: Any
+    wait_for_device: Callable[[], None]
+    wait_for_kv: Callable[[], None]
+    abort_request: Callable[[str, str], Any]
+    num_prompt_tokens_computed: Callable[[], int]

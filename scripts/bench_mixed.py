@@ -316,8 +316,10 @@ def main(argv=None) -> dict[str, Any]:
     if args.long_prompt_len + 1 >= core.context_length:
         raise ValueError(f"--long-prompt-len {args.long_prompt_len} does not fit the context "
                          f"length {core.context_length}")
+    from pdjax.engine.forward import seed_cost_model
+
     compiles0 = core.runner.compiles_after_warmup
-    num_seeded = core.seed_cost_model()
+    num_seeded = seed_cost_model(core.runner, core.buckets, core.cost_model)
     decode_step_ms = measure_decode_step(core, args)
     print(f"warm-up {core.warmup_s:.0f} s, {num_seeded} seed forwards; steady decode step "
           f"{decode_step_ms:.1f} ms", file=sys.stderr, flush=True)

@@ -317,3 +317,22 @@ def test_the_scheduler_never_imports_the_transfer_package():
              for line, target in run_time_imports(MODULES[name].read_text())
              if target.startswith("pdjax.transfer")]
     assert sched and not reach, reach
+
+
+def test_a_kv_connection_sees_the_engine_only_as_its_role_host():
+    """``transfer/`` and ``kv/hicache/`` get no scheduler and no engine: they import neither
+    (annotations included), and ``RoleHost`` holds just what they use (a new field is a
+    decision, not a drift)."""
+    import dataclasses
+
+    from pdjax.engine_roles import RoleHost
+
+    users = [n for n in MODULES if n.startswith(("pdjax.transfer", "pdjax.kv.hicache"))]
+    reach = [f"{n} -> {t}" for n in users for t in all_imports(MODULES[n].read_text())
+             if t.startswith(("pdjax.sched.scheduler", "pdjax.engine.", "pdjax.runner.model_runner"))]
+    assert users and not reach, reach
+    assert [f.name for f in dataclasses.fields(RoleHost)] == [
+        "args", "model_path", "model_cfg", "context_length", "runner", "kv", "wait_for_device",
+        "wait_for_kv", "abort_request", "num_prompt_tokens_computed"]
+    sources = "".join(MODULES[n].read_text() for n in users)
+    assert ".scheduler" not in sources.replace("pdjax.sched", "")

@@ -27,13 +27,13 @@ from typing import Any
 import jax
 
 from pdjax.config import ServerArgs
-from pdjax.engine.forward import ForwardStep, Launched
+from pdjax.engine.forward import ForwardStep, Launched, seed_cost_model
 from pdjax.engine.load import engine_load
 from pdjax.engine.runner_setup import build_runner
 from pdjax.engine.speculative import make_speculator, must_read_first
 from pdjax.engine.startup import PhaseTimer, warn_if_context_cut
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.engine_roles import EngineRole
+from pdjax.engine_roles import EngineRole, RoleHost
 from pdjax.distributed import join as join_cluster
 from pdjax.models.loader import load_tokenizer
 from pdjax.output import token_finish_reason
@@ -41,6 +41,7 @@ from pdjax.request import FinishReason, Request
 from pdjax.runner.device_sampler import MAX_HELD_STOP_IDS, MAX_TOP_LOGPROBS
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
+from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
 from pdjax.transfer.factory import check_kv_connector, create_kv_connection
 
@@ -110,8 +111,6 @@ class EngineCore(ForwardStep):
         self.speculator = make_speculator(args, config, self.model_cfg, self.runner)
         if self.speculator is not None:
             phase("speculator")
-        self.scheduler = Scheduler(self.sched_config, cost_model=self.cost_model,
-                                   speculator=self.speculator)
         if self.cluster is not None:
             self.runner = self.cluster.mirror(self.runner)   # node 0's calls go to every node
         eos = set(self.model_cfg.eos_token_ids)
@@ -135,6 +134,22 @@ class EngineCore(ForwardStep):
         self._grammar_backend = None                     # built on first use (grammar_backend)
         self._grammar_lock = threading.Lock()
         self.num_grammar_syncs = 0    # steps that read the step in flight first (no split)
+        self._warm_up(progress, background_compile, phase)
+        # KV from or to elsewhere (DESIGN.md §4), built before the scheduler: the connector it
+        # calls, the worker this step polls and starts, and the role that sees requests first
+        # (pdjax/engine_roles.py). Colocated: the null connection, never None.
+        kv = KVCacheManager(self.sched_config.num_pages, self.sched_config.page_size,
+                            self.sched_config.disable_radix_cache)
+        conn = create_kv_connection(RoleHost(
+            args=args, model_path=self.model_path, model_cfg=self.model_cfg,
+            context_length=self.context_length, runner=self.runner, kv=kv,
+            wait_for_device=self.wait_for_device, wait_for_kv=self.wait_for_kv,
+            abort_request=lambda rid, message: self.scheduler.abort_request(rid, message),
+            num_prompt_tokens_computed=lambda: self.scheduler.num_prompt_tokens_computed))
+        self.disagg: EngineRole = conn.role
+        self.kv_worker = conn.worker
+        self.scheduler = Scheduler(self.sched_config, cost_model=self.cost_model,
+                                   connector=conn.connector, speculator=self.speculator, kv=kv)
         # The device half of the step: inputs, dispatch, split grammar rows, reading tokens.
         self.forward = ForwardStep(
             runner=self.runner, buckets=self.buckets, scheduler=self.scheduler,
@@ -144,14 +159,6 @@ class EngineCore(ForwardStep):
             split_grammar_sampling=lambda: self.split_grammar_sampling,
             stop_check=self.stop_check, make_output=self.make_output,
             abort_request=self.abort_request)
-        self._warm_up(progress, background_compile, phase)
-        # KV from or to elsewhere (DESIGN.md §4): the scheduler's connector, the worker this
-        # step polls and starts, and the role that sees requests first (pdjax/engine_roles.py;
-        # this core is its RoleHost). Colocated: the null connection, never None.
-        conn = create_kv_connection(self)
-        self.disagg: EngineRole = conn.role
-        self.kv_worker = conn.worker
-        self.scheduler.connector = conn.connector
 
     def _warm_up(self, progress: bool, background_compile: bool, phase: PhaseTimer) -> None:
         """Compile the buckets (and a draft model's), seed the cost model under an ITL target,
@@ -169,7 +176,7 @@ class EngineCore(ForwardStep):
             self.speculator.drafter.warmup()     # a draft model's buckets (DESIGN.md §3)
         phase("warmup")
         if args.target_itl_ms is not None:
-            self.forward.seed_cost_model()
+            seed_cost_model(self.runner, self.buckets, self.cost_model)
             phase("seed_cost_model")
         phase.report()
 
@@ -269,6 +276,7 @@ class EngineCore(ForwardStep):
         if sp.grammar is not None:
             self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
+        self.scheduler.check_new_request(req)
         self.disagg.add_request(g, req)      # PD: the request's room (ValueError: refused)
         self.scheduler.add_request(req)
         # The role's sampling parameters (a PD prefill samples one token whatever the client

@@ -304,16 +304,17 @@ class ForwardStep:
         self.runner.init_penalty_slot(slot, req.prompt_ids, req.output_ids)
         return slot
 
-    def seed_cost_model(self) -> int:
-        """Time one empty forward of every bucket a mixed step may use (already compiled by
-        warm-up), so the cost model has data before the first request. Returns the number of
-        forwards timed."""
-        keys = {self.buckets.pick("mixed", t, 1, p) for t in self.buckets.token_buckets
-                for p in self.buckets.pages_per_seq_buckets}
-        for key in sorted(keys, key=repr):
-            fb = self.runner.make_batch(key, [])
-            t0 = time.perf_counter()
-            out, _ = self.runner.forward(key, fb)
-            jax.block_until_ready(out.tokens)
-            self.cost_model.observe(key, 0, 0, time.perf_counter() - t0)
-        return len(keys)
+
+def seed_cost_model(runner, buckets, cost_model) -> int:
+    """Time one empty forward of every bucket a mixed step may use (already compiled by
+    warm-up) on ``runner``, so ``cost_model`` has data before the first request. Returns the
+    number of forwards timed."""
+    keys = {buckets.pick("mixed", t, 1, p) for t in buckets.token_buckets
+            for p in buckets.pages_per_seq_buckets}
+    for key in sorted(keys, key=repr):
+        fb = runner.make_batch(key, [])
+        t0 = time.perf_counter()
+        out, _ = runner.forward(key, fb)
+        jax.block_until_ready(out.tokens)
+        cost_model.observe(key, 0, 0, time.perf_counter() - t0)
+    return len(keys)

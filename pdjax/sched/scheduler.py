@@ -73,16 +73,19 @@ class Scheduler:
     and ``margin``), needed for ``target_itl_ms``; each batch carries its prediction.
     ``connector``: the ``KVConnector`` asked at admission and finish (default
     ``NullConnector``: colocated serving). ``speculator``: the ``SpecController`` that drafts
-    for decode rows (None: no speculation).
+    for decode rows (None: no speculation). ``kv``: the pages, when built before the scheduler
+    (``EngineCore`` hands them to its KV connection too); default: a new ``KVCacheManager``.
     """
 
     def __init__(self, config: SchedulerConfig, cost_model=None,
-                 connector: KVConnector | None = None, speculator=None):
+                 connector: KVConnector | None = None, speculator=None,
+                 kv: KVCacheManager | None = None):
         self.config = config
         self.cost_model = cost_model
         self.page_size = config.page_size
         # The pages (allocator, prefix cache) and what is done with a request's pages.
-        self.kv = KVCacheManager(config.num_pages, config.page_size, config.disable_radix_cache)
+        self.kv = kv if kv is not None else KVCacheManager(
+            config.num_pages, config.page_size, config.disable_radix_cache)
         self.allocator = self.kv.allocator
         self.prefix_cache = self.kv.prefix_cache
         # Drafts of decode rows (speculative decoding; ``speculator`` None: off).
@@ -142,13 +145,18 @@ class Scheduler:
         """Admitted requests whose KV arrives from elsewhere (read-only, rid -> request)."""
         return self.remote.waiting
 
-    def add_request(self, req: Request) -> None:
-        """Queue ``req``; ``ValueError`` if its prompt cannot fit the context or the pool."""
+    def check_new_request(self, req: Request) -> None:
+        """``ValueError`` if ``req`` cannot be queued: its rid is in use, or its prompt cannot
+        fit the context or the pool (``add_request`` checks the same)."""
         if req.rid in self.requests:
             raise ValueError(f"rid {req.rid!r} is already in use")
         if req.num_tokens >= self.max_request_tokens:
             raise ValueError(f"prompt of {req.num_tokens} tokens is at or over the context "
                              f"length {self.max_request_tokens}")
+
+    def add_request(self, req: Request) -> None:
+        """Queue ``req``; ``ValueError`` if its prompt cannot fit the context or the pool."""
+        self.check_new_request(req)
         req.arrival_time = req.arrival_time or time.monotonic()
         self.requests[req.rid] = req
         self.waiting.append(req)

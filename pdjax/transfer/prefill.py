@@ -79,6 +79,7 @@ class PrefillConnector(RoleManager):
         super().__init__(host, parts)
         self.rooms: dict[int, PrefillRoom] = {}
         self.rooms_by_rid: dict[str, PrefillRoom] = {}
+        self.held: set[str] = set()      # rids whose pages the scheduler holds for their room
         # Rooms whose transfer completed, for the bootstrap timeout: a reuse is a 409 at once.
         self.completed_rooms = CompletedRooms(self.args.bootstrap_timeout_s)
         self.bootstrap = BootstrapServer(self.args.host, self.args.disaggregation_bootstrap_port,
@@ -339,8 +340,8 @@ class PrefillConnector(RoleManager):
         reason = str(failure)
         logger.warning("PD prefill: bootstrap_room %d failed: %s", r.room, reason)
         self.metrics.on_failure(failure.label)
-        if r.req is not None and r.req.rid in self.scheduler.requests:
-            self.scheduler.abort_request(r.req.rid, reason)
+        if r.req is not None:
+            self.host.abort_request(r.req.rid, reason)     # nothing if it is not scheduled
         if notify is not None and r.peer_id is not None and not r.notified:
             r.notified = True
             self.worker.notify(r, notify)
@@ -350,7 +351,8 @@ class PrefillConnector(RoleManager):
         if r.state not in (KVPoll.Success, KVPoll.Failed) or r.jobs_inflight:
             return None
         req = r.req
-        if req is not None and req.rid in self.scheduler.held:
+        if req is not None and req.rid in self.held:
+            self.held.discard(req.rid)
             self.worker.sent(req.rid)      # the scheduler gives its pages back
         if r.src_slot is not None:
             self.meta.free(r.src_slot)
@@ -394,8 +396,12 @@ class PrefillConnector(RoleManager):
         return None
 
     def request_finished(self, req: Request) -> bool:
-        """Hold the pages of a PD request until its room concludes (DESIGN.md §4 step 7)."""
-        return req.rid in self.rooms_by_rid
+        """Hold the pages of a PD request until its room concludes (DESIGN.md §4 step 7); a
+        request that never got pages (ended in the queue) holds nothing."""
+        keep = req.rid in self.rooms_by_rid and bool(req.pages)
+        if keep:
+            self.held.add(req.rid)
+        return keep
 
     def build_meta(self, batch) -> list[PrefillChunk] | None:
         """After a step (``batch`` None: no forward ran): re-check the KV addresses, then the
@@ -473,13 +479,13 @@ class PrefillConnector(RoleManager):
         count = self.count_rooms({KVPoll.Bootstrapping: "bootstrap",
                                   KVPoll.WaitingForInput: "waiting",
                                   KVPoll.Transferring: "inflight"})
-        count["held"] = len(self.scheduler.held)
+        count["held"] = len(self.held)
         return count
 
     def load(self) -> dict[str, Any]:
         live = sum(r.state != KVPoll.Failed for r in self.rooms.values())
         return {"disaggregation_mode": "prefill", "num_pd_rooms": live,
-                "num_held_reqs": len(self.scheduler.held), **self.baseline_load(),
+                "num_held_reqs": len(self.held), **self.baseline_load(),
                 "num_prefill_bootstrap_queue_reqs": self.queue_sizes()["bootstrap"]}
 
     def debug_state(self) -> dict[str, Any]:

@@ -138,7 +138,6 @@ class RoleManager(abc.ABC):
     def __init__(self, host: RoleHost, parts: RoleParts):
         self.host = host
         self.args = host.args
-        self.scheduler = host.scheduler
         self.page_size = host.args.page_size
         self._count_lock = threading.Lock()      # the refused-message counters: any thread
         self._wake_cb: Callable[[], None] | None = None
@@ -208,14 +207,11 @@ class RoleManager(abc.ABC):
                 count[names[r.state]] += 1
         return count
 
-    def _check_new_request(self, req, room_rids) -> None:
-        """``ValueError`` when the prompt of ``req`` (a ``Request``) is at or over the context
-        length, or its rid is in ``room_rids`` (the rids of this role's rooms) or already
-        known to the scheduler."""
-        if req.num_prompt_tokens >= self.scheduler.max_request_tokens:
-            raise ValueError(f"prompt of {req.num_prompt_tokens} tokens is at or over the "
-                             f"context length {self.scheduler.max_request_tokens}")
-        if req.rid in room_rids or req.rid in self.scheduler.requests:
+    @staticmethod
+    def _check_new_request(req, room_rids) -> None:
+        """``ValueError`` when the rid of ``req`` (a ``Request``) is in ``room_rids`` (the rids
+        of this role's rooms; the engine checked the scheduler's and the context length)."""
+        if req.rid in room_rids:
             raise ValueError(f"rid {req.rid!r} is already in use")
 
     def _set_state(self, r, state: KVPoll, now: float | None = None) -> None:
@@ -229,7 +225,7 @@ class RoleManager(abc.ABC):
 
     def baseline_load(self) -> dict[str, int]:
         """The counters every fault must leave at their baseline (``/get_load``)."""
-        return {"num_free_pages": self.scheduler.allocator.num_free,
+        return {"num_free_pages": self.host.kv.allocator.num_free,
                 "num_metadata_slots_used": self.slots_in_use()}
 
     def has_work(self) -> bool:
@@ -275,7 +271,7 @@ class RoleManager(abc.ABC):
         c = self.transfer_engine.counters()
         self.metrics.set_state(self.queue_sizes(), c.largest_batch,
                                self.num_quarantined_pages,
-                               self.scheduler.num_prompt_tokens_computed)
+                               self.host.num_prompt_tokens_computed())
 
     def base_state(self) -> dict[str, Any]:
         c = self.transfer_engine.counters()
@@ -297,7 +293,7 @@ class RoleManager(abc.ABC):
                 "authenticated": self.secret is not None,
                 "num_auth_rejected": dict(self.num_auth_rejected),
                 "queues": self.queue_sizes(),
-                "num_prompt_tokens_computed": self.scheduler.num_prompt_tokens_computed,
+                "num_prompt_tokens_computed": self.host.num_prompt_tokens_computed(),
                 "recent": list(self.recent)}
 
     def close_base(self) -> None:

@@ -5,6 +5,7 @@ logprobs agree within 1e-4, and nothing compiles after warm-up."""
 import numpy as np
 
 from model_utils import assert_output_agrees, boundary_prompts, set_sched
+from pdjax.engine.forward import seed_cost_model
 from pdjax.runner.model_runner import compile_count
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -57,7 +58,7 @@ def test_target_chunks_keep_greedy_tokens_and_compile_nothing(llama_engine):
     ref = _run(llama_engine, ref_prompts)
     # Warm-up already compiled every bucket: seeding times one empty forward of each mixed one.
     num_mixed = len(core.buckets.token_buckets) * len(core.buckets.pages_per_seq_buckets)
-    assert core.seed_cost_model() == num_mixed
+    assert seed_cost_model(core.runner, core.buckets, core.cost_model) == num_mixed
     before = compile_count()
 
     # A target no step meets: every mixed step advances the prompt by one page plus the rest of

@@ -18,7 +18,7 @@ def _setup(slots=8):
     sched = Scheduler(SchedulerConfig(num_pages=16, page_size=PS, chunked_prefill_size=64,
                                       max_context_len=64))
     index = HostIndex(slots)
-    conn = HiCacheConnector(sched, index, PS)
+    conn = HiCacheConnector(sched.kv, index, PS)
     sched.connector = conn
     return sched, conn, index
 

@@ -5,12 +5,15 @@ is sent; answers a registration at once), ``FakeHost`` (the engine as a ``RoleHo
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from pdjax.config import ServerArgs
+from pdjax.engine_roles import RoleHost
 from pdjax.engine_io import GenerateOutput
 from pdjax.models.cache_spec import gqa_cache_spec
 from pdjax.pd.protocol import RegisterDecode, RegisterResult
@@ -71,37 +74,64 @@ class FakeChannel:
         pass
 
 
-class FakeHost:
-    """The engine as a PD role sees it (``pdjax.engine_roles.RoleHost``): a real scheduler,
-    no forward; a request stops only at ``max_new_tokens``."""
+def fake_host(args: ServerArgs, scheduler: Scheduler, runner, vocab_size: int = 512) -> RoleHost:
+    """The engine as a PD role sees it (``pdjax.engine_roles.RoleHost``) over a real
+    ``scheduler`` and no forward."""
+    cfg = type("Cfg", (), {"vocab_size": vocab_size, "num_kv_heads": 2})()
+    return RoleHost(args=args, model_path="fake", model_cfg=cfg,
+                    context_length=scheduler.max_request_tokens, runner=runner, kv=scheduler.kv,
+                    wait_for_device=lambda: None, wait_for_kv=lambda: None,
+                    abort_request=scheduler.abort_request,
+                    num_prompt_tokens_computed=lambda: scheduler.num_prompt_tokens_computed)
 
-    model_path = "fake"
 
-    def __init__(self, args: ServerArgs, scheduler: Scheduler, runner, vocab_size: int = 512):
-        self.args, self.scheduler, self.runner = args, scheduler, runner
-        self.model_cfg = type("Cfg", (), {"vocab_size": vocab_size, "num_kv_heads": 2})()
-        self.context_length = scheduler.max_request_tokens
+def make_output(req) -> GenerateOutput:
+    """What the engine streams for ``req``'s change (its tokens so far; a request stops only
+    at ``max_new_tokens`` here)."""
+    return GenerateOutput(req.rid, list(req.output_ids), finished=req.is_finished,
+                          prompt_tokens=req.num_prompt_tokens, error=req.error,
+                          finish_reason=req.finish_reason if req.is_finished else None)
 
-    def stop_check(self, req):
-        return None
 
-    def make_output(self, req, tokens, lps, tops, num_output=None) -> GenerateOutput:
-        return GenerateOutput(req.rid, list(tokens), finished=req.is_finished,
-                              prompt_tokens=req.num_prompt_tokens, error=req.error,
-                              finish_reason=req.finish_reason if req.is_finished else None)
+@dataclasses.dataclass
+class DecodeUnderTest:
+    """A ``DecodeConnector`` (``conn``) over fake parts, its ``channel`` and the real
+    ``scheduler`` it is the connector of, driven as ``EngineCore`` drives them, without a
+    forward: ``add``, ``abort`` and ``step``."""
 
-    def wait_for_device(self) -> None:
-        pass
+    conn: Any
+    channel: FakeChannel
+    scheduler: Scheduler
 
-    def wait_for_kv(self) -> None:
-        pass
+    def add(self, g, req) -> None:
+        """``EngineCore.add_request``: the scheduler's checks, the role opens the room, the
+        scheduler queues the request."""
+        self.scheduler.check_new_request(req)
+        self.conn.add_request(g, req)
+        self.scheduler.add_request(req)
+
+    def abort(self, rid: str, message: str) -> None:
+        """``EngineCore.abort_request`` (the scheduler's abort)."""
+        assert self.conn.abort(rid, message) is None
+        self.scheduler.abort_request(rid, message)
+
+    def step(self) -> list[GenerateOutput]:
+        """The step around the role: its ``poll``, the scheduler's ``update_from_kv_output``
+        of the worker's report (a request's first token, or its error: one output each) and
+        ``schedule`` (the admission path). Returns the outputs the engine would stream."""
+        outputs = list(self.conn.poll())
+        for req in self.scheduler.update_from_kv_output(self.conn.worker.poll(),
+                                                        lambda req: None):
+            outputs.append(make_output(req))
+        self.scheduler.schedule()
+        return self.conn.after_step(None, outputs)
 
 
 def decode_connector(page_size: int = 4, num_pages: int = 17, channel: FakeChannel | None = None,
-                     **args):
+                     **args) -> DecodeUnderTest:
     """A ``DecodeConnector`` over fake parts (fake transfer backend: no metadata gate) and a
-    real ``Scheduler`` of ``num_pages`` pages; ``args`` go to ``ServerArgs``. Returns
-    ``(connector, channel)``; close the connector when done."""
+    real ``Scheduler`` of ``num_pages`` pages; ``args`` go to ``ServerArgs``. Close its
+    ``conn`` when done."""
     from pdjax.transfer.decode import DecodeConnector
 
     runner = KVRunner((2, num_pages, page_size, 2, 8))
@@ -116,36 +146,10 @@ def decode_connector(page_size: int = 4, num_pages: int = 17, channel: FakeChann
     scheduler = Scheduler(SchedulerConfig(num_pages=num_pages, page_size=page_size,
                                           max_running_requests=4, chunked_prefill_size=16,
                                           num_reserved_decode_tokens=8))
-    conn = DecodeConnector(FakeHost(server_args, scheduler, runner),
+    conn = DecodeConnector(fake_host(server_args, scheduler, runner),
                            RoleParts(engine, local_kv, meta, channel))
     scheduler.connector = conn
-    return conn, channel
-
-
-def engine_step(conn) -> list[GenerateOutput]:
-    """What ``EngineCore``'s step does around a PD role, without a forward: the role's
-    ``poll``, the scheduler's ``update_from_kv_output`` of the worker's report (a request's
-    first token, or its error: one output each) and ``schedule`` (the admission path).
-    Returns the outputs the engine would stream."""
-    outputs = list(conn.poll())
-    s = conn.scheduler
-    for req in s.update_from_kv_output(conn.worker.poll(), conn.host.stop_check):
-        outputs.append(conn.host.make_output(req, list(req.output_ids), [], []))
-    s.schedule()
-    return conn.after_step(None, outputs)
-
-
-def engine_add(conn, g, req) -> None:
-    """``EngineCore.add_request`` around a decode role: the role opens the room, the
-    scheduler queues the request."""
-    conn.add_request(g, req)
-    conn.scheduler.add_request(req)
-
-
-def engine_abort(conn, rid: str, message: str) -> None:
-    """``EngineCore.abort_request`` around a decode role (the scheduler's abort)."""
-    assert conn.abort(rid, message) is None
-    conn.scheduler.abort_request(rid, message)
+    return DecodeUnderTest(conn, channel, scheduler)
 
 
 def prefill_worker(**parts):

@@ -14,7 +14,7 @@ from pdjax.pd.lifecycle import KVPoll, PeerState
 from pdjax.pd.protocol import Abort, AbortAck, TransferRequest, TransferStatus
 from pdjax.request import Request, SamplingParams
 
-from pd_fakes import decode_connector, engine_abort, engine_add, engine_step
+from pd_fakes import decode_connector
 
 PS = 4
 
@@ -36,23 +36,23 @@ def _request(rid: str, room: int, port: int, n: int = 9, max_new: int = 4):
     return g, Request(rid, ids, sp)
 
 
-def _poll_until(conn, pred, timeout_s: float = 10.0) -> list:
-    """Step ``conn`` as the engine thread would until ``pred()``; returns the outputs."""
+def _poll_until(d, pred, timeout_s: float = 10.0) -> list:
+    """Step decode ``d`` as the engine thread would until ``pred()``; returns the outputs."""
     outputs, deadline = [], time.monotonic() + timeout_s
     while not pred():
         assert time.monotonic() < deadline, "timed out"
-        outputs += engine_step(conn)
+        outputs += d.step()
         time.sleep(0.01)
     return outputs
 
 
 def _paired(prefill_bootstrap, **args):
     server, port = prefill_bootstrap
-    conn, channel = decode_connector(page_size=PS, **args)
+    d = decode_connector(page_size=PS, **args)
     server.add_rank(PrefillRankInfo(rank_ip="127.0.0.1", rank_port=5555, tp_rank=0, tp_size=1,
-                                    page_size=PS, kv_dtype=conn.local_kv.kv_dtype,
-                                    layout_fingerprint=conn.local_kv.fingerprint))
-    return conn, channel, port
+                                    page_size=PS, kv_dtype=d.conn.local_kv.kv_dtype,
+                                    layout_fingerprint=d.conn.local_kv.fingerprint))
+    return d, d.conn, d.channel, port
 
 
 def _transfer_requests(channel) -> list[TransferRequest]:
@@ -64,22 +64,22 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
     engine thread polls (no thread but the engine's changes a peer: it was a data race); then
     the room in flight and a room still pairing both end with the reason, and every page comes
     back (the in-flight room's after its drain timeout, as the prefill may still write)."""
-    conn, channel, port = _paired(prefill_bootstrap, heartbeat_interval_s=0.1,
+    d, conn, channel, port = _paired(prefill_bootstrap, heartbeat_interval_s=0.1,
                                   drain_timeout_s=0.3)
     woke = threading.Event()
     conn.set_wake(woke.set)
-    free0 = conn.scheduler.allocator.num_free
+    free0 = d.scheduler.allocator.num_free
     try:
         g, req = _request("a", 7, port)
-        engine_add(conn, g, req)
-        _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
+        d.add(g, req)
+        _poll_until(d, lambda: conn.rooms["a"].state == KVPoll.Transferring)
         (tr,) = _transfer_requests(channel)
         assert tr.bootstrap_room == 7 and len(tr.dst_pages) == 3           # 9 tokens, 4 a page
-        assert conn.scheduler.allocator.num_free == free0 - 3
+        assert d.scheduler.allocator.num_free == free0 - 3
         peer = conn.peers[("127.0.0.1", port)]
         assert peer.state == PeerState.READY
         g2, req2 = _request("b", 8, port)
-        engine_add(conn, g2, req2)                   # same peer, not paired again
+        d.add(g2, req2)                   # same peer, not paired again
         assert conn.rooms["b"].state == KVPoll.Bootstrapping
 
         woke.clear()                                 # nothing else wakes the engine now
@@ -88,17 +88,17 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
         assert peer.state == PeerState.READY         # nothing but the engine thread changed it
         assert conn.rooms["a"].state == KVPoll.Transferring
 
-        outs = {o.rid: o for o in engine_step(conn)}
+        outs = {o.rid: o for o in d.step()}
         assert peer.state == PeerState.FAILED
         assert set(outs) == {"a", "b"} and not conn.rooms
         for o in outs.values():
             assert o.finished and "lost connection with prefill" in o.error
             assert "2 failed heartbeats" in o.error
         assert conn.num_quarantined_pages == 3       # a's pages: a late write may land there
-        _poll_until(conn, lambda: conn.num_quarantined_pages == 0)
-        assert conn.scheduler.allocator.num_free == free0
-        assert conn.slots_in_use() == 0 and not conn.scheduler.waiting_remote
-        conn.scheduler.check_invariants()
+        _poll_until(d, lambda: conn.num_quarantined_pages == 0)
+        assert d.scheduler.allocator.num_free == free0
+        assert conn.slots_in_use() == 0 and not d.scheduler.waiting_remote
+        d.scheduler.check_invariants()
         assert conn.num_quarantine_released_by_timeout == 1
         assert ("127.0.0.1", port) not in conn.peers   # the next request pairs again
         assert channel.dropped == ["tcp://127.0.0.1:5555"]
@@ -109,16 +109,16 @@ def test_a_heartbeat_failure_reaches_the_rooms_on_the_engine_thread_only(prefill
 def test_a_status_is_applied_by_the_engine_thread_and_commits_the_request(prefill_bootstrap):
     """The prefill's Success arrives on the receiver thread: the room does not change until
     the engine polls; then the request joins the running batch with its first token."""
-    conn, channel, port = _paired(prefill_bootstrap)
+    d, conn, channel, port = _paired(prefill_bootstrap)
     try:
         g, req = _request("a", 7, port)
-        engine_add(conn, g, req)
-        _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
+        d.add(g, req)
+        _poll_until(d, lambda: conn.rooms["a"].state == KVPoll.Transferring)
         conn.worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
         assert conn.rooms["a"].status is None
-        (out,) = engine_step(conn)
+        (out,) = d.step()
         assert out.rid == "a" and out.new_token_ids == [0] and out.error is None
-        assert [r.rid for r in conn.scheduler.running] == ["a"]
+        assert [r.rid for r in d.scheduler.running] == ["a"]
         assert req.num_computed_tokens == 9 and not conn.rooms
         assert conn.num_rejected_messages == 0
     finally:
@@ -130,31 +130,31 @@ def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(prefill_
     """A client abort fails the room on the decode while the prefill's Success is on its way:
     that status is expected (logged at INFO, not counted as a refused message); a status for a
     room this decode never failed still is one. An Abort from the prefill is acked."""
-    conn, channel, port = _paired(prefill_bootstrap)
+    d, conn, channel, port = _paired(prefill_bootstrap)
     try:
         g, req = _request("a", 7, port)
-        engine_add(conn, g, req)
-        _poll_until(conn, lambda: conn.rooms["a"].state == KVPoll.Transferring)
-        engine_abort(conn, "a", "client went away")
+        d.add(g, req)
+        _poll_until(d, lambda: conn.rooms["a"].state == KVPoll.Transferring)
+        d.abort("a", "client went away")
         with caplog.at_level(logging.INFO, logger="pdjax.transfer.decode"):
             caplog.clear()                   # (the abort's own warning)
             conn.worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
-            engine_step(conn)
+            d.step()
             assert conn.num_rejected_messages == 0
             assert not [r for r in caplog.records if r.levelno >= logging.WARNING
                         and r.name == "pdjax.transfer.decode"]
             assert "which failed here already" in caplog.text
             for room in (8, 9):          # never seen here: not an expected crossing
                 conn.worker.on_message(TransferStatus(bootstrap_room=room, state=KVPoll.Success))
-            engine_step(conn)
+            d.step()
         assert conn.num_rejected_messages == 2
 
         g2, req2 = _request("b", 10, port)
-        engine_add(conn, g2, req2)
-        _poll_until(conn, lambda: conn.rooms["b"].state == KVPoll.Transferring)
+        d.add(g2, req2)
+        _poll_until(d, lambda: conn.rooms["b"].state == KVPoll.Transferring)
         peer = conn.peers[("127.0.0.1", port)]
         conn.worker.on_message(Abort(bootstrap_room=10, sender_id="prefill@x", reason="bye"))
-        (out,) = engine_step(conn)
+        (out,) = d.step()
         assert out.rid == "b" and "aborted by the prefill server: bye" in out.error
         acks = [(e, m) for e, m in channel.sent if isinstance(m, AbortAck)]
         assert acks == [("tcp://127.0.0.1:5555", AbortAck(bootstrap_room=10,
@@ -166,15 +166,15 @@ def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(prefill_
 def test_a_refused_registration_fails_the_pairing_with_the_prefill_reason(prefill_bootstrap):
     from pd_fakes import FakeChannel
 
-    conn, channel, port = _paired(prefill_bootstrap, channel=FakeChannel(accept=False))
-    free0 = conn.scheduler.allocator.num_free
+    d, conn, channel, port = _paired(prefill_bootstrap, channel=FakeChannel(accept=False))
+    free0 = d.scheduler.allocator.num_free
     try:
         g, req = _request("a", 7, port)
-        engine_add(conn, g, req)
-        outs = _poll_until(conn, lambda: "a" not in conn.rooms)
+        d.add(g, req)
+        outs = _poll_until(d, lambda: "a" not in conn.rooms)
         (out,) = outs
         assert "cannot pair with prefill" in out.error
-        assert conn.scheduler.allocator.num_free == free0 and not _transfer_requests(channel)
+        assert d.scheduler.allocator.num_free == free0 and not _transfer_requests(channel)
         assert ("127.0.0.1", port) not in conn.peers
     finally:
         conn.close()

@@ -5,7 +5,8 @@ worker (DESIGN.md §3, "Host tier"; §4 for the calls).
                    host holds, whole pages, one prompt token left (the index's ``match``)
                    update_state_after_alloc(req, n)        pin their slots, plan the load into
                                                            the pages just allocated
-    a finish       request_finished(req) -> False          remember its tokens (write-through)
+    a finish       request_finished(req) -> False          remember its tokens (write-through);
+                                                           an abort while loading drops the load
     after a step   build_meta(batch)                       the loads, and the writes: every
                    prefix the step computed (its prefill rows) or finished, cut to the pages
                    the device prefix cache holds for it now, minus those the host knows
@@ -30,8 +31,8 @@ from pdjax.sched.kv_connector import KVConnectorOutput
 
 if TYPE_CHECKING:      # annotations only
     from pdjax.request import Request
+    from pdjax.sched.kv_cache_manager import KVCacheManager
     from pdjax.sched.scheduled_batch import ScheduledBatch
-    from pdjax.sched.scheduler import Scheduler
 
 
 @dataclasses.dataclass
@@ -74,12 +75,15 @@ class HiCacheStats:
 class HiCacheConnector:
     """The host tier as the scheduler's ``KVConnector`` (see the module docstring).
 
-    ``scheduler``: the engine's (its ``prefix_cache`` and ``waiting_remote`` are read);
-    ``index``: the host pool's ``HostIndex``."""
+    ``kv``: the engine's pages (``KVCacheManager``; its prefix cache is read); ``index``: the
+    host pool's ``HostIndex``."""
 
-    def __init__(self, scheduler: Scheduler, index: HostIndex, page_size: int):
-        self.scheduler = scheduler
+    def __init__(self, kv: KVCacheManager, index: HostIndex, page_size: int):
+        self.kv = kv
         self.index = index
+        # Requests whose load is planned or running, until their KV arrives or they end (the
+        # scheduler asks ``request_finished`` of a request aborted while its KV arrives).
+        self._loading: dict[str, Request] = {}
         self.page_size = page_size
         self.stats = HiCacheStats()
         self._loads: list[LoadJob] = []
@@ -115,13 +119,15 @@ class HiCacheConnector:
         self.index.pin(slots)
         self.index.touch(hashes)
         self._loads.append(LoadJob(req, req.pages[first:], slots))
+        self._loading[req.rid] = req
 
     def is_waiting(self, req: Request) -> bool:
         """Whether ``req`` still waits for its KV (not aborted since its load was planned)."""
-        return self.scheduler.waiting_remote.get(req.rid) is req
+        return self._loading.get(req.rid) is req
 
     # ---- finish and step -----------------------------------------------------------------
     def request_finished(self, req: Request) -> bool:
+        self._loading.pop(req.rid, None)
         self._finished.append(req.all_ids)
         return False
 
@@ -145,7 +151,7 @@ class HiCacheConnector:
         """The pages of prefix ``ids`` the device caches and the host does not know yet."""
         if PENDING_TOKEN in ids:
             ids = ids[:ids.index(PENDING_TOKEN)]
-        pages = self.scheduler.prefix_cache.cached_pages_of(ids)
+        pages = self.kv.prefix_cache.cached_pages_of(ids)
         if not pages:
             return None
         path = page_hashes(ids, self.page_size, len(pages))
@@ -160,7 +166,8 @@ class HiCacheConnector:
         return WriteJob(path[:new[-1] + 1], new, [pages[i] for i in new], slots)
 
     def update(self, output: KVConnectorOutput) -> None:
-        pass
+        for rid in output.finished_recving:
+            self._loading.pop(rid, None)
 
     def owned_pages(self) -> list[int]:
         return []

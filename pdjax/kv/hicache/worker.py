@@ -335,12 +335,12 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
     runner, args = host.runner, host.args
     shapes = [(tuple(s.shape), np.dtype(s.dtype)) for s in runner.cache_specs]
     bpp = page_bytes(shapes)
-    device_pages = host.scheduler.config.num_pages - 1
+    device_pages = host.kv.num_pages - 1
     slots = host_pool_slots(args, device_pages, bpp)
     pool = HostKVPool(shapes, slots)
     index = HostIndex(slots)
     ps = args.page_size
-    connector = HiCacheConnector(host.scheduler, index, ps)
+    connector = HiCacheConnector(host.kv, index, ps)
     # A copy's device buffer stays small whatever the context: at most a request's pages
     # and COPY_MAX_BYTES (larger plans are cut into several copies).
     max_pages = min(-(-host.context_length // ps), copy_pages_limit(bpp))
