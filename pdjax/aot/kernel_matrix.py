@@ -182,9 +182,19 @@ def case_function(case: KernelCase, platform: str) -> tuple[Callable, list[tuple
     t = b.num_tokens
     if case.kernel == "rpa":
         from pdjax.pallas_kernels.ragged_paged_attention import ragged_paged_attention
-        scale = None if kv_dtype.itemsize == 2 else 0.5   # fp8 KV carries a static scale
         cache = ((s.layers, num_pages, case.page_size, s.num_kv_heads * s.head_dim), kv_dtype)
         args = [((t, s.num_q_heads, s.head_dim), jnp.bfloat16), cache, cache, *meta]
+        if kv_dtype.itemsize == 1 and platform == "gpu":
+            # FP8 KV as the engine keeps it: a float32 scale per token per KV head (fp8_kv).
+            scales = ((s.layers, num_pages, case.page_size, s.num_kv_heads), jnp.float32)
+
+            def fn(*a):
+                return ragged_paged_attention(*a[:8], sm_scale=s.head_dim ** -0.5,
+                                              k_scales=a[8], v_scales=a[9], impl=platform)
+            return fn, args + [scales, scales]
+        # TPU: its kernel does not read per-token scales yet (it refuses them); its fp8 case
+        # keeps a static scale.
+        scale = None if kv_dtype.itemsize == 2 else 0.5
         fn = functools.partial(ragged_paged_attention, sm_scale=s.head_dim ** -0.5,
                                k_scale=scale, v_scale=scale, impl=platform)
         return fn, args

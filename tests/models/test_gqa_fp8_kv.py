@@ -222,15 +222,33 @@ def test_large_and_small_activations_need_real_scales(tiny_checkpoints, factor):
     assert plain_err > 10 * LOGIT_TOL, plain_err
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
-def test_kernels_refuse_scales_they_do_not_read(impl):
-    """Until the TPU / GPU kernels read the scales they refuse them (no silently unscaled
-    values)."""
+def test_tpu_kernel_refuses_scales_it_does_not_read():
+    """Until the TPU kernel reads the scales it refuses them (no silently unscaled values)."""
     q, k, v, meta = _random_case()
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    with pytest.raises(ValueError, match=f"k_scales/v_scales: the {impl} kernel"):
-        ragged_paged_attention(q, kq, vq, 0, *meta, sm_scale=0.25, impl=impl, interpret=True,
+    with pytest.raises(ValueError, match="k_scales/v_scales: the tpu kernel"):
+        ragged_paged_attention(q, kq, vq, 0, *meta, sm_scale=0.25, impl="tpu", interpret=True,
                                k_scales=ks, v_scales=vs)
+
+
+@pytest.mark.parametrize("heads", [(2, 2, 16), (3, 3, 64)])
+def test_gpu_kernel_reads_scales(heads):
+    """The GPU (Triton) kernel, interpreted, over (e4m3 values, scales): mixed and decode
+    rows equal the reference over the dequantized float32 cache (float32 queries, 1e-4 of the
+    largest output)."""
+    kvh, group, head_dim = heads
+    q, k, v, meta = _random_case(num_kv_heads=kvh, group=group, head_dim=head_dim)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    kd, vd = dequantize_kv(kq, ks), dequantize_kv(vq, vs)
+    decode_meta = (meta[0], meta[1], jnp.arange(4, dtype=jnp.int32),
+                   jnp.asarray([3, 3, 3], jnp.int32))
+    for qq, md in ((q, meta), (q[:3], decode_meta)):
+        want = np.asarray(ragged_paged_attention(qq, kd, vd, 1, *md, sm_scale=0.25,
+                                                 impl="reference"))
+        got = np.asarray(ragged_paged_attention(
+            qq, kq.reshape(*kq.shape[:3], -1), vq.reshape(*vq.shape[:3], -1), 1, *md,
+            sm_scale=0.25, impl="gpu", interpret=True, k_scales=ks, v_scales=vs))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.slow     # two engines

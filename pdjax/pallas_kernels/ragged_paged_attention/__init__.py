@@ -103,8 +103,9 @@ def ragged_paged_attention(
       k_scale, v_scale: static float dequantization scales of a quantized cache, or None.
       k_scales, v_scales: ``[layers, num_pages, page_size, num_kv_heads]`` float32, one scale
         per token per KV head of a float8_e4m3fn cache (``fp8_kv``, written by the model's KV
-        write), or None. The reference and the xla / cpu paths read them; the TPU and GPU
-        kernels do not yet and refuse them (ValueError) rather than read unscaled values.
+        write), or None. The reference, the xla / cpu paths and the GPU kernel read them;
+        the TPU kernel does not yet and refuses them (ValueError) rather than read unscaled
+        values.
       impl: one of ``ATTENTION_IMPLS`` or None (auto).
       interpret: kernels only: True runs them through the Pallas interpreter (CPU); the TPU
         kernel also accepts a ``pltpu.InterpretParams``. Ignored by the reference.
@@ -127,7 +128,8 @@ def ragged_paged_attention(
     if impl in ("xla", "cpu"):
         return ragged_paged_attention_xla(*args, **kwargs, **scales, decode_only=decode_only,
                                           native_decode=impl == "cpu")
-    if k_scales is not None or v_scales is not None:
+    scaled = k_scales is not None or v_scales is not None
+    if scaled and impl == "tpu":
         raise ValueError(f"k_scales/v_scales: the {impl} kernel does not read an FP8 cache with "
                          f"per-token scales yet; use impl='xla' (or --attention-backend xla)")
     if impl == "tpu":
@@ -138,9 +140,19 @@ def ragged_paged_attention(
             ragged_paged_attention_gpu as kernel)
     # Under TP each device runs the kernel on its query heads and KV heads (tp_shard.py).
     heads, cache = P(None, "tp", None), P(None, None, None, "tp", *[None] * (k_cache.ndim - 4))
-    run = tp_map(functools.partial(kernel, **kwargs, interpret=interpret),
-                 in_specs=(heads, cache, cache, P(), P(), P(), P(), P()), out_specs=heads)
-    return run(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])
+    in_specs = (heads, cache, cache, P(), P(), P(), P(), P())
+    if not scaled:
+        run = tp_map(functools.partial(kernel, **kwargs, interpret=interpret),
+                     in_specs=in_specs, out_specs=heads)
+        return run(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:])
+
+    def scaled_kernel(*a):
+        return kernel(*a[:8], **kwargs, interpret=interpret, k_scales=a[8], v_scales=a[9])
+
+    scale = P(None, None, None, "tp")      # [L, N, ps, KVH]: split with the heads
+    run = tp_map(scaled_kernel, in_specs=(*in_specs, scale, scale), out_specs=heads)
+    return run(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), *args[4:], k_scales,
+               v_scales)
 
 
 __all__ = ["ATTENTION_IMPLS", "TRACED_BOUND_IMPLS", "ragged_paged_attention",

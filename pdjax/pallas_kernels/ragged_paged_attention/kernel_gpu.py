@@ -17,7 +17,10 @@ rows straight from the stacked pool (no copy of the pool):
     k[r, :] = k_cache[layer, page_indices[s, pos_r // page_size], pos_r % page_size, h, :]
 
 masked to ``pos_r < kv_lens[s]`` (so NaN in unused slots is never read), then runs one
-online-softmax step with tensor-core dots. The decode path is ``q_tokens = 1``: one request
+online-softmax step with tensor-core dots. An FP8 cache with per-token scales (``fp8_kv``)
+gathers each key's K and V scale beside it (``[L, N, ps, Hkv]`` float32): the scores are
+multiplied by the K scales, the probabilities by the V scales before the PV dot (the softmax
+sum stays unscaled). The decode path is ``q_tokens = 1``: one request
 per program. Each program stores its whole tile to a disjoint slice of a per-path output
 ``[Hkv, num_blocks * M, D]``; the wrapper unpads it and ``merge_paths`` picks each token's row.
 """
@@ -35,6 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from pdjax.pallas_kernels.triton_call import is_pow2, triton_call
 from pdjax.pallas_kernels.ragged_paged_attention.common import (
     MASK_VALUE, block_metadata, cdiv, grid_size, run_kernel_paths)
+from pdjax.pallas_kernels.ragged_paged_attention.fp8_kv import check_scale_caches
 from pdjax.pallas_kernels.ragged_paged_attention.reference import split_kv_heads
 from pdjax.pallas_kernels.ragged_paged_attention.tuning import BlockSizes, gpu_group_pad
 
@@ -48,8 +52,8 @@ def _kernel(
     q_ref,             # [T, Hq, D]
     k_ref,             # [L, N, page_size, Hkv, D]
     v_ref,             # [L, N, page_size, Hkv, D]
-    o_ref,             # [Hkv, num_q_blocks * M, D] (per-program tiles)
-    *,
+    *refs,             # (ks_ref, vs_ref [L, N, page_size, Hkv] float32 when scaled), o_ref
+    scaled: bool,
     q_tokens: int,
     group: int,
     group_pad: int,
@@ -62,6 +66,10 @@ def _kernel(
     k_scale: float | None,
     v_scale: float | None,
 ):
+    if scaled:
+        ks_ref, vs_ref, o_ref = refs
+    else:
+        (o_ref,) = refs
     b, h = pl.program_id(0), pl.program_id(1)
     num_tokens, _, head_dim = q_ref.shape
     rows = q_tokens * group_pad
@@ -117,6 +125,12 @@ def _kernel(
                 s_ij = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                        precision=precision,
                                        preferred_element_type=jnp.float32) * score_scale
+                if scaled:
+                    # Per-token scales; masked-off ones are undefined, so zeroed.
+                    sidx = (layer, pages, in_page, h)
+                    ks = jnp.where(kv_ok, pltriton.load(ks_ref.at[sidx], mask=kv_ok), 0.0)
+                    vs = jnp.where(kv_ok, pltriton.load(vs_ref.at[sidx], mask=kv_ok), 0.0)
+                    s_ij = s_ij * ks[None, :]
                 if soft_cap is not None:
                     s_ij = soft_cap * jnp.tanh(s_ij / soft_cap)
                 mask = row_ok[:, None] & kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
@@ -127,7 +141,8 @@ def _kernel(
                 p = jnp.where(mask, jnp.exp(s_ij - m_new[:, None]), 0.0)
                 alpha = jnp.exp(m_i - m_new)
                 l_new = alpha * l_i + jnp.sum(p, axis=1)
-                pv = lax.dot_general(p.astype(compute_dtype), v,
+                pw = p * vs[None, :] if scaled else p
+                pv = lax.dot_general(pw.astype(compute_dtype), v,
                                      (((1,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
                 return alpha[:, None] * acc + pv, m_new, l_new
@@ -146,7 +161,7 @@ def _kernel(
 
 def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, page_indices,
                cu_q_lens, distribution, *, sm_scale, sliding_window, soft_cap, k_scale,
-               v_scale, interpret):
+               v_scale, interpret, k_scales=None, v_scales=None):
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = kv_lens.shape[0]
@@ -167,12 +182,14 @@ def _call_path(path: str, bs: BlockSizes, q, k_cache, v_cache, layer, kv_lens, p
     kernel = functools.partial(
         _kernel, q_tokens=q_tokens, group=group, group_pad=group_pad, kv_tokens=kv_tokens,
         page_size=page_size, pages_per_seq=pages_per_seq, sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
+        sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+        scaled=k_scales is not None)
+    scales = () if k_scales is None else (k_scales, v_scales)
     tiles = triton_call(
-        kernel, grid=(grid, num_kv_heads), num_inputs=8,
+        kernel, grid=(grid, num_kv_heads), num_inputs=8 + len(scales),
         out_shape=jax.ShapeDtypeStruct((num_kv_heads, num_q_blocks * rows, head_dim), q.dtype),
         block_sizes=bs, interpret=interpret, name=f"ragged_paged_attention_gpu_{path}",
-    )(head, blk_seqs, kv_lens, page_indices, cu_q_lens, q, k_cache, v_cache)
+    )(head, blk_seqs, kv_lens, page_indices, cu_q_lens, q, k_cache, v_cache, *scales)
     # [Hkv, blocks * q_tokens, group_pad, D] -> [T, Hkv, G, D] -> [T, Hq, D]
     tiles = tiles.reshape(num_kv_heads, num_q_blocks * q_tokens, group_pad, head_dim)
     tiles = tiles[:, :num_tokens, :group].transpose(1, 0, 2, 3)
@@ -194,6 +211,8 @@ def ragged_paged_attention_gpu(
     soft_cap: float | None = None,
     k_scale: float | None = None,
     v_scale: float | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
     interpret: bool = False,
     block_sizes: dict[str, BlockSizes] | None = None,
 ) -> jax.Array:
@@ -207,6 +226,8 @@ def ragged_paged_attention_gpu(
       layer, kv_lens, page_indices, cu_q_lens, distribution: DESIGN.md §2 metadata (int32).
       sm_scale, sliding_window, soft_cap: as in the reference (static).
       k_scale, v_scale: static dequantization scales of the cache (fp8 KV), or None.
+      k_scales, v_scales: ``[layers, num_pages, page_size, num_kv_heads]`` float32 per-token
+        scales of a float8_e4m3fn cache (``fp8_kv``), or None.
       interpret: False on GPU; True runs the kernel on CPU through the Pallas interpreter.
       block_sizes: path -> ``BlockSizes`` override of the tuning table.
 
@@ -224,7 +245,9 @@ def ragged_paged_attention_gpu(
             f"head_dim must be a power of two >= 16 for the GPU kernel, got {head_dim}")
     # The kernel indexes heads as a dimension; row-major, the view costs nothing.
     k_cache, v_cache = split_kv_heads(k_cache, head_dim), split_kv_heads(v_cache, head_dim)
+    check_scale_caches(k_cache, k_scales, v_scales)
+    extra = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
     return run_kernel_paths(
         "gpu", _call_path, q, k_cache, v_cache, layer, kv_lens, page_indices, cu_q_lens,
         distribution, block_sizes=block_sizes, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, interpret=interpret, **extra)
