@@ -59,12 +59,12 @@ from pdjax.transfer.decode_ranks import DecodeRanks
 from pdjax.transfer.decode_worker import (AbortAcked, DecodeTransferWorker, PeerFailed,
                                           PeerReady, StatusArrived)
 from pdjax.transfer.engine import FAKE_BOOTSTRAP_HOST
-from pdjax.transfer.role import RoleManager, check_room
+from pdjax.transfer.pd_connector import PDConnector, check_room
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeConnector(RoleManager):
+class DecodeConnector(PDConnector):
     """``--role decode``: pairing with prefills, the page lists, the metadata gate, failures.
 
     The scheduler's ``KVConnector``: ``get_num_new_matched_tokens``,

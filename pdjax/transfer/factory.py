@@ -78,11 +78,11 @@ def create_kv_connection(host: RoleHost) -> KVConnection:
             from pdjax.kv.hicache.worker import build_host_tier    # HiCache's host tier
             return KVConnection(*build_host_tier(host))
         return KVConnection()
-    from pdjax.transfer.role import build_role_parts
+    from pdjax.transfer.pd_connector import build_pd_parts
 
     if role == "prefill":
         from pdjax.transfer.prefill import PrefillConnector as Connector
     else:
         from pdjax.transfer.decode import DecodeConnector as Connector
-    pd = Connector(host, build_role_parts(host, role))
+    pd = Connector(host, build_pd_parts(host, role))
     return KVConnection(pd, pd.worker, pd)

@@ -56,12 +56,12 @@ from pdjax.transfer.prefill_ranks import PrefillRanks, rank_info
 from pdjax.transfer.prefill_worker import (BadPageList, ChunkWritten, DecodeAborted, JobDone,
                                            PageListArrived, PrefillChunk,
                                            PrefillTransferWorker, RoomFailed)
-from pdjax.transfer.role import RoleManager, check_room, error_output
+from pdjax.transfer.pd_connector import PDConnector, check_room, error_output
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillConnector(RoleManager):
+class PrefillConnector(PDConnector):
     """``--role prefill``: bootstrap server, ZMQ control, room table; its transfer worker is
     ``self.worker`` (``PrefillTransferWorker``).
 

@@ -181,7 +181,7 @@ def node_data_plane(host, name: str, secret, receives: bool = False):
     ``LocalKV``). Returns the three."""
     from pdjax.transfer.channel import MessageChannel
     from pdjax.transfer.local_kv import LocalKV
-    from pdjax.transfer.role import create_role_transfer_engine, kv_head_repeat
+    from pdjax.transfer.pd_connector import create_role_transfer_engine, kv_head_repeat
 
     args = host.args
     engine = create_role_transfer_engine(args)

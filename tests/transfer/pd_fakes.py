@@ -24,7 +24,7 @@ from pdjax.sched.scheduler import Scheduler, SchedulerConfig
 from pdjax.transfer.fake import FakeTransferEngine
 from pdjax.transfer.local_kv import LocalKV
 from pdjax.transfer.metadata import MetadataBuffers
-from pdjax.transfer.role import MAX_TOP_LOGPROBS, RoleParts
+from pdjax.transfer.pd_connector import MAX_TOP_LOGPROBS, PDParts
 
 
 class KVRunner(ModelRunner):
@@ -147,7 +147,7 @@ def decode_connector(page_size: int = 4, num_pages: int = 17, channel: FakeChann
                                           max_running_requests=4, chunked_prefill_size=16,
                                           num_reserved_decode_tokens=8))
     conn = DecodeConnector(fake_host(server_args, scheduler, runner),
-                           RoleParts(engine, local_kv, meta, channel))
+                           PDParts(engine, local_kv, meta, channel))
     scheduler.connector = conn
     return DecodeUnderTest(conn, channel, scheduler)
 

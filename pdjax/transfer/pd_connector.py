@@ -1,6 +1,6 @@
 """What the prefill and decode connectors share: the data plane of one server and its plumbing.
 
-A ``RoleManager`` is built by ``transfer.factory.create_kv_connection`` for
+A ``PDConnector`` is built by ``transfer.factory.create_kv_connection`` for
 ``--role prefill|decode`` and lives on the engine thread. It is two things at once: the
 scheduler's ``KVConnector`` (``pdjax/sched/kv_connector.py``; the defaults below are what
 neither role uses) and the engine's ``EngineRole`` (``pdjax/engine_roles.py``), and it sees the
@@ -14,7 +14,7 @@ events"):
                             -> role.after_step()
     worker threads: event -> queue -> wake()
 
-It is built from its parts (``RoleParts``, made by ``build_role_parts``) and owns them: the
+It is built from its parts (``PDParts``, made by ``build_pd_parts``) and owns them: the
 transfer engine (``--disaggregation-transfer-backend``), this server's KV pool as
 the engine sees it (``LocalKV``: direct or staging), the ``MetadataBuffers`` pool, the control
 channel and the PD metrics. ``--disaggregation-transfer-path`` picks the KV path
@@ -86,8 +86,8 @@ def kv_head_repeat(host: RoleHost) -> int:
 
 
 @dataclasses.dataclass
-class RoleParts:
-    """What a PD role is built from (``build_role_parts``; a test passes fakes): the transfer
+class PDParts:
+    """What a PD role is built from (``build_pd_parts``; a test passes fakes): the transfer
     engine (``--disaggregation-transfer-backend``), this server's KV pool as the engine sees it
     (``LocalKV``), the ``MetadataBuffers`` pool registered with the engine, and the control
     channel, bound but not yet reading (the role starts it once it can handle messages)."""
@@ -109,7 +109,7 @@ def create_role_transfer_engine(args) -> Any:
     return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
 
 
-def build_role_parts(host: RoleHost, role: str) -> RoleParts:
+def build_pd_parts(host: RoleHost, role: str) -> PDParts:
     """The real parts of a ``role`` (``prefill``/``decode``) server on ``host``: they register
     the KV pool and the metadata rows with the transfer engine and bind the control socket.
     ``ValueError`` for an unknown backend, ``ImportError`` when its library is missing."""
@@ -126,16 +126,16 @@ def build_role_parts(host: RoleHost, role: str) -> RoleParts:
     meta.register(engine)
     channel = MessageChannel(args.host, None, role,
                              secret=resolve_secret(args.disaggregation_secret))
-    return RoleParts(engine, local_kv, meta, channel)
+    return PDParts(engine, local_kv, meta, channel)
 
 
-class RoleManager(abc.ABC):
+class PDConnector(abc.ABC):
     """Base of ``PrefillConnector`` and ``DecodeConnector`` (see the module docstring). A
     subclass calls ``start_channel()`` at the end of its constructor, once its worker exists."""
 
     role = ""
 
-    def __init__(self, host: RoleHost, parts: RoleParts):
+    def __init__(self, host: RoleHost, parts: PDParts):
         self.host = host
         self.args = host.args
         self.page_size = host.args.page_size
