@@ -129,7 +129,8 @@ class AbstractEngine:
         self.graphdef, self.state = abstract_model(
             model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)
         self.context_length = config.scheduler.max_request_tokens
-        self.buckets = make_buckets(args, self.context_length, config.attention_impl, model)
+        self.buckets = make_buckets(args, self.context_length, config.attention_impl,
+                                    self.family)
         if buckets is not None:
             buckets.check_serves(self.buckets)
             self.buckets = buckets

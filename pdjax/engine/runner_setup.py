@@ -16,6 +16,7 @@ from pdjax.engine.settings import (EngineConfig, check_local_devices, make_bucke
 from pdjax.engine.speculative import model_kwargs, verify_width
 from pdjax.jax_setup import enable_compilation_cache
 from pdjax.models.loader import load_model, make_mesh
+from pdjax.models.registry import model_family
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.buckets import Buckets
 
@@ -61,7 +62,8 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
         moe_a2a_backend=args.moe_a2a_backend, **model_kwargs(args, config.model_path))
     phase("model")
     context_length = config.scheduler.max_request_tokens
-    node_buckets = make_buckets(args, context_length, config.attention_impl, model)
+    node_buckets = make_buckets(args, context_length, config.attention_impl,
+                                model_family(model_cfg.architecture))
     if buckets is not None:
         buckets.check_serves(node_buckets)
         node_buckets = buckets

@@ -254,7 +254,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
     profile = PlatformProfile.resolve(
         platform, attention_backend=args.attention_backend, unroll_layers=args.unroll_layers,
         cpu_matmul_kernel=args.cpu_matmul_kernel, tp_size=args.tp_size, dtype=dtype,
-        layer_stack=isinstance(model_cfg, ModelConfig))
+        layer_stack=model_family(model_cfg.architecture).stacked_layers)
     model_len = model_cfg.max_position_embeddings
     if args.context_length is not None and args.context_length > model_len:
         # SGLang refuses this unless told to; pdjax serves it (the AOT sweeps size real models
@@ -282,13 +282,13 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
 
 
 def make_buckets(args: ServerArgs, context_length: int, attention_impl: str,
-                 model) -> Buckets:
+                 family) -> Buckets:
     """The engine's shape buckets (DESIGN.md §2) for requests of up to ``context_length``
-    tokens: the jnp attention paths (``model.TRACED_PAGES_BOUND_IMPLS``) need one
-    pages-per-sequence bucket, the Pallas kernels a few. ``model``: the model or its class."""
+    tokens: the jnp attention paths (``family.traced_pages_bound_impls``) need one
+    pages-per-sequence bucket, the Pallas kernels a few. ``family``: the ``ModelFamily``."""
     return Buckets.create(
         chunked_prefill_size=args.chunked_prefill_size,
         max_running_requests=args.max_running_requests,
         max_pages_per_seq=-(-context_length // args.page_size),
         max_num_batched_tokens=args.max_num_batched_tokens,
-        traced_pages_bound=attention_impl in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
+        traced_pages_bound=attention_impl in family.traced_pages_bound_impls)

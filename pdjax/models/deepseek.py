@@ -268,10 +268,6 @@ class DeepseekForCausalLM(nnx.Module):
         DESIGN.md §3). ``ValueError`` when ``cfg.num_nextn_predict_layers`` is 0.
     """
 
-    # The indexer scores every position of the page table (cost grows with P): no
-    # implementation lets one pages-per-sequence bucket serve every batch.
-    TRACED_PAGES_BOUND_IMPLS = ()
-
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False, mtp: bool = False):
         self.cfg = cfg

@@ -25,7 +25,6 @@ from pdjax.model_config import ModelConfig
 from pdjax.models.attention import AttentionMetadata, paged_attention
 from pdjax.models.layers import apply_rope, rms_norm, rope_inv_freq
 from pdjax.models.linear import linear, linear_group
-from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
 
 
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], P]]:
@@ -183,10 +182,6 @@ class LlamaForCausalLM(nnx.Module):
     ``unstack_layers`` (faster steps on XLA CPU, longer compiles) and ``fuse_linear_weights``
     (another weight format, e.g. ``linear.PackedWeight``); the forward reads whichever it holds.
     """
-
-    # Attention implementations whose cost follows kv_lens, not the page-table width P, so
-    # that one pages-per-sequence bucket serves every batch (sched/buckets.py).
-    TRACED_PAGES_BOUND_IMPLS = TRACED_BOUND_IMPLS
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
                  attention_impl: str | None = None, interpret: bool = False):

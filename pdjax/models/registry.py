@@ -28,6 +28,7 @@ from pdjax.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_con
 from pdjax.models import deepseek, deepseek_weights, llama, llama_weights
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
 from pdjax.models.fp8 import quantization_fields
+from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
 
 Params = dict[str, np.ndarray]
 
@@ -48,6 +49,11 @@ class ModelFamily:
       model_class: the NNX module, ``model_class(run_cfg, dtype=..., rngs=..., **kwargs)``.
       expert_parallel: ``(cfg, tp_size, ep_size, moe_a2a_backend)`` -> the run config with
         the routed experts split over ``ep_size`` (``--ep-size``); None: no routed experts.
+      stacked_layers: the family stacks its layers and fuses its linear weights (the platform
+        profile's ``layer_stack``: CPU unrolling and the packed matmul).
+      traced_pages_bound_impls: the ``attention_impl`` values whose attention bounds a
+        sequence's pages by a traced value, so one pages-per-sequence bucket serves every
+        length (``make_buckets``); the Pallas kernels take a few.
     """
 
     name: str
@@ -59,6 +65,8 @@ class ModelFamily:
     param_specs: Callable[[Any, int], dict]
     model_class: type
     expert_parallel: Callable[[Any, int, int, str], Any] | None = None
+    stacked_layers: bool = False
+    traced_pages_bound_impls: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, ModelFamily] = {}
@@ -112,11 +120,15 @@ register_model_family(ModelFamily(
     name="llama", architectures=SUPPORTED_ARCHITECTURES, read_config=_llama_read_config,
     stack_params=llama_weights.stack_hf_tensors, run_config=llama_weights.tp_model_config,
     adapt_params=llama_weights.replicate_kv_heads, param_specs=llama.param_partition_specs,
-    model_class=llama.LlamaForCausalLM))
+    model_class=llama.LlamaForCausalLM, stacked_layers=True,
+    # Their cost follows kv_lens, not the page table's width (sched/buckets.py).
+    traced_pages_bound_impls=TRACED_BOUND_IMPLS))
 register_model_family(ModelFamily(
     name="deepseek", architectures=DEEPSEEK_ARCHITECTURES, read_config=DeepseekConfig.from_hf_dir,
     stack_params=deepseek_weights.stack_hf_tensors, run_config=_deepseek_run_config,
     adapt_params=deepseek_weights.expert_parallel_params,
     param_specs=deepseek_weights.param_partition_specs,
     model_class=deepseek.DeepseekForCausalLM,
+    # The indexer scores every position of the page table (cost grows with the page table's
+    # width): no attention path lets one pages-per-sequence bucket serve every batch.
     expert_parallel=deepseek_weights.expert_parallel_run_config))

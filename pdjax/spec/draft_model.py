@@ -36,6 +36,7 @@ import numpy as np
 from pdjax.kv.allocator import PageAllocator
 from pdjax.models.checkpoint import make_mesh, resolve_dtype
 from pdjax.models.loader import load_model
+from pdjax.models.registry import model_family
 from pdjax.runner.model_runner import ModelRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
@@ -87,7 +88,8 @@ class DraftModelDrafter(OwnPoolDrafter):
             chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
             max_pages_per_seq=cdiv(context_length, page_size),
             max_num_batched_tokens=max_num_batched_tokens,
-            traced_pages_bound=attention_impl in getattr(model, "TRACED_PAGES_BOUND_IMPLS", ()))
+            traced_pages_bound=attention_impl
+            in model_family(self.cfg.architecture).traced_pages_bound_impls)
         self.runner = ModelRunner(model, mesh, num_pages=num_pages,
                                   page_size=page_size, kv_dtype=kv_dtype, buckets=self.buckets,
                                   chunk_size=chunked_prefill_size)
