@@ -329,7 +329,8 @@ def test_a_kv_connection_sees_the_engine_only_as_its_role_host():
 
     users = [n for n in MODULES if n.startswith(("pdjax.transfer", "pdjax.kv.hicache"))]
     reach = [f"{n} -> {t}" for n in users for t in all_imports(MODULES[n].read_text())
-             if t.startswith(("pdjax.sched.scheduler", "pdjax.engine.", "pdjax.runner.model_runner"))]
+             if t.startswith(("pdjax.sched.scheduler", "pdjax.engine.",
+                              "pdjax.runner.model_runner"))]
     assert users and not reach, reach
     assert [f.name for f in dataclasses.fields(RoleHost)] == [
         "args", "model_path", "model_cfg", "context_length", "runner", "kv", "wait_for_device",

@@ -29,10 +29,10 @@ class RemoteKV:
     """The remote-KV books of one scheduler and its ``connector`` (see the module docstring).
 
     ``kv``: the scheduler's ``KVCacheManager`` (a request's pages come from its allocator
-    and go back through its ``release``). ``num_reserved_decode_tokens``: when a request's whole prompt arrives from
-    elsewhere, admission also keeps free ``ceil(min(this, tokens it may still generate) /
-    page_size)`` pages for it and for every running or arriving request (SGLang's
-    ``pop_preallocated`` on a PD decode server, simplified; 0: none)."""
+    and go back through its ``release``). ``num_reserved_decode_tokens``: when a request's
+    whole prompt arrives from elsewhere, admission also keeps free ``ceil(min(this, tokens it
+    may still generate) / page_size)`` pages for it and for every running or arriving request
+    (SGLang's ``pop_preallocated`` on a PD decode server, simplified; 0: none)."""
 
     def __init__(self, kv: KVCacheManager, num_reserved_decode_tokens: int = 0,
                  connector: KVConnector | None = None):

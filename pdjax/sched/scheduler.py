@@ -344,7 +344,7 @@ class Scheduler:
         candidates = [r for r in self.running if r.is_prefilling]
         targeted = bool(decode_rows) and self.config.target_itl_ms is not None \
             and self.cost_model is not None
-        i = 0           # the next queued request to try (those the connector cannot answer yet stay)
+        i = 0           # the next queued request to try ("not yet" ones stay queued)
         while budget > 0:
             if candidates:
                 req = candidates.pop(0)
