@@ -154,12 +154,12 @@ def _run(model, rows, caches, tokens=32, pages=16):
     return [logits[s:e] for s, e in fb.logits_row_spans], caches
 
 
-def decode_logits(model, specs, prefill=12, total=24, drop_scales=False):
+def decode_logits(model, specs, prefill=12, total=24, drop_scales=False, mesh=None):
     """Prefill one prompt beside another row, then decode one token at a time; the logits
     of every step after the prefill ``[total - prefill + 1, V]`` and the caches."""
     rng = np.random.default_rng(3)
     prompt, other = (rng.integers(3, 500, n).tolist() for n in (total, 9))
-    caches = allocate_caches(specs)
+    caches = allocate_caches(specs, mesh=mesh)
     if drop_scales:        # the old plain cast: e4m3 values at scale 1
         caches = {n: c for n, c in caches.items() if n in ("k_cache", "v_cache")}
     pages, other_pages = assign_pages([total, 40], PAGE, NUM_PAGES, seed=5)
@@ -254,6 +254,29 @@ def test_gpu_kernel_reads_scales(heads):
             qq, kq.reshape(*kq.shape[:3], -1), vq.reshape(*vq.shape[:3], -1), 1, *md,
             sm_scale=0.25, impl="gpu", interpret=True, k_scales=ks, v_scales=vs))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("impl", ["xla", "gpu"])
+def test_fp8_kv_under_tp2_matches_one_device(tiny_checkpoints, impl):
+    """At TP 2 the scale buffers split with their KV heads: the tiny Llama's logits (prefill
+    and decode) over an fp8 cache equal one device's reference path (1e-4): the xla path
+    under GSPMD and the interpreted GPU kernel per device (``tp_map``)."""
+    from pdjax.models.loader import make_mesh
+
+    path = tiny_checkpoints["llama"]
+    mesh = make_mesh(2)
+    _, ref = load_model(path, dtype="float32", progress=False, attention_impl="reference")
+    _, model = load_model(path, dtype="float32", progress=False, mesh=mesh,
+                          attention_impl=impl, interpret=impl == "gpu")
+    cfg = ref.cfg
+    specs = gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages=NUM_PAGES,
+                           page_size=PAGE, dtype=jnp.float8_e4m3fn)
+    want, _ = decode_logits(ref, specs, prefill=10, total=14)
+    with jax.set_mesh(mesh):
+        caches = allocate_caches(specs, mesh=mesh)
+        assert caches["k_scale"].sharding.spec[3] == "tp"
+        got, caches = decode_logits(model, specs, prefill=10, total=14, mesh=mesh)
+    assert np.abs(got - want).max() < 1e-4, np.abs(got - want).max()
 
 
 @pytest.mark.slow     # two engines
