@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from pdjax.config import ServerArgs
-from pdjax.model_config import ModelConfig
 from pdjax.models.checkpoint import check_weight_files
 from pdjax.models.loader import (checkpoint_config, is_gguf, is_orbax_checkpoint, resolve_dtype,
                                  resolve_model_path, run_config)
@@ -201,12 +200,10 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     if num_devices is not None and not 1 <= args.tp_size <= num_devices:
         raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
                          f"{args.tp_size}")
-    run_cfg = run_config(model_family(model_cfg.architecture), model_cfg, args.tp_size,
-                         args.ep_size, args.moe_a2a_backend)
+    family = model_family(model_cfg.architecture)
+    run_cfg = run_config(family, model_cfg, args.tp_size, args.ep_size, args.moe_a2a_backend)
     if device_bytes is None:
         return
-    from pdjax.models.cache_spec import gqa_cache_spec
-    from pdjax.models.deepseek import deepseek_cache_spec
     from pdjax.pallas_kernels.lanes import kv_row_align
     from pdjax.runner import step_memory
     from pdjax.runner.model_runner import check_pool_bytes
@@ -214,11 +211,8 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     tp, cache = args.tp_size, args.cache
     dtype = jnp.dtype(resolve_dtype(args.dtype, platform))
     kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype]
-    pages = dict(num_pages=args.num_pages, page_size=args.page_size, dtype=kv_dtype)
-    specs = (gqa_cache_spec(run_cfg.num_layers, run_cfg.num_kv_heads, run_cfg.head_dim,
-                            rows=kv_row_align(platform) > 1, **pages)
-             if isinstance(run_cfg, ModelConfig) else
-             deepseek_cache_spec(run_cfg, row_align=kv_row_align(platform), **pages))
+    specs = family.cache_spec(run_cfg, args.num_pages, args.page_size, kv_dtype,
+                              kv_row_align(platform))
     pool = sum(s.num_layers * s.bytes_per_page_layer * s.num_pages
                // (tp if "tp" in tuple(s.partition) else 1) for s in specs)
     check_pool_bytes(pool, args.num_pages, args.page_size, device_bytes)

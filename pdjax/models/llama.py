@@ -171,6 +171,15 @@ class DecoderLayers(nnx.Module):
         self.param_names = (*(n for n in self.param_names if n not in linears), *LINEAR_GROUPS)
 
 
+def llama_cache_spec(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                     row_align: int = 1) -> tuple:
+    """The paged KV buffers of a model of ``cfg`` (``LlamaForCausalLM.cache_spec``)."""
+    from pdjax.models.cache_spec import gqa_cache_spec
+
+    return gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages=num_pages,
+                          page_size=page_size, dtype=dtype, rows=row_align > 1)
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama-family causal LM (also Qwen2 and Qwen3) over a paged KV cache.
 
@@ -231,12 +240,7 @@ class LlamaForCausalLM(nnx.Module):
         With ``row_align > 1`` (TPU, ``lanes.kv_row_align``) the caches are rows
         ``[.., KVH * D]`` (whole lanes for head_dim 128; not padded: TP splits a row between
         heads), else ``[.., KVH, D]``."""
-        from pdjax.models.cache_spec import gqa_cache_spec
-
-        cfg = self.cfg
-        return gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                              num_pages=num_pages, page_size=page_size, dtype=dtype,
-                              rows=row_align > 1)
+        return llama_cache_spec(self.cfg, num_pages, page_size, dtype, row_align)
 
     def paged_forward(self, input_ids, caches: dict, md: AttentionMetadata):
         """The engine's model interface: ``(hidden [T, H], caches)`` with ``caches`` the dict

@@ -51,6 +51,8 @@ class ModelFamily:
         the routed experts split over ``ep_size`` (``--ep-size``); None: no routed experts.
       stacked_layers: the family stacks its layers and fuses its linear weights (the platform
         profile's ``layer_stack``: CPU unrolling and the packed matmul).
+      cache_spec: ``(run_cfg, num_pages, page_size, dtype, row_align)`` -> the paged KV
+        buffers a model of ``run_cfg`` holds (sized at parse time, before any model exists).
       traced_pages_bound_impls: the ``attention_impl`` values whose attention bounds a
         sequence's pages by a traced value, so one pages-per-sequence bucket serves every
         length (``make_buckets``); the Pallas kernels take a few.
@@ -65,6 +67,7 @@ class ModelFamily:
     param_specs: Callable[[Any, int], dict]
     model_class: type
     expert_parallel: Callable[[Any, int, int, str], Any] | None = None
+    cache_spec: Callable[..., tuple] | None = None
     stacked_layers: bool = False
     traced_pages_bound_impls: tuple[str, ...] = ()
 
@@ -111,6 +114,12 @@ def _llama_read_config(path: str) -> ModelConfig:
     return cfg
 
 
+def _deepseek_cache_spec(cfg: DeepseekConfig, num_pages: int, page_size: int, dtype,
+                         row_align: int = 1) -> tuple:
+    return deepseek.deepseek_cache_spec(cfg, num_pages=num_pages, page_size=page_size,
+                                        dtype=dtype, row_align=row_align)
+
+
 def _deepseek_run_config(cfg: DeepseekConfig, tp_size: int) -> DeepseekConfig:
     deepseek_weights.check_tp(cfg, tp_size)
     return cfg
@@ -120,7 +129,7 @@ register_model_family(ModelFamily(
     name="llama", architectures=SUPPORTED_ARCHITECTURES, read_config=_llama_read_config,
     stack_params=llama_weights.stack_hf_tensors, run_config=llama_weights.tp_model_config,
     adapt_params=llama_weights.replicate_kv_heads, param_specs=llama.param_partition_specs,
-    model_class=llama.LlamaForCausalLM, stacked_layers=True,
+    model_class=llama.LlamaForCausalLM, cache_spec=llama.llama_cache_spec, stacked_layers=True,
     # Their cost follows kv_lens, not the page table's width (sched/buckets.py).
     traced_pages_bound_impls=TRACED_BOUND_IMPLS))
 register_model_family(ModelFamily(
@@ -128,7 +137,7 @@ register_model_family(ModelFamily(
     stack_params=deepseek_weights.stack_hf_tensors, run_config=_deepseek_run_config,
     adapt_params=deepseek_weights.expert_parallel_params,
     param_specs=deepseek_weights.param_partition_specs,
-    model_class=deepseek.DeepseekForCausalLM,
+    model_class=deepseek.DeepseekForCausalLM, cache_spec=_deepseek_cache_spec,
     # The indexer scores every position of the page table (cost grows with the page table's
     # width): no attention path lets one pages-per-sequence bucket serve every batch.
     expert_parallel=deepseek_weights.expert_parallel_run_config))
