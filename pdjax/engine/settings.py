@@ -245,10 +245,19 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = model_cfg if model_cfg is not None else checkpoint_config(model_path)
     dtype = resolve_dtype(args.dtype, platform)
+    family = model_family(model_cfg.architecture)
     profile = PlatformProfile.resolve(
         platform, attention_backend=args.attention_backend, unroll_layers=args.unroll_layers,
         cpu_matmul_kernel=args.cpu_matmul_kernel, tp_size=args.tp_size, dtype=dtype,
-        layer_stack=model_family(model_cfg.architecture).stacked_layers)
+        layer_stack=family.stacked_layers)
+    fp8_impls = family.fp8_kv_impls
+    if args.cache.kv_cache_dtype == "fp8_e4m3" and fp8_impls is not None \
+            and profile.attention_impl not in fp8_impls:
+        if args.attention_backend not in (None, "auto"):
+            raise ValueError(f"attention_backend {profile.attention_impl!r} does not read an "
+                             f"FP8 KV cache of {model_cfg.architecture} (kv_cache_dtype "
+                             f"fp8_e4m3): use one of {', '.join(fp8_impls)}")
+        profile = dataclasses.replace(profile, attention_impl="xla")
     model_len = model_cfg.max_position_embeddings
     if args.context_length is not None and args.context_length > model_len:
         # SGLang refuses this unless told to; pdjax serves it (the AOT sweeps size real models

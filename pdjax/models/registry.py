@@ -53,6 +53,8 @@ class ModelFamily:
         profile's ``layer_stack``: CPU unrolling and the packed matmul).
       cache_spec: ``(run_cfg, num_pages, page_size, dtype, row_align)`` -> the paged KV
         buffers a model of ``run_cfg`` holds (sized at parse time, before any model exists).
+      fp8_kv_impls: the ``attention_impl`` values that read the family's FP8 KV cache (None:
+        every one).
       traced_pages_bound_impls: the ``attention_impl`` values whose attention bounds a
         sequence's pages by a traced value, so one pages-per-sequence bucket serves every
         length (``make_buckets``); the Pallas kernels take a few.
@@ -69,6 +71,7 @@ class ModelFamily:
     expert_parallel: Callable[[Any, int, int, str], Any] | None = None
     cache_spec: Callable[..., tuple] | None = None
     stacked_layers: bool = False
+    fp8_kv_impls: tuple[str, ...] | None = None
     traced_pages_bound_impls: tuple[str, ...] = ()
 
 
@@ -131,7 +134,9 @@ register_model_family(ModelFamily(
     adapt_params=llama_weights.replicate_kv_heads, param_specs=llama.param_partition_specs,
     model_class=llama.LlamaForCausalLM, cache_spec=llama.llama_cache_spec, stacked_layers=True,
     # Their cost follows kv_lens, not the page table's width (sched/buckets.py).
-    traced_pages_bound_impls=TRACED_BOUND_IMPLS))
+    traced_pages_bound_impls=TRACED_BOUND_IMPLS,
+    # The TPU kernel has no layout for the per-token FP8 scales yet (DESIGN.md §5).
+    fp8_kv_impls=("reference", "xla", "cpu", "gpu")))
 register_model_family(ModelFamily(
     name="deepseek", architectures=DEEPSEEK_ARCHITECTURES, read_config=DeepseekConfig.from_hf_dir,
     stack_params=deepseek_weights.stack_hf_tensors, run_config=_deepseek_run_config,

@@ -182,3 +182,21 @@ def test_the_offline_engine_refuses_what_no_device_holds_before_loading(tiny_che
         Engine(tiny_checkpoints["llama"], max_running_requests=100_000, progress=False)
     with pytest.raises(ValueError, match=r"^tp_size must be in \[1, 4\] \(devices available\)"):
         Engine(tiny_checkpoints["llama"], tp_size=8, progress=False)
+
+
+def test_fp8_gqa_kv_takes_an_attention_path_that_reads_its_scales(tiny_checkpoints):
+    """The TPU kernel does not read the per-token FP8 scales of a GQA cache: on a TPU target
+    ``auto`` picks ``xla`` for such a cache, and ``tpu`` by name is refused at parse time
+    (it failed at the first compile); MLA keeps its kernel, which reads its FP8 record."""
+    llama = tiny_checkpoints["llama"]
+
+    def impl(path, **kw):
+        return resolve_engine_config(ServerArgs(model_path=path, page_size=16, **kw),
+                                     platform="tpu").attention_impl
+
+    assert impl(llama) == "tpu"
+    assert impl(llama, kv_cache_dtype="fp8_e4m3") == "xla"
+    with pytest.raises(ValueError, match=r"attention_backend 'tpu' does not read an FP8 KV "
+                                         r"cache .* use one of reference, xla, cpu, gpu"):
+        impl(llama, kv_cache_dtype="fp8_e4m3", attention_backend="tpu")
+    assert impl(tiny_checkpoints["deepseek_v32"], kv_cache_dtype="fp8_e4m3") == "tpu"
