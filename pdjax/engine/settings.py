@@ -277,9 +277,17 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
         max_num_batched_tokens=sched.max_num_batched_tokens, target_itl_ms=sched.target_itl_ms,
         num_reserved_decode_tokens=(args.disaggregation.num_reserved_decode_tokens
                                     if args.role == "decode" else 0))
+    kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype]
+    if platform == "cpu" and jnp.dtype(kv_dtype).itemsize < 4:
+        # XLA:CPU writes a 16- or 8-bit float buffer by copying it whole (a scatter or a
+        # dynamic-update-slice into a 64M-entry bf16 / fp8 array: about 110-150 ms; float32 and
+        # uint8: 0.01 ms), so every step copies the KV pool: a format check here, not a speed.
+        logger.warning("kv_cache_dtype %s on CPU: XLA:CPU copies a %s KV pool on every write "
+                       "(each step costs time proportional to --max-total-tokens); use float32 "
+                       "KV for speed on CPU, %s on TPU / GPU", jnp.dtype(kv_dtype).name,
+                       jnp.dtype(kv_dtype).name, jnp.dtype(kv_dtype).name)
     return EngineConfig(
-        args=args, model_path=model_path, dtype=dtype,
-        kv_dtype=dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype],
+        args=args, model_path=model_path, dtype=dtype, kv_dtype=kv_dtype,
         profile=profile, scheduler=scheduler,
         overlap=not sched.disable_overlap_schedule and args.role != "prefill", model_cfg=model_cfg)
 
