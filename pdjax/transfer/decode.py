@@ -216,23 +216,30 @@ class DecodeConnector(PDConnector):
     def _on_status(self, ev: StatusArrived) -> None:
         """Record the prefill's Success or Failed on its room (answering an Abort with an
         ``AbortAck``); a status for a room that is not waiting for one is refused, except when
-        it crossed this side's own failure of the room (a client abort)."""
+        it crossed this side's own end of the room (a failure, or a success whose request the
+        client then aborted)."""
         rid = self.room_owner.get(ev.room)
         r = self.rooms.get(rid) if rid is not None else None
         ok = r is not None and r.state == KVPoll.Transferring and r.status is None
         if ok:
             r.status, r.status_failure, r.status_code = ev.state, ev.failure, ev.status_code
+        # A room that ended here (failed: a client abort, a timeout; or succeeded, its
+        # request then aborted by the client on both sides) while the prefill's last word was
+        # on its way: the messages crossed, nothing is wrong with either side.
+        ended = None
+        if r is None or r.state == KVPoll.Failed:
+            ended = next((rec for rec in reversed(self.recent) if rec["room"] == ev.room), None)
         peer = None if r is None or r.fake else self.peers.get(r.peer_key)
+        if peer is None and ended is not None and ended["peer"]:
+            host, _, port = ended["peer"].rpartition(":")
+            peer = self.peers.get((host, int(port)))
         if ev.ack_sender is not None and peer is not None and peer.endpoint:
             self.send(peer.endpoint, AbortAck(bootstrap_room=ev.room, sender_id=peer.engine_id))
         if ok:
             return
-        if (r is None or r.state == KVPoll.Failed) and any(
-                rec["room"] == ev.room and rec["state"] == "Failed" for rec in self.recent):
-            # The room failed here (a client abort, a timeout) while the prefill's last word
-            # was on its way: the messages crossed, nothing is wrong with either side.
-            logger.info("PD decode: %s status for bootstrap_room %d, which failed here "
-                        "already: ignored", ev.state.name, ev.room)
+        if ended is not None:
+            logger.info("PD decode: %s status for bootstrap_room %d, which ended here "
+                        "already (%s): ignored", ev.state.name, ev.room, ended["state"])
             return
         self.worker.reject(f"{ev.state.name} status for bootstrap_room {ev.room}, which is not "
                            f"waiting for a transfer here")

@@ -143,7 +143,7 @@ def test_a_status_crossing_a_room_failed_here_is_not_a_rejected_message(prefill_
             assert conn.num_rejected_messages == 0
             assert not [r for r in caplog.records if r.levelno >= logging.WARNING
                         and r.name == "pdjax.transfer.decode"]
-            assert "which failed here already" in caplog.text
+            assert "which ended here already (Failed)" in caplog.text
             for room in (8, 9):          # never seen here: not an expected crossing
                 conn.worker.on_message(TransferStatus(bootstrap_room=room, state=KVPoll.Success))
             d.step()
@@ -176,5 +176,32 @@ def test_a_refused_registration_fails_the_pairing_with_the_prefill_reason(prefil
         assert "cannot pair with prefill" in out.error
         assert d.scheduler.allocator.num_free == free0 and not _transfer_requests(channel)
         assert ("127.0.0.1", port) not in conn.peers
+    finally:
+        conn.close()
+
+
+def test_an_abort_for_a_room_that_succeeded_here_is_a_crossing_and_is_acked(prefill_bootstrap,
+                                                                            caplog):
+    """The client closes a stream whose KV already arrived: the router aborts both sides, and
+    the prefill's Abort reaches a decode that finished the room (Success). That is the same
+    crossing as after a failure (it was logged as an ERROR and counted as a refused message),
+    and the prefill, which waits for the ack, gets it."""
+    d, conn, channel, port = _paired(prefill_bootstrap)
+    try:
+        g, req = _request("a", 7, port)
+        d.add(g, req)
+        _poll_until(d, lambda: conn.rooms["a"].state == KVPoll.Transferring)
+        conn.worker.on_message(TransferStatus(bootstrap_room=7, state=KVPoll.Success))
+        _poll_until(d, lambda: "a" not in conn.rooms)
+        d.abort("a", "client went away")
+        peer = conn.peers[("127.0.0.1", port)]
+        with caplog.at_level(logging.INFO, logger="pdjax.transfer.decode"):
+            conn.worker.on_message(Abort(bootstrap_room=7, sender_id="prefill@x", reason="bye"))
+            d.step()
+        assert conn.num_rejected_messages == 0
+        assert "which ended here already (Success)" in caplog.text
+        acks = [m for _, m in channel.sent if isinstance(m, AbortAck)]
+        assert acks == [AbortAck(bootstrap_room=7, sender_id=peer.engine_id)]
+        d.scheduler.check_invariants()
     finally:
         conn.close()
