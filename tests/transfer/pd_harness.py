@@ -322,3 +322,28 @@ def speculation_agrees(server: Server, ids: list[int], sampling_params: dict) ->
     out = generate(server, ids, sampling_params)
     greedy_agrees(ref["output_ids"], ref["meta_info"]["output_top_logprobs"], out["output_ids"])
     return ref, out
+
+
+@contextlib.contextmanager
+def fp8_kv_pd(model_path: str, log_dir: str, **args):
+    """A PD pair with ``--kv-cache-dtype fp8_e4m3`` behind a router, a bfloat16-KV decode
+    beside it (its pairing must be refused) and the colocated fp8 engine of the same settings,
+    for the block; yields ``dict(prefill=, decode=, decode_bf16=, router=, colocated=,
+    model=, bport=)``. ``args`` go to every server and the engine."""
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model_path, progress=False, kv_cache_dtype="fp8_e4m3", **args)
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model_path, log_dir, bootstrap_port=bport,
+                        kv_cache_dtype="fp8_e4m3", **args)
+    decode = pd_server("decode", "decode", model_path, log_dir, kv_cache_dtype="fp8_e4m3",
+                       **args)
+    decode_bf16 = pd_server("decode_bf16", "decode", model_path, log_dir,
+                            kv_cache_dtype="bfloat16", **args)
+    router = pd_router("router", prefill, bport, decode, log_dir)
+    try:
+        with running([prefill, decode, decode_bf16, router]):
+            yield dict(prefill=prefill, decode=decode, decode_bf16=decode_bf16, router=router,
+                       colocated=colocated, model=model_path, bport=bport)
+    finally:
+        colocated.shutdown()

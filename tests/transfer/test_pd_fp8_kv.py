@@ -7,8 +7,7 @@ import json
 import os
 
 import pytest
-from pd_harness import (at_baseline, free_port, greedy_agrees, pd_body, pd_router, pd_server,
-                        pd_state, post, running, wait_until)
+from pd_harness import at_baseline, greedy_agrees, pd_body, pd_state, post, wait_until, fp8_kv_pd
 
 pytestmark = pytest.mark.slow      # starts processes
 
@@ -18,24 +17,9 @@ ARGS = dict(page_size=8, max_total_tokens=512, chunked_prefill_size=16, max_runn
 
 @pytest.fixture(scope="module")
 def fp8_pd(tiny_checkpoints, tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("pd_fp8_kv"))
-    model = tiny_checkpoints["glm_moe_dsa_long"]
-    from pdjax.engine import Engine
-
-    colocated = Engine(model_path=model, progress=False, kv_cache_dtype="fp8_e4m3", **ARGS)
-    bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
-                        kv_cache_dtype="fp8_e4m3", **ARGS)
-    decode = pd_server("decode", "decode", model, logs, kv_cache_dtype="fp8_e4m3", **ARGS)
-    decode_bf16 = pd_server("decode_bf16", "decode", model, logs, kv_cache_dtype="bfloat16",
-                            **ARGS)
-    router = pd_router("router", prefill, bport, decode, logs)
-    try:
-        with running([prefill, decode, decode_bf16, router]):
-            yield dict(prefill=prefill, decode=decode, decode_bf16=decode_bf16, router=router,
-                       colocated=colocated, model=model, bport=bport)
-    finally:
-        colocated.shutdown()
+    with fp8_kv_pd(tiny_checkpoints["glm_moe_dsa_long"], str(tmp_path_factory.mktemp("pd_fp8_kv")),
+                   **ARGS) as servers:
+        yield servers
 
 
 # Known bug, open (issue 40 / 39 stop note): on this machine at HEAD the decode's tokens after

@@ -7,8 +7,8 @@ import json
 import os
 
 import pytest
-from pd_harness import (at_baseline, free_port, greedy_agrees, load, pd_body, pd_router,
-                        pd_server, pd_state, post, running, wait_until)
+from pd_harness import (fp8_kv_pd, at_baseline, greedy_agrees, load, pd_body,
+                        pd_state, post, wait_until)
 
 pytestmark = pytest.mark.slow      # starts processes
 
@@ -18,24 +18,9 @@ ARGS = dict(page_size=8, max_total_tokens=512, chunked_prefill_size=16, max_runn
 
 @pytest.fixture(scope="module")
 def gqa_fp8_pd(tiny_checkpoints, tmp_path_factory):
-    logs = str(tmp_path_factory.mktemp("pd_gqa_fp8_kv"))
-    model = tiny_checkpoints["llama"]
-    from pdjax.engine import Engine
-
-    colocated = Engine(model_path=model, progress=False, kv_cache_dtype="fp8_e4m3", **ARGS)
-    bport = free_port()
-    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport,
-                        kv_cache_dtype="fp8_e4m3", **ARGS)
-    decode = pd_server("decode", "decode", model, logs, kv_cache_dtype="fp8_e4m3", **ARGS)
-    decode_bf16 = pd_server("decode_bf16", "decode", model, logs, kv_cache_dtype="bfloat16",
-                            **ARGS)
-    router = pd_router("router", prefill, bport, decode, logs)
-    try:
-        with running([prefill, decode, decode_bf16, router]):
-            yield dict(prefill=prefill, decode=decode, decode_bf16=decode_bf16, router=router,
-                       colocated=colocated, model=model, bport=bport)
-    finally:
-        colocated.shutdown()
+    with fp8_kv_pd(tiny_checkpoints["llama"], str(tmp_path_factory.mktemp("pd_gqa_fp8_kv")),
+                   **ARGS) as servers:
+        yield servers
 
 
 def test_fp8_values_and_scales_move_as_they_are(gqa_fp8_pd):
