@@ -12,6 +12,7 @@ Backends are created by name through ``create_transfer_engine``:
     ================== =====================================================================
     ``fake``           copies nothing, counts; warm-up requests (bootstrap host 2.2.2.2)
     ``mooncake``       Mooncake Transfer Engine, P2PHANDSHAKE (no etcd), TCP or RDMA
+    ``jax``            pulls over ``jax.experimental.transfer`` (``jax_transfer.py``)
     ================== =====================================================================
 
 ``register_backend`` adds one (the tests register a corrupting backend that way); the CLI's
@@ -288,6 +289,7 @@ def _check_u64(name: str, value, lo: int = 0) -> int:
 _BACKENDS: dict[str, str | Callable[..., TransferEngine]] = {
     "fake": "pdjax.transfer.fake:FakeTransferEngine",
     "mooncake": "pdjax.transfer.mooncake:MooncakeTransferEngine",
+    "jax": "pdjax.transfer.jax_transfer:JaxTransferEngine",
 }
 
 

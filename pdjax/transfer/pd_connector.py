@@ -106,6 +106,8 @@ def create_role_transfer_engine(args) -> Any:
     backend = args.disaggregation_transfer_backend
     if backend != "fake" and args.disaggregation_ib_device:
         kwargs["device_name"] = args.disaggregation_ib_device
+    if backend == "jax":
+        kwargs["pull_timeout_s"] = args.transfer_timeout_s
     return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
 
 
@@ -119,8 +121,12 @@ def build_pd_parts(host: RoleHost, role: str) -> PDParts:
         logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
                        "are meaningless (control-plane testing only)", role)
     max_pages = -(-host.context_length // args.page_size)
-    local_kv = LocalKV(host.runner, engine, args.disaggregation_transfer_path, max_pages,
-                       head_repeat=kv_head_repeat(host), receives=role == "decode")
+    if args.disaggregation_transfer_backend == "jax":      # pulls device arrays: no path
+        from pdjax.transfer.jax_transfer_kv import JaxLocalKV
+        local_kv = JaxLocalKV(host.runner, engine, max_pages, head_repeat=kv_head_repeat(host))
+    else:
+        local_kv = LocalKV(host.runner, engine, args.disaggregation_transfer_path, max_pages,
+                           head_repeat=kv_head_repeat(host), receives=role == "decode")
     local_kv.warmup()
     meta = MetadataBuffers(max(32, 8 * args.max_running_requests), MAX_TOP_LOGPROBS)
     meta.register(engine)

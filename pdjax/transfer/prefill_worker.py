@@ -288,6 +288,9 @@ class PrefillTransferWorker(KVTransferWorker):
         """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
         node's shards into its own session, node 0 last with the metadata row ``meta`` (the
         gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
+        write_pages = getattr(self.transfer_engine, "write_pages", None)
+        if write_pages is not None:        # a pull-based backend (jax): one offer per chunk
+            return write_pages(self.local_kv, peer, src, dst, meta)
         return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
                            peer.node_writes(), src, dst, meta=meta)
 

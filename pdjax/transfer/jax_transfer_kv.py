@@ -1,0 +1,306 @@
+"""This server's KV pool for the ``jax`` transfer backend (``jax.experimental.transfer``,
+DESIGN.md §4, data plane): device programs and the arrays in flight, no transport.
+
+The ``jax`` backend moves compact device arrays instead of writing into a peer's pages:
+
+    prefill  ``stage_out(src)`` (engine thread, after the step that wrote the pages) gathers
+             the pages ``src`` of every KV buffer into ``[layers, bucket, page_size, ...]``
+             arrays (the runner's jitted ``gather_pages``; ``bucket``: the page count padded to
+             a power of two, ``local_kv.page_buckets``, one executable per bucket, compiled in
+             ``warmup``) and keeps them until the transfer thread takes them
+             (``take_gathered``) to offer them to the decode.
+    decode   the pulled arrays are put here (``put_arrived``, pull thread); ``stage_in(pages)``
+             (engine thread, at the metadata gate, a step boundary: the seam the staging path
+             uses) zeroes the padding rows (one jit per bucket) and scatters the rows into the
+             pool with the runner's donated ``scatter_pages``; padding rows go to the null page
+             0 as zeros, as ``LocalKV.stage_in`` does, so it stays clean.
+
+``layout`` is a ``KVLayout`` like ``LocalKV``'s (the pairing checks and the page-count checks
+of the control plane read it), but its shard addresses are placeholders: nothing writes into
+this pool by address. ``offer_descriptor(bucket)`` is the layout descriptor an offer carries
+(per buffer: name, shape, dtype, shard shapes, the KV head range of each shard, page size and
+KV format); ``check_offer`` refuses one that differs from this pool's before any byte moves,
+naming both sides. TP 1 on each side for now (one shard per KV buffer): a sharded pool is
+refused at start with a ``ValueError``.
+
+Shapes: KV buffers ``[layers, num_pages, page_size, *row]`` (GQA ``k_cache``/``v_cache``,
+MLA ``latent`` and the DSA ``indexer_k``, FP8 records' planes); page ids int32.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from pdjax.models.cache_spec import kv_format
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.transfer.kv_export import KVLayout, kv_layout_fingerprint
+from pdjax.transfer.local_kv import page_buckets
+
+logger = logging.getLogger(__name__)
+
+# Placeholder shard addresses of the layout peers see (never dereferenced): buffer b, shard s
+# at _FAKE_BASE + b * 2**44 + s * 2**40 (1 TiB apart, inside the wire's 2**63 range).
+_FAKE_BASE = 1 << 52
+STALE_S = 900.0          # gathered / pulled arrays nobody took are dropped after this long
+
+
+@dataclasses.dataclass
+class _Arrival:
+    dst: tuple[int, ...]
+    parts: list[Any]
+    t: float
+
+
+def _descriptor_layout(arrays: Sequence[Any], head_repeat: int,
+                       row_heads: Sequence[int]) -> KVLayout:
+    """The ``KVLayout`` of ``arrays`` with placeholder addresses (one shard each)."""
+    from pdjax.transfer.kv_export import (_head_axis, _logical_heads, _shard_heads,
+                                          _sorted_shards)
+
+    buffers = []
+    for b, (arr, rh) in enumerate(zip(arrays, row_heads)):
+        name = f"arrays[{b}]"
+        shards = _sorted_shards(arr)
+        axis = _head_axis(arr, rh, name)
+        heads = tuple(_shard_heads(arr, s, axis, head_repeat, name) for s in shards)
+        bytes_per_page = math.prod(shards[0].data.shape[2:]) * arr.dtype.itemsize
+        buffers.append(KVBufferDesc(
+            shard_addrs=tuple(_FAKE_BASE + (b << 44) + (s << 40) for s in range(len(shards))),
+            num_layers=arr.shape[0], num_pages=arr.shape[1], bytes_per_page=bytes_per_page,
+            num_heads=_logical_heads(axis, head_repeat, name), shard_heads=heads,
+            head_bytes=bytes_per_page // (arr.shape[2] * heads[0][1])))
+    return KVLayout("layer_major", tuple(buffers))
+
+
+class JaxLocalKV:
+    """The runner's KV pool as the ``jax`` backend moves it (see the module docstring).
+
+    Same surface as ``LocalKV`` (``layout``, ``fingerprint``, ``kv_dtype``, ``num_pages``,
+    ``bytes_per_page``, ``num_layer_buffers``, ``check_addresses``, ``warmup``, ``stage_out``,
+    ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered`` (prefill),
+    ``offer_descriptor``/``check_offer``/``pull_specs``/``put_arrived`` (decode).
+    ``engine``: the ``JaxTransferEngine`` (it is told about this pool: ``attach_kv``).
+    Raises ``ValueError`` when a KV buffer has more than one shard (TP > 1: not yet).
+    """
+
+    mode = "jax"
+
+    def __init__(self, runner, engine, max_pages_per_seq: int = 64, head_repeat: int = 1):
+        arrays = runner.kv_buffers()
+        for s, a in zip(runner.cache_specs, arrays):
+            if len(a.addressable_shards) != 1:
+                raise ValueError(
+                    f"disaggregation_transfer_backend: 'jax' moves one shard per KV buffer "
+                    f"(tp_size 1) for now; {s.name} has {len(a.addressable_shards)} shards")
+        self.runner, self.engine = runner, engine
+        self.names = [s.name for s in runner.cache_specs]
+        self.head_repeat = head_repeat
+        self.row_heads = [s.row_heads for s in runner.cache_specs]
+        self.fingerprint = kv_layout_fingerprint(arrays, head_repeat=head_repeat,
+                                                 row_heads=self.row_heads)
+        self.kv_dtype = kv_format(runner.cache_specs)
+        self.num_pages = int(arrays[0].shape[1])
+        self.page_size = int(arrays[0].shape[2])
+        self.max_pages_per_seq = max(1, int(max_pages_per_seq))
+        self.buckets = page_buckets(self.max_pages_per_seq)
+        self.layout = _descriptor_layout(arrays, head_repeat, self.row_heads)
+        # What the descriptors and pull specs need, read once here: the pool arrays are
+        # donated by every step, so other threads must never touch them.
+        self._shapes = [tuple(map(int, a.shape)) for a in arrays]
+        self._dtypes = [a.dtype for a in arrays]
+        self._shard_rows = [[tuple(map(int, sh.data.shape[2:])) for sh in a.addressable_shards]
+                            for a in arrays]
+        self._shardings = [runner.jits.cache_shardings[n] for n in self.names]
+        self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
+                                  for b in self.layout.buffers)
+        self.num_address_changes = 0
+        self.num_missing_arrivals = 0      # stage_in found no pulled rows for a page
+        self._lock = threading.Lock()
+        self._gathered: dict[tuple[int, ...], collections.deque] = {}
+        self._arrived: list[_Arrival] = []
+        self._mask = None
+        if hasattr(engine, "attach_kv"):
+            engine.attach_kv(self)
+
+    @property
+    def num_layer_buffers(self) -> int:
+        return sum(b.num_layers * len(b.shard_addrs) for b in self.layout.buffers)
+
+    def check_addresses(self) -> bool:
+        """Never moves: nothing is registered by address."""
+        return False
+
+    # -- descriptors -----------------------------------------------------------------------
+    def offer_descriptor(self, bucket: int) -> list[dict]:
+        """Per buffer, what a compact ``bucket``-page array of this pool is: ``name``,
+        ``shape`` ``[layers, bucket, page_size, *row]``, ``dtype``, ``shard_shapes``,
+        ``shard_heads`` (``[start, count]`` of checkpoint KV heads per shard), ``page_size``
+        and ``kv_format`` (JSON/msgpack-safe)."""
+        out = []
+        for name, shape, dtype, rows, desc in zip(self.names, self._shapes, self._dtypes,
+                                                  self._shard_rows, self.layout.buffers):
+            shape = [shape[0], int(bucket), *shape[2:]]
+            out.append({"name": name, "shape": shape, "dtype": np.dtype(dtype).name,
+                        "shard_shapes": [[shape[0], shape[1], *r] for r in rows],
+                        "shard_heads": [list(h) for h in desc.shard_heads],
+                        "page_size": self.page_size, "kv_format": self.kv_dtype})
+        return out
+
+    def check_offer(self, buffers: Any, dst: Sequence[int], bucket: int) -> None:
+        """``ValueError`` naming the field and both sides when an offer's descriptor
+        ``buffers`` (the prefill's ``offer_descriptor(bucket)``) is not this pool's, when
+        ``bucket`` is not one this pool compiled for, or ``dst`` (the decode pages) does not
+        fit ``[1, num_pages)`` and the bucket."""
+        if bucket not in self.buckets:
+            raise ValueError(f"bucket: the prefill's {bucket} pages is not a bucket of this "
+                             f"decode ({self.buckets})")
+        if not 1 <= len(dst) <= bucket:
+            raise ValueError(f"dst_pages: {len(dst)} pages for a {bucket}-page bucket")
+        bad = [p for p in dst if not 1 <= int(p) < self.num_pages]
+        if bad:
+            raise ValueError(f"dst_pages: {bad[:4]} outside [1, {self.num_pages})")
+        ours = self.offer_descriptor(bucket)
+        if not isinstance(buffers, (list, tuple)) or len(buffers) != len(ours):
+            raise ValueError(f"layout descriptor: prefill has {len(buffers or ())} KV buffers, "
+                             f"decode {len(ours)} ({[d['name'] for d in ours]})")
+        for i, (theirs, mine) in enumerate(zip(buffers, ours)):
+            if not isinstance(theirs, dict):
+                raise ValueError(f"layout descriptor: buffers[{i}] is not a mapping")
+            for key, value in mine.items():
+                if theirs.get(key) != value:
+                    raise ValueError(f"layout descriptor: buffers[{i}] ({mine['name']}) {key}: "
+                                     f"prefill {theirs.get(key)!r} != decode {value!r}")
+
+    def pull_specs(self, bucket: int) -> list:
+        """``jax.ShapeDtypeStruct`` per buffer of a ``bucket``-page compact array, in this
+        pool's own sharding (what the decode pulls)."""
+        import jax
+
+        return [jax.ShapeDtypeStruct((shape[0], bucket, *shape[2:]), dtype, sharding=sharding)
+                for shape, dtype, sharding in zip(self._shapes, self._dtypes, self._shardings)]
+
+    # -- device programs -------------------------------------------------------------------
+    def _bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"pages: {n} pages exceed the largest bucket {self.buckets[-1]}")
+
+    def _gather(self, idx: np.ndarray) -> list:
+        import jax.numpy as jnp
+
+        out = self.runner.jits.gather_pages(self.runner.caches, jnp.asarray(idx, jnp.int32))
+        return [out[n] for n in self.names]
+
+    def _masked(self, parts: list, n: int) -> list:
+        """``parts`` with rows ``>= n`` of the page axis zeroed (one jit per bucket)."""
+        import jax
+        import jax.numpy as jnp
+
+        if self._mask is None:
+            def mask(parts, n):
+                def one(p):
+                    keep = (jnp.arange(p.shape[1]) < n).reshape(1, -1, *([1] * (p.ndim - 2)))
+                    return jnp.where(keep, p, jnp.zeros((), p.dtype))
+                return [one(p) for p in parts]
+            self._mask = jax.jit(mask)
+        return self._mask(parts, np.int32(n))
+
+    def _scatter(self, dst: Sequence[int], parts: list) -> None:
+        bucket = int(parts[0].shape[1])
+        idx = np.zeros(bucket, np.int32)          # padding rows: zeros into the null page 0
+        idx[:len(dst)] = dst
+        self.runner.scatter_pages(idx, self._masked(parts, len(dst)))
+
+    def warmup(self) -> None:
+        """Compile the gather, the padding mask and the scatter for every page bucket."""
+        for b in self.buckets:
+            self._scatter([], self._gather(np.zeros(b, np.int32)))
+
+    # -- prefill ---------------------------------------------------------------------------
+    def stage_out(self, pages: Sequence[int]) -> None:
+        """Prefill, engine thread: gather ``pages`` into compact device arrays (dispatched,
+        not waited for) and keep them for ``take_gathered``."""
+        if len(pages) == 0:
+            return
+        idx = np.zeros(self._bucket(len(pages)), np.int32)   # padding reads the null page
+        idx[:len(pages)] = pages
+        parts = self._gather(idx)
+        key = tuple(int(p) for p in pages)
+        with self._lock:
+            self._gathered.setdefault(key, collections.deque()).append((time.monotonic(),
+                                                                        parts))
+
+    def take_gathered(self, pages: Sequence[int]) -> list:
+        """Prefill, transfer thread: the arrays ``stage_out(pages)`` gathered (oldest first);
+        entries older than ``STALE_S`` (their room was cancelled) are dropped.
+        ``ValueError`` when none is kept."""
+        key = tuple(int(p) for p in pages)
+        now = time.monotonic()
+        with self._lock:
+            for k in [k for k, q in self._gathered.items() if q and now - q[0][0] > STALE_S]:
+                q = self._gathered[k]
+                while q and now - q[0][0] > STALE_S:
+                    q.popleft()
+                if not q:
+                    del self._gathered[k]
+            q = self._gathered.get(key)
+            if not q:
+                raise ValueError(f"src_pages: no gathered arrays for pages {list(key)[:8]}")
+            _, parts = q.popleft()
+            if not q:
+                del self._gathered[key]
+        return parts
+
+    def drop_gathered(self, pages: Sequence[int]) -> None:
+        """Prefill: forget the arrays of ``pages`` (a chunk that will not be offered)."""
+        try:
+            self.take_gathered(pages)
+        except ValueError:
+            pass
+
+    # -- decode ----------------------------------------------------------------------------
+    def put_arrived(self, dst: Sequence[int], parts: list) -> None:
+        """Decode, pull thread: ``parts`` (ready) hold decode pages ``dst`` in their first
+        rows; ``stage_in`` scatters them."""
+        now = time.monotonic()
+        with self._lock:
+            self._arrived = [a for a in self._arrived if now - a.t <= STALE_S]
+            self._arrived.append(_Arrival(tuple(int(p) for p in dst), parts, now))
+
+    def stage_in(self, pages: Sequence[int]) -> None:
+        """Decode, engine thread (a step boundary): scatter every pulled chunk whose pages are
+        among ``pages`` (a room's pages) into the pool. A page no pulled chunk holds is
+        logged and counted (``num_missing_arrivals``)."""
+        want = {int(p) for p in pages}
+        if not want:
+            return
+        with self._lock:
+            mine = [a for a in self._arrived if set(a.dst) <= want]
+            self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
+        covered: set[int] = set()
+        for a in mine:
+            self._scatter(a.dst, a.parts)
+            covered.update(a.dst)
+        if covered != want:
+            self.num_missing_arrivals += 1
+            logger.error("jax transfer: %d of %d pages of a room had no pulled KV",
+                         len(want - covered), len(want))
+
+    def num_arrived(self) -> int:
+        """Pulled chunks not yet scattered."""
+        with self._lock:
+            return len(self._arrived)
+
+    def close(self) -> None:
+        with self._lock:
+            self._gathered.clear()
+            self._arrived.clear()

@@ -1,0 +1,76 @@
+"""PD with ``--disaggregation-transfer-backend jax`` (``jax.experimental.transfer`` pulls) end
+to end: a prefill, a decode and the pdjax router, real processes on 127.0.0.1 at TP 1, checked
+against the colocated engine's greedy tokens (tie-aware); the pools back at baseline after."""
+
+import concurrent.futures
+import random
+
+import pytest
+from pd_harness import (CHUNK, PAGE_SIZE, TINY_ARGS, at_baseline, get, greedy_agrees, load,
+                        metric_value, pd_state, post, prefill_decode_router, wait_until)
+
+pytestmark = pytest.mark.slow
+
+JAX = ["--disaggregation-transfer-backend", "jax"]
+
+
+def _reference(engine, prompts, max_new):
+    outs = engine.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
+                           sampling_params=[{"temperature": 0, "max_new_tokens": m}
+                                            for m in max_new])
+    return [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
+
+
+def _generate(url, ids, max_new):
+    status, out = post(url + "/generate", {"input_ids": ids, "sampling_params": {
+        "temperature": 0, "max_new_tokens": max_new}})
+    assert status == 200, out
+    return out
+
+
+def _pd_matches_colocated(model, logs, vocab, lengths, **overrides):
+    from pdjax.engine import Engine
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+    max_new = [3 + (i * 5) % 9 for i in range(len(prompts))]
+    colocated = Engine(model_path=model, progress=False, **dict(TINY_ARGS, **overrides))
+    try:
+        ref = _reference(colocated, prompts, max_new)
+    finally:
+        colocated.shutdown()
+    with prefill_decode_router(model, logs, prefill_extra=JAX, decode_extra=JAX,
+                               **overrides) as pd:
+        prefill, decode, router = pd["prefill"], pd["decode"], pd["router"]
+        for s in (prefill, decode):
+            st = pd_state(s)
+            assert st["transfer_backend"] == "jax" and st["transfer_path"] == "jax", st
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda a: _generate(router.url, *a), zip(prompts, max_new)))
+        compared = sum(greedy_agrees(ids, top, res["output_ids"])
+                       for (ids, top), res in zip(ref, results))
+        assert compared >= 0.8 * sum(max_new), compared
+        assert wait_until(lambda: at_baseline(prefill) and at_baseline(decode), 20)
+        state = pd_state(prefill)
+        bpp = state["kv_bytes_per_page"]
+        pages = sum(r["pages"] for r in state["recent"])
+        assert pages == sum(-(-n // PAGE_SIZE) for n in lengths)
+        p_metrics = get(prefill.url + "/metrics")[1]
+        assert metric_value(p_metrics, "pdjax:kv_transfer_total_bytes_total",
+                            role="prefill") == pages * bpp
+        assert state["engine"]["bytes"] == pages * bpp and state["engine"]["failures"] == 0
+        d_metrics = get(decode.url + "/metrics")[1]
+        assert "pdjax:kv_transfer_failed_total{" not in d_metrics + p_metrics
+        assert load(decode)["num_prompt_tokens_computed"] == 0
+        return state
+
+
+def test_gqa_llama_pd_over_jax_transfer_matches_colocated(tiny_checkpoints, tmp_path):
+    """Prompts of 1 page, a page +- 1 token, and several chunks (one offer per chunk, buckets
+    1..16 pages) give the colocated engine's greedy tokens through the jax data plane."""
+    lengths = [3, PAGE_SIZE + 1, 2 * PAGE_SIZE - 1, CHUNK + 1, 2 * CHUNK + 7, 70]
+    state = _pd_matches_colocated(tiny_checkpoints["llama"], str(tmp_path), 440, lengths)
+    # Several chunks per long prompt, each one offer (copies = arrays pulled: K and V).
+    long = [r for r in state["recent"] if r["prompt_len"] == 70][0]
+    assert len(long["chunks"]) >= 3
+    assert all(r["copies"] == 2 * len(r["chunks"]) for r in state["recent"])
