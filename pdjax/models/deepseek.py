@@ -46,6 +46,7 @@ from pdjax.pallas_kernels.mla_sparse_attention import fp8_record
 from pdjax.models.deepseek_params import _Stack, param_groups
 from pdjax.models.moe import moe_forward, swiglu
 from pdjax.models.moe_ep import moe_forward_ep
+from pdjax.models.dp_attention import dp_cache_specs, dp_decoder_layers
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +106,14 @@ def softmax_scale(cfg: DeepseekConfig) -> float:
 
 
 def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict[str, jax.Array],
-                   md: AttentionMetadata, *, attention_impl=None, interpret: bool = False):
+                   md: AttentionMetadata, *, attention_impl=None, interpret: bool = False,
+                   mlp=None):
     """Run the ``cfg.num_layers`` decoder layers of stacked ``params`` (``param_groups``) on
     ``x [T, Hd]``: one ``lax.scan`` per run of layers with the same MLP kind, carrying the
     hidden state, the cache dict (``"latent"``, and ``"indexer_k"`` with DSA; other buffers
-    pass through) and the last top-k selection. Returns ``(x [T, Hd], caches)``."""
+    pass through) and the last top-k selection. Returns ``(x [T, Hd], caches)``.
+    ``mlp``: ``(kind, h [T, Hd], layer params) -> [T, Hd]`` in place of the layer's own MLP
+    (DP attention's, ``dp_attention.py``); None: the dense / MoE / EP MLP below."""
     T = x.shape[0]
     inv_freq, rope_scale = rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_params)
     inv_freq = jnp.asarray(inv_freq)
@@ -139,7 +143,7 @@ def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict
     params = with_fp8_kernel(params, param_groups(cfg), attention_impl, interpret)
     step = functools.partial(_decoder_layer, cfg=cfg, impl=attention_impl, interpret=interpret,
                              params=params, md=md, inv_freq=inv_freq, rope_scale=rope_scale,
-                             mixed_indexer=mixed_indexer)
+                             mixed_indexer=mixed_indexer, mlp=mlp)
     carry = (x, dict(caches), topk0)
     for kind, start, end in _segments(cfg.mlp_layer_types):
         xs = (jnp.arange(start, end, dtype=jnp.int32), jnp.asarray(mlp_slot[start:end]),
@@ -150,7 +154,7 @@ def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict
 
 
 def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_freq, rope_scale,
-                   mixed_indexer):
+                   mixed_indexer, mlp=None):
     """One decoder layer (``lax.scan`` body of ``decoder_layers``)."""
     x, caches, topk = carry
     layer, mslot, islot, full = xs
@@ -211,7 +215,9 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     h = rms_norm(x, a["post_norm"], cfg.rms_norm_eps)
     group = params["dense" if kind == "dense" else "moe"]
     m = slice_layer(group, mslot)   # EP too: moe_ep's shard_map splits a layer view's stack
-    if kind == "dense":
+    if mlp is not None:
+        x = x + mlp(kind, h, m)
+    elif kind == "dense":
         x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
     elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)
         x = x + moe_forward_ep(cfg, h, m, impl=impl, interpret=interpret)
@@ -282,6 +288,9 @@ class DeepseekForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
         if mtp:
+            if cfg.dp_size > 1:
+                raise ValueError("speculative_algorithm: MTP is not built for DP attention "
+                                 "(dp_size > 1) yet")
             self.mtp = DeepseekMTP(cfg, dtype=dtype, rngs=rngs)
 
     # ------------------------------------------------------------------ cache
@@ -319,8 +328,10 @@ class DeepseekForCausalLM(nnx.Module):
         params = {g: getattr(self, g).values(shapes)
                   for g, (_, shapes) in param_groups(cfg).items()}
         x = self.embed_tokens[...][input_ids]
-        x, caches = decoder_layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
-                                   interpret=self.interpret)
+        # DP attention: md has a [dp] axis, each rank its own segment of input_ids
+        layers = dp_decoder_layers if cfg.dp_size > 1 else decoder_layers
+        x, caches = layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
+                           interpret=self.interpret)
         if self.mtp_enabled:
             if "mtp_hidden" not in caches:
                 raise ValueError("caches is missing buffer(s) ['mtp_hidden']; see cache_spec()")
@@ -404,7 +415,9 @@ class DeepseekMTP(nnx.Module):
 
 def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
                         dtype=jnp.float32, row_align: int = 1) -> tuple[CacheBufferSpec, ...]:
-    """KV buffers of an MLA model, replicated across TP ranks.
+    """KV buffers of an MLA model, replicated across TP ranks; under DP attention
+    (``cfg.dp_size > 1``) ``num_pages`` is one rank's pool and the buffers hold ``tp *
+    num_pages`` pages sharded by page (``dp_attention.dp_cache_specs``).
 
     ``latent [L, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`` always;
     ``indexer_k [Li, num_pages, page_size, index_head_dim]`` with DSA, where ``Li`` counts the
@@ -446,4 +459,4 @@ def deepseek_cache_spec(cfg: DeepseekConfig, *, num_pages: int, page_size: int,
         specs.append(CacheBufferSpec(
             "indexer_k", (len(cfg.full_indexer_layers), num_pages, page_size,
                           aligned_width(cfg.index_head_dim, row_align)), dtype))
-    return tuple(specs)
+    return dp_cache_specs(tuple(specs), cfg) if cfg.dp_size > 1 else tuple(specs)

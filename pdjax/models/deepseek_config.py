@@ -42,6 +42,8 @@ class DeepseekConfig:
     weights of ``quantization_config`` (``models/fp8.quantization_fields``; 0: unquantized).
     ``ep_size`` / ``moe_tp_size`` / ``moe_a2a_backend``: the expert parallelism of a run
     (``moe_ep.expert_parallel_config``; ``ep_size`` 1: the experts split by width over TP).
+    ``dp_size`` / ``attn_tp_size``: DP attention (``dp_attention.dp_attention_config``;
+    ``dp_size`` 1: attention split by heads over TP).
     """
 
     architecture: str
@@ -88,6 +90,10 @@ class DeepseekConfig:
     ep_size: int = 1
     moe_tp_size: int = 1
     moe_a2a_backend: str = "none"
+    # DP attention the model runs (models/dp_attention.py; set by dp_attention_config):
+    # dp_size ranks of attn_tp_size devices each; dp_size 1 is attention under TP.
+    dp_size: int = 1
+    attn_tp_size: int = 1
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:

@@ -22,6 +22,8 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
     projections, the router and the indexer are replicated (the latent cache is shared by all
     heads, so every rank keeps it whole). With ``cfg.ep_size > 1`` the routed experts are
     split by expert instead (``moe_ep.py``: ``[moe_tp_size * E, ...]`` stacks over ``"tp"``).
+    With ``cfg.dp_size > 1`` (DP attention, ``dp_attention.py``) the attention weights are
+    replicated on every device.
     """
     Hd, H, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     attn: ParamShapes = {
@@ -38,6 +40,8 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
     }
     if cfg.attention_bias:
         attn.update(b_qa=((cfg.q_lora_rank,), P()), b_kva=((C + R,), P()), b_o=((Hd,), P()))
+    if cfg.dp_size > 1:       # DP attention: every rank runs whole attention (dp_attention.py)
+        attn = {name: (shape, P()) for name, (shape, _) in attn.items()}
     F, Fm = cfg.intermediate_size, cfg.moe_intermediate_size
     dense: ParamShapes = {
         "w_gate": ((Hd, F), P(None, "tp")),

@@ -38,7 +38,8 @@ def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
     """Raises ``ValueError`` when heads or MLP/expert widths do not split over ``tp_size``
     (under EP, ``cfg.ep_size > 1``, the routed experts are ``moe_ep.check_expert_parallel``'s
     to check; the shared experts' width still splits over ``tp_size``)."""
-    checks = [("num_attention_heads", cfg.num_heads)]
+    # DP attention replicates the attention weights: the heads are not split.
+    checks = [] if cfg.dp_size > 1 else [("num_attention_heads", cfg.num_heads)]
     if cfg.dense_layers:
         checks.append(("intermediate_size", cfg.intermediate_size))
     if cfg.moe_layers and cfg.ep_size == 1:

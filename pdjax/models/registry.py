@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pdjax.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, read_hf_config
-from pdjax.models import deepseek, deepseek_weights, llama, llama_weights
+from pdjax.models import deepseek, deepseek_weights, dp_attention, llama, llama_weights
 from pdjax.models.deepseek_config import DEEPSEEK_ARCHITECTURES, DeepseekConfig
 from pdjax.models.fp8 import quantization_fields
 from pdjax.pallas_kernels.ragged_paged_attention import TRACED_BOUND_IMPLS
@@ -49,6 +49,9 @@ class ModelFamily:
       model_class: the NNX module, ``model_class(run_cfg, dtype=..., rngs=..., **kwargs)``.
       expert_parallel: ``(cfg, tp_size, ep_size, moe_a2a_backend)`` -> the run config with
         the routed experts split over ``ep_size`` (``--ep-size``); None: no routed experts.
+      dp_attention: ``(cfg, tp_size, dp_size)`` -> the run config with attention run
+        data-parallel over ``dp_size`` ranks (``--enable-dp-attention --dp-size``;
+        ``dp_attention.py``); None: the family cannot.
       stacked_layers: the family stacks its layers and fuses its linear weights (the platform
         profile's ``layer_stack``: CPU unrolling and the packed matmul).
       cache_spec: ``(run_cfg, num_pages, page_size, dtype, row_align)`` -> the paged KV
@@ -69,6 +72,7 @@ class ModelFamily:
     param_specs: Callable[[Any, int], dict]
     model_class: type
     expert_parallel: Callable[[Any, int, int, str], Any] | None = None
+    dp_attention: Callable[[Any, int, int], Any] | None = None
     cache_spec: Callable[..., tuple] | None = None
     stacked_layers: bool = False
     fp8_kv_impls: tuple[str, ...] | None = None
@@ -145,4 +149,5 @@ register_model_family(ModelFamily(
     model_class=deepseek.DeepseekForCausalLM, cache_spec=_deepseek_cache_spec,
     # The indexer scores every position of the page table (cost grows with the page table's
     # width): no attention path lets one pages-per-sequence bucket serve every batch.
-    expert_parallel=deepseek_weights.expert_parallel_run_config))
+    expert_parallel=deepseek_weights.expert_parallel_run_config,
+    dp_attention=dp_attention.dp_attention_config))
