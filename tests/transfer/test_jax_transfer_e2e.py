@@ -54,7 +54,8 @@ def _pd_matches_colocated(model, logs, vocab, lengths, **overrides):
         state = pd_state(prefill)
         bpp = state["kv_bytes_per_page"]
         pages = sum(r["pages"] for r in state["recent"])
-        assert pages == sum(-(-n // PAGE_SIZE) for n in lengths)
+        page_size = overrides.get("page_size", PAGE_SIZE)
+        assert pages == sum(-(-n // page_size) for n in lengths)
         p_metrics = get(prefill.url + "/metrics")[1]
         assert metric_value(p_metrics, "pdjax:kv_transfer_total_bytes_total",
                             role="prefill") == pages * bpp
@@ -73,4 +74,23 @@ def test_gqa_llama_pd_over_jax_transfer_matches_colocated(tiny_checkpoints, tmp_
     # Several chunks per long prompt, each one offer (copies = arrays pulled: K and V).
     long = [r for r in state["recent"] if r["prompt_len"] == 70][0]
     assert len(long["chunks"]) >= 3
+    assert all(r["copies"] == 2 * len(r["chunks"]) for r in state["recent"])
+
+
+def test_deepseek_v32_mla_and_indexer_caches_over_jax_transfer(tiny_checkpoints, tmp_path):
+    """The tiny DeepSeek-V3.2 (MLA latent + DSA indexer key caches, prompts past its
+    index_topk so the sparse selection reads moved indexer keys) gives colocated's tokens."""
+    import json
+    import os
+
+    model = tiny_checkpoints["deepseek_v32_long"]
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    lengths = [9, 17, 33, 41]
+    assert max(lengths) > cfg["index_topk"]
+    state = _pd_matches_colocated(model, str(tmp_path), 440, lengths,
+                                  page_size=8, max_total_tokens=512, chunked_prefill_size=16,
+                                  max_running_requests=2, context_length=64)
+    names = [b for b in state["kv_shard_heads"]]
+    assert len(names) == 2        # latent and indexer keys, one "head" each
     assert all(r["copies"] == 2 * len(r["chunks"]) for r in state["recent"])
