@@ -1,0 +1,195 @@
+"""The ``jax`` backend's engine and pool in one process (two transfer servers on 127.0.0.1,
+each with its own small pool): a chunk offered by one and pulled by the other lands
+byte-exact at the decode's pages with the null page clean; a layout mismatch is refused
+before any byte moves; the decode's own deadline and the prefill's ack deadline end a transfer
+that cannot finish, and both engines keep serving."""
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pdjax.models.cache_spec import CacheBufferSpec
+from pdjax.transfer.engine import TransferError, create_transfer_engine
+from pdjax.transfer.jax_transfer_kv import JaxLocalKV
+from pdjax.transfer.metadata import MetadataBuffers
+
+L, PAGES, PS, KVH, D = 2, 16, 4, 2, 8
+
+
+class _Jits:
+    def __init__(self, shardings):
+        self.cache_shardings = shardings
+        self.gather_pages = jax.jit(lambda c, idx: {k: jnp.take(v, idx, axis=1)
+                                                    for k, v in c.items()})
+        self.scatter = jax.jit(lambda c, idx, parts: {k: v.at[:, idx].set(parts[k])
+                                                      for k, v in c.items()},
+                               donate_argnums=0)
+
+
+class FakeRunner:
+    """The slice of ``ModelRunner`` the jax backend uses: a K and a V pool
+    ``[L, PAGES, PS, KVH * D]`` float32 on one device."""
+
+    def __init__(self, seed: int, dtype=jnp.float32, row: int = KVH * D):
+        mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+        self.cache_specs = [CacheBufferSpec(n, (L, PAGES, PS, row), dtype, P(), KVH)
+                            for n in ("k_cache", "v_cache")]
+        shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}
+        self.jits = _Jits(shardings)
+        rng = np.random.default_rng(seed)
+        self.caches = {s.name: jax.device_put(jnp.asarray(
+            rng.standard_normal(s.shape), dtype), shardings[s.name]) for s in self.cache_specs}
+
+    def kv_buffers(self):
+        return [self.caches[s.name] for s in self.cache_specs]
+
+    def scatter_pages(self, idx, parts):
+        named = {s.name: p for s, p in zip(self.cache_specs, parts)}
+        self.caches = self.jits.scatter(self.caches, jnp.asarray(idx, jnp.int32), named)
+
+
+@dataclasses.dataclass
+class Peer:
+    session_id: str
+
+
+def _slot(meta, i):
+    """Row ``i`` of ``meta``'s pool as bytes (a writable view)."""
+    return meta._bytes[i * meta.bytes_per_slot:(i + 1) * meta.bytes_per_slot]
+
+
+def _side(seed, **engine_kw):
+    engine = create_transfer_engine("jax", "127.0.0.1", **engine_kw)
+    runner = FakeRunner(seed)
+    kv = JaxLocalKV(runner, engine, max_pages_per_seq=8)
+    meta = MetadataBuffers(4, 2)
+    meta.register(engine)
+    return engine, runner, kv, meta
+
+
+@pytest.fixture(scope="module")
+def pair():
+    sides = [_side(1, pull_timeout_s=3.0, ack_slack_s=2.0), _side(2, pull_timeout_s=3.0,
+                                                                   ack_slack_s=2.0)]
+    yield sides
+    for engine, *_ in sides:
+        engine.close()
+
+
+def _offer(pair, src, dst):
+    (p_engine, p_runner, p_kv, p_meta), (d_engine, d_runner, d_kv, d_meta) = pair
+    p_kv.stage_out(src)
+    meta = [p_meta.copy_to(1, d_meta.base_addr, 2, d_meta.num_slots, d_meta.bytes_per_slot)]
+    return p_engine.write_pages(p_kv, Peer(d_engine.session_id), src, dst, meta)
+
+
+def test_chunk_lands_byte_exact_and_null_page_stays_clean(pair):
+    (p_engine, p_runner, p_kv, p_meta), (d_engine, d_runner, d_kv, d_meta) = pair
+    src, dst = [3, 7, 8], [10, 1, 5]            # 3 pages: a 4-page bucket, one padding row
+    want = {k: np.asarray(v) for k, v in p_runner.caches.items()}
+    before = {k: np.asarray(v) for k, v in d_runner.caches.items()}
+    _slot(p_meta, 1)[:] = np.arange(p_meta.bytes_per_slot) % 256
+    p_count = p_engine.counters()
+    nbytes, arrays = _offer(pair, src, dst)
+    assert arrays == 2 and nbytes == [3 * d_kv.bytes_per_page]
+    assert d_kv.bytes_per_page == 2 * L * PS * KVH * D * 4
+    # The metadata row landed in the decode's slot 2 before the ack.
+    np.testing.assert_array_equal(_slot(d_meta, 2), np.arange(d_meta.bytes_per_slot) % 256)
+    assert d_kv.num_arrived() == 1
+    d_kv.stage_in(dst)                           # the decode's step boundary
+    assert d_kv.num_arrived() == 0 and d_kv.num_missing_arrivals == 0
+    for name in want:
+        got = np.asarray(d_runner.caches[name])
+        np.testing.assert_array_equal(got[:, dst], want[name][:, src])
+        np.testing.assert_array_equal(got[:, 0], 0)           # padding row -> zeros, page 0
+        untouched = [p for p in range(1, PAGES) if p not in dst]
+        np.testing.assert_array_equal(got[:, untouched], before[name][:, untouched])
+    c = p_engine.counters()
+    assert c.bytes - p_count.bytes == 3 * d_kv.bytes_per_page and c.failures == 0
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
+    (p_engine, _, p_kv, p_meta), (d_engine, d_runner, d_kv, d_meta) = pair
+    other_engine = create_transfer_engine("jax", "127.0.0.1", pull_timeout_s=3.0)
+    try:
+        # Same bytes per page, other split: [.., 2 heads x 8] against [.., 1 head x 16].
+        runner = FakeRunner(3)
+        runner.cache_specs = [dataclasses.replace(s, row_heads=1) for s in runner.cache_specs]
+        kv = JaxLocalKV(runner, other_engine, max_pages_per_seq=8)
+        meta = MetadataBuffers(4, 2)
+        meta.register(other_engine)
+        before = {k: np.asarray(v) for k, v in d_runner.caches.items()}
+        _slot(d_meta, 3)[:] = 0
+        kv.stage_out([2, 3])
+        row = [meta.copy_to(0, d_meta.base_addr, 3, d_meta.num_slots, d_meta.bytes_per_slot)]
+        _slot(meta, 0)[:] = 7
+        refused = d_engine.num_refused_offers
+        with pytest.raises(TransferError, match=r"shard_heads: prefill \[\[0, 1\]\] != "
+                                                r"decode \[\[0, 2\]\]"):
+            other_engine.write_pages(kv, Peer(d_engine.session_id), [2, 3], [4, 6], row)
+        assert d_engine.num_refused_offers == refused + 1
+        assert d_kv.num_arrived() == 0 and not _slot(d_meta, 3).any()    # nothing landed
+        d_kv.stage_in([4, 6])
+        for name in before:
+            np.testing.assert_array_equal(np.asarray(d_runner.caches[name]), before[name])
+        assert other_engine.counters().failures == 1
+    finally:
+        other_engine.close()
+    # The pair still works after the refusal.
+    assert _offer(pair, [2], [9])[1] == 2
+    d_kv.stage_in([9])
+
+
+def test_decode_deadline_ends_a_pull_of_a_missing_uuid_and_keeps_serving(pair):
+    """The library's pull timeout is swept lazily (a pull of an id nobody offered hangs): the
+    decode's own deadline fails it, poisons the connection, and the next pull reconnects."""
+    import msgpack
+    import zmq
+
+    (p_engine, _, p_kv, _), (d_engine, _, d_kv, _) = pair
+    offer = {"v": 1, "uuid": 12345, "address": p_engine.transfer_address, "dst": [3],
+             "bucket": 1, "buffers": d_kv.offer_descriptor(1), "meta": []}
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{d_engine.session_id}")
+        t0 = time.monotonic()
+        sock.send(msgpack.packb(offer))
+        assert sock.poll(20_000), "no answer from the decode"
+        reply = msgpack.unpackb(sock.recv())
+    finally:
+        sock.close(0)
+    took = time.monotonic() - t0
+    assert not reply["ok"] and "timed out after 3 s" in reply["error"], reply
+    assert 2.5 <= took < 10, took
+    assert d_engine.num_pull_timeouts >= 1 and d_kv.num_arrived() == 0
+    assert _offer(pair, [4, 5], [11, 12])[1] == 2            # reconnects and pulls
+    d_kv.stage_in([11, 12])
+
+
+def test_prefill_frees_an_offer_the_decode_never_pulls(pair):
+    """A decode that never answers: the prefill gives up at its ack deadline, resets its pull
+    table (the offered arrays go) and offers the next chunk normally."""
+    import zmq
+
+    (p_engine, _, p_kv, _), _ = pair
+    mute = zmq.Context.instance().socket(zmq.ROUTER)     # takes offers, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        p_kv.stage_out([6])
+        failures = p_engine.counters().failures
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="did not ack the pull of 1 pages within 5 s"):
+            p_engine.write_pages(p_kv, Peer(f"127.0.0.1:{port}"), [6], [2], [])
+        assert 4.5 <= time.monotonic() - t0 < 15
+        assert p_engine.counters().failures == failures + 1
+    finally:
+        mute.close(0)
+    assert _offer(pair, [6], [13])[1] == 2
+    pair[1][2].stage_in([13])
