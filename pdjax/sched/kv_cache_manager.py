@@ -33,12 +33,27 @@ class KVCacheManager:
         """Pages not on the free list (requests' and the prefix cache's)."""
         return self.num_pages - 1 - self.allocator.num_free
 
+    @property
+    def null_pages(self) -> frozenset[int]:
+        """Pages never handed out (padding writes there): page 0."""
+        return frozenset((0,))
+
+    def match_prefix(self, req: Request, max_pages: int):
+        """``req``'s cached prefix, at most ``max_pages`` pages: ``(pages, node)`` as
+        ``RadixCache.match_prefix`` (DP attention's manager also picks the request's rank)."""
+        return self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
+
+    def make_room(self, reqs: list[Request]) -> bool:
+        """Evict until ``reqs`` can all grow to hold ``num_tokens`` tokens; False if not."""
+        return self.make_free(sum(self.pages_needed(r, r.num_tokens) for r in reqs))
+
     def pages_needed(self, req: Request, num_tokens: int) -> int:
         """New pages ``req`` needs to hold ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.page_size) - len(req.pages))
 
-    def make_free(self, n: int) -> bool:
-        """Evict from the prefix cache until ``n`` pages are free; False if impossible."""
+    def make_free(self, n: int, req: Request | None = None) -> bool:
+        """Evict from the prefix cache until ``n`` pages are free; False if impossible.
+        ``req``: the request they are for (one pool here: unused)."""
         short = n - self.allocator.num_free
         if short > 0:
             self.prefix_cache.evict(short)
@@ -122,7 +137,8 @@ class KVCacheManager:
         assert len(owned_set) == len(owned), "a page is owned by two requests"
         assert not (owned_set & cached) and not (owned_set & free) and not (cached & free), \
             "page sets overlap"
-        assert 0 not in owned_set | cached | free, "the null page escaped"
+        null = self.null_pages
+        assert not (null & (owned_set | cached | free)), "a null page escaped"
         total = len(owned_set) + len(cached) + len(free)
-        assert owned_set | cached | free == set(range(1, self.num_pages)), \
-            f"pages leaked: {self.num_pages - 1 - total} missing"
+        assert owned_set | cached | free == set(range(self.num_pages)) - null, \
+            f"pages leaked: {self.num_pages - len(null) - total} missing"

@@ -245,8 +245,7 @@ class Scheduler:
         # request with the least progress until the rest fit.
         reqs = list(decode_reqs)
         while reqs:
-            need = sum(self.kv.pages_needed(r, r.num_tokens) for r in reqs)
-            if self.kv.make_free(need):
+            if self.kv.make_room(reqs):
                 break
             if len(reqs) == 1 and len(self.running) == 1:
                 # Alone and still no room: the pool cannot hold this request at all.
@@ -281,7 +280,7 @@ class Scheduler:
         prompt_logprobs = req.return_logprob and req.logprob_start_len >= 0
         if prompt_logprobs:
             max_pages = min(max_pages, max(0, req.logprob_start_len - 1) // ps)
-        pages, node = self.prefix_cache.match_prefix(req.all_ids, max_pages=max_pages)
+        pages, node = self.kv.match_prefix(req, max_pages)
         external, whole = 0, False
         if not req.output_ids:            # a retracted request recomputes what it had
             external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
@@ -294,8 +293,7 @@ class Scheduler:
             if whole and len(pages) < req.num_prompt_tokens // ps:
                 # Nothing is computed here: the prompt's last full page may be a hit too (the
                 # rest of the prompt then has no token; the first token still comes).
-                pages, node = self.prefix_cache.match_prefix(
-                    req.all_ids, max_pages=req.num_prompt_tokens // ps)
+                pages, node = self.kv.match_prefix(req, req.num_prompt_tokens // ps)
                 external = req.num_prompt_tokens - len(pages) * ps
         self.remote.not_yet.discard(req.rid)
         if remote_only and not whole and not external:
@@ -307,8 +305,9 @@ class Scheduler:
             reserve = self.remote.reserved_decode_pages(req, self.running)
         self.prefix_cache.lock(node)
         # The decode reservation yields when nothing else holds pages (it could never fit).
-        if not self.kv.make_free(need + reserve) and (
-                not reserve or self.running or self.remote.waiting or not self.kv.make_free(need)):
+        if not self.kv.make_free(need + reserve, req) and (
+                not reserve or self.running or self.remote.waiting
+                or not self.kv.make_free(need, req)):
             self.prefix_cache.unlock(node)
             return False
         req.prefix_node = node

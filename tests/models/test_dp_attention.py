@@ -17,7 +17,7 @@ from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.dp_attention import check_dp_attention, dp_attention_config
 from pdjax.models.loader import load_model, make_mesh
 from pdjax.sched.batch import BatchRow, build_flat_batch
-from pdjax.sched.dp_batch import build_dp_batch
+from pdjax.sched.dp_batch import build_dp_batch, local_rows
 
 PAGE_SIZE = 8
 PAGES = 12                  # per rank (DP) or in all (TP 1); page 0 is the null page
@@ -64,29 +64,22 @@ def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None):
     tokens = [[] for _ in prompts]
     logits_out = [[] for _ in prompts]
     for i in range(NEW):
-        rows = [[] for _ in range(dp)]
-        which = [[] for _ in range(dp)]
-        for j, (seq, r) in enumerate(zip(seqs, ranks)):
+        rows = []
+        for j, seq in enumerate(seqs):
             start = 0 if i == 0 else len(seq) - 1
-            rows[r].append(BatchRow(seq[start:], start, pages[j]))
-            which[r].append(j)
+            rows.append(BatchRow(seq[start:], start, pages[j]))
         pad = dict(page_size=PAGE_SIZE, num_tokens_pad=32, num_rows_pad=4,
                    pages_per_seq_pad=4)
-        if dp == 1:
-            fb = build_flat_batch(rows[0], **pad)
-            md, spans = _md(fb), [fb.logits_row_spans]
-        else:
-            fb = build_dp_batch(rows, **pad)
-            md, spans = _md(fb), fb.logits_row_spans
-        logits, caches = step(state, caches, jnp.asarray(fb.input_ids), md,
+        fb = (build_flat_batch(rows, **pad) if dp == 1 else
+              build_dp_batch(rows, ranks, dp_size=dp, **pad))
+        logits, caches = step(state, caches, jnp.asarray(fb.input_ids), _md(fb),
                               jnp.asarray(fb.logits_indices))
         logits = np.asarray(logits)
-        for rank in range(dp):
-            for (s, e), j in zip(spans[rank], which[rank]):
-                row = logits[e - 1]
-                logits_out[j].append(row)
-                tokens[j].append(int(row.argmax()))
-                seqs[j].append(int(row.argmax()))
+        for j, (s, e) in enumerate(fb.logits_row_spans):
+            row = logits[e - 1]
+            logits_out[j].append(row)
+            tokens[j].append(int(row.argmax()))
+            seqs[j].append(int(row.argmax()))
     return tokens, [np.stack(l) for l in logits_out], caches
 
 
@@ -157,16 +150,22 @@ def test_llama_refuses_dp_attention(tiny_checkpoints):
 
 
 def test_dp_batch_layout():
-    rows = [[BatchRow([7], 3, [3]), BatchRow([1, 2, 3], 0, [1])], [], [BatchRow([9, 8], 0, [2])]]
-    b = build_dp_batch(rows, page_size=4, num_tokens_pad=8, num_rows_pad=2,
-                       pages_per_seq_pad=2)
+    """Rows with global page ids (4 pages a rank) -> rank-local pages; each rank's segment;
+    logits rows in the given row order (row 1 is on rank 2, after rank 0's rows)."""
+    rows, ranks = local_rows([BatchRow([7], 3, [3]), BatchRow([9, 8], 0, [10]),
+                              BatchRow([1, 2, 3], 0, [1])], pages_per_rank=4)
+    assert ranks == [0, 2, 0] and [r.pages for r in rows] == [[3], [2], [1]]
+    b = build_dp_batch(rows, ranks, dp_size=3, page_size=4, num_tokens_pad=8,
+                       num_rows_pad=2, pages_per_seq_pad=2)
     assert b.input_ids.tolist() == [7, 1, 2, 3, 0, 0, 0, 0] + [0] * 8 + [9, 8, 0, 0, 0, 0, 0, 0]
     assert b.slot_mapping[0, :4].tolist() == [15, 4, 5, 6] and b.slot_mapping[1].sum() == 0
     assert b.kv_lens.tolist() == [[4, 3], [0, 0], [2, 0]]
     assert b.distribution.tolist() == [[1, 1, 2], [0, 0, 0], [0, 0, 1]]
-    # global token indices of each rank's logits rows, and spans into them
-    assert b.logits_indices.tolist() == [0, 3, 8, 8, 17, 16]
-    assert b.logits_row_spans == [[(0, 1), (1, 2)], [], [(4, 5)]]
+    assert b.logits_indices.tolist() == [0, 17, 3, 0, 0, 0]      # rows 0, 1, 2; padding
+    assert b.logits_row_spans == [(0, 1), (1, 2), (2, 3)]
+    assert b.row_starts == [0, 16, 1] and b.num_tokens == 6
     with pytest.raises(ValueError, match=r"^rank 1: 9 tokens exceed"):
-        build_dp_batch([[], [BatchRow(list(range(9)), 0, [1, 2, 3])]], page_size=4,
+        build_dp_batch([BatchRow(list(range(9)), 0, [1, 2, 3])], [1], dp_size=2, page_size=4,
                        num_tokens_pad=8, num_rows_pad=2, pages_per_seq_pad=3)
+    with pytest.raises(ValueError, match=r"pages \[3, 5\] are not all on rank 0"):
+        local_rows([BatchRow([1, 2], 0, [3, 5])], pages_per_rank=4)

@@ -1,0 +1,127 @@
+"""DP attention's pages (``sched/dp_kv_cache_manager.py``) under the scheduler, pure Python:
+each rank's own pages and null page, least-loaded and prefix-aware rank assignment, a
+request's pages all on its rank, per-rank room for decode rows, and the books that
+``check_invariants`` keeps with every rank's null page excluded."""
+
+import random
+
+import pytest
+
+from pdjax.request import Request, SamplingParams
+from pdjax.sched.dp_batch import local_rows
+from pdjax.sched.batch import BatchRow
+from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager, RankedPageAllocator
+from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+NP = 8          # pages per rank
+PS = 4
+
+
+def _req(rid, ids, max_new=3):
+    return Request(rid, list(ids), SamplingParams(max_new_tokens=max_new, temperature=0))
+
+
+def _ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 100) for _ in range(n)]
+
+
+def _sched(dp=4, **kw):
+    kv = DpKVCacheManager(dp, NP, PS)
+    cfg = SchedulerConfig(num_pages=dp * NP, page_size=PS, chunked_prefill_size=64, **kw)
+    return Scheduler(cfg, kv=kv), kv
+
+
+def _stop(req):
+    if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+        return {"type": "length", "length": len(req.output_ids)}
+    return None
+
+
+def _run(sched, on_batch=None):
+    steps = 0
+    while sched.has_work:
+        batch = sched.schedule()
+        steps += 1
+        assert steps < 1000
+        if batch is None:
+            continue
+        if on_batch:
+            on_batch(batch)
+        sched.process_results(batch, {i: 5 + i for i, r in enumerate(batch.rows) if r.samples},
+                              _stop)
+        sched.check_invariants()
+
+
+def test_allocator_ranks_and_null_pages():
+    a = RankedPageAllocator(3, 4)
+    assert a.num_free == 9 and a.null_pages == {0, 4, 8}
+    assert a.alloc(2, rank=1) == [5, 6] and a.alloc(3, rank=2) == [9, 10, 11]
+    assert a.alloc(2, rank=2) is None and a.num_free_on(2) == 0
+    with pytest.raises(ValueError, match="page 4 is a null page"):
+        a.free([5, 4])
+    assert not a.is_free(5)                      # nothing changed
+    a.free([6, 9])
+    assert a.free_pages() == {1, 2, 3, 6, 7, 9}
+
+
+def test_fewer_requests_than_ranks_each_on_its_own_rank():
+    """Three requests on four ranks: least loaded puts each on a rank of its own, every
+    page of a request on its rank; rank 3 stays idle."""
+    sched, kv = _sched()
+    reqs = [_req(f"r{i}", _ids(6 + i, i)) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    seen = {}
+
+    def on_batch(batch):
+        rows = [BatchRow(r.token_ids, r.start, r.req.pages) for r in batch.rows]
+        _, ranks = local_rows(rows, NP)              # ValueError if a row spans ranks
+        for r, rank in zip(batch.rows, ranks):
+            seen.setdefault(r.req.rid, set()).add(rank)
+        loads = kv.rank_load()
+        assert loads[3]["num_requests"] == 0 and loads[3]["num_used_pages"] == 0
+
+    _run(sched, on_batch)
+    assert seen == {"r0": {0}, "r1": {1}, "r2": {2}}
+    assert all(len(r.output_ids) == 3 for r in reqs)
+
+
+def test_prefix_aware_assignment():
+    """A request whose prompt's first pages are cached on rank 1 runs there, reusing them,
+    although rank 0 is less loaded."""
+    sched, kv = _sched(dp=2)
+    shared = _ids(12, 7)                                  # three full pages
+    sched.add_request(_req("busy", _ids(5, 1), max_new=50))
+    sched.add_request(_req("first", shared + [1, 2]))
+    batch = sched.schedule()
+    sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
+    assert kv.rank_of(sched.requests["busy"]) == 0 and kv.rank_of(sched.requests["first"]) == 1
+    while "first" in sched.requests:
+        batch = sched.schedule()
+        sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples},
+                              _stop)
+    # rank 1 now has no request and its cached prefix; rank 0 has "busy"
+    second = _req("second", shared + [9, 9, 9])
+    sched.add_request(second)
+    batch = sched.schedule()
+    assert kv.rank_of(second) == 1 and second.num_cached_tokens == 12
+    assert all(p // NP == 1 for p in second.pages)
+    sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
+    sched.check_invariants()
+
+
+def test_a_full_rank_does_not_borrow_another_ranks_pages():
+    """Two ranks of 7 usable pages; a request needing 6 pages admitted on rank 0 and one on
+    rank 1: a third that needs 3 pages waits (no rank has room) rather than taking pages of
+    two ranks; it runs once one finishes."""
+    sched, kv = _sched(dp=2)
+    a, b, c = _req("a", _ids(20, 1), 2), _req("b", _ids(20, 2), 2), _req("c", _ids(9, 3), 2)
+    for r in (a, b, c):
+        sched.add_request(r)
+    batch = sched.schedule()
+    assert {r.req.rid for r in batch.rows} == {"a", "b"}
+    assert {kv.rank_of(a), kv.rank_of(b)} == {0, 1}
+    sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
+    _run(sched)
+    assert len(c.output_ids) == 2
