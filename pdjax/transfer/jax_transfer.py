@@ -2,7 +2,8 @@
 
 Pull-based, as vLLM tpu-inference's ``TPUConnector`` and sglang-jax's ``jax_transfer`` backend
 are (``../shared/reference/tpu_data_plane.md``): the prefill offers compact device arrays
-under a fresh id, the decode pulls them in its own sharding. It is a ``TransferEngine`` so that
+under a fresh id, the decode pulls them in its own sharding (head-group units between different TP sizes,
+``JaxLocalKV.units_for``). It is a ``TransferEngine`` so that
 the rest of the PD plumbing (registration, page lists, status, aborts, metrics) stays the
 Mooncake path's; only the chunk write differs (``write_pages``, which the prefill's transfer
 worker calls instead of address copies), and the decode's pool takes the pulled rows at a
@@ -174,10 +175,12 @@ class JaxTransferEngine(TransferEngine):
                 raise ValueError(f"meta[{i}].src_addr: [{s:#x}, +{n}) is not registered")
             rows.append([int(d), ctypes.string_at(s, n)])
         bucket = int(parts[0].shape[1])
+        units = local_kv.units_for([len(b.shard_addrs) for b in peer.layout.buffers])
+        parts = local_kv.offer_units(parts, units)
         uuid = secrets.randbits(62) | 1
         offer = {"v": OFFER_VERSION, "uuid": uuid, "address": self.transfer_address,
                  "dst": [int(p) for p in dst], "bucket": bucket,
-                 "buffers": local_kv.offer_descriptor(bucket), "meta": rows}
+                 "buffers": local_kv.offer_descriptor(bucket, units), "meta": rows}
         wait_s = self.pull_timeout_s + self.ack_slack_s
         t0 = time.perf_counter()
         with self._offer_lock:
@@ -192,7 +195,9 @@ class JaxTransferEngine(TransferEngine):
                 self._server._reset_rendevous_table()     # frees the offered arrays
                 self._count(failed=True)
                 raise
-        nbytes = len(dst) * local_kv.bytes_per_page
+        # What the decode's shards receive, as for Mooncake: pages x its bytes per page.
+        nbytes = len(dst) * sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
+                                for b in peer.layout.buffers)
         self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
         return [nbytes], len(parts)
 
@@ -273,7 +278,7 @@ class JaxTransferEngine(TransferEngine):
                 or not all(isinstance(p, int) for p in dst):
             raise ValueError("offer: uuid, address, bucket or dst missing or mistyped")
         try:
-            kv.check_offer(offer.get("buffers"), dst, bucket)
+            units = kv.check_offer(offer.get("buffers"), dst, bucket)
         except ValueError:
             self.num_refused_offers += 1
             raise
@@ -287,7 +292,7 @@ class JaxTransferEngine(TransferEngine):
                 raise ValueError(f"offer meta[{i}]: destination outside the metadata rows")
         t0 = time.perf_counter()
         conn = self._connection(address)
-        parts = conn.pull(uuid, kv.pull_specs(bucket))
+        parts = conn.pull(uuid, kv.pull_specs(bucket, units))
         deadline = time.monotonic() + self.pull_timeout_s
         while not all(p.is_ready() for p in parts):
             if time.monotonic() > deadline or self._stop.is_set():
@@ -304,7 +309,7 @@ class JaxTransferEngine(TransferEngine):
             raise TransferError(f"jax pull from {address} failed: {e}") from e
         for dst_addr, data in rows:
             ctypes.memmove(dst_addr, data, len(data))
-        kv.put_arrived(dst, parts)
+        kv.put_arrived(dst, kv.assemble(parts, bucket, units))
         nbytes = len(dst) * kv.bytes_per_page
         self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
         return nbytes

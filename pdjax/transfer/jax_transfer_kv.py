@@ -20,8 +20,14 @@ of the control plane read it), but its shard addresses are placeholders: nothing
 this pool by address. ``offer_descriptor(bucket)`` is the layout descriptor an offer carries
 (per buffer: name, shape, dtype, shard shapes, the KV head range of each shard, page size and
 KV format); ``check_offer`` refuses one that differs from this pool's before any byte moves,
-naming both sides. TP 1 on each side for now (one shard per KV buffer): a sharded pool is
-refused at start with a ``ValueError``.
+naming both sides.
+
+Different TP sizes (``units_for``): a buffer with KV heads moves as ``U = max(tp_prefill,
+tp_decode)`` head-group units, each a single-device array: the prefill cuts them from the
+shard that holds those heads (``offer_units``), the decode pulls unit ``u`` onto its device
+that holds them and concatenates each device's units into its shard (``assemble``); a buffer
+without heads (MLA latent, indexer keys: replicated) is pulled once and copied to the other
+decode devices. Heads that ``tp_model_config`` repeats (TP above the KV heads) are refused.
 
 Shapes: KV buffers ``[layers, num_pages, page_size, *row]`` (GQA ``k_cache``/``v_cache``,
 MLA ``latent`` and the DSA ``indexer_k``, FP8 records' planes); page ids int32.
@@ -95,11 +101,9 @@ class JaxLocalKV:
 
     def __init__(self, runner, engine, max_pages_per_seq: int = 64, head_repeat: int = 1):
         arrays = runner.kv_buffers()
-        for s, a in zip(runner.cache_specs, arrays):
-            if len(a.addressable_shards) != 1:
-                raise ValueError(
-                    f"disaggregation_transfer_backend: 'jax' moves one shard per KV buffer "
-                    f"(tp_size 1) for now; {s.name} has {len(a.addressable_shards)} shards")
+        if head_repeat != 1:
+            raise ValueError(f"disaggregation_transfer_backend: 'jax' does not move KV heads "
+                             f"that tp_size repeats (head_repeat {head_repeat}) yet")
         self.runner, self.engine = runner, engine
         self.names = [s.name for s in runner.cache_specs]
         self.head_repeat = head_repeat
@@ -119,6 +123,10 @@ class JaxLocalKV:
         self._shard_rows = [[tuple(map(int, sh.data.shape[2:])) for sh in a.addressable_shards]
                             for a in arrays]
         self._shardings = [runner.jits.cache_shardings[n] for n in self.names]
+        self.num_shards = len(arrays[0].addressable_shards)
+        # A buffer with KV heads (GQA's K and V) moves in head-group units; one without (an
+        # MLA latent, the indexer keys) is one unit, replicated on every decode device.
+        self._has_heads = [b.num_heads > 1 for b in self.layout.buffers]
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
                                   for b in self.layout.buffers)
         self.num_address_changes = 0
@@ -139,26 +147,52 @@ class JaxLocalKV:
         return False
 
     # -- descriptors -----------------------------------------------------------------------
-    def offer_descriptor(self, bucket: int) -> list[dict]:
-        """Per buffer, what a compact ``bucket``-page array of this pool is: ``name``,
-        ``shape`` ``[layers, bucket, page_size, *row]``, ``dtype``, ``shard_shapes``,
-        ``shard_heads`` (``[start, count]`` of checkpoint KV heads per shard), ``page_size``
-        and ``kv_format`` (JSON/msgpack-safe)."""
+    def offer_descriptor(self, bucket: int, units: Sequence[int] | None = None) -> list[dict]:
+        """Per buffer, what a compact ``bucket``-page array of this pool is and how it moves:
+        ``name``, ``shape`` ``[layers, bucket, page_size, *row]``, ``dtype``,
+        ``shard_shapes``, ``shard_heads`` (``[start, count]`` of checkpoint KV heads per
+        shard), ``num_heads``, ``page_size``, ``kv_format``, and ``units`` (head-group units,
+        default: one per shard of a buffer with heads, else 1) with ``unit_shape`` (the shape
+        of each unit: dimension 3 split ``units`` ways). JSON/msgpack-safe."""
         out = []
-        for name, shape, dtype, rows, desc in zip(self.names, self._shapes, self._dtypes,
-                                                  self._shard_rows, self.layout.buffers):
+        for b, (name, shape, dtype, rows, desc) in enumerate(zip(
+                self.names, self._shapes, self._dtypes, self._shard_rows, self.layout.buffers)):
             shape = [shape[0], int(bucket), *shape[2:]]
+            u = int(units[b]) if units is not None else (
+                len(desc.shard_heads) if self._has_heads[b] else 1)
+            unit_shape = [*shape[:3], shape[3] // u, *shape[4:]]
             out.append({"name": name, "shape": shape, "dtype": np.dtype(dtype).name,
                         "shard_shapes": [[shape[0], shape[1], *r] for r in rows],
                         "shard_heads": [list(h) for h in desc.shard_heads],
-                        "page_size": self.page_size, "kv_format": self.kv_dtype})
+                        "num_heads": desc.num_heads, "page_size": self.page_size,
+                        "kv_format": self.kv_dtype, "units": u, "unit_shape": unit_shape})
         return out
 
-    def check_offer(self, buffers: Any, dst: Sequence[int], bucket: int) -> None:
-        """``ValueError`` naming the field and both sides when an offer's descriptor
-        ``buffers`` (the prefill's ``offer_descriptor(bucket)``) is not this pool's, when
-        ``bucket`` is not one this pool compiled for, or ``dst`` (the decode pages) does not
-        fit ``[1, num_pages)`` and the bucket."""
+    def units_for(self, peer_shards: Sequence[int]) -> list[int]:
+        """Head-group units per buffer between this pool and a peer whose buffers have
+        ``peer_shards`` shards: ``max`` of the two shard counts for a buffer with heads (each
+        unit on one device of either side), 1 for a buffer without. ``ValueError`` naming the
+        buffer when the heads or either side's shards do not split into them."""
+        out = []
+        for b, (desc, theirs) in enumerate(zip(self.layout.buffers, peer_shards)):
+            ours = len(desc.shard_heads)
+            if not self._has_heads[b]:
+                out.append(1)
+                continue
+            u = max(ours, int(theirs))
+            if desc.num_heads % u or u % ours or u % int(theirs):
+                raise ValueError(f"kv_buffers[{b}] ({self.names[b]}): {desc.num_heads} KV "
+                                 f"heads on {ours} shards here and {theirs} on the peer do "
+                                 f"not split into {u} head-group units")
+            out.append(u)
+        return out
+
+    def check_offer(self, buffers: Any, dst: Sequence[int], bucket: int) -> list[int]:
+        """The head-group units per buffer of an offer whose descriptor is ``buffers`` (the
+        prefill's ``offer_descriptor(bucket, units)``). ``ValueError`` naming the field and
+        both sides when it does not describe this pool's buffers (name, shape, dtype, heads,
+        page size, KV format, units), when ``bucket`` is not one this pool compiled for, or
+        ``dst`` (the decode pages) does not fit ``[1, num_pages)`` and the bucket."""
         if bucket not in self.buckets:
             raise ValueError(f"bucket: the prefill's {bucket} pages is not a bucket of this "
                              f"decode ({self.buckets})")
@@ -167,25 +201,100 @@ class JaxLocalKV:
         bad = [p for p in dst if not 1 <= int(p) < self.num_pages]
         if bad:
             raise ValueError(f"dst_pages: {bad[:4]} outside [1, {self.num_pages})")
-        ours = self.offer_descriptor(bucket)
-        if not isinstance(buffers, (list, tuple)) or len(buffers) != len(ours):
+        if not isinstance(buffers, (list, tuple)) or len(buffers) != len(self.names) \
+                or not all(isinstance(d, dict) for d in buffers):
             raise ValueError(f"layout descriptor: prefill has {len(buffers or ())} KV buffers, "
-                             f"decode {len(ours)} ({[d['name'] for d in ours]})")
+                             f"decode {len(self.names)} ({self.names})")
+        theirs_shards = [len(d.get("shard_heads") or ()) for d in buffers]
+        if not all(theirs_shards):
+            raise ValueError("layout descriptor: a buffer without shard_heads")
+        units = self.units_for(theirs_shards)
+        ours = self.offer_descriptor(bucket, units)
         for i, (theirs, mine) in enumerate(zip(buffers, ours)):
-            if not isinstance(theirs, dict):
-                raise ValueError(f"layout descriptor: buffers[{i}] is not a mapping")
-            for key, value in mine.items():
-                if theirs.get(key) != value:
+            for key in ("name", "shape", "dtype", "num_heads", "page_size", "kv_format",
+                        "units", "unit_shape"):
+                if theirs.get(key) != mine[key]:
                     raise ValueError(f"layout descriptor: buffers[{i}] ({mine['name']}) {key}: "
-                                     f"prefill {theirs.get(key)!r} != decode {value!r}")
+                                     f"prefill {theirs.get(key)!r} != decode {mine[key]!r}")
+            if self._has_heads[i]:          # each prefill shard: an equal, ordered head range
+                n, h = len(theirs["shard_heads"]), mine["num_heads"]
+                want = [[k * h // n, h // n] for k in range(n)]
+                if theirs["shard_heads"] != want:
+                    raise ValueError(f"layout descriptor: buffers[{i}] ({mine['name']}) "
+                                     f"shard_heads: prefill {theirs['shard_heads']!r}, decode "
+                                     f"expects {want!r} for {n} shards")
+        return units
 
-    def pull_specs(self, bucket: int) -> list:
-        """``jax.ShapeDtypeStruct`` per buffer of a ``bucket``-page compact array, in this
-        pool's own sharding (what the decode pulls)."""
+    def _unit_devices(self, b: int, bucket: int, units: int) -> list:
+        """The device of this pool that holds each unit of buffer ``b`` (the first that
+        does), and per device the units it holds, in ``devices_indices_map`` order."""
+        shape = (self._shapes[b][0], bucket, *self._shapes[b][2:])
+        width = shape[3] // units
+        holders = []
+        for dev, index in self._shardings[b].devices_indices_map(shape).items():
+            sl = index[3]
+            lo, hi = sl.start or 0, shape[3] if sl.stop is None else sl.stop
+            holders.append((dev, [u for u in range(units) if lo <= u * width < hi]))
+        where = [next(d for d, us in holders if u in us) for u in range(units)]
+        return where, holders
+
+    def pull_specs(self, bucket: int, units: Sequence[int]) -> list:
+        """``jax.ShapeDtypeStruct`` of every unit a decode pulls, buffer by buffer: unit ``u``
+        of a ``bucket``-page compact buffer, on the device of this pool that holds its heads
+        (one device array each)."""
         import jax
 
-        return [jax.ShapeDtypeStruct((shape[0], bucket, *shape[2:]), dtype, sharding=sharding)
-                for shape, dtype, sharding in zip(self._shapes, self._dtypes, self._shardings)]
+        specs = []
+        for b, (shape, dtype) in enumerate(zip(self._shapes, self._dtypes)):
+            u_shape = (shape[0], bucket, *shape[2:3], shape[3] // units[b], *shape[4:])
+            where, _ = self._unit_devices(b, bucket, units[b])
+            specs += [jax.ShapeDtypeStruct(u_shape, dtype,
+                                           sharding=jax.sharding.SingleDeviceSharding(d))
+                      for d in where]
+        return specs
+
+    def assemble(self, pulled: Sequence[Any], bucket: int, units: Sequence[int]) -> list:
+        """Decode, pull thread: the pulled units (``pull_specs`` order) as one compact array
+        per buffer in this pool's sharding: each device's units concatenated along the heads
+        on that device; a replicated buffer copied to the devices that lack it."""
+        import jax
+        import jax.numpy as jnp
+
+        out, k = [], 0
+        for b, shape in enumerate(self._shapes):
+            mine = list(pulled[k:k + units[b]])
+            k += units[b]
+            full = (shape[0], bucket, *shape[2:])
+            _, holders = self._unit_devices(b, bucket, units[b])
+            pieces = []
+            for dev, us in holders:
+                parts = [mine[u] for u in us]
+                x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=3)
+                pieces.append(x if x.devices() == {dev} else jax.device_put(x, dev))
+            out.append(jax.make_array_from_single_device_arrays(full, self._shardings[b],
+                                                                pieces))
+        return out
+
+    def offer_units(self, parts: Sequence[Any], units: Sequence[int]) -> list:
+        """Prefill, transfer thread: the gathered compact arrays ``parts`` cut into the units
+        a decode pulls (``units`` per buffer), each a single-device array sliced on the
+        device that holds its heads (no cross-device copy); a buffer of one unit gives the
+        first shard."""
+        out = []
+        for arr, u in zip(parts, units):
+            width = arr.shape[3] // u
+            shards = sorted(arr.addressable_shards, key=lambda s: (s.index[3].start or 0,
+                                                                   s.device.id))
+            for k in range(u):
+                lo, hi = k * width, (k + 1) * width
+                for sh in shards:
+                    sl = sh.index[3]
+                    a, z = sl.start or 0, arr.shape[3] if sl.stop is None else sl.stop
+                    if a <= lo and hi <= z:
+                        out.append(sh.data if (a, z) == (lo, hi)
+                                   else sh.data[:, :, :, lo - a:hi - a])
+                        break
+        return out
 
     # -- device programs -------------------------------------------------------------------
     def _bucket(self, n: int) -> int:

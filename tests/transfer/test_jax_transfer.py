@@ -28,17 +28,22 @@ class _Jits:
                                                     for k, v in c.items()})
         self.scatter = jax.jit(lambda c, idx, parts: {k: v.at[:, idx].set(parts[k])
                                                       for k, v in c.items()},
-                               donate_argnums=0)
+                               donate_argnums=0, out_shardings=shardings)
 
 
 class FakeRunner:
     """The slice of ``ModelRunner`` the jax backend uses: a K and a V pool
-    ``[L, PAGES, PS, KVH * D]`` float32 on one device."""
+    ``[L, PAGES, PS, kvh * D]`` float32 split over ``tp`` devices by heads (and, with
+    ``latent``, an MLA-like ``[L, PAGES, PS, 24]`` buffer replicated on every device)."""
 
-    def __init__(self, seed: int, dtype=jnp.float32, row: int = KVH * D):
-        mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
-        self.cache_specs = [CacheBufferSpec(n, (L, PAGES, PS, row), dtype, P(), KVH)
+    def __init__(self, seed: int, dtype=jnp.float32, kvh: int = KVH, tp: int = 1,
+                 latent: bool = False):
+        mesh = Mesh(np.array(jax.devices()[:tp]), ("tp",))
+        heads = P(None, None, None, "tp")
+        self.cache_specs = [CacheBufferSpec(n, (L, PAGES, PS, kvh * D), dtype, heads, kvh)
                             for n in ("k_cache", "v_cache")]
+        if latent:
+            self.cache_specs.append(CacheBufferSpec("latent", (L, PAGES, PS, 24), dtype, P()))
         shardings = {s.name: NamedSharding(mesh, s.partition) for s in self.cache_specs}
         self.jits = _Jits(shardings)
         rng = np.random.default_rng(seed)
@@ -55,7 +60,10 @@ class FakeRunner:
 
 @dataclasses.dataclass
 class Peer:
+    """The slice of ``DecodePeer`` an offer reads: the decode's offer socket and layout."""
+
     session_id: str
+    layout: object
 
 
 def _slot(meta, i):
@@ -63,9 +71,9 @@ def _slot(meta, i):
     return meta._bytes[i * meta.bytes_per_slot:(i + 1) * meta.bytes_per_slot]
 
 
-def _side(seed, **engine_kw):
+def _side(seed, runner_kw=None, **engine_kw):
     engine = create_transfer_engine("jax", "127.0.0.1", **engine_kw)
-    runner = FakeRunner(seed)
+    runner = FakeRunner(seed, **(runner_kw or {}))
     kv = JaxLocalKV(runner, engine, max_pages_per_seq=8)
     meta = MetadataBuffers(4, 2)
     meta.register(engine)
@@ -85,7 +93,7 @@ def _offer(pair, src, dst):
     (p_engine, p_runner, p_kv, p_meta), (d_engine, d_runner, d_kv, d_meta) = pair
     p_kv.stage_out(src)
     meta = [p_meta.copy_to(1, d_meta.base_addr, 2, d_meta.num_slots, d_meta.bytes_per_slot)]
-    return p_engine.write_pages(p_kv, Peer(d_engine.session_id), src, dst, meta)
+    return p_engine.write_pages(p_kv, Peer(d_engine.session_id, d_kv.layout), src, dst, meta)
 
 
 def test_chunk_lands_byte_exact_and_null_page_stays_clean(pair):
@@ -119,7 +127,8 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
     try:
         # Same bytes per page, other split: [.., 2 heads x 8] against [.., 1 head x 16].
         runner = FakeRunner(3)
-        runner.cache_specs = [dataclasses.replace(s, row_heads=1) for s in runner.cache_specs]
+        runner.cache_specs = [dataclasses.replace(s, row_heads=1, partition=P())
+                              for s in runner.cache_specs]
         kv = JaxLocalKV(runner, other_engine, max_pages_per_seq=8)
         meta = MetadataBuffers(4, 2)
         meta.register(other_engine)
@@ -129,9 +138,8 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
         row = [meta.copy_to(0, d_meta.base_addr, 3, d_meta.num_slots, d_meta.bytes_per_slot)]
         _slot(meta, 0)[:] = 7
         refused = d_engine.num_refused_offers
-        with pytest.raises(TransferError, match=r"shard_heads: prefill \[\[0, 1\]\] != "
-                                                r"decode \[\[0, 2\]\]"):
-            other_engine.write_pages(kv, Peer(d_engine.session_id), [2, 3], [4, 6], row)
+        with pytest.raises(TransferError, match=r"num_heads: prefill 1 != decode 2"):
+            other_engine.write_pages(kv, Peer(d_engine.session_id, d_kv.layout), [2, 3], [4, 6], row)
         assert d_engine.num_refused_offers == refused + 1
         assert d_kv.num_arrived() == 0 and not _slot(d_meta, 3).any()    # nothing landed
         d_kv.stage_in([4, 6])
@@ -153,7 +161,7 @@ def test_decode_deadline_ends_a_pull_of_a_missing_uuid_and_keeps_serving(pair):
 
     (p_engine, _, p_kv, _), (d_engine, _, d_kv, _) = pair
     offer = {"v": 1, "uuid": 12345, "address": p_engine.transfer_address, "dst": [3],
-             "bucket": 1, "buffers": d_kv.offer_descriptor(1), "meta": []}
+             "bucket": 1, "buffers": d_kv.offer_descriptor(1, [1, 1]), "meta": []}
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -186,10 +194,42 @@ def test_prefill_frees_an_offer_the_decode_never_pulls(pair):
         failures = p_engine.counters().failures
         t0 = time.monotonic()
         with pytest.raises(TransferError, match="did not ack the pull of 1 pages within 5 s"):
-            p_engine.write_pages(p_kv, Peer(f"127.0.0.1:{port}"), [6], [2], [])
+            p_engine.write_pages(p_kv, Peer(f"127.0.0.1:{port}", pair[1][2].layout), [6], [2], [])
         assert 4.5 <= time.monotonic() - t0 < 15
         assert p_engine.counters().failures == failures + 1
     finally:
         mute.close(0)
     assert _offer(pair, [6], [13])[1] == 2
     pair[1][2].stage_in([13])
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_different_tp_sizes_move_head_group_units(tp_p, tp_d):
+    """4 KV heads split over ``tp_p`` prefill and ``tp_d`` decode devices (simulated CPU
+    devices): ``max(tp_p, tp_d)`` units; the replicated latent reaches every decode device.
+    The decode's pool equals the prefill's rows, shard by shard."""
+    sides = [_side(4, dict(kvh=4, tp=tp_p, latent=True), pull_timeout_s=5.0),
+             _side(5, dict(kvh=4, tp=tp_d, latent=True), pull_timeout_s=5.0)]
+    try:
+        (p_engine, p_runner, p_kv, _), (d_engine, d_runner, d_kv, _) = sides
+        assert p_kv.units_for([tp_d] * 3) == [max(tp_p, tp_d)] * 2 + [1]
+        src, dst = [1, 2, 9, 4, 5], [7, 3, 4, 14, 15]
+        want = {k: np.asarray(v) for k, v in p_runner.caches.items()}
+        p_kv.stage_out(src)
+        nbytes, arrays = p_engine.write_pages(p_kv, Peer(d_engine.session_id, d_kv.layout),
+                                              src, dst, [])
+        assert arrays == 2 * max(tp_p, tp_d) + 1
+        # Bytes the decode's shards receive: K and V once, the latent once per decode device.
+        assert nbytes == [5 * L * PS * 4 * (2 * 4 * D + tp_d * 24)]
+        d_kv.stage_in(dst)
+        for name, spec in zip(want, d_runner.cache_specs):
+            got = d_runner.caches[name]
+            assert got.sharding == d_runner.jits.cache_shardings[name]
+            np.testing.assert_array_equal(np.asarray(got)[:, dst], want[name][:, src])
+            np.testing.assert_array_equal(np.asarray(got)[:, 0], 0)
+            for shard in got.addressable_shards:            # every replica / head shard
+                full = want[name][:, src][(slice(None),) * 3 + (shard.index[3],)]
+                np.testing.assert_array_equal(np.asarray(shard.data)[:, dst], full)
+    finally:
+        for engine, *_ in sides:
+            engine.close()

@@ -6,8 +6,9 @@ import concurrent.futures
 import random
 
 import pytest
-from pd_harness import (CHUNK, PAGE_SIZE, TINY_ARGS, at_baseline, get, greedy_agrees, load,
-                        metric_value, pd_state, post, prefill_decode_router, wait_until)
+from pd_harness import (CHUNK, PAGE_SIZE, TINY_ARGS, at_baseline, child_env, free_port, get,
+                        greedy_agrees, load, metric_value, pd_router, pd_server, pd_state, post,
+                        prefill_decode_router, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +95,43 @@ def test_deepseek_v32_mla_and_indexer_caches_over_jax_transfer(tiny_checkpoints,
     names = [b for b in state["kv_shard_heads"]]
     assert len(names) == 2        # latent and indexer keys, one "head" each
     assert all(r["copies"] == 2 * len(r["chunks"]) for r in state["recent"])
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
+def test_different_tp_sizes_over_jax_transfer_match_colocated(tiny_checkpoints, tmp_path,
+                                                              tp_p, tp_d):
+    """A TP ``tp_p`` prefill feeds a TP ``tp_d`` decode (tiny Llama, 2 KV heads, simulated
+    CPU devices): K and V move as 2 head-group units a chunk; colocated's greedy tokens."""
+    from pdjax.engine import Engine
+
+    model, logs = tiny_checkpoints["llama"], str(tmp_path)
+    rng = random.Random(9)
+    lengths = [5, CHUNK + 3, 70]
+    prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
+    max_new = [6, 5, 7]
+    colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
+    try:
+        ref = _reference(colocated, prompts, max_new)
+    finally:
+        colocated.shutdown()
+    env = child_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
+                              "--xla_force_host_platform_device_count=2")
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=JAX,
+                        env=env, tp_size=tp_p)
+    decode = pd_server("decode", "decode", model, logs, extra=JAX, env=env, tp_size=tp_d)
+    router = pd_router("router", prefill, bport, decode, logs)
+    with running([prefill, decode, router]):
+        results = [_generate(router.url, p, m) for p, m in zip(prompts, max_new)]
+        compared = sum(greedy_agrees(ids, top, res["output_ids"])
+                       for (ids, top), res in zip(ref, results))
+        assert compared >= 0.8 * sum(max_new), compared
+        assert wait_until(lambda: at_baseline(prefill) and at_baseline(decode), 20)
+        state = pd_state(prefill)
+        assert [len(h) for h in state["kv_shard_heads"]] == [tp_p, tp_p]
+        assert [len(h) for h in pd_state(decode)["kv_shard_heads"]] == [tp_d, tp_d]
+        # K and V, 2 units each, per chunk; bytes are what the decode's shards hold.
+        assert all(r["copies"] == 4 * len(r["chunks"]) for r in state["recent"])
+        pages = sum(r["pages"] for r in state["recent"])
+        assert state["engine"]["bytes"] == pages * pd_state(decode)["kv_bytes_per_page"]
+        assert load(decode)["num_prompt_tokens_computed"] == 0
