@@ -106,8 +106,9 @@ def create_role_transfer_engine(args) -> Any:
     backend = args.disaggregation_transfer_backend
     if backend != "fake" and args.disaggregation_ib_device:
         kwargs["device_name"] = args.disaggregation_ib_device
-    if backend == "jax":
+    if backend.startswith("jax"):          # pull-based: the decode's deadline per pull
         kwargs["pull_timeout_s"] = args.transfer_timeout_s
+        kwargs["ack_slack_s"] = min(10.0, args.transfer_timeout_s)
     return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
 
 
@@ -121,7 +122,7 @@ def build_pd_parts(host: RoleHost, role: str) -> PDParts:
         logger.warning("PD %s: transfer backend 'fake' moves no KV bytes: decode outputs "
                        "are meaningless (control-plane testing only)", role)
     max_pages = -(-host.context_length // args.page_size)
-    if args.disaggregation_transfer_backend == "jax":      # pulls device arrays: no path
+    if hasattr(engine, "write_pages"):       # pull-based (jax): device arrays, no path
         from pdjax.transfer.jax_transfer_kv import JaxLocalKV
         local_kv = JaxLocalKV(host.runner, engine, max_pages, head_repeat=kv_head_repeat(host))
     else:

@@ -8,6 +8,8 @@ and after later frees (``PageAllocator.shuffle``), so page lists break into many
 the tests of copy counts need. ``--corrupt-backend``: registers the ``mooncake-corrupt``
 transfer backend (``corrupt_backend.py``); its flipped byte is the high byte of the first
 element of the KV cache's dtype (the top exponent bit of a little-endian value).
+``--jax-pull-delay-file PATH``: registers the ``jax-slow`` backend (``jax_slow_backend.py``):
+the decode waits the seconds PATH holds (while it exists) before each pull.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ def main(argv: list[str]) -> int:
     hooks = argparse.ArgumentParser(prog="pd_child.py")
     hooks.add_argument("--shuffle-free-pages", type=int, default=None)
     hooks.add_argument("--corrupt-backend", action="store_true")
+    hooks.add_argument("--jax-pull-delay-file", default=None)
     opts = hooks.parse_args(argv[:split])
     serve_argv = argv[split + 1:]
 
@@ -50,6 +53,10 @@ def main(argv: list[str]) -> int:
         args = serve.parse_args(serve_argv)
         itemsize = np.dtype(resolve_engine_config(args).kv_dtype).itemsize
         corrupt_backend.register(corrupt_offset=itemsize - 1)
+    if opts.jax_pull_delay_file is not None:
+        import jax_slow_backend
+
+        jax_slow_backend.register(opts.jax_pull_delay_file)
     return serve.main(serve_argv)
 
 
