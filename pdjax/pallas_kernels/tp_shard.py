@@ -16,9 +16,11 @@ import jax
 
 
 def tp_size() -> int:
-    """Devices on the ``tp`` axis of the mesh being traced under (1 without one)."""
+    """Devices on the ``tp`` axis of the mesh being traced under (1 without one, or inside a
+    ``shard_map`` already manual over ``tp``: DP attention's, whose operands are one
+    device's and whose kernels run on them as they are)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "tp" not in mesh.axis_names:
+    if mesh.empty or "tp" not in mesh.axis_names or "tp" in mesh.manual_axes:
         return 1
     return mesh.shape["tp"]
 
