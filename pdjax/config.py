@@ -144,6 +144,14 @@ class ModelArgs:
                 "experts, then one all-reduce; every platform), ragged (token copies sent to "
                 "their experts' devices with ragged all-to-all, dropless; TPU/GPU, a padded "
                 "all-to-all stands in on CPU)", MOE_A2A_BACKENDS)
+    enable_dp_attention: bool = _arg(
+        False, "MLA models (DeepSeek-V3.2, GLM-5): attention and the DSA indexer run "
+               "data-parallel over dp_size ranks of the tp_size devices, each rank with its "
+               "own requests and KV pages (the pool grows with the ranks); the MLPs stay over "
+               "all devices (TP or EP), tokens gathered before and scattered after")
+    dp_size: int = _arg(
+        1, "DP attention ranks (with enable_dp_attention); must divide tp_size; each rank "
+           "gets max_total_tokens / dp_size of the KV pool")
     context_length: int | None = _arg(None, "longest sequence served; default: the model's")
     random_seed: int = _arg(0, "seed of requests without their own seed")
     attention_backend: str | None = _arg(
@@ -176,6 +184,19 @@ class ModelArgs:
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): "
                              "the experts are split over the devices of the TP group")
+        _check_int(self, "dp_size", 1)
+        if self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}): "
+                             "the DP attention ranks split the devices of the TP group")
+        if not isinstance(self.enable_dp_attention, bool):
+            raise ValueError(f"enable_dp_attention must be true or false, got "
+                             f"{self.enable_dp_attention!r}")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(f"dp_size: {self.dp_size} ranks need enable_dp_attention (data-"
+                             "parallel replicas of the whole model are separate servers behind "
+                             "the router)")
+        if self.enable_dp_attention and self.dp_size == 1:
+            raise ValueError("enable_dp_attention: needs dp_size > 1 (the number of ranks)")
         for name in ("unroll_layers", "cpu_matmul_kernel"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):

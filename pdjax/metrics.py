@@ -64,6 +64,9 @@ class Metrics:
         results) and the forward (dispatch plus waiting for the device); their ``_sum`` ratio
         is the host overhead. With overlapped scheduling the host work runs while the device
         computes, so the forward time is only the wait.
+      dp_gather_bytes_total
+        Counter, bytes: DP attention's gathers and scatters, received per device over the
+        forwards (``dp_attention.dp_collective_bytes``; 0 without DP attention).
       overlapped_dispatches_total, exposed_dispatches_total
         Counters: forwards dispatched while the previous forward still ran (the device had its
         next step queued) and forwards dispatched after it had finished (the device may have
@@ -114,6 +117,8 @@ class Metrics:
                          "still ran on the device (overlapped scheduling).")
         self.add_counter("exposed_dispatches", "Forwards dispatched, with overlap on, after the "
                          "previous one had finished (the device may have waited for the host).")
+        self.add_counter("dp_gather_bytes", "DP attention: bytes each device received in the "
+                         "forwards' DP gathers and scatters (0 without DP attention).")
         self.add_histogram("step_tokens", "Tokens of one forward, decode rows included.",
                            buckets=STEP_TOKEN_BUCKETS)
         self.add_histogram("step_time_predicted_seconds",
@@ -186,7 +191,7 @@ class Metrics:
                 return
             self._attached.append(core)
         names = ("host_time_s", "forward_time_s", "num_overlapped_dispatches",
-                 "num_exposed_dispatches")
+                 "num_exposed_dispatches", "dp_gather_bytes")
         last = [getattr(core, n, None) for n in names]
 
         def on_step(batch, outputs):
@@ -206,6 +211,8 @@ class Metrics:
                 self.overlapped_dispatches.inc(delta[2])
             if delta[3]:
                 self.exposed_dispatches.inc(delta[3])
+            if delta[4]:
+                self.dp_gather_bytes.inc(delta[4])
             last[:] = now
             if batch is not None:
                 self.step_tokens.observe(batch.num_tokens)

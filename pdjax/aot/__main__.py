@@ -107,6 +107,7 @@ def main(argv=None) -> int:
           f"({target.device_kind}), TP {args.tp_size}"
           + (f", EP {args.ep_size} (MoE TP {args.tp_size // args.ep_size}, dispatch "
              f"{args.moe_a2a_backend})" if args.ep_size > 1 else "")
+          + (f", DP attention {args.dp_size}" if args.dp_size > 1 else "")
           + f", attention {engine.config.attention_impl}",
           flush=True)
     print(f"buckets: {engine.buckets.describe()}", flush=True)

@@ -121,7 +121,10 @@ class AbstractEngine:
         self.family = model_family(checkpoint_architecture(config.model_path))
         self.mesh = Mesh(np.array(target.devices[:args.tp_size]), ("tp",))
         self.model_cfg = run_config(self.family, checkpoint_config(config.model_path),
-                                    args.tp_size, args.ep_size, args.moe_a2a_backend)
+                                    args.tp_size, args.ep_size, args.moe_a2a_backend,
+                                    args.dp_size)
+        # DP attention: num_pages are the group's, a rank's share per chip (dp_attention.py)
+        self.pages_per_chip = args.num_pages // args.dp_size
         model = nnx.eval_shape(lambda: self.family.model_class(
             self.model_cfg, dtype=config.dtype, rngs=nnx.Rngs(0),
             attention_impl=config.attention_impl, interpret=False,
@@ -135,13 +138,14 @@ class AbstractEngine:
             buckets.check_serves(self.buckets)
             self.buckets = buckets
         self._lowered = {}                    # BucketKey -> its lowered forward (lowered once)
-        self.cache_specs = tuple(model.cache_spec(args.num_pages, args.page_size,
+        self.cache_specs = tuple(model.cache_spec(self.pages_per_chip, args.page_size,
                                                   config.kv_dtype,
                                                   row_align=kv_row_align(target.platform)))
         self.jits = EntryPoints(self.graphdef, self.mesh, self.cache_specs,
                                 max_rows=self.buckets.max_rows,
                                 vocab_size=self.model_cfg.vocab_size, page_size=args.page_size,
-                                chunk_size=args.chunked_prefill_size)
+                                chunk_size=args.chunked_prefill_size,
+                                dp_size=args.dp_size, pages_per_rank=self.pages_per_chip)
         (self.caches, self.penalty_counts, self.prompt_seen,
          self.no_prev_tokens) = self.jits.abstract_device_state()
         check_pool_fits(self.caches, args.num_pages, args.page_size, target.hbm_bytes)
@@ -157,7 +161,7 @@ class AbstractEngine:
 
     def kv_bytes_per_page_per_chip(self) -> int:
         """Bytes one KV page takes on one chip, over every buffer and layer."""
-        return sum(shard_bytes(c) for c in self.caches.values()) // self.args.num_pages
+        return sum(shard_bytes(c) for c in self.caches.values()) // self.pages_per_chip
 
     # ------------------------------------------------------------------ entries
     def entries(self, which: str = "all") -> list[Entry]:

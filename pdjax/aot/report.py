@@ -63,7 +63,7 @@ def hbm_budget(engine: AbstractEngine, results: list[CompiledEntry], *, mem_frac
     compiled = [r for r in results if r.ok]
     weights = engine.weight_bytes_per_chip()
     page_bytes = engine.kv_bytes_per_page_per_chip()
-    pool = page_bytes * engine.args.num_pages
+    pool = page_bytes * engine.pages_per_chip
     other = max(r.argument_bytes for r in forwards) - weights - pool
     temp = max(compiled, key=lambda r: r.temp_bytes)
     usable = int(mem_fraction * engine.target.hbm_bytes)
@@ -107,6 +107,7 @@ def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
         f"HBM per chip ({engine.target.device_kind}; {chips} chip{'s' * (chips > 1)}: "
         f"TP {tp} x DP {b.dp}"
         + (f", EP {engine.args.ep_size}" if engine.args.ep_size > 1 else "")
+        + (f", DP attention {engine.args.dp_size}" if engine.args.dp_size > 1 else "")
         + (f"; {spare} of {engine.target.name}'s chips unused"
                                   if spare > 0 else "") + "):",
         f"  HBM {_size(b.hbm_bytes)} x mem_fraction {b.mem_fraction} = "
@@ -123,6 +124,12 @@ def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
         total = f" ({b.kv_tokens * b.dp} over {b.dp} replicas)" if b.dp > 1 else ""
         lines.append(f"  KV pool            {b.kv_pages} pages = {b.kv_tokens} tokens{total}; "
                      f"{_size(b.kv_pages * b.kv_bytes_per_page)}")
+        dp_attn = engine.args.dp_size
+        if dp_attn > 1:     # each rank's chips hold its own requests' KV (dp_attention.py)
+            group = b.kv_tokens * dp_attn
+            lines.append(f"  KV tokens          {b.kv_tokens} per chip, {group} for the group "
+                         f"of {tp} chips (DP attention {dp_attn}: each rank its own requests)"
+                         + (f"; {group * b.dp} over {b.dp} replicas" if b.dp > 1 else ""))
         lines.append(f"  one request of {b.context_length} tokens "
                      f"{'fits' if b.fits_one_context else 'does NOT fit'}")
     return "\n".join(lines)
@@ -138,8 +145,11 @@ def as_json(engine: AbstractEngine, results: list[CompiledEntry],
     return {"target": engine.target.name, "device_kind": engine.target.device_kind,
             "model_path": engine.config.model_path, "tp_size": engine.args.tp_size,
             "ep_size": engine.args.ep_size, "moe_a2a_backend": engine.args.moe_a2a_backend,
+            "dp_attention_size": engine.args.dp_size,
             "page_size": engine.args.page_size, "context_length": engine.context_length,
             "entries": entries,
             "budget": None if budget is None else {**dataclasses.asdict(budget),
                                                    "kv_tokens": budget.kv_tokens,
+                                                   "kv_tokens_group": budget.kv_tokens
+                                                   * engine.args.dp_size,
                                                    "fits_one_context": budget.fits_one_context}}

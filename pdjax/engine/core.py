@@ -41,6 +41,7 @@ from pdjax.request import FinishReason, Request
 from pdjax.runner.device_sampler import MAX_HELD_STOP_IDS, MAX_TOP_LOGPROBS
 from pdjax.sched.buckets import Buckets
 from pdjax.sched.cost_model import StepCostModel
+from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager
 from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.scheduler import ScheduledBatch, Scheduler
 from pdjax.transfer.factory import check_kv_connector, create_kv_connection
@@ -138,8 +139,11 @@ class EngineCore(ForwardStep):
         # KV from or to elsewhere (DESIGN.md §4), built before the scheduler: the connector it
         # calls, the worker this step polls and starts, and the role that sees requests first
         # (pdjax/engine_roles.py). Colocated: the null connection, never None.
-        kv = KVCacheManager(self.sched_config.num_pages, self.sched_config.page_size,
-                            self.sched_config.disable_radix_cache)
+        sc = self.sched_config
+        kv = (KVCacheManager(sc.num_pages, sc.page_size, sc.disable_radix_cache)
+              if sc.dp_size == 1 else      # DP attention: pages carry a rank
+              DpKVCacheManager(sc.dp_size, sc.num_pages // sc.dp_size, sc.page_size,
+                               sc.disable_radix_cache))
         conn = create_kv_connection(RoleHost(
             args=args, model_path=self.model_path, model_cfg=self.model_cfg,
             context_length=self.context_length, runner=self.runner, kv=kv,
@@ -185,6 +189,12 @@ class EngineCore(ForwardStep):
     def num_steps(self) -> int:
         """Steps whose results were read."""
         return self.forward.num_steps
+
+    @property
+    def dp_gather_bytes(self) -> int:
+        """DP attention: bytes each device received in the DP gathers and scatters of the
+        forwards so far (``dp_attention.dp_collective_bytes``); 0 without."""
+        return self.forward.dp_gather_bytes
 
     @property
     def num_overlapped_dispatches(self) -> int:

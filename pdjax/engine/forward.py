@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from pdjax.constrained.grammar import bitmask_words
+from pdjax.models.dp_attention import dp_collective_bytes
 from pdjax.engine.prompt_logprobs import (apply_prompt_logprobs, dispatch_prompt_logprobs,
                                           wants_prompt_logprobs)
 from pdjax.engine.speculative import (fill_verify_masks, resolve_verify_row,
@@ -30,6 +31,7 @@ from pdjax.runner.device_sampler import (SamplingRow, StepOutputs, build_samplin
                                          uses_penalties)
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import BucketKey
+from pdjax.sched.dp_batch import rank_sizes, row_starts
 from pdjax.sched.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,8 @@ class ForwardStep:
         # read (overlap kept), and grammar rows so sampled.
         self.num_grammar_split_steps = 0
         self.num_grammar_split_rows = 0
+        # DP attention: bytes each device received in the forwards' DP gathers / scatters.
+        self.dp_gather_bytes = 0
 
     def launch(self, batch: ScheduledBatch, prev: Launched | None,
                 outputs: list[GenerateOutput]):
@@ -99,7 +103,10 @@ class ForwardStep:
         rows = [BatchRow(r.token_ids, r.start, r.req.pages, 0 if r.is_verify else None)
                 for r in batch.rows]
         max_pages = max(-(-(r.start + r.num_tokens) // self.page_size) for r in batch.rows)
-        key = self.buckets.pick(batch.forward_mode, batch.num_tokens, len(rows), max_pages,
+        num_tokens, num_rows = batch.num_tokens, len(rows)
+        if getattr(self.runner, "dp_size", 1) > 1:   # DP attention: one bucket, every rank
+            num_tokens, num_rows = rank_sizes(rows, self.runner.jits.pages_per_rank)
+        key = self.buckets.pick(batch.forward_mode, num_tokens, num_rows, max_pages,
                                 ready=self.runner.ready_keys)
         fb = self.runner.make_batch(key, rows)
         prev_idx, sampling, deferred, verify = self._sampling_inputs(batch, rows, key, fb, prev,
@@ -118,6 +125,9 @@ class ForwardStep:
         prompt_lp = (dispatch_prompt_logprobs(self.runner, batch, fb, hidden) if want_prompt_lp
                      else None)
         t2 = time.perf_counter()
+        if getattr(self.runner, "dp_size", 1) > 1:
+            self.dp_gather_bytes += dp_collective_bytes(self.model_cfg, key.num_tokens,
+                                                        self.runner.hidden_itemsize)
         pending = self.scheduler.advance(batch)
         launched = Launched(batch, key, out, pending, {req.rid: i for i, req, _ in pending},
                              prompt_lp, t2, int((prev_idx >= 0).sum()), t1,
@@ -136,7 +146,8 @@ class ForwardStep:
         rows), the grammar rows deferred to ``sample_deferred`` and the verify rows. A row
         whose sampling state fails is aborted (its output appended to ``outputs``) and left
         undrawn; the batch goes on. Returns ``(prev_idx, sampling, deferred, verify)``."""
-        prev_idx = np.full(key.num_tokens, -1, np.int32)
+        prev_idx = np.full(len(fb.input_ids), -1, np.int32)
+        starts = row_starts(fb)      # DP attention: in its rank's segment
         samp_rows, failed, deferred = [], [], []
         verify = {}
         bitmask = None
@@ -147,7 +158,7 @@ class ForwardStep:
             req = row.req
             for j, tok in enumerate(rows[i].input_ids):
                 if tok == PENDING_TOKEN:     # sampled by the step in flight: resolved on device
-                    prev_idx[int(fb.cu_q_lens[i]) + j] = prev.row_of[req.rid]
+                    prev_idx[int(starts[i]) + j] = prev.row_of[req.rid]
             if not row.samples:
                 samp_rows.append(None)
                 continue

@@ -14,11 +14,13 @@ def engine_load(s: Scheduler, role=None) -> dict[str, Any]:
     (``EngineRole`` whose ``load()`` says something) also: pages nothing can evict (a finished
     PD server must show 0), prompt tokens computed (decode: stays 0), and the role's queue
     sizes (``role.load()``)."""
-    total = s.config.num_pages - 1
+    total = s.kv.num_pages - len(s.kv.null_pages)      # DP attention: a null page a rank
     pinned = s.num_used_pages - s.prefix_cache.num_evictable_pages
     load = {"num_running_reqs": len(s.running), "num_waiting_reqs": len(s.waiting),
             "num_used_pages": s.num_used_pages, "num_total_pages": total,
             "num_cached_pages": s.prefix_cache.num_cached_pages, "kv_usage": pinned / total}
+    if hasattr(s.kv, "rank_load"):    # DP attention: each rank's requests and pages
+        load["dp_ranks"] = s.kv.rank_load()
     role_load = role.load() if role is not None else {}
     if role_load:
         load.update(num_evictable_pages=s.prefix_cache.num_evictable_pages,

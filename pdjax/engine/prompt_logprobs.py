@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdjax.sched.dp_batch import row_starts
 from pdjax.sched.scheduler import ScheduledBatch, ScheduledRow
 
 
@@ -30,6 +31,7 @@ def dispatch_prompt_logprobs(runner, batch: ScheduledBatch, fb, hidden):
     p - 1) on the device (``runner.prompt_logprobs_at`` over the forward's ``hidden``);
     returns ``(wanted, device arrays or None)`` for ``apply_prompt_logprobs``. ``wanted``:
     (req, position p or None for position 0's empty entry)."""
+    starts = row_starts(fb)         # DP attention: rows start in their rank's segment
     wanted, rows = [], []     # rows: flat row of position p - 1
     for i, row in enumerate(batch.rows):
         if not wants_prompt_logprobs(row):
@@ -41,7 +43,7 @@ def dispatch_prompt_logprobs(runner, batch: ScheduledBatch, fb, hidden):
                 wanted.append((req, None))
             elif p - 1 >= s:
                 wanted.append((req, p))
-                rows.append(int(fb.cu_q_lens[i]) + p - 1 - s)
+                rows.append(int(starts[i]) + p - 1 - s)
             else:
                 # p - 1 lies in the previous chunk: its logits were taken then.
                 pass
@@ -49,7 +51,7 @@ def dispatch_prompt_logprobs(runner, batch: ScheduledBatch, fb, hidden):
         p = s + n
         if p < req.num_prompt_tokens and p >= req.logprob_start_len:
             wanted.append((req, p))
-            rows.append(int(fb.cu_q_lens[i]) + n - 1)
+            rows.append(int(starts[i]) + n - 1)
     if not rows:
         return wanted, None
     targets = [req.prompt_ids[p] for req, p in wanted if p is not None]

@@ -59,7 +59,8 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
         load_format=args.load_format, attention_impl=config.attention_impl,
         interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
         cpu_matmul_kernel=config.cpu_matmul_kernel, ep_size=args.ep_size,
-        moe_a2a_backend=args.moe_a2a_backend, **model_kwargs(args, config.model_path))
+        moe_a2a_backend=args.moe_a2a_backend, dp_size=args.dp_size,
+        **model_kwargs(args, config.model_path))
     phase("model")
     context_length = config.scheduler.max_request_tokens
     node_buckets = make_buckets(args, context_length, config.attention_impl,

@@ -200,8 +200,10 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     if num_devices is not None and not 1 <= args.tp_size <= num_devices:
         raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
                          f"{args.tp_size}")
+    check_dp_attention_settings(args)
     family = model_family(model_cfg.architecture)
-    run_cfg = run_config(family, model_cfg, args.tp_size, args.ep_size, args.moe_a2a_backend)
+    run_cfg = run_config(family, model_cfg, args.tp_size, args.ep_size, args.moe_a2a_backend,
+                         args.dp_size)
     if device_bytes is None:
         return
     from pdjax.pallas_kernels.lanes import kv_row_align
@@ -211,8 +213,9 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     tp, cache = args.tp_size, args.cache
     dtype = jnp.dtype(resolve_dtype(args.dtype, platform))
     kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype]
-    specs = family.cache_spec(run_cfg, args.num_pages, args.page_size, kv_dtype,
-                              kv_row_align(platform))
+    # DP attention: a rank's pool per device (dp_attention.dp_cache_specs)
+    specs = family.cache_spec(run_cfg, args.num_pages // args.dp_size, args.page_size,
+                              kv_dtype, kv_row_align(platform))
     pool = sum(s.num_layers * s.bytes_per_page_layer * s.num_pages
                // (tp if "tp" in tuple(s.partition) else 1) for s in specs)
     check_pool_bytes(pool, args.num_pages, args.page_size, device_bytes)
@@ -232,6 +235,28 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
                                 token_field=token_field, token_value=getattr(args, token_field))
 
 
+def check_dp_attention_settings(args: ServerArgs) -> None:
+    """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
+    with yet: speculative decoding, a PD role, the hierarchical cache, the CPU matmul kernel,
+    or a pool of fewer than 2 pages a rank (``max_total_tokens``)."""
+    dp = args.dp_size
+    if dp == 1:
+        return
+    if args.speculative_algorithm is not None:
+        raise ValueError("speculative_algorithm: not built for DP attention yet "
+                         f"(dp_size {dp})")
+    if args.role != "colocated":
+        raise ValueError(f"role: {args.role!r} with DP attention is not built yet (dp_size "
+                         f"{dp}); colocated only")
+    if args.cache.enable_hierarchical_cache:
+        raise ValueError("enable_hierarchical_cache: not built for DP attention yet")
+    if args.cpu_matmul_kernel:
+        raise ValueError("cpu_matmul_kernel: the Llama family's; DP attention is MLA's")
+    if args.num_pages // dp < 2:
+        raise ValueError(f"max_total_tokens: {args.max_total_tokens} tokens give each of the "
+                         f"{dp} DP attention ranks fewer than 2 pages of {args.page_size}")
+
+
 def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
                           model_cfg=None) -> EngineConfig:
     """Resolve ``args`` (reads the checkpoint's config from its metadata, no tensor) for
@@ -242,6 +267,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
     Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
     platform has no kernel for."""
     platform = platform or jax.default_backend()
+    check_dp_attention_settings(args)
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = model_cfg if model_cfg is not None else checkpoint_config(model_path)
     dtype = resolve_dtype(args.dtype, platform)
@@ -276,7 +302,8 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
         page_aligned_chunks=args.role == "prefill",
         max_num_batched_tokens=sched.max_num_batched_tokens, target_itl_ms=sched.target_itl_ms,
         num_reserved_decode_tokens=(args.disaggregation.num_reserved_decode_tokens
-                                    if args.role == "decode" else 0))
+                                    if args.role == "decode" else 0),
+        dp_size=args.dp_size)
     kv_dtype = dtype if cache.kv_cache_dtype == "auto" else _KV_DTYPES[cache.kv_cache_dtype]
     if platform == "cpu" and jnp.dtype(kv_dtype).itemsize < 4:
         # XLA:CPU writes a 16- or 8-bit float buffer by copying it whole (a scatter or a

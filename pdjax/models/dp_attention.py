@@ -191,3 +191,14 @@ def _ep_partial(cfg, h, m, impl, interpret):
     if cfg.n_shared_experts:
         out = out + swiglu(h, m["sh_gate"], m["sh_up"], m["sh_down"])
     return out
+
+
+def dp_collective_bytes(cfg: DeepseekConfig, tokens_per_rank: int, itemsize: int) -> int:
+    """Bytes each device receives in one forward's DP gathers and scatters: per layer one
+    ``all_gather`` of ``[Ts, Hd]`` and one ``psum_scatter`` of ``[tp, Ts, Hd]`` over the
+    ``tp`` devices (ring algorithms: ``(tp - 1) * Ts * Hd`` elements each), plus the final
+    gather of the hidden states: ``(2 L + 1) (tp - 1) Ts Hd itemsize``. ``tokens_per_rank``:
+    the bucket's padded segment ``Ts``; ``itemsize``: bytes of the activations' dtype."""
+    tp = cfg.dp_size * cfg.attn_tp_size
+    return ((2 * cfg.num_layers + 1) * (tp - 1) * tokens_per_rank * cfg.hidden_size
+            * itemsize)

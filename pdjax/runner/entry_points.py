@@ -30,6 +30,7 @@ from pdjax.models.attention import AttentionMetadata
 from pdjax.runner import device_sampler
 from pdjax.runner.device_sampler import SamplingInputs, StepOutputs
 from pdjax.sched.batch import FlatBatch, build_flat_batch
+from pdjax.sched.dp_batch import build_dp_batch, local_rows
 from pdjax.sched.buckets import BucketKey
 
 
@@ -136,17 +137,24 @@ class EntryPoints:
       verify_width: logits rows per request row of an ``extend`` bucket: 1, or the tokens of a
         speculative verify row (``speculative_num_draft_tokens``), each of which is sampled
         (DESIGN.md §3, "Speculative decoding"). The sampled ids are padded to
-        ``max_logits_rows = max_rows * verify_width``.
+        ``max_logits_rows = max_rows * verify_width * dp_size``.
+      dp_size, pages_per_rank: DP attention (``models/dp_attention.py``): a bucket's
+        ``num_tokens`` / ``num_rows`` are each rank's padding, the token stream is ``dp_size``
+        such segments, the metadata per rank (``sched/dp_batch.py``), and batch rows carry
+        global page ids (``sched/dp_kv_cache_manager.py``), ``pages_per_rank`` a rank.
     """
 
     def __init__(self, graphdef, mesh: Mesh, cache_specs, *, max_rows: int, vocab_size: int,
-                 page_size: int, chunk_size: int | None = None, verify_width: int = 1):
+                 page_size: int, chunk_size: int | None = None, verify_width: int = 1,
+                 dp_size: int = 1, pages_per_rank: int | None = None):
         self.graphdef = graphdef
         self.mesh = mesh
         self.cache_specs = tuple(cache_specs)
         self.max_rows = max_rows
         self.verify_width = verify_width
-        self.max_logits_rows = max_rows * verify_width
+        self.dp_size = dp_size
+        self.pages_per_rank = pages_per_rank
+        self.max_logits_rows = max_rows * verify_width * dp_size
         self.vocab_size = vocab_size
         self.page_size = page_size
         self.chunk_size = chunk_size
@@ -187,7 +195,15 @@ class EntryPoints:
                 S((self.max_logits_rows,), jnp.int32, sharding=self.replicated))
 
     def example_batch(self, key: BucketKey, rows=()) -> FlatBatch:
-        """The flat batch of ``rows`` laid out in bucket ``key`` (empty: all padding)."""
+        """The flat batch of ``rows`` laid out in bucket ``key`` (empty: all padding); under
+        DP attention a ``DpFlatBatch``, each row on the rank of its pages."""
+        if self.dp_size > 1:
+            local, ranks = local_rows(list(rows), self.pages_per_rank)
+            return build_dp_batch(local, ranks, dp_size=self.dp_size, page_size=self.page_size,
+                                  num_tokens_pad=key.num_tokens, num_rows_pad=key.num_rows,
+                                  pages_per_seq_pad=key.pages_per_seq,
+                                  num_logits_pad=self.logits_rows(key),
+                                  chunk_size=self.chunk_size)
         return build_flat_batch(list(rows), page_size=self.page_size,
                                 num_tokens_pad=key.num_tokens, num_rows_pad=key.num_rows,
                                 pages_per_seq_pad=key.pages_per_seq,
@@ -199,8 +215,13 @@ class EntryPoints:
         no more than its tokens (each logits row is a distinct token), so a small bucket keeps
         a small sampler (the LM head and the sampler cost grow with these rows)."""
         if key.entry != "extend" or self.verify_width == 1:
-            return key.num_rows
+            return key.num_rows * self.dp_size
         return max(key.num_rows, min(key.num_rows * self.verify_width, key.num_tokens))
+
+    def stream_len(self, key: BucketKey) -> int:
+        """Tokens of bucket ``key``'s flat stream: ``num_tokens``, times ``dp_size`` under DP
+        attention (one padded segment a rank)."""
+        return key.num_tokens * self.dp_size
 
     def _platform(self) -> str:
         """``"cpu"``, ``"gpu"`` (CUDA) or ``"tpu"``: the mesh's devices (real or compile-only)."""
@@ -232,7 +253,7 @@ class EntryPoints:
         with self.kernel_mesh():
             return self.forwards[key.entry].trace(
                 self.graphdef, self.max_logits_rows, state, caches, counts, seen,
-                np.asarray(fb.input_ids), np.full(key.num_tokens, -1, np.int32),
+                np.asarray(fb.input_ids), np.full(self.stream_len(key), -1, np.int32),
                 no_prev, md, np.asarray(fb.logits_indices),
                 SamplingInputs(*(np.asarray(a) for a in sampling))).lower()
 

@@ -137,13 +137,22 @@ class ModelRunner:
         self.buckets = buckets
         self.chunk_size = chunk_size
         self.graphdef, self.state = nnx.split(model)
+        # DP attention: num_pages are the group's, dp_size ranks of num_pages / dp_size each
+        # (global page ids, sched/dp_kv_cache_manager.py); the model's buffers hold a rank's
+        # pool per device (models/dp_attention.py).
+        self.dp_size = getattr(self.cfg, "dp_size", 1)
+        # bytes of an activation element (DP attention's gather metric)
+        self.hidden_itemsize = jnp.dtype(model.embed_tokens[...].dtype).itemsize
         self.cache_specs = tuple(model.cache_spec(
-            num_pages, page_size, kv_dtype, row_align=kv_row_align(mesh.devices.flat[0].platform)))
+            num_pages // self.dp_size, page_size, kv_dtype,
+            row_align=kv_row_align(mesh.devices.flat[0].platform)))
         self.max_rows = buckets.max_rows
         # The jits and their lowerings from shapes (the same code pdjax.aot compiles).
         self.jits = EntryPoints(self.graphdef, mesh, self.cache_specs, max_rows=self.max_rows,
                                 vocab_size=self.cfg.vocab_size, page_size=page_size,
-                                chunk_size=chunk_size, verify_width=verify_width)
+                                chunk_size=chunk_size, verify_width=verify_width,
+                                dp_size=self.dp_size,
+                                pages_per_rank=num_pages // self.dp_size)
         self.kv_bytes_per_page = sum(s.bytes_per_page for s in self.cache_specs)
         # Zeros of exactly the shapes and shardings the lowerings take. Slot 0 of the penalty
         # tables is the null slot; no_prev_tokens stands for the previous step's sampled ids
@@ -214,7 +223,7 @@ class ModelRunner:
             sampling = device_sampler.build_sampling_inputs([], self.logits_rows(key),
                                                             vocab_size=self.cfg.vocab_size)
         if prev_idx is None:
-            prev_idx = np.full(key.num_tokens, -1, np.int32)
+            prev_idx = np.full(len(fb.input_ids), -1, np.int32)
         # Host arrays go to the jitted call as numpy: its C++ fast path copies them, far cheaper
         # than a jnp.asarray each.
         md = AttentionMetadata(fb.positions, fb.slot_mapping, fb.cu_q_lens, fb.kv_lens,

@@ -125,3 +125,21 @@ def build_dp_batch(rows: list[BatchRow], row_ranks: list[int], *, dp_size: int,
         distribution=np.stack([b.distribution for b in ranks]),
         logits_indices=logits_indices, logits_row_spans=spans, row_starts=starts,
         ranks=ranks, num_tokens=sum(b.num_tokens for b in ranks), num_rows=len(rows))
+
+
+def rank_sizes(rows: list[BatchRow], pages_per_rank: int) -> tuple[int, int]:
+    """``(tokens, rows)`` of the busiest rank for ``rows`` (global page ids): what one bucket
+    must hold when every rank is padded alike."""
+    tokens: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for row in rows:
+        rank = row.pages[0] // pages_per_rank
+        tokens[rank] = tokens.get(rank, 0) + len(row.input_ids)
+        count[rank] = count.get(rank, 0) + 1
+    return max(tokens.values(), default=0), max(count.values(), default=0)
+
+
+def row_starts(fb) -> list[int] | np.ndarray:
+    """Index in the token stream of each row's first token: ``cu_q_lens`` of a
+    ``FlatBatch``, ``row_starts`` of a ``DpFlatBatch`` (its rank's segment)."""
+    return fb.row_starts if isinstance(fb, DpFlatBatch) else fb.cu_q_lens

@@ -21,10 +21,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None   # tokens per forward, decode rows included
     target_itl_ms: float | None = None          # stall-free mixed steps (scheduler.py, policy 4)
     num_reserved_decode_tokens: int = 0         # whole-prompt admissions (``remote_kv.RemoteKV``)
+    dp_size: int = 1                            # DP attention ranks, num_pages / dp_size each
 
     def __post_init__(self):
         for name in ("num_pages", "page_size", "max_running_requests", "chunked_prefill_size",
-                     "max_prefill_tokens", "max_context_len", "max_num_batched_tokens"):
+                     "max_prefill_tokens", "max_context_len", "max_num_batched_tokens",
+                     "dp_size"):
             v = getattr(self, name)
             if v is None and name == "max_num_batched_tokens":
                 continue
@@ -35,8 +37,9 @@ class SchedulerConfig:
                 self.num_reserved_decode_tokens < 0:
             raise ValueError(f"num_reserved_decode_tokens must be a non-negative integer, got "
                              f"{self.num_reserved_decode_tokens!r}")
-        if self.num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if self.num_pages // self.dp_size < 2:
+            raise ValueError(f"num_pages must be >= 2 a rank (page 0 is reserved), got "
+                             f"{self.num_pages} for {self.dp_size} rank(s)")
         if self.page_aligned_chunks and min(self.chunked_prefill_size, self.token_budget) < self.page_size:
             raise ValueError("chunked_prefill_size and max_num_batched_tokens must be >= page_size "
                              "when chunks are page-aligned")
@@ -52,5 +55,6 @@ class SchedulerConfig:
 
     @property
     def max_request_tokens(self) -> int:
-        """Most tokens one request may hold: the context length, and what the pool can hold."""
-        return min(self.max_context_len, (self.num_pages - 2) * self.page_size)
+        """Most tokens one request may hold: the context length, and what the pool (DP
+        attention: one rank's) can hold."""
+        return min(self.max_context_len, (self.num_pages // self.dp_size - 2) * self.page_size)
