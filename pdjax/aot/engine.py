@@ -246,7 +246,8 @@ class AbstractEngine:
             alias_bytes=int(stats.alias_size_in_bytes),
             temp_bytes=int(stats.temp_size_in_bytes),
             code_bytes=int(stats.generated_code_size_in_bytes),
-            pool_copy=(kv_pool_copy(compiled, [shard_bytes(c) for c in self.caches.values()])
+            pool_copy=(kv_pool_copy(compiled, [shard_bytes(c) for c in self.caches.values()],
+                                       [c.dtype.itemsize for c in self.caches.values()])
                        if entry.key is not None else None),
             executable=compiled)
 

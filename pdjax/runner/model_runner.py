@@ -336,7 +336,8 @@ class ModelRunner:
         True when it does."""
         if not isinstance(key, BucketKey):
             return False
-        why = kv_pool_copy(compiled, self.kv_shard_bytes())
+        why = kv_pool_copy(compiled, self.kv_shard_bytes(),
+                           [self.caches[s.name].dtype.itemsize for s in self.cache_specs])
         if why is None:
             return False
         self.kv_copying[key] = why
@@ -351,9 +352,10 @@ class ModelRunner:
 
     def require_in_place_kv(self) -> None:
         """Promise that every forward updates the KV buffers in place, for a transfer engine
-        that writes pages into them while steps run (a PD decode's direct path): a step that
+        that reads or writes pages in them while steps run (PD's direct path): a step that
         copies a buffer into a temporary and back, or into a new buffer, loses every write
-        that lands in between. Raises ``ValueError`` naming the compiled buckets that copy;
+        that lands in between, and one that holds other values in a donated KV buffer in
+        mid-step gives a reader garbage (``runner/pool_copy.py``). Raises ``ValueError`` naming the compiled buckets that copy;
         afterwards a background-compiled bucket that copies is never made ready."""
         with self._kv_copy_lock:
             if self.kv_copying:

@@ -11,6 +11,15 @@ The compiler's buffer assignment tells, exactly: ``memory_analysis()`` carries i
 serialized ``xla.BufferAssignmentProto``. A step updates the pool in place when no value of a
 KV buffer's size lives in an allocation other than the entry parameters (the donated buffers
 the outputs alias): such a value is a copy of a whole buffer, in a temporary or a fresh output.
+"A KV buffer's size" counts the buffer in every element width (1, 2 and 4 bytes): XLA:CPU has no
+8- or 16-bit float arithmetic, so it updates a float8 or bfloat16 pool by converting the whole
+buffer to a wider type, writing the update there and converting it back over the pool; the
+wide copy (2x or 4x the bytes) is as much a snapshot as a same-size one, and a page written
+between the conversion and the write-back is lost just the same. Worse, once the pool is read
+into the wide copy XLA may reuse the donated buffer's memory for other temporaries until the
+write-back: a donated KV allocation that holds values of another size is scratch in mid-step,
+so a peer reading pages from it (a prefill sending a chunk while the next chunk computes)
+reads garbage, and a peer's writes are clobbered. Both count as "not in place".
 XLA:CPU gives it; XLA:TPU and XLA:GPU give only sizes, so there outputs that alias less than
 the KV buffers or temporaries as large as one count as a copy (sound at real pool sizes).
 Only the few proto fields used here are decoded (protobuf wire format; field numbers from
@@ -18,7 +27,7 @@ XLA's ``xla/service/hlo.proto``)::
 
     BufferAssignmentProto   1: logical_buffers (repeated)   3: buffer_allocations (repeated)
     LogicalBufferProto      1: id                           2: size
-    BufferAllocationProto   3: is_thread_local   5: is_entry_computation_parameter
+    BufferAllocationProto   2: size   3: is_thread_local   5: is_entry_computation_parameter
                             9: assigned (repeated; 1: logical_buffer_id)   12: is_constant
 """
 
@@ -63,9 +72,9 @@ def _fields(data: bytes) -> Iterator[tuple[int, int | bytes]]:
         raise ValueError("truncated message") from e
 
 
-def copied_values(buffer_assignment: bytes, sizes: set[int]) -> list[int]:
-    """Sizes (bytes) of the values of a size in ``sizes`` that live outside the entry
-    parameters' allocations, per a serialized ``BufferAssignmentProto``."""
+def _allocations(buffer_assignment: bytes) -> Iterator[tuple[dict, list[int]]]:
+    """``(flags, sizes of the values assigned)`` of each allocation of a serialized
+    ``BufferAssignmentProto``; ``flags`` maps BufferAllocationProto field numbers to values."""
     size_of: dict[int, int] = {}
     allocations = []
     for number, value in _fields(buffer_assignment):
@@ -74,7 +83,6 @@ def copied_values(buffer_assignment: bytes, sizes: set[int]) -> list[int]:
             size_of[fields.get(1, 0)] = fields.get(2, 0)
         elif number == 3:
             allocations.append(value)
-    found = []
     for allocation in allocations:
         flags, assigned = {}, []
         for number, value in _fields(allocation):
@@ -82,19 +90,60 @@ def copied_values(buffer_assignment: bytes, sizes: set[int]) -> list[int]:
                 assigned.append(dict(_fields(value)).get(1, 0))
             else:
                 flags[number] = value
+        yield flags, [size_of.get(b, 0) for b in assigned]
+
+
+def copied_values(buffer_assignment: bytes, sizes: set[int]) -> list[int]:
+    """Sizes (bytes) of the values of a size in ``sizes`` that live outside the entry
+    parameters' allocations, per a serialized ``BufferAssignmentProto``."""
+    found = []
+    for flags, assigned in _allocations(buffer_assignment):
         if flags.get(5) or flags.get(3) or flags.get(12):   # parameter, thread-local, constant
             continue
-        found += [size_of[b] for b in assigned if size_of.get(b) in sizes]
+        found += [n for n in assigned if n in sizes]
     return found
 
 
-def kv_pool_copy(compiled: Any, kv_shard_bytes: Sequence[int]) -> str | None:
+def scratch_values(buffer_assignment: bytes, kv_shard_bytes: set[int]) -> list[int]:
+    """Sizes (bytes) of the values of another size that share an entry parameter's allocation
+    of a KV buffer's size: XLA reused the donated pool's memory as scratch in mid-step (after
+    the pool was read into a wide copy), so its bytes are not the pool's until the step ends.
+    Read-only parameters (weights) never hold other values."""
+    found = []
+    for flags, assigned in _allocations(buffer_assignment):
+        if flags.get(5) and flags.get(2) in kv_shard_bytes:
+            found += [n for n in assigned if n != flags.get(2)]
+    return found
+
+
+ELEMENT_WIDTHS = (1, 2, 4)     # bytes per element a whole-buffer copy may be converted to
+
+
+def copy_sizes(kv_shard_bytes: Sequence[int], kv_itemsizes: Sequence[int]) -> set[int]:
+    """Sizes (bytes) of a whole copy of any KV buffer shard in any of ``ELEMENT_WIDTHS``:
+    ``elements * width``. Raises ``ValueError`` when the two lists differ in length or a size
+    is not a whole number of elements."""
+    if len(kv_shard_bytes) != len(kv_itemsizes):
+        raise ValueError(f"kv_itemsizes: {len(kv_itemsizes)} entries for "
+                         f"{len(kv_shard_bytes)} KV buffers")
+    sizes = set()
+    for nbytes, itemsize in zip(kv_shard_bytes, kv_itemsizes):
+        if itemsize < 1 or nbytes % itemsize:
+            raise ValueError(f"kv_itemsizes: {nbytes} B is not a whole number of "
+                             f"{itemsize}-byte elements")
+        sizes |= {nbytes // itemsize * width for width in ELEMENT_WIDTHS}
+    return sizes
+
+
+def kv_pool_copy(compiled: Any, kv_shard_bytes: Sequence[int],
+                 kv_itemsizes: Sequence[int]) -> str | None:
     """Why executable ``compiled`` does not update the KV buffers in place, or None when it
     does.
 
     ``compiled``: a ``jax.stages.Compiled`` whose donated arguments include the KV buffers;
     ``kv_shard_bytes``: bytes of one device's shard of each KV buffer (the assignment is the
-    per-device program's).
+    per-device program's); ``kv_itemsizes``: each buffer's bytes per element (a copy
+    converted to another width counts, see the module docstring).
     """
     try:
         stats = compiled.memory_analysis()
@@ -105,11 +154,17 @@ def kv_pool_copy(compiled: Any, kv_shard_bytes: Sequence[int]) -> str | None:
     proto = getattr(stats, "serialized_buffer_assignment_proto", b"")
     if not proto:
         return _from_sizes(stats, kv_shard_bytes)
-    copies = copied_values(bytes(proto), {int(n) for n in kv_shard_bytes})
-    if not copies:
-        return None
-    return (f"{len(copies)} value(s) the size of a KV buffer ({sorted(set(copies))} B) live "
-            f"outside the donated buffers: XLA copies the pool and writes it back")
+    copies = copied_values(bytes(proto), copy_sizes(kv_shard_bytes, kv_itemsizes))
+    if copies:
+        return (f"{len(copies)} value(s) the size of a KV buffer ({sorted(set(copies))} B, in "
+                f"some element width) live outside the donated buffers: XLA copies the pool "
+                f"and writes it back")
+    scratch = scratch_values(bytes(proto), {int(n) for n in kv_shard_bytes})
+    if scratch:
+        return (f"{len(scratch)} other value(s) ({sorted(set(scratch))} B) are held in a "
+                f"donated KV buffer in mid-step: XLA uses the pool as scratch and rewrites "
+                f"it at the end")
+    return None
 
 
 def _from_sizes(stats: Any, kv_shard_bytes: Sequence[int]) -> str | None:

@@ -122,7 +122,7 @@ class DecodeRankNode:
         args = host.args
         engine, local_kv, channel = node_data_plane(
             host, f"decode-node-{args.node_rank}",
-            resolve_secret(args.disaggregation_secret), receives=True)
+            resolve_secret(args.disaggregation_secret))
         node = cls(args.node_rank, engine, local_kv, channel)
         channel.start(node._on_message)
         return node

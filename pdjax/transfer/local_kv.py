@@ -82,14 +82,16 @@ class LocalKV:
     buffers and layers. Raises ``ValueError`` for an unknown ``mode``, or when ``direct`` is
     forced and the arrays cannot be exported.
 
-    ``receives``: peers write pages into this pool while steps run (a decode). The direct
-    path then also needs every step to update the pool in place
-    (``runner.require_in_place_kv``, ``runner/pool_copy.py``); where one does not, ``auto``
-    takes the staging path and ``direct`` raises ``ValueError``.
+    Peers read pages from this pool (a prefill sends a chunk while the next one computes) or
+    write pages into it (a decode) while steps run, so the direct path needs every step to
+    update the pool in place (``runner.require_in_place_kv``, ``runner/pool_copy.py``): a
+    step that copies the pool loses pages written meanwhile, and one that uses the pool as
+    scratch in mid-step also gives readers garbage. Where one does not, ``auto`` takes the
+    staging path and ``direct`` raises ``ValueError``.
     """
 
     def __init__(self, runner, engine: TransferEngine, mode: str = "auto",
-                 max_pages_per_seq: int = 64, head_repeat: int = 1, receives: bool = False):
+                 max_pages_per_seq: int = 64, head_repeat: int = 1):
         if mode not in TRANSFER_PATHS:
             raise ValueError(f"transfer path must be one of {TRANSFER_PATHS}, got {mode!r}")
         self.runner = runner
@@ -111,8 +113,7 @@ class LocalKV:
             try:
                 self.layout = export_kv_layout(arrays, head_repeat=head_repeat,
                                                row_heads=self.row_heads)
-                if receives:
-                    runner.require_in_place_kv()
+                runner.require_in_place_kv()
                 self.mode = "direct"
             except ValueError as e:
                 if mode == "direct":

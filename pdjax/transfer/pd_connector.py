@@ -127,7 +127,7 @@ def build_pd_parts(host: RoleHost, role: str) -> PDParts:
         local_kv = JaxLocalKV(host.runner, engine, max_pages, head_repeat=kv_head_repeat(host))
     else:
         local_kv = LocalKV(host.runner, engine, args.disaggregation_transfer_path, max_pages,
-                           head_repeat=kv_head_repeat(host), receives=role == "decode")
+                           head_repeat=kv_head_repeat(host))
     local_kv.warmup()
     meta = MetadataBuffers(max(32, 8 * args.max_running_requests), MAX_TOP_LOGPROBS)
     meta.register(engine)

@@ -172,13 +172,13 @@ def rank_layouts(infos: Sequence[PrefillRankInfo], nnodes: int) -> dict[int, KVL
     return got
 
 
-def node_data_plane(host, name: str, secret, receives: bool = False):
+def node_data_plane(host, name: str, secret):
     """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
     at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
     and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
     to ``args.host`` and not yet reading (``start`` it with the node's handler). ``host``: the
-    follower's ``NodeRunner``; ``receives``: peers write pages into this pool (a decode node;
-    ``LocalKV``). Returns the three."""
+    follower's ``NodeRunner`` (its steps must update the pool in place: ``LocalKV``).
+    Returns the three."""
     from pdjax.transfer.channel import MessageChannel
     from pdjax.transfer.local_kv import LocalKV
     from pdjax.transfer.pd_connector import create_role_transfer_engine, kv_head_repeat
@@ -186,5 +186,5 @@ def node_data_plane(host, name: str, secret, receives: bool = False):
     args = host.args
     engine = create_role_transfer_engine(args)
     local_kv = LocalKV(host.runner, engine, "direct", -(-host.context_length // args.page_size),
-                       head_repeat=kv_head_repeat(host), receives=receives)
+                       head_repeat=kv_head_repeat(host))
     return engine, local_kv, MessageChannel(args.host, None, name, secret=secret)

@@ -136,8 +136,7 @@ def decode_connector(page_size: int = 4, num_pages: int = 17, channel: FakeChann
 
     runner = KVRunner((2, num_pages, page_size, 2, 8))
     engine = FakeTransferEngine()
-    local_kv = LocalKV(runner, engine, "direct", max_pages_per_seq=num_pages - 1,
-                       receives=True)
+    local_kv = LocalKV(runner, engine, "direct", max_pages_per_seq=num_pages - 1)
     meta = MetadataBuffers(32, MAX_TOP_LOGPROBS)
     channel = channel or FakeChannel()
     server_args = ServerArgs(role="decode", page_size=page_size,

@@ -39,6 +39,9 @@ def test_fp8_values_and_scales_move_as_they_are(gqa_fp8_pd):
         compared += greedy_agrees(r["output_ids"], r["meta_info"]["output_top_logprobs"],
                                   out["output_ids"])
     assert compared >= 0.8 * 6 * len(prompts)
+    # XLA:CPU updates a float8 pool through a wide copy (runner/pool_copy.py): pages written
+    # into it during a step would be lost, so the receiving decode stages.
+    assert pd_state(gqa_fp8_pd["decode"])["transfer_path"] == "staging"
     # Bytes per page from the config alone: K and V of every layer, each token's KV heads as
     # head_dim e4m3 values and one float32 scale.
     ps, kvh = ARGS["page_size"], cfg["num_key_value_heads"]

@@ -161,20 +161,22 @@ def test_staging_path_round_trip_and_direct_addresses():
         LocalKV(_Runner(shape), FakeTransferEngine(), "rdma")
 
 
-def test_a_receiving_pool_takes_the_direct_path_only_where_steps_update_it_in_place():
-    """Pages a peer writes during a step that copies the pool are lost (``runner/pool_copy``):
-    a decode's pool goes direct only when no bucket copies it; a prefill's (read only) may."""
+def test_a_pool_peers_touch_takes_the_direct_path_only_where_steps_update_it_in_place():
+    """Pages a peer writes during a step that copies the pool are lost, and pages a peer reads
+    during a step that uses the pool as scratch are garbage (``runner/pool_copy``): a pool goes
+    direct only when no bucket copies it, on the decode and on the prefill alike (a prefill
+    sends a chunk while the next one computes: with FP8 KV on CPU the decode got wrong tokens
+    or 0s when the prefill's pool went direct)."""
     shape = (2, 9, PS, 2, 8)
     clean = _Runner(shape)
-    assert LocalKV(clean, FakeTransferEngine(), "auto", receives=True).mode == "direct"
+    assert LocalKV(clean, FakeTransferEngine(), "auto").mode == "direct"
     assert clean.in_place_kv_required
     copying = _Runner(shape)
     copying.kv_copying = {BucketKey("decode", 1, 1, 64): "2630280 B of temporaries"}
     with pytest.raises(ValueError, match=r"not updated in place by 1 bucket.*decode"):
-        LocalKV(copying, FakeTransferEngine(), "direct", receives=True)
-    staged = LocalKV(copying, FakeTransferEngine(), "auto", receives=True)
+        LocalKV(copying, FakeTransferEngine(), "direct")
+    staged = LocalKV(copying, FakeTransferEngine(), "auto")
     assert staged.mode == "staging" and not copying.in_place_kv_required
-    assert LocalKV(copying, FakeTransferEngine(), "auto").mode == "direct"
     # Two shards cannot stage: the error says why direct was refused.
     two = _Runner(shape)
     two.kv_copying = dict(copying.kv_copying)
@@ -182,7 +184,7 @@ def test_a_receiving_pool_takes_the_direct_path_only_where_steps_update_it_in_pl
     two.caches = {k: jax.device_put(v, heads) for k, v in two.caches.items()}
     assert len(two.caches["k_cache"].addressable_shards) == 2
     with pytest.raises(ValueError, match="one shard.*not updated in place"):
-        LocalKV(two, FakeTransferEngine(), "auto", receives=True)
+        LocalKV(two, FakeTransferEngine(), "auto")
 
 
 def test_router_sample_counts_ports_and_logprob_merge():
