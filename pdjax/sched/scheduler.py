@@ -371,6 +371,11 @@ class Scheduler:
             if n < remaining and self.config.page_aligned_chunks:
                 n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
             if n <= 0 or not self.kv.grow(req, req.num_computed_tokens + n):
+                if req in self.running and candidates:
+                    # A running prompt whose chunk does not fit yet: the next running one
+                    # may (requests admitted with KV from elsewhere took the free pages;
+                    # they finish and return them). Stopping here could stall every one.
+                    continue
                 break
             rows.append(ScheduledRow(req, req.num_computed_tokens, n))
             self.kv.share(req, req.num_computed_tokens + n)
