@@ -5,7 +5,8 @@ batch write of the same bytes in the same run, and PD vs colocated TTFT.
 
 Servers: by default this script starts them on 127.0.0.1 with ephemeral ports, all with the
 same model and flags: a prefill server and a decode server (``--disaggregation-transfer-backend
-mooncake``), the router in front of them (``python -m pdjax.router``), and a colocated server.
+mooncake``; ``--transfer-backend mooncake,jax`` measures each backend with its own servers, the
+backend a column of every row), the router in front of them (``python -m pdjax.router``), and a colocated server.
 ``--prefill-url``, ``--decode-url``, ``--router-url`` and ``--colocated-url`` use running ones
 instead (all four together).
 
@@ -156,7 +157,7 @@ def raw_write(sizes: list[tuple[int, int]], repeats: int, backend: str) -> dict[
     return results
 
 
-async def run(args, urls: dict[str, str]) -> dict[str, Any]:
+async def run(args, urls: dict[str, str], backend: str | None = None) -> dict[str, Any]:
     model = http_json(urls["colocated"] + "/v1/models")["data"][0]["id"]
     pd_model = http_json(urls["decode"] + "/v1/models")["data"][0]["id"]
     vocab = http_json(urls["colocated"] + "/model_info").get("vocab_size") or 256
@@ -183,7 +184,7 @@ async def run(args, urls: dict[str, str]) -> dict[str, Any]:
         r = args.requests_per_len
         lat = d["latency_sum_s"] / d["latency_count"] if d["latency_count"] else None
         row = {
-            "input_len": n, "requests": r,
+            "transfer_backend": backend or args.transfer_backend, "input_len": n, "requests": r,
             "transfer_bytes_per_request": d["bytes"] / r,
             "transfer_pages_per_request": d["pages"] / r,
             "transfer_copy_ops_per_request": d["copy_ops"] / r,
@@ -216,10 +217,21 @@ async def run(args, urls: dict[str, str]) -> dict[str, Any]:
 
 def main(argv=None) -> dict[str, Any]:
     args = parse_args(argv)
-    t0 = time.perf_counter()
-    with deployment(args) as urls:
-        startup_s = time.perf_counter() - t0
-        measured = asyncio.run(run(args, urls))
+    backends = [b for b in args.transfer_backend.split(",") if b]
+    if len(backends) > 1 and args.prefill_url:
+        raise ValueError("--transfer-backend: one backend with running servers (--*-url)")
+    startup_s, measured, by_backend = 0.0, {"rows": []}, {}
+    for backend in backends:       # one deployment per backend, the same prompts' shapes
+        t0 = time.perf_counter()
+        with deployment(argparse.Namespace(**{**vars(args), "transfer_backend": backend})) \
+                as urls:
+            startup_s += time.perf_counter() - t0
+            one = asyncio.run(run(args, urls, backend))
+        measured["rows"] += one["rows"]
+        measured["compile_count"] = measured.get("compile_count", one["compile_count"])
+        by_backend[backend] = one["compile_count"]
+    if len(backends) > 1:
+        measured["compile_count_by_backend"] = by_backend
     result: dict[str, Any] = {
         "date": now_iso(), "model": args.model_path or "SmolLM2-135M-Instruct (default)",
         "dtype": args.dtype, "page_size": args.page_size, "transfer_backend": args.transfer_backend,
@@ -228,7 +240,7 @@ def main(argv=None) -> dict[str, Any]:
         "servers_startup_s": startup_s, **measured, "machine": machine_info()}
     table = []
     for r in result["rows"]:
-        table += [(f"-- prompt {r['input_len']} tokens --", ""),
+        table += [(f"-- {r['transfer_backend']}: prompt {r['input_len']} tokens --", ""),
                   ("Bytes / pages / copy ops:", f"{r['transfer_bytes_per_request']:.0f} / "
                    f"{r['transfer_pages_per_request']:.0f} / {r['transfer_copy_ops_per_request']:.0f}"),
                   ("PD transfer time (ms):", r["transfer_time_ms"]),
@@ -269,7 +281,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chunked-prefill-size", type=int, default=512)
     p.add_argument("--context-length", type=int, default=None,
                    help="default: the longest prompt + output, rounded up to 256")
-    p.add_argument("--transfer-backend", default="mooncake", help="the servers' backend")
+    p.add_argument("--transfer-backend", default="mooncake",
+                   help="the PD servers' backend, or several comma-separated (mooncake,jax): "
+                        "one deployment each, a row per backend and prompt length")
     p.add_argument("--raw-backend", default="mooncake", help="backend of the raw write")
     p.add_argument("--raw-repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
