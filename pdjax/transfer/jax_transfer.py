@@ -53,7 +53,6 @@ import ctypes
 import dataclasses
 import datetime
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -122,7 +121,13 @@ class JaxTransferEngine(TransferEngine):
         self._conns: dict[str, Any] = {}
         self._conn_lock = threading.Lock()
         self._offer_lock = threading.Lock()      # one offer in flight per process
-        self._replies: queue.Queue = queue.Queue()
+        # Pull workers hand their acks to the offer thread over inproc PUSH sockets (one per
+        # worker thread: ZMQ sockets are not thread-safe), which wake its poll at once.
+        self._reply_addr = f"inproc://pd-jax-replies-{id(self):x}"
+        self._reply_pull = self._zmq.socket(zmq.PULL)
+        self._reply_pull.bind(self._reply_addr)
+        self._tls = threading.local()
+        self._push_socks: list = []
         self._pool = concurrent.futures.ThreadPoolExecutor(pull_workers,
                                                            thread_name_prefix="pd-jax-pull")
         self._stop = threading.Event()
@@ -156,6 +161,11 @@ class JaxTransferEngine(TransferEngine):
         self._thread.join(2.0)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._router.close(0)
+        with self._conn_lock:
+            socks, self._push_socks = self._push_socks, []
+        for sock in socks:
+            sock.close(0)
+        self._reply_pull.close(0)
 
     # -- prefill: offer a chunk ----------------------------------------------------------
     def write_pages(self, local_kv, peer, src: Sequence[int], dst: Sequence[int],
@@ -232,15 +242,21 @@ class JaxTransferEngine(TransferEngine):
     # -- decode: serve offers ------------------------------------------------------------
     def _serve(self) -> None:
         import msgpack
+        import zmq
 
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._reply_pull, zmq.POLLIN)
         while not self._stop.is_set():
-            while True:
-                try:
-                    ident, body = self._replies.get_nowait()
-                except queue.Empty:
-                    break
-                self._router.send_multipart([ident, b"", msgpack.packb(body)])
-            if not self._router.poll(20):
+            ready = dict(poller.poll(100))
+            if self._reply_pull in ready:
+                while True:
+                    try:
+                        ident, body = self._reply_pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._router.send_multipart([ident, b"", body])
+            if self._router not in ready:
                 continue
             frames = self._router.recv_multipart()
             if len(frames) != 3 or len(frames[2]) > MAX_OFFER_BYTES:
@@ -251,9 +267,23 @@ class JaxTransferEngine(TransferEngine):
             except Exception:
                 offer = None
             if not isinstance(offer, dict):
-                self._replies.put((frames[0], {"ok": False, "error": "malformed offer"}))
+                self._reply(frames[0], {"ok": False, "error": "malformed offer"})
                 continue
             self._pool.submit(self._pull_offer, frames[0], offer)
+
+    def _reply(self, ident: bytes, body: dict) -> None:
+        """Queue ``body`` for the offer thread to send to ``ident`` (any thread)."""
+        import msgpack
+        import zmq
+
+        sock = getattr(self._tls, "push", None)
+        if sock is None:
+            sock = self._tls.push = self._zmq.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._reply_addr)
+            with self._conn_lock:
+                self._push_socks.append(sock)
+        sock.send_multipart([ident, msgpack.packb(body)])
 
     def _pull_offer(self, ident: bytes, offer: dict) -> None:
         try:
@@ -262,7 +292,7 @@ class JaxTransferEngine(TransferEngine):
         except Exception as e:       # refused or failed: the prefill fails the room
             logger.warning("jax transfer: offer not pulled: %s", e)
             body = {"ok": False, "error": str(e)[:2000]}
-        self._replies.put((ident, body))
+        self._reply(ident, body)
 
     def _pull(self, offer: dict) -> int:
         kv = self._kv
@@ -300,7 +330,7 @@ class JaxTransferEngine(TransferEngine):
                 self._drop_connection(address, conn)
                 raise TransferError(f"jax pull of {len(dst)} pages from {address} timed out "
                                     f"after {self.pull_timeout_s:.0f} s (connection reset)")
-            time.sleep(0.002)
+            time.sleep(0.0005)
         try:
             for p in parts:
                 p.block_until_ready()       # an error array raises here
