@@ -226,6 +226,13 @@ class CacheArgs:
         "write_through", "when pages reach the host tier: write_through (as they enter the "
                          "prefix cache); write_back and write_through_selective are not built",
         HICACHE_WRITE_POLICIES)
+    hicache_storage_backend: str | None = _arg(
+        None, "HiCache's storage tier (L3) behind the host tier: file (a folder) or mooncake "
+              "(a Mooncake store); pages keyed by their prefix's page hash, so a restarted or "
+              "another server finds them", ("file", "mooncake"))
+    hicache_storage_backend_extra_config: str = _arg(
+        "", "JSON object for the storage backend: file {\"path\": FOLDER}; mooncake "
+            "{\"master_server_address\": HOST:PORT, ...}; any {\"model_id\": ...}")
 
     def __post_init__(self):
         _check_fields(self)
@@ -241,6 +248,13 @@ class CacheArgs:
         if self.hicache_write_policy != "write_through":
             raise ValueError(f"hicache_write_policy: {self.hicache_write_policy!r} is not built "
                              f"yet; only 'write_through' is")
+        from pdjax.kv.hicache_config import parse_storage_config
+
+        parse_storage_config(self.hicache_storage_backend,
+                             self.hicache_storage_backend_extra_config)
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_backend: the storage tier sits behind the host "
+                             "tier; add enable_hierarchical_cache")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache: the host tier backs the prefix cache, "
                              "which disable_radix_cache turns off")

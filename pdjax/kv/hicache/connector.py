@@ -11,6 +11,10 @@ worker (DESIGN.md §3, "Host tier"; §4 for the calls).
                    prefix the step computed (its prefill rows) or finished, cut to the pages
                    the device prefix cache holds for it now, minus those the host knows
 
+With a storage tier (L3, ``storage_tier``) admission also asks the store for the page past
+the host hit: when it holds it, the store's pages are prefetched into host slots first (the
+answer is None, "ask again", meanwhile; others are admitted) and then load like host pages.
+
 Write-through copies a page to the host once it is computed and cached on the device, so a
 page the device evicts later is on the host already (SGLang's ``write_through``). The device
 pages of a write are read from the prefix cache when the plan is made (``cached_pages_of``): a
@@ -33,6 +37,7 @@ if TYPE_CHECKING:      # annotations only
     from pdjax.request import Request
     from pdjax.sched.kv_cache_manager import KVCacheManager
     from pdjax.sched.scheduled_batch import ScheduledBatch
+    from pdjax.kv.hicache.storage_tier import StorageTier
 
 
 @dataclasses.dataclass
@@ -70,6 +75,7 @@ class HiCacheStats:
     loaded_pages: int = 0
     written_pages: int = 0
     load_jobs_dropped: int = 0   # loads planned for a request that left before they started
+    storage_hit_pages: int = 0   # pages the storage tier (L3) put on the host for a request
 
 
 class HiCacheConnector:
@@ -90,6 +96,11 @@ class HiCacheConnector:
         self._finished: list[list[int]] = []
         # The worker's ``flush``: commits the writes in flight (set by ``build_host_tier``).
         self.wait_for_writes: Callable[[], None] | None = None
+        # The storage tier (L3, ``storage_tier.StorageTier``), when one is configured, and the
+        # requests whose prefetch from it is running ("pending") or has been put on the host
+        # ("done": not asked again for them).
+        self.storage: StorageTier | None = None
+        self._prefetch: dict[str, str] = {}
 
     # ---- admission -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int:
@@ -106,9 +117,32 @@ class HiCacheConnector:
             # the copy rather than recompute it.
             self.wait_for_writes()
             n = self.index.match(hashes, first)
+        if self.storage is not None and first + n < max_pages \
+                and not self._storage_done(req, hashes, first + n):
+            return None                     # its next pages come from the store: ask again
         return n * ps
 
+    def _storage_done(self, req: Request, hashes: list[bytes], start: int) -> bool:
+        """Whether ``req``'s admission need not wait for the store: nothing stored past the
+        host hit (page ``start``), or its prefetch is done. Starts the prefetch otherwise."""
+        state = self._prefetch.get(req.rid)
+        if state == "done":
+            return True
+        if state == "pending":
+            return False
+        if not self.storage.exists(hashes[start]):
+            return True
+        self._prefetch[req.rid] = "pending"
+        self.storage.submit_prefetch(req.rid, hashes, start)
+        return False
+
+    def prefetch_done(self, rid: str) -> None:
+        """The store's pages for ``rid`` are on the host now (or were not usable)."""
+        if rid in self._prefetch:
+            self._prefetch[rid] = "done"
+
     def update_state_after_alloc(self, req: Request, num_external_tokens: int) -> None:
+        self._prefetch.pop(req.rid, None)
         if not num_external_tokens:
             return
         ps = self.page_size
@@ -128,6 +162,7 @@ class HiCacheConnector:
     # ---- finish and step -----------------------------------------------------------------
     def request_finished(self, req: Request) -> bool:
         self._loading.pop(req.rid, None)
+        self._prefetch.pop(req.rid, None)
         self._finished.append(req.all_ids)
         return False
 

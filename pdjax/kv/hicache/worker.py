@@ -36,6 +36,9 @@ from pdjax.kv.hicache.connector import HiCacheConnector, HiCacheMeta, HiCacheSta
     WriteJob
 from pdjax.kv.hicache.host_pool import HostIndex, HostKVPool, page_bytes
 from pdjax.kv.hicache.metrics import HiCacheMetrics
+from pdjax.kv.hicache.storage import PageCodec, kv_fingerprint, make_storage_backend, \
+    parse_storage_config
+from pdjax.kv.hicache.storage_tier import StorageTier
 from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.local_kv import page_buckets
 from pdjax.transfer.worker import KVTransferWorker
@@ -99,8 +102,12 @@ class HiCacheWorker(KVTransferWorker):
     largest bucket."""
 
     def __init__(self, runner, pool: HostKVPool, index: HostIndex, stats: HiCacheStats,
-                 max_pages: int, is_waiting: Callable[[Any], bool]):
+                 max_pages: int, is_waiting: Callable[[Any], bool],
+                 storage: StorageTier | None = None,
+                 prefetch_done: Callable[[str], None] = lambda rid: None):
         self.runner = runner
+        self.storage = storage
+        self.prefetch_done = prefetch_done
         self.pool = pool
         self.index = index
         self.stats = stats
@@ -123,6 +130,8 @@ class HiCacheWorker(KVTransferWorker):
     def set_wake(self, wake: Callable[[], None]) -> None:
         """``wake()`` is called when a copy finished (the engine should poll)."""
         self._wake[0] = wake
+        if self.storage is not None:
+            self.storage.wake[0] = wake
 
     # ---- page buckets ------------------------------------------------------------------------
     def _bucket(self, n: int) -> int:
@@ -173,11 +182,14 @@ class HiCacheWorker(KVTransferWorker):
             chunks.append((idx, padded))
         return _LoadRead(job, chunks)
 
-    def _store(self, chunks: list[tuple[list, list[int]]],
+    def _store(self, chunks: list[tuple[list, list[int], list[bytes]]],
                jobs: list[WriteJob]) -> _Written | _Failed:
         try:
-            for arrays, slots in chunks:
-                self.pool.write(slots, [np.asarray(a) for a in arrays])
+            for arrays, slots, keys in chunks:
+                parts = [np.asarray(a) for a in arrays]
+                self.pool.write(slots, parts)
+                if self.storage is not None:      # write-through to L3, on its own thread
+                    self.storage.submit_write(keys, parts)
         except Exception as e:
             return _Failed(e, writes=jobs)
         return _Written(jobs)
@@ -189,12 +201,13 @@ class HiCacheWorker(KVTransferWorker):
         if meta.writes:
             pages = [p for w in meta.writes for p in w.pages]
             slots = [s for w in meta.writes for s in w.slots]
+            keys = [w.path[i] for w in meta.writes for i in w.new]
             chunks = []
             for lo, hi in self._chunks(len(pages)):
                 arrays = self._gather(self._padded(pages[lo:hi]))
                 for a in arrays:
                     a.copy_to_host_async()
-                chunks.append((arrays, slots[lo:hi]))
+                chunks.append((arrays, slots[lo:hi], keys[lo:hi]))
             jobs = list(meta.writes)
             self._submit(lambda: self._store(chunks, jobs))
 
@@ -237,13 +250,39 @@ class HiCacheWorker(KVTransferWorker):
                 return
             self._handle(result)
 
+    def _put_prefetched(self) -> None:
+        """Put the pages the storage tier read into host slots (engine thread): the pages
+        the host does not know get slots (their path touched first, so the prefix's own
+        host pages are not the ones evicted) and are committed at once."""
+        for got in self.storage.take_results():
+            try:
+                if got.num_pages:
+                    self.index.touch(got.path)
+                    new = [i for i in range(got.num_pages)
+                           if not self.index.is_known(got.path[got.start + i])]
+                    slots = self.index.reserve([got.path[got.start + i] for i in new])
+                    if slots:
+                        cols = np.asarray(new[:len(slots)], np.int64)
+                        self.pool.write(slots, [p[:, cols] for p in got.parts])
+                        # Only these pages: another page of the path may be a pending write.
+                        self.index.commit([got.path[got.start + i] for i in new[:len(slots)]])
+                        self.index.touch(got.path)
+                        self.stats.storage_hit_pages += len(slots)
+                        if self.metrics is not None:
+                            self.metrics.on_storage_read(len(slots))
+            finally:
+                self.prefetch_done(got.rid)
+
     def poll(self) -> KVConnectorOutput:
         self._handle_ready()
+        if self.storage is not None:
+            self._put_prefetched()
         done, self._recving = KVConnectorOutput(finished_recving=self._recving), set()
         return done
 
     def has_work(self) -> bool:
-        return bool(self._recving) or not self._results.empty()
+        return bool(self._recving) or not self._results.empty() or (
+            self.storage is not None and not self.storage.results.empty())
 
     @property
     def num_in_flight(self) -> int:
@@ -271,6 +310,8 @@ class HiCacheWorker(KVTransferWorker):
             self._handle_ready()
         except RuntimeError:
             pass
+        if self.storage is not None:       # its queued writes are stored first
+            self.storage.close()
 
 
 class HiCacheRole(NullRole):
@@ -285,8 +326,12 @@ class HiCacheRole(NullRole):
 
     def attach_metrics(self, metrics: Any) -> None:
         """Register the host tier's metrics (``pdjax.kv.hicache.metrics``) on the server's."""
+        storage = self.worker.storage
         self.worker.metrics = HiCacheMetrics(metrics, self.page_size, self.pool.bytes_per_page,
-                                             lambda: self.index.num_used, self.index.num_slots)
+                                             lambda: self.index.num_used, self.index.num_slots,
+                                             storage=storage is not None)
+        if storage is not None:
+            storage.metrics = self.worker.metrics
 
     def load(self) -> dict[str, Any]:
         s, bpp = self.stats, self.pool.bytes_per_page
@@ -297,7 +342,23 @@ class HiCacheRole(NullRole):
                 "hicache_hit_tokens": s.loaded_pages * self.page_size,
                 "hicache_loaded_bytes": s.loaded_pages * bpp,
                 "hicache_written_bytes": s.written_pages * bpp,
-                "hicache_evicted_pages": self.index.num_evicted}
+                "hicache_evicted_pages": self.index.num_evicted,
+                **self._storage_load()}
+
+    def _storage_load(self) -> dict[str, Any]:
+        storage = self.worker.storage
+        if storage is None:
+            return {}
+        st, bpp = storage.stats, self.pool.bytes_per_page
+        return {"hicache_storage_hit_tokens": self.stats.storage_hit_pages * self.page_size,
+                "hicache_storage_read_bytes": self.stats.storage_hit_pages * bpp,
+                "hicache_storage_written_pages": st.written_pages,
+                "hicache_storage_written_bytes": st.written_pages * bpp,
+                "hicache_storage_corrupt_pages": st.corrupt_pages,
+                "hicache_storage_errors": st.errors,
+                "hicache_storage_writes_dropped": st.writes_dropped,
+                "hicache_storage_read_seconds": round(st.read_seconds, 6),
+                "hicache_storage_write_seconds": round(st.write_seconds, 6)}
 
 
 def copy_pages_limit(bytes_per_page: int) -> int:
@@ -344,10 +405,36 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
     # A copy's device buffer stays small whatever the context: at most a request's pages
     # and COPY_MAX_BYTES (larger plans are cut into several copies).
     max_pages = min(-(-host.context_length // ps), copy_pages_limit(bpp))
+    storage = build_storage_tier(host, shapes)
+    connector.storage = storage
     worker = HiCacheWorker(runner, pool, index, connector.stats, max_pages,
-                           connector.is_waiting)
+                           connector.is_waiting, storage, connector.prefetch_done)
     worker.warmup()
     connector.wait_for_writes = worker.flush
     logger.info("HiCache host tier: %d pages (%.2f GiB) behind %d device pages",
                 slots, slots * bpp / GIB, device_pages)
     return connector, worker, HiCacheRole(worker, ps)
+
+
+def build_storage_tier(host, shapes) -> StorageTier | None:
+    """The storage tier (L3) of ``--hicache-storage-backend`` (None without one): its
+    backend and its records' codec, fingerprinted by the model id (the extra config's
+    ``"model_id"``, default the checkpoint folder's name), the page size and the KV buffers.
+    ``ValueError`` naming the setting when the backend cannot start."""
+    args = host.args
+    backend_name = getattr(args, "hicache_storage_backend", None)
+    if backend_name is None:
+        return None
+    cfg = parse_storage_config(backend_name, args.hicache_storage_backend_extra_config)
+    model_id = cfg.get("model_id") or os.path.basename(os.path.normpath(host.model_path))
+    fp = kv_fingerprint(model_id, args.page_size,
+                        [(s.name, tuple(s.shape), s.dtype) for s in host.runner.cache_specs])
+    try:
+        backend = make_storage_backend(backend_name, cfg)
+    except (OSError, RuntimeError, ImportError) as e:
+        raise ValueError(f"hicache_storage_backend: {backend_name!r} could not start: "
+                         f"{e}") from e
+    codec = PageCodec(shapes, fp)
+    logger.info("HiCache storage tier: %s backend, records of %d bytes, KV format %s",
+                backend_name, codec.record_bytes, fp.hex())
+    return StorageTier(backend, codec)

@@ -1,0 +1,334 @@
+"""HiCache's storage tier (L3), ``--hicache-storage-backend file``: the record format and its
+checks, the file backend, the flags, and through ``pdjax.Engine`` on the tiny llama: a
+restarted engine with the same folder finds the pages; corrupt, truncated and foreign records
+are refused and recomputed; a folder removed at runtime degrades to recompute (DESIGN.md §3,
+"Storage tier"; issue 43)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from model_utils import assert_output_agrees
+
+from pdjax.engine import Engine
+from pdjax.kv.hicache.page_hash import page_hashes
+from pdjax.kv.hicache.storage import HEADER_BYTES, PageCodec, StoredPageError, kv_fingerprint
+from pdjax.kv.hicache.storage_file import FileStorage
+
+PAGE = 16
+PROMPT = 310
+FULL = (PROMPT - 1) // PAGE * PAGE      # 304
+SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+SHAPES = [((2, 9, 4, 3), np.float32), ((2, 9, 4, 1), np.uint8)]   # [layers, pages, ps, ...]
+
+
+# ---- the record format -------------------------------------------------------------------
+def _codec(model="m"):
+    return PageCodec(SHAPES, kv_fingerprint(model, 4, [(f"b{i}", s, d)
+                                                       for i, (s, d) in enumerate(SHAPES)]))
+
+
+def _page(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((2, 4, 3)).astype(np.float32),
+            rng.integers(0, 255, (2, 4, 1)).astype(np.uint8)]
+
+
+def test_a_record_round_trips_and_every_fault_is_refused():
+    codec, key = _codec(), b"k" * 16
+    page = _page(0)
+    rec = codec.encode(key, page)
+    assert len(rec) == codec.record_bytes == HEADER_BYTES + 2 * 4 * 3 * 4 + 2 * 4
+    for got, want in zip(codec.decode(key, rec), page):
+        np.testing.assert_array_equal(got, want)
+    flipped = bytearray(rec)
+    flipped[-3] ^= 0x40
+    faults = {"checksum mismatch": bytes(flipped),
+              "truncated: ": rec[:-5],
+              "truncated header": rec[:HEADER_BYTES - 1],
+              "bad magic": b"X" + rec[1:],
+              "another model or KV format": _codec("other").encode(key, page),
+              "holds page": codec.encode(b"j" * 16, page),
+              "payload length": rec[:40] + (10**6).to_bytes(8, "little") + rec[48:]}
+    for why, bad in faults.items():
+        with pytest.raises(StoredPageError, match=why):
+            codec.decode(key, bad)
+    with pytest.raises(ValueError, match="is not"):
+        codec.encode(key, [page[0].astype(np.float64), page[1]])
+
+
+def test_the_fingerprint_names_model_page_size_and_buffers():
+    bufs = [("k", (2, 9, 4, 3), np.float32)]
+    fp = kv_fingerprint("m", 4, bufs)
+    assert fp == kv_fingerprint("m", 4, [("k", (2, 100, 4, 3), np.float32)])  # pool size
+    others = [kv_fingerprint("n", 4, bufs), kv_fingerprint("m", 8, bufs),
+              kv_fingerprint("m", 4, [("k", (2, 9, 4, 3), np.float16)]),
+              kv_fingerprint("m", 4, [("v", (2, 9, 4, 3), np.float32)]),
+              kv_fingerprint("m", 4, [("k", (3, 9, 4, 3), np.float32)])]
+    assert len({fp, *others}) == 6
+
+
+def test_file_storage_writes_atomically_and_a_removed_folder_is_a_miss(tmp_path):
+    root = tmp_path / "store"
+    fs = FileStorage(str(root))
+    key = bytes(range(16))
+    assert not fs.exists(key) and fs.get(key) is None
+    fs.set(key, b"abc")
+    fs.set(key, b"abcd")                       # replaced whole
+    assert fs.exists(key) and fs.get(key) == b"abcd"
+    files = [f for _, _, fs_ in os.walk(root) for f in fs_]
+    assert files == [key.hex() + ".kv"]         # no temporary file left
+    fs.delete(key)
+    fs.delete(key)                              # twice: no error
+    assert not fs.exists(key)
+    shutil.rmtree(root)
+    assert not fs.exists(key) and fs.get(key) is None
+    with pytest.raises(OSError):
+        fs.set(key, b"abc")
+    assert not root.exists()                    # not made again behind the operator's back
+
+
+class _Faulty:
+    """A backend whose every call fails after ``fail`` is set, counting the calls."""
+
+    def __init__(self):
+        self.fail, self.calls, self.data = False, 0, {}
+
+    def _call(self):
+        self.calls += 1
+        if self.fail:
+            raise OSError("store gone")
+
+    def exists(self, key):
+        self._call()
+        return key in self.data
+
+    def get(self, key):
+        self._call()
+        return self.data.get(key)
+
+    def set(self, key, record):
+        self._call()
+        self.data[key] = record
+
+    def delete(self, key):
+        self.data.pop(key, None)
+
+    def close(self):
+        pass
+
+
+def test_a_failing_backend_is_left_alone_for_a_while_and_nothing_raises(caplog):
+    from pdjax.kv.hicache.storage_tier import StorageTier
+
+    backend, codec = _Faulty(), _codec()
+    tier = StorageTier(backend, codec)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    parts = [np.stack([_page(i)[k] for i in range(3)], axis=1) for k in range(2)]
+    tier.submit_write(keys, parts)
+    tier.flush()
+    assert tier.stats.written_pages == 3 and tier.exists(keys[0])
+    tier.submit_prefetch("r", keys, 1)
+    tier.flush()
+    (got,) = tier.take_results()
+    assert (got.rid, got.start, got.num_pages, got.path) == ("r", 1, 2, keys)
+    np.testing.assert_array_equal(got.parts[0], parts[0][:, 1:])
+    backend.fail = True
+    with caplog.at_level(logging.WARNING, logger="pdjax.kv.hicache.storage_tier"):
+        assert not tier.exists(keys[0])                   # an error: a miss
+        calls = backend.calls
+        assert tier.is_down and not tier.exists(keys[0])  # not asked again for a while
+        tier.submit_write([b"x" * 16], [p[:, :1] for p in parts])
+        tier.flush()
+        assert backend.calls == calls and tier.stats.writes_dropped == 1
+    assert tier.stats.errors == 1
+    assert "lookup failed (OSError('store gone'))" in caplog.text
+    tier.close()
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
+     "error: hicache_storage_backend_extra_config: backend 'file' needs \"path\" (a folder)\n"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", "{path"],
+     "error: hicache_storage_backend_extra_config: not JSON: Expecting property name enclosed "
+     "in double quotes: line 1 column 2 (char 1)\n"),
+    (["--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+      "--hicache-storage-backend-extra-config", '{"path": "/tmp", "size": 3}'],
+     "error: hicache_storage_backend_extra_config: unknown key(s) ['size'] for backend 'file' "
+     "(known: ['model_id', 'path'])\n"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"path": "/tmp"}'],
+     "error: hicache_storage_backend: the storage tier sits behind the host tier; add "
+     "enable_hierarchical_cache\n"),
+    (["--hicache-storage-backend-extra-config", '{"path": "/tmp"}'],
+     "error: hicache_storage_backend_extra_config: set without hicache_storage_backend\n"),
+    (["--hicache-storage-backend", "nfs"],
+     "error: hicache_storage_backend: invalid choice: 'nfs' (choose from 'file', "
+     "'mooncake')\n"),
+])
+def test_storage_flag_errors_are_one_line(capsys, argv, line):
+    from pdjax.serve import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", *argv])
+    assert e.value.code == 2 and capsys.readouterr().err == line
+
+
+# ---- through the engine ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(143)
+    return [[int(t) for t in rng.integers(3, 250, PROMPT)] for _ in range(8)]
+
+
+def _engine(ckpt, path, **extra):
+    return Engine(ckpt, dtype="float32", page_size=PAGE, max_total_tokens=1024,
+                  max_running_requests=4, chunked_prefill_size=256, context_length=512,
+                  progress=False, enable_hierarchical_cache=True, hicache_ratio=4,
+                  hicache_storage_backend="file",
+                  hicache_storage_backend_extra_config=f'{{"path": "{path}"}}', **extra)
+
+
+def _gen(engine, prompts):
+    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
+                           top_logprobs_num=2)
+
+
+def _agree(ref, outs, what):
+    assert len(ref) == len(outs)
+    for i, (r, o) in enumerate(zip(ref, outs)):
+        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
+
+
+def _cached(outs):
+    return [o["meta_info"]["cached_tokens"] for o in outs]
+
+
+def _settle(engine):
+    """Every copy and storage write done; the pools at rest (no pin, nothing waiting)."""
+    core = engine.core
+    core.kv_worker.flush()
+    core.kv_worker.storage.flush()
+    sched, conn = core.scheduler, core.scheduler.connector
+    sched.check_invariants()
+    conn.index.check()
+    assert conn.index.num_pinned == 0 and not sched.waiting_remote and not sched.held
+    assert not conn._prefetch and core.kv_worker.storage.num_prefetching == 0
+    # Every device page not in the prefix cache is free again.
+    load = core.get_load()
+    assert load["num_used_pages"] == load["num_cached_pages"]
+    return load
+
+
+@pytest.fixture(scope="module")
+def stored(tiny_checkpoints, prompts, tmp_path_factory):
+    """A folder the first engine filled with the eight prompts, and its outputs (computed,
+    nothing stored before: the reference)."""
+    path = tmp_path_factory.mktemp("hicache") / "store"
+    first = _engine(tiny_checkpoints["llama"], path)
+    ref = _gen(first, prompts)
+    assert _cached(ref) == [0] * 8
+    load = _settle(first)
+    first.shutdown()
+    assert load["hicache_storage_written_pages"] == 8 * (FULL // PAGE)
+    assert load["hicache_storage_errors"] == 0
+    return path, ref
+
+
+def _copy(path, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(path, dst)
+    return dst
+
+
+def _file(root, prompt, page):
+    key = page_hashes(prompt, PAGE, page + 1)[page].hex()
+    return os.path.join(root, key[:2], key + ".kv")
+
+
+def test_a_restarted_engine_finds_the_stored_pages(tiny_checkpoints, prompts, stored, tmp_path):
+    path, ref = stored
+    engine = _engine(tiny_checkpoints["llama"], _copy(path, tmp_path))
+    try:
+        outs = _gen(engine, prompts)
+        _agree(ref, outs, "restarted")
+        assert all(c >= 0.8 * PROMPT for c in _cached(outs)) and _cached(outs) == [FULL] * 8
+        load = _settle(engine)
+        # Only each prompt's last partial page was computed; the rest came from the store.
+        assert load["num_prompt_tokens_computed"] == 8 * (PROMPT - FULL)
+        assert load["hicache_storage_hit_tokens"] == 8 * FULL
+        assert load["hicache_storage_read_bytes"] == 8 * FULL // PAGE * \
+            load["hicache_bytes_per_page"]
+        assert load["hicache_storage_written_pages"] == 0     # all stored already
+        assert load["hicache_storage_corrupt_pages"] == load["hicache_storage_errors"] == 0
+    finally:
+        engine.shutdown()
+
+
+def test_corrupt_truncated_and_foreign_records_are_recomputed(tiny_checkpoints, prompts, stored,
+                                                              tmp_path, caplog):
+    path, ref = stored
+    root = _copy(path, tmp_path)
+    with open(_file(root, prompts[0], 5), "r+b") as f:        # a payload byte flipped
+        f.seek(HEADER_BYTES + 100)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    with open(_file(root, prompts[1], 3), "r+b") as f:        # truncated
+        f.truncate(HEADER_BYTES + 10)
+    foreign = _file(root, prompts[2], 0)                      # another model's record
+    with open(foreign, "rb") as f:
+        rec = bytearray(f.read())
+    rec[8:24] = b"\xff" * 16
+    with open(foreign, "wb") as f:
+        f.write(rec)
+    engine = _engine(tiny_checkpoints["llama"], root)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pdjax.kv.hicache.storage_tier"):
+            outs = _gen(engine, prompts)
+        _agree(ref, outs, "bad records")
+        # Each prompt uses the pages before its bad one; the rest is recomputed.
+        assert _cached(outs) == [5 * PAGE, 3 * PAGE, 0] + [FULL] * 5
+        load = _settle(engine)
+        assert load["hicache_storage_corrupt_pages"] == 3
+        warned = " ".join(r.getMessage() for r in caplog.records)
+        assert "refused" in warned and "checksum mismatch" in warned
+        # The refused records were replaced by the recomputed pages' (write-through).
+        codec = engine.core.kv_worker.storage.codec
+        for prompt, page in ((0, 5), (1, 3), (2, 0)):
+            key = page_hashes(prompts[prompt], PAGE, page + 1)[page]
+            with open(_file(root, prompts[prompt], page), "rb") as f:
+                codec.decode(key, f.read())
+    finally:
+        engine.shutdown()
+
+
+def test_a_folder_removed_at_runtime_degrades_to_recompute(tiny_checkpoints, prompts, stored,
+                                                          tmp_path, caplog):
+    path, ref = stored
+    root = _copy(path, tmp_path)
+    engine = _engine(tiny_checkpoints["llama"], root)
+    try:
+        _agree(ref[:2], _gen(engine, prompts[:2]), "from the store")
+        _settle(engine)
+        shutil.rmtree(root)
+        with caplog.at_level(logging.WARNING, logger="pdjax.kv.hicache.storage_tier"):
+            outs = _gen(engine, prompts)
+        _agree(ref, outs, "folder removed")
+        cached = _cached(outs)
+        assert cached[2:] == [0] * 6 and all(c > 0 for c in cached[:2]), cached
+        load = _settle(engine)
+        assert load["hicache_storage_errors"] > 0
+        assert any("write failed" in r.getMessage() for r in caplog.records)
+        assert not root.exists()
+        # Still serving from the host tier.
+        _agree(ref, _gen(engine, prompts), "host tier after the removal")
+        _settle(engine)
+    finally:
+        engine.shutdown()
