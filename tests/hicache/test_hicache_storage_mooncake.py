@@ -1,0 +1,138 @@
+"""HiCache's storage tier on the Mooncake store (``--hicache-storage-backend mooncake``): a
+``mooncake_master`` on 127.0.0.1 (its HTTP metadata server on), two engines sharing it: the
+second finds what the first computed; with the master killed, an engine recomputes, with the
+same tokens (DESIGN.md §3, "Storage tier"; issue 43)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from model_utils import assert_output_agrees
+
+from pdjax.engine import Engine
+from pdjax.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+PAGE = 16
+PROMPT = 310
+FULL = (PROMPT - 1) // PAGE * PAGE      # 304
+SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def _master_binary():
+    found = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable),
+                                                            "mooncake_master")
+    if not os.path.exists(found):
+        pytest.skip("mooncake_master is not installed (mooncake-transfer-engine)")
+    return found
+
+
+@pytest.fixture
+def master(tmp_path):
+    """A mooncake_master on 127.0.0.1: (process, the engines' extra config)."""
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    log = open(tmp_path / "master.log", "w")
+    proc = subprocess.Popen(
+        [_master_binary(), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+         "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+         f"--http_metadata_server_port={http}", f"--metrics_port={metrics}",
+         "--enable_metric_reporting=false"], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:                          # up once its metadata server answers
+        assert proc.poll() is None, (tmp_path / "master.log").read_text()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{http}/metadata?key=x", timeout=2)
+            break
+        except urllib.error.HTTPError:   # 404 for an unknown key: it is up
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "mooncake_master did not start"
+            time.sleep(0.2)
+    cfg = {"master_server_address": f"127.0.0.1:{rpc}",
+           "metadata_server": f"http://127.0.0.1:{http}/metadata",
+           "local_hostname": "127.0.0.1", "global_segment_size": 64 << 20,
+           "local_buffer_size": 16 << 20}
+    yield proc, json.dumps(cfg)
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(timeout=30)
+    log.close()
+
+
+def _engine(ckpt, cfg):
+    return Engine(ckpt, dtype="float32", page_size=PAGE, max_total_tokens=1024,
+                  max_running_requests=4, chunked_prefill_size=256, context_length=512,
+                  progress=False, enable_hierarchical_cache=True, hicache_ratio=4,
+                  hicache_storage_backend="mooncake", hicache_storage_backend_extra_config=cfg)
+
+
+def _gen(engine, prompts):
+    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
+                           top_logprobs_num=2)
+
+
+def _agree(ref, outs, what):
+    assert len(ref) == len(outs)
+    for i, (r, o) in enumerate(zip(ref, outs)):
+        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
+
+
+def _cached(outs):
+    return [o["meta_info"]["cached_tokens"] for o in outs]
+
+
+def _settle(engine):
+    core = engine.core
+    core.kv_worker.flush()
+    core.kv_worker.storage.flush()
+    core.scheduler.check_invariants()
+    core.scheduler.connector.index.check()
+    assert core.scheduler.connector.index.num_pinned == 0
+    return core.get_load()
+
+
+def test_a_second_engine_finds_what_the_first_computed(tiny_checkpoints, master):
+    proc, cfg = master
+    rng = np.random.default_rng(243)
+    prompts = [[int(t) for t in rng.integers(3, 250, PROMPT)] for _ in range(10)]
+    first = _engine(tiny_checkpoints["llama"], cfg)
+    second = _engine(tiny_checkpoints["llama"], cfg)
+    try:
+        ref = _gen(first, prompts[:8])
+        assert _cached(ref) == [0] * 8
+        load = _settle(first)
+        assert load["hicache_storage_written_pages"] == 8 * FULL // PAGE
+        outs = _gen(second, prompts[:8])
+        _agree(ref, outs, "second engine")
+        assert _cached(outs) == [FULL] * 8
+        load = _settle(second)
+        assert load["num_prompt_tokens_computed"] == 8 * (PROMPT - FULL)
+        assert load["hicache_storage_hit_tokens"] == 8 * FULL
+        assert load["hicache_storage_errors"] == load["hicache_storage_corrupt_pages"] == 0
+
+        # The master killed: the first engine asks two prompts only the second has seen;
+        # the store does not answer, so they are recomputed, with the second's tokens.
+        want = _gen(second, prompts[8:])
+        _settle(second)
+        proc.kill()
+        proc.wait()
+        outs = _gen(first, prompts[8:])
+        _agree(want, outs, "master killed")
+        assert _cached(outs) == [0, 0]
+        load = _settle(first)
+        assert load["hicache_storage_errors"] >= 1
+        # Its host tier still serves what it computed.
+        _agree(ref[:2], _gen(first, prompts[:2]), "host tier, master killed")
+    finally:
+        first.shutdown()
+        second.shutdown()
