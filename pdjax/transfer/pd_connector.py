@@ -106,8 +106,10 @@ def create_role_transfer_engine(args) -> Any:
     backend = args.disaggregation_transfer_backend
     if backend != "fake" and args.disaggregation_ib_device:
         kwargs["device_name"] = args.disaggregation_ib_device
-    if backend.startswith("jax"):          # pull-based: the decode's deadline per pull
-        kwargs["pull_timeout_s"] = args.transfer_timeout_s
+    if backend.startswith("jax"):          # pull-based: the decode's deadline per pull, at
+        # most 60 s (a prefill offers one chunk at a time: a peer that never pulls holds up
+        # its other transfers until then)
+        kwargs["pull_timeout_s"] = min(60.0, args.transfer_timeout_s)
         kwargs["ack_slack_s"] = min(10.0, args.transfer_timeout_s)
     return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
 
