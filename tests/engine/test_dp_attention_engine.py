@@ -46,7 +46,7 @@ def _generate(path, prompts, **kwargs):
         _LAST["cfg"] = eng.core.model_cfg
     finally:
         eng.shutdown()
-    prompt_lps = [[e[0] for e in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+    prompt_lps = [o["meta_info"]["input_token_logprobs"][1:] for o in outs]
     return [o["output_ids"] for o in outs], prompt_lps
 
 
