@@ -31,15 +31,21 @@ def error_response(message: str, status: int, param: str | None = None,
 
 async def read_json(request: web.Request, allow_empty: bool = False) -> Any:
     """The parsed body; ``RequestError`` (400) for an empty body (``{}`` with
-    ``allow_empty``) or one that is not JSON or nested deeper than the parser allows."""
+    ``allow_empty``), one that is not UTF-8 (naming the first bad byte and its offset), or not
+    JSON, or nested deeper than the parser allows."""
     raw = await request.read()
     if not raw.strip():
         if allow_empty:
             return {}
         raise RequestError("the request body is empty; a JSON object is required")
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        text = raw.decode("utf-8")      # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8: byte 0x{raw[e.start]:02x} at "
+                           f"offset {e.start} ({e.reason})") from None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise RequestError(f"malformed JSON body: {type(e).__name__}: {e}") from None
 
 

@@ -157,15 +157,15 @@ def _response_format(body: dict[str, Any]) -> GrammarSpec | None:
 
 
 def check_model(body: dict[str, Any], ctx: ServingContext) -> str:
-    """The ``model`` field: the served name when absent; ``RequestError`` naming ``model`` for
-    a model this server does not serve."""
+    """The ``model`` field: the served name when absent; ``RequestError`` naming ``model``
+    for a model this server does not serve: 404, as OpenAI and vLLM answer it."""
     model = body.get("model")
     if model is None:
         return ctx.served_model_name
     check_str("model", model)
     if model not in ctx.model_names():
         raise RequestError(f"model {model!r} does not exist; this server serves "
-                           f"{ctx.served_model_name!r}", "model")
+                           f"{ctx.served_model_name!r}", "model", status=404)
     return model
 
 
