@@ -420,18 +420,19 @@ def _check_multihost_role(args) -> None:
 
 
 def _check_hicache_server(args) -> None:
-    """The host tier is a KV connection of a colocated single-host server (it is built by
-    ``transfer.factory`` in place of the null connection): ``ValueError`` naming
-    ``enable_hierarchical_cache`` next to a PD role, another ``--kv-connector`` or nnodes > 1
-    (the followers would not mirror its page copies)."""
+    """The host tier is a KV connection of a colocated or PD prefill single-host server
+    (``transfer.factory`` builds it in place of the null connection, or paired with the
+    prefill role's): ``ValueError`` naming ``enable_hierarchical_cache`` next to a decode
+    role, another ``--kv-connector`` or nnodes > 1 (the followers would not mirror its page
+    copies)."""
     if not args.cache.enable_hierarchical_cache:
         return
-    why = (f"role {args.role!r}" if args.role != "colocated" else
+    why = (f"role {args.role!r}" if args.role not in ("colocated", "prefill") else
            f"kv_connector {args.kv_connector!r}" if args.kv_connector is not None else
            f"nnodes {args.nnodes}" if args.nnodes > 1 else None)
     if why is not None:
-        raise ValueError(f"enable_hierarchical_cache: only on a colocated single-host server "
-                         f"without another KV connector, got {why}")
+        raise ValueError(f"enable_hierarchical_cache: only on a colocated or prefill "
+                         f"single-host server without another KV connector, got {why}")
 
 
 SPECULATIVE_ALGORITHMS = ("ngram", "draft", "mtp")

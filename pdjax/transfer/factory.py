@@ -85,4 +85,7 @@ def create_kv_connection(host: RoleHost) -> KVConnection:
     else:
         from pdjax.transfer.decode import DecodeConnector as Connector
     pd = Connector(host, build_pd_parts(host, role))
+    if role == "prefill" and getattr(host.args, "enable_hierarchical_cache", False):
+        from pdjax.kv.hicache.pd import with_host_tier     # HiCache's tiers behind the prefill
+        return KVConnection(*with_host_tier(host, pd))
     return KVConnection(pd, pd.worker, pd)

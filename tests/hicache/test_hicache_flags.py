@@ -16,8 +16,8 @@ from pdjax.config import ServerArgs
      "error: enable_hierarchical_cache: the host tier backs the prefix cache, which "
      "disable_radix_cache turns off\n"),
     (["--enable-hierarchical-cache", "--role", "decode"],
-     "error: enable_hierarchical_cache: only on a colocated single-host server without another "
-     "KV connector, got role 'decode'\n"),
+     "error: enable_hierarchical_cache: only on a colocated or prefill single-host server "
+     "without another KV connector, got role 'decode'\n"),
     (["--hicache-ratio", "0"], "error: hicache_ratio must be > 0, got 0.0\n"),
     (["--hicache-size", "-1"],
      "error: hicache_size must be >= 0 GiB (0: use hicache_ratio), got -1\n"),
