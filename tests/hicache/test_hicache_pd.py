@@ -15,7 +15,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_harness import free_port, load, pd_pair, pd_server, running  # noqa: E402
+from pd_harness import (free_port, get, load, metric_value, pd_pair, pd_server,  # noqa: E402
+                        running)
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,15 @@ def test_a_prefill_with_the_tiers_serves_re_asked_prompts_from_them(tiny_checkpo
         with running([prefill2]):
             third, cached2 = _round(prefill2, decode, bport2, prompts, 3000)
             got = load(prefill2)
+            status, metrics = get(prefill2.url + "/metrics")
+        assert status == 200
+        # /metrics per tier: the store's hits and bytes, the host's loads.
+        assert metric_value(metrics, "pdjax:hicache_storage_hit_tokens_total") == \
+            got["hicache_storage_hit_tokens"]
+        assert metric_value(metrics, "pdjax:hicache_storage_read_bytes_total") == \
+            got["hicache_storage_read_bytes"]
+        assert metric_value(metrics, "pdjax:hicache_hit_tokens_total") == got["hicache_hit_tokens"]
+        assert metric_value(metrics, "pdjax:hicache_storage_read_seconds_count") >= 5
         assert third == first
         assert all(c >= 0.8 * PROMPT for c in cached2), cached2
         assert got["hicache_storage_hit_tokens"] >= 5 * FULL
