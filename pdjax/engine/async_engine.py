@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
+import re
 import threading
 from typing import AsyncIterator
 
@@ -23,6 +24,9 @@ from pdjax.models.loader import load_tokenizer, resolve_model_path
 from pdjax.request import FinishReason
 
 logger = logging.getLogger(__name__)
+
+# "FIELD: message", the form of every request ValueError: FIELD becomes the error's param.
+_LEADING_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
 
 
 class AsyncEngine:
@@ -219,10 +223,13 @@ class AsyncEngine:
                     core.add_request(req)
                 except ValueError as e:
                     # Bad input is a 400; a room another request holds a 409 (RoomConflict).
+                    # The message names the field first ("bootstrap_room: required ...").
                     status = getattr(e, "status_code", 400)
+                    field = _LEADING_FIELD.match(str(e))
                     core.disagg.on_rejected(req, str(e))   # PD: the peer hears of it at once
                     self._push(GenerateOutput(req.rid, [], finished=True, error=str(e),
-                                              finish_reason=FinishReason.abort(str(e), status)))
+                                              finish_reason=FinishReason.abort(
+                                                  str(e), status, field and field.group(1))))
             case RejectRooms(rooms, message, status_code):
                 for room in rooms:
                     core.disagg.reject_room(room, message, status_code)

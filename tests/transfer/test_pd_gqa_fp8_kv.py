@@ -67,3 +67,15 @@ def test_bf16_decode_is_refused_naming_both_formats(gqa_fp8_pd):
     assert "kv_dtype: prefill 'fp8:gqa80' != decode 'bfloat16'" in text, text
     assert sum(r["bytes"] for r in pd_state(prefill)["recent"]) == moved
     assert wait_until(lambda: at_baseline(decode), 10)
+
+
+def test_a_decode_request_without_bootstrap_fields_names_the_field(gqa_fp8_pd):
+    """Sent straight to a decode server, a request without the bootstrap fields is a 400
+    whose ``param`` names the missing field (it was null), and the server keeps serving."""
+    decode = gqa_fp8_pd["decode"]
+    for body, field in (({"input_ids": [3, 4, 5]}, "bootstrap_room"),
+                        ({"input_ids": [3, 4, 5], "bootstrap_room": 77}, "bootstrap_host")):
+        status, out = post(decode.url + "/generate", body)
+        assert status == 400, out
+        assert out["error"]["param"] == field and f"{field}: required" in out["error"]["message"]
+    assert wait_until(lambda: at_baseline(decode), 10)
