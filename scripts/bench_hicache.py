@@ -15,12 +15,18 @@ turns after the first. Greedy tokens must be equal on both engines.
     python scripts/bench_hicache.py --model-path tests/.checkpoints/llama   # tiny, seconds
     python scripts/bench_hicache.py                                         # SmolLM2-135M
 
+With ``--storage-path DIR`` the engine with the tier also writes through to the ``file``
+storage tier (L3) in ``DIR``; after the turns a third engine, started fresh on the same folder
+(its device and host tiers empty: a restarted server), asks every conversation's last prompt
+once more: its TTFT and cached tokens are the L3 row, next to the engine without the tier.
+
 Prints one JSON object and a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -66,12 +72,17 @@ def main(argv=None) -> dict:
     p.add_argument("--max-total-tokens", type=int, default=1024)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hicache-ratio", type=float, default=8.0)
+    p.add_argument("--storage-path", default=None,
+                   help="a folder for the file storage tier (L3): adds the restarted row")
     p.add_argument("--output-file", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
     from pdjax.engine import Engine
     from pdjax.request import SamplingParams
 
+    storage = {} if args.storage_path is None else dict(
+        hicache_storage_backend="file",
+        hicache_storage_backend_extra_config=json.dumps({"path": args.storage_path}))
     longest = args.doc_tokens + args.turns * (args.question_tokens + args.answer_tokens)
     context = -(-(longest + 1) // args.page_size) * args.page_size
     kw = dict(dtype="float32", page_size=args.page_size, max_total_tokens=args.max_total_tokens,
@@ -79,7 +90,7 @@ def main(argv=None) -> dict:
               progress=False)
     engines = {"without": Engine(args.model_path, **kw),
                "with": Engine(args.model_path, enable_hierarchical_cache=True,
-                              hicache_ratio=args.hicache_ratio, **kw)}
+                              hicache_ratio=args.hicache_ratio, **kw, **storage)}
     vocab = min(engines["with"].core.model_cfg.vocab_size, 1000)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, vocab, args.doc_tokens)]
@@ -110,10 +121,27 @@ def main(argv=None) -> dict:
                 outs[m] = out
             equal &= outs["with"] == outs["without"]
             prompts[c] = prompts[c] + outs["without"]
+    last = [p[:-len(outs["without"])] for p in prompts]     # each conversation's last prompt
     load = engines["with"].core.get_load()
+    if args.storage_path is not None:
+        engines["with"].core.kv_worker.storage.flush()
+        fresh = Engine(args.model_path, enable_hierarchical_cache=True,
+                       hicache_ratio=args.hicache_ratio, **kw, **storage)
+        r = rec["restarted, from the store (L3)"] = {"ttft_cold": [], "ttft_again": [],
+                                                     "cached_again": [], "wall_again": 0.0,
+                                                     "tokens_again": 0}
+        for ids in last:
+            t0 = time.perf_counter()
+            ttft, out, cached = _ask(fresh.core, ids, sp)
+            r["ttft_again"].append(ttft)
+            r["cached_again"].append(cached)
+            r["wall_again"] += time.perf_counter() - t0
+            r["tokens_again"] += len(out)
+        load_l3 = fresh.core.get_load()
+        fresh.shutdown()
     modes = {}
     for m, r in rec.items():
-        modes[m] = {"ttft_cold_ms": summarize_ms(r["ttft_cold"]),
+        modes[m] = {"ttft_cold_ms": summarize_ms(r["ttft_cold"]) if r["ttft_cold"] else None,
                     "ttft_again_ms": summarize_ms(r["ttft_again"]),
                     "cached_tokens_again_mean": float(np.mean(r["cached_again"]))
                     if r["cached_again"] else None,
@@ -124,16 +152,26 @@ def main(argv=None) -> dict:
               "working_set_tokens": sum(len(x) for x in prompts), "modes": modes,
               "ttft_again_ratio": a / b if a and b else None, "tokens_equal": bool(equal),
               "hicache_load": {k: v for k, v in load.items() if k.startswith("hicache_")}}
+    if args.storage_path is not None:
+        c = modes["restarted, from the store (L3)"]["ttft_again_ms"]["median"]
+        result["ttft_l3_ratio"] = a / c if a and c else None
+        result["hicache_load_l3"] = {k: v for k, v in load_l3.items()
+                                     if k.startswith("hicache_")}
     print(f"working set {result['working_set_tokens']} tokens over a device pool of "
           f"{args.max_total_tokens}; tokens equal: {equal}")
     print("| | TTFT cold median ms | TTFT re-asked median ms | p90 ms | cached tokens "
           "re-asked (mean) | tok/s re-asked |")
     print("|---|---|---|---|---|---|")
     for m, v in modes.items():
-        print(f"| {m} the host tier | {v['ttft_cold_ms']['median']:.1f} | "
+        cold = f"{v['ttft_cold_ms']['median']:.1f}" if v["ttft_cold_ms"] else "-"
+        name = f"{m} the host tier" if m in ("with", "without") else m
+        print(f"| {name} | {cold} | "
               f"{v['ttft_again_ms']['median']:.1f} | {v['ttft_again_ms']['p90']:.1f} | "
               f"{v['cached_tokens_again_mean']:.0f} | {v['throughput_again_tok_s']:.1f} |")
     print(f"TTFT re-asked, without / with: {result['ttft_again_ratio']:.2f}x")
+    if result.get("ttft_l3_ratio"):
+        print(f"TTFT re-asked, without / restarted from the store: "
+              f"{result['ttft_l3_ratio']:.2f}x")
     write_json(args.output_file, result)
     for e in engines.values():
         e.shutdown()
