@@ -4,11 +4,12 @@ against the colocated engine's greedy tokens (tie-aware); the pools back at base
 
 import concurrent.futures
 import random
+import sys
 
 import pytest
-from pd_harness import (CHUNK, PAGE_SIZE, TINY_ARGS, at_baseline, child_env, free_port, get,
-                        greedy_agrees, load, metric_value, pd_router, pd_server, pd_state, post,
-                        prefill_decode_router, running, wait_until)
+from pd_harness import (CHUNK, PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env, free_port,
+                        get, greedy_agrees, load, metric_value, pd_router, pd_server, pd_state,
+                        post, prefill_decode_router, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -101,10 +102,22 @@ def test_deepseek_v32_mla_and_indexer_caches_over_jax_transfer(tiny_checkpoints,
 def test_different_tp_sizes_over_jax_transfer_match_colocated(tiny_checkpoints, tmp_path,
                                                               tp_p, tp_d):
     """A TP ``tp_p`` prefill feeds a TP ``tp_d`` decode (tiny Llama, 2 KV heads, simulated
-    CPU devices): K and V move as 2 head-group units a chunk; colocated's greedy tokens."""
+    CPU devices): K and V move as 2 head-group units a chunk; colocated's greedy tokens
+    through pdjax's router and through sglang-router."""
+    _tp_pair(tiny_checkpoints["llama"], str(tmp_path), tp_p, tp_d)
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(3, 1), (1, 3)])
+def test_smollm2_tp3_and_tp1_over_jax_transfer_match_colocated(tmp_path, tp_p, tp_d):
+    """SmolLM2-135M (3 KV heads): a TP 3 prefill feeds a TP 1 decode and the reverse."""
+    from pdjax.models.checkpoint import default_model_path
+
+    _tp_pair(default_model_path(), str(tmp_path), tp_p, tp_d)
+
+
+def _tp_pair(model, logs, tp_p, tp_d):
     from pdjax.engine import Engine
 
-    model, logs = tiny_checkpoints["llama"], str(tmp_path)
     rng = random.Random(9)
     lengths = [5, CHUNK + 3, 70]
     prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
@@ -114,24 +127,37 @@ def test_different_tp_sizes_over_jax_transfer_match_colocated(tiny_checkpoints, 
         ref = _reference(colocated, prompts, max_new)
     finally:
         colocated.shutdown()
+    devices = max(tp_p, tp_d)
     env = child_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
-                              "--xla_force_host_platform_device_count=2")
+                              f"--xla_force_host_platform_device_count={devices}")
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=JAX,
                         env=env, tp_size=tp_p)
     decode = pd_server("decode", "decode", model, logs, extra=JAX, env=env, tp_size=tp_d)
     router = pd_router("router", prefill, bport, decode, logs)
-    with running([prefill, decode, router]):
-        results = [_generate(router.url, p, m) for p, m in zip(prompts, max_new)]
-        compared = sum(greedy_agrees(ids, top, res["output_ids"])
-                       for (ids, top), res in zip(ref, results))
-        assert compared >= 0.8 * sum(max_new), compared
+    port = free_port()
+    sglang = Server("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+        "--prefill", prefill.url, str(bport), "--decode", decode.url, "--host", "127.0.0.1",
+        "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"],
+        port, logs, child_env())
+    with running([prefill, decode, router, sglang]):
+        # sglang-router answers /health before its health checks found the workers.
+        probe = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+        assert wait_until(lambda: post(sglang.url + "/generate", probe)[0] == 200, 120, 1.0)
+        for url in (router.url, sglang.url):          # pdjax's router, then sglang-router
+            results = [_generate(url, p, m) for p, m in zip(prompts, max_new)]
+            compared = sum(greedy_agrees(ids, top, res["output_ids"])
+                           for (ids, top), res in zip(ref, results))
+            assert compared >= 0.8 * sum(max_new), (url, compared)
         assert wait_until(lambda: at_baseline(prefill) and at_baseline(decode), 20)
         state = pd_state(prefill)
+        assert len([r for r in state["recent"] if r["pages"]]) == 2 * len(prompts) + 1
         assert [len(h) for h in state["kv_shard_heads"]] == [tp_p, tp_p]
         assert [len(h) for h in pd_state(decode)["kv_shard_heads"]] == [tp_d, tp_d]
-        # K and V, 2 units each, per chunk; bytes are what the decode's shards hold.
-        assert all(r["copies"] == 4 * len(r["chunks"]) for r in state["recent"])
+        # K and V, max(tp_p, tp_d) head-group units each, per chunk; bytes are what the
+        # decode's shards hold.
+        assert all(r["copies"] == 2 * devices * len(r["chunks"]) for r in state["recent"])
         pages = sum(r["pages"] for r in state["recent"])
         assert state["engine"]["bytes"] == pages * pd_state(decode)["kv_bytes_per_page"]
         assert load(decode)["num_prompt_tokens_computed"] == 0
