@@ -332,3 +332,35 @@ def test_a_folder_removed_at_runtime_degrades_to_recompute(tiny_checkpoints, pro
         _settle(engine)
     finally:
         engine.shutdown()
+
+
+def test_an_abort_during_a_prefetch_leaks_nothing(tiny_checkpoints, prompts, stored, tmp_path):
+    from pdjax.engine_io import GenerateRequest
+    from pdjax.request import SamplingParams
+
+    path, ref = stored
+    engine = _engine(tiny_checkpoints["llama"], _copy(path, tmp_path))
+    core = engine.core
+    sched, conn, worker = core.scheduler, core.scheduler.connector, core.kv_worker
+    try:
+        free = sched.allocator.num_free
+        core.add_request(GenerateRequest("prefetch-then-abort", prompts[0],
+                                         SamplingParams.from_dict(SP)))
+        core.step()                          # admission: the store has it, prefetch started
+        assert conn._prefetch == {"prefetch-then-abort": "pending"}
+        assert sched.allocator.num_free == free and not sched.waiting_remote
+        core.abort_request("prefetch-then-abort")
+        assert not conn._prefetch
+        worker.storage.flush()
+        while core.has_work:
+            core.step()
+        core.drain()
+        # Its pages reached the host all the same (a later request uses them), unpinned.
+        assert conn.index.match(page_hashes(prompts[0], PAGE, FULL // PAGE), 0) == FULL // PAGE
+        _settle(engine)
+        outs = _gen(engine, prompts[:1])
+        _agree(ref[:1], outs, "after the abort")
+        assert _cached(outs) == [FULL]
+        _settle(engine)
+    finally:
+        engine.shutdown()
