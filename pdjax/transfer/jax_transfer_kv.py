@@ -141,13 +141,17 @@ class JaxLocalKV:
     ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered`` (prefill),
     ``offer_descriptor``/``check_offer``/``pull_specs``/``put_arrived`` (decode).
     ``engine``: the ``JaxTransferEngine`` (it is told about this pool: ``attach_kv``).
-    Raises ``ValueError`` when a KV buffer has more than one shard (TP > 1: not yet).
+    Raises ``ValueError`` for a pool with shards in other processes (multi-host) or KV heads
+    that ``tp_model_config`` repeats (``head_repeat`` > 1): not yet.
     """
 
     mode = "jax"
 
     def __init__(self, runner, engine, max_pages_per_seq: int = 64, head_repeat: int = 1):
         arrays = runner.kv_buffers()
+        if not all(a.is_fully_addressable for a in arrays):
+            raise ValueError("disaggregation_transfer_backend: 'jax' is single-host for now "
+                             "(a KV buffer has shards in other processes: nnodes > 1)")
         if head_repeat != 1:
             raise ValueError(f"disaggregation_transfer_backend: 'jax' does not move KV heads "
                              f"that tp_size repeats (head_repeat {head_repeat}) yet")

@@ -233,3 +233,20 @@ def test_different_tp_sizes_move_head_group_units(tp_p, tp_d):
     finally:
         for engine, *_ in sides:
             engine.close()
+
+
+def test_unsupported_pools_and_splits_are_refused_naming_the_field():
+    """Heads that TP repeats are refused at start; TP sizes whose head-group units do not
+    split both sides (4 heads on 2 shards here, 3 on the peer) are refused per buffer."""
+    with pytest.raises(ValueError, match=r"disaggregation_transfer_backend: 'jax' does not "
+                                         r"move KV heads that tp_size repeats \(head_repeat 2"):
+        JaxLocalKV(FakeRunner(6), object(), max_pages_per_seq=8, head_repeat=2)
+    kv = JaxLocalKV(FakeRunner(6, kvh=4, tp=2, latent=True), object(), max_pages_per_seq=8)
+    assert kv.units_for([1, 1, 1]) == [2, 2, 1] and kv.units_for([4, 4, 4]) == [4, 4, 1]
+    with pytest.raises(ValueError, match=r"kv_buffers\[0\] \(k_cache\): 4 KV heads on 2 shards "
+                                         r"here and 3 on the peer do not split into 3"):
+        kv.units_for([3, 3, 3])
+    with pytest.raises(ValueError, match=r"bucket: the prefill's 3 pages is not a bucket"):
+        kv.check_offer(kv.offer_descriptor(4), [1, 2], 3)
+    with pytest.raises(ValueError, match=r"dst_pages: \[16\] outside \[1, 16\)"):
+        kv.check_offer(kv.offer_descriptor(2), [3, 16], 2)
