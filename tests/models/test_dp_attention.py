@@ -104,11 +104,19 @@ def tp1(tiny_checkpoints):
     return out
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
-@pytest.mark.parametrize("tp,dp,ep,ranks", [
-    (4, 4, 1, [2, 0, 3]),          # 3 requests on 4 ranks: rank 1 idle; experts split by width
-    (4, 4, 4, [1, 1, 3]),          # two requests on one rank, two idle ranks; EP 4
-    (4, 2, 2, [1, 1, 1]),          # attn_tp 2 (each rank on 2 devices); rank 0 idle; EP 2 < TP
+_SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compiles ~10 s each)
+
+
+@pytest.mark.parametrize("name,tp,dp,ep,ranks", [
+    # 3 requests on 4 ranks: rank 1 idle; experts split by width
+    ("deepseek_v32", 4, 4, 1, [2, 0, 3]),
+    pytest.param("glm_moe_dsa", 4, 4, 1, [2, 0, 3], marks=_SLOW),
+    # two requests on one rank, two idle ranks; EP 4
+    pytest.param("deepseek_v32", 4, 4, 4, [1, 1, 3], marks=_SLOW),
+    ("glm_moe_dsa", 4, 4, 4, [1, 1, 3]),
+    # attn_tp 2 (each rank on 2 devices); rank 0 idle; EP 2 < TP
+    pytest.param("deepseek_v32", 4, 2, 2, [1, 1, 1], marks=_SLOW),
+    pytest.param("glm_moe_dsa", 4, 2, 2, [1, 1, 1], marks=_SLOW),
 ])
 def test_dp_attention_equals_tp1(tiny_checkpoints, tp1, name, tp, dp, ep, ranks):
     tokens, logits, caches = _greedy(tiny_checkpoints[name], _prompts(), tp=tp, dp=dp, ep=ep,
