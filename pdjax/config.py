@@ -211,7 +211,11 @@ class CacheArgs:
     reserved null page), and the prefix cache over it."""
 
     page_size: int = _arg(16, "tokens per KV page")
-    max_total_tokens: int = _arg(16384, "tokens the KV pool holds")
+    max_total_tokens: int = _arg(16384, "tokens the KV pool holds (see --mem-fraction-static)")
+    mem_fraction_static: float | None = _arg(
+        None, "SGLang's flag: the fraction of each device's memory that the weights and the KV "
+              "pool may take; the pool gets what the loaded weights leave of it, in whole "
+              "pages, and --max-total-tokens is ignored. Unset: --max-total-tokens")
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the parameter dtype",
                                KV_CACHE_DTYPES)
     disable_radix_cache: bool = _arg(False, "turn off the prefix cache")
@@ -242,6 +246,9 @@ class CacheArgs:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")
         _check_positive(self, "hicache_ratio")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got "
+                             f"{self.mem_fraction_static!r}")
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GiB (0: use hicache_ratio), got "
                              f"{self.hicache_size}")

@@ -93,6 +93,8 @@ class EngineCore(ForwardStep):
             raise ValueError(f"node_rank {args.node_rank}: the engine runs on node 0; a follower "
                              f"runs pdjax.entrypoints.multihost")
         node = build_runner(args, progress=progress, buckets=buckets, phase=phase)
+        # --mem-fraction-static sized the pool from the loaded weights: node.args holds it.
+        args = self.args = node.args
         self.config = config = node.config
         self.model_path = node.model_path
         self.model_cfg = node.model_cfg

@@ -62,6 +62,9 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
         moe_a2a_backend=args.moe_a2a_backend, dp_size=args.dp_size,
         **model_kwargs(args, config.model_path))
     phase("model")
+    if args.mem_fraction_static is not None:
+        args = dataclasses.replace(args, max_total_tokens=_pool_tokens(args, config, model, mesh))
+        config = resolve_engine_config(args)        # the scheduler's pages follow the pool
     context_length = config.scheduler.max_request_tokens
     node_buckets = make_buckets(args, context_length, config.attention_impl,
                                 model_family(model_cfg.architecture))
@@ -75,3 +78,32 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
     phase("kv_cache")
     return NodeRunner(args, config, config.model_path, model_cfg, context_length, node_buckets,
                       runner)
+
+
+def _pool_tokens(args: ServerArgs, config: EngineConfig, model, mesh) -> int:
+    """``max_total_tokens`` under ``--mem-fraction-static`` (``engine/kv_budget.py``): what the
+    loaded weights leave of that fraction of the first device's memory, in whole pages."""
+    import jax
+    from flax import nnx
+
+    from pdjax.engine.kv_budget import device_bytes_in_use, tokens_for_fraction
+    from pdjax.pallas_kernels.lanes import kv_row_align
+    from pdjax.runner import model_runner
+
+    device = mesh.devices.flat[0]
+    device_bytes = model_runner.device_memory_bytes(device)
+    if device_bytes is None:
+        raise ValueError(f"mem_fraction_static: the {device.platform} backend reports no "
+                         f"device memory; set --max-total-tokens")
+    dp, probe = args.dp_size, 64 * args.dp_size          # pages of the group, to measure
+    specs = model.cache_spec(probe // dp, args.page_size, config.kv_dtype,
+                             row_align=kv_row_align(device.platform))
+    per_device = sum(s.num_layers * s.bytes_per_page_layer * s.num_pages
+                     // (args.tp_size if "tp" in tuple(s.partition) else 1) for s in specs)
+    used = device_bytes_in_use(jax.tree.leaves(nnx.state(model)), device)
+    tokens = tokens_for_fraction(args.mem_fraction_static, device_bytes, used,
+                                 per_device / probe, args.page_size, dp)
+    print(f"pdjax KV pool: mem_fraction_static {args.mem_fraction_static} of "
+          f"{device_bytes / 2**30:,.2f} GiB per device, {used / 2**30:,.3f} GiB of weights: "
+          f"{tokens:,} tokens", flush=True)
+    return tokens
