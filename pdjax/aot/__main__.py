@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "budget (default: 1)")
     target.add_argument("--mem-fraction", type=float, default=0.9,
                         help="share of each chip's HBM the server may use, in (0, 1] (SGLang's "
-                             "--mem-fraction-static; default: 0.9)")
+                             "--mem-fraction-static, which sets it too; default: 0.9)")
     target.add_argument("--entries", choices=("all", "core"), default="all",
                         help="all: every bucket and helper executable; core: the largest decode "
                              "and extend shapes (which hold every batch) and their helpers "
@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_outputs(ns) -> None:
     """Refuse --mem-fraction, --dp, --json and --serialize before anything compiles
     (``ValueError`` naming the flag)."""
+    if getattr(ns, "mem_fraction_static", None) is not None:    # the server's name for it
+        ns.mem_fraction = ns.mem_fraction_static
     if not 0 < ns.mem_fraction <= 1:
         raise ValueError(f"mem_fraction must be in (0, 1], got {ns.mem_fraction}")
     if ns.dp < 1:

@@ -121,10 +121,21 @@ def test_buckets_override_is_checked():
         AbstractEngine(args, cpu_target(), buckets=short)
 
 
+def test_the_servers_mem_fraction_static_is_the_budgets_fraction():
+    import argparse
+
+    from pdjax.aot.__main__ import _check_outputs
+    ns = argparse.Namespace(mem_fraction=0.9, mem_fraction_static=0.6, dp=1, json=None,
+                            serialize=None)
+    _check_outputs(ns)
+    assert ns.mem_fraction == 0.6
+
+
 def test_bad_settings_are_refused_before_compiling(capsys, tmp_path, monkeypatch):
     base = ["--topology", "v5e:2x2", "--model-path", TINY_LLAMA]
     for extra, field in ((["--mem-fraction", "1.5"], "mem_fraction"),
                          (["--mem-fraction", "0"], "mem_fraction"), (["--dp", "0"], "dp"),
+                         (["--mem-fraction-static", "1.5"], "mem_fraction_static"),
                          (["--json", str(tmp_path / "no" / "x.json")], "json"),
                          (["--json", str(tmp_path)], "json"),
                          (["--json", "/proc/x.json"], "json"),
