@@ -320,6 +320,8 @@ def main(argv=None) -> int:
     p.add_argument("--idle-timeout-s", type=float, default=60.0,
                    help="how long the servers may take to return every page after the load")
     p.add_argument("--seed", type=int, default=32)
+    p.add_argument("--transfer-backend", default="mooncake",
+                   help="the PD servers' --disaggregation-transfer-backend (mooncake, jax)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--output-file", default=None)
     args = p.parse_args(argv)
@@ -351,9 +353,11 @@ def main(argv=None) -> int:
     try:
         for i in range(2):
             servers.append(pd_server(f"prefill{i}", "prefill", model, log_dir,
-                                     bootstrap_port=bports[i], env=env))
+                                     bootstrap_port=bports[i], env=env,
+                                     disaggregation_transfer_backend=args.transfer_backend))
         for i in range(2):
-            servers.append(pd_server(f"decode{i}", "decode", model, log_dir, env=env))
+            servers.append(pd_server(f"decode{i}", "decode", model, log_dir, env=env,
+                                     disaggregation_transfer_backend=args.transfer_backend))
         prefills, decodes = servers[:2], servers[2:]
         rport = free_port()
         router = Server("router", [sys.executable, "-m", "pdjax.router",
@@ -429,7 +433,8 @@ def main(argv=None) -> int:
             key = f"{j.outcome}: {j.detail[:120]}"
             errors[key] = errors.get(key, 0) + 1
     result = {
-        "date": now_iso(), "model": model, "num_requests": len(jobs),
+        "date": now_iso(), "model": model, "transfer_backend": args.transfer_backend,
+        "num_requests": len(jobs),
         "concurrency": args.concurrency, "kill_rounds": args.kill_rounds,
         "kinds": {k: sum(j.kind == k for j in jobs) for k in ("greedy", "stream", "abort",
                                                                "json")},

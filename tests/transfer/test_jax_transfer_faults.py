@@ -8,8 +8,8 @@ import os
 import time
 
 import pytest
-from pd_harness import (TINY_ARGS, at_baseline, free_port, greedy_agrees, load, pd_body,
-                        pd_server, pd_state, post, running, wait_until)
+from pd_harness import (TINY_ARGS, at_baseline, free_port, get, greedy_agrees, load,
+                        metric_value, pd_body, pd_server, pd_state, post, running, wait_until)
 
 pytestmark = pytest.mark.slow
 TRANSFER_S = 3.0        # --transfer-timeout-s: the decode's pull deadline; the prefill acks
@@ -101,6 +101,10 @@ def test_a_decode_that_does_not_pull_fails_the_room_at_the_prefills_deadline(pai
     assert load(decode)["num_quarantined_pages"] == 0
     state = pd_state(prefill)
     assert state["engine"]["failures"] >= 1
+    # Counted as Mooncake's failures are: by reason, on both sides.
+    for server, role in ((prefill, "prefill"), (decode, "decode")):
+        assert metric_value(get(server.url + "/metrics")[1], "pdjax:kv_transfer_failed_total",
+                            role=role) >= 1
     # The late pull (after the delay) finds nothing and ends at the decode's own deadline;
     # meanwhile and after, the pair serves.
     _serves(pair, list(range(300, 333)))
