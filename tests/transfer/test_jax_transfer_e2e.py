@@ -161,3 +161,37 @@ def _tp_pair(model, logs, tp_p, tp_d):
         pages = sum(r["pages"] for r in state["recent"])
         assert state["engine"]["bytes"] == pages * pd_state(decode)["kv_bytes_per_page"]
         assert load(decode)["num_prompt_tokens_computed"] == 0
+
+
+def test_mtp_hidden_states_travel_over_jax_transfer(tiny_checkpoints, tmp_path):
+    """The MTP hidden-state buffer moves with the KV (the repeater checkpoint of
+    ``test_pd_mtp``): the decode's first drafts read the prefill's last hidden state, so every
+    draft is accepted (acceptance rate exactly 1) only when it arrived."""
+    from mtp_checkpoint import write_repeater_checkpoint
+
+    k = 4
+    spec = ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", str(k),
+            "--speculative-disable-adaptive"]
+    model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
+                                      str(tmp_path / "repeater"))
+    with prefill_decode_router(model, str(tmp_path), prefill_extra=spec + JAX,
+                               decode_extra=spec + JAX, page_size=8, max_total_tokens=512,
+                               chunked_prefill_size=16, max_running_requests=2,
+                               context_length=64) as pd:
+        greedy = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 1 + 3 * k}
+        verified = 0
+        for ids in [[(11 * i + 5 * n) % 440 + 3 for i in range(n)] for n in (9, 17, 30)]:
+            out = _generate_sp(pd["router"].url, ids, greedy)
+            assert out["output_ids"] == [ids[-1]] * greedy["max_new_tokens"]
+            verified += out["meta_info"].get("spec_verify_ct", 0)
+        assert verified >= 6
+        text = get(pd["decode"].url + "/metrics")[1]
+        assert metric_value(text, "pdjax:spec_accept_rate") == 1.0
+        assert pd_state(pd["prefill"])["transfer_backend"] == "jax"
+        assert wait_until(lambda: at_baseline(pd["decode"]) and at_baseline(pd["prefill"]), 30)
+
+
+def _generate_sp(url, ids, sampling_params):
+    status, out = post(url + "/generate", {"input_ids": ids, "sampling_params": sampling_params})
+    assert status == 200, out
+    return out
