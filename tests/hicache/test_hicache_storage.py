@@ -151,6 +151,26 @@ def test_a_failing_backend_is_left_alone_for_a_while_and_nothing_raises(caplog):
     tier.close()
 
 
+def test_two_models_sharing_a_folder_keep_their_own_pages(tmp_path):
+    from pdjax.kv.hicache.storage_tier import StorageTier
+
+    fs = FileStorage(str(tmp_path))
+    key = b"k" * 16
+    tiers = [StorageTier(fs, _codec(m)) for m in ("m", "n")]
+    for seed, tier in enumerate(tiers):
+        tier.submit_write([key], [p[:, None] for p in _page(seed)])
+        tier.flush()
+    for seed, tier in enumerate(tiers):
+        assert tier.exists(key) and tier.stats.written_pages == 1
+        tier.submit_prefetch("r", [key], 0)
+        tier.flush()
+        (got,) = tier.take_results()
+        assert got.num_pages == 1 and tier.stats.corrupt_pages == 0
+        np.testing.assert_array_equal(got.parts[0][:, 0], _page(seed)[0])
+        tier.close()
+    assert len([f for _, _, fs_ in os.walk(tmp_path) for f in fs_]) == 2
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
      "error: hicache_storage_backend_extra_config: backend 'file' needs \"path\" (a folder)\n"),
@@ -248,8 +268,12 @@ def _copy(path, tmp_path):
 
 
 def _file(root, prompt, page):
+    """The file of ``prompt``'s page ``page``: one name in ``root`` ends with its hash."""
     key = page_hashes(prompt, PAGE, page + 1)[page].hex()
-    return os.path.join(root, key[:2], key + ".kv")
+    (found,) = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+                if f.endswith(key + ".kv")]
+    assert os.path.basename(os.path.dirname(found)) == key[:2]
+    return found
 
 
 def test_a_restarted_engine_finds_the_stored_pages(tiny_checkpoints, prompts, stored, tmp_path):

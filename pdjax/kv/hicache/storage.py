@@ -109,7 +109,7 @@ class PageCodec:
 
 
 class StorageBackend(Protocol):
-    """A key -> bytes store behind the host tier. Called on the storage thread only, but for
+    """A key -> bytes store behind the host tier (keys: ``storage_tier``'s, 20 bytes). Called on the storage thread only, but for
     ``exists`` (the engine thread, at admission: it must be cheap). Errors are ``OSError``
     or ``RuntimeError``; the tier logs them and recomputes."""
 

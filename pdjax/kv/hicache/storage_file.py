@@ -2,7 +2,8 @@
 (``--hicache-storage-backend file`` with ``{"path": ...}``; SGLang's ``HiCacheFile``;
 DESIGN.md §3, "Storage tier").
 
-    <path>/<key[0] as 2 hex digits>/<key as 32 hex digits>.kv
+    <path>/<key as hex>.kv        in a subfolder named by the key's last 16 bytes' first
+                                  byte: <path>/<2 hex digits>/<hex>.kv
 
 A write goes to ``<final>.<pid>.<thread>.tmp`` in the same folder and is renamed over the
 final name (atomic on POSIX), so a reader sees a whole record or none; a crash leaves at most
@@ -30,7 +31,7 @@ class FileStorage:
 
     def _file(self, key: bytes) -> str:
         h = key.hex()
-        return os.path.join(self.path, h[:2], h + ".kv")
+        return os.path.join(self.path, h[-32:-30], h + ".kv")
 
     def exists(self, key: bytes) -> bool:
         return os.path.exists(self._file(key))

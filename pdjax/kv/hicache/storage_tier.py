@@ -13,6 +13,10 @@
               thread (``HiCacheWorker.poll``) puts them in host slots; the request, asked
               again, finds them on the host and loads them like any host hit.
 
+Backend keys are the page hash behind 4 bytes of the KV format's fingerprint (servers of other
+models sharing the store use other keys); the record's header still names the whole
+fingerprint and the page hash, so a record under a wrong key is refused.
+
 Backend errors (a removed folder, a master gone) are logged (at most one warning a minute
 per kind) and counted: a read error is a miss, a write error a page not stored; nothing
 reaches a request. After an error the store is left alone for ``RETRY_AFTER_S`` (lookups
@@ -102,6 +106,9 @@ class StorageTier:
     def __init__(self, backend: StorageBackend, codec: PageCodec,
                  max_pending_write_pages: int = 1024):
         self.backend, self.codec = backend, codec
+        # Backend keys: the first 4 bytes of the KV format's fingerprint, then the page hash,
+        # so servers of different models (or KV formats) sharing a store keep apart.
+        self._ns = codec.fingerprint[:4]
         self.stats = StorageStats()
         self.metrics = None           # HiCacheMetrics (HiCacheRole.attach_metrics)
         self.max_pending_write_pages = max_pending_write_pages
@@ -125,7 +132,7 @@ class StorageTier:
         if self.is_down:
             return False
         try:
-            return bool(self.backend.exists(key))
+            return bool(self.backend.exists(self._ns + key))
         except Exception as e:        # a storage fault is a miss
             self._error("exists", "lookup failed (%r); recomputing", e)
             return False
@@ -184,9 +191,9 @@ class StorageTier:
         try:
             for key, page in zip(keys, pages):
                 try:
-                    if self.backend.exists(key):
+                    if self.backend.exists(self._ns + key):
                         continue
-                    self.backend.set(key, self.codec.encode(key, page))
+                    self.backend.set(self._ns + key, self.codec.encode(key, page))
                     written += 1
                 except Exception as e:
                     self._error("write", "write failed (%r); the page is not stored", e)
@@ -206,7 +213,7 @@ class StorageTier:
         try:
             for key in path[start:]:
                 try:
-                    record = self.backend.get(key)
+                    record = self.backend.get(self._ns + key)
                 except Exception as e:
                     self._error("read", "read failed (%r); recomputing", e)
                     break
@@ -219,7 +226,7 @@ class StorageTier:
                     self._fault("corrupt")
                     self._warn("corrupt", "page %s refused (%s); recomputing it", key.hex(), e)
                     try:
-                        self.backend.delete(key)
+                        self.backend.delete(self._ns + key)
                     except Exception:
                         pass
                     break
