@@ -318,7 +318,9 @@ class DisaggregationArgs:
                      "machine)", ROLES)
     disaggregation_bootstrap_port: int = _arg(8998, "prefill role: port of the bootstrap server")
     disaggregation_transfer_backend: str = _arg(
-        "mooncake", "PD data plane; fake moves no bytes (warm-up, tests)", available_backends)
+        "auto", "PD data plane: auto (jax on TPU, mooncake elsewhere), mooncake, jax "
+                "(jax.experimental.transfer pulls); fake moves no bytes (warm-up, tests)",
+        lambda: ("auto", *available_backends()))
     disaggregation_ib_device: str | None = _arg(None, "RDMA device for Mooncake (TCP when unset)")
     disaggregation_transfer_path: str = _arg(
         "auto", "PD KV path: direct (the cache's own buffers registered), staging (pages "

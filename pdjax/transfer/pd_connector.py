@@ -98,12 +98,24 @@ class PDParts:
     channel: Any
 
 
+def resolve_transfer_backend(name: str, platform: str | None = None) -> str:
+    """``--disaggregation-transfer-backend``: ``auto`` is ``jax`` on TPU (Mooncake has no TPU
+    transport, and a TPU's tiled KV has no plain page addresses) and ``mooncake`` elsewhere
+    (``platform``: JAX's default backend when None); any other name as given."""
+    if name != "auto":
+        return name
+    if platform is None:
+        import jax
+        platform = jax.default_backend()
+    return "jax" if platform == "tpu" else "mooncake"
+
+
 def create_role_transfer_engine(args) -> Any:
     """The transfer engine of ``args`` (``--disaggregation-transfer-backend``, ``-max-batch``,
     ``--disaggregation-ib-device``) at this host's advertised address. ``ValueError`` for an
     unknown backend, ``ImportError`` when its library is missing."""
     kwargs: dict[str, Any] = {"max_batch": args.disaggregation_transfer_max_batch}
-    backend = args.disaggregation_transfer_backend
+    backend = resolve_transfer_backend(args.disaggregation_transfer_backend)
     if backend != "fake" and args.disaggregation_ib_device:
         kwargs["device_name"] = args.disaggregation_ib_device
     if backend.startswith("jax"):          # pull-based: the decode's deadline per pull, at

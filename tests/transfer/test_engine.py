@@ -40,7 +40,7 @@ def test_registry():
     code = "from pdjax.transfer.engine import available_backends as a; print(a())"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True).stdout
-    assert out.strip() == "['fake', 'mooncake']"
+    assert out.strip() == "['fake', 'jax', 'mooncake']"
     corrupt_backend.register()
     assert {"fake", "mooncake", "mooncake-corrupt"} <= set(available_backends())
     with pytest.raises(ValueError, match="backend: 'nixl'"):
@@ -267,7 +267,7 @@ def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
     from pdjax.serve import parse_args
 
     with pytest.raises(ValueError, match="disaggregation_transfer_backend must be one of "
-                                         "fake, mooncake"):
+                                         "auto, fake, jax, mooncake"):
         ServerArgs(disaggregation_transfer_backend="nixl")
     corrupt_backend.register()
     assert ServerArgs(disaggregation_transfer_backend="mooncake-corrupt") \

@@ -250,3 +250,17 @@ def test_unsupported_pools_and_splits_are_refused_naming_the_field():
         kv.check_offer(kv.offer_descriptor(4), [1, 2], 3)
     with pytest.raises(ValueError, match=r"dst_pages: \[16\] outside \[1, 16\)"):
         kv.check_offer(kv.offer_descriptor(2), [3, 16], 2)
+
+
+def test_auto_backend_is_jax_on_tpu_and_mooncake_elsewhere():
+    from pdjax.config import ServerArgs
+    from pdjax.transfer.pd_connector import resolve_transfer_backend
+
+    assert ServerArgs().disaggregation_transfer_backend == "auto"
+    assert ServerArgs(disaggregation_transfer_backend="jax").disaggregation_transfer_backend \
+        == "jax"
+    assert [resolve_transfer_backend("auto", p) for p in ("tpu", "gpu", "cpu")] == \
+        ["jax", "mooncake", "mooncake"]
+    assert resolve_transfer_backend("auto") == "mooncake"          # this CPU machine
+    assert resolve_transfer_backend("fake", "tpu") == "fake"
+    assert resolve_transfer_backend("mooncake", "tpu") == "mooncake"
