@@ -11,8 +11,9 @@ in which page ``g`` is page ``g % Np`` of rank ``g // Np``; each rank's page 0 (
                    ^  rank 0       ^   rank 1                  ^   rank dp-1
                    null pages (padding of that rank's segment writes there)
 
-A request runs on one rank for as long as it holds pages (``assign`` at admission): the rank
-whose cached pages hold the longest prefix of it (prefix-aware), else the least loaded
+A request runs on one rank for as long as it holds pages (``match_prefix`` at admission): the
+rank whose cached pages hold the longest prefix of it (prefix-aware), unless that rank has
+no free room for the rest while another has room for all of it; else the least loaded
 (fewest requests, then fewest used pages; SGLang's DP controller balances the same way). A
 cached prefix is used only as far as its pages stay on one rank (paths inserted by requests
 of different ranks can meet in the radix tree). A retracted request is assigned again when
@@ -145,6 +146,16 @@ class DpKVCacheManager(KVCacheManager):
                        len(pages))
             if run < len(pages):
                 pages, node = self.prefix_cache.match_prefix(ids, max_pages=run)
+            # The prefix's rank is full (its free pages cannot take the rest) while another
+            # has room for the whole request: compute the prefix again there, not wait.
+            whole = -(-req.num_tokens // self.page_size) + 1
+            roomy = [r for r in range(self.dp_size)
+                     if self.allocator.num_free_on(r) >= whole]
+            if self.allocator.num_free_on(rank) < whole - len(pages) and roomy:
+                load = self.rank_load()
+                rank = min(roomy, key=lambda r: (load[r]["num_requests"],
+                                                 load[r]["num_used_pages"], r))
+                pages, node = self.prefix_cache.match_prefix(ids, max_pages=0)
         else:
             rank = self.least_loaded_rank()
         self.request_rank[req.rid] = rank

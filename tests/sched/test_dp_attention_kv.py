@@ -125,3 +125,22 @@ def test_a_full_rank_does_not_borrow_another_ranks_pages():
     sched.process_results(batch, {i: 5 for i, r in enumerate(batch.rows) if r.samples}, _stop)
     _run(sched)
     assert len(c.output_ids) == 2
+
+
+def test_full_prefix_rank_falls_back_to_a_rank_with_room():
+    """The prefix of C is cached on rank 0, which A (running, its 4 pages) leaves 3 free
+    pages of 7; C needs 4 more there but 7 in all, and rank 1 has 7 free: C runs on rank 1,
+    computing its prefix again, instead of waiting for A."""
+    sched, kv = _sched(dp=2, enable_mixed_chunk=True)
+    shared = _ids(12, 7)
+    a = _req("a", shared + [1, 2], max_new=50)
+    sched.add_request(a)
+    batch = sched.schedule()
+    sched.process_results(batch, {0: 5}, _stop)
+    assert kv.rank_of(a) == 0 and len(a.pages) == 4
+    c = _req("c", shared + _ids(12, 8))                      # 24 tokens: 7 pages with the next
+    sched.add_request(c)
+    sched.schedule()
+    assert c in sched.running and kv.rank_of(c) == 1
+    assert c.num_cached_tokens == 0 and all(p // NP == 1 for p in c.pages)
+    sched.check_invariants()
