@@ -95,13 +95,22 @@ def _compare(ref, out, what):
     assert compared >= len(ref_tokens) * NEW // 2, f"{what}: only {compared} compared"
 
 
+class _TP1(dict):
+    """name -> TP 1's (tokens, logits), computed on first use."""
+
+    def __init__(self, checkpoints):
+        super().__init__()
+        self.checkpoints = checkpoints
+
+    def __missing__(self, name):
+        tokens, logits, _ = _greedy(self.checkpoints[name], _prompts())
+        self[name] = (tokens, logits)
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def tp1(tiny_checkpoints):
-    out = {}
-    for name in ("deepseek_v32", "glm_moe_dsa"):
-        tokens, logits, _ = _greedy(tiny_checkpoints[name], _prompts())
-        out[name] = (tokens, logits)
-    return out
+    return _TP1(tiny_checkpoints)
 
 
 _SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compiles ~10 s each)
@@ -117,6 +126,8 @@ _SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compile
     # attn_tp 2 (each rank on 2 devices); rank 0 idle; EP 2 < TP
     pytest.param("deepseek_v32", 4, 2, 2, [1, 1, 1], marks=_SLOW),
     pytest.param("glm_moe_dsa", 4, 2, 2, [1, 1, 1], marks=_SLOW),
+    # DeepSeek-V3: MLA without the DSA indexer
+    pytest.param("deepseek_v3", 4, 4, 2, [3, 0, 0], marks=_SLOW),
 ])
 def test_dp_attention_equals_tp1(tiny_checkpoints, tp1, name, tp, dp, ep, ranks):
     tokens, logits, caches = _greedy(tiny_checkpoints[name], _prompts(), tp=tp, dp=dp, ep=ep,
