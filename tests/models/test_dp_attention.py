@@ -128,6 +128,9 @@ _SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compile
     pytest.param("glm_moe_dsa", 4, 2, 2, [1, 1, 1], marks=_SLOW),
     # DeepSeek-V3: MLA without the DSA indexer
     pytest.param("deepseek_v3", 4, 4, 2, [3, 0, 0], marks=_SLOW),
+    # FP8 block-scaled weights (TP 2: TP 4 would cut the dense layers' 128-blocks)
+    pytest.param("deepseek_v32_fp8", 2, 2, 2, [1, 1, 0], marks=_SLOW),
+    pytest.param("glm_moe_dsa_fp8", 2, 2, 1, [0, 1, 1], marks=_SLOW),
 ])
 def test_dp_attention_equals_tp1(tiny_checkpoints, tp1, name, tp, dp, ep, ranks):
     tokens, logits, caches = _greedy(tiny_checkpoints[name], _prompts(), tp=tp, dp=dp, ep=ep,
