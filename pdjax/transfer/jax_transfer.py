@@ -173,8 +173,9 @@ class JaxTransferEngine(TransferEngine):
         """Offer the arrays ``local_kv.stage_out(src)`` gathered to the decode ``peer`` (a
         ``DecodePeer``) for its pages ``dst``, with the metadata row copies ``meta``
         (``(src_addr, dst_addr, length)``: the bytes travel in the offer); blocks until the
-        decode acks the pull. Returns ``([bytes], arrays)``: the pages' bytes (``len(dst) x
-        bytes_per_page``) and the number of arrays pulled. Raises ``TransferError`` (the
+        decode acks the pull. Returns ``([bytes], arrays)``: the bytes the decode's shards
+        received (``len(dst)`` x its bytes per page, as Mooncake counts them) and the number
+        of arrays pulled (head-group units included). Raises ``TransferError`` (the
         decode refused, failed or did not ack within ``pull_timeout_s + ack_slack_s``) or
         ``ValueError`` (nothing gathered for ``src``, a metadata source outside registered
         memory)."""

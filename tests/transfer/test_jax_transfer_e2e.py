@@ -195,3 +195,28 @@ def _generate_sp(url, ids, sampling_params):
     status, out = post(url + "/generate", {"input_ids": ids, "sampling_params": sampling_params})
     assert status == 200, out
     return out
+
+
+def test_a_decode_prefix_hit_shrinks_the_jax_transfer(tiny_checkpoints, tmp_path):
+    """A prompt sharing 40 tokens (10 pages) with one the decode served: only its last 3
+    pages are offered, scattered after the decode's cached ones; colocated's tokens."""
+    from pdjax.engine import Engine
+
+    model = tiny_checkpoints["llama"]
+    rng = random.Random(3)
+    first = [rng.randrange(3, 440) for _ in range(41)]
+    second = first[:40] + [rng.randrange(3, 440) for _ in range(9)]
+    colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
+    try:
+        (ids, top), = _reference(colocated, [second], [8])
+    finally:
+        colocated.shutdown()
+    with prefill_decode_router(model, str(tmp_path), prefill_extra=JAX,
+                               decode_extra=JAX) as pd:
+        _generate(pd["router"].url, first, 4)
+        out = _generate(pd["router"].url, second, 8)
+        assert greedy_agrees(ids, top, out["output_ids"]) >= 4
+        assert wait_until(lambda: at_baseline(pd["prefill"]) and at_baseline(pd["decode"]), 20)
+        (rec,) = [r for r in pd_state(pd["prefill"])["recent"] if r["prompt_len"] == 49]
+        assert rec["decode_prefix_len"] == 40 and rec["pages"] == 13 - 10, rec
+        assert out["meta_info"]["cached_tokens"] >= 40
