@@ -35,7 +35,7 @@ def _md(fb):
         fb.distribution)))
 
 
-def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None):
+def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None, kv_dtype=None):
     """Greedy continuations of ``prompts`` (one prefill step of every prompt, then ``NEW -
     1`` decode steps of every request: every step's rows all prefill or all decode), each
     request on rank ``ranks[i]`` (its own pages there). Returns ``(tokens [n][NEW], logits
@@ -44,7 +44,7 @@ def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None):
     _, model = load_model(path, dtype="float32", mesh=mesh, progress=False, ep_size=ep,
                           dp_size=dp)
     graphdef, state = nnx.split(model)
-    specs = model.cache_spec(PAGES, PAGE_SIZE)
+    specs = model.cache_spec(PAGES, PAGE_SIZE, kv_dtype)
     caches = {s.name: s.zeros(NamedSharding(mesh, s.partition)) for s in specs}
 
     @jax.jit
@@ -102,10 +102,11 @@ class _TP1(dict):
         super().__init__()
         self.checkpoints = checkpoints
 
-    def __missing__(self, name):
-        tokens, logits, _ = _greedy(self.checkpoints[name], _prompts())
-        self[name] = (tokens, logits)
-        return self[name]
+    def __missing__(self, key):
+        name, kv_dtype = key if isinstance(key, tuple) else (key, None)
+        tokens, logits, _ = _greedy(self.checkpoints[name], _prompts(), kv_dtype=kv_dtype)
+        self[key] = (tokens, logits)
+        return self[key]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,19 @@ def test_dp_attention_equals_tp1(tiny_checkpoints, tp1, name, tp, dp, ep, ranks)
         d = shard.index[1].start // PAGES
         written = np.abs(np.asarray(shard.data)[:, 1:]).sum() > 0        # past the null page
         assert written == ((d // a) in ranks), (d, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_fp8_kv_record_per_rank(tiny_checkpoints, tp1, name):
+    """FP8 MLA KV (FlashMLA's record in its planes, FP8 indexer keys with scales): every plane
+    sharded by page as the latent is; DP 4 equals TP 1 with the same FP8 KV."""
+    fp8 = jnp.float8_e4m3fn
+    tokens, logits, caches = _greedy(tiny_checkpoints[name], _prompts(), tp=4, dp=4, ep=4,
+                                     ranks=[0, 2, 3], kv_dtype=fp8)
+    assert {"latent", "latent_scale", "latent_rope", "indexer_k_scale"} <= set(caches)
+    assert all(c.shape[1] == 4 * PAGES for c in caches.values())
+    _compare(tp1[name, fp8], (tokens, logits), f"{name} fp8 kv tp4 dp4 ep4")
 
 
 def _cfg(tiny_checkpoints, name="deepseek_v32"):
