@@ -252,6 +252,9 @@ class PrefillTransferWorker(KVTransferWorker):
             skip = room in self._cancelled
             peer = self._peers.get(peer_id)
         if skip or peer is None:
+            drop = getattr(self.local_kv, "drop_gathered", None)
+            if drop is not None:         # a pull-based pool (jax): free the chunk's arrays now
+                drop(src)
             if job is not None:          # the other nodes were told to write: wait for them
                 self.ranks.join(job, self.transfer_timeout_s)
             if peer is None and not skip:

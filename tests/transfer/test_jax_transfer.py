@@ -264,3 +264,31 @@ def test_auto_backend_is_jax_on_tpu_and_mooncake_elsewhere():
     assert resolve_transfer_backend("auto") == "mooncake"          # this CPU machine
     assert resolve_transfer_backend("fake", "tpu") == "fake"
     assert resolve_transfer_backend("mooncake", "tpu") == "mooncake"
+
+
+def test_a_cancelled_chunk_frees_its_gathered_arrays_at_once():
+    """The prefill's transfer thread skips a chunk of a failed room: the arrays its
+    ``stage_out`` gathered are dropped then, not at the stale sweep."""
+    from pdjax.pd.rooms import PrefillRoom
+    from pdjax.transfer.prefill_worker import PrefillTransferWorker
+
+    engine = create_transfer_engine("jax", "127.0.0.1")
+    try:
+        kv = JaxLocalKV(FakeRunner(8), engine, max_pages_per_seq=8)
+        events = []
+        worker = PrefillTransferWorker(
+            channel=None, local_kv=kv, meta=None, transfer_engine=engine, ranks=None,
+            page_size=PS, transfer_timeout_s=1.0, sender_id="p", wait_for_kv=lambda: None,
+            wake=lambda: events.append("wake"), on_reject=lambda kind: None)
+        try:
+            kv.stage_out([3, 4])
+            kv.stage_out([5])
+            worker.cancel(7)
+            worker._write_chunk(PrefillRoom(7, 0.0), 7, "d", 0, 0, [3, 4], [1, 2], False)
+            with pytest.raises(ValueError, match="no gathered arrays for pages"):
+                kv.take_gathered([3, 4])
+            assert len(kv.take_gathered([5])) == 2          # another chunk's stay
+        finally:
+            worker.close()
+    finally:
+        engine.close()
