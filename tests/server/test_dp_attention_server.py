@@ -82,3 +82,26 @@ async def test_generate_load_and_gather_bytes(served, tiny_checkpoints):
     assert moved > 0 and moved % per_token == 0
     # at least one prefill step (a bucket of >= 12 tokens a rank) and 5 decode steps
     assert moved >= per_token * (12 + 5)
+
+
+async def test_regex_rows_on_several_ranks(served):
+    """Structured outputs under DP attention: grammar masks are filled per logits row, which
+    stays the batch's row order whatever rank a row runs on; three regex requests at once
+    (on three ranks) each match in full."""
+    import asyncio
+    import re
+
+    client, _ = served
+    regex = r"(yes|no|maybe)\. [0-9]{1,2}"
+
+    async def one(seed):
+        resp = await client.post("/generate", json={
+            "input_ids": [5 + seed, 17, 42], "sampling_params": {
+                "max_new_tokens": 20, "temperature": 1.0, "seed": seed, "regex": regex}})
+        assert resp.status == 200, await resp.text()
+        return await resp.json()
+
+    outs = await asyncio.gather(*(one(seed) for seed in range(3)))
+    for out in outs:
+        assert re.fullmatch(regex, out["text"]), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop"
