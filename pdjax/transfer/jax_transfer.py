@@ -41,9 +41,10 @@ The library's own timeouts are swept lazily on the server and a pull from a dead
 times out (the reference note's scenarios 16-20), so both deadlines here are pdjax's own.
 The metadata row's bytes ride in the offer and land in the decode's registered metadata slot
 before the ack, so the prefill's Success status still follows its row, as with Mooncake.
-Offers are not authenticated (the ZMQ control channel's ``--disaggregation-secret`` does not
-cover this socket); the decode writes only inside its registered metadata region and checks
-every descriptor.
+With ``--disaggregation-secret`` every offer is sealed as the ZMQ control frames are
+(``pd.frame_auth``: HMAC-SHA256, a counter, a time window) and a decode refuses one that does
+not open; without it offers are unauthenticated, as the control channel is. Either way the
+decode writes only inside its registered metadata region and checks every descriptor.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from pdjax.pd.frame_auth import AuthError, FrameAuthenticator, FrameSealer
 from pdjax.transfer.engine import TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class JaxTransferEngine(TransferEngine):
         parallel_copies x 3`` MiB (default 96 MiB).
       pull_timeout_s: the decode's deadline for one pull, seconds; the prefill waits that plus
         ``ack_slack_s`` for the ack.
+      secret: the PD shared secret (``--disaggregation-secret``): offers sealed and checked.
     Raises ``ValueError`` for a bad size or timeout, ``TransferError`` when a socket or the
     server cannot start.
     """
@@ -86,7 +89,7 @@ class JaxTransferEngine(TransferEngine):
     def __init__(self, hostname: str = "127.0.0.1", *, max_batch: int = 1024,
                  transfer_size_mib: int = 16, parallel_copies: int = 2, channels: int = 1,
                  pull_timeout_s: float = 60.0, ack_slack_s: float = 10.0,
-                 pull_workers: int = 4, **_ignored):
+                 pull_workers: int = 4, secret: str | None = None, **_ignored):
         super().__init__(max_batch=max_batch, check_sources=True)
         for name, v in (("transfer_size_mib", transfer_size_mib),
                         ("parallel_copies", parallel_copies), ("channels", channels),
@@ -101,6 +104,11 @@ class JaxTransferEngine(TransferEngine):
         from jax.experimental import transfer
 
         self.pull_timeout_s, self.ack_slack_s = float(pull_timeout_s), float(ack_slack_s)
+        # With a shared secret every offer is sealed (HMAC, counter, time) as the ZMQ control
+        # frames are, and a decode opens it before it reads a field.
+        self._sealer = FrameSealer(secret) if secret else None
+        self._auth = FrameAuthenticator(secret) if secret else None
+        self.num_auth_rejected = 0
         self.host_memory_bytes = (transfer_size_mib << 20) * parallel_copies * 3
         try:
             self._server = transfer.start_transfer_server(
@@ -220,7 +228,8 @@ class JaxTransferEngine(TransferEngine):
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{session}")
-            sock.send(msgpack.packb(offer, use_bin_type=True))
+            data = msgpack.packb(offer, use_bin_type=True)
+            sock.send(self._sealer.seal(data) if self._sealer is not None else data)
             if not sock.poll(int(wait_s * 1000)):
                 raise TransferError(f"jax transfer: decode {session} did not ack the pull of "
                                     f"{len(offer['dst'])} pages within {wait_s:.0f} s")
@@ -263,8 +272,17 @@ class JaxTransferEngine(TransferEngine):
             if len(frames) != 3 or len(frames[2]) > MAX_OFFER_BYTES:
                 logger.error("jax transfer: malformed offer frame dropped")
                 continue
+            body = frames[2]
+            if self._auth is not None:
+                try:
+                    body = self._auth.open(body)
+                except AuthError as e:
+                    self.num_auth_rejected += 1
+                    logger.error("jax transfer: offer refused: %s", e)
+                    self._reply(frames[0], {"ok": False, "error": f"offer refused: {e}"})
+                    continue
             try:
-                offer = msgpack.unpackb(frames[2], raw=False)
+                offer = msgpack.unpackb(body, raw=False)
             except Exception:
                 offer = None
             if not isinstance(offer, dict):

@@ -123,6 +123,7 @@ def create_role_transfer_engine(args) -> Any:
         # its other transfers until then)
         kwargs["pull_timeout_s"] = min(60.0, args.transfer_timeout_s)
         kwargs["ack_slack_s"] = min(10.0, args.transfer_timeout_s)
+        kwargs["secret"] = resolve_secret(args.disaggregation_secret)
     return create_transfer_engine(backend, advertise_host(args.host), **kwargs)
 
 

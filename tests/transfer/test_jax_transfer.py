@@ -292,3 +292,31 @@ def test_a_cancelled_chunk_frees_its_gathered_arrays_at_once():
             worker.close()
     finally:
         engine.close()
+
+
+def test_offers_are_sealed_with_the_shared_secret():
+    """With a secret the decode opens every offer before it reads it: the same secret pulls,
+    another secret or none is refused before any byte moves, and the decode keeps serving."""
+    sides = [_side(9, secret="s3cret", pull_timeout_s=3.0),
+             _side(10, secret="s3cret", pull_timeout_s=3.0)]
+    strangers = [create_transfer_engine("jax", "127.0.0.1", secret="other", pull_timeout_s=3.0),
+                 create_transfer_engine("jax", "127.0.0.1", pull_timeout_s=3.0)]
+    try:
+        (p_engine, _, p_kv, _), (d_engine, d_runner, d_kv, _) = sides
+        p_kv.stage_out([2])
+        assert p_engine.write_pages(p_kv, Peer(d_engine.session_id, d_kv.layout), [2], [5],
+                                    [])[1] == 2
+        d_kv.stage_in([5])
+        for other in strangers:
+            kv = JaxLocalKV(FakeRunner(11), other, max_pages_per_seq=8)
+            kv.stage_out([3])
+            with pytest.raises(TransferError, match="offer refused: "):
+                other.write_pages(kv, Peer(d_engine.session_id, d_kv.layout), [3], [6], [])
+        assert d_engine.num_auth_rejected == 2 and d_kv.num_arrived() == 0
+        p_kv.stage_out([4])
+        assert p_engine.write_pages(p_kv, Peer(d_engine.session_id, d_kv.layout), [4], [7],
+                                    [])[1] == 2
+        d_kv.stage_in([7])
+    finally:
+        for engine in [s[0] for s in sides] + strangers:
+            engine.close()

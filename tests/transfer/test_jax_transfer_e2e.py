@@ -199,7 +199,8 @@ def _generate_sp(url, ids, sampling_params):
 
 def test_a_decode_prefix_hit_shrinks_the_jax_transfer(tiny_checkpoints, tmp_path):
     """A prompt sharing 40 tokens (10 pages) with one the decode served: only its last 3
-    pages are offered, scattered after the decode's cached ones; colocated's tokens."""
+    pages are offered, scattered after the decode's cached ones; colocated's tokens. With a
+    shared secret (the offers are sealed)."""
     from pdjax.engine import Engine
 
     model = tiny_checkpoints["llama"]
@@ -211,8 +212,9 @@ def test_a_decode_prefix_hit_shrinks_the_jax_transfer(tiny_checkpoints, tmp_path
         (ids, top), = _reference(colocated, [second], [8])
     finally:
         colocated.shutdown()
-    with prefill_decode_router(model, str(tmp_path), prefill_extra=JAX,
-                               decode_extra=JAX) as pd:
+    secret = ["--disaggregation-secret", "s3cret"]       # offers sealed too
+    with prefill_decode_router(model, str(tmp_path), prefill_extra=JAX + secret,
+                               decode_extra=JAX + secret) as pd:
         _generate(pd["router"].url, first, 4)
         out = _generate(pd["router"].url, second, 8)
         assert greedy_agrees(ids, top, out["output_ids"]) >= 4
