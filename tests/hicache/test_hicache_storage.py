@@ -171,6 +171,19 @@ def test_two_models_sharing_a_folder_keep_their_own_pages(tmp_path):
     assert len([f for _, _, fs_ in os.walk(tmp_path) for f in fs_]) == 2
 
 
+def test_a_mooncake_backend_without_a_master_fails_at_once_naming_it():
+    import time
+
+    from pdjax.kv.hicache.storage import make_storage_backend
+    from pdjax.ports import free_port
+
+    master = f"127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"no Mooncake master answers at {master} "):
+        make_storage_backend("mooncake", {"master_server_address": master})
+    assert time.monotonic() - t0 < 10
+
+
 @pytest.mark.parametrize("argv,line", [
     (["--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
      "error: hicache_storage_backend_extra_config: backend 'file' needs \"path\" (a folder)\n"),

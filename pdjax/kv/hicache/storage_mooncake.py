@@ -38,7 +38,8 @@ def _address_towards(host: str) -> str:
 
 class MooncakeStorage:
     """A client of the Mooncake store at ``cfg["master_server_address"]``. ``RuntimeError``
-    when the package is missing or the client cannot set up (no master there)."""
+    when the package is missing, nothing listens at the master's address (checked first: a
+    TCP connect, 5 s at most) or the client cannot set up."""
 
     def __init__(self, cfg: dict[str, Any]):
         try:
@@ -47,7 +48,11 @@ class MooncakeStorage:
             raise RuntimeError(f"the mooncake-transfer-engine package is not installed "
                                f"({e})") from e
         master = cfg["master_server_address"]
-        host = master.rsplit(":", 1)[0]
+        host, _, port = master.rpartition(":")
+        try:                   # the client's own setup retries for 90 s before it fails
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"no Mooncake master answers at {master} ({e})") from e
         setup = {"local_hostname": cfg.get("local_hostname") or _address_towards(host),
                  "metadata_server": cfg.get("metadata_server") or f"http://{host}:8080/metadata",
                  "global_segment_size": int(cfg.get("global_segment_size", DEFAULT_SEGMENT_BYTES)),
