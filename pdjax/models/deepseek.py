@@ -329,9 +329,14 @@ class DeepseekForCausalLM(nnx.Module):
                   for g, (_, shapes) in param_groups(cfg).items()}
         x = self.embed_tokens[...][input_ids]
         # DP attention: md has a [dp] axis, each rank its own segment of input_ids
-        layers = dp_decoder_layers if cfg.dp_size > 1 else decoder_layers
-        x, caches = layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
-                           interpret=self.interpret)
+        if cfg.dp_size > 1:
+            x, caches = dp_decoder_layers(cfg, params, x, caches, md, rank_layers=decoder_layers,
+                                          attention_impl=self.attention_impl,
+                                          interpret=self.interpret)
+        else:
+            x, caches = decoder_layers(cfg, params, x, caches, md,
+                                       attention_impl=self.attention_impl,
+                                       interpret=self.interpret)
         if self.mtp_enabled:
             if "mtp_hidden" not in caches:
                 raise ValueError("caches is missing buffer(s) ['mtp_hidden']; see cache_spec()")

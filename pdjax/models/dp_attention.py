@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -103,8 +104,9 @@ def _param_specs(cfg: DeepseekConfig, params: dict) -> dict:
 
 def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
                       caches: dict[str, jax.Array], md: AttentionMetadata, *,
-                      attention_impl=None, interpret: bool = False):
-    """``deepseek.decoder_layers`` under DP attention (the module docstring's step).
+                      rank_layers: Callable, attention_impl=None, interpret: bool = False):
+    """``rank_layers`` (``deepseek.decoder_layers``, passed in: the model module imports this
+    one) under DP attention (the module docstring's step).
 
     ``x [dp * Ts, Hd]``: rank ``r``'s tokens at ``[r * Ts, (r + 1) * Ts)``. ``caches``:
     ``[L, tp * Np, ...]`` buffers (``dp_cache_specs``). ``md``: every array with a leading
@@ -113,8 +115,6 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
     ``Fp8BlockWeight``). Returns ``(x [dp * Ts, Hd], caches)``. Traced under a mesh with a
     ``tp`` axis of ``dp_size * attn_tp_size`` devices (``ValueError`` for another one), or
     without a mesh (the CPU runner's case: one is made from ``cfg``)."""
-    from pdjax.models.deepseek import decoder_layers
-
     dp, a = cfg.dp_size, cfg.attn_tp_size
     tp = dp * a
     mesh = jax.sharding.get_abstract_mesh()
@@ -135,7 +135,7 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
         rank = jax.lax.axis_index("tp") // a
         x_r = jax.lax.dynamic_slice_in_dim(x, rank * Ts, Ts)
         md_r = jax.tree.map(lambda v: v[rank], md)
-        x_r, caches = decoder_layers(cfg, params, x_r, caches, md_r,
+        x_r, caches = rank_layers(cfg, params, x_r, caches, md_r,
                                      attention_impl=attention_impl, interpret=interpret,
                                      mlp=mlp)
         return _gather_ranks(x_r, a), caches
