@@ -71,6 +71,13 @@ def test_the_fingerprint_names_model_page_size_and_buffers():
               kv_fingerprint("m", 4, [("v", (2, 9, 4, 3), np.float32)]),
               kv_fingerprint("m", 4, [("k", (3, 9, 4, 3), np.float32)])]
     assert len({fp, *others}) == 6
+    # Two float8 formats numpy spells alike ("<V1"): still two fingerprints.
+    import ml_dtypes
+
+    a, b = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz
+    assert np.dtype(a).str == np.dtype(b).str
+    assert kv_fingerprint("m", 4, [("k", (2, 9, 4, 3), a)]) != \
+        kv_fingerprint("m", 4, [("k", (2, 9, 4, 3), b)])
 
 
 def test_file_storage_writes_atomically_and_a_removed_folder_is_a_miss(tmp_path):

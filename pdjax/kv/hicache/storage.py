@@ -51,8 +51,9 @@ def kv_fingerprint(model_id: str, page_size: int,
     num_pages, page_size, ...], dtype)``). A record written under another fingerprint is
     refused."""
     desc = {"model": model_id, "page_size": int(page_size),
-            "buffers": [[name, [int(shape[0]), *map(int, shape[2:])], np.dtype(dtype).str]
-                        for name, shape, dtype in buffers]}
+            # The dtype's name too: numpy spells every 1-byte float8 "<V1" or the like.
+            "buffers": [[name, [int(shape[0]), *map(int, shape[2:])], np.dtype(dtype).str,
+                         np.dtype(dtype).name] for name, shape, dtype in buffers]}
     return hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=16).digest()
 
 

@@ -15,7 +15,10 @@ page_buckets``, compiled in ``warmup``: nothing compiles on the request path):
            aborted meanwhile (its pages may be another request's now) -> dropped, unpinned
 
 ``build_host_tier(host)`` makes the connector, this worker and ``HiCacheRole`` (the
-``/get_load`` counters), sized from ``--hicache-size`` or ``--hicache-ratio``.
+``/get_load`` counters), sized from ``--hicache-size`` or ``--hicache-ratio``, with the storage
+tier of ``--hicache-storage-backend`` (``storage_tier``; L3) when one is set: the copy thread
+hands it every write's pages once they are in host slots, and ``poll`` puts the pages it
+prefetched into host slots.
 """
 
 from __future__ import annotations
