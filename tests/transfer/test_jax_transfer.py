@@ -203,7 +203,7 @@ def test_prefill_frees_an_offer_the_decode_never_pulls(pair):
     pair[1][2].stage_in([13])
 
 
-@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (4, 2), (2, 4)])
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (4, 2), (2, 4), (2, 2)])
 def test_different_tp_sizes_move_head_group_units(tp_p, tp_d):
     """4 KV heads split over ``tp_p`` prefill and ``tp_d`` decode devices (simulated CPU
     devices): ``max(tp_p, tp_d)`` units; the replicated latent reaches every decode device.

@@ -115,14 +115,28 @@ def test_smollm2_tp3_and_tp1_over_jax_transfer_match_colocated(tmp_path, tp_p, t
     _tp_pair(default_model_path(), str(tmp_path), tp_p, tp_d)
 
 
-def _tp_pair(model, logs, tp_p, tp_d):
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
+def test_deepseek_v32_replicated_caches_between_tp_sizes(tiny_checkpoints, tmp_path, tp_p,
+                                                         tp_d):
+    """The MLA latent and DSA indexer caches are replicated on every device: each chunk moves
+    them once (2 arrays), and a TP 2 decode copies them to its second device."""
+    _tp_pair(tiny_checkpoints["deepseek_v32_long"], str(tmp_path), tp_p, tp_d,
+             arrays_per_chunk=2, lengths=(9, 33, 41), page_size=8, max_total_tokens=512,
+             chunked_prefill_size=16, max_running_requests=2, context_length=64)
+
+
+def _tp_pair(model, logs, tp_p, tp_d, arrays_per_chunk=None, lengths=(5, CHUNK + 3, 70),
+             **overrides):
+    """``model`` at TP ``tp_p`` -> ``tp_d`` over the jax backend, through both routers,
+    against the colocated engine; ``arrays_per_chunk``: the arrays a chunk moves (default:
+    K and V in ``max(tp_p, tp_d)`` units each)."""
     from pdjax.engine import Engine
 
     rng = random.Random(9)
-    lengths = [5, CHUNK + 3, 70]
     prompts = [[rng.randrange(3, 440) for _ in range(n)] for n in lengths]
-    max_new = [6, 5, 7]
-    colocated = Engine(model_path=model, progress=False, **TINY_ARGS)
+    max_new = [6, 5, 7][:len(prompts)]
+    args = dict(TINY_ARGS, **overrides)
+    colocated = Engine(model_path=model, progress=False, **args)
     try:
         ref = _reference(colocated, prompts, max_new)
     finally:
@@ -132,8 +146,9 @@ def _tp_pair(model, logs, tp_p, tp_d):
                               f"--xla_force_host_platform_device_count={devices}")
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, extra=JAX,
-                        env=env, tp_size=tp_p)
-    decode = pd_server("decode", "decode", model, logs, extra=JAX, env=env, tp_size=tp_d)
+                        env=env, tp_size=tp_p, **overrides)
+    decode = pd_server("decode", "decode", model, logs, extra=JAX, env=env, tp_size=tp_d,
+                       **overrides)
     router = pd_router("router", prefill, bport, decode, logs)
     port = free_port()
     sglang = Server("sglang-router", [
@@ -157,7 +172,8 @@ def _tp_pair(model, logs, tp_p, tp_d):
         assert [len(h) for h in pd_state(decode)["kv_shard_heads"]] == [tp_d, tp_d]
         # K and V, max(tp_p, tp_d) head-group units each, per chunk; bytes are what the
         # decode's shards hold.
-        assert all(r["copies"] == 2 * devices * len(r["chunks"]) for r in state["recent"])
+        per_chunk = 2 * devices if arrays_per_chunk is None else arrays_per_chunk
+        assert all(r["copies"] == per_chunk * len(r["chunks"]) for r in state["recent"])
         pages = sum(r["pages"] for r in state["recent"])
         assert state["engine"]["bytes"] == pages * pd_state(decode)["kv_bytes_per_page"]
         assert load(decode)["num_prompt_tokens_computed"] == 0
