@@ -166,7 +166,7 @@ class AsyncEngine:
     def server_info(self) -> dict:
         info = {k: v for k, v in self.args.to_flat_dict().items()
                 if k not in ("api_key", "disaggregation_secret")}
-        info.update(version=_version(), dp_size=1, disaggregation_mode=_disagg_mode(self.args.role),
+        info.update(version=_version(), disaggregation_mode=_disagg_mode(self.args.role),
                     load_balance_method="round_robin", context_length=self.context_length,
                     model_path=self.model_path, is_ready=self.is_ready)
         if self.core is not None:

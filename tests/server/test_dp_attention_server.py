@@ -69,6 +69,8 @@ async def test_generate_load_and_gather_bytes(served, tiny_checkpoints):
     compared = sum(assert_output_agrees(r, o, f"prompt {i}: DP 4 vs TP 1")
                    for i, (r, o) in enumerate(zip(ref, outs)))
     assert compared >= 6
+    info = await (await client.get("/get_server_info")).json()
+    assert (info["enable_dp_attention"], info["dp_size"], info["tp_size"]) == (True, 4, 4)
     load = await (await client.get("/get_load")).json()
     ranks = load["dp_ranks"]
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
