@@ -408,3 +408,27 @@ def test_an_abort_during_a_prefetch_leaks_nothing(tiny_checkpoints, prompts, sto
         _settle(engine)
     finally:
         engine.shutdown()
+
+
+def test_an_fp8_kv_cache_round_trips_through_the_store(tiny_checkpoints, prompts, tmp_path):
+    """e4m3 pages and their per-token float32 scales (two buffers of other dtypes) stored by
+    one engine, read by a restarted one: the same tokens and logprobs."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    first = _engine(tiny_checkpoints["llama"], tmp_path / "fp8", **fp8)
+    try:
+        dtypes = {np.dtype(s.dtype).name for s in first.core.runner.cache_specs}
+        assert "float8_e4m3fn" in dtypes and len(dtypes) > 1, dtypes
+        ref = _gen(first, prompts[:4])
+        _settle(first)
+    finally:
+        first.shutdown()
+    again = _engine(tiny_checkpoints["llama"], tmp_path / "fp8", **fp8)
+    try:
+        outs = _gen(again, prompts[:4])
+        _agree(ref, outs, "fp8 KV, restarted")
+        assert _cached(outs) == [FULL] * 4
+        load = _settle(again)
+        assert load["hicache_storage_hit_tokens"] == 4 * FULL
+        assert load["hicache_storage_corrupt_pages"] == 0
+    finally:
+        again.shutdown()
