@@ -114,7 +114,7 @@ def tp1(tiny_checkpoints):
     return _TP1(tiny_checkpoints)
 
 
-_SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compiles ~10 s each)
+_SLOW = pytest.mark.slow       # the fast tier keeps one layout (each compiles ~10 s)
 
 
 @pytest.mark.parametrize("name,tp,dp,ep,ranks", [
@@ -123,7 +123,7 @@ _SLOW = pytest.mark.slow       # the fast tier keeps one layout a model (compile
     pytest.param("glm_moe_dsa", 4, 4, 1, [2, 0, 3], marks=_SLOW),
     # two requests on one rank, two idle ranks; EP 4
     pytest.param("deepseek_v32", 4, 4, 4, [1, 1, 3], marks=_SLOW),
-    ("glm_moe_dsa", 4, 4, 4, [1, 1, 3]),
+    pytest.param("glm_moe_dsa", 4, 4, 4, [1, 1, 3], marks=_SLOW),
     # attn_tp 2 (each rank on 2 devices); rank 0 idle; EP 2 < TP
     pytest.param("deepseek_v32", 4, 2, 2, [1, 1, 1], marks=_SLOW),
     pytest.param("glm_moe_dsa", 4, 2, 2, [1, 1, 1], marks=_SLOW),
