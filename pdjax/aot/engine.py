@@ -246,9 +246,10 @@ class AbstractEngine:
             alias_bytes=int(stats.alias_size_in_bytes),
             temp_bytes=int(stats.temp_size_in_bytes),
             code_bytes=int(stats.generated_code_size_in_bytes),
+            # Forwards and the page scatter (staging path, HiCache loads) take the pool donated.
             pool_copy=(kv_pool_copy(compiled, [shard_bytes(c) for c in self.caches.values()],
                                        [c.dtype.itemsize for c in self.caches.values()])
-                       if entry.key is not None else None),
+                       if entry.key is not None or entry.kind == "scatter_pages" else None),
             executable=compiled)
 
 

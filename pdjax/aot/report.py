@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from pdjax.aot.engine import AbstractEngine, CompiledEntry
 
 _MIB = 1 << 20
@@ -132,7 +134,30 @@ def format_budget(engine: AbstractEngine, budget: HbmBudget) -> str:
                          + (f"; {group * b.dp} over {b.dp} replicas" if b.dp > 1 else ""))
         lines.append(f"  one request of {b.context_length} tokens "
                      f"{'fits' if b.fits_one_context else 'does NOT fit'}")
+    host = host_kv_pool(engine, budget)
+    if host is not None:
+        slots, nbytes = host
+        lines.append(f"host memory (HiCache L2, not HBM): {slots} pages = "
+                     f"{slots * b.page_size} tokens; {_size(nbytes)} per server of {tp} chips "
+                     f"(the page gather / scatter entries are its copies)")
     return "\n".join(lines)
+
+
+def host_kv_pool(engine: AbstractEngine, budget: HbmBudget) -> tuple[int, int] | None:
+    """``(pages, bytes)`` of the HiCache host pool a server with these settings holds
+    (``--enable-hierarchical-cache``; None without): ``--hicache-size`` GiB, else
+    ``--hicache-ratio`` times the device pool, whose pages are the budget's (all chips' shards
+    of a page, as ``kv.hicache.host_pool.page_bytes`` counts them)."""
+    args = engine.args
+    if not args.enable_hierarchical_cache:
+        return None
+    page = sum(int(np.prod(c.shape, dtype=np.int64)) // c.shape[1] * np.dtype(c.dtype).itemsize
+               for c in engine.caches.values())      # [L, N, ...]: one page, every layer
+    if args.hicache_size > 0:
+        slots = args.hicache_size * _GIB // page
+    else:
+        slots = int(args.hicache_ratio * max(0, budget.kv_pages) * args.dp_size)
+    return slots, slots * page
 
 
 def as_json(engine: AbstractEngine, results: list[CompiledEntry],

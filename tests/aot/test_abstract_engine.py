@@ -104,6 +104,28 @@ def test_budget_arithmetic():
         report.hbm_budget(engine, results, mem_fraction=1.5)
 
 
+def test_the_hicache_host_pool_is_a_budget_line_and_its_scatter_is_checked():
+    """``--enable-hierarchical-cache``: the host pool (``--hicache-ratio`` x the pages that fit,
+    or ``--hicache-size`` GiB) is a host-memory line of the budget, and the page scatter that
+    loads it (donated pool) is checked for a pool copy like the forwards (not marked here)."""
+    engine = AbstractEngine(ServerArgs(**SETTINGS, enable_hierarchical_cache=True,
+                                       hicache_ratio=1.5), cpu_target())
+    results = [engine.compile_entry(e) for e in engine.entries("core")]
+    scatter = [r for r in results if r.kind == "scatter_pages"]
+    assert scatter and all(r.ok and r.pool_copy is None for r in scatter)
+    budget = report.hbm_budget(engine, results, mem_fraction=0.5)
+    page = engine.kv_bytes_per_page_per_chip()          # TP 1: a chip holds the whole page
+    slots, nbytes = report.host_kv_pool(engine, budget)
+    assert slots == int(1.5 * budget.kv_pages) > 0 and nbytes == slots * page
+    text = report.format_budget(engine, budget)
+    assert f"host memory (HiCache L2, not HBM): {slots} pages" in text
+    sized = AbstractEngine(ServerArgs(**SETTINGS, enable_hierarchical_cache=True,
+                                      hicache_size=1), cpu_target())
+    assert report.host_kv_pool(sized, budget) == ((1 << 30) // page, (1 << 30) // page * page)
+    assert report.host_kv_pool(AbstractEngine(ServerArgs(**SETTINGS), cpu_target()),
+                               budget) is None
+
+
 def test_buckets_override_is_checked():
     from pdjax.sched.buckets import Buckets
 
