@@ -49,7 +49,7 @@ from typing import Any
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
 from pdjax.pd.lifecycle import (Aborted, CacheMoved, KVPoll, MetadataGate,
-                                PeerState, RoomConflict, RoomFailure, Timeout)
+                                PeerState, RoomConflict, RoomFailure, Timeout, WriteFailed)
 from pdjax.pd.protocol import Abort, AbortAck, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
 from pdjax.pd.wire import prompt_digest
@@ -337,7 +337,11 @@ class DecodeConnector(PDConnector):
                 self._fail(r, MetadataGate(f"metadata: first token {token} outside the "
                                            f"vocabulary"))
                 return
-            self.local_kv.stage_in(r.dst_pages)
+            try:
+                self.local_kv.stage_in(r.dst_pages)
+            except ValueError as e:      # a pull-based pool (jax) missing a page's rows
+                self._fail(r, WriteFailed(f"KV not received: {e}"))
+                return
             # What the request reused: the longer of the two prefix hits. Below the prefill's
             # hit no KV was computed, below the decode's none was computed for it here or
             # moved (DESIGN.md §4; the prefill's hit alone would report 0 of 9 tokens where
@@ -370,6 +374,9 @@ class DecodeConnector(PDConnector):
         r.quarantine = quarantine and r.room is not None and r.state == KVPoll.Transferring
         self._set_state(r, KVPoll.Failed)
         r.failure = failure
+        drop = getattr(self.local_kv, "drop_arrived", None)
+        if drop is not None and r.dst_pages:       # pulled rows (jax) that will not be used
+            drop(r.dst_pages)
         reason = str(failure)
         logger.warning("PD decode: bootstrap_room %s (rid %s) failed: %s", r.room, r.req.rid,
                        reason)

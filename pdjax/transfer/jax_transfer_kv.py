@@ -138,8 +138,9 @@ class JaxLocalKV:
 
     Same surface as ``LocalKV`` (``layout``, ``fingerprint``, ``kv_dtype``, ``num_pages``,
     ``bytes_per_page``, ``num_layer_buffers``, ``check_addresses``, ``warmup``, ``stage_out``,
-    ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered`` (prefill),
-    ``offer_descriptor``/``check_offer``/``pull_specs``/``put_arrived`` (decode).
+    ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered``/``drop_gathered``
+    (prefill), ``offer_descriptor``/``check_offer``/``pull_specs``/``assemble``/
+    ``put_arrived``/``drop_arrived`` (decode).
     ``engine``: the ``JaxTransferEngine`` (it is told about this pool: ``attach_kv``).
     Raises ``ValueError`` for a pool with shards in other processes (multi-host) or KV heads
     that ``tp_model_config`` repeats (``head_repeat`` > 1): not yet.
@@ -432,22 +433,28 @@ class JaxLocalKV:
 
     def stage_in(self, pages: Sequence[int]) -> None:
         """Decode, engine thread (a step boundary): scatter every pulled chunk whose pages are
-        among ``pages`` (a room's pages) into the pool. A page no pulled chunk holds is
-        logged and counted (``num_missing_arrivals``)."""
+        among ``pages`` (a room's pages) into the pool. ``ValueError`` naming the count when
+        some page of ``pages`` arrived in no pulled chunk (nothing is scattered then: the
+        room fails)."""
         want = {int(p) for p in pages}
         if not want:
             return
         with self._lock:
             mine = [a for a in self._arrived if set(a.dst) <= want]
             self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
-        covered: set[int] = set()
-        for a in mine:
-            self._scatter(a.dst, a.parts)
-            covered.update(a.dst)
+        covered = set().union(*(a.dst for a in mine))
         if covered != want:
             self.num_missing_arrivals += 1
-            logger.error("jax transfer: %d of %d pages of a room had no pulled KV",
-                         len(want - covered), len(want))
+            raise ValueError(f"dst_pages: {len(want - covered)} of the room's {len(want)} "
+                             f"pages arrived in no pulled chunk")
+        for a in mine:
+            self._scatter(a.dst, a.parts)
+
+    def drop_arrived(self, pages: Sequence[int]) -> None:
+        """Decode: forget the pulled chunks of ``pages`` (a room that failed)."""
+        want = {int(p) for p in pages}
+        with self._lock:
+            self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
 
     def num_arrived(self) -> int:
         """Pulled chunks not yet scattered."""

@@ -142,7 +142,8 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
             other_engine.write_pages(kv, Peer(d_engine.session_id, d_kv.layout), [2, 3], [4, 6], row)
         assert d_engine.num_refused_offers == refused + 1
         assert d_kv.num_arrived() == 0 and not _slot(d_meta, 3).any()    # nothing landed
-        d_kv.stage_in([4, 6])
+        with pytest.raises(ValueError, match="2 of the room's 2 pages arrived in no pulled"):
+            d_kv.stage_in([4, 6])                  # the decode's gate would fail the room
         for name in before:
             np.testing.assert_array_equal(np.asarray(d_runner.caches[name]), before[name])
         assert other_engine.counters().failures == 1
@@ -320,3 +321,46 @@ def test_offers_are_sealed_with_the_shared_secret():
     finally:
         for engine in [s[0] for s in sides] + strangers:
             engine.close()
+
+
+def test_a_room_whose_rows_did_not_arrive_fails_at_the_gate():
+    """The decode's metadata gate passes but a page of the room arrived in no pulled chunk:
+    the room fails with the reason (it used to log and decode from stale KV); a failed
+    room's pulled chunks are dropped, not kept for the stale sweep."""
+    from pd_fakes import decode_connector
+
+    from pdjax.pd.lifecycle import Aborted, KVPoll
+    from pdjax.pd.rooms import DecodeRoom
+    from pdjax.request import Request, SamplingParams
+
+    du = decode_connector()
+    conn = du.conn
+    try:
+        kv = JaxLocalKV(FakeRunner(12), object(), max_pages_per_seq=8)
+        conn.local_kv = kv
+        conn.transfer_engine.backend = "jax"        # the gate applies (not the fake backend)
+        digest = bytes(range(16))
+
+        def room(n, pages):
+            req = Request(f"r{n}", [5, 6, 7, 8, 9], SamplingParams(max_new_tokens=2))
+            r = DecodeRoom(n, req, ("127.0.0.1", 1), time.monotonic(),
+                           state=KVPoll.Transferring, slot=conn.meta.alloc(), dst_pages=pages,
+                           digest=digest)
+            conn.meta.write(r.slot, n, 11, prompt_digest=digest)
+            conn.rooms[req.rid] = r
+            return r
+
+        kv.put_arrived([3], [np.zeros((L, 1, PS, KVH * D), np.float32)] * 2)
+        r = room(41, [3, 4])                         # page 4 never arrived
+        conn._hand_over(r, time.monotonic())
+        assert r.state == KVPoll.Failed and r.failure.label == "write"
+        assert "KV not received: dst_pages: 1 of the room's 2 pages" in str(r.failure)
+        assert kv.num_missing_arrivals == 1 and kv.num_arrived() == 0
+        failed = conn.worker.poll().failed_recving
+        assert "r41" in failed
+        kv.put_arrived([6, 7], [np.zeros((L, 2, PS, KVH * D), np.float32)] * 2)
+        r2 = room(42, [6, 7])
+        conn._fail(r2, Aborted("aborted by client"))
+        assert kv.num_arrived() == 0
+    finally:
+        conn.close()
