@@ -432,3 +432,46 @@ def test_an_fp8_kv_cache_round_trips_through_the_store(tiny_checkpoints, prompts
         assert load["hicache_storage_corrupt_pages"] == 0
     finally:
         again.shutdown()
+
+
+class _CountingStore:
+    """A storage tier stand-in: which keys it holds, the calls made."""
+
+    def __init__(self, held=()):
+        self.held, self.asked, self.prefetched = set(held), 0, []
+
+    def exists(self, key):
+        self.asked += 1
+        return key in self.held
+
+    def submit_prefetch(self, rid, path, start):
+        self.prefetched.append((rid, start))
+
+
+def test_admission_asks_the_store_once_per_request():
+    from pdjax.kv.hicache.connector import HiCacheConnector
+    from pdjax.kv.hicache.host_pool import HostIndex
+    from pdjax.request import Request, SamplingParams
+    from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(num_pages=16, page_size=4, chunked_prefill_size=64,
+                                      max_context_len=64))
+    conn = HiCacheConnector(sched.kv, HostIndex(8), 4)
+    ids = list(range(100, 113))                      # 3 full pages and a token
+    hashes = page_hashes(ids, 4)
+    conn.storage = _CountingStore()                  # holds nothing
+    miss = Request("miss", ids, SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert conn.get_num_new_matched_tokens(miss, 0) == 0
+    assert conn.get_num_new_matched_tokens(miss, 0) == 0     # admission retried
+    assert conn.storage.asked == 1
+    conn.request_finished(miss)
+    assert not conn._prefetch
+    conn.storage = _CountingStore(held=hashes)
+    hit = Request("hit", ids, SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert conn.get_num_new_matched_tokens(hit, 4) is None   # past a 1-page device hit
+    assert conn.get_num_new_matched_tokens(hit, 4) is None   # still on its way
+    assert conn.storage.asked == 1 and conn.storage.prefetched == [("hit", 1)]
+    conn.prefetch_done("hit")                # nothing usable arrived: computed here
+    assert conn.get_num_new_matched_tokens(hit, 4) == 0 and conn.storage.asked == 1
+    conn.update_state_after_alloc(hit, 0)
+    assert not conn._prefetch

@@ -97,8 +97,8 @@ class HiCacheConnector:
         # The worker's ``flush``: commits the writes in flight (set by ``build_host_tier``).
         self.wait_for_writes: Callable[[], None] | None = None
         # The storage tier (L3, ``storage_tier.StorageTier``), when one is configured, and the
-        # requests whose prefetch from it is running ("pending") or has been put on the host
-        # ("done": not asked again for them).
+        # queued requests whose prefetch from it is running ("pending"), or whose store was
+        # asked ("done": its pages are on the host, or it had none; not asked again).
         self.storage: StorageTier | None = None
         self._prefetch: dict[str, str] = {}
 
@@ -131,6 +131,7 @@ class HiCacheConnector:
         if state == "pending":
             return False
         if not self.storage.exists(hashes[start]):
+            self._prefetch[req.rid] = "done"    # asked once (admission may be retried)
             return True
         self._prefetch[req.rid] = "pending"
         self.storage.submit_prefetch(req.rid, hashes, start)
