@@ -475,3 +475,30 @@ def test_admission_asks_the_store_once_per_request():
     assert conn.get_num_new_matched_tokens(hit, 4) == 0 and conn.storage.asked == 1
     conn.update_state_after_alloc(hit, 0)
     assert not conn._prefetch
+
+
+def test_writes_past_the_backlog_bytes_are_dropped_and_counted():
+    import threading
+
+    from pdjax.kv.hicache.storage_tier import StorageTier
+
+    gate = threading.Event()
+
+    class _Slow(_Faulty):
+        def exists(self, key):
+            gate.wait(30)
+            return super().exists(key)
+
+    codec = _codec()
+    tier = StorageTier(_Slow(), codec, max_pending_write_bytes=3 * codec.payload_bytes)
+    assert tier.max_pending_write_pages == 3
+    keys = [bytes([i]) * 16 for i in range(5)]
+    parts = [np.stack([_page(i)[k] for i in range(5)], axis=1) for k in range(2)]
+    tier.submit_write(keys[:2], [p[:, :2] for p in parts])      # queued (the store waits)
+    tier.submit_write(keys[2:4], [p[:, 2:4] for p in parts])    # 4 > 3 pages: dropped
+    tier.submit_write(keys[4:], [p[:, 4:] for p in parts])      # 3 pages: queued
+    gate.set()
+    tier.flush()
+    assert tier.stats.writes_dropped == 2 and tier.stats.written_pages == 3
+    assert [tier.exists(k) for k in keys] == [True, True, False, False, True]
+    tier.close()

@@ -4,7 +4,8 @@
     write     the host tier's copy thread stored pages in host slots -> ``submit_write``
               (the pages' bytes, copied) -> storage thread: skip keys stored already, encode
               (``PageCodec``: header, checksum), ``backend.set``. Never on the request path;
-              beyond ``max_pending_write_pages`` queued pages new writes are dropped (counted).
+              past ``max_pending_write_bytes`` of queued pages (256 MiB: four of the host
+              tier's largest copies) new writes are dropped (counted).
     prefetch  admission found the next page past the host hit in the store (``exists``, one
               cheap call on the engine thread) -> ``submit_prefetch`` -> storage thread reads
               the pages from there on until the first miss or bad record (a bad one is
@@ -104,14 +105,14 @@ class StorageTier:
     ``wake()`` is called when a prefetch finished (the engine should poll)."""
 
     def __init__(self, backend: StorageBackend, codec: PageCodec,
-                 max_pending_write_pages: int = 1024):
+                 max_pending_write_bytes: int = 256 << 20):
         self.backend, self.codec = backend, codec
         # Backend keys: the first 4 bytes of the KV format's fingerprint, then the page hash,
         # so servers of different models (or KV formats) sharing a store keep apart.
         self._ns = codec.fingerprint[:4]
         self.stats = StorageStats()
         self.metrics = None           # HiCacheMetrics (HiCacheRole.attach_metrics)
-        self.max_pending_write_pages = max_pending_write_pages
+        self.max_pending_write_pages = max(1, max_pending_write_bytes // codec.payload_bytes)
         self.results: queue.SimpleQueue = queue.SimpleQueue()
         self.wake: list[Callable[[], None]] = [lambda: None]
         self._warn = _Warner()
@@ -166,7 +167,8 @@ class StorageTier:
     # ---- the host tier's copy thread ----------------------------------------------------------
     def submit_write(self, keys: Sequence[bytes], parts: Sequence[np.ndarray]) -> None:
         """Store pages ``keys[i]`` = ``parts[k][:, i]`` per buffer (the host slots' bytes,
-        copied here); dropped, counted, beyond ``max_pending_write_pages`` pending."""
+        copied here); dropped, counted, past ``max_pending_write_pages`` pending (the bytes
+        limit over a page's)."""
         n = len(keys)
         if self.is_down:
             self.stats.writes_dropped += n
