@@ -2,8 +2,8 @@
 
 Pull-based, as vLLM tpu-inference's ``TPUConnector`` and sglang-jax's ``jax_transfer`` backend
 are (``../shared/reference/tpu_data_plane.md``): the prefill offers compact device arrays
-under a fresh id, the decode pulls them in its own sharding (head-group units between different TP sizes,
-``JaxLocalKV.units_for``). It is a ``TransferEngine`` so that
+under a fresh id, the decode pulls them in its own sharding (head-group units between
+different TP sizes, ``JaxLocalKV.units_for``). It is a ``TransferEngine`` so that
 the rest of the PD plumbing (registration, page lists, status, aborts, metrics) stays the
 Mooncake path's; only the chunk write differs (``write_pages``, which the prefill's transfer
 worker calls instead of address copies), and the decode's pool takes the pulled rows at a

@@ -139,7 +139,8 @@ def test_layout_mismatch_is_refused_before_any_byte_moves(pair):
         _slot(meta, 0)[:] = 7
         refused = d_engine.num_refused_offers
         with pytest.raises(TransferError, match=r"num_heads: prefill 1 != decode 2"):
-            other_engine.write_pages(kv, Peer(d_engine.session_id, d_kv.layout), [2, 3], [4, 6], row)
+            other_engine.write_pages(kv, Peer(d_engine.session_id, d_kv.layout), [2, 3],
+                                     [4, 6], row)
         assert d_engine.num_refused_offers == refused + 1
         assert d_kv.num_arrived() == 0 and not _slot(d_meta, 3).any()    # nothing landed
         with pytest.raises(ValueError, match="2 of the room's 2 pages arrived in no pulled"):
