@@ -34,6 +34,13 @@ class KVBufferDesc:
     (``num_heads = 1``) held by every shard. Defaults (also for fields left out on the wire):
     one head held by every shard, one piece per page (``head_bytes = bytes_per_page``). Every
     shard holds the same head count.
+
+    Page-sharded (DP attention, DESIGN.md §6): with ``dp_size`` > 1 the page space of
+    ``num_pages`` pages is ``dp_size`` ranks of ``shard_num_pages = num_pages / dp_size``
+    pages; shard ``i`` holds only rank ``shard_ranks[i]``'s pages, global page ``g`` at local
+    page ``g % shard_num_pages`` of the shards of rank ``g // shard_num_pages`` (several
+    shards of one rank are copies). Every rank has a shard. Left out on the wire when
+    ``dp_size`` is 1 (every shard holds every page).
     """
 
     shard_addrs: tuple[int, ...]
@@ -43,6 +50,8 @@ class KVBufferDesc:
     num_heads: int = 1
     shard_heads: tuple[tuple[int, int], ...] = ()
     head_bytes: int = 0
+    dp_size: int = 1
+    shard_ranks: tuple[int, ...] = ()
 
     def __post_init__(self):
         addrs = check_list("shard_addrs", self.shard_addrs, 1, MAX_SHARDS, "shards")
@@ -77,6 +86,25 @@ class KVBufferDesc:
             raise ProtocolError(f"field 'head_bytes': bytes_per_page {self.bytes_per_page} is "
                                 f"not a whole number of tokens of {count} heads x {head_bytes} B")
         object.__setattr__(self, "head_bytes", head_bytes)
+        dp = check_int("dp_size", self.dp_size, 1, MAX_SHARDS)
+        ranks = self.shard_ranks or (0,) * len(addrs)
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple)) \
+                or len(ranks) != len(addrs):
+            raise ProtocolError(f"field 'shard_ranks': expected one rank per shard "
+                                f"({len(addrs)})")
+        ranks = tuple(check_int(f"shard_ranks[{i}]", r, 0, dp - 1) for i, r in enumerate(ranks))
+        if self.num_pages % dp or self.num_pages // dp < 2:
+            raise ProtocolError(f"field 'num_pages': {self.num_pages} pages are not {dp} "
+                                f"ranks of >= 2 pages (dp_size)")
+        if set(ranks) != set(range(dp)):
+            raise ProtocolError(f"field 'shard_ranks': {list(ranks)} leaves a rank of "
+                                f"dp_size {dp} without a shard")
+        object.__setattr__(self, "shard_ranks", ranks)
+
+    @property
+    def shard_num_pages(self) -> int:
+        """Pages one shard holds: ``num_pages``, or a rank's under DP attention."""
+        return self.num_pages // self.dp_size
 
     @property
     def heads_per_shard(self) -> int:
@@ -91,20 +119,26 @@ class KVBufferDesc:
         return {"shard_addrs": list(self.shard_addrs), "num_layers": self.num_layers,
                 "num_pages": self.num_pages, "bytes_per_page": self.bytes_per_page,
                 "num_heads": self.num_heads, "shard_heads": [list(h) for h in self.shard_heads],
-                "head_bytes": self.head_bytes}
+                "head_bytes": self.head_bytes,
+                **({"dp_size": self.dp_size, "shard_ranks": list(self.shard_ranks)}
+                   if self.dp_size > 1 else {})}
 
     @classmethod
     def from_wire(cls, name: str, d: Any) -> "KVBufferDesc":
         if not isinstance(d, dict):
             raise ProtocolError(f"field {name!r}: expected a map")
         check_keys(name, d, {"shard_addrs", "num_layers", "num_pages", "bytes_per_page"},
-                    optional={"num_heads", "shard_heads", "head_bytes"})
+                    optional={"num_heads", "shard_heads", "head_bytes", "dp_size",
+                              "shard_ranks"})
         heads = d.get("shard_heads", [])
         if not isinstance(heads, list):
             raise ProtocolError(f"{name}: field 'shard_heads': expected a list")
+        if not isinstance(d.get("shard_ranks", []), list):
+            raise ProtocolError(f"{name}: field 'shard_ranks': expected a list")
         try:
             return cls(**dict(d, shard_heads=tuple(
-                tuple(h) if isinstance(h, list) else h for h in heads)))
+                tuple(h) if isinstance(h, list) else h for h in heads),
+                shard_ranks=tuple(d.get("shard_ranks", ()))))
         except ProtocolError as e:
             raise ProtocolError(f"{name}: {e}") from None
 

@@ -41,6 +41,18 @@ Replicated heads (``tp_model_config`` when TP > KV heads, and MLA/indexer buffer
 one head on every shard) are read from one source shard and written to every destination
 shard that holds them, so bytes moved = pages x bytes_per_page summed over the destination
 shards.
+
+DP attention (DESIGN.md §6): a decode's buffers may be sharded by page instead
+(``KVBufferDesc.dp_size`` ranks of ``Np`` pages, ``export_kv_layout(dp_size=...)``). Global
+page ``g`` then lives at local page ``g % Np`` of the shards of rank ``g // Np`` only, so a
+prefill (not page-sharded, any TP) writes each page into its rank's shards alone::
+
+    prefill TP 1 (all pages)          decode TP 4, DP 4 (Np = 8)
+    src page 3  --------------------> dst page 10 = rank 1, local 2 -> shard 1 only
+    src page 4  --------------------> dst page 27 = rank 3, local 3 -> shard 3 only
+
+Only buffers of one head (MLA latent, indexer keys) are page-sharded; a page-sharded source
+(a prefill with DP attention) is refused at pairing.
 """
 
 from __future__ import annotations
@@ -53,7 +65,7 @@ from typing import Any, Collection, Sequence
 import numpy as np
 
 from pdjax.pd.kv_buffers import KVBufferDesc
-from pdjax.pd.wire import KV_LAYOUTS, validate_pages
+from pdjax.pd.wire import KV_LAYOUTS, ProtocolError, validate_pages
 from pdjax.transfer.engine import Copy, TransferEngine
 
 
@@ -91,20 +103,26 @@ class KVLayout:
             raise ValueError(f"layer: {layer} outside [0, {b.num_layers})")
         if not 0 <= page < b.num_pages:
             raise ValueError(f"page: {page} outside [0, {b.num_pages})")
+        np_ = b.shard_num_pages
+        if b.dp_size > 1:
+            if b.shard_ranks[shard] != page // np_:
+                raise ValueError(f"page: {page} is rank {page // np_}'s; shard {shard} holds "
+                                 f"rank {b.shard_ranks[shard]}'s")
+            page %= np_
         if self.kind == "layer_major":
-            index = layer * b.num_pages + page
+            index = layer * np_ + page
         else:
             index = page * b.num_layers + layer
         return b.shard_addrs[shard] + index * b.bytes_per_page
 
     def total_bytes(self) -> int:
         """Bytes of all buffers and shards together."""
-        return sum(len(b.shard_addrs) * b.num_layers * b.num_pages * b.bytes_per_page
+        return sum(len(b.shard_addrs) * b.num_layers * b.shard_num_pages * b.bytes_per_page
                    for b in self.buffers)
 
     def regions(self) -> list[tuple[int, int]]:
         """``(addr, length)`` of every shard buffer, for ``TransferEngine.register_memory``."""
-        return [(a, b.num_layers * b.num_pages * b.bytes_per_page)
+        return [(a, b.num_layers * b.shard_num_pages * b.bytes_per_page)
                 for b in self.buffers for a in b.shard_addrs]
 
     def check_compatible(self, other: "KVLayout") -> None:
@@ -142,7 +160,8 @@ def plan_head_slices(src: KVLayout, dst: KVLayout) -> list[list[HeadSlice]]:
     replicas); consecutive heads from one source shard at consecutive slots merge into one
     slice. Raises ``ValueError`` naming the field when the layouts cannot be mapped: a
     different kind, buffer count, num_layers, num_heads, bytes per head-page, or a head no
-    source shard holds.
+    source shard holds; a page-sharded source (DP attention) or a page-sharded destination
+    of more than one head per shard.
     """
     if src.kind != dst.kind:
         raise ValueError(f"kv_layout: {src.kind!r} != {dst.kind!r}")
@@ -150,6 +169,15 @@ def plan_head_slices(src: KVLayout, dst: KVLayout) -> list[list[HeadSlice]]:
         raise ValueError(f"kv_buffers: {len(src.buffers)} buffers != {len(dst.buffers)}")
     plan = []
     for i, (a, b) in enumerate(zip(src.buffers, dst.buffers)):
+        if a.dp_size > 1:
+            raise ValueError(f"kv_buffers[{i}].dp_size: the source is page-sharded (DP "
+                             f"attention, dp_size {a.dp_size}); the destination (dp_size "
+                             f"{b.dp_size}) cannot be written from it: a prefill with DP "
+                             f"attention is not built yet")
+        if b.dp_size > 1 and (b.num_heads != 1 or a.num_heads != 1):
+            raise ValueError(f"kv_buffers[{i}].num_heads: a page-sharded destination (DP "
+                             f"attention, dp_size {b.dp_size}) takes buffers of one head "
+                             f"(MLA); source {a.num_heads}, destination {b.num_heads}")
         names = ["num_layers", "num_heads", "head_bytes", "tokens_per_page"]
         if a.heads_per_shard == b.heads_per_shard:
             names.insert(2, "bytes_per_page")
@@ -255,13 +283,18 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     plan's. ``dst_shards`` likewise keeps the slices written into those destination shards:
     a prefill writing to a multi-host decode sends each node's shards to that node's session.
 
+    A page-sharded destination (DP attention, the module docstring) gets each page in the
+    shards of its rank only, at its local page; bytes then sum over those shards.
+
     Raises ``ProtocolError`` (a ``ValueError``) when a page is outside ``[1, num_pages)`` of its
-    side (dst pages are checked against the registered decode pool) or repeats, and
-    ``ValueError`` for unequal list lengths or layouts that cannot be mapped.
+    side (dst pages are checked against the registered decode pool), is a DP rank's null page,
+    or repeats, and ``ValueError`` for unequal list lengths or layouts that cannot be mapped.
     """
     plan = plan_head_slices(src_layout, dst_layout)
     src = validate_pages(src_pages, src_layout.num_pages, "src_pages")
     dst = validate_pages(dst_pages, dst_layout.num_pages, "dst_pages")
+    if any(b.dp_size > 1 for b in dst_layout.buffers):
+        return _ranked_copies(src_layout, dst_layout, plan, src, dst, src_shards, dst_shards)
     runs = group_contiguous_runs(src, dst)
     if not runs:
         return []
@@ -290,6 +323,37 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     # uint64 arithmetic would be exact too, but int64 covers user-space addresses (< 2**63).
     return list(zip(np.concatenate(srcs).tolist(), np.concatenate(dsts).tolist(),
                     np.concatenate(lens).tolist()))
+
+
+def _ranked_copies(src_layout: KVLayout, dst_layout: KVLayout, plan: list[list[HeadSlice]],
+                   src: np.ndarray, dst: np.ndarray,
+                   src_shards: Sequence[Collection[int]] | None,
+                   dst_shards: Sequence[Collection[int]] | None) -> list[Copy]:
+    """``build_copies`` into a page-sharded destination: per buffer and (whole) slice, the
+    pages of the slice's destination rank, cut into runs of (source page, local page)."""
+    out: list[Copy] = []
+    for i, (sb, db, slices) in enumerate(zip(src_layout.buffers, dst_layout.buffers, plan)):
+        np_ = db.shard_num_pages
+        rank, local = dst // np_, dst % np_
+        if (local == 0).any():
+            raise ProtocolError(f"field 'dst_pages': page {int(dst[local == 0][0])} is a DP "
+                                f"rank's null page")
+        for sl in slices:
+            if src_shards is not None and sl.src_shard not in src_shards[i]:
+                continue
+            if dst_shards is not None and sl.dst_shard not in dst_shards[i]:
+                continue
+            mine = rank == db.shard_ranks[sl.dst_shard]
+            runs = group_contiguous_runs(src[mine], local[mine])
+            if not runs:
+                continue
+            arr = np.asarray(runs, dtype=np.int64)
+            s_off, d_off, length = _run_offsets(src_layout.kind, sb, db, arr[:, 0], arr[:, 1],
+                                                arr[:, 2])
+            s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
+            out += zip((s_off + s_addr).reshape(-1).tolist(), (d_off + d_addr).reshape(-1).tolist(),
+                       np.broadcast_to(length, s_off.shape).reshape(-1).tolist())
+    return out
 
 
 NodeShards = tuple[frozenset[int], ...] | None
@@ -335,8 +399,9 @@ def _run_offsets(kind, sb, db, src_start, dst_start, run_len):
     bpp = sb.bytes_per_page
     if kind == "layer_major":
         layers = np.arange(sb.num_layers, dtype=np.int64)[:, None]          # [L, 1]
-        return ((layers * sb.num_pages + src_start[None, :]) * bpp,          # [L, R]
-                (layers * db.num_pages + dst_start[None, :]) * bpp, run_len[None, :] * bpp)
+        return ((layers * sb.shard_num_pages + src_start[None, :]) * bpp,    # [L, R]
+                (layers * db.shard_num_pages + dst_start[None, :]) * bpp,
+                run_len[None, :] * bpp)
     page_bytes = sb.num_layers * bpp
     return src_start * page_bytes, dst_start * page_bytes, run_len * page_bytes   # [R]
 
@@ -460,7 +525,8 @@ def _row_heads_of(row_heads: Sequence[int] | None, count: int) -> list[int | Non
 
 
 def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
-                     head_repeat: int = 1, row_heads: Sequence[int] | None = None) -> KVLayout:
+                     head_repeat: int = 1, row_heads: Sequence[int] | None = None,
+                     dp_size: int = 1) -> KVLayout:
     """Describe JAX KV arrays by address: ``KVLayout`` with one ``KVBufferDesc`` per array.
 
     ``arrays[i]``: a JAX array shaped ``[num_layers, num_pages, page_size, heads, head_dim]``
@@ -469,9 +535,13 @@ def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
     (dimension 3). A row holds ``row_heads[i]`` heads side by side (GQA's
     ``[.., heads * head_dim]``, ``CacheBufferSpec.row_heads``); a row of one head (the default)
     is one head on every shard. ``head_repeat``: how often ``tp_model_config`` repeated each KV
-    head (1 = none). Register ``layout.regions()`` with the transfer engine afterwards. Raises
-    ``ValueError`` naming the array for a bad rank, a split other than between heads, a
-    non-row-major device layout, or a deleted/donated array.
+    head (1 = none). ``dp_size`` > 1 (DP attention, ``models/dp_attention.py``): the arrays
+    are ``[L, T * Np, ...]`` sharded over the pages, ``Np`` a device, ``T / dp_size`` devices
+    a rank; the layout's page space is ``dp_size * Np`` pages (the scheduler's,
+    ``DpKVCacheManager``) and shard ``k`` holds rank ``k // (T / dp_size)``'s. Register
+    ``layout.regions()`` with the transfer engine afterwards. Raises ``ValueError`` naming
+    the array for a bad rank, a split other than between heads (or pages with ``dp_size`` >
+    1), a non-row-major device layout, or a deleted/donated array.
     """
     if kind not in KV_LAYOUTS:
         raise ValueError(f"kind: {kind!r} not in {KV_LAYOUTS}")
@@ -485,23 +555,48 @@ def export_kv_layout(arrays: Sequence[Any], kind: str = "layer_major",
                              f"got shape {arr.shape}")
         addrs = shard_addresses(arr)  # first: raises ValueError for a deleted/donated array
         shards = _sorted_shards(arr)
+        page_dim = 1 if kind == "layer_major" else 0
+        ranks = _page_ranks(arr, shards, page_dim, dp_size, name)
         for s in shards:
-            if tuple(s.data.shape[:2]) != tuple(arr.shape[:2]):
+            if any(s.data.shape[d] != arr.shape[d] for d in (0, 1)
+                   if not (dp_size > 1 and d == page_dim)):
                 raise ValueError(f"{name}: sharded over its layer/page dimensions "
                                  f"(shard {s.data.shape} of {arr.shape}); shard heads only")
         axis = _head_axis(arr, rh, name)
         num_heads = _logical_heads(axis, head_repeat, name)
         heads = tuple(_shard_heads(arr, s, axis, head_repeat, name) for s in shards)
         _check_row_major(shards[0].data, name)
-        num_layers, num_pages = (arr.shape[0], arr.shape[1]) if kind == "layer_major" \
-            else (arr.shape[1], arr.shape[0])
+        num_layers = arr.shape[1 - page_dim]
+        num_pages = shards[0].data.shape[page_dim] * dp_size
         bytes_per_page = math.prod(shards[0].data.shape[2:]) * arr.dtype.itemsize
         head_bytes = bytes_per_page // (arr.shape[2] * heads[0][1])
         buffers.append(KVBufferDesc(shard_addrs=addrs, num_layers=num_layers,
                                     num_pages=num_pages, bytes_per_page=bytes_per_page,
                                     num_heads=num_heads, shard_heads=heads,
-                                    head_bytes=head_bytes))
+                                    head_bytes=head_bytes, dp_size=dp_size,
+                                    shard_ranks=ranks))
     return KVLayout(kind=kind, buffers=tuple(buffers))
+
+
+def _page_ranks(arr: Any, shards: list[Any], page_dim: int, dp_size: int,
+                name: str) -> tuple[int, ...]:
+    """The DP rank of each shard of a page-sharded array (``export_kv_layout``); ``()`` for
+    ``dp_size`` 1. ``ValueError`` when the pages are not split evenly over a multiple of
+    ``dp_size`` devices."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"dp_size: expected a positive integer, got {dp_size!r}")
+    if dp_size == 1:
+        return ()
+    per = shards[0].data.shape[page_dim]
+    devices = arr.shape[page_dim] // per
+    if any(s.data.shape[page_dim] != per for s in shards) or arr.shape[page_dim] % per \
+            or devices % dp_size:
+        raise ValueError(f"{name}: pages {arr.shape[page_dim]} are not split evenly over a "
+                         f"multiple of dp_size {dp_size} devices (shard {shards[0].data.shape})")
+    attn_tp = devices // dp_size
+    starts = [0 if s.index[page_dim].start is None else s.index[page_dim].start
+              for s in shards]
+    return tuple((start // per) // attn_tp for start in starts)
 
 
 def kv_layout_fingerprint(arrays: Sequence[Any], kind: str = "layer_major",

@@ -1,0 +1,89 @@
+"""PD into a DP attention decode, the data plane's part (DESIGN.md §4, §6): a page-sharded
+KV pool's layout (``export_kv_layout(dp_size=...)``) and the copies that put a prefill's
+pages into the shards of the rank owning each decode page, applied by address to real
+page-sharded JAX arrays on the 4 simulated CPU devices (tests/conftest.py)."""
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pdjax.pd.kv_buffers import KVBufferDesc
+from pdjax.pd.wire import ProtocolError
+from pdjax.transfer.kv_export import KVLayout, build_copies, export_kv_layout, plan_head_slices
+
+L, NP, PS, W = 2, 6, 4, 8          # layers, pages a device, page size, latent width
+
+
+def _paged(dp):
+    """A DP pool buffer [L, 4 * NP, PS, W] (zeros) sharded by page over the 4 devices."""
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jnp.zeros((L, 4 * NP, PS, W), jnp.float32)
+    return jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+
+
+def _host_layout(src):
+    bpp = PS * W * 4
+    return KVLayout("layer_major", (KVBufferDesc((int(src.ctypes.data),), L, src.shape[1],
+                                                 bpp, head_bytes=W * 4),))
+
+
+def _apply(copies):
+    for s, d, n in copies:
+        ctypes.memmove(d, s, n)
+
+
+@pytest.mark.parametrize("dp", [4, 2])
+def test_prefill_pages_land_in_their_ranks_shards(dp):
+    arr = _paged(dp)
+    layout = export_kv_layout([arr], dp_size=dp)
+    desc = layout.buffers[0]
+    attn_tp = 4 // dp
+    assert desc.dp_size == dp and desc.num_pages == dp * NP and desc.shard_num_pages == NP
+    assert desc.shard_ranks == tuple(k // attn_tp for k in range(4))
+    assert layout.regions()[0][1] == L * NP * PS * W * 4
+    rng = np.random.default_rng(0)
+    src = rng.standard_normal((L, 9, PS, W)).astype(np.float32)
+    src_pages = [1, 2, 3, 4, 5, 7]
+    # consecutive across a rank boundary, one per other rank, none on a null page
+    dst_pages = [NP - 2, NP - 1, NP + 1, NP + 2, (dp - 1) * NP + 3, 2]
+    copies = build_copies(_host_layout(src), layout, src_pages, dst_pages)
+    _apply(copies)
+    out = np.asarray(arr)
+    want = np.zeros_like(out)
+    for sp, g in zip(src_pages, dst_pages):
+        rank, local = divmod(g, NP)
+        for k in range(rank * attn_tp, (rank + 1) * attn_tp):
+            want[:, k * NP + local] = src[:, sp]
+    np.testing.assert_array_equal(out, want)
+    assert sum(n for _, _, n in copies) == len(dst_pages) * attn_tp * L * PS * W * 4
+
+
+def test_refusals_name_the_field():
+    arr = _paged(4)
+    dpl = export_kv_layout([arr], dp_size=4)
+    src = np.zeros((L, 9, PS, W), np.float32)
+    with pytest.raises(ProtocolError, match="null page"):
+        build_copies(_host_layout(src), dpl, [1], [NP])          # rank 1's page 0
+    with pytest.raises(ValueError, match=r"dp_size.*prefill with DP attention"):
+        plan_head_slices(dpl, _host_layout(src))
+    heads = KVLayout("layer_major", (KVBufferDesc((1,), L, 9, PS * W * 4, num_heads=2,
+                                                     head_bytes=W * 2),))
+    with pytest.raises(ValueError, match="num_heads"):
+        plan_head_slices(heads, dpl)
+    with pytest.raises(ValueError, match="arrays\\[0\\]: sharded over its layer/page"):
+        export_kv_layout([arr])                                   # dp_size left out
+    with pytest.raises(ValueError, match="dp_size 3"):
+        export_kv_layout([arr], dp_size=3)
+    with pytest.raises(ValueError, match="shard_ranks"):
+        KVBufferDesc((1, 2), L, 2 * NP, 64, dp_size=4, shard_ranks=(0, 1))
+
+
+def test_wire_round_trip_and_plain_wire_unchanged():
+    d = KVBufferDesc((1, 2, 3, 4), L, 4 * NP, 64, dp_size=2, shard_ranks=(0, 0, 1, 1))
+    assert KVBufferDesc.from_wire("b", d.to_wire()) == d
+    plain = KVBufferDesc((1,), L, NP, 64).to_wire()
+    assert "dp_size" not in plain and "shard_ranks" not in plain
