@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -48,9 +49,10 @@ def master(tmp_path):
          f"--http_metadata_server_port={http}", f"--metrics_port={metrics}",
          "--enable_metric_reporting=false"], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
-    while True:                          # up once its metadata server answers
+    while True:                          # up once its RPC port and metadata server answer
         assert proc.poll() is None, (tmp_path / "master.log").read_text()
         try:
+            socket.create_connection(("127.0.0.1", rpc), timeout=2).close()
             urllib.request.urlopen(f"http://127.0.0.1:{http}/metadata?key=x", timeout=2)
             break
         except urllib.error.HTTPError:   # 404 for an unknown key: it is up
