@@ -109,8 +109,9 @@ class RemoteKV:
         ps = self._page_size
         local = len(req.pages) * ps
         whole = self.check_external(req, local, num_external, ps)   # 0: all local, but whole
-        n_new = -(-req.num_prompt_tokens // ps) - len(req.pages) if whole else num_external // ps
-        req.pages += self._kv.allocator.alloc(n_new)
+        # through the manager: under DP attention the pages come from the request's rank
+        if not self._kv.grow(req, req.num_prompt_tokens if whole else local + num_external):
+            raise RuntimeError(f"{req.rid}: admitted without free pages for its prompt")
         req.reserve_prebuilt(local)
         self._waiting[req.rid] = req
         self.not_yet.discard(req.rid)

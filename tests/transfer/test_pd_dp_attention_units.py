@@ -87,3 +87,75 @@ def test_wire_round_trip_and_plain_wire_unchanged():
     assert KVBufferDesc.from_wire("b", d.to_wire()) == d
     plain = KVBufferDesc((1,), L, NP, 64).to_wire()
     assert "dp_size" not in plain and "shard_ranks" not in plain
+
+
+DP_FLAGS = ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4"]
+
+
+def _parse_error(capsys, argv) -> str:
+    from pdjax.serve import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--port", "0", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--role", "prefill"], "error: role: 'prefill' with DP attention is not built yet"),
+    (["--role", "decode", "--disaggregation-transfer-backend", "jax"],
+     "error: disaggregation_transfer_backend: 'jax' is not built for a decode with DP"),
+    (["--role", "decode", "--disaggregation-transfer-path", "staging"],
+     "error: disaggregation_transfer_path: 'staging' is not built for a decode with DP"),
+])
+def test_pd_roles_refused_at_parse_time(tiny_checkpoints, capsys, argv, message):
+    err = _parse_error(capsys, ["--model-path", tiny_checkpoints["deepseek_v32"], *DP_FLAGS,
+                                *argv])
+    assert err.startswith(message), err
+
+
+def test_decode_role_parses(tiny_checkpoints):
+    from pdjax.serve import parse_args
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
+                       *DP_FLAGS, "--role", "decode"])
+    assert (args.role, args.dp_size) == ("decode", 4)
+
+
+def test_decode_admission_reserves_pages_on_the_assigned_rank():
+    """A PD decode's whole-prompt admission (``RemoteKV.admit``) took its pages from rank
+    0's allocator whatever rank the request was assigned, and left the rank's books without
+    it: every request then went to rank 0 and a decode row held pages of two ranks
+    ("pages [16, 17, 18, 38] are not all on rank 0" in the first real run)."""
+    from kv_fakes import WholePromptConnector, admit_whole, arrive
+    from pdjax.request import Request, SamplingParams
+    from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager
+    from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+    dp, np_, ps = 4, 8, 4
+    kv = DpKVCacheManager(dp, np_, ps)
+    sched = Scheduler(SchedulerConfig(num_pages=dp * np_, page_size=ps, chunked_prefill_size=64,
+                                      max_running_requests=8), kv=kv,
+                      connector=WholePromptConnector())
+    reqs = [Request(f"r{i}", [3 + (5 * i + j) % 90 for j in range(9 + i)],
+                    SamplingParams(max_new_tokens=6, temperature=0)) for i in range(6)]
+    for r in reqs:
+        admit_whole(sched, r)
+        ranks = {kv.allocator.rank_of(p) for p in r.pages}
+        assert ranks == {kv.rank_of(r)}, (r.rid, r.pages, kv.rank_of(r))
+        assert len(r.pages) == -(-r.num_prompt_tokens // ps)
+    assert sorted(kv.rank_of(r) for r in reqs[:dp]) == list(range(dp))     # least loaded
+    assert [x["num_requests"] for x in kv.rank_load()] == [2, 2, 1, 1]
+    for r in reqs:
+        arrive(sched, r, 7)
+    for _ in range(12):                         # decode rows grow on their own rank
+        batch = sched.schedule()
+        if batch is None:
+            break
+        sched.process_results(batch, {i: 5 for i, row in enumerate(batch.rows) if row.samples},
+                              lambda q: ({"type": "length", "length": 6}
+                                         if len(q.output_ids) >= 6 else None))
+        sched.check_invariants()
+        for r in reqs:
+            if r.pages:
+                assert {kv.allocator.rank_of(p) for p in r.pages} == {kv.rank_of(r)}
+    assert all(x["num_requests"] == 0 for x in kv.rank_load())
