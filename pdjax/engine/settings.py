@@ -235,19 +235,36 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
                                 token_field=token_field, token_value=getattr(args, token_field))
 
 
-def check_dp_attention_settings(args: ServerArgs) -> None:
+def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -> None:
     """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
-    with yet: speculative decoding, a PD role, the hierarchical cache, the CPU matmul kernel,
-    or a pool of fewer than 2 pages a rank (``max_total_tokens``)."""
+    with yet: speculative decoding, the prefill role, a decode over the ``jax`` transfer
+    backend (``auto`` on ``platform`` TPU), the staging path or several hosts, the
+    hierarchical cache, the CPU matmul kernel, or a pool of fewer than 2 pages a rank
+    (``max_total_tokens``)."""
     dp = args.dp_size
     if dp == 1:
         return
     if args.speculative_algorithm is not None:
         raise ValueError("speculative_algorithm: not built for DP attention yet "
                          f"(dp_size {dp})")
-    if args.role != "colocated":
-        raise ValueError(f"role: {args.role!r} with DP attention is not built yet (dp_size "
-                         f"{dp}); colocated only")
+    if args.role == "prefill":
+        raise ValueError(f"role: 'prefill' with DP attention is not built yet (dp_size "
+                         f"{dp}); colocated or decode")
+    if args.role == "decode":
+        # PD decode: pages written by address into the rank's shards (kv_export, DESIGN §4)
+        backend = args.disaggregation_transfer_backend
+        if backend == "auto" and platform is not None:
+            backend = "jax" if platform == "tpu" else "mooncake"
+        if backend == "jax":
+            raise ValueError(f"disaggregation_transfer_backend: {backend!r} is not built for "
+                             f"a decode with DP attention (dp_size {dp}); use mooncake")
+        if args.disaggregation_transfer_path == "staging":
+            raise ValueError(f"disaggregation_transfer_path: 'staging' is not built for a "
+                             f"decode with DP attention (dp_size {dp}): its pool is "
+                             f"page-sharded; use direct")
+        if args.nnodes > 1:
+            raise ValueError(f"nnodes: a decode with DP attention (dp_size {dp}) over "
+                             f"{args.nnodes} hosts is not built yet")
     if args.cache.enable_hierarchical_cache:
         raise ValueError("enable_hierarchical_cache: not built for DP attention yet")
     if args.cpu_matmul_kernel:
@@ -267,7 +284,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
     Raises ``ValueError`` for a checkpoint that cannot be read or an attention backend the
     platform has no kernel for."""
     platform = platform or jax.default_backend()
-    check_dp_attention_settings(args)
+    check_dp_attention_settings(args, platform)
     model_path = resolve_model_path(args.model_path, args.revision)
     model_cfg = model_cfg if model_cfg is not None else checkpoint_config(model_path)
     dtype = resolve_dtype(args.dtype, platform)

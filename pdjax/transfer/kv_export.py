@@ -325,19 +325,29 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                     np.concatenate(lens).tolist()))
 
 
+def check_rank_pages(layout: KVLayout, pages: np.ndarray) -> None:
+    """``ProtocolError`` naming ``dst_pages`` when ``pages`` (in range) hold a DP rank's null
+    page (local page 0 of a page-sharded ``layout``); nothing for a layout without DP."""
+    np_ = layout.buffers[0].shard_num_pages
+    if layout.buffers[0].dp_size > 1:
+        null = np.asarray(pages, np.int64) % np_ == 0
+        if null.any():
+            raise ProtocolError(f"field 'dst_pages': page {int(np.asarray(pages)[null][0])} "
+                                f"is the null page of DP rank "
+                                f"{int(np.asarray(pages)[null][0]) // np_}")
+
+
 def _ranked_copies(src_layout: KVLayout, dst_layout: KVLayout, plan: list[list[HeadSlice]],
                    src: np.ndarray, dst: np.ndarray,
                    src_shards: Sequence[Collection[int]] | None,
                    dst_shards: Sequence[Collection[int]] | None) -> list[Copy]:
     """``build_copies`` into a page-sharded destination: per buffer and (whole) slice, the
     pages of the slice's destination rank, cut into runs of (source page, local page)."""
+    check_rank_pages(dst_layout, dst)
     out: list[Copy] = []
     for i, (sb, db, slices) in enumerate(zip(src_layout.buffers, dst_layout.buffers, plan)):
         np_ = db.shard_num_pages
         rank, local = dst // np_, dst % np_
-        if (local == 0).any():
-            raise ProtocolError(f"field 'dst_pages': page {int(dst[local == 0][0])} is a DP "
-                                f"rank's null page")
         for sl in slices:
             if src_shards is not None and sl.src_shard not in src_shards[i]:
                 continue

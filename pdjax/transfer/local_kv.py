@@ -104,7 +104,10 @@ class LocalKV:
                                                  row_heads=self.row_heads)
         # The KV format (dtype, or the FP8 record) a peer must share: cache_spec.kv_format.
         self.kv_dtype = kv_format(runner.cache_specs)
-        self.num_pages = int(arrays[0].shape[1])
+        # DP attention: the pool is page-sharded, a rank's pages per device (kv_export)
+        self.dp_size = int(getattr(runner, "dp_size", 1))
+        self.num_pages = int(arrays[0].shape[1]) // (len(arrays[0].addressable_shards)
+                                                    // self.dp_size if self.dp_size > 1 else 1)
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
         self.mirrors: list[np.ndarray] = []
         self.mode = "staging"
@@ -112,7 +115,8 @@ class LocalKV:
         if mode != "staging":
             try:
                 self.layout = export_kv_layout(arrays, head_repeat=head_repeat,
-                                               row_heads=self.row_heads)
+                                               row_heads=self.row_heads,
+                                               dp_size=self.dp_size)
                 runner.require_in_place_kv()
                 self.mode = "direct"
             except ValueError as e:
@@ -128,8 +132,9 @@ class LocalKV:
             self.layout = KVLayout("layer_major", tuple(
                 _mirror_desc(m, h) for m, h in zip(self.mirrors, self.row_heads)))
         register_kv_layout(engine, self.layout)
+        # a page lives in the shards of its DP rank only (dp_size 1: every shard)
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
-                                  for b in self.layout.buffers)
+                                  // b.dp_size for b in self.layout.buffers)
         self.num_address_changes = 0
 
     def _arrays(self) -> list:
@@ -153,7 +158,7 @@ class LocalKV:
             return False
         unregister_kv_layout(self.engine, self.layout)
         self.layout = export_kv_layout(arrays, head_repeat=self.head_repeat,
-                                       row_heads=self.row_heads)
+                                       row_heads=self.row_heads, dp_size=self.dp_size)
         register_kv_layout(self.engine, self.layout)
         self.num_address_changes += 1
         logger.warning("KV cache moved after a donated step: re-registered (%d so far)",

@@ -45,7 +45,7 @@ from pdjax.pd.wire import ProtocolError, validate_pages
 from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import TransferError
-from pdjax.transfer.kv_export import write_nodes
+from pdjax.transfer.kv_export import check_rank_pages, write_nodes
 from pdjax.transfer.worker import EventQueue, KVTransferWorker
 
 logger = logging.getLogger(__name__)
@@ -366,6 +366,7 @@ class PrefillTransferWorker(KVTransferWorker):
         try:
             dst = validate_pages(np.asarray(msg.dst_pages, np.int64), peer.layout.num_pages,
                                  "dst_pages")
+            check_rank_pages(peer.layout, dst)      # a DP attention decode's null pages
             if not 0 <= msg.dst_metadata_slot < peer.metadata_num_slots:
                 raise ProtocolError(f"field 'dst_metadata_slot': {msg.dst_metadata_slot} outside "
                                     f"[0, {peer.metadata_num_slots})")
