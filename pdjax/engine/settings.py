@@ -200,7 +200,7 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     if num_devices is not None and not 1 <= args.tp_size <= num_devices:
         raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
                          f"{args.tp_size}")
-    check_dp_attention_settings(args)
+    check_dp_attention_settings(args, platform)
     family = model_family(model_cfg.architecture)
     run_cfg = run_config(family, model_cfg, args.tp_size, args.ep_size, args.moe_a2a_backend,
                          args.dp_size)
@@ -237,8 +237,8 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
 
 def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -> None:
     """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
-    with yet: speculative decoding, the prefill role, a decode over the ``jax`` transfer
-    backend (``auto`` on ``platform`` TPU), the staging path or several hosts, the
+    with yet: speculative decoding, a PD role over the ``jax`` transfer backend (``auto``
+    on ``platform`` TPU), the staging path or several hosts, the
     hierarchical cache, the CPU matmul kernel, or a pool of fewer than 2 pages a rank
     (``max_total_tokens``)."""
     dp = args.dp_size
@@ -247,23 +247,21 @@ def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -
     if args.speculative_algorithm is not None:
         raise ValueError("speculative_algorithm: not built for DP attention yet "
                          f"(dp_size {dp})")
-    if args.role == "prefill":
-        raise ValueError(f"role: 'prefill' with DP attention is not built yet (dp_size "
-                         f"{dp}); colocated or decode")
-    if args.role == "decode":
-        # PD decode: pages written by address into the rank's shards (kv_export, DESIGN §4)
+    if args.role in ("prefill", "decode"):
+        # PD: pages read / written by address in the rank's shards (kv_export, DESIGN §4)
+        role = args.role
         backend = args.disaggregation_transfer_backend
         if backend == "auto" and platform is not None:
             backend = "jax" if platform == "tpu" else "mooncake"
         if backend == "jax":
             raise ValueError(f"disaggregation_transfer_backend: {backend!r} is not built for "
-                             f"a decode with DP attention (dp_size {dp}); use mooncake")
+                             f"a {role} with DP attention (dp_size {dp}); use mooncake")
         if args.disaggregation_transfer_path == "staging":
             raise ValueError(f"disaggregation_transfer_path: 'staging' is not built for a "
-                             f"decode with DP attention (dp_size {dp}): its pool is "
+                             f"{role} with DP attention (dp_size {dp}): its pool is "
                              f"page-sharded; use direct")
         if args.nnodes > 1:
-            raise ValueError(f"nnodes: a decode with DP attention (dp_size {dp}) over "
+            raise ValueError(f"nnodes: a {role} with DP attention (dp_size {dp}) over "
                              f"{args.nnodes} hosts is not built yet")
     if args.cache.enable_hierarchical_cache:
         raise ValueError("enable_hierarchical_cache: not built for DP attention yet")

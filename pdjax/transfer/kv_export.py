@@ -51,8 +51,9 @@ prefill (not page-sharded, any TP) writes each page into its rank's shards alone
     src page 3  --------------------> dst page 10 = rank 1, local 2 -> shard 1 only
     src page 4  --------------------> dst page 27 = rank 3, local 3 -> shard 3 only
 
-Only buffers of one head (MLA latent, indexer keys) are page-sharded; a page-sharded source
-(a prefill with DP attention) is refused at pairing.
+A page-sharded source (a prefill with DP attention) is read the same way: a page from one
+shard of its rank, at its local page, into every destination shard that holds it. Only
+buffers of one head (MLA latent, indexer keys) may be page-sharded on either side.
 """
 
 from __future__ import annotations
@@ -169,15 +170,11 @@ def plan_head_slices(src: KVLayout, dst: KVLayout) -> list[list[HeadSlice]]:
         raise ValueError(f"kv_buffers: {len(src.buffers)} buffers != {len(dst.buffers)}")
     plan = []
     for i, (a, b) in enumerate(zip(src.buffers, dst.buffers)):
-        if a.dp_size > 1:
-            raise ValueError(f"kv_buffers[{i}].dp_size: the source is page-sharded (DP "
-                             f"attention, dp_size {a.dp_size}); the destination (dp_size "
-                             f"{b.dp_size}) cannot be written from it: a prefill with DP "
-                             f"attention is not built yet")
-        if b.dp_size > 1 and (b.num_heads != 1 or a.num_heads != 1):
-            raise ValueError(f"kv_buffers[{i}].num_heads: a page-sharded destination (DP "
-                             f"attention, dp_size {b.dp_size}) takes buffers of one head "
-                             f"(MLA); source {a.num_heads}, destination {b.num_heads}")
+        if (a.dp_size > 1 or b.dp_size > 1) and (b.num_heads != 1 or a.num_heads != 1):
+            raise ValueError(f"kv_buffers[{i}].num_heads: page-sharded buffers (DP attention: "
+                             f"source dp_size {a.dp_size}, destination dp_size {b.dp_size}) "
+                             f"must be of one head (MLA); source {a.num_heads}, destination "
+                             f"{b.num_heads}")
         names = ["num_layers", "num_heads", "head_bytes", "tokens_per_page"]
         if a.heads_per_shard == b.heads_per_shard:
             names.insert(2, "bytes_per_page")
@@ -293,7 +290,7 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
     plan = plan_head_slices(src_layout, dst_layout)
     src = validate_pages(src_pages, src_layout.num_pages, "src_pages")
     dst = validate_pages(dst_pages, dst_layout.num_pages, "dst_pages")
-    if any(b.dp_size > 1 for b in dst_layout.buffers):
+    if any(b.dp_size > 1 for b in (*src_layout.buffers, *dst_layout.buffers)):
         return _ranked_copies(src_layout, dst_layout, plan, src, dst, src_shards, dst_shards)
     runs = group_contiguous_runs(src, dst)
     if not runs:
@@ -325,44 +322,56 @@ def build_copies(src_layout: KVLayout, dst_layout: KVLayout,
                     np.concatenate(lens).tolist()))
 
 
-def check_rank_pages(layout: KVLayout, pages: np.ndarray) -> None:
-    """``ProtocolError`` naming ``dst_pages`` when ``pages`` (in range) hold a DP rank's null
+def check_rank_pages(layout: KVLayout, pages: np.ndarray, field: str = "dst_pages") -> None:
+    """``ProtocolError`` naming ``field`` when ``pages`` (in range) hold a DP rank's null
     page (local page 0 of a page-sharded ``layout``); nothing for a layout without DP."""
     np_ = layout.buffers[0].shard_num_pages
     if layout.buffers[0].dp_size > 1:
-        null = np.asarray(pages, np.int64) % np_ == 0
+        pages = np.asarray(pages, np.int64)
+        null = pages % np_ == 0
         if null.any():
-            raise ProtocolError(f"field 'dst_pages': page {int(np.asarray(pages)[null][0])} "
-                                f"is the null page of DP rank "
-                                f"{int(np.asarray(pages)[null][0]) // np_}")
+            raise ProtocolError(f"field {field!r}: page {int(pages[null][0])} is the null "
+                                f"page of DP rank {int(pages[null][0]) // np_}")
 
 
 def _ranked_copies(src_layout: KVLayout, dst_layout: KVLayout, plan: list[list[HeadSlice]],
                    src: np.ndarray, dst: np.ndarray,
                    src_shards: Sequence[Collection[int]] | None,
                    dst_shards: Sequence[Collection[int]] | None) -> list[Copy]:
-    """``build_copies`` into a page-sharded destination: per buffer and (whole) slice, the
-    pages of the slice's destination rank, cut into runs of (source page, local page)."""
+    """``build_copies`` where either side is page-sharded (one-head buffers, whole pages).
+    Per buffer and destination shard: the pages it holds (its rank's, or all), each read at
+    its local page from one source shard holding it (of the source page's rank when the
+    source is page-sharded, replica ``dst_shard % n`` as ``plan_head_slices``), cut into
+    runs of (source local page, destination local page) per source shard."""
+    check_rank_pages(src_layout, src, "src_pages")
     check_rank_pages(dst_layout, dst)
     out: list[Copy] = []
     for i, (sb, db, slices) in enumerate(zip(src_layout.buffers, dst_layout.buffers, plan)):
-        np_ = db.shard_num_pages
-        rank, local = dst // np_, dst % np_
-        for sl in slices:
-            if src_shards is not None and sl.src_shard not in src_shards[i]:
+        s_np, d_np = sb.shard_num_pages, db.shard_num_pages
+        s_rank, s_local = (src // s_np, src % s_np) if sb.dp_size > 1 \
+            else (np.zeros_like(src), src)
+        d_rank, d_local = (dst // d_np, dst % d_np) if db.dp_size > 1 \
+            else (np.zeros_like(dst), dst)
+        holders = [[k for k, r in enumerate(sb.shard_ranks) if r == rank]
+                   for rank in range(sb.dp_size)]
+        for d in range(len(db.shard_addrs)):
+            if dst_shards is not None and d not in dst_shards[i]:
                 continue
-            if dst_shards is not None and sl.dst_shard not in dst_shards[i]:
-                continue
-            mine = rank == db.shard_ranks[sl.dst_shard]
-            runs = group_contiguous_runs(src[mine], local[mine])
-            if not runs:
-                continue
-            arr = np.asarray(runs, dtype=np.int64)
-            s_off, d_off, length = _run_offsets(src_layout.kind, sb, db, arr[:, 0], arr[:, 1],
-                                                arr[:, 2])
-            s_addr, d_addr = sb.shard_addrs[sl.src_shard], db.shard_addrs[sl.dst_shard]
-            out += zip((s_off + s_addr).reshape(-1).tolist(), (d_off + d_addr).reshape(-1).tolist(),
-                       np.broadcast_to(length, s_off.shape).reshape(-1).tolist())
+            mine = d_rank == db.shard_ranks[d]
+            # the source shard of each page: one holder of its rank's pages
+            s_shard = np.asarray([holders[r][d % len(holders[r])] for r in range(sb.dp_size)],
+                                 np.int64)[s_rank]
+            for k in np.unique(s_shard[mine]).tolist():
+                if src_shards is not None and k not in src_shards[i]:
+                    continue
+                sel = mine & (s_shard == k)
+                runs = group_contiguous_runs(s_local[sel], d_local[sel])
+                arr = np.asarray(runs, dtype=np.int64)
+                s_off, d_off, length = _run_offsets(src_layout.kind, sb, db, arr[:, 0],
+                                                    arr[:, 1], arr[:, 2])
+                out += zip((s_off + sb.shard_addrs[k]).reshape(-1).tolist(),
+                           (d_off + db.shard_addrs[d]).reshape(-1).tolist(),
+                           np.broadcast_to(length, s_off.shape).reshape(-1).tolist())
     return out
 
 

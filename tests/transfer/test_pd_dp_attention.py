@@ -1,9 +1,9 @@
-"""PD into a decode with DP attention (issue 41 step 3; DESIGN.md §4, §6): a TP 1 prefill
-of the tiny DeepSeek-V3.2 (MLA latent + DSA indexer caches) writes each request's pages into
-the shard of the rank the decode (TP 4, DP 4 on 4 simulated CPU devices, Mooncake, direct
-path) assigned it at admission; the decode's greedy tokens equal the colocated engine's
-(tie-aware) with fewer requests in flight than ranks and more, and both pools are back at
-baseline after."""
+"""PD with DP attention (issue 41 step 3; DESIGN.md §4, §6), tiny DeepSeek-V3.2 (MLA latent
++ DSA indexer caches), Mooncake, direct path, DP servers on 4 simulated CPU devices: a TP 1
+prefill writes each request's pages into the shard of the rank a TP 4 DP 4 decode assigned
+it at admission; a TP 4 DP 4 prefill sends its rank's pages to a TP 1 decode and to the DP
+decode. The decode's greedy tokens equal the colocated engine's (tie-aware) with fewer
+requests in flight than ranks and more, and the pools are back at baseline after."""
 
 import concurrent.futures
 
@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow
 ARGS = dict(page_size=8, max_total_tokens=1184, chunked_prefill_size=16,
             max_running_requests=8, context_length=64)
 DP = 4
-# 148 pages, 37 a rank: a KV buffer's size shares no factor with the DP step's temporaries
-# (at 32 pages a rank an [N * Ts, 384] f32 temp had a buffer's size, and the in-place check
-# of runner/pool_copy.py, which reads sizes, took it for a copy of the pool)
+# 148 pages, 37 a rank: at 32 a rank some DP step temporaries had a KV buffer's exact size
+# (98,304 B, 49,152 B) and the in-place check of runner/pool_copy.py took them for copies of
+# the pool; 37 shares no factor with them
 SAMPLING = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
@@ -31,16 +31,20 @@ def dp_pd(tiny_checkpoints, tmp_path_factory):
     colocated = Engine(model_path=model, progress=False, **ARGS)
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, **ARGS)
-    decode = pd_server(
-        "decode_dp4", "decode", model, logs, tp_size=DP,
-        extra=["--enable-dp-attention", "--dp-size", str(DP),
-               "--disaggregation-transfer-backend", "mooncake",
-               "--disaggregation-transfer-path", "direct"],
-        env=child_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false "
-                                f"--xla_force_host_platform_device_count={DP}"), **ARGS)
+    dp_flags = dict(tp_size=DP, extra=[
+        "--enable-dp-attention", "--dp-size", str(DP), "--disaggregation-transfer-backend",
+        "mooncake", "--disaggregation-transfer-path", "direct"], env=child_env(
+        XLA_FLAGS=f"--xla_cpu_multi_thread_eigen=false "
+                  f"--xla_force_host_platform_device_count={DP}"))
+    decode = pd_server("decode_dp4", "decode", model, logs, **dp_flags, **ARGS)
+    bport_dp = free_port()
+    prefill_dp = pd_server("prefill_dp4", "prefill", model, logs, bootstrap_port=bport_dp,
+                           **dp_flags, **ARGS)
+    decode_tp1 = pd_server("decode_tp1", "decode", model, logs, **ARGS)
     try:
-        with running([prefill, decode]):
-            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
+        with running([prefill, decode, prefill_dp, decode_tp1]):
+            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated,
+                       prefill_dp=prefill_dp, bport_dp=bport_dp, decode_tp1=decode_tp1)
     finally:
         colocated.shutdown()
 
@@ -49,12 +53,12 @@ def _prompts(lengths, salt):
     return [[(7 * i + 3 * n + salt) % 500 + 3 for i in range(n)] for n in lengths]
 
 
-def _run(dp_pd, prompts, room0):
+def _run(dp_pd, prompts, room0, prefill="prefill", decode="decode", bport="bport"):
     ref = dp_pd["colocated"].generate(input_ids=prompts, return_logprob=True,
                                       top_logprobs_num=2, sampling_params=SAMPLING)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         outs = list(pool.map(
-            lambda kp: pd_pair(dp_pd["prefill"], dp_pd["decode"], dp_pd["bport"], kp[1],
+            lambda kp: pd_pair(dp_pd[prefill], dp_pd[decode], dp_pd[bport], kp[1],
                                room0 + kp[0], SAMPLING["max_new_tokens"]),
             enumerate(prompts)))
     compared = sum(greedy_agrees(r["output_ids"], r["meta_info"]["output_top_logprobs"],
@@ -63,12 +67,14 @@ def _run(dp_pd, prompts, room0):
     return outs
 
 
-def _back_at_baseline(dp_pd):
+def _back_at_baseline(dp_pd, *names):
+    servers = [dp_pd[n] for n in names or ("prefill", "decode")]
+
     def ok():
-        ld = load(dp_pd["decode"])
-        return (at_baseline(dp_pd["prefill"]) and at_baseline(dp_pd["decode"])
-                and all(r["num_requests"] == 0 for r in ld["dp_ranks"]))
-    assert wait_until(ok, 15), (load(dp_pd["prefill"]), load(dp_pd["decode"]))
+        return all(at_baseline(s) and all(r["num_requests"] == 0
+                                           for r in load(s).get("dp_ranks", []))
+                   for s in servers)
+    assert wait_until(ok, 15), [load(s) for s in servers]
 
 
 def test_decode_layout_is_page_sharded(dp_pd):
@@ -99,3 +105,23 @@ def test_more_requests_than_ranks_and_bytes(dp_pd):
         pages = -(-n // ARGS["page_size"]) - rec["decode_prefix_len"] // ARGS["page_size"]
         assert rec["pages"] == pages and rec["bytes"] == pages * p_bpp, rec
     assert load(dp_pd["decode"])["num_prompt_tokens_computed"] == 0
+
+
+@pytest.mark.parametrize("decode", ["decode_tp1", "decode"])
+def test_prefill_with_dp_attention(dp_pd, decode):
+    """A DP 4 prefill computes each prompt on one rank and sends that rank's pages, to a
+    TP 1 decode and to the DP 4 decode; 2 requests (fewer than ranks), then 6 (more)."""
+    room = 300 if decode == "decode_tp1" else 400
+    _run(dp_pd, _prompts([9, 33], 2), room, "prefill_dp", decode, "bport_dp")
+    _run(dp_pd, _prompts([9, 17, 24, 33, 41, 12], 3), room + 10, "prefill_dp", decode,
+         "bport_dp")
+    _back_at_baseline(dp_pd, "prefill_dp", decode)
+    p_state = pd_state(dp_pd["prefill_dp"])
+    assert all(heads == [[0, 1]] * DP for heads in p_state["kv_shard_heads"])
+    recs = [r for r in p_state["recent"] if r["room"] >= room + 10]
+    assert len(recs) == 6 and all(r["state"] == "Success" for r in recs), recs
+    # the prompts were computed on several ranks (global page // pages a rank)
+    per_rank = ARGS["max_total_tokens"] // ARGS["page_size"] // DP
+    ranks = {p // per_rank for r in recs for c in r["chunks"] for p in c["src"]}
+    assert len(ranks) >= 2, ranks
+    assert load(dp_pd[decode])["num_prompt_tokens_computed"] == 0

@@ -62,14 +62,55 @@ def test_prefill_pages_land_in_their_ranks_shards(dp):
     assert sum(n for _, _, n in copies) == len(dst_pages) * attn_tp * L * PS * W * 4
 
 
+def _paged_from(logical, dp):
+    """A DP pool buffer holding ``logical`` [L, dp * NP, PS, W] (global pages): each device of
+    rank r (4 / dp of them) a copy of rank r's NP pages."""
+    attn_tp = 4 // dp
+    per_dev = np.concatenate([logical[:, (k // attn_tp) * NP:(k // attn_tp + 1) * NP]
+                              for k in range(4)], axis=1)
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    return jax.device_put(jnp.asarray(per_dev), NamedSharding(mesh, P(None, "tp")))
+
+
+@pytest.mark.parametrize("src_dp,dst", [(4, "host"), (2, "host"), (4, 2), (2, 4)])
+def test_prefill_with_dp_attention_reads_its_ranks_pages(src_dp, dst):
+    rng = np.random.default_rng(1)
+    logical = rng.standard_normal((L, src_dp * NP, PS, W)).astype(np.float32)
+    src_arr = _paged_from(logical, src_dp)
+    src_layout = export_kv_layout([src_arr], dp_size=src_dp)
+    src_pages = [NP + 1, NP + 2, 2, (src_dp - 1) * NP + 5, 3]
+    if dst == "host":
+        out = np.zeros((L, 12, PS, W), np.float32)
+        dst_layout, dst_pages = _host_layout(out), [4, 5, 6, 1, 9]
+    else:
+        dst_arr = _paged(dst)
+        dst_layout = export_kv_layout([dst_arr], dp_size=dst)
+        dst_pages = [NP + 3, NP + 4, 1, (dst - 1) * NP + 2, NP - 1]
+    copies = build_copies(src_layout, dst_layout, src_pages, dst_pages)
+    _apply(copies)
+    if dst == "host":
+        for sp, g in zip(src_pages, dst_pages):
+            np.testing.assert_array_equal(out[:, g], logical[:, sp])
+        assert out[:, [0, 2, 3, 7, 8, 10, 11]].sum() == 0
+    else:
+        got = np.asarray(dst_arr)
+        want = np.zeros_like(got)
+        attn_tp = 4 // dst
+        for sp, g in zip(src_pages, dst_pages):
+            rank, local = divmod(g, NP)
+            for k in range(rank * attn_tp, (rank + 1) * attn_tp):
+                want[:, k * NP + local] = logical[:, sp]
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(ProtocolError, match="src_pages"):
+        build_copies(src_layout, dst_layout, [NP], dst_pages[:1])   # rank 1's null page
+
+
 def test_refusals_name_the_field():
     arr = _paged(4)
     dpl = export_kv_layout([arr], dp_size=4)
     src = np.zeros((L, 9, PS, W), np.float32)
     with pytest.raises(ProtocolError, match="null page"):
         build_copies(_host_layout(src), dpl, [1], [NP])          # rank 1's page 0
-    with pytest.raises(ValueError, match=r"dp_size.*prefill with DP attention"):
-        plan_head_slices(dpl, _host_layout(src))
     heads = KVLayout("layer_major", (KVBufferDesc((1,), L, 9, PS * W * 4, num_heads=2,
                                                      head_bytes=W * 2),))
     with pytest.raises(ValueError, match="num_heads"):
@@ -102,7 +143,8 @@ def _parse_error(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--role", "prefill"], "error: role: 'prefill' with DP attention is not built yet"),
+    (["--role", "prefill", "--disaggregation-transfer-backend", "jax"],
+     "error: disaggregation_transfer_backend: 'jax' is not built for a prefill with DP"),
     (["--role", "decode", "--disaggregation-transfer-backend", "jax"],
      "error: disaggregation_transfer_backend: 'jax' is not built for a decode with DP"),
     (["--role", "decode", "--disaggregation-transfer-path", "staging"],
@@ -114,11 +156,12 @@ def test_pd_roles_refused_at_parse_time(tiny_checkpoints, capsys, argv, message)
     assert err.startswith(message), err
 
 
-def test_decode_role_parses(tiny_checkpoints):
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_pd_roles_parse(tiny_checkpoints, role):
     from pdjax.serve import parse_args
     args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
-                       *DP_FLAGS, "--role", "decode"])
-    assert (args.role, args.dp_size) == ("decode", 4)
+                       *DP_FLAGS, "--role", role])
+    assert (args.role, args.dp_size) == (role, 4)
 
 
 def test_decode_admission_reserves_pages_on_the_assigned_rank():
