@@ -167,6 +167,11 @@ class DpKVCacheManager(KVCacheManager):
                 return False
         return True
 
+    def same_pool(self, req: Request, reqs: Iterable[Request]) -> list[Request]:
+        """Those of ``reqs`` assigned ``req``'s rank (a PD decode's headroom is a rank's)."""
+        rank = self.rank_of(req)
+        return [r for r in reqs if self.request_rank.get(r.rid) == rank]
+
     def make_free(self, n: int, req: Request | None = None) -> bool:
         """Evict until ``n`` pages are free on ``req``'s rank (None: anywhere)."""
         if req is None:

@@ -51,6 +51,10 @@ class KVCacheManager:
         """New pages ``req`` needs to hold ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.page_size) - len(req.pages))
 
+    def same_pool(self, req: Request, reqs: Iterable[Request]) -> list[Request]:
+        """Those of ``reqs`` whose pages come from ``req``'s pool (one pool here: all)."""
+        return list(reqs)
+
     def make_free(self, n: int, req: Request | None = None) -> bool:
         """Evict from the prefix cache until ``n`` pages are free; False if impossible.
         ``req``: the request they are for (one pool here: unused)."""

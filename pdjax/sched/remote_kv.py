@@ -100,7 +100,9 @@ class RemoteKV:
             left = n if mnt is None else max(0, min(n, mnt - max(1, len(r.output_ids))))
             return -(-left // ps)
 
-        return need(req) + sum(map(need, running)) + sum(map(need, self._waiting.values()))
+        # DP attention: only the requests of req's rank draw on its pages
+        others = self._kv.same_pool(req, [*running, *self._waiting.values()])
+        return need(req) + sum(map(need, others))
 
     def admit(self, req: Request, num_external: int) -> None:
         """``req`` holds its local prefix pages (``req.pages``); allocate the pages of its

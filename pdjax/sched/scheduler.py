@@ -306,7 +306,8 @@ class Scheduler:
         self.prefix_cache.lock(node)
         # The decode reservation yields when nothing else holds pages (it could never fit).
         if not self.kv.make_free(need + reserve, req) and (
-                not reserve or self.running or self.remote.waiting
+                not reserve or self.kv.same_pool(req, [*self.running,
+                                                       *self.remote.waiting.values()])
                 or not self.kv.make_free(need, req)):
             self.prefix_cache.unlock(node)
             return False

@@ -202,3 +202,29 @@ def test_decode_admission_reserves_pages_on_the_assigned_rank():
             if r.pages:
                 assert {kv.allocator.rank_of(p) for p in r.pages} == {kv.rank_of(r)}
     assert all(x["num_requests"] == 0 for x in kv.rank_load())
+
+
+def test_decode_headroom_is_asked_of_the_requests_rank():
+    """A PD decode keeps ``num_reserved_decode_tokens`` free for every running and arriving
+    request; with DP attention it asked one rank (7 free pages here) for the headroom of the
+    requests of every rank, so with one request in flight no other could be admitted on an
+    empty rank. Now only the requests of the same rank count."""
+    from kv_fakes import WholePromptConnector
+    from pdjax.request import Request, SamplingParams
+    from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager
+    from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+    dp, np_, ps = 4, 8, 4
+    kv = DpKVCacheManager(dp, np_, ps)
+    sched = Scheduler(SchedulerConfig(num_pages=dp * np_, page_size=ps, chunked_prefill_size=64,
+                                      max_running_requests=8, num_reserved_decode_tokens=16),
+                      kv=kv, connector=WholePromptConnector())
+    reqs = [Request(f"r{i}", [3 + (7 * i + j) % 90 for j in range(8)],
+                    SamplingParams(max_new_tokens=64, temperature=0)) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.schedule()
+    # 2 pages + 4 of headroom each: one request a rank fits, a second on a rank does not
+    assert sorted(sched.waiting_remote) == ["r0", "r1", "r2", "r3"]
+    assert sorted(kv.rank_of(r) for r in reqs[:4]) == list(range(dp))
+    sched.check_invariants()
