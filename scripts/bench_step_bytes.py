@@ -223,6 +223,7 @@ def plot(rows: list[dict], path: str) -> None:
     series.update({k: [0] + [r["per_layer"][k] / 1e6 for r in real] for k in KINDS})
     _grouped(ax, labels, series, colors)
     ax.set_title("mixed step, one MoE layer\n(measured: per device)", fontsize=9)
+    ax.set_ylim(bottom=1)              # hide the sub-MB helpers (send-count gathers)
     ax.set_ylabel("MB")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -1,5 +1,5 @@
 """Bytes the collectives of a compiled XLA executable move, per device per run, read from its
-post-optimization HLO text (``compiled.as_text()``); DESIGN.md §6, BENCHMARKS.md "The mixed
+post-optimization HLO text (``compiled.as_text()``); BENCHMARKS.md "The mixed
 step's collective bytes".
 
 Every collective instruction is counted once per execution of its computation: a ``while``
