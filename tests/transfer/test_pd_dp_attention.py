@@ -125,3 +125,21 @@ def test_prefill_with_dp_attention(dp_pd, decode):
     ranks = {p // per_rank for r in recs for c in r["chunks"] for p in c["src"]}
     assert len(ranks) >= 2, ranks
     assert load(dp_pd[decode])["num_prompt_tokens_computed"] == 0
+
+
+def test_decode_prefix_hit_stays_on_its_rank(dp_pd):
+    """The same prompt twice: the second time the DP decode finds its prefix cached on one
+    rank, assigns the request there, and takes only the rest of the prompt from the
+    prefill into that rank's shard."""
+    prompt = _prompts([41], 5)
+    _run(dp_pd, prompt, 500)
+    _back_at_baseline(dp_pd)
+    _run(dp_pd, prompt, 501)
+    _back_at_baseline(dp_pd)
+    recs = {r["room"]: r for r in pd_state(dp_pd["prefill"])["recent"]}
+    first, again = recs[500], recs[501]
+    assert first["decode_prefix_len"] == 0 and again["decode_prefix_len"] >= 32, again
+    assert again["pages"] == -(-41 // ARGS["page_size"]) - again["decode_prefix_len"] // 8
+    per_rank = ARGS["max_total_tokens"] // ARGS["page_size"] // DP
+    dst = [p for c in first["chunks"] + again["chunks"] for p in c["dst"]]
+    assert len({p // per_rank for p in dst}) == 1, dst     # both on the prefix's rank
