@@ -64,20 +64,23 @@ HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
   ROOT %s = f32[] add(%a, %b)
 }
 
-%ragged_body (p0: bf16[64,128], p1: bf16[64,128], p2: s32[8], p3: s32[8], p4: s32[8], p5: s32[8]) -> bf16[64,128] {
+%ragged_body (p0: bf16[64,128], p1: bf16[64,128], p2: s32[8], p3: s32[8], p4: s32[8], \
+p5: s32[8]) -> bf16[64,128] {
   %p0 = bf16[64,128]{1,0} parameter(0)
   %p1 = bf16[64,128]{1,0} parameter(1)
   %p2 = s32[8]{0} parameter(2)
   %p3 = s32[8]{0} parameter(3)
   %p4 = s32[8]{0} parameter(4)
   %p5 = s32[8]{0} parameter(5)
-  ROOT %ra = bf16[64,128]{1,0} ragged-all-to-all(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5), channel_id=9, replica_groups=[1,8]<=[8]
+  ROOT %ra = bf16[64,128]{1,0} ragged-all-to-all(%p0, %p1, %p2, %p3, %p4, /*index=5*/%p5), \
+channel_id=9, replica_groups=[1,8]<=[8]
 }
 
 %inner (ip: (s32[], f32[16])) -> (s32[], f32[16]) {
   %ip = (s32[], f32[16]{0}) parameter(0)
   %iv = f32[16]{0} get-tuple-element(%ip), index=1
-  %ar-start = f32[16]{0} all-reduce-start(%iv), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
+  %ar-start = f32[16]{0} all-reduce-start(%iv), channel_id=3, \
+replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, to_apply=%add
   %ar-done = f32[16]{0} all-reduce-done(%ar-start)
   %ic = s32[] get-tuple-element(%ip), index=0
   ROOT %it = (s32[], f32[16]{0}) tuple(%ic, %ar-done)
@@ -91,13 +94,17 @@ HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
 %layer (lp: (s32[], bf16[2,7168])) -> (s32[], bf16[2,7168]) {
   %lp = (s32[], bf16[2,7168]{1,0}) parameter(0)
   %x = bf16[2,7168]{1,0} get-tuple-element(%lp), index=1
-  %ag-start = (bf16[2,7168]{1,0}, bf16[16,7168]{1,0}) all-gather-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, metadata={op_name="jit(step)/while/body/all_gather"}
+  %ag-start = (bf16[2,7168]{1,0}, bf16[16,7168]{1,0}) all-gather-start(%x), channel_id=1, \
+replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, \
+metadata={op_name="jit(step)/while/body/all_gather"}
   %ag-done = bf16[16,7168]{1,0} all-gather-done(%ag-start)
-  %rs-start = ((bf16[16,7168]{1,0}), bf16[2,7168]{1,0}) reduce-scatter-start(%ag-done), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+  %rs-start = ((bf16[16,7168]{1,0}), bf16[2,7168]{1,0}) reduce-scatter-start(%ag-done), \
+channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
   %rs-done = bf16[2,7168]{1,0} reduce-scatter-done(%rs-start)
   %z = f32[16]{0} broadcast(), dimensions={}
   %t0 = (s32[], f32[16]{0}) tuple(%z, %z)
-  %w2 = (s32[], f32[16]{0}) while(%t0), condition=%inner_cond, body=%inner, backend_config={"known_trip_count":{"n":"2"}}
+  %w2 = (s32[], f32[16]{0}) while(%t0), condition=%inner_cond, body=%inner, \
+backend_config={"known_trip_count":{"n":"2"}}
   %c = s32[] get-tuple-element(%lp), index=0
   ROOT %lt = (s32[], bf16[2,7168]{1,0}) tuple(%c, %rs-done)
 }
@@ -117,7 +124,8 @@ HLO = """HloModule jit_step, is_scheduled=true, num_partitions=8
   ROOT %sar = f32[4]{0} all-reduce(%sp), replica_groups={}, to_apply=%add
 }
 
-ENTRY %main (x0: bf16[2,7168], q: pred[], big: f32[1024], small: f32[4], r0: bf16[64,128], r1: bf16[64,128], c: s32[8]) -> bf16[2,7168] {
+ENTRY %main (x0: bf16[2,7168], q: pred[], big: f32[1024], small: f32[4], r0: bf16[64,128], \
+r1: bf16[64,128], c: s32[8]) -> bf16[2,7168] {
   %x0 = bf16[2,7168]{1,0} parameter(0)
   %q = pred[] parameter(1)
   %big = f32[1024]{0} parameter(2)
@@ -127,11 +135,15 @@ ENTRY %main (x0: bf16[2,7168], q: pred[], big: f32[1024], small: f32[4], r0: bf1
   %cnt = s32[8]{0} parameter(6)
   %k = s32[] constant(0)
   %t = (s32[], bf16[2,7168]{1,0}) tuple(%k, %x0)
-  %w = (s32[], bf16[2,7168]{1,0}) while(%t), condition=%layer_cond, body=%layer, backend_config={"known_trip_count":{"n":"61"},"known_init_step":{"init":"0","step":"1"}}
-  %cond = f32[4]{0} conditional(%q, %big, %small), true_computation=%cond_big, false_computation=%cond_small
-  %as = ((bf16[64,128]{1,0}, bf16[64,128]{1,0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}), bf16[64,128]{1,0}) async-start(%r0, %r1, %cnt, %cnt, %cnt, %cnt), calls=%ragged_body
+  %w = (s32[], bf16[2,7168]{1,0}) while(%t), condition=%layer_cond, body=%layer, \
+backend_config={"known_trip_count":{"n":"61"},"known_init_step":{"init":"0","step":"1"}}
+  %cond = f32[4]{0} conditional(%q, %big, %small), true_computation=%cond_big, \
+false_computation=%cond_small
+  %as = ((bf16[64,128]{1,0}, bf16[64,128]{1,0}, s32[8]{0}, s32[8]{0}, s32[8]{0}, s32[8]{0}), \
+bf16[64,128]{1,0}) async-start(%r0, %r1, %cnt, %cnt, %cnt, %cnt), calls=%ragged_body
   %ad = bf16[64,128]{1,0} async-done(%as), calls=%ragged_body
-  %cp-start = (bf16[2,7168]{1,0}, bf16[2,7168]{1,0}, u32[], u32[]) collective-permute-start(%x0), channel_id=5, source_target_pairs={{0,1},{1,0}}
+  %cp-start = (bf16[2,7168]{1,0}, bf16[2,7168]{1,0}, u32[], \
+u32[]) collective-permute-start(%x0), channel_id=5, source_target_pairs={{0,1},{1,0}}
   %cp-done = bf16[2,7168]{1,0} collective-permute-done(%cp-start)
   ROOT %out = bf16[2,7168]{1,0} get-tuple-element(%w), index=1
 }
@@ -198,3 +210,35 @@ def test_shape_bytes_and_bad_input():
         collective_bytes("HloModule m\n\n%f (a: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n}\n")
     assert set(KINDS) == {"all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                           "ragged-all-to-all", "collective-permute"}
+
+
+def _script():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench_step_bytes.py")
+    spec = importlib.util.spec_from_file_location("bench_step_bytes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_script_layer_loop_and_bad_flags(capsys):
+    script = _script()
+    # The layer scan is the loop of most trips up to the model's layers (not a 5-trip inner
+    # loop nor a longer unrelated one), and the table gives its per-iteration bytes.
+    step = {"bucket": {"entry": "extend", "num_tokens": 64, "num_rows": 4, "pages_per_seq": 2},
+            "total": collective_bytes(HLO)["total"], "loops": [
+                {"trip_count": 3, "per_iteration": {k: {"buffer_bytes": 1} for k in KINDS}},
+                {"trip_count": 58, "per_iteration": {k: {"buffer_bytes": 2} for k in KINDS}},
+                {"trip_count": 100, "per_iteration": {k: {"buffer_bytes": 3} for k in KINDS}}]}
+    run = {"label": "L", "model": "m", "dp_attention": 1, "num_layers": 61,
+           "mixed": step, "decode": step}
+    rows = script.summarize(run)
+    assert [r["layer_trip"] for r in rows] == [58, 58]
+    assert rows[0]["per_layer"]["all-gather"] == 2
+    assert rows[0]["per_step"]["all-gather"] == 61 * 8 * 2 * 7168 * 2
+    assert "| m | L | decode (extend T=64) |" in script.format_table(rows)
+    assert script.main(["compile", "--label", "x", "--out", "/dev/null",
+                        "--prefill-tokens", "-1", "--", "--gpu", "h200"]) == 2
+    assert capsys.readouterr().err.strip() == "error: prefill_tokens: must be >= 0, got -1"
