@@ -20,6 +20,11 @@ def draw_room(rng: random.Random) -> int:
 POLICIES = ("load_aware", "round_robin")
 
 
+def _usage(value: object) -> bool:
+    """Whether ``value`` is a ``kv_usage``: a number in [0, 1]."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+
+
 class WorkerPool:
     """The workers of one role and the router's view of their load (pure Python).
 
@@ -86,9 +91,15 @@ class WorkerPool:
         self.outstanding[i] = max(0, self.outstanding[i] - 1)
 
     def set_kv_usage(self, i: int, load: object) -> None:
-        """Take ``kv_usage`` from a ``/get_load`` body; anything else leaves it unchanged."""
+        """Take ``kv_usage`` from a ``/get_load`` body; anything else leaves it unchanged. A
+        worker with DP attention (``dp_ranks``, each with its ``kv_usage``) counts as its
+        least used rank's: a new request runs on one rank, the least loaded."""
         value = load.get("kv_usage") if isinstance(load, dict) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1:
+        ranks = load.get("dp_ranks") if isinstance(load, dict) else None
+        if isinstance(ranks, list) and ranks and all(
+                isinstance(r, dict) and _usage(r.get("kv_usage")) for r in ranks):
+            value = min(r["kv_usage"] for r in ranks)
+        if _usage(value):
             self.kv_usage[i] = float(value)
 
     def state(self) -> list[dict[str, Any]]:

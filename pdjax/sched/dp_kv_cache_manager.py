@@ -106,7 +106,7 @@ class DpKVCacheManager(KVCacheManager):
         self.num_pages = self.allocator.num_pages
         self.prefix_cache = RadixCache(page_size, self.allocator, enabled=not disable_radix_cache)
         self.request_rank: dict[str, int] = {}      # rid -> rank (set at admission)
-        self._holding: set[str] = set()              # rids that hold pages of their rank
+        self._holding: dict[str, Request] = {}      # the requests holding pages of their rank
 
     @property
     def null_pages(self) -> frozenset[int]:
@@ -121,14 +121,24 @@ class DpKVCacheManager(KVCacheManager):
         return self.request_rank[req.rid]
 
     def rank_load(self) -> list[dict]:
-        """Per rank: ``{"rank", "num_requests", "num_used_pages", "num_free_pages"}`` (the
-        requests holding pages there; ``/get_load``)."""
+        """Per rank (``/get_load``'s ``dp_ranks``, what a router reads): ``{"rank",
+        "num_requests", "num_used_pages", "num_free_pages", "num_pinned_pages", "kv_usage"}``:
+        the requests holding pages there, its used (cache included) and free pages, the pages
+        its requests hold (the prefix pages they share counted once), and those as a share
+        of the rank's ``pages_per_rank - 1`` usable pages (``kv_usage`` in [0, 1], as the
+        engine's, evictable cache left out)."""
         counts = [0] * self.dp_size
-        for rid in self._holding:
-            counts[self.request_rank[rid]] += 1
+        pinned: list[set[int]] = [set() for _ in range(self.dp_size)]
+        for rid, req in self._holding.items():
+            rank = self.request_rank[rid]
+            counts[rank] += 1
+            pinned[rank].update(req.pages)
+        usable = self.pages_per_rank - 1
         return [{"rank": r, "num_requests": counts[r],
-                 "num_used_pages": self.pages_per_rank - 1 - self.allocator.num_free_on(r),
-                 "num_free_pages": self.allocator.num_free_on(r)} for r in range(self.dp_size)]
+                 "num_used_pages": usable - self.allocator.num_free_on(r),
+                 "num_free_pages": self.allocator.num_free_on(r),
+                 "num_pinned_pages": len(pinned[r]), "kv_usage": len(pinned[r]) / usable}
+                for r in range(self.dp_size)]
 
     def least_loaded_rank(self) -> int:
         load = self.rank_load()
@@ -193,10 +203,10 @@ class DpKVCacheManager(KVCacheManager):
         if not self._make_free_on(rank, n):
             return False
         req.pages.extend(self.allocator.alloc(n, rank))
-        self._holding.add(req.rid)
+        self._holding[req.rid] = req
         return True
 
     def release(self, req: Request) -> None:
         super().release(req)
         self.request_rank.pop(req.rid, None)
-        self._holding.discard(req.rid)
+        self._holding.pop(req.rid, None)

@@ -71,7 +71,7 @@ def _back_at_baseline(dp_pd, *names):
     servers = [dp_pd[n] for n in names or ("prefill", "decode")]
 
     def ok():
-        return all(at_baseline(s) and all(r["num_requests"] == 0
+        return all(at_baseline(s) and all(r["num_requests"] == r["num_pinned_pages"] == 0
                                            for r in load(s).get("dp_ranks", []))
                    for s in servers)
     assert wait_until(ok, 15), [load(s) for s in servers]

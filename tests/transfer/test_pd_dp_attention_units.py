@@ -228,3 +228,34 @@ def test_decode_headroom_is_asked_of_the_requests_rank():
     assert sorted(sched.waiting_remote) == ["r0", "r1", "r2", "r3"]
     assert sorted(kv.rank_of(r) for r in reqs[:4]) == list(range(dp))
     sched.check_invariants()
+
+
+def test_per_rank_load_and_the_routers_use_of_it():
+    """``/get_load``'s ``dp_ranks`` give each rank's pinned pages and ``kv_usage`` (shared
+    prefix pages counted once); the router takes a DP worker's least used rank."""
+    from kv_fakes import WholePromptConnector, admit_whole
+    from pdjax.request import Request, SamplingParams
+    from pdjax.router.pool import WorkerPool
+    from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager
+    from pdjax.sched.scheduler import Scheduler, SchedulerConfig
+
+    dp, np_, ps = 2, 9, 4
+    kv = DpKVCacheManager(dp, np_, ps)
+    sched = Scheduler(SchedulerConfig(num_pages=dp * np_, page_size=ps, chunked_prefill_size=64,
+                                      max_running_requests=8), kv=kv,
+                      connector=WholePromptConnector())
+    a = Request("a", list(range(3, 15)), SamplingParams(max_new_tokens=2, temperature=0))
+    b = Request("b", list(range(20, 25)), SamplingParams(max_new_tokens=2, temperature=0))
+    admit_whole(sched, a)                       # 3 pages on rank 0
+    admit_whole(sched, b)                       # 2 pages on rank 1 (least loaded)
+    load = kv.rank_load()
+    assert [x["num_pinned_pages"] for x in load] == [3, 2]
+    assert [x["kv_usage"] for x in load] == [3 / 8, 2 / 8]
+    assert [x["num_requests"] for x in load] == [1, 1]
+
+    pool = WorkerPool(["http://w0", "http://w1"])
+    pool.set_kv_usage(0, {"kv_usage": 0.3, "dp_ranks": load})
+    pool.set_kv_usage(1, {"kv_usage": 0.3})
+    assert pool.kv_usage == [0.25, 0.3]
+    pool.set_kv_usage(1, {"kv_usage": 0.1, "dp_ranks": [{"rank": 0}]})   # no usage: whole
+    assert pool.kv_usage[1] == 0.1
