@@ -105,6 +105,48 @@ def test_prefill_with_dp_attention_reads_its_ranks_pages(src_dp, dst):
         build_copies(src_layout, dst_layout, [NP], dst_pages[:1])   # rank 1's null page
 
 
+def _replicated(x):
+    """``x`` on all 4 devices, every shard a whole copy (a TP 4 MLA pool without DP)."""
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    return jax.device_put(jnp.asarray(x), NamedSharding(mesh, P()))
+
+
+@pytest.mark.parametrize("dp", [4, 2])
+def test_tp4_without_dp_to_and_from_a_dp_pool(dp):
+    """TP 4 without DP holds every page on each of its 4 shards: into a DP pool each page is
+    read from one of them; from a DP pool each page goes to all 4."""
+    rng = np.random.default_rng(2)
+    pages = [1, NP + 1, NP + 2, (dp - 1) * NP + 4]
+    # TP 4 prefill -> DP decode
+    src = rng.standard_normal((L, 9, PS, W)).astype(np.float32)
+    src_arr, dst_arr = _replicated(src), _paged(dp)
+    src_layout = export_kv_layout([src_arr])
+    assert src_layout.buffers[0].dp_size == 1 and len(src_layout.buffers[0].shard_addrs) == 4
+    copies = build_copies(src_layout, export_kv_layout([dst_arr], dp_size=dp), [2, 3, 4, 5],
+                          pages)
+    regions = src_layout.regions()
+    read_from = {next(k for k, (base, n) in enumerate(regions) if base <= a < base + n)
+                 for a, _, _ in copies}
+    assert len(read_from) > 1, read_from                        # reads spread over replicas
+    _apply(copies)
+    got, attn_tp = np.asarray(dst_arr), 4 // dp
+    for sp, g in zip([2, 3, 4, 5], pages):
+        rank, local = divmod(g, NP)
+        for k in range(rank * attn_tp, (rank + 1) * attn_tp):
+            np.testing.assert_array_equal(got[:, k * NP + local], src[:, sp])
+    # DP prefill -> TP 4 decode
+    logical = rng.standard_normal((L, dp * NP, PS, W)).astype(np.float32)
+    src_arr = _paged_from(logical, dp)
+    dst_arr = _replicated(np.zeros((L, 9, PS, W), np.float32))
+    _apply(build_copies(export_kv_layout([src_arr], dp_size=dp), export_kv_layout([dst_arr]),
+                        pages, [2, 3, 4, 5]))
+    for shard in dst_arr.addressable_shards:
+        out = np.asarray(shard.data)
+        for sp, d in zip(pages, [2, 3, 4, 5]):
+            np.testing.assert_array_equal(out[:, d], logical[:, sp])
+        assert out[:, [0, 1, 6, 7, 8]].sum() == 0
+
+
 def test_refusals_name_the_field():
     arr = _paged(4)
     dpl = export_kv_layout([arr], dp_size=4)
