@@ -41,10 +41,13 @@ def dp_pd(tiny_checkpoints, tmp_path_factory):
     prefill_dp = pd_server("prefill_dp4", "prefill", model, logs, bootstrap_port=bport_dp,
                            **dp_flags, **ARGS)
     decode_tp1 = pd_server("decode_tp1", "decode", model, logs, **ARGS)
+    dp2_flags = dict(dp_flags, extra=[x if x != str(DP) else "2" for x in dp_flags["extra"]])
+    decode_dp2 = pd_server("decode_dp2", "decode", model, logs, **dp2_flags, **ARGS)
     try:
-        with running([prefill, decode, prefill_dp, decode_tp1]):
+        with running([prefill, decode, prefill_dp, decode_tp1, decode_dp2]):
             yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated,
-                       prefill_dp=prefill_dp, bport_dp=bport_dp, decode_tp1=decode_tp1)
+                       prefill_dp=prefill_dp, bport_dp=bport_dp, decode_tp1=decode_tp1,
+                       decode_dp2=decode_dp2)
     finally:
         colocated.shutdown()
 
@@ -143,3 +146,12 @@ def test_decode_prefix_hit_stays_on_its_rank(dp_pd):
     per_rank = ARGS["max_total_tokens"] // ARGS["page_size"] // DP
     dst = [p for c in first["chunks"] + again["chunks"] for p in c["dst"]]
     assert len({p // per_rank for p in dst}) == 1, dst     # both on the prefix's rank
+
+
+def test_decode_with_two_devices_a_rank(dp_pd):
+    """TP 4 DP 2: each rank's pages on 2 devices (copies), both written."""
+    assert all(heads == [[0, 1]] * DP for heads in pd_state(dp_pd["decode_dp2"])["kv_shard_heads"])
+    assert len(load(dp_pd["decode_dp2"])["dp_ranks"]) == 2
+    _run(dp_pd, _prompts([9], 6), 600, decode="decode_dp2")
+    _run(dp_pd, _prompts([9, 17, 33, 41], 7), 610, decode="decode_dp2")
+    _back_at_baseline(dp_pd, "prefill", "decode_dp2")
