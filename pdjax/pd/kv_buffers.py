@@ -87,6 +87,9 @@ class KVBufferDesc:
                                 f"not a whole number of tokens of {count} heads x {head_bytes} B")
         object.__setattr__(self, "head_bytes", head_bytes)
         dp = check_int("dp_size", self.dp_size, 1, MAX_SHARDS)
+        if dp == 1 and not any(self.shard_ranks or ()):
+            object.__setattr__(self, "shard_ranks", ())   # kept empty: replace() may reshard
+            return
         ranks = self.shard_ranks or (0,) * len(addrs)
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, (list, tuple)) \
                 or len(ranks) != len(addrs):
@@ -100,6 +103,11 @@ class KVBufferDesc:
             raise ProtocolError(f"field 'shard_ranks': {list(ranks)} leaves a rank of "
                                 f"dp_size {dp} without a shard")
         object.__setattr__(self, "shard_ranks", ranks)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The DP rank of each shard (all 0 without DP)."""
+        return self.shard_ranks or (0,) * len(self.shard_addrs)
 
     @property
     def shard_num_pages(self) -> int:

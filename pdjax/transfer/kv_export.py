@@ -106,9 +106,9 @@ class KVLayout:
             raise ValueError(f"page: {page} outside [0, {b.num_pages})")
         np_ = b.shard_num_pages
         if b.dp_size > 1:
-            if b.shard_ranks[shard] != page // np_:
+            if b.ranks[shard] != page // np_:
                 raise ValueError(f"page: {page} is rank {page // np_}'s; shard {shard} holds "
-                                 f"rank {b.shard_ranks[shard]}'s")
+                                 f"rank {b.ranks[shard]}'s")
             page %= np_
         if self.kind == "layer_major":
             index = layer * np_ + page
@@ -352,12 +352,12 @@ def _ranked_copies(src_layout: KVLayout, dst_layout: KVLayout, plan: list[list[H
             else (np.zeros_like(src), src)
         d_rank, d_local = (dst // d_np, dst % d_np) if db.dp_size > 1 \
             else (np.zeros_like(dst), dst)
-        holders = [[k for k, r in enumerate(sb.shard_ranks) if r == rank]
+        holders = [[k for k, r in enumerate(sb.ranks) if r == rank]
                    for rank in range(sb.dp_size)]
         for d in range(len(db.shard_addrs)):
             if dst_shards is not None and d not in dst_shards[i]:
                 continue
-            mine = d_rank == db.shard_ranks[d]
+            mine = d_rank == db.ranks[d]
             # the source shard of each page: one holder of its rank's pages
             s_shard = np.asarray([holders[r][d % len(holders[r])] for r in range(sb.dp_size)],
                                  np.int64)[s_rank]

@@ -301,3 +301,13 @@ def test_per_rank_load_and_the_routers_use_of_it():
     assert pool.kv_usage == [0.25, 0.3]
     pool.set_kv_usage(1, {"kv_usage": 0.1, "dp_ranks": [{"rank": 0}]})   # no usage: whole
     assert pool.kv_usage[1] == 0.1
+
+
+def test_a_plain_description_reshards_with_replace():
+    """``dataclasses.replace`` of a description without DP to more shards (a multi-host
+    layout joins its nodes' shards that way) stayed valid: an unset ``shard_ranks`` is not
+    fixed to the first shard count (``test_decode_ranks`` broke when it was)."""
+    import dataclasses
+    d = KVBufferDesc((1,), L, NP, 64)
+    more = dataclasses.replace(d, shard_addrs=(1, 2), shard_heads=((0, 1), (0, 1)))
+    assert more.shard_ranks == () and more.ranks == (0, 0) and more.dp_size == 1
