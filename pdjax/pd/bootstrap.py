@@ -78,7 +78,8 @@ class PrefillRankInfo:
     from ``kv_export.kv_layout_fingerprint``. Optional, the rank's own data plane (sglang-jax
     #1364: a host exposes only its local shards): ``session_id`` (its transfer engine's peer
     id), ``kv_layout`` and ``kv_buffers`` (``KVBufferDesc`` per buffer: its addressable shards'
-    addresses and KV head ranges). Raises ``ValueError`` naming the field.
+    addresses and KV head ranges), ``transfer_backend`` (its data plane, e.g. ``mooncake`` or
+    ``jax``; "" unknown). Raises ``ValueError`` naming the field.
     """
 
     rank_ip: str
@@ -92,6 +93,7 @@ class PrefillRankInfo:
     session_id: str = ""
     kv_layout: str = ""
     kv_buffers: tuple[KVBufferDesc, ...] = ()
+    transfer_backend: str = ""
 
     def __post_init__(self):
         self._validated(self.to_json())
@@ -124,9 +126,12 @@ class PrefillRankInfo:
     def _data_plane(d: dict) -> dict:
         """The optional ``session_id`` / ``kv_layout`` / ``kv_buffers``, checked."""
         out = {"session_id": d.get("session_id", ""), "kv_layout": d.get("kv_layout", ""),
-               "kv_buffers": d.get("kv_buffers", [])}
+               "kv_buffers": d.get("kv_buffers", []),
+               "transfer_backend": d.get("transfer_backend", "")}
         if not isinstance(out["session_id"], str) or len(out["session_id"]) > 256:
             raise ValueError("field 'session_id': expected a str of at most 256 chars")
+        if not isinstance(out["transfer_backend"], str) or len(out["transfer_backend"]) > 32:
+            raise ValueError("field 'transfer_backend': expected a str of at most 32 chars")
         bufs = out["kv_buffers"]
         if not isinstance(bufs, (list, tuple)) or len(bufs) > MAX_BUFFERS:
             raise ValueError(f"field 'kv_buffers': expected a list of at most {MAX_BUFFERS}")
@@ -144,7 +149,8 @@ class PrefillRankInfo:
 
 
 # Fields every rank of one prefill server must agree on.
-_SHARED_FIELDS = ("tp_size", "page_size", "kv_dtype", "layout_fingerprint", "protocol_version")
+_SHARED_FIELDS = ("tp_size", "page_size", "kv_dtype", "layout_fingerprint", "protocol_version",
+                  "transfer_backend")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,6 +163,7 @@ class PrefillServerInfo:
     layout_fingerprint: str
     protocol_version: int
     ranks: tuple[PrefillRankInfo, ...]
+    transfer_backend: str = ""
 
     def rank(self, tp_rank: int) -> PrefillRankInfo:
         """The rank with ``tp_rank``; ``ValueError`` if absent."""
@@ -178,7 +185,8 @@ class PrefillServerInfo:
             raise ValueError("body: expected an object with a 'ranks' list")
         ranks = tuple(sorted((PrefillRankInfo.from_json(r) for r in d["ranks"]),
                              key=lambda r: r.tp_rank))
-        shared = {name: d.get(name) for name in _SHARED_FIELDS}
+        shared = {name: d.get(name, "" if name == "transfer_backend" else None)
+                  for name in _SHARED_FIELDS}
         _field(shared, "tp_size", int, 1, _MAX_TP)
         if [r.tp_rank for r in ranks] != list(range(shared["tp_size"])):
             raise ValueError(f"field 'ranks': tp ranks {[r.tp_rank for r in ranks]} do not "
@@ -192,14 +200,19 @@ class PrefillServerInfo:
 
 
 def check_compatible(info: PrefillServerInfo, *, page_size: int, kv_dtype: str,
-                     layout_fingerprint: str) -> None:
+                     layout_fingerprint: str, transfer_backend: str = "") -> None:
     """Raise ``IncompatiblePeerError`` naming every field where decode and prefill differ.
 
-    Checked: protocol version, page size, KV dtype and KV layout fingerprint. A mismatch must
-    stop the pairing: copying pages between different layouts would silently corrupt the KV.
+    Checked: protocol version, page size, KV dtype, KV layout fingerprint and, where both
+    sides name it (and neither is ``fake``, which moves no bytes), the transfer backend. A mismatch must stop the pairing: copying pages
+    between different layouts would silently corrupt the KV, and two data planes never meet
+    (a jax prefill's offers wait for pulls a Mooncake decode never makes).
     """
     ours = {"protocol_version": PROTOCOL_VERSION, "page_size": page_size, "kv_dtype": kv_dtype,
             "layout_fingerprint": layout_fingerprint}
+    if transfer_backend and info.transfer_backend \
+            and "fake" not in (transfer_backend, info.transfer_backend):
+        ours["transfer_backend"] = transfer_backend
     diffs = [f"{name}: prefill {getattr(info, name)!r} != decode {value!r}"
              for name, value in ours.items() if getattr(info, name) != value]
     if diffs:

@@ -216,7 +216,8 @@ def rank_info(args, node_rank: int, channel, local_kv, engine) -> PrefillRankInf
         rank_ip=channel.host, rank_port=channel.port, tp_rank=node_rank, tp_size=args.nnodes,
         page_size=args.page_size, kv_dtype=local_kv.kv_dtype,
         layout_fingerprint=local_kv.fingerprint, session_id=engine.session_id,
-        kv_layout=local_kv.layout.kind, kv_buffers=local_kv.layout.buffers)
+        kv_layout=local_kv.layout.kind, kv_buffers=local_kv.layout.buffers,
+        transfer_backend=engine.backend)
 
 
 # ------------------------------------------------------------------------------ node R > 0

@@ -119,6 +119,28 @@ def test_compatibility_check_names_every_mismatch():
     assert issubclass(IncompatiblePeerError, ValueError)
 
 
+def test_two_data_planes_never_pair():
+    """A jax prefill and a Mooncake decode paired, and every request waited 70 s for a pull
+    that never came (a new user's report): the transfer backend is a shared field of the
+    bootstrap info, and a mismatch is refused (a prefill that names none, or a fake side,
+    is not compared)."""
+    def info(backend):
+        rank = _rank(0, tp_size=1, layout_fingerprint="aaaa", transfer_backend=backend)
+        return PrefillServerInfo.from_json(PrefillServerInfo(
+            tp_size=1, page_size=16, kv_dtype="bfloat16", layout_fingerprint="aaaa",
+            protocol_version=PROTOCOL_VERSION, ranks=(rank,),
+            transfer_backend=backend).to_json())
+    same = dict(page_size=16, kv_dtype="bfloat16", layout_fingerprint="aaaa")
+    with pytest.raises(IncompatiblePeerError,
+                       match="transfer_backend: prefill 'jax' != decode 'mooncake'"):
+        check_compatible(info("jax"), transfer_backend="mooncake", **same)
+    check_compatible(info("jax"), transfer_backend="jax", **same)
+    check_compatible(info(""), transfer_backend="mooncake", **same)      # an older prefill
+    check_compatible(info("mooncake"), transfer_backend="fake", **same)
+    with pytest.raises(ValueError, match="transfer_backend"):
+        PrefillRankInfo.from_json(dict(_rank(0).to_json(), transfer_backend=5))
+
+
 def test_page_size_mismatch_through_the_server(server):
     register_prefill_rank(HOST, server.port, _rank(0, tp_size=1, page_size=16))
     info = fetch_prefill_info(HOST, server.port, timeout_s=5)
