@@ -213,9 +213,10 @@ class CacheArgs:
     page_size: int = _arg(16, "tokens per KV page")
     max_total_tokens: int = _arg(16384, "tokens the KV pool holds (see --mem-fraction-static)")
     mem_fraction_static: float | None = _arg(
-        None, "SGLang's flag: the fraction of each device's memory that the weights and the KV "
-              "pool may take; the pool gets what the loaded weights leave of it, in whole "
-              "pages, and --max-total-tokens is ignored. Unset: --max-total-tokens")
+        None, "SGLang's flag: the fraction of each device's memory (the allocator's limit on "
+              "TPU / GPU; on CPU the host's physical memory, free or not) that the weights "
+              "and the KV pool may take; the pool gets what the loaded weights leave of it, in "
+              "whole pages, and --max-total-tokens is ignored. Unset: --max-total-tokens")
     kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the parameter dtype",
                                KV_CACHE_DTYPES)
     disable_radix_cache: bool = _arg(False, "turn off the prefix cache")
@@ -228,7 +229,9 @@ class CacheArgs:
                                 "--hicache-ratio when > 0")
     hicache_write_policy: str = _arg(
         "write_through", "when pages reach the host tier: write_through (as they enter the "
-                         "prefix cache); write_back and write_through_selective are not built",
+                         "prefix cache), write_through_selective (only pages found in the "
+                         "device prefix cache at least once), write_back (when the device "
+                         "evicts them)",
         HICACHE_WRITE_POLICIES)
     hicache_storage_backend: str | None = _arg(
         None, "HiCache's storage tier (L3) behind the host tier: file (a folder) or mooncake "
@@ -252,9 +255,6 @@ class CacheArgs:
         if self.hicache_size < 0:
             raise ValueError(f"hicache_size must be >= 0 GiB (0: use hicache_ratio), got "
                              f"{self.hicache_size}")
-        if self.hicache_write_policy != "write_through":
-            raise ValueError(f"hicache_write_policy: {self.hicache_write_policy!r} is not built "
-                             f"yet; only 'write_through' is")
         from pdjax.kv.hicache_config import parse_storage_config
 
         parse_storage_config(self.hicache_storage_backend,

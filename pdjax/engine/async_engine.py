@@ -170,7 +170,8 @@ class AsyncEngine:
                     load_balance_method="round_robin", context_length=self.context_length,
                     model_path=self.model_path, is_ready=self.is_ready)
         if self.core is not None:
-            info.update(num_total_pages=self.core.args.num_pages - 1,
+            info.update(max_total_tokens=self.core.args.max_total_tokens,  # as sized (mem fraction)
+                        num_total_pages=self.core.args.num_pages - 1,
                         max_total_num_tokens=(self.core.args.num_pages - 1) * self.args.page_size,
                         buckets=self.core.buckets.describe(),
                         warmup_s=round(self.core.warmup_s, 3),

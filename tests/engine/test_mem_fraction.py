@@ -59,3 +59,22 @@ def test_too_small_a_fraction_names_the_flag(tiny_checkpoints, monkeypatch):
     with pytest.raises(ValueError, match="mem_fraction_static: 1e-05 of 0.09 GiB"):
         Engine(model_path=tiny_checkpoints["llama"], progress=False, mem_fraction_static=1e-5,
                **ARGS)
+
+
+def test_server_info_reports_the_sized_pool(tiny_checkpoints, monkeypatch):
+    """/get_server_info's max_total_tokens is the pool as sized, not the flag's default that
+    --mem-fraction-static replaced (it said 16384 for a 13,264-token pool)."""
+    from pdjax.engine import AsyncEngine
+
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: 96 << 20)
+    engine = AsyncEngine(ServerArgs(model_path=tiny_checkpoints["llama"], mem_fraction_static=0.25,
+                                    skip_warmup_progress=True, **ARGS), progress=False)
+    engine.start()
+    try:
+        assert engine.wait_ready(900)
+        info = engine.server_info()
+        tokens = engine.core.args.max_total_tokens
+        assert tokens != 16384 and info["max_total_tokens"] == tokens
+        assert info["max_total_num_tokens"] == tokens == (info["num_total_pages"]) * ARGS["page_size"]
+    finally:
+        engine.shutdown()
