@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from pdjax.kv.allocator import PageAllocator
 
@@ -78,6 +78,10 @@ class RadixCache:
         self._num_cached = 0
         self._num_locked = 0                # pages in nodes with lock_ref > 0
         self._pages_in_tree: set[int] = set()
+        # Called as on_evict(token_ids, pages) just before evicted pages go back to the
+        # allocator: ``token_ids`` the whole prefix root..leaf (full pages), ``pages`` the
+        # KV pages of its last ``len(pages)`` pages (HiCache's write_back copies them out).
+        self.on_evict: Callable[[list[int], list[int]], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -251,6 +255,10 @@ class RadixCache:
                 # Keep the head of the edge: the leaf object becomes its last `need` pages.
                 self._split(leaf, len(leaf.pages) - need)
             parent = leaf.parent
+            if self.on_evict is not None:
+                path = self._path(leaf)[::-1]          # root's child .. leaf
+                self.on_evict([t for n in path for key in n.page_keys for t in key],
+                              list(leaf.pages))
             freed += self._remove_leaf(leaf)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))

@@ -7,11 +7,9 @@ from pdjax.config import ServerArgs
 
 
 @pytest.mark.parametrize("argv,line", [
-    (["--hicache-write-policy", "write_back"],
-     "error: hicache_write_policy: 'write_back' is not built yet; only 'write_through' is\n"),
-    (["--hicache-write-policy", "write_through_selective"],
-     "error: hicache_write_policy: 'write_through_selective' is not built yet; only "
-     "'write_through' is\n"),
+    (["--hicache-write-policy", "write_later"],
+     "error: hicache_write_policy: invalid choice: 'write_later' (choose from "
+     "'write_through', 'write_back', 'write_through_selective')\n"),
     (["--enable-hierarchical-cache", "--disable-radix-cache"],
      "error: enable_hierarchical_cache: the host tier backs the prefix cache, which "
      "disable_radix_cache turns off\n"),
@@ -38,6 +36,10 @@ def test_hicache_flags_parse_and_default():
                        "--hicache-size", "2", "--hicache-write-policy", "write_through"])
     assert (args.enable_hierarchical_cache, args.hicache_ratio, args.hicache_size,
             args.hicache_write_policy) == (True, 3.5, 2, "write_through")
+    for policy in ("write_back", "write_through_selective"):
+        args = parse_args(["--port", "0", "--enable-hierarchical-cache",
+                           "--hicache-write-policy", policy])
+        assert args.hicache_write_policy == policy
     off = ServerArgs()
     assert (off.enable_hierarchical_cache, off.hicache_ratio, off.hicache_size,
             off.hicache_write_policy) == (False, 2.0, 0, "write_through")

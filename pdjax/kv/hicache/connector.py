@@ -16,7 +16,17 @@ the host hit: when it holds it, the store's pages are prefetched into host slots
 answer is None, "ask again", meanwhile; others are admitted) and then load like host pages.
 
 Write-through copies a page to the host once it is computed and cached on the device, so a
-page the device evicts later is on the host already (SGLang's ``write_through``). The device
+page the device evicts later is on the host already (SGLang's ``write_through``). The other
+write policies (``--hicache-write-policy``, SGLang's):
+
+    write_through_selective  as write_through, but only pages some request has found in the
+                             device prefix cache (hit at least once, so used at least twice):
+                             a prompt seen once costs no host copy
+    write_back               no copy until the device evicts a page: the prefix cache's
+                             ``on_evict`` (``on_device_evict`` here) plans the write and the
+                             worker dispatches its gather at once, before the evicted pages can
+                             be handed to a request and written by a later forward (device
+                             order); pages still on the device at shutdown are not copied The device
 pages of a write are read from the prefix cache when the plan is made (``cached_pages_of``): a
 page in the cache then holds its prefix's KV, written by a forward dispatched before the gather
 that copies it (device order), and no request can be handed it before the next ``schedule``.
@@ -25,6 +35,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
@@ -32,6 +43,8 @@ from pdjax.kv.hicache.host_pool import HostIndex
 from pdjax.kv.hicache.page_hash import page_hashes
 from pdjax.request import PENDING_TOKEN
 from pdjax.sched.kv_connector import KVConnectorOutput
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 if TYPE_CHECKING:      # annotations only
     from pdjax.request import Request
@@ -84,9 +97,20 @@ class HiCacheConnector:
     ``kv``: the engine's pages (``KVCacheManager``; its prefix cache is read); ``index``: the
     host pool's ``HostIndex``."""
 
-    def __init__(self, kv: KVCacheManager, index: HostIndex, page_size: int):
+    def __init__(self, kv: KVCacheManager, index: HostIndex, page_size: int,
+                 write_policy: str = "write_through"):
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy: {write_policy!r} not in {WRITE_POLICIES}")
         self.kv = kv
         self.index = index
+        self.write_policy = write_policy
+        # write_through_selective: page hash -> device prefix hits (bounded, oldest dropped).
+        self._hits: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._hits_limit = max(1024, 4 * index.num_slots)
+        self._counted: set[str] = set()        # requests whose device hit was counted
+        # write_back: the worker's ``start`` (set by ``build_host_tier``), called with a plan
+        # of evicted pages while the scheduler evicts them.
+        self.write_now: Callable[[HiCacheMeta], None] | None = None
         # Requests whose load is planned or running, until their KV arrives or they end (the
         # scheduler asks ``request_finished`` of a request aborted while its KV arrives).
         self._loading: dict[str, Request] = {}
@@ -107,6 +131,9 @@ class HiCacheConnector:
         ps = self.page_size
         max_pages = (req.num_prompt_tokens - 1) // ps       # one prompt token to compute
         first = num_computed_tokens // ps
+        if self.write_policy == "write_through_selective" and req.rid not in self._counted:
+            self._counted.add(req.rid)          # admission may ask again: count once
+            self._count_hits(page_hashes(req.prompt_ids, ps, min(first, max_pages)))
         if first >= max_pages:
             return 0
         hashes = page_hashes(req.prompt_ids, ps, max_pages)
@@ -164,8 +191,35 @@ class HiCacheConnector:
     def request_finished(self, req: Request) -> bool:
         self._loading.pop(req.rid, None)
         self._prefetch.pop(req.rid, None)
+        self._counted.discard(req.rid)
         self._finished.append(req.all_ids)
         return False
+
+    def _count_hits(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._hits[h] = self._hits.get(h, 0) + 1
+            self._hits.move_to_end(h)
+        while len(self._hits) > self._hits_limit:
+            self._hits.popitem(last=False)
+
+    def on_device_evict(self, token_ids: list[int], pages: list[int]) -> None:
+        """write_back: the device prefix cache evicts ``pages``, the KV of the last
+        ``len(pages)`` full pages of prefix ``token_ids``; those the host does not know yet are
+        copied out now (``write_now``: the gather is dispatched before this returns)."""
+        if self.write_policy != "write_back" or self.write_now is None or not pages:
+            return
+        total = len(token_ids) // self.page_size
+        path = page_hashes(token_ids, self.page_size, total)
+        first = total - len(pages)
+        new = [i for i in range(first, total) if not self.index.is_known(path[i])]
+        if not new:
+            return
+        slots = self.index.reserve([path[i] for i in new])
+        if not slots:
+            return
+        new = new[:len(slots)]
+        self.write_now(HiCacheMeta([], [WriteJob(path[:new[-1] + 1], new,
+                                                 [pages[i - first] for i in new], slots)]))
 
     def build_meta(self, batch: ScheduledBatch | None) -> HiCacheMeta | None:
         loads = []
@@ -180,6 +234,8 @@ class HiCacheConnector:
         if batch is not None:
             prefixes += [row.req.all_ids for row in batch.rows
                          if not row.is_decode and not row.is_verify]
+        if self.write_policy == "write_back":
+            prefixes = []                       # written when the device evicts them
         writes = [w for ids in prefixes if (w := self._plan_write(ids)) is not None]
         return HiCacheMeta(loads, writes) if loads or writes else None
 
@@ -193,6 +249,8 @@ class HiCacheConnector:
         path = page_hashes(ids, self.page_size, len(pages))
         self.index.touch(path)              # kept while slots are made for the rest
         new = [i for i, h in enumerate(path) if not self.index.is_known(h)]
+        if self.write_policy == "write_through_selective":
+            new = [i for i in new if self._hits.get(path[i], 0) >= 1]
         if not new:
             return None
         slots = self.index.reserve([path[i] for i in new])

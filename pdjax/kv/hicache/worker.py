@@ -404,7 +404,7 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
     pool = HostKVPool(shapes, slots)
     index = HostIndex(slots)
     ps = args.page_size
-    connector = HiCacheConnector(host.kv, index, ps)
+    connector = HiCacheConnector(host.kv, index, ps, args.hicache_write_policy)
     # A copy's device buffer stays small whatever the context: at most a request's pages
     # and COPY_MAX_BYTES (larger plans are cut into several copies).
     max_pages = min(-(-host.context_length // ps), copy_pages_limit(bpp))
@@ -414,6 +414,9 @@ def build_host_tier(host) -> tuple[HiCacheConnector, HiCacheWorker, HiCacheRole]
                            connector.is_waiting, storage, connector.prefetch_done)
     worker.warmup()
     connector.wait_for_writes = worker.flush
+    if args.hicache_write_policy == "write_back":
+        connector.write_now = worker.start
+        host.kv.prefix_cache.on_evict = connector.on_device_evict
     logger.info("HiCache host tier: %d pages (%.2f GiB) behind %d device pages",
                 slots, slots * bpp / GIB, device_pages)
     return connector, worker, HiCacheRole(worker, ps)
