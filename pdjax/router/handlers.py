@@ -29,7 +29,24 @@ ROUTER_KEY = web.AppKey("pdjax_router", PDRouter)
 
 
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
+    """The router's own failure (a worker unreachable, unhealthy or failing): ``router_error``."""
     return error_response(message, status, param, "router_error")
+
+
+@web.middleware
+async def _client_errors(request: web.Request, handler) -> web.StreamResponse:
+    """The client's mistakes as the servers answer them: a JSON error body typed by its
+    status (``invalid_request_error``, ``not_found_error``), never ``router_error`` and never
+    counted in ``pdjax_router_errors_total``; an unknown path or method too (aiohttp answered
+    those in plain text)."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return error_response(e.message, e.status, e.param)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
+        raise
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict,
@@ -63,16 +80,9 @@ def _error_text(raw: bytes) -> str:
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     router = request.app[ROUTER_KEY]
     path = request.path
-    try:
-        body = await read_json_object(request)
-    except RequestError as e:
-        return _error(e.message, e.status, e.param)
+    body = await read_json_object(request)          # RequestError: the client's (middleware)
+    checked_num_samples(path, body)
     router.num_requests += 1
-    try:
-        checked_num_samples(path, body)
-    except RequestError as e:
-        router.num_errors += 1
-        return _error(e.message, e.status, e.param)
     p_i, d_i = router.pick()
     try:
         return await _generate(request, router, body, p_i, d_i)
@@ -105,8 +115,7 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
             p_status, p_raw, p_type = _result(p_task)
             if p_status != 200:
                 await cancel_tasks(d_task)
-                router.num_errors += 1
-                return _worker_error("prefill", p_url, p_status, p_raw, p_type)
+                return _counted(router, _worker_error("prefill", p_url, p_status, p_raw, p_type))
         await asyncio.wait({d_task})
         if _never_reached(d_task):
             # The prefill cannot have caused this, and without its decode it only waits out
@@ -116,10 +125,10 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
             return _error(f"decode server {d_url} unreachable: {d_task.exception()}", 502)
         d_status, d_raw, d_type = _result(d_task)
         if d_status != 200:
-            router.num_errors += 1
             verdict = await _prefill_verdict(p_task, p_url)
             await cancel_tasks(p_task)
-            return verdict or _worker_error("decode", d_url, d_status, d_raw, d_type)
+            return _counted(router, verdict or _worker_error("decode", d_url, d_status, d_raw,
+                                                             d_type))
         # The decode succeeded, so the prefill's transfer is over: it answers soon; never
         # cancel it (that would abort a room that succeeded). Its prompt logprobs are merged
         # when it answers in time.
@@ -140,6 +149,14 @@ async def _generate(request: web.Request, router: PDRouter, body: dict, p_i: int
 
 
 PREFILL_VERDICT_S = 5.0        # how long a failed decode waits for the prefill's own answer
+
+
+def _counted(router: PDRouter, resp: web.Response) -> web.Response:
+    """``resp``, counted in ``pdjax_router_errors_total`` when it is the servers' or the
+    router's failure (5xx); a worker's 4xx is the client's mistake."""
+    if resp.status >= 500:
+        router.num_errors += 1
+    return resp
 
 
 def _worker_error(role: str, url: str, status: int, raw: bytes,
@@ -194,8 +211,7 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
         if p_task in done and not d_open.done():
             p_status, p_raw, p_type = _result(p_task)
             if p_status != 200:
-                router.num_errors += 1
-                return _worker_error("prefill", "", p_status, p_raw, p_type)
+                return _counted(router, _worker_error("prefill", "", p_status, p_raw, p_type))
         try:
             d_resp = await d_open
         except (aiohttp.ClientError, OSError) as e:
@@ -204,11 +220,10 @@ async def _stream(request: web.Request, router: PDRouter, p_task: asyncio.Task, 
                 router.mark_down(router.decode_pool, d_i)
             return _error(f"decode server {d_url} unreachable: {e}", 502)
         if d_resp.status != 200:
-            router.num_errors += 1
             raw = await d_resp.read()
             verdict = await _prefill_verdict(p_task, "")
-            return verdict or _worker_error("decode", d_url, d_resp.status, raw,
-                                            d_resp.headers.get("Content-Type", ""))
+            return _counted(router, verdict or _worker_error(
+                "decode", d_url, d_resp.status, raw, d_resp.headers.get("Content-Type", "")))
         prefill_obj = None
         if merge:
             await asyncio.wait({p_task})
@@ -352,7 +367,8 @@ async def handle_metrics(request: web.Request) -> web.Response:
     text = ("# HELP pdjax_router_requests_total Generation requests routed.\n"
             "# TYPE pdjax_router_requests_total counter\n"
             f"pdjax_router_requests_total {router.num_requests}\n"
-            "# HELP pdjax_router_errors_total Routed requests answered with an error.\n"
+            "# HELP pdjax_router_errors_total Routed requests that failed (5xx: a server or the "
+            "router; a client's 4xx is not counted).\n"
             "# TYPE pdjax_router_errors_total counter\n"
             f"pdjax_router_errors_total {router.num_errors}\n")
     return web.Response(text=text, content_type="text/plain")
@@ -360,7 +376,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def create_router_app(router: PDRouter) -> web.Application:
     """The router's aiohttp application (routes listed in the module docstring)."""
-    app = web.Application(client_max_size=CLIENT_MAX_SIZE)
+    app = web.Application(middlewares=[_client_errors], client_max_size=CLIENT_MAX_SIZE)
     app[ROUTER_KEY] = router
 
     async def on_startup(_app):

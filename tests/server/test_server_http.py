@@ -605,6 +605,40 @@ async def test_tokenize_and_parsers_through_the_pd_router(make_client):
         await rclient.close()
 
 
+async def test_the_router_answers_a_clients_mistakes_as_the_servers_do(make_client):
+    """A bad body, an unknown path or method at the PD router: the servers' JSON error body
+    typed by status, not ``router_error``, and not counted as a routing error (they were
+    plain text, ``router_error`` and counted: a new user's report)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from pdjax.router import PDRouter, create_router_app
+
+    prefill, engine = await make_client()
+    decode, _ = await make_client()
+    router = PDRouter([(str(prefill.make_url("")), 8998)], [str(decode.make_url(""))])
+    rclient = TestClient(TestServer(create_router_app(router)))
+    await rclient.start_server()
+    try:
+        for method, path, data, status, kind in (
+                ("post", "/generate", b"{not json", 400, "invalid_request_error"),
+                ("post", "/v1/completions", b"\xff\xfe", 400, "invalid_request_error"),
+                ("post", "/v1/completions", b'{"prompt": "a", "n": 0}', 400,
+                 "invalid_request_error"),
+                ("get", "/nope", None, 404, "not_found_error"),
+                ("get", "/generate", None, 405, "invalid_request_error")):
+            resp = await getattr(rclient, method)(path, data=data)
+            assert resp.status == status, (path, data, await resp.text())
+            err = (await resp.json())["error"]
+            assert err["type"] == kind and err["code"] == status, err
+        metrics = await (await rclient.get("/metrics")).text()
+        # n = 0 was routed and refused by the servers (their 4xx, passed on): no failure.
+        assert "pdjax_router_errors_total 0" in metrics
+        assert "pdjax_router_requests_total 1" in metrics
+        assert engine.submitted == []
+    finally:
+        await rclient.close()
+
+
 async def test_flush_cache_and_profile(make_client, tmp_path):
     client, engine = await make_client()
     resp = await client.post("/flush_cache")
