@@ -218,6 +218,14 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
                               kv_dtype, kv_row_align(platform))
     pool = sum(s.num_layers * s.bytes_per_page_layer * s.num_pages
                // (tp if "tp" in tuple(s.partition) else 1) for s in specs)
+    weights = step_memory.weight_bytes(model_cfg, tp, dtype.itemsize)
+    if cache.mem_fraction_static is not None:
+        # The pool is sized after the weights load (engine/kv_budget.py); refuse here, from
+        # the config's weights (a lower bound), a fraction that cannot hold its few pages.
+        from pdjax.engine.kv_budget import tokens_for_fraction
+        tokens_for_fraction(cache.mem_fraction_static, device_bytes, weights,
+                            pool / args.num_pages, args.page_size, args.dp_size)
+        return
     check_pool_bytes(pool, args.num_pages, args.page_size, device_bytes)
     rows = args.max_running_requests
     if args.max_num_batched_tokens is not None:
@@ -228,7 +236,7 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     if rows >= tokens:          # the largest decode batch is the largest forward
         token_field, tokens = "max_running_requests", rows
     need = step_memory.StepMemory(
-        weights=step_memory.weight_bytes(model_cfg, tp, dtype.itemsize), kv_pool=pool,
+        weights=weights, kv_pool=pool,
         rows=step_memory.row_bytes(model_cfg.vocab_size, rows, tp),
         tokens=step_memory.token_bytes(run_cfg, tokens, tp, dtype.itemsize))
     step_memory.check_step_fits(need, device_bytes, max_rows=rows, max_tokens=tokens,

@@ -78,3 +78,20 @@ def test_server_info_reports_the_sized_pool(tiny_checkpoints, monkeypatch):
         assert info["max_total_num_tokens"] == tokens == (info["num_total_pages"]) * ARGS["page_size"]
     finally:
         engine.shutdown()
+
+
+def test_a_fraction_too_small_for_the_weights_is_one_line_at_parse_time(tiny_checkpoints,
+                                                                         monkeypatch, capsys):
+    """Refused before the model loads (it was an ERROR log line after 25 s of loading), from
+    the config's weights; a fraction that fits parses, whatever --max-total-tokens says."""
+    from pdjax.serve import parse_args
+
+    monkeypatch.setattr(model_runner, "device_memory_bytes", lambda device: 96 << 20)
+    base = ["--port", "0", "--model-path", tiny_checkpoints["llama"], "--page-size", "8"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(base + ["--mem-fraction-static", "1e-5"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: mem_fraction_static: 1e-05 of 0.09 GiB per device"), err
+    args = parse_args(base + ["--mem-fraction-static", "0.5", "--max-total-tokens", "100000000"])
+    assert args.mem_fraction_static == 0.5
