@@ -101,8 +101,9 @@ def check_checkpoint_paths(args: ServerArgs) -> tuple[str, Any]:
 def check_serve_files(args: ServerArgs, model_path: str) -> None:
     """What a server reads after the model's config, checked at parse time without loading it
     (``model_path``: resolved): the weight files of every checkpoint with ``load_format``
-    ``auto`` (``check_weight_files``), the tokenizer (``check_tokenizer``; node 0's) and
-    ``aot_executables``. Raises ``ValueError`` naming the field."""
+    ``auto`` (``check_weight_files``), the tokenizer (``check_tokenizer``; node 0's),
+    ``aot_executables`` and the HiCache ``file`` store's folder (made if missing, written
+    once). Raises ``ValueError`` naming the field."""
     if args.load_format == "auto":
         paths = {"model_path": model_path}
         if args.speculative_draft_model_path:
@@ -116,6 +117,12 @@ def check_serve_files(args: ServerArgs, model_path: str) -> None:
     if args.node_rank == 0:         # a multi-host follower loads no tokenizer
         check_tokenizer(args, model_path)
     check_aot_executables(args)
+    if args.hicache_storage_backend == "file":
+        from pdjax.kv.hicache_config import parse_storage_config
+        from pdjax.paths import writable_folder
+
+        cfg = parse_storage_config("file", args.hicache_storage_backend_extra_config)
+        writable_folder("hicache_storage_backend_extra_config", cfg["path"])
 
 
 def check_local_devices(args: ServerArgs, model_cfg) -> None:

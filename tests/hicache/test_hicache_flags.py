@@ -47,3 +47,21 @@ def test_hicache_flags_parse_and_default():
         ServerArgs(enable_hierarchical_cache=True, kv_connector="x")
     with pytest.raises(ValueError, match=r"^enable_hierarchical_cache: .* got nnodes 2"):
         ServerArgs(enable_hierarchical_cache=True, nnodes=2, dist_init_addr="h:1234")
+
+
+def test_the_file_stores_folder_is_checked_at_parse_time(capsys, tmp_path, tiny_checkpoints):
+    """A folder that cannot be made is one error line before the model loads (it failed after
+    loading, exit 1); a missing one is made."""
+    from pdjax.serve import parse_args
+
+    base = ["--port", "0", "--model-path", tiny_checkpoints["llama"],
+            "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+            "--hicache-storage-backend-extra-config"]
+    with pytest.raises(SystemExit) as e:
+        parse_args(base + ['{"path": "/proc/nope"}'])
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        "error: hicache_storage_backend_extra_config: cannot write in /proc/nope (No such file "
+        "or directory)\n")
+    folder = tmp_path / "a" / "store"
+    parse_args(base + [f'{{"path": "{folder}"}}'])
+    assert folder.is_dir()
