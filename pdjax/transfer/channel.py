@@ -152,7 +152,9 @@ class MessageChannel:
         return frame if self._sealer is None else self._sealer.seal(frame)
 
     def send(self, endpoint: str, msg: Message) -> bool:
-        """Queue ``msg`` for the peer PULL socket at ``endpoint`` (``tcp://host:port``)."""
+        """Queue ``msg`` for the peer PULL socket at ``endpoint`` (``tcp://host:port``); False
+        (logged) when it cannot be queued within ``SEND_TIMEOUT_MS``, e.g. no peer listens
+        there any more."""
         with self._send_lock:
             # Sealed under the lock: frames leave in counter order.
             frame = self.seal(msg)
@@ -161,6 +163,11 @@ class MessageChannel:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+                # Queue only on a live connection: to a peer that died (a killed prefill, whose
+                # restart listens on a new port) a send fails after SNDTIMEO instead of
+                # queueing for a reconnect that never comes (a decode's page list was lost so,
+                # and both sides waited out their timeouts).
+                sock.setsockopt(zmq.IMMEDIATE, 1)
                 sock.connect(endpoint)
                 self._push[endpoint] = sock
             try:

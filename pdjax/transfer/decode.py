@@ -48,7 +48,7 @@ from typing import Any
 
 from pdjax.distributed import join as join_cluster
 from pdjax.engine_io import GenerateOutput, GenerateRequest
-from pdjax.pd.lifecycle import (Aborted, CacheMoved, KVPoll, MetadataGate,
+from pdjax.pd.lifecycle import (Aborted, CacheMoved, KVPoll, MetadataGate, PeerLost,
                                 PeerState, RoomConflict, RoomFailure, Timeout, WriteFailed)
 from pdjax.pd.protocol import Abort, AbortAck, Message, TransferRequest
 from pdjax.pd.rooms import DecodeRoom, PrefillPeer
@@ -279,7 +279,14 @@ class DecodeConnector(PDConnector):
                               decode_engine_id=peer.engine_id, prompt_len=req.num_prompt_tokens,
                               prompt_digest=r.digest)
         if not self.send(peer.endpoint, msg):
-            self._fail(r, RoomFailure(f"could not send the page list to {peer.endpoint}"))
+            # Nobody listens there any more (a restarted prefill has a new port): this room
+            # fails now, and so does the peer, so the next request bootstraps again.
+            failure = PeerLost(f"could not send the page list to {peer.endpoint} (the prefill "
+                               f"went away or restarted)")
+            self._fail(r, failure)
+            if peer.state != PeerState.FAILED:
+                peer.fail(failure)
+                self.channel.drop_peer(peer.endpoint)
 
     def request_finished(self, req: Request) -> bool:
         """``req`` ended. A room still open (the client aborted, or the room failed) closes

@@ -217,7 +217,7 @@ class DecodeTransferWorker(KVTransferWorker):
             info = self._fetch_info(key[0], key[1], timeout_s=min(self.bootstrap_timeout_s, 30.0))
             check_compatible(info, page_size=self.page_size, kv_dtype=self.local_kv.kv_dtype,
                              layout_fingerprint=self.local_kv.fingerprint,
-                             transfer_backend=self.transfer_engine.backend)
+                             transfer_backend=self.transfer_engine.data_plane)
             rank = info.rank(0)
             endpoint = f"tcp://{rank.rank_ip}:{rank.rank_port}"
             pending = _Registration()

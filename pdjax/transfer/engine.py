@@ -92,6 +92,10 @@ class TransferEngine(abc.ABC):
     """
 
     backend: str = ""
+    # The wire protocol this engine's bytes travel by: two engines pair only when theirs are
+    # equal (a registered variant of a backend, e.g. a test's corrupting Mooncake, keeps its
+    # parent's); PD's bootstrap info carries it (``pd.bootstrap.check_compatible``).
+    data_plane: str = ""
 
     def __init__(self, *, max_batch: int = DEFAULT_MAX_BATCH, check_sources: bool = True):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:

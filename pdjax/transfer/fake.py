@@ -23,6 +23,7 @@ class FakeTransferEngine(TransferEngine):
     """
 
     backend = "fake"
+    data_plane = "fake"
 
     def __init__(self, hostname: str = "fake", *, max_batch: int = DEFAULT_MAX_BATCH,
                  check_sources: bool = False):

@@ -85,6 +85,7 @@ class JaxTransferEngine(TransferEngine):
     """
 
     backend = "jax"
+    data_plane = "jax"
 
     def __init__(self, hostname: str = "127.0.0.1", *, max_batch: int = 1024,
                  transfer_size_mib: int = 16, parallel_copies: int = 2, channels: int = 1,

@@ -49,6 +49,7 @@ class MooncakeTransferEngine(TransferEngine):
     """
 
     backend = "mooncake"
+    data_plane = "mooncake"
 
     def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp",
                  device_name: str = "", metadata_server: str = "P2PHANDSHAKE",

@@ -217,7 +217,7 @@ def rank_info(args, node_rank: int, channel, local_kv, engine) -> PrefillRankInf
         page_size=args.page_size, kv_dtype=local_kv.kv_dtype,
         layout_fingerprint=local_kv.fingerprint, session_id=engine.session_id,
         kv_layout=local_kv.layout.kind, kv_buffers=local_kv.layout.buffers,
-        transfer_backend=engine.backend)
+        transfer_backend=engine.data_plane)
 
 
 # ------------------------------------------------------------------------------ node R > 0

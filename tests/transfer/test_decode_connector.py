@@ -205,3 +205,33 @@ def test_an_abort_for_a_room_that_succeeded_here_is_a_crossing_and_is_acked(pref
         d.scheduler.check_invariants()
     finally:
         conn.close()
+
+
+def test_a_page_list_nobody_receives_fails_the_room_and_the_peer(prefill_bootstrap):
+    """The prefill was killed and restarted on the same bootstrap port (its heartbeats still
+    answer) but a new control port: the page list cannot be sent to the old one. The room
+    fails at once naming it, every page comes back, and the peer is dropped so the next
+    request bootstraps again (before, the send was queued for ever and both sides waited out
+    their timeouts: a bench_faults run lost two requests)."""
+    d, conn, channel, port = _paired(prefill_bootstrap)
+    free0 = d.scheduler.allocator.num_free
+    real_send = channel.send
+    channel.send = lambda endpoint, msg: (False if isinstance(msg, TransferRequest)
+                                          else real_send(endpoint, msg))
+    try:
+        g, req = _request("a", 7, port)
+        d.add(g, req)
+        outs = _poll_until(d, lambda: "a" not in conn.rooms)
+        (out,) = [o for o in outs if o.rid == "a"]
+        assert out.finished and "could not send the page list to tcp://127.0.0.1:5555" in out.error
+        assert d.scheduler.allocator.num_free == free0 and conn.slots_in_use() == 0
+        _poll_until(d, lambda: ("127.0.0.1", port) not in conn.peers)
+        assert channel.dropped == ["tcp://127.0.0.1:5555"]
+        channel.send = real_send                  # the prefill is back: a new pairing works
+        g2, req2 = _request("b", 8, port)
+        d.add(g2, req2)
+        _poll_until(d, lambda: conn.rooms["b"].state == KVPoll.Transferring)
+        assert [tr.bootstrap_room for tr in _transfer_requests(channel)] == [8]
+        d.scheduler.check_invariants()
+    finally:
+        conn.close()

@@ -132,6 +132,34 @@ def test_channels_with_a_secret_count_each_rejection():
             c.close()
 
 
+def test_a_send_to_a_peer_that_died_fails_instead_of_queueing_forever():
+    """A killed peer's endpoint: the send fails (False, within the send timeout) so the
+    sender can drop the peer and bootstrap again; before, it was queued for a reconnect that
+    never came (a bench_faults run lost two requests for 180 s after a prefill restart)."""
+    from pdjax.transfer.channel import SEND_TIMEOUT_MS
+
+    got = []
+    rx = MessageChannel("127.0.0.1", got.append, "rx")
+    tx = MessageChannel("127.0.0.1", lambda m: None, "tx")
+    try:
+        hb = Heartbeat("tx", "decode", 1)
+        assert tx.send(rx.endpoint, hb) and _wait(lambda: got == [hb])
+        endpoint = rx.endpoint
+        rx.close()
+        time.sleep(0.3)                    # the PUSH side sees the connection drop
+        t0 = time.monotonic()
+        assert not tx.send(endpoint, Heartbeat("tx", "decode", 2))
+        assert time.monotonic() - t0 <= SEND_TIMEOUT_MS / 1000 + 1.0
+        # A live peer still gets its messages at once.
+        rx2 = MessageChannel("127.0.0.1", got.append, "rx2")
+        try:
+            assert tx.send(rx2.endpoint, hb) and _wait(lambda: len(got) == 2)
+        finally:
+            rx2.close()
+    finally:
+        tx.close()
+
+
 def test_metrics_count_auth_rejections_by_reason():
     from pdjax.metrics import Metrics
 
