@@ -17,9 +17,9 @@ from pdjax.router.pd_router import (GENERATE_PATHS, UTILITY_PATHS, PDRouter, can
                                     _merge_input_logprobs)
 from pdjax.router.pool import WorkerPool
 from pdjax.server.app import listening
-from pdjax.server.errors import RequestError, error_body
-from pdjax.server.http_json import (CLIENT_MAX_SIZE, SSE_HEADERS, error_response,
-                                    read_json_object)
+from pdjax.server.errors import error_body
+from pdjax.server.http_json import (CLIENT_MAX_SIZE, SSE_HEADERS, client_errors,
+                                    error_response, read_json_object)
 from pdjax.server.validation import checked_num_samples
 
 logger = logging.getLogger(__name__)
@@ -31,22 +31,6 @@ ROUTER_KEY = web.AppKey("pdjax_router", PDRouter)
 def _error(message: str, status: int, param: str | None = None) -> web.Response:
     """The router's own failure (a worker unreachable, unhealthy or failing): ``router_error``."""
     return error_response(message, status, param, "router_error")
-
-
-@web.middleware
-async def _client_errors(request: web.Request, handler) -> web.StreamResponse:
-    """The client's mistakes as the servers answer them: a JSON error body typed by its
-    status (``invalid_request_error``, ``not_found_error``), never ``router_error`` and never
-    counted in ``pdjax_router_errors_total``; an unknown path or method too (aiohttp answered
-    those in plain text)."""
-    try:
-        return await handler(request)
-    except RequestError as e:
-        return error_response(e.message, e.status, e.param)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
-        raise
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict,
@@ -376,7 +360,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 def create_router_app(router: PDRouter) -> web.Application:
     """The router's aiohttp application (routes listed in the module docstring)."""
-    app = web.Application(middlewares=[_client_errors], client_max_size=CLIENT_MAX_SIZE)
+    # A client's mistake: the servers' JSON error body typed by its status, never
+    # router_error and never counted in pdjax_router_errors_total.
+    app = web.Application(middlewares=[client_errors], client_max_size=CLIENT_MAX_SIZE)
     app[ROUTER_KEY] = router
 
     async def on_startup(_app):

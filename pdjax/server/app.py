@@ -17,7 +17,6 @@ from typing import Any, AsyncIterator, Callable
 from aiohttp import web
 
 from pdjax.server.engine_client import EngineClient, StartupReporter
-from pdjax.server.errors import RequestError
 from pdjax.server.handlers import (handle_abort_request, handle_chat_completions,
                                    handle_completions, handle_detokenize, handle_flush_cache,
                                    handle_generate, handle_get_load, handle_health,
@@ -25,7 +24,7 @@ from pdjax.server.handlers import (handle_abort_request, handle_chat_completions
                                    handle_parse_function_call, handle_separate_reasoning,
                                    handle_server_info, handle_start_profile,
                                    handle_stop_profile, handle_tokenize)
-from pdjax.server.http_json import CLIENT_MAX_SIZE, error_response
+from pdjax.server.http_json import CLIENT_MAX_SIZE, client_errors, error_response
 from pdjax.server.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pdjax.server.registry import STATE_KEY, ServerState
 
@@ -42,13 +41,7 @@ async def _middleware(request: web.Request, handler) -> web.StreamResponse:
         if request.headers.get("Authorization", "") != f"Bearer {state.api_key}":
             return error_response("invalid or missing API key", 401)
     try:
-        return await handler(request)
-    except RequestError as e:
-        return error_response(e.message, e.status, e.param)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
-        raise
+        return await client_errors(request, handler)
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:  # no input may take the server down

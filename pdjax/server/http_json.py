@@ -60,3 +60,17 @@ async def read_json_object(request: web.Request, allow_empty: bool = False) -> d
 async def write_sse(resp: web.StreamResponse, obj: Any) -> None:
     """One server-sent event: ``data: <json>`` and a blank line."""
     await resp.write(b"data: " + json_dumps(obj).encode("utf-8") + b"\n\n")
+
+
+@web.middleware
+async def client_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp middleware: the client's mistakes as JSON error bodies typed by status (a
+    ``RequestError``; an unknown path or method, which aiohttp answers in plain text)."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return error_response(e.message, e.status, e.param)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return error_response(f"{e.reason}: {request.method} {request.path}", e.status)
+        raise
