@@ -75,7 +75,7 @@ def test_server_info_reports_the_sized_pool(tiny_checkpoints, monkeypatch):
         info = engine.server_info()
         tokens = engine.core.args.max_total_tokens
         assert tokens != 16384 and info["max_total_tokens"] == tokens
-        assert info["max_total_num_tokens"] == tokens == (info["num_total_pages"]) * ARGS["page_size"]
+        assert info["max_total_num_tokens"] == tokens == info["num_total_pages"] * ARGS["page_size"]
     finally:
         engine.shutdown()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_utils import assert_output_agrees
+from hicache_utils import agree, cached_tokens, generate
 
 from pdjax.engine import Engine
 from pdjax.engine_io import GenerateRequest
@@ -41,23 +41,6 @@ def engines(tiny_checkpoints):
         e.shutdown()
 
 
-def _gen(engine, prompts):
-    """Greedy outputs with the top-2 logprobs of every token (tie-aware comparisons)."""
-    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
-                           top_logprobs_num=2)
-
-
-def _agree(ref, outs, what):
-    """``outs`` give ``ref``'s greedy tokens, tie-aware, and logprobs within 1e-4."""
-    assert len(ref) == len(outs)
-    for i, (r, o) in enumerate(zip(ref, outs)):
-        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
-
-
-def _cached(outs):
-    return [o["meta_info"]["cached_tokens"] for o in outs]
-
-
 def _parts(engine):
     conn_core = engine.core
     return conn_core.scheduler, conn_core.scheduler.connector, conn_core.kv_worker
@@ -72,20 +55,20 @@ def _check_idle(engine):
 
 def test_prompts_asked_twice_come_back_cached_from_the_host(engines, prompts):
     plain = engines["plain"]
-    first = _gen(plain, prompts)
-    again = _gen(plain, prompts)
-    _agree(first, again, "plain, asked again")
+    first = generate(plain, prompts, SP)
+    again = generate(plain, prompts, SP)
+    agree(first, again, "plain, asked again")
     # Without the tier the prompts evicted each other: all recomputed.
-    assert _cached(first) == _cached(again) == [0] * 8
+    assert cached_tokens(first) == cached_tokens(again) == [0] * 8
 
     tier = engines["tier"]
     sched, conn, worker = _parts(tier)
-    _agree(first, _gen(tier, prompts), "tier, first time")
+    agree(first, generate(tier, prompts, SP), "tier, first time")
     computed = sched.num_prompt_tokens_computed
     loaded = conn.stats.loaded_pages
-    outs = _gen(tier, prompts)
-    _agree(first, outs, "tier, asked again")
-    cached = _cached(outs)
+    outs = generate(tier, prompts, SP)
+    agree(first, outs, "tier, asked again")
+    cached = cached_tokens(outs)
     assert all(c >= 0.8 * PROMPT for c in cached), cached
     assert cached == [FULL] * 8
     # Only each prompt's last partial page was computed (6 tokens of 310) ...
@@ -106,7 +89,7 @@ def test_an_abort_during_a_load_leaks_no_page(engines, prompts):
     core = tier.core
     sched, conn, worker = _parts(tier)
     tier.generate(input_ids=prompts[:3], sampling_params=SP)
-    want = _gen(engines["plain"], prompts[:3])
+    want = generate(engines["plain"], prompts[:3], SP)
     assert sched.prefix_cache.reset()            # the device forgets: only the host has them
     sp = SamplingParams.from_dict(SP)
 
@@ -135,29 +118,29 @@ def test_an_abort_during_a_load_leaks_no_page(engines, prompts):
     assert conn.stats.load_jobs_dropped == dropped + 1
     _check_idle(tier)
 
-    outs = _gen(tier, prompts[:3])
-    _agree(want, outs, "after the aborts")
-    assert _cached(outs) == [FULL] * 3
+    outs = generate(tier, prompts[:3], SP)
+    agree(want, outs, "after the aborts")
+    assert cached_tokens(outs) == [FULL] * 3
     _check_idle(tier)
 
 
 def test_a_full_host_pool_evicts_its_least_recent_pages_and_stays_correct(engines, prompts):
     small = engines["small"]
     sched, conn, worker = _parts(small)
-    want = _gen(engines["plain"], prompts)
-    _agree(want, _gen(small, prompts), "small host pool, first time")
+    want = generate(engines["plain"], prompts, SP)
+    agree(want, generate(small, prompts, SP), "small host pool, first time")
     worker.flush()
     index = conn.index
     # 8 x 19 pages written into 128 slots: the oldest 24 went, prompt 0's first.
     assert index.num_used == index.num_slots == 128 and index.num_evicted == 8 * 19 - 128
     assert sched.prefix_cache.reset()
     for i, expect in ((3, FULL), (0, 0)):
-        outs = _gen(small, [prompts[i]])
-        _agree([want[i]], outs, f"small host pool, prompt {i} again")
-        assert _cached(outs) == [expect], i
+        outs = generate(small, [prompts[i]], SP)
+        agree([want[i]], outs, f"small host pool, prompt {i} again")
+        assert cached_tokens(outs) == [expect], i
     _check_idle(small)
     # Everything asked once more: whatever hit or missed, the tokens are unchanged.
-    _agree(want, _gen(small, prompts), "small host pool, all again")
+    agree(want, generate(small, prompts, SP), "small host pool, all again")
     _check_idle(small)
 
 
@@ -176,6 +159,6 @@ def test_prefixes_of_prefixes_under_host_pressure_keep_the_tokens(engines, promp
             cut = int(rng.integers(20, PROMPT))
             batch.append(base[:cut] + [int(t) for t in rng.integers(3, 250,
                                                                     int(rng.integers(1, 30)))])
-        _agree(_gen(engines["plain"], batch), _gen(small, batch), f"round {round_}")
+        agree(generate(engines["plain"], batch, SP), generate(small, batch, SP), f"round {round_}")
         _check_idle(small)
     assert conn.stats.loaded_pages > loaded          # the host served some of them

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from model_utils import assert_output_agrees
+from hicache_utils import agree, cached_tokens, generate
 
 from pdjax.engine import Engine
 from pdjax.kv.hicache.page_hash import page_hashes
@@ -235,21 +235,6 @@ def _engine(ckpt, path, **extra):
                   hicache_storage_backend_extra_config=f'{{"path": "{path}"}}', **extra)
 
 
-def _gen(engine, prompts):
-    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
-                           top_logprobs_num=2)
-
-
-def _agree(ref, outs, what):
-    assert len(ref) == len(outs)
-    for i, (r, o) in enumerate(zip(ref, outs)):
-        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
-
-
-def _cached(outs):
-    return [o["meta_info"]["cached_tokens"] for o in outs]
-
-
 def _settle(engine):
     """Every copy and storage write done; the pools at rest (no pin, nothing waiting)."""
     core = engine.core
@@ -272,8 +257,8 @@ def stored(tiny_checkpoints, prompts, tmp_path_factory):
     nothing stored before: the reference)."""
     path = tmp_path_factory.mktemp("hicache") / "store"
     first = _engine(tiny_checkpoints["llama"], path)
-    ref = _gen(first, prompts)
-    assert _cached(ref) == [0] * 8
+    ref = generate(first, prompts, SP)
+    assert cached_tokens(ref) == [0] * 8
     load = _settle(first)
     first.shutdown()
     assert load["hicache_storage_written_pages"] == 8 * (FULL // PAGE)
@@ -300,9 +285,10 @@ def test_a_restarted_engine_finds_the_stored_pages(tiny_checkpoints, prompts, st
     path, ref = stored
     engine = _engine(tiny_checkpoints["llama"], _copy(path, tmp_path))
     try:
-        outs = _gen(engine, prompts)
-        _agree(ref, outs, "restarted")
-        assert all(c >= 0.8 * PROMPT for c in _cached(outs)) and _cached(outs) == [FULL] * 8
+        outs = generate(engine, prompts, SP)
+        agree(ref, outs, "restarted")
+        got = cached_tokens(outs)
+        assert all(c >= 0.8 * PROMPT for c in got) and got == [FULL] * 8
         load = _settle(engine)
         # Only each prompt's last partial page was computed; the rest came from the store.
         assert load["num_prompt_tokens_computed"] == 8 * (PROMPT - FULL)
@@ -335,10 +321,10 @@ def test_corrupt_truncated_and_foreign_records_are_recomputed(tiny_checkpoints, 
     engine = _engine(tiny_checkpoints["llama"], root)
     try:
         with caplog.at_level(logging.WARNING, logger="pdjax.kv.hicache.storage_tier"):
-            outs = _gen(engine, prompts)
-        _agree(ref, outs, "bad records")
+            outs = generate(engine, prompts, SP)
+        agree(ref, outs, "bad records")
         # Each prompt uses the pages before its bad one; the rest is recomputed.
-        assert _cached(outs) == [5 * PAGE, 3 * PAGE, 0] + [FULL] * 5
+        assert cached_tokens(outs) == [5 * PAGE, 3 * PAGE, 0] + [FULL] * 5
         load = _settle(engine)
         assert load["hicache_storage_corrupt_pages"] == 3
         warned = " ".join(r.getMessage() for r in caplog.records)
@@ -359,20 +345,20 @@ def test_a_folder_removed_at_runtime_degrades_to_recompute(tiny_checkpoints, pro
     root = _copy(path, tmp_path)
     engine = _engine(tiny_checkpoints["llama"], root)
     try:
-        _agree(ref[:2], _gen(engine, prompts[:2]), "from the store")
+        agree(ref[:2], generate(engine, prompts[:2], SP), "from the store")
         _settle(engine)
         shutil.rmtree(root)
         with caplog.at_level(logging.WARNING, logger="pdjax.kv.hicache.storage_tier"):
-            outs = _gen(engine, prompts)
-        _agree(ref, outs, "folder removed")
-        cached = _cached(outs)
+            outs = generate(engine, prompts, SP)
+        agree(ref, outs, "folder removed")
+        cached = cached_tokens(outs)
         assert cached[2:] == [0] * 6 and all(c > 0 for c in cached[:2]), cached
         load = _settle(engine)
         assert load["hicache_storage_errors"] > 0
         assert any("write failed" in r.getMessage() for r in caplog.records)
         assert not root.exists()
         # Still serving from the host tier.
-        _agree(ref, _gen(engine, prompts), "host tier after the removal")
+        agree(ref, generate(engine, prompts, SP), "host tier after the removal")
         _settle(engine)
     finally:
         engine.shutdown()
@@ -402,9 +388,9 @@ def test_an_abort_during_a_prefetch_leaks_nothing(tiny_checkpoints, prompts, sto
         # Its pages reached the host all the same (a later request uses them), unpinned.
         assert conn.index.match(page_hashes(prompts[0], PAGE, FULL // PAGE), 0) == FULL // PAGE
         _settle(engine)
-        outs = _gen(engine, prompts[:1])
-        _agree(ref[:1], outs, "after the abort")
-        assert _cached(outs) == [FULL]
+        outs = generate(engine, prompts[:1], SP)
+        agree(ref[:1], outs, "after the abort")
+        assert cached_tokens(outs) == [FULL]
         _settle(engine)
     finally:
         engine.shutdown()
@@ -418,15 +404,15 @@ def test_an_fp8_kv_cache_round_trips_through_the_store(tiny_checkpoints, prompts
     try:
         dtypes = {np.dtype(s.dtype).name for s in first.core.runner.cache_specs}
         assert "float8_e4m3fn" in dtypes and len(dtypes) > 1, dtypes
-        ref = _gen(first, prompts[:4])
+        ref = generate(first, prompts[:4], SP)
         _settle(first)
     finally:
         first.shutdown()
     again = _engine(tiny_checkpoints["llama"], tmp_path / "fp8", **fp8)
     try:
-        outs = _gen(again, prompts[:4])
-        _agree(ref, outs, "fp8 KV, restarted")
-        assert _cached(outs) == [FULL] * 4
+        outs = generate(again, prompts[:4], SP)
+        agree(ref, outs, "fp8 KV, restarted")
+        assert cached_tokens(outs) == [FULL] * 4
         load = _settle(again)
         assert load["hicache_storage_hit_tokens"] == 4 * FULL
         assert load["hicache_storage_corrupt_pages"] == 0

@@ -17,7 +17,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from model_utils import assert_output_agrees
+from hicache_utils import agree, cached_tokens, generate
 
 from pdjax.engine import Engine
 from pdjax.ports import free_port
@@ -78,21 +78,6 @@ def _engine(ckpt, cfg):
                   hicache_storage_backend="mooncake", hicache_storage_backend_extra_config=cfg)
 
 
-def _gen(engine, prompts):
-    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
-                           top_logprobs_num=2)
-
-
-def _agree(ref, outs, what):
-    assert len(ref) == len(outs)
-    for i, (r, o) in enumerate(zip(ref, outs)):
-        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
-
-
-def _cached(outs):
-    return [o["meta_info"]["cached_tokens"] for o in outs]
-
-
 def _settle(engine):
     core = engine.core
     core.kv_worker.flush()
@@ -110,13 +95,13 @@ def test_a_second_engine_finds_what_the_first_computed(tiny_checkpoints, master)
     first = _engine(tiny_checkpoints["llama"], cfg)
     second = _engine(tiny_checkpoints["llama"], cfg)
     try:
-        ref = _gen(first, prompts[:8])
-        assert _cached(ref) == [0] * 8
+        ref = generate(first, prompts[:8], SP)
+        assert cached_tokens(ref) == [0] * 8
         load = _settle(first)
         assert load["hicache_storage_written_pages"] == 8 * FULL // PAGE
-        outs = _gen(second, prompts[:8])
-        _agree(ref, outs, "second engine")
-        assert _cached(outs) == [FULL] * 8
+        outs = generate(second, prompts[:8], SP)
+        agree(ref, outs, "second engine")
+        assert cached_tokens(outs) == [FULL] * 8
         load = _settle(second)
         assert load["num_prompt_tokens_computed"] == 8 * (PROMPT - FULL)
         assert load["hicache_storage_hit_tokens"] == 8 * FULL
@@ -124,17 +109,17 @@ def test_a_second_engine_finds_what_the_first_computed(tiny_checkpoints, master)
 
         # The master killed: the first engine asks two prompts only the second has seen;
         # the store does not answer, so they are recomputed, with the second's tokens.
-        want = _gen(second, prompts[8:])
+        want = generate(second, prompts[8:], SP)
         _settle(second)
         proc.kill()
         proc.wait()
-        outs = _gen(first, prompts[8:])
-        _agree(want, outs, "master killed")
-        assert _cached(outs) == [0, 0]
+        outs = generate(first, prompts[8:], SP)
+        agree(want, outs, "master killed")
+        assert cached_tokens(outs) == [0, 0]
         load = _settle(first)
         assert load["hicache_storage_errors"] >= 1
         # Its host tier still serves what it computed.
-        _agree(ref[:2], _gen(first, prompts[:2]), "host tier, master killed")
+        agree(ref[:2], generate(first, prompts[:2], SP), "host tier, master killed")
     finally:
         first.shutdown()
         second.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from model_utils import assert_output_agrees
+from hicache_utils import agree, cached_tokens, generate
 
 from pdjax.engine import Engine
 from pdjax.kv.prefix_cache import RadixCache
@@ -56,19 +56,9 @@ def prompts():
 def reference(tiny_checkpoints, prompts):
     engine = Engine(tiny_checkpoints["llama"], **KW)
     try:
-        return _gen(engine, prompts)
+        return generate(engine, prompts, SP)
     finally:
         engine.shutdown()
-
-
-def _gen(engine, prompts):
-    return engine.generate(input_ids=prompts, sampling_params=SP, return_logprob=True,
-                           top_logprobs_num=2)
-
-
-def _agree(ref, outs, what):
-    for i, (r, o) in enumerate(zip(ref, outs)):
-        assert assert_output_agrees(r, o, f"{what} prompt {i}") >= 1
 
 
 def _idle(engine):
@@ -88,15 +78,15 @@ def test_write_back_copies_only_what_the_device_evicts(tiny_checkpoints, prompts
         evicted = []
         inner = cache.on_evict
         cache.on_evict = lambda ids, pages: (evicted.append(len(pages)), inner(ids, pages))
-        _agree(reference, _gen(engine, prompts), "write_back, first time")
+        agree(reference, generate(engine, prompts, SP), "write_back, first time")
         core.kv_worker.flush()
         # Every page the host got, the device evicted (none is written twice); the pages the
         # device still holds are not on the host.
         assert sum(evicted) > 0 and conn.stats.written_pages == sum(evicted)
         assert conn.index.num_used == conn.stats.written_pages
-        outs = _gen(engine, prompts)
-        _agree(reference, outs, "write_back, asked again")
-        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        outs = generate(engine, prompts, SP)
+        agree(reference, outs, "write_back, asked again")
+        cached = cached_tokens(outs)
         assert cached == [FULL] * 8, cached
         assert conn.stats.loaded_pages * PAGE >= 4 * FULL      # from the host
         _idle(engine)
@@ -110,20 +100,20 @@ def test_write_through_selective_copies_only_reused_pages(tiny_checkpoints, prom
     try:
         core = engine.core
         conn = core.scheduler.connector
-        _agree(reference, _gen(engine, prompts), "selective, first time")
+        agree(reference, generate(engine, prompts, SP), "selective, first time")
         core.kv_worker.flush()
         assert conn.stats.written_pages == 0            # each prompt seen once: no host copy
         # The last prompt is still on the device: asked again it is a device hit, so its
         # pages become worth a copy.
-        again = _gen(engine, prompts[-1:])
-        _agree(reference[-1:], again, "selective, the last prompt again")
+        again = generate(engine, prompts[-1:], SP)
+        agree(reference[-1:], again, "selective, the last prompt again")
         assert again[0]["meta_info"]["cached_tokens"] == FULL
         core.kv_worker.flush()
         assert conn.stats.written_pages == FULL // PAGE
         # Pushed off the device by the others, it comes back from the host.
-        _gen(engine, prompts[:4])
-        outs = _gen(engine, prompts[-1:])
-        _agree(reference[-1:], outs, "selective, from the host")
+        generate(engine, prompts[:4], SP)
+        outs = generate(engine, prompts[-1:], SP)
+        agree(reference[-1:], outs, "selective, from the host")
         assert outs[0]["meta_info"]["cached_tokens"] == FULL
         assert conn.stats.loaded_pages >= 1
         _idle(engine)
