@@ -26,7 +26,7 @@ from pdjax.sched.batch import BatchRow, FlatBatch, build_flat_batch
 
 
 @dataclasses.dataclass
-class DpFlatBatch:
+class DpFlatBatch(FlatBatch):
     """``FlatBatch``'s arrays for ``dp`` ranks (all int32): ``input_ids [dp * T]``,
     ``positions`` / ``slot_mapping [dp, T]``, ``cu_q_lens [dp, R + 1]``, ``kv_lens [dp, R]``,
     ``page_indices [dp, R, P]``, ``distribution [dp, 3]``, ``logits_indices [N]`` (global
@@ -35,19 +35,8 @@ class DpFlatBatch:
     ``row_starts[i]`` the global index of its first token. ``ranks``: each rank's own
     ``FlatBatch``; ``num_tokens``: real tokens in all."""
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    cu_q_lens: np.ndarray
-    kv_lens: np.ndarray
-    page_indices: np.ndarray
-    distribution: np.ndarray
-    logits_indices: np.ndarray
-    logits_row_spans: list[tuple[int, int]]
     row_starts: list[int]
     ranks: list[FlatBatch]
-    num_tokens: int
-    num_rows: int
 
     @property
     def dp_size(self) -> int:
