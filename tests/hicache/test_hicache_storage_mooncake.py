@@ -33,8 +33,8 @@ SP = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 def _master_binary():
     found = shutil.which("mooncake_master") or os.path.join(os.path.dirname(sys.executable),
                                                             "mooncake_master")
-    if not os.path.exists(found):
-        pytest.skip("mooncake_master is not installed (mooncake-transfer-engine)")
+    # scripts/setup_env.sh installs it (the mooncake extra): missing is a broken set-up.
+    assert os.path.exists(found), "mooncake_master is not installed (mooncake-transfer-engine)"
     return found
 
 
