@@ -131,12 +131,15 @@ class HiCacheConnector:
         ps = self.page_size
         max_pages = (req.num_prompt_tokens - 1) // ps       # one prompt token to compute
         first = num_computed_tokens // ps
-        if self.write_policy == "write_through_selective" and req.rid not in self._counted:
-            self._counted.add(req.rid)          # admission may ask again: count once
-            self._count_hits(page_hashes(req.prompt_ids, ps, min(first, max_pages)))
-        if first >= max_pages:
+        count = self.write_policy == "write_through_selective" and req.rid not in self._counted
+        if first >= max_pages and not count:
             return 0
         hashes = page_hashes(req.prompt_ids, ps, max_pages)
+        if count:                               # admission may ask again: count once
+            self._counted.add(req.rid)
+            self._count_hits(hashes[:first])
+        if first >= max_pages:
+            return 0
         n = self.index.match(hashes, first)
         if first + n < max_pages and self.index.is_pending(hashes[first + n]) \
                 and self.wait_for_writes is not None:
