@@ -34,9 +34,10 @@ Policy, per step:
    speculate carry drafts, within the token budget (half of it when prefill waits) and the
    free pages; verify rows go last in the batch; rejected drafts are rolled back by counters
    (``resolve_verify``).
-6. A ``KVConnector`` (``pdjax.sched.kv_connector``) is asked at admission how many prompt
-   tokens arrive from elsewhere (such a request waits in ``waiting_remote``; "not yet" skips
-   it for this step, the rest of the queue goes on) and at a finish whether the pages stay
+6. A ``KVConnector`` (``pdjax.sched.kv_connector``) is asked at admission
+   (``pdjax.sched.admission``: what a request gets; this file: when it is tried) how many
+   prompt tokens arrive from elsewhere (such a request waits in ``waiting_remote``; "not yet"
+   skips it for this step, the rest of the queue goes on) and at a finish whether the pages stay
    (``held``) until their KV has left (the books: ``pdjax.sched.remote_kv.RemoteKV``). A
    request whose whole prompt arrives (PD decode) joins the running batch with the first token
    the worker reports, when it has a slot; such admissions do not wait for a running slot
@@ -56,6 +57,7 @@ import time
 from typing import Mapping
 
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
+from pdjax.sched.admission import AdmitResult, admit, start_after_prefix, start_with_first_token
 from pdjax.sched.itl_target import fit_target
 from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.kv_connector import KVConnector, KVConnectorOutput, NullConnector
@@ -269,57 +271,12 @@ class Scheduler:
         self.drafts.add_drafts(rows, spare // 2 if has_prefill else spare)
         return rows
 
-    def _admit(self, req: Request, remote_only: bool = False) -> bool | None:
-        """Admit a queued request: its prefix-cache hit, then what the connector has of the
-        rest (``KVConnector.get_num_new_matched_tokens``; such a request waits in
-        ``waiting_remote`` for it). False (no change) when its pages cannot be freed, or
-        ``remote_only`` and the connector has nothing; None when the connector does not know
-        yet (the request stays queued, skipped)."""
-        ps = self.page_size
-        max_pages = (req.num_tokens - 1) // ps
-        prompt_logprobs = req.return_logprob and req.logprob_start_len >= 0
-        if prompt_logprobs:
-            max_pages = min(max_pages, max(0, req.logprob_start_len - 1) // ps)
-        pages, node = self.kv.match_prefix(req, max_pages)
-        external, whole = 0, False
-        if not req.output_ids:            # a retracted request recomputes what it had
-            external = self.connector.get_num_new_matched_tokens(req, len(pages) * ps)
-            if external is None:
-                self.remote.not_yet.add(req.rid)
-                return None
-            whole = bool(external) and RemoteKV.check_external(req, len(pages) * ps, external, ps)
-            if prompt_logprobs and not whole:
-                external = 0              # its prompt's logprobs need the prompt computed here
-            if whole and len(pages) < req.num_prompt_tokens // ps:
-                # Nothing is computed here: the prompt's last full page may be a hit too (the
-                # rest of the prompt then has no token; the first token still comes).
-                pages, node = self.kv.match_prefix(req, req.num_prompt_tokens // ps)
-                external = req.num_prompt_tokens - len(pages) * ps
-        self.remote.not_yet.discard(req.rid)
-        if remote_only and not whole and not external:
-            return False
-        need = -(-req.num_tokens // ps) + 1 - len(pages)
-        reserve = 0
-        if whole:
-            need -= 1                     # nothing is computed here: no page for a next token
-            reserve = self.remote.reserved_decode_pages(req, self.running)
-        self.prefix_cache.lock(node)
-        # The decode reservation yields when nothing else holds pages (it could never fit).
-        if not self.kv.make_free(need + reserve, req) and (
-                not reserve or self.kv.same_pool(req, [*self.running,
-                                                       *self.remote.waiting.values()])
-                or not self.kv.make_free(need, req)):
-            self.prefix_cache.unlock(node)
-            return False
-        req.prefix_node = node
-        req.pages = list(pages)
-        if external or whole:
-            self.remote.admit(req, external)
-            return True
-        req.start_running(len(pages) * ps)
-        self.connector.update_state_after_alloc(req, 0)
-        self.running.append(req)
-        return True
+    def _admit(self, req: Request, remote_only: bool = False) -> AdmitResult:
+        """``admission.admit`` of a queued request; a RUNNING one joins the running batch."""
+        result = admit(req, self.kv, self.remote, self.running, remote_only)
+        if result is AdmitResult.RUNNING:
+            self.running.append(req)
+        return result
 
     def _admit_remote_only(self) -> None:
         """Admit, in queue order, the requests whose KV the connector provides (a PD decode's
@@ -332,10 +289,10 @@ class Scheduler:
             if req.last_scheduled_step == self.step_id:
                 return
             admitted = self._admit(req, remote_only=True)
-            if admitted is None:
+            if admitted is AdmitResult.NOT_YET:
                 i += 1
                 continue
-            if not admitted:
+            if admitted is AdmitResult.NO_ROOM:
                 return
             del self.waiting[i]
 
@@ -356,13 +313,13 @@ class Scheduler:
                 if req.last_scheduled_step == self.step_id:
                     break
                 admitted = self._admit(req)
-                if admitted is None:
+                if admitted is AdmitResult.NOT_YET:
                     i += 1
                     continue
-                if not admitted:
+                if admitted is AdmitResult.NO_ROOM:
                     break
                 del self.waiting[i]
-                if self.remote.owns(req):
+                if admitted is AdmitResult.REMOTE:
                     continue          # its KV arrives first
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(budget, remaining, self.config.chunked_prefill_size)
@@ -427,12 +384,8 @@ class Scheduler:
         while self.remote.arrived and len(self.running) < self.config.max_running_requests:
             req, first = self.remote.take_arrived()
             if first is None:                 # a prefix arrived: the rest is computed here
-                loaded = len(req.pages) * self.page_size
-                req.start_running(req.num_cached_tokens)
-                req.set_num_computed_tokens(loaded)
-                req.set_reported_cached_tokens(loaded)
+                start_after_prefix(req, self.kv)
                 self.running.append(req)
-                self.kv.share(req, loaded)
                 continue
             changed.append(req)
             if req.sampling_params.max_new_tokens == 0:
@@ -446,15 +399,9 @@ class Scheduler:
         return changed
 
     def _start_with_first_token(self, req: Request, first, stop_check) -> None:
-        """``req``'s prompt KV is in its pages and its first output token is ``first``: it
-        joins the running batch; the next decode step computes that token's KV (the prompt is
-        never recomputed). Finished at once when that token stops it."""
-        req.start_prebuilt(first.token_id, self.step_id)
-        if req.return_logprob:
-            req.append_logprobs(float(first.logprob or 0.0),
-                                list(first.top_logprobs)[:req.top_logprobs_num])
-        if first.cached_tokens is not None:
-            req.set_reported_cached_tokens(first.cached_tokens)
+        """``admission.start_with_first_token``, then ``req`` joins the running batch;
+        finished at once when that token stops it."""
+        start_with_first_token(req, first, self.step_id)
         self.running.append(req)
         reason = stop_check(req) if stop_check is not None else None
         if reason is None and req.num_tokens >= self.max_request_tokens:
