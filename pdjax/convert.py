@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 
-from pdjax.config import FlagParser
+from pdjax.config_fields import FlagParser
 from pdjax.models.checkpoint import is_gguf, resolve_model_path
 from pdjax.models.loader import load_tokenizer, read_params
 from pdjax.models.orbax_checkpoint import save_params

@@ -15,7 +15,8 @@ import logging
 import os
 import sys
 
-from pdjax.config import FlagParser, ServerArgs
+from pdjax.config import ServerArgs
+from pdjax.config_fields import FlagParser
 
 
 def parse_args(argv=None) -> ServerArgs:

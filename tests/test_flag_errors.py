@@ -1,5 +1,5 @@
 """Every command's flag errors, argparse's own included, are one line ``error: FIELD: ...`` and
-exit 2 without the usage block (``config.FlagParser``; serve's and aot's are in their own
+exit 2 without the usage block (``config_fields.FlagParser``; serve's and aot's are in their own
 tests)."""
 
 import pytest

@@ -3,7 +3,7 @@ never loads JAX, and no module reaches into another package's privates.
 
 Layers, lowest first; a module may import its own layer and the ones below, never above:
 
-    control      config, model_config, request, input_checks, engine_io, engine_roles, detokenizer, output,
+    control      config, config_fields, model_config, request, input_checks, engine_io, engine_roles, detokenizer, output,
                  metrics,
                  constrained, sched, kv, pd (the PD control protocol, its checks, auth, room
                  lifecycle and records, the bootstrap), transfer.engine (the transfer-engine
@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "pdjax"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("control", ("pdjax.config", "pdjax.model_config", "pdjax.paths", "pdjax.request", "pdjax.input_checks",
+    ("control", ("pdjax.config", "pdjax.config_fields", "pdjax.model_config", "pdjax.paths", "pdjax.request", "pdjax.input_checks",
                  "pdjax.engine_io", "pdjax.engine_roles",
                  "pdjax.detokenizer", "pdjax.output", "pdjax.metrics", "pdjax.constrained",
                  "pdjax.sched", "pdjax.spec",

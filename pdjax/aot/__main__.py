@@ -13,7 +13,8 @@ import os
 import sys
 import time
 
-from pdjax.config import FlagParser, ServerArgs
+from pdjax.config import ServerArgs
+from pdjax.config_fields import FlagParser
 from pdjax.paths import writable_folder
 
 

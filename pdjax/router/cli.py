@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from pdjax.config import FlagParser
+from pdjax.config_fields import FlagParser
 from pdjax.router.handlers import serve_router
 from pdjax.router.pd_router import PDRouter
 from pdjax.router.pool import POLICIES
