@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdjax.pd.protocol import RegisterDecode
-from pdjax.transfer.kv_export import KVLayout, NodeShards, node_shards
+from pdjax.transfer.kv_copies import KVLayout, NodeShards, node_shards
 from pdjax.transfer.local_kv import LocalKV
 
 

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from pdjax.pd.protocol import DecodeRankInfo
-from pdjax.transfer.kv_export import KVLayout
+from pdjax.transfer.kv_copies import KVLayout
 from pdjax.transfer.ranks import LOST_POLL_S, RankedLayout, node_data_plane
 
 logger = logging.getLogger(__name__)

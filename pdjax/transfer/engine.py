@@ -2,7 +2,7 @@
 
 A ``TransferEngine`` moves bytes from this process's registered memory to a peer's registered
 memory (DESIGN.md §4, plane 3). Callers describe the work as copies ``(src_addr, dst_addr,
-length)`` (addresses are raw uint64 pointers, lengths in bytes); ``kv_export.build_copies``
+length)`` (addresses are raw uint64 pointers, lengths in bytes); ``kv_copies.build_copies``
 makes them from page lists. ``batch_write`` is synchronous and cuts the work into batches of at
 most ``max_batch`` copies, because Mooncake rejects more than 1024 queued transfers per peer by
 default.

@@ -33,9 +33,8 @@ import numpy as np
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import TransferEngine
 from pdjax.models.cache_spec import kv_format
-from pdjax.transfer.kv_export import (KVLayout, changed_addresses, export_kv_layout,
-                                      kv_layout_fingerprint, register_kv_layout,
-                                      unregister_kv_layout)
+from pdjax.transfer.kv_copies import KVLayout, register_kv_layout, unregister_kv_layout
+from pdjax.transfer.kv_export import changed_addresses, export_kv_layout, kv_layout_fingerprint
 
 logger = logging.getLogger(__name__)
 

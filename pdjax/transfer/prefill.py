@@ -16,7 +16,7 @@ Rules kept here:
 * non-last chunks send full pages only (the scheduler ends them on page boundaries), the last
   chunk sends the rest plus the metadata row; pages the decode already holds
   (``decode_prefix_len``) are skipped;
-* copies are contiguous runs x layer buffers x head slices (``kv_export.build_copies``; head
+* copies are contiguous runs x layer buffers x head slices (``kv_copies.build_copies``; head
   slices when the two sides have different TP sizes, planned and checked at registration),
   written by the worker's thread (``PrefillTransferWorker``) in engine batches of at most
   ``max_batch`` copies;

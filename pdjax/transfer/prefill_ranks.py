@@ -22,7 +22,7 @@ A multi-host decode (``decode_ranks.py``) reports
 every node's shards and session to the prefill in ``RegisterDecode``; the prefill writes each
 node's shards into that node's session. Both multi-host: ``kv_peer`` carries the decode's
 ``node_sessions``/``shard_nodes``, every prefill node writes its shards into each decode node
-holding those heads (``kv_export.write_nodes``) and reports the bytes per decode node; node 0
+holding those heads (``kv_copies.write_nodes``) and reports the bytes per decode node; node 0
 writes the metadata row into decode node 0 after every prefill node reported.
 
 Pure Python here; ``RankSender`` reaches JAX only through ``LocalKV`` and the runner.
@@ -41,7 +41,7 @@ from pdjax.pd.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.pd.protocol import RankWriteDone
 from pdjax.pd.wire import MAX_ROOM
 from pdjax.transfer.engine import Copy, TransferError
-from pdjax.transfer.kv_export import (KVLayout, NodeShards, build_copies, node_shards,
+from pdjax.transfer.kv_copies import (KVLayout, NodeShards, build_copies, node_shards,
                                       write_nodes)
 from pdjax.transfer.ranks import (LOST_POLL_S, RankedLayout, RankError, decode_nodes_from_wire,
                                   layout_from_wire, node_data_plane, rank_layouts)

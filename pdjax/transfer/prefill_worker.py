@@ -1,7 +1,7 @@
 """The prefill's transfer worker (DESIGN.md §4): its threads and messages.
 
 * The transfer thread writes each room's chunks into the decode's pages
-  (``kv_export.write_nodes``: contiguous runs x layer buffers x head slices, in engine batches
+  (``kv_copies.write_nodes``: contiguous runs x layer buffers x head slices, in engine batches
   of at most ``max_batch`` copies), then its metadata row, and sends the room's status, aborts
   and abort acks to the decode in the same queue, so that each is sent only after the room's
   last write has finished (a decode that gets Failed, Abort or AbortAck may reuse its pages at
@@ -45,7 +45,7 @@ from pdjax.pd.wire import ProtocolError, validate_pages
 from pdjax.sched.kv_connector import KVConnectorOutput
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.engine import TransferError
-from pdjax.transfer.kv_export import check_rank_pages, write_nodes
+from pdjax.transfer.kv_copies import check_rank_pages, write_nodes
 from pdjax.transfer.worker import EventQueue, KVTransferWorker
 
 logger = logging.getLogger(__name__)

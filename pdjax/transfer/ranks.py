@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from pdjax.pd.bootstrap import PrefillRankInfo
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.wire import KV_LAYOUTS, MAX_BUFFERS, MAX_SHARDS
-from pdjax.transfer.kv_export import KVLayout
+from pdjax.transfer.kv_copies import KVLayout
 
 LOST_POLL_S = 0.5               # how often a wait for the other nodes checks the cluster
 

@@ -7,7 +7,7 @@ import pytest
 
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.protocol import ProtocolError
-from pdjax.transfer.kv_export import KVLayout, build_copies, group_contiguous_runs
+from pdjax.transfer.kv_copies import KVLayout, build_copies, group_contiguous_runs
 
 
 def test_group_runs_examples():
@@ -157,7 +157,7 @@ def test_regions_cover_each_shard():
 
 def test_register_kv_layout_labels_and_rolls_back():
     from pdjax.transfer.fake import FakeTransferEngine
-    from pdjax.transfer.kv_export import register_kv_layout, unregister_kv_layout
+    from pdjax.transfer.kv_copies import register_kv_layout, unregister_kv_layout
 
     eng = FakeTransferEngine(check_sources=True)
     lay = KVLayout("layer_major", (KVBufferDesc((4096, 1 << 20), 2, 10, 64),))

@@ -20,7 +20,7 @@ from pdjax.pd.protocol import DecodeRankInfo, ProtocolError, RegisterDecode, dec
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.decode_peer import DecodePeer
 from pdjax.transfer.decode_ranks import DecodeRankNode, DecodeRanks
-from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.kv_copies import KVLayout, build_copies
 from pdjax.transfer.prefill_ranks import PrefillRanks
 
 PS, LAYERS, HEAD_BYTES, PAGES = 4, 2, 16, 16

@@ -14,7 +14,7 @@ from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.transfer.engine import (FAKE_BOOTSTRAP_HOST, TransferError, available_backends,
                                    backend_for_bootstrap_host, create_transfer_engine)
 from pdjax.transfer.fake import FakeTransferEngine
-from pdjax.transfer.kv_export import KVLayout, build_copies
+from pdjax.transfer.kv_copies import KVLayout, build_copies
 from pdjax.transfer.metadata import MetadataBuffers
 
 HOST = "127.0.0.1"
@@ -253,7 +253,7 @@ def test_transfer_package_never_imports_jax():
     code = ("import sys\n"
             "import pdjax.pd.protocol, pdjax.pd.bootstrap, pdjax.transfer.engine\n"
             "import pdjax.transfer.fake, pdjax.transfer.mooncake, pdjax.transfer.metadata\n"
-            "import pdjax.transfer.kv_export\n"
+            "import pdjax.transfer.kv_copies, pdjax.transfer.kv_export\n"
             "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=60)

@@ -9,7 +9,7 @@ import pytest
 
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.protocol import ProtocolError, RegisterDecode, decode_message
-from pdjax.transfer.kv_export import HeadSlice, KVLayout, build_copies, plan_head_slices
+from pdjax.transfer.kv_copies import HeadSlice, KVLayout, build_copies, plan_head_slices
 
 L, PAGES, PS, D = 2, 12, 4, 3          # layers, pool pages, page_size, head_dim (bytes: uint8)
 

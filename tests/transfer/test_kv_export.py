@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pdjax.transfer.kv_export import (AddressChange, build_copies, changed_addresses,
-                                      export_kv_layout, kv_layout_fingerprint, plan_head_slices,
-                                      register_kv_layout, shard_addresses,
+from pdjax.transfer.kv_copies import (build_copies, plan_head_slices, register_kv_layout,
                                       unregister_kv_layout)
+from pdjax.transfer.kv_export import (AddressChange, changed_addresses, export_kv_layout,
+                                      kv_layout_fingerprint, shard_addresses)
 
 L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM = 3, 24, 4, 2, 8
 SHAPE = (L, PAGES, PAGE_SIZE, HEADS, HEAD_DIM)

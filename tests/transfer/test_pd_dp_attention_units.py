@@ -13,7 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pdjax.pd.kv_buffers import KVBufferDesc
 from pdjax.pd.wire import ProtocolError
-from pdjax.transfer.kv_export import KVLayout, build_copies, export_kv_layout, plan_head_slices
+from pdjax.transfer.kv_copies import KVLayout, build_copies, plan_head_slices
+from pdjax.transfer.kv_export import export_kv_layout
 
 L, NP, PS, W = 2, 6, 4, 8          # layers, pages a device, page size, latent width
 

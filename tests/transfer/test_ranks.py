@@ -22,7 +22,7 @@ from pdjax.pd.lifecycle import KVPoll
 from pdjax.pd.protocol import ProtocolError, RankWriteDone, TransferStatus, decode_message
 from pdjax.pd.rooms import PrefillRoom
 from pdjax.transfer.engine import TransferError, create_transfer_engine
-from pdjax.transfer.kv_export import KVLayout, build_copies, node_shards, write_nodes
+from pdjax.transfer.kv_copies import KVLayout, build_copies, node_shards, write_nodes
 from pdjax.transfer.prefill_worker import ChunkWritten, RoomFailed
 from pdjax.transfer.prefill_ranks import PrefillRanks, RankSender, RankWrites
 from pdjax.transfer.ranks import RankedLayout, RankError, rank_layouts
