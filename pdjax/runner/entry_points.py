@@ -213,10 +213,12 @@ class EntryPoints:
         """Logits (and sampling) rows of bucket ``key``: its rows; for ``extend`` (the entry
         verify rows run through) with ``verify_width > 1``, up to ``verify_width`` per row but
         no more than its tokens (each logits row is a distinct token), so a small bucket keeps
-        a small sampler (the LM head and the sampler cost grow with these rows)."""
+        a small sampler (the LM head and the sampler cost grow with these rows). Under DP
+        attention, that many for each rank (``key`` is a rank's padding)."""
         if key.entry != "extend" or self.verify_width == 1:
             return key.num_rows * self.dp_size
-        return max(key.num_rows, min(key.num_rows * self.verify_width, key.num_tokens))
+        return self.dp_size * max(key.num_rows,
+                                  min(key.num_rows * self.verify_width, key.num_tokens))
 
     def stream_len(self, key: BucketKey) -> int:
         """Tokens of bucket ``key``'s flat stream: ``num_tokens``, times ``dp_size`` under DP

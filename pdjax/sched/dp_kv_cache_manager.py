@@ -206,6 +206,16 @@ class DpKVCacheManager(KVCacheManager):
         self._holding[req.rid] = req
         return True
 
+    def alloc_free(self, req: Request, n: int) -> bool:
+        """``n`` free pages of ``req``'s rank (no eviction; a draft's, ``spec_rows``): the
+        verify row attends over its rank's pages only."""
+        rank = self.rank_of(req)
+        if n > self.allocator.num_free_on(rank):
+            return False
+        if n:
+            req.pages.extend(self.allocator.alloc(n, rank))
+        return True
+
     def release(self, req: Request) -> None:
         super().release(req)
         self.request_rank.pop(req.rid, None)

@@ -73,6 +73,16 @@ class KVCacheManager:
         req.pages.extend(self.allocator.alloc(n))
         return True
 
+    def alloc_free(self, req: Request, n: int) -> bool:
+        """Give ``req`` ``n`` more pages from the free list only (no eviction: what a
+        speculative draft may take, ``spec_rows``); False (no change) when too few are free.
+        Under DP attention the pages come from ``req``'s rank."""
+        if n > self.allocator.num_free:
+            return False
+        if n:
+            req.pages.extend(self.allocator.alloc(n))
+        return True
+
     def num_shared_pages(self, req: Request) -> int:
         """How many of ``req.pages`` (from the first) belong to the prefix cache: the path
         its lock holds, the prefix it matched plus the full pages it shared while running."""

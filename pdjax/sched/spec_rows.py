@@ -85,11 +85,10 @@ class DraftRows:
             if not draft:
                 continue
             req = row.req
-            need = self.kv.pages_needed(req, req.num_tokens + len(draft))
-            if need > self.kv.allocator.num_free:
+            # Free pages only, of the request's own pool (DP attention: its rank's).
+            if not self.kv.alloc_free(req, self.kv.pages_needed(req, req.num_tokens
+                                                                 + len(draft))):
                 continue
-            if need:
-                req.pages.extend(self.kv.allocator.alloc(need))
             row.draft_ids = list(draft)
             row.num_tokens += len(draft)
             budget -= len(draft)

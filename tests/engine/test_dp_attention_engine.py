@@ -147,8 +147,11 @@ def _parse_error(capsys, argv) -> str:
                       "--enable-dp-attention", "--dp-size", "4"],
      "error: moe_a2a_backend: DP attention dispatches with the DP gather"),
     ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
+                      "--speculative-algorithm", "mtp", "--role", "decode"],
+     "error: speculative_algorithm: not built for a decode with DP attention yet"),
+    ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
                       "--speculative-algorithm", "mtp"],
-     "error: speculative_algorithm: not built for DP attention yet"),
+     "error: speculative_algorithm: 'mtp' is not built for DP attention yet"),
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
                       "--max-total-tokens", "24", "--page-size", "8"],
      "error: max_total_tokens: 24 tokens give each of the 4 DP attention ranks fewer than 2"),
@@ -163,3 +166,7 @@ def test_flags_parse(tiny_checkpoints):
                        "--tp-size", "4", "--ep-size", "4", "--enable-dp-attention",
                        "--dp-size", "4"])
     assert (args.enable_dp_attention, args.dp_size, args.ep_size) == (True, 4, 4)
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
+                       "--tp-size", "4", "--enable-dp-attention", "--dp-size", "2",
+                       "--speculative-algorithm", "ngram"])
+    assert (args.dp_size, args.speculative_algorithm) == (2, "ngram")

@@ -124,3 +124,53 @@ def test_pd_decode_drafts_from_its_first_step():
     row = batch.rows[0]
     assert row.is_verify and row.start == 7 and row.draft_ids == [5, 6, 7]
     assert row.token_ids == [9, 5, 6, 7]
+
+
+def test_dp_attention_drafts_take_pages_of_the_requests_rank():
+    """Under DP attention a verify row's draft pages come from its request's rank (they were
+    taken from rank 0 whatever the request's rank: the row's pages then spanned two ranks and
+    ``dp_batch.local_rows`` refused the batch); a rank without free pages drafts nothing
+    though other ranks have room."""
+    from pdjax.sched.dp_batch import local_rows
+    from pdjax.sched.batch import BatchRow
+    from pdjax.sched.dp_kv_cache_manager import DpKVCacheManager
+
+    np_, ps = 6, 4
+    kv = DpKVCacheManager(2, np_, ps)
+    sched = Scheduler(SchedulerConfig(num_pages=2 * np_, page_size=ps, chunked_prefill_size=32,
+                                      dp_size=2), kv=kv)
+    sched.speculator = SpecController(FixedDrafter(), num_draft_tokens=6, adaptive=False)
+    reqs = [Request(rid, [t + k for t in PROMPT], SamplingParams(max_new_tokens=20,
+                                                                 temperature=0))
+            for k, rid in enumerate("ab")]
+    for r in reqs:
+        sched.add_request(r)
+    while not all(r.output_ids for r in reqs):
+        batch = sched.schedule()
+        sched.process_results(batch, {i: 50 for i, r in enumerate(batch.rows) if r.samples},
+                              _no_stop)
+    assert sorted(kv.rank_of(r) for r in reqs) == [0, 1]
+    b = next(r for r in reqs if kv.rank_of(r) == 1)
+    batch = sched.schedule()
+    rows = {r.req.rid: r for r in batch.rows}
+    assert all(r.is_verify and r.draft_ids == DRAFT for r in rows.values())
+    # 6 + 5 tokens: a third page each, on the request's own rank
+    for r in reqs:
+        assert len(r.pages) == 3
+        assert {p // np_ for p in r.pages} == {kv.rank_of(r)}, r.pages
+    _, ranks = local_rows([BatchRow(r.token_ids, r.start, r.req.pages, 0)
+                           for r in batch.rows], np_)
+    assert ranks == [kv.rank_of(r.req) for r in batch.rows]
+    sched.advance(batch)
+    for i, row in enumerate(batch.rows):
+        sched.resolve_verify(row, 1, [99], _no_stop)
+    sched.check_invariants()
+    # Rank 1 full (its 5 usable pages: b's 2 and 3 taken here), rank 0 with room: b's row
+    # carries no drafts, a's does.
+    taken = kv.allocator.alloc(kv.allocator.num_free_on(1), 1)
+    batch = sched.schedule()
+    rows = {r.req.rid: r for r in batch.rows}
+    a = next(r for r in reqs if r is not b)
+    assert rows[b.rid].draft_ids == [] and rows[a.rid].draft_ids == DRAFT
+    assert {p // np_ for p in b.pages} == {1}
+    kv.allocator.free(taken)
