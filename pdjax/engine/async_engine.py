@@ -227,13 +227,13 @@ class AsyncEngine:
                     # The message names the field first ("bootstrap_room: required ...").
                     status = getattr(e, "status_code", 400)
                     field = _LEADING_FIELD.match(str(e))
-                    core.disagg.on_rejected(req, str(e))   # PD: the peer hears of it at once
+                    core.role.on_rejected(req, str(e))   # PD: the peer hears of it at once
                     self._push(GenerateOutput(req.rid, [], finished=True, error=str(e),
                                               finish_reason=FinishReason.abort(
                                                   str(e), status, field and field.group(1))))
             case RejectRooms(rooms, message, status_code):
                 for room in rooms:
-                    core.disagg.reject_room(room, message, status_code)
+                    core.role.reject_room(room, message, status_code)
             case AbortRequest(rid):
                 out = core.abort_request(rid)
                 if out is not None:
@@ -243,7 +243,7 @@ class AsyncEngine:
             case GetLoad():
                 return core.get_load()
             case GetPDState():
-                return core.disagg.debug_state()
+                return core.role.debug_state()
             case StartProfile(output_dir, num_steps):
                 core.runner.start_profile(output_dir)
                 self._profile_dir, self._profile_steps_left = output_dir, num_steps
@@ -280,9 +280,9 @@ class AsyncEngine:
                                    tokenizer=self._tokenizer.result)
             if self.metrics is not None and hasattr(self.metrics, "attach_engine"):
                 self.metrics.attach_engine(self.core)
-            self.core.disagg.set_wake(self._wake.set)
+            self.core.role.set_wake(self._wake.set)
             if self.metrics is not None:
-                self.core.disagg.attach_metrics(self.metrics)
+                self.core.role.attach_metrics(self.metrics)
             if self.core.cluster is not None:
                 self.core.cluster.on_lost = self._on_node_lost
             self.is_ready = True
@@ -325,7 +325,7 @@ class AsyncEngine:
                     self._profile_dir = self._profile_steps_left = None
         self.watchdog.stop()
         self.core.kv_worker.close()            # before the role's sockets close
-        self.core.disagg.close()
+        self.core.role.close()
         if self.core.cluster is not None:
             self.core.cluster.close()
 

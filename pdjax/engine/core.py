@@ -152,7 +152,7 @@ class EngineCore(ForwardStep):
             wait_for_device=self.wait_for_device, wait_for_kv=self.wait_for_kv,
             abort_request=lambda rid, message: self.scheduler.abort_request(rid, message),
             num_prompt_tokens_computed=lambda: self.scheduler.num_prompt_tokens_computed))
-        self.disagg: EngineRole = conn.role
+        self.role: EngineRole = conn.role
         self.kv_worker = conn.worker
         self.scheduler = Scheduler(self.sched_config, cost_model=self.cost_model,
                                    connector=conn.connector, speculator=self.speculator, kv=kv)
@@ -289,7 +289,7 @@ class EngineCore(ForwardStep):
             self._check_grammar_enabled(sp.grammar)
             req.grammar = self.grammar_backend.matcher(sp.grammar)
         self.scheduler.check_new_request(req)
-        self.disagg.add_request(g, req)      # PD: the request's room (ValueError: refused)
+        self.role.add_request(g, req)      # PD: the request's room (ValueError: refused)
         self.scheduler.add_request(req)
         # The role's sampling parameters (a PD prefill samples one token whatever the client
         # asked). A PD decode's request still moves its KV (its prefill waits for the page
@@ -304,10 +304,10 @@ class EngineCore(ForwardStep):
         """Whether ``step()`` has something to do (scheduled requests, a step in flight, or PD
         events)."""
         return (self.scheduler.has_work or self._inflight is not None
-                or self.disagg.has_work() or self.kv_worker.has_work())
+                or self.role.has_work() or self.kv_worker.has_work())
 
     def abort_request(self, rid: str, message: str = "aborted by client") -> GenerateOutput | None:
-        out = self.disagg.abort(rid, message)
+        out = self.role.abort(rid, message)
         if out is not None:
             return out
         req = self.scheduler.abort_request(rid, message)
@@ -333,7 +333,7 @@ class EngineCore(ForwardStep):
             return []
         outputs, fetch_s = self.forward.complete(done)
         self._start_transfers(done.batch)
-        outputs = self.disagg.after_step(done.batch, outputs)
+        outputs = self.role.after_step(done.batch, outputs)
         self.forward_time_s += fetch_s
         for hook in self.step_hooks:
             hook(done.batch, outputs)
@@ -392,7 +392,7 @@ class EngineCore(ForwardStep):
     def _schedule(self, outputs: list[GenerateOutput]) -> ScheduledBatch | None:
         """PD events, what the transfer worker finished, requests done without a forward, then
         the scheduler's batch."""
-        outputs += self.disagg.poll()
+        outputs += self.role.poll()
         # KV that arrived or will not: a request's first token (PD decode), or its error.
         for req in self.scheduler.update_from_kv_output(self.kv_worker.poll(), self.stop_check):
             outputs.append(self.make_output(req, list(req.output_ids),
@@ -440,7 +440,7 @@ class EngineCore(ForwardStep):
         self._start_transfers(batch)     # every step: a request admitted now may wait for KV
         if done is not None or outputs:
             # done None: no forward's results were read, but requests may have finished.
-            outputs = self.disagg.after_step(batch, outputs)
+            outputs = self.role.after_step(batch, outputs)
         return done, in_flight, outputs
 
     def _start_transfers(self, batch: ScheduledBatch | None) -> None:
@@ -499,7 +499,7 @@ class EngineCore(ForwardStep):
         """Queue sizes and pages (``engine_load``), and the forward shapes compiled so far of
         all the buckets (``num_ready_buckets`` < ``num_buckets`` while the background warm-up
         runs: batches pad to a larger shape meanwhile, and timings are not yet steady)."""
-        return {**engine_load(self.scheduler, self.disagg),
+        return {**engine_load(self.scheduler, self.role),
                 "num_ready_buckets": len(self.runner.ready_keys),
                 "num_buckets": len(self.buckets.all_keys())}
 
