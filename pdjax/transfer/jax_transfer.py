@@ -180,46 +180,77 @@ class JaxTransferEngine(TransferEngine):
     def write_pages(self, local_kv, peer, src: Sequence[int], dst: Sequence[int],
                     meta: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
         """Offer the arrays ``local_kv.stage_out(src)`` gathered to the decode ``peer`` (a
-        ``DecodePeer``) for its pages ``dst``, with the metadata row copies ``meta``
-        (``(src_addr, dst_addr, length)``: the bytes travel in the offer); blocks until the
-        decode acks the pull. Returns ``([bytes], arrays)``: the bytes the decode's shards
-        received (``len(dst)`` x its bytes per page, as Mooncake counts them) and the number
-        of arrays pulled (head-group units included). Raises ``TransferError`` (the
-        decode refused, failed or did not ack within ``pull_timeout_s + ack_slack_s``) or
-        ``ValueError`` (nothing gathered for ``src``, a metadata source outside registered
-        memory)."""
-        parts = local_kv.take_gathered(src)
+        ``DecodePeer``: ``session_id``, ``layout``, and a multi-host decode's
+        ``node_sessions`` / ``shard_nodes``) for its pages ``dst``: one offer per decode node
+        that needs units this process holds (``local_kv.routes``), node 0 last with the
+        metadata row copies ``meta`` (``(src_addr, dst_addr, length)``: the bytes travel in
+        the offer); blocks until each is acked. Returns ``(bytes per decode node, node 0
+        first; arrays)``: the bytes the decode's shards received from this process
+        (``len(dst)`` x their bytes per page, as Mooncake counts them) and the arrays pulled
+        (head-group units). Raises ``TransferError`` (a decode node refused, failed or did
+        not ack within ``pull_timeout_s + ack_slack_s``) or ``ValueError`` (nothing gathered
+        for ``src``, a metadata source outside registered memory)."""
+        rows = self._meta_rows(meta)
+        parts = local_kv.take_gathered(src) if len(src) else None
+        units, routes = local_kv.routes(peer.layout, peer.session_id,
+                                        getattr(peer, "node_sessions", ()),
+                                        getattr(peer, "shard_nodes", ()))
+        node_bytes, arrays = [0] * len(routes), 0
+        for i, (node, session, which, per_page) in enumerate(routes):
+            last_rows = rows if i == len(routes) - 1 else []
+            if parts is None or not any(which):
+                if last_rows:
+                    self._offer(session, None, None, 0, dst, last_rows, 0)
+                continue
+            bucket = int(parts[0].shape[1])
+            sub = local_kv.offer_units(parts, units, which)
+            nbytes = len(dst) * per_page
+            self._offer(session, sub, local_kv.offer_descriptor(bucket, units, which), bucket,
+                        dst, last_rows, nbytes)
+            node_bytes[node], arrays = nbytes, arrays + len(sub)
+        return node_bytes, arrays
+
+    def send_meta(self, session: str, meta: Sequence[tuple[int, int, int]]) -> None:
+        """Write the metadata row copies ``meta`` into the decode ``session`` (an offer with no
+        arrays): a multi-host prefill's node 0 sends it after every node's KV was pulled.
+        ``TransferError`` / ``ValueError`` as ``write_pages``."""
+        rows = self._meta_rows(meta)
+        if rows:
+            self._offer(session, None, None, 0, [], rows, 0)
+
+    def _meta_rows(self, meta: Sequence[tuple[int, int, int]]) -> list:
         rows = []
         for i, (s, d, n) in enumerate(meta):
             if self.find_region(s, n) is None:
                 raise ValueError(f"meta[{i}].src_addr: [{s:#x}, +{n}) is not registered")
             rows.append([int(d), ctypes.string_at(s, n)])
-        bucket = int(parts[0].shape[1])
-        units = local_kv.units_for([len(b.shard_addrs) for b in peer.layout.buffers])
-        parts = local_kv.offer_units(parts, units)
-        uuid = secrets.randbits(62) | 1
+        return rows
+
+    def _offer(self, session: str, parts: list | None, buffers: list | None, bucket: int,
+               dst: Sequence[int], rows: list, nbytes: int) -> None:
+        """One offer to the decode ``session``: ``parts`` (None: the metadata ``rows`` alone)
+        under a fresh uuid, held until its ack; ``TransferError`` on a refusal or no ack."""
+        uuid = secrets.randbits(62) | 1 if parts else 0
         offer = {"v": OFFER_VERSION, "uuid": uuid, "address": self.transfer_address,
-                 "dst": [int(p) for p in dst], "bucket": bucket,
-                 "buffers": local_kv.offer_descriptor(bucket, units), "meta": rows}
+                 "dst": [int(p) for p in dst], "bucket": bucket, "buffers": buffers,
+                 "meta": rows}
         wait_s = self.pull_timeout_s + self.ack_slack_s
         t0 = time.perf_counter()
         with self._offer_lock:
-            backstop = datetime.datetime.now() + datetime.timedelta(seconds=wait_s + 5)
-            self._server.await_pull(uuid, parts, timeout=backstop)
+            if parts:
+                backstop = datetime.datetime.now() + datetime.timedelta(seconds=wait_s + 5)
+                self._server.await_pull(uuid, parts, timeout=backstop)
             try:
-                reply = self._request(peer.session_id, offer, wait_s)
+                reply = self._request(session, offer, wait_s)
                 if not reply.get("ok"):
-                    raise TransferError(f"jax pull by decode {peer.session_id} failed: "
+                    raise TransferError(f"jax pull by decode {session} failed: "
                                         f"{reply.get('error', 'no reason')}")
             except BaseException:
-                self._server._reset_rendevous_table()     # frees the offered arrays
+                if parts:
+                    self._server._reset_rendevous_table()     # frees the offered arrays
                 self._count(failed=True)
                 raise
-        # What the decode's shards receive, as for Mooncake: pages x its bytes per page.
-        nbytes = len(dst) * sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
-                                for b in peer.layout.buffers)
-        self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
-        return [nbytes], len(parts)
+        self._count(nbytes=nbytes, copies=len(parts or ()), seconds=time.perf_counter() - t0)
 
     def _request(self, session: str, offer: dict, wait_s: float) -> dict:
         import msgpack
@@ -327,11 +358,6 @@ class JaxTransferEngine(TransferEngine):
                 or not isinstance(bucket, int) or not isinstance(dst, list) \
                 or not all(isinstance(p, int) for p in dst):
             raise ValueError("offer: uuid, address, bucket or dst missing or mistyped")
-        try:
-            units = kv.check_offer(offer.get("buffers"), dst, bucket)
-        except ValueError:
-            self.num_refused_offers += 1
-            raise
         rows = offer.get("meta") or []
         for i, row in enumerate(rows):
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], int)
@@ -340,9 +366,18 @@ class JaxTransferEngine(TransferEngine):
             r = self.find_region(row[0], max(1, len(row[1])))
             if r is None or r.label != "metadata":
                 raise ValueError(f"offer meta[{i}]: destination outside the metadata rows")
+        if offer.get("buffers") is None:           # the metadata row alone (multi-host)
+            for dst_addr, data in rows:
+                ctypes.memmove(dst_addr, data, len(data))
+            return 0
+        try:
+            units, which = kv.check_offer(offer.get("buffers"), dst, bucket)
+        except ValueError:
+            self.num_refused_offers += 1
+            raise
         t0 = time.perf_counter()
         conn = self._connection(address)
-        parts = conn.pull(uuid, kv.pull_specs(bucket, units))
+        parts = conn.pull(uuid, kv.pull_specs(bucket, units, which))
         deadline = time.monotonic() + self.pull_timeout_s
         while not all(p.is_ready() for p in parts):
             if time.monotonic() > deadline or self._stop.is_set():
@@ -359,8 +394,8 @@ class JaxTransferEngine(TransferEngine):
             raise TransferError(f"jax pull from {address} failed: {e}") from e
         for dst_addr, data in rows:
             ctypes.memmove(dst_addr, data, len(data))
-        kv.put_arrived(dst, kv.assemble(parts, bucket, units))
-        nbytes = len(dst) * kv.bytes_per_page
+        kv.put_units(dst, units, which, parts)
+        nbytes = len(dst) * sum(p.nbytes // bucket for p in parts)
         self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
         return nbytes
 

@@ -27,7 +27,18 @@ tp_decode)`` head-group units, each a single-device array: the prefill cuts them
 shard that holds those heads (``offer_units``), the decode pulls unit ``u`` onto its device
 that holds them and concatenates each device's units into its shard (``assemble``); a buffer
 without heads (MLA latent, indexer keys: replicated) is pulled once and copied to the other
-decode devices. Heads that ``tp_model_config`` repeats (TP above the KV heads) are refused.
+decode devices. Heads that ``tp_model_config`` repeats (TP above the KV heads) move as
+logical heads: ``U`` is then the checkpoint's KV heads, a unit is cut from one device holding a
+copy and pulled once onto the first decode device holding one, then copied to the others.
+
+Over several processes (``--nnodes > 1``, DESIGN.md §6) each process moves only its own
+shards, paired by rank (``routes``): prefill node ``p`` offers decode node ``d`` the units that
+``p``'s devices hold and ``d``'s devices need, under its own uuid (a buffer without heads comes
+from prefill node ``d % P``); a decode node gathers the units of a chunk from every offer
+(``put_units``) and assembles them at ``stage_in``; node 0 of a multi-host decode tells the
+other nodes to scatter theirs at the same step boundary (``mirror``: ``kv_stage_in`` /
+``kv_drop`` on the step socket, ``transfer/decode_ranks.py``). Every process runs the gather,
+mask and scatter on its own shards only: none of them has a collective.
 
 Shapes: KV buffers ``[layers, num_pages, page_size, *row]`` (GQA ``k_cache``/``v_cache``,
 MLA ``latent`` and the DSA ``indexer_k``, FP8 records' planes); page ids int32.
@@ -38,7 +49,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
 import threading
 import time
 from typing import Any, Sequence
@@ -46,44 +56,29 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdjax.models.cache_spec import kv_format
-from pdjax.pd.kv_buffers import KVBufferDesc
-from pdjax.transfer.kv_export import KVLayout, kv_layout_fingerprint
+from pdjax.transfer.jax_transfer_layout import descriptor_layout, device_heads
+from pdjax.transfer.kv_copies import KVLayout
+from pdjax.transfer.kv_export import kv_layout_fingerprint
 from pdjax.transfer.local_kv import page_buckets
 
 logger = logging.getLogger(__name__)
 
-# Placeholder shard addresses of the layout peers see (never dereferenced): buffer b, shard s
-# at _FAKE_BASE + b * 2**44 + s * 2**40 (1 TiB apart, inside the wire's 2**63 range).
-_FAKE_BASE = 1 << 52
 STALE_S = 900.0          # gathered / pulled arrays nobody took are dropped after this long
+
 
 
 @dataclasses.dataclass
 class _Arrival:
+    """Pulled rows of decode pages ``dst``: ``parts`` (compact arrays in the pool's sharding),
+    or the ``units`` (``(buffer, unit) -> array``, ``bucket`` pages each) of ``counts`` units
+    per buffer that the offers of a chunk brought so far (one per prefill node holding some)."""
+
     dst: tuple[int, ...]
-    parts: list[Any]
+    parts: list[Any] | None
     t: float
-
-
-def _descriptor_layout(arrays: Sequence[Any], head_repeat: int,
-                       row_heads: Sequence[int]) -> KVLayout:
-    """The ``KVLayout`` of ``arrays`` with placeholder addresses (one shard each)."""
-    from pdjax.transfer.kv_export import (_head_axis, _logical_heads, _shard_heads,
-                                          _sorted_shards)
-
-    buffers = []
-    for b, (arr, rh) in enumerate(zip(arrays, row_heads)):
-        name = f"arrays[{b}]"
-        shards = _sorted_shards(arr)
-        axis = _head_axis(arr, rh, name)
-        heads = tuple(_shard_heads(arr, s, axis, head_repeat, name) for s in shards)
-        bytes_per_page = math.prod(shards[0].data.shape[2:]) * arr.dtype.itemsize
-        buffers.append(KVBufferDesc(
-            shard_addrs=tuple(_FAKE_BASE + (b << 44) + (s << 40) for s in range(len(shards))),
-            num_layers=arr.shape[0], num_pages=arr.shape[1], bytes_per_page=bytes_per_page,
-            num_heads=_logical_heads(axis, head_repeat, name), shard_heads=heads,
-            head_bytes=bytes_per_page // (arr.shape[2] * heads[0][1])))
-    return KVLayout("layer_major", tuple(buffers))
+    units: dict = dataclasses.field(default_factory=dict)
+    counts: tuple[int, ...] = ()
+    bucket: int = 0
 
 
 def pad_mask(parts: Sequence[Any], n) -> list:
@@ -138,24 +133,22 @@ class JaxLocalKV:
 
     Same surface as ``LocalKV`` (``layout``, ``fingerprint``, ``kv_dtype``, ``num_pages``,
     ``bytes_per_page``, ``num_layer_buffers``, ``check_addresses``, ``warmup``, ``stage_out``,
-    ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered``/``drop_gathered``
-    (prefill), ``offer_descriptor``/``check_offer``/``pull_specs``/``assemble``/
-    ``put_arrived``/``drop_arrived`` (decode).
-    ``engine``: the ``JaxTransferEngine`` (it is told about this pool: ``attach_kv``).
-    Raises ``ValueError`` for a pool with shards in other processes (multi-host) or KV heads
-    that ``tp_model_config`` repeats (``head_repeat`` > 1): not yet.
+    ``stage_in``, ``close``; ``mode`` is ``"jax"``), plus ``take_gathered``/``drop_gathered``/
+    ``routes``/``offer_units`` (prefill), ``offer_descriptor``/``check_offer``/``pull_specs``/
+    ``put_units``/``put_arrived``/``drop_arrived`` (decode). ``layout`` and
+    ``bytes_per_page`` are this process's shards (a multi-host node's own); descriptors and
+    units are over every process's. ``engine``: the ``JaxTransferEngine`` (it is told about
+    this pool: ``attach_kv``); ``head_repeat``: how often ``tp_model_config`` repeated each
+    KV head. ``mirror(op, **fields)``: set on node 0 of a multi-host decode to send
+    ``kv_stage_in`` / ``kv_drop`` to the other nodes (engine thread).
     """
 
     mode = "jax"
 
     def __init__(self, runner, engine, max_pages_per_seq: int = 64, head_repeat: int = 1):
+        import jax
+
         arrays = runner.kv_buffers()
-        if not all(a.is_fully_addressable for a in arrays):
-            raise ValueError("disaggregation_transfer_backend: 'jax' is single-host for now "
-                             "(a KV buffer has shards in other processes: nnodes > 1)")
-        if head_repeat != 1:
-            raise ValueError(f"disaggregation_transfer_backend: 'jax' does not move KV heads "
-                             f"that tp_size repeats (head_repeat {head_repeat}) yet")
         self.runner, self.engine = runner, engine
         self.names = [s.name for s in runner.cache_specs]
         self.head_repeat = head_repeat
@@ -167,22 +160,33 @@ class JaxLocalKV:
         self.page_size = int(arrays[0].shape[2])
         self.max_pages_per_seq = max(1, int(max_pages_per_seq))
         self.buckets = page_buckets(self.max_pages_per_seq)
-        self.layout = _descriptor_layout(arrays, head_repeat, self.row_heads)
+        self.node_rank, self.num_nodes = jax.process_index(), jax.process_count()
+        local_n = len(arrays[0].addressable_shards)
+        self.layout = descriptor_layout(arrays, head_repeat, self.row_heads,
+                                         self.node_rank * local_n)
         # What the descriptors and pull specs need, read once here: the pool arrays are
         # donated by every step, so other threads must never touch them.
         self._shapes = [tuple(map(int, a.shape)) for a in arrays]
         self._dtypes = [a.dtype for a in arrays]
-        self._shard_rows = [[tuple(map(int, sh.data.shape[2:])) for sh in a.addressable_shards]
-                            for a in arrays]
         self._shardings = [runner.jits.cache_shardings[n] for n in self.names]
-        self.num_shards = len(arrays[0].addressable_shards)
         # A buffer with KV heads (GQA's K and V) moves in head-group units; one without (an
         # MLA latent, the indexer keys) is one unit, replicated on every decode device.
         self._has_heads = [b.num_heads > 1 for b in self.layout.buffers]
+        self._dev_heads, self._epu = [], []
+        for arr, rh, has in zip(arrays, self.row_heads, self._has_heads):
+            heads, epu = device_heads(arr, rh if has else None, head_repeat if has else 1)
+            self._dev_heads.append(heads)
+            self._epu.append(epu)
+        # Per buffer the distinct head ranges over every process (repeated heads once): the
+        # descriptor's shard_heads; and this process's devices, in head order.
+        self._ranges = [sorted(set(h.values())) for h in self._dev_heads]
+        self._local_devs = [[sh.device for sh in sorted(a.addressable_shards, key=lambda sh: (
+            self._dev_heads[b][sh.device], sh.device.id))] for b, a in enumerate(arrays)]
         self.bytes_per_page = sum(b.num_layers * b.bytes_per_page * len(b.shard_addrs)
                                   for b in self.layout.buffers)
         self.num_address_changes = 0
         self.num_missing_arrivals = 0      # stage_in found no pulled rows for a page
+        self.mirror = None
         self._lock = threading.Lock()
         self._gathered: dict[tuple[int, ...], collections.deque] = {}
         self._arrived: list[_Arrival] = []
@@ -198,36 +202,29 @@ class JaxLocalKV:
         """Never moves: nothing is registered by address."""
         return False
 
-    # -- descriptors -----------------------------------------------------------------------
-    def offer_descriptor(self, bucket: int, units: Sequence[int] | None = None) -> list[dict]:
-        """Per buffer, what a compact ``bucket``-page array of this pool is and how it moves:
-        ``name``, ``shape`` ``[layers, bucket, page_size, *row]``, ``dtype``,
-        ``shard_shapes``, ``shard_heads`` (``[start, count]`` of checkpoint KV heads per
-        shard), ``num_heads``, ``page_size``, ``kv_format``, and ``units`` (head-group units,
-        default: one per shard of a buffer with heads, else 1) with ``unit_shape`` (the shape
-        of each unit: dimension 3 split ``units`` ways). JSON/msgpack-safe."""
-        out = []
-        for b, (name, shape, dtype, rows, desc) in enumerate(zip(
-                self.names, self._shapes, self._dtypes, self._shard_rows, self.layout.buffers)):
-            shape = [shape[0], int(bucket), *shape[2:]]
-            u = int(units[b]) if units is not None else (
-                len(desc.shard_heads) if self._has_heads[b] else 1)
-            unit_shape = [*shape[:3], shape[3] // u, *shape[4:]]
-            out.append({"name": name, "shape": shape, "dtype": np.dtype(dtype).name,
-                        "shard_shapes": [[shape[0], shape[1], *r] for r in rows],
-                        "shard_heads": [list(h) for h in desc.shard_heads],
-                        "num_heads": desc.num_heads, "page_size": self.page_size,
-                        "kv_format": self.kv_dtype, "units": u, "unit_shape": unit_shape})
-        return out
+    # -- units -----------------------------------------------------------------------------
+    def _logical_shape(self, b: int, bucket: int) -> list[int]:
+        """Buffer ``b``'s compact ``bucket``-page shape, repeated heads counted once."""
+        shape = self._shapes[b]
+        rep = self.head_repeat if self._has_heads[b] else 1
+        return [shape[0], int(bucket), shape[2], shape[3] // rep, *shape[4:]]
+
+    def _unit_holders(self, b: int, units: int) -> list[list]:
+        """Per unit of buffer ``b`` (``units`` of them), this process's devices holding it."""
+        heads = self.layout.buffers[b].num_heads
+        w = heads // units
+        return [[d for d in self._local_devs[b]
+                 if self._dev_heads[b][d][0] <= u * w
+                 and (u + 1) * w <= sum(self._dev_heads[b][d])] for u in range(units)]
 
     def units_for(self, peer_shards: Sequence[int]) -> list[int]:
         """Head-group units per buffer between this pool and a peer whose buffers have
-        ``peer_shards`` shards: ``max`` of the two shard counts for a buffer with heads (each
-        unit on one device of either side), 1 for a buffer without. ``ValueError`` naming the
-        buffer when the heads or either side's shards do not split into them."""
+        ``peer_shards`` distinct head ranges: ``max`` of the two sides' for a buffer with heads
+        (each unit on one device of either side), 1 for a buffer without. ``ValueError``
+        naming the buffer when the heads or either side's shards do not split into them."""
         out = []
         for b, (desc, theirs) in enumerate(zip(self.layout.buffers, peer_shards)):
-            ours = len(desc.shard_heads)
+            ours = len(self._ranges[b])
             if not self._has_heads[b]:
                 out.append(1)
                 continue
@@ -239,12 +236,70 @@ class JaxLocalKV:
             out.append(u)
         return out
 
-    def check_offer(self, buffers: Any, dst: Sequence[int], bucket: int) -> list[int]:
-        """The head-group units per buffer of an offer whose descriptor is ``buffers`` (the
-        prefill's ``offer_descriptor(bucket, units)``). ``ValueError`` naming the field and
-        both sides when it does not describe this pool's buffers (name, shape, dtype, heads,
-        page size, KV format, units), when ``bucket`` is not one this pool compiled for, or
-        ``dst`` (the decode pages) does not fit ``[1, num_pages)`` and the bucket."""
+    def routes(self, layout: KVLayout, session_id: str, node_sessions: Sequence[str] = (),
+               shard_nodes: Sequence[Sequence[int]] = ()) -> tuple[list[int], list[tuple]]:
+        """Prefill: where this process's units of a chunk go for a decode of ``layout``
+        (``session_id``; a multi-host decode's ``node_sessions`` and ``shard_nodes``).
+        Returns ``(units per buffer, [(decode node, session, unit ids per buffer, bytes a
+        page its shards receive)])`` per decode node, node 0 last: the units this process's
+        devices hold that the node's shards need (a buffer without heads from prefill node
+        ``d % P`` alone). Bytes are the decode's, as Mooncake counts them: a unit once per
+        shard of the node holding it."""
+        units = self.units_for([len(set(b.shard_heads)) for b in layout.buffers])
+        sessions = list(node_sessions) or [session_id]
+        owners = shard_nodes or [[0] * len(b.shard_heads) for b in layout.buffers]
+        out = []
+        for d in reversed(range(len(sessions))):
+            which, per_page = [], 0
+            for b, (desc, u_n) in enumerate(zip(layout.buffers, units)):
+                w = desc.num_heads // u_n
+                held = [desc.shard_heads[s] for s, n in enumerate(owners[b]) if n == d]
+                need = [sum(1 for a, c in held if a <= u * w and (u + 1) * w <= a + c)
+                        for u in range(u_n)]
+                if self._has_heads[b]:
+                    mine = self._unit_holders(b, u_n)
+                    ids = [u for u in range(u_n) if need[u] and mine[u]]
+                else:
+                    ids = [0] if need[0] and d % self.num_nodes == self.node_rank else []
+                which.append(ids)
+                per_page += sum(desc.num_layers * self.page_size * desc.head_bytes * w * need[u]
+                                for u in ids)
+            out.append((d, sessions[d], which, per_page))
+        return units, out
+
+    # -- descriptors -----------------------------------------------------------------------
+    def offer_descriptor(self, bucket: int, units: Sequence[int] | None = None,
+                         which: Sequence[Sequence[int]] | None = None) -> list[dict]:
+        """Per buffer, what a compact ``bucket``-page array of this pool is and how it moves:
+        ``name``, ``shape`` ``[layers, bucket, page_size, *row]`` (repeated heads once),
+        ``dtype``, ``shard_heads`` (``[start, count]`` of checkpoint KV heads per distinct
+        shard, over every process), ``num_heads``, ``page_size``, ``kv_format``, ``units``
+        (head-group units, default: one per shard of a buffer with heads, else 1) with
+        ``unit_shape`` (dimension 3 split ``units`` ways), and ``unit_ids`` (the units this
+        offer carries; default all). JSON/msgpack-safe."""
+        out = []
+        for b, (name, dtype, desc) in enumerate(zip(self.names, self._dtypes,
+                                                    self.layout.buffers)):
+            shape = self._logical_shape(b, bucket)
+            u = int(units[b]) if units is not None else (
+                len(self._ranges[b]) if self._has_heads[b] else 1)
+            ids = [int(x) for x in which[b]] if which is not None else list(range(u))
+            unit_shape = [*shape[:3], shape[3] // u, *shape[4:]]
+            out.append({"name": name, "shape": shape, "dtype": np.dtype(dtype).name,
+                        "shard_heads": [list(h) for h in self._ranges[b]],
+                        "num_heads": desc.num_heads, "page_size": self.page_size,
+                        "kv_format": self.kv_dtype, "units": u, "unit_shape": unit_shape,
+                        "unit_ids": ids})
+        return out
+
+    def check_offer(self, buffers: Any, dst: Sequence[int],
+                    bucket: int) -> tuple[list[int], list[list[int]]]:
+        """``(units, unit ids)`` per buffer of an offer whose descriptor is ``buffers`` (the
+        prefill's ``offer_descriptor(bucket, units, which)``). ``ValueError`` naming the field
+        and both sides when it does not describe this pool's buffers (name, shape, dtype,
+        heads, page size, KV format, units), a unit id is repeated or held by no device of
+        this process, ``bucket`` is not one this pool compiled for, or ``dst`` (the decode
+        pages) does not fit ``[1, num_pages)`` and the bucket."""
         if bucket not in self.buckets:
             raise ValueError(f"bucket: the prefill's {bucket} pages is not a bucket of this "
                              f"decode ({self.buckets})")
@@ -262,6 +317,7 @@ class JaxLocalKV:
             raise ValueError("layout descriptor: a buffer without shard_heads")
         units = self.units_for(theirs_shards)
         ours = self.offer_descriptor(bucket, units)
+        which = []
         for i, (theirs, mine) in enumerate(zip(buffers, ours)):
             for key in ("name", "shape", "dtype", "num_heads", "page_size", "kv_format",
                         "units", "unit_shape"):
@@ -275,77 +331,89 @@ class JaxLocalKV:
                     raise ValueError(f"layout descriptor: buffers[{i}] ({mine['name']}) "
                                      f"shard_heads: prefill {theirs['shard_heads']!r}, decode "
                                      f"expects {want!r} for {n} shards")
-        return units
+            ids, holders = theirs.get("unit_ids"), self._unit_holders(i, units[i])
+            if not isinstance(ids, list) or len(set(ids)) != len(ids) or not all(
+                    isinstance(u, int) and 0 <= u < units[i] and holders[u] for u in ids):
+                raise ValueError(f"layout descriptor: buffers[{i}] ({mine['name']}) unit_ids: "
+                                 f"{ids!r} are not distinct units of the {units[i]} that this "
+                                 f"decode node holds some of")
+            which.append(ids)
+        return units, which
 
-    def _unit_devices(self, b: int, bucket: int, units: int) -> list:
-        """The device of this pool that holds each unit of buffer ``b`` (the first that
-        does), and per device the units it holds, in ``devices_indices_map`` order."""
-        shape = (self._shapes[b][0], bucket, *self._shapes[b][2:])
-        width = shape[3] // units
-        holders = []
-        for dev, index in self._shardings[b].devices_indices_map(shape).items():
-            sl = index[3]
-            lo, hi = sl.start or 0, shape[3] if sl.stop is None else sl.stop
-            holders.append((dev, [u for u in range(units) if lo <= u * width < hi]))
-        where = [next(d for d, us in holders if u in us) for u in range(units)]
-        return where, holders
-
-    def pull_specs(self, bucket: int, units: Sequence[int]) -> list:
-        """``jax.ShapeDtypeStruct`` of every unit a decode pulls, buffer by buffer: unit ``u``
-        of a ``bucket``-page compact buffer, on the device of this pool that holds its heads
-        (one device array each)."""
+    def pull_specs(self, bucket: int, units: Sequence[int],
+                   which: Sequence[Sequence[int]] | None = None) -> list:
+        """``jax.ShapeDtypeStruct`` of every unit a decode pulls (``which``: the ids per
+        buffer, default all), buffer by buffer: unit ``u`` of a ``bucket``-page compact
+        buffer, on the first device of this process that holds its heads."""
         import jax
 
         specs = []
-        for b, (shape, dtype) in enumerate(zip(self._shapes, self._dtypes)):
-            u_shape = (shape[0], bucket, *shape[2:3], shape[3] // units[b], *shape[4:])
-            where, _ = self._unit_devices(b, bucket, units[b])
-            specs += [jax.ShapeDtypeStruct(u_shape, dtype,
-                                           sharding=jax.sharding.SingleDeviceSharding(d))
-                      for d in where]
+        for b, dtype in enumerate(self._dtypes):
+            shape = self._logical_shape(b, bucket)
+            u_shape = (*shape[:3], shape[3] // units[b], *shape[4:])
+            holders = self._unit_holders(b, units[b])
+            ids = range(units[b]) if which is None else which[b]
+            specs += [jax.ShapeDtypeStruct(u_shape, dtype, sharding=jax.sharding.
+                                           SingleDeviceSharding(holders[u][0])) for u in ids]
         return specs
 
     def assemble(self, pulled: Sequence[Any], bucket: int, units: Sequence[int]) -> list:
-        """Decode, pull thread: the pulled units (``pull_specs`` order) as one compact array
-        per buffer in this pool's sharding: each device's units concatenated along the heads
-        on that device; a replicated buffer copied to the devices that lack it."""
+        """Every unit pulled (``pull_specs`` order, all ids) as one compact array per buffer
+        in this pool's sharding (``_assemble``)."""
+        got, k = {}, 0
+        for b, n in enumerate(units):
+            for u in range(n):
+                got[(b, u)] = pulled[k]
+                k += 1
+        return self._assemble(got, bucket, units)
+
+    def _assemble(self, got: dict, bucket: int, units: Sequence[int]) -> list:
+        """Units ``(buffer, unit) -> array`` as compact arrays in this pool's sharding: each
+        device of this process gets its units concatenated along the heads, a unit it lacks
+        copied from the device it was pulled onto. ``ValueError`` naming the buffer and units
+        when some unit this process holds did not arrive."""
         import jax
         import jax.numpy as jnp
 
-        out, k = [], 0
+        out = []
         for b, shape in enumerate(self._shapes):
-            mine = list(pulled[k:k + units[b]])
-            k += units[b]
-            full = (shape[0], bucket, *shape[2:])
-            _, holders = self._unit_devices(b, bucket, units[b])
+            w = self.layout.buffers[b].num_heads // units[b]
+            missing = sorted({u for u, devs in enumerate(self._unit_holders(b, units[b]))
+                              if devs and (b, u) not in got})
+            if missing:
+                raise ValueError(f"dst_pages: units {missing} of buffer {self.names[b]} "
+                                 f"arrived in no pulled chunk")
             pieces = []
-            for dev, us in holders:
-                parts = [mine[u] for u in us]
+            for dev in self._local_devs[b]:
+                first, count = self._dev_heads[b][dev]
+                parts = [got[(b, u)] for u in range(first // w, (first + count) // w)] \
+                    if self._has_heads[b] else [got[(b, 0)]]
                 x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=3)
                 pieces.append(x if x.devices() == {dev} else jax.device_put(x, dev))
-            out.append(jax.make_array_from_single_device_arrays(full, self._shardings[b],
-                                                                pieces))
+            out.append(jax.make_array_from_single_device_arrays(
+                (shape[0], bucket, *shape[2:]), self._shardings[b], pieces))
         return out
 
-    def offer_units(self, parts: Sequence[Any], units: Sequence[int]) -> list:
+    def offer_units(self, parts: Sequence[Any], units: Sequence[int],
+                    which: Sequence[Sequence[int]] | None = None) -> list:
         """Prefill, transfer thread: the gathered compact arrays ``parts`` cut into the units
-        a decode pulls (``units`` per buffer), each a single-device array sliced on the
-        device that holds its heads (no cross-device copy); a buffer of one unit gives the
-        first shard."""
+        a decode pulls (``units`` per buffer; ``which``: the ids, default all), each a
+        single-device array sliced on a device of this process that holds its heads (no
+        cross-device copy); a buffer of one unit gives the first shard."""
         out = []
-        for arr, u in zip(parts, units):
-            width = arr.shape[3] // u
-            shards = sorted(arr.addressable_shards, key=lambda s: (s.index[3].start or 0,
-                                                                   s.device.id))
-            for k in range(u):
-                lo, hi = k * width, (k + 1) * width
-                for sh in shards:
-                    sl = sh.index[3]
-                    a, z = sl.start or 0, arr.shape[3] if sl.stop is None else sl.stop
-                    if a <= lo and hi <= z:
-                        out.append(sh.data if (a, z) == (lo, hi)
-                                   else sh.data[:, :, :, lo - a:hi - a])
-                        break
+        for b, (arr, u_n) in enumerate(zip(parts, units)):
+            w = self.layout.buffers[b].num_heads // u_n
+            shards = {sh.device: sh.data for sh in arr.addressable_shards}
+            holders = self._unit_holders(b, u_n)
+            for u in (range(u_n) if which is None else which[b]):
+                dev = holders[u][0]
+                data = shards[dev]
+                if not self._has_heads[b]:
+                    out.append(data)
+                    continue
+                lo = (u * w - self._dev_heads[b][dev][0]) * self._epu[b]
+                hi = lo + w * self._epu[b]
+                out.append(data if (lo, hi) == (0, data.shape[3]) else data[:, :, :, lo:hi])
         return out
 
     # -- device programs -------------------------------------------------------------------
@@ -424,18 +492,36 @@ class JaxLocalKV:
 
     # -- decode ----------------------------------------------------------------------------
     def put_arrived(self, dst: Sequence[int], parts: list) -> None:
-        """Decode, pull thread: ``parts`` (ready) hold decode pages ``dst`` in their first
-        rows; ``stage_in`` scatters them."""
+        """Decode, pull thread: ``parts`` (ready, in the pool's sharding) hold decode pages
+        ``dst`` in their first rows; ``stage_in`` scatters them."""
         now = time.monotonic()
         with self._lock:
             self._arrived = [a for a in self._arrived if now - a.t <= STALE_S]
             self._arrived.append(_Arrival(tuple(int(p) for p in dst), parts, now))
 
+    def put_units(self, dst: Sequence[int], units: Sequence[int],
+                  which: Sequence[Sequence[int]], pulled: Sequence[Any]) -> None:
+        """Decode, pull thread: the units ``which`` (ids per buffer of ``units``; ``pulled``
+        in that order, ready) of the chunk for pages ``dst``, joined to what other offers
+        of the chunk brought; ``stage_in`` assembles them."""
+        key, now = tuple(int(p) for p in dst), time.monotonic()
+        got = dict(zip([(b, u) for b, ids in enumerate(which) for u in ids], pulled))
+        with self._lock:
+            self._arrived = [a for a in self._arrived if now - a.t <= STALE_S]
+            a = next((a for a in self._arrived if a.dst == key and a.parts is None
+                      and a.counts == tuple(units)), None)
+            if a is None:
+                bucket = int(pulled[0].shape[1]) if len(pulled) else 0
+                self._arrived.append(_Arrival(key, None, now, got, tuple(units), bucket))
+            else:
+                a.units.update(got)
+
     def stage_in(self, pages: Sequence[int]) -> None:
         """Decode, engine thread (a step boundary): scatter every pulled chunk whose pages are
-        among ``pages`` (a room's pages) into the pool. ``ValueError`` naming the count when
-        some page of ``pages`` arrived in no pulled chunk (nothing is scattered then: the
-        room fails)."""
+        among ``pages`` (a room's pages) into the pool; with ``mirror`` (node 0 of a
+        multi-host decode) the other nodes are told to scatter theirs first. ``ValueError``
+        naming the count when some page of ``pages`` arrived in no pulled chunk, or the
+        units missing from one (nothing is scattered then: the room fails)."""
         want = {int(p) for p in pages}
         if not want:
             return
@@ -443,18 +529,28 @@ class JaxLocalKV:
             mine = [a for a in self._arrived if set(a.dst) <= want]
             self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
         covered = set().union(*(a.dst for a in mine))
-        if covered != want:
+        try:
+            if covered != want:
+                raise ValueError(f"dst_pages: {len(want - covered)} of the room's {len(want)} "
+                                 f"pages arrived in no pulled chunk")
+            ready = [(a.dst, a.parts if a.parts is not None else self._assemble(
+                a.units, a.bucket, a.counts)) for a in mine]
+        except ValueError:
             self.num_missing_arrivals += 1
-            raise ValueError(f"dst_pages: {len(want - covered)} of the room's {len(want)} "
-                             f"pages arrived in no pulled chunk")
-        for a in mine:
-            self._scatter(a.dst, a.parts)
+            raise
+        if self.mirror is not None:
+            self.mirror("kv_stage_in", pages=sorted(want))
+        for dst, parts in ready:
+            self._scatter(dst, parts)
 
     def drop_arrived(self, pages: Sequence[int]) -> None:
-        """Decode: forget the pulled chunks of ``pages`` (a room that failed)."""
+        """Decode: forget the pulled chunks of ``pages`` (a room that failed); the other nodes
+        of a multi-host decode too (``mirror``)."""
         want = {int(p) for p in pages}
         with self._lock:
             self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
+        if self.mirror is not None:
+            self.mirror("kv_drop", pages=sorted(want))
 
     def num_arrived(self) -> int:
         """Pulled chunks not yet scattered."""

@@ -237,12 +237,67 @@ def test_different_tp_sizes_move_head_group_units(tp_p, tp_d):
             engine.close()
 
 
+def _repeated(runner, rep):
+    """``runner``'s K and V with each group of ``rep`` neighbouring heads equal to its first, as
+    ``tp_model_config`` lays out a checkpoint KV head repeated ``rep`` times."""
+    for name in ("k_cache", "v_cache"):
+        x = np.asarray(runner.caches[name]).reshape(L, PAGES, PS, -1, rep, D)
+        x = np.broadcast_to(x[:, :, :, :, :1], x.shape).reshape(L, PAGES, PS, -1)
+        runner.caches[name] = jax.device_put(jnp.asarray(x), runner.jits.cache_shardings[name])
+
+
+@pytest.mark.parametrize("tp_p,rep_p,tp_d,rep_d", [(4, 2, 1, 1), (1, 1, 4, 2), (4, 2, 4, 2),
+                                                   (4, 2, 2, 1), (2, 1, 4, 2)])
+def test_heads_that_tp_repeats_move_once_per_checkpoint_head(tp_p, rep_p, tp_d, rep_d):
+    """2 checkpoint KV heads; a side at TP 4 holds each twice (``head_repeat`` 2, one copy a
+    device). Each checkpoint head moves once (2 units of K and of V, 1 of the latent); the
+    decode copies it to every device holding it, and each decode shard then holds its heads'
+    rows of the prefill's pages."""
+    sides = []
+    try:
+        for seed, tp, rep in ((7, tp_p, rep_p), (8, tp_d, rep_d)):
+            engine = create_transfer_engine("jax", "127.0.0.1", pull_timeout_s=5.0)
+            runner = FakeRunner(seed, kvh=2 * rep, tp=tp, latent=True)
+            if rep > 1:
+                _repeated(runner, rep)
+            sides.append((engine, runner, JaxLocalKV(runner, engine, max_pages_per_seq=8,
+                                                     head_repeat=rep)))
+        (p_engine, p_runner, p_kv), (d_engine, d_runner, d_kv) = sides
+        assert [b.num_heads for b in p_kv.layout.buffers] == [2, 2, 1]
+        src, dst = [1, 2, 9, 4, 5], [7, 3, 4, 14, 15]
+        want = {k: np.asarray(v)[:, src] for k, v in p_runner.caches.items()}
+        p_kv.stage_out(src)
+        nbytes, arrays = p_engine.write_pages(p_kv, Peer(d_engine.session_id, d_kv.layout),
+                                              src, dst, [])
+        assert arrays == 2 * 2 + 1
+        # What the decode's shards hold: each checkpoint head once per device holding it.
+        assert nbytes == [5 * d_kv.bytes_per_page]
+        assert d_kv.bytes_per_page == L * PS * 4 * (2 * 2 * D * rep_d + tp_d * 24)
+        d_kv.stage_in(dst)
+        for name in want:
+            got = d_runner.caches[name]
+            assert got.sharding == d_runner.jits.cache_shardings[name]
+            for shard in got.addressable_shards:
+                lo = shard.index[3].start or 0
+                rows = np.asarray(shard.data)[:, dst]
+                if name == "latent":
+                    np.testing.assert_array_equal(rows, want[name])
+                    continue
+                head = lo // D // rep_d                     # the checkpoint head it holds
+                heads = rows.shape[3] // D
+                if rep_d > 1:
+                    assert heads == 1
+                ref = want[name].reshape(L, 5, PS, -1, rep_p, D)[:, :, :, :, 0]
+                np.testing.assert_array_equal(rows.reshape(L, 5, PS, heads, D),
+                                              ref[:, :, :, head:head + heads])
+    finally:
+        for engine, *_ in sides:
+            engine.close()
+
+
 def test_unsupported_pools_and_splits_are_refused_naming_the_field():
-    """Heads that TP repeats are refused at start; TP sizes whose head-group units do not
-    split both sides (4 heads on 2 shards here, 3 on the peer) are refused per buffer."""
-    with pytest.raises(ValueError, match=r"disaggregation_transfer_backend: 'jax' does not "
-                                         r"move KV heads that tp_size repeats \(head_repeat 2"):
-        JaxLocalKV(FakeRunner(6), object(), max_pages_per_seq=8, head_repeat=2)
+    """TP sizes whose head-group units do not split both sides (4 heads on 2 shards here, 3
+    on the peer) are refused per buffer."""
     kv = JaxLocalKV(FakeRunner(6, kvh=4, tp=2, latent=True), object(), max_pages_per_seq=8)
     assert kv.units_for([1, 1, 1]) == [2, 2, 1] and kv.units_for([4, 4, 4]) == [4, 4, 1]
     with pytest.raises(ValueError, match=r"kv_buffers\[0\] \(k_cache\): 4 KV heads on 2 shards "
