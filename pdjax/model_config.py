@@ -54,6 +54,18 @@ def check_rope_type(rope_scaling: tuple | None, allowed: tuple[str, ...]) -> Non
             raise ValueError(f"rope_scaling.{key}: expected a number, got {v!r}")
 
 
+def check_kernel_choice(obj) -> None:
+    """``ValueError`` naming the field unless ``obj.attention_impl`` is None (the platform's
+    default) or a kernel name, and ``obj.pallas_interpret`` a bool: the kernel choice a model
+    config carries (``ModelConfig``, ``DeepseekConfig``; the names are checked where they
+    resolve, ``ragged_paged_attention.resolve_impl``)."""
+    impl = obj.attention_impl
+    if impl is not None and (not isinstance(impl, str) or not impl):
+        raise ValueError(f"attention_impl must be None or a kernel name, got {impl!r}")
+    if not isinstance(obj.pallas_interpret, bool):
+        raise ValueError(f"pallas_interpret must be true or false, got {obj.pallas_interpret!r}")
+
+
 def hf_architecture(cfg: dict[str, Any], source: str) -> str:
     """The first of ``architectures`` in a transformers ``config.json`` dict; ``ValueError``
     naming ``source`` when the list is missing or empty."""
@@ -181,7 +193,9 @@ class ModelConfig:
     """Static, hashable description of a decoder-only transformer (GQA family).
 
     ``rope_scaling`` is a sorted tuple of ``(key, value)`` pairs (hashable) with ``rope_type``
-    one of ``ROPE_TYPES``; ``None`` means plain RoPE.
+    one of ``ROPE_TYPES``; ``None`` means plain RoPE. ``attention_impl`` / ``pallas_interpret``:
+    the kernels the model runs, a run choice (not read from ``config.json``): the loader sets
+    them from the platform profile (``models/platform.py``); None is the platform's default.
     """
 
     architecture: str
@@ -202,6 +216,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     hidden_act: str = "silu"
+    attention_impl: str | None = None
+    pallas_interpret: bool = False
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -216,6 +232,7 @@ class ModelConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
         check_rope_type(self.rope_scaling, ROPE_TYPES)
+        check_kernel_choice(self)
 
     @property
     def rope_params(self) -> dict[str, Any]:

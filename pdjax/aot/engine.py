@@ -122,12 +122,11 @@ class AbstractEngine:
         self.mesh = Mesh(np.array(target.devices[:args.tp_size]), ("tp",))
         self.model_cfg = run_config(self.family, checkpoint_config(config.model_path),
                                     args.tp_size, args.ep_size, args.moe_a2a_backend,
-                                    args.dp_size)
+                                    args.dp_size, attention_impl=config.attention_impl)
         # DP attention: num_pages are the group's, a rank's share per chip (dp_attention.py)
         self.pages_per_chip = args.num_pages // args.dp_size
         model = nnx.eval_shape(lambda: self.family.model_class(
             self.model_cfg, dtype=config.dtype, rngs=nnx.Rngs(0),
-            attention_impl=config.attention_impl, interpret=False,
             **model_kwargs(args, config.model_path)))
         self.graphdef, self.state = abstract_model(
             model, self.family.param_specs(self.model_cfg, args.tp_size), self.mesh)

@@ -57,7 +57,7 @@ def build_runner(args: ServerArgs, *, progress: bool = True, buckets: Buckets | 
     model_cfg, model = load_model(
         config.model_path, dtype=config.dtype, mesh=mesh, progress=progress,
         load_format=args.load_format, attention_impl=config.attention_impl,
-        interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
+        pallas_interpret=args.pallas_interpret, unroll_layers=config.unroll_layers,
         cpu_matmul_kernel=config.cpu_matmul_kernel, ep_size=args.ep_size,
         moe_a2a_backend=args.moe_a2a_backend, dp_size=args.dp_size,
         **model_kwargs(args, config.model_path))

@@ -63,7 +63,7 @@ def make_speculator(args, config=None, target_cfg=None, runner=None) -> SpecCont
                   "max_num_batched_tokens": sched.max_num_batched_tokens,
                   "dtype": config.dtype, "kv_dtype": config.kv_dtype,
                   "attention_impl": config.attention_impl,
-                  "interpret": args.pallas_interpret}
+                  "pallas_interpret": args.pallas_interpret}
     elif args.speculative_algorithm == "mtp":
         sched = config.scheduler
         kwargs = {"target": runner, "num_pages": sched.num_pages,

@@ -58,10 +58,13 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer, k: jax.Array, v: jax
     return k_cache, v_cache, scales
 
 
-def paged_attention(q, k, v, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
-                    impl: str | None = None, interpret: bool = False,
-                    scales: tuple[jax.Array, jax.Array] | None = None):
+def paged_attention(cfg, q, k, v, k_cache, v_cache, layer, md: AttentionMetadata, *,
+                    sm_scale: float, scales: tuple[jax.Array, jax.Array] | None = None):
     """Write ``k, v`` into the caches, then attend; the write precedes every read of the step.
+
+    ``cfg``: the model's config (``ModelConfig``), whose ``attention_impl`` /
+    ``pallas_interpret`` choose the kernel (``ragged_paged_attention``'s ``impl`` /
+    ``interpret``).
 
     ``scales``: the ``(k_scale, v_scale)`` buffers of an FP8 cache with real scales
     (``write_kv``), or None. Returns ``(out [T, QH, D], k_cache, v_cache)``, plus the updated
@@ -71,8 +74,9 @@ def paged_attention(q, k, v, k_cache, v_cache, layer, md: AttentionMetadata, *, 
     k_cache, v_cache = written[:2]
     scales = written[2] if scales is not None else None
     out = ragged_paged_attention(q, k_cache, v_cache, layer, md.kv_lens, md.page_indices,
-                                 md.cu_q_lens, md.distribution, sm_scale=sm_scale, impl=impl,
-                                 interpret=interpret, decode_only=md.decode_only,
+                                 md.cu_q_lens, md.distribution, sm_scale=sm_scale,
+                                 impl=cfg.attention_impl, interpret=cfg.pallas_interpret,
+                                 decode_only=md.decode_only,
                                  k_scales=None if scales is None else scales[0],
                                  v_scales=None if scales is None else scales[1])
     if scales is None:

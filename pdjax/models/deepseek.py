@@ -106,12 +106,12 @@ def softmax_scale(cfg: DeepseekConfig) -> float:
 
 
 def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict[str, jax.Array],
-                   md: AttentionMetadata, *, attention_impl=None, interpret: bool = False,
-                   mlp=None):
+                   md: AttentionMetadata, *, mlp=None):
     """Run the ``cfg.num_layers`` decoder layers of stacked ``params`` (``param_groups``) on
     ``x [T, Hd]``: one ``lax.scan`` per run of layers with the same MLP kind, carrying the
     hidden state, the cache dict (``"latent"``, and ``"indexer_k"`` with DSA; other buffers
-    pass through) and the last top-k selection. Returns ``(x [T, Hd], caches)``.
+    pass through) and the last top-k selection. Returns ``(x [T, Hd], caches)``. The kernels
+    are ``cfg``'s (``attention_impl``, ``pallas_interpret``).
     ``mlp``: ``(kind, h [T, Hd], layer params) -> [T, Hd]`` in place of the layer's own MLP
     (DP attention's, ``dp_attention.py``); None: the dense / MoE / EP MLP below."""
     T = x.shape[0]
@@ -140,10 +140,9 @@ def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict
     else:
         topk0 = None
     # FP8 linears run the block-scaled Pallas GEMM where the attention kernels are Pallas.
-    params = with_fp8_kernel(params, param_groups(cfg), attention_impl, interpret)
-    step = functools.partial(_decoder_layer, cfg=cfg, impl=attention_impl, interpret=interpret,
-                             params=params, md=md, inv_freq=inv_freq, rope_scale=rope_scale,
-                             mixed_indexer=mixed_indexer, mlp=mlp)
+    params = with_fp8_kernel(params, param_groups(cfg), cfg.attention_impl, cfg.pallas_interpret)
+    step = functools.partial(_decoder_layer, cfg=cfg, params=params, md=md, inv_freq=inv_freq,
+                             rope_scale=rope_scale, mixed_indexer=mixed_indexer, mlp=mlp)
     carry = (x, dict(caches), topk0)
     for kind, start, end in _segments(cfg.mlp_layer_types):
         xs = (jnp.arange(start, end, dtype=jnp.int32), jnp.asarray(mlp_slot[start:end]),
@@ -153,8 +152,8 @@ def decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array, caches: dict
     return x, caches
 
 
-def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_freq, rope_scale,
-                   mixed_indexer, mlp=None):
+def _decoder_layer(carry, xs, *, cfg, kind, params, md, inv_freq, rope_scale, mixed_indexer,
+                   mlp=None):
     """One decoder layer (``lax.scan`` body of ``decoder_layers``)."""
     x, caches, topk = carry
     layer, mslot, islot, full = xs
@@ -189,7 +188,7 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
         names = [n for n in ("indexer_k", "indexer_k_scale") if n in caches]
 
         def full_branch(topk, k_planes):
-            return _indexer(cfg, impl, interpret, h, q_resid, params["indexer"], islot,
+            return _indexer(cfg, h, q_resid, params["indexer"], islot,
                             dict(zip(names, k_planes)), md, inv_freq, rope_scale, topk.shape[1])
 
         k_planes = tuple(caches[n] for n in names)
@@ -204,8 +203,8 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
         jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1),
         fp8_record.latent_view(caches),
         layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.distribution, topk,
-        sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=impl,
-        interpret=interpret)                                                     # [T, H, C]
+        sm_scale=softmax_scale(cfg), kv_lora_rank=C, impl=cfg.attention_impl,
+        interpret=cfg.pallas_interpret)                                          # [T, H, C]
     attn = jnp.einsum("thc,hcv->thv", out_lat, a["w_uv"]).reshape(T, H * cfg.v_head_dim)
     attn = linear(attn, a["w_o"])
     if cfg.attention_bias:
@@ -220,14 +219,13 @@ def _decoder_layer(carry, xs, *, cfg, impl, interpret, kind, params, md, inv_fre
     elif kind == "dense":
         x = x + swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
     elif cfg.ep_size > 1:       # experts split by expert over the TP devices (moe_ep.py)
-        x = x + moe_forward_ep(cfg, h, m, impl=impl, interpret=interpret)
+        x = x + moe_forward_ep(cfg, h, m)
     else:
-        x = x + moe_forward(cfg, h, m, impl=impl, interpret=interpret)
+        x = x + moe_forward(cfg, h, m)
     return (x, caches, topk), None
 
 
-def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_planes, md, inv_freq,
-             rope_scale, k):
+def _indexer(cfg, h, q_resid, params, islot, k_planes, md, inv_freq, rope_scale, k):
     """Score the cached tokens, write this step's indexer keys first, keep the top ``k``.
     ``k_planes``: ``{"indexer_k": ...}``, plus ``"indexer_k_scale"`` for FP8 keys (quantized
     per 128 as written). Returns ``(top-k [T, k], the planes as a tuple, in order)``."""
@@ -250,7 +248,7 @@ def _indexer(cfg, impl, interpret, h, q_resid, params, islot, k_planes, md, inv_
     k_planes["indexer_k"] = _write_rows(k_planes["indexer_k"], islot, key, md.slot_mapping)
     scores = indexer_scores(q, weights, key_view(k_planes), islot, md.kv_lens,
                             md.page_indices, md.cu_q_lens, md.distribution, sm_scale=Di ** -0.5,
-                            impl=impl, interpret=interpret)
+                            impl=cfg.attention_impl, interpret=cfg.pallas_interpret)
     return topk_positions(scores, k), tuple(k_planes.values())
 
 
@@ -265,9 +263,11 @@ class DeepseekForCausalLM(nnx.Module):
     come back updated (donate them). ``md`` is the flat-stream metadata of DESIGN.md §2.
 
     Args:
-      cfg: the architecture. dtype: parameter dtype (router and indexer weights stay float32).
-      attention_impl: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"`` for both
-        MLA attention and indexer scoring. interpret: run Pallas kernels interpreted (CPU).
+      cfg: the architecture and the run's choices: EP, DP attention and the kernels
+        (``cfg.attention_impl``: ``None``/``"auto"``, ``"reference"``, ``"tpu"`` or ``"gpu"``
+        for MLA attention, indexer scoring and the grouped / FP8 GEMMs;
+        ``cfg.pallas_interpret``: run Pallas kernels interpreted, CPU).
+      dtype: parameter dtype (router and indexer weights stay float32).
       mtp: build the multi-token prediction module (``self.mtp``, ``DeepseekMTP``; the
         checkpoint's layer ``num_hidden_layers``) and keep every token's normed last hidden
         state in the ``"mtp_hidden"`` cache buffer for it (``--speculative-algorithm mtp``,
@@ -275,10 +275,8 @@ class DeepseekForCausalLM(nnx.Module):
     """
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False, mtp: bool = False):
+                 mtp: bool = False):
         self.cfg = cfg
-        self.attention_impl = attention_impl
-        self.interpret = interpret
         self.mtp_enabled = bool(mtp)
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
@@ -330,13 +328,9 @@ class DeepseekForCausalLM(nnx.Module):
         x = self.embed_tokens[...][input_ids]
         # DP attention: md has a [dp] axis, each rank its own segment of input_ids
         if cfg.dp_size > 1:
-            x, caches = dp_decoder_layers(cfg, params, x, caches, md, rank_layers=decoder_layers,
-                                          attention_impl=self.attention_impl,
-                                          interpret=self.interpret)
+            x, caches = dp_decoder_layers(cfg, params, x, caches, md, rank_layers=decoder_layers)
         else:
-            x, caches = decoder_layers(cfg, params, x, caches, md,
-                                       attention_impl=self.attention_impl,
-                                       interpret=self.interpret)
+            x, caches = decoder_layers(cfg, params, x, caches, md)
         if self.mtp_enabled:
             if "mtp_hidden" not in caches:
                 raise ValueError("caches is missing buffer(s) ['mtp_hidden']; see cache_spec()")
@@ -390,8 +384,7 @@ class DeepseekForCausalLM(nnx.Module):
         h = rms_norm(prev_hidden.astype(e.dtype), m.hnorm[...], eps)
         x = jnp.concatenate([e, h], axis=-1) @ m.eh_proj[...]
         params = {g: getattr(m, g).values(shapes) for g, (_, shapes) in param_groups(cfg).items()}
-        x, caches = decoder_layers(cfg, params, x, caches, md, attention_impl=self.attention_impl,
-                                   interpret=self.interpret)
+        x, caches = decoder_layers(cfg, params, x, caches, md)
         return rms_norm(x, m.norm[...], eps), caches
 
     def mtp_logits(self, out: jax.Array) -> jax.Array:

@@ -19,9 +19,9 @@ import dataclasses
 import os
 from typing import Any
 
-from pdjax.model_config import (check_positive_ints, check_rope_type, hf_architecture,
-                                hf_bool, hf_common_fields, hf_float, hf_int, hf_str_list,
-                                read_hf_config)
+from pdjax.model_config import (check_kernel_choice, check_positive_ints, check_rope_type,
+                                hf_architecture, hf_bool, hf_common_fields, hf_float, hf_int,
+                                hf_str_list, read_hf_config)
 from pdjax.models.fp8 import FP8_BLOCK_SIZE, quantization_fields
 
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
@@ -43,7 +43,9 @@ class DeepseekConfig:
     ``ep_size`` / ``moe_tp_size`` / ``moe_a2a_backend``: the expert parallelism of a run
     (``moe_ep.expert_parallel_config``; ``ep_size`` 1: the experts split by width over TP).
     ``dp_size`` / ``attn_tp_size``: DP attention (``dp_attention.dp_attention_config``;
-    ``dp_size`` 1: attention split by heads over TP).
+    ``dp_size`` 1: attention split by heads over TP). ``attention_impl`` /
+    ``pallas_interpret``: the kernels of MLA attention, the indexer, the grouped GEMM and the
+    FP8 GEMMs (as ``ModelConfig``'s: set by the loader from the platform profile).
     """
 
     architecture: str
@@ -94,6 +96,10 @@ class DeepseekConfig:
     # dp_size ranks of attn_tp_size devices each; dp_size 1 is attention under TP.
     dp_size: int = 1
     attn_tp_size: int = 1
+    # The kernels the model runs (set by the loader, models/loader.py, from the platform
+    # profile; None: the platform's default, ragged_paged_attention.resolve_impl).
+    attention_impl: str | None = None
+    pallas_interpret: bool = False
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
@@ -149,6 +155,7 @@ class DeepseekConfig:
         if self.weight_block_size not in (0, FP8_BLOCK_SIZE):
             raise ValueError(f"weight_block_size must be 0 (no FP8) or {FP8_BLOCK_SIZE}, got "
                              f"{self.weight_block_size!r}")
+        check_kernel_choice(self)
 
     # ------------------------------------------------------------------ derived
     @property

@@ -104,7 +104,7 @@ def _param_specs(cfg: DeepseekConfig, params: dict) -> dict:
 
 def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
                       caches: dict[str, jax.Array], md: AttentionMetadata, *,
-                      rank_layers: Callable, attention_impl=None, interpret: bool = False):
+                      rank_layers: Callable):
     """``rank_layers`` (``deepseek.decoder_layers``, passed in: the model module imports this
     one) under DP attention (the module docstring's step).
 
@@ -129,15 +129,13 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
         raise ValueError(f"md: DP attention metadata has a leading [dp={dp}] axis; got "
                          f"positions of shape {md.positions.shape}")
     Ts = x.shape[0] // dp
-    mlp = functools.partial(_dp_mlp, cfg=cfg, impl=attention_impl, interpret=interpret)
+    mlp = functools.partial(_dp_mlp, cfg=cfg)
 
     def body(x, caches, md, params):
         rank = jax.lax.axis_index("tp") // a
         x_r = jax.lax.dynamic_slice_in_dim(x, rank * Ts, Ts)
         md_r = jax.tree.map(lambda v: v[rank], md)
-        x_r, caches = rank_layers(cfg, params, x_r, caches, md_r,
-                                     attention_impl=attention_impl, interpret=interpret,
-                                     mlp=mlp)
+        x_r, caches = rank_layers(cfg, params, x_r, caches, md_r, mlp=mlp)
         return _gather_ranks(x_r, a), caches
 
     cache_specs = {name: PAGE_SPEC for name in caches}
@@ -154,7 +152,7 @@ def _gather_ranks(x_r, a):
     return xs.reshape(-1, *x_r.shape[1:])
 
 
-def _dp_mlp(kind, h_r, m, *, cfg, impl, interpret):
+def _dp_mlp(kind, h_r, m, *, cfg):
     """The MLP of one layer on device ``d`` under DP attention: ``h_r [Ts, Hd]`` (rank
     ``d // attn_tp_size``'s tokens) -> the MLP output for them ``[Ts, Hd]``, computed over
     every rank's tokens (DP gather), this device's share summed with ``psum_scatter``."""
@@ -164,14 +162,14 @@ def _dp_mlp(kind, h_r, m, *, cfg, impl, interpret):
     if kind == "dense":
         y = swiglu(h, m["w_gate"], m["w_up"], m["w_down"])
     elif cfg.ep_size > 1:
-        y = _ep_partial(cfg, h, m, impl, interpret)
+        y = _ep_partial(cfg, h, m)
     else:       # experts split by width: moe_forward on this device's slices is its partial
-        y = moe_forward(cfg, h, m, impl=impl, interpret=interpret)
+        y = moe_forward(cfg, h, m)
     y = jnp.repeat(y.reshape(dp, Ts, -1), a, axis=0)                         # [tp, Ts, Hd]
     return jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=False).astype(h_r.dtype)
 
 
-def _ep_partial(cfg, h, m, impl, interpret):
+def _ep_partial(cfg, h, m):
     """This device's part of the MoE under EP (``moe_ep``'s ``none`` dispatch without its
     ``psum``): the token copies of ``h [T, Hd]`` routed to its local experts, plus its width
     slice of the shared experts. Returns ``[T, Hd]``."""
@@ -184,7 +182,7 @@ def _ep_partial(cfg, h, m, impl, interpret):
     first = (jax.lax.axis_index("tp") % cfg.ep_size) * El
     local = experts.reshape(-1) - first
     key = jnp.where((local >= 0) & (local < El), local, El)
-    gemm = functools.partial(grouped_swiglu, impl=impl, interpret=interpret)
+    gemm = functools.partial(grouped_swiglu, cfg)
     ys = _local_experts(gemm, jnp.repeat(h, k, axis=0), key,
                         tuple(m[n] for n in EXPERT_WEIGHTS), El)                  # [T*k, Hd]
     out = (ys.reshape(T, k, -1) * weights[..., None].astype(ys.dtype)).sum(1)

@@ -77,10 +77,10 @@ class DecoderLayers(nnx.Module):
             value = jnp.ones(full, dtype) if name.endswith("norm") else init(rngs.params(), full, dtype)
             setattr(self, name, nnx.Param(value))
 
-    def __call__(self, x, k_cache, v_cache, md: AttentionMetadata, *, attention_impl=None,
-                 interpret=False, scales=None):
+    def __call__(self, x, k_cache, v_cache, md: AttentionMetadata, *, scales=None):
         """Returns ``(x, k_cache, v_cache)``; with ``scales`` (the ``(k_scale, v_scale)``
-        buffers of an FP8 cache, ``fp8_kv``) ``(x, k_cache, v_cache, scales)``."""
+        buffers of an FP8 cache, ``fp8_kv``) ``(x, k_cache, v_cache, scales)``. Attention
+        runs ``cfg``'s kernel (``attention_impl``, ``pallas_interpret``)."""
         cfg = self.cfg
         T = x.shape[0]
         QH, KVH, D = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim
@@ -106,8 +106,7 @@ class DecoderLayers(nnx.Module):
             q = apply_rope(q, md.positions, inv_freq, rope_scale)
             k = apply_rope(k, md.positions, inv_freq, rope_scale)
             attn, k_cache, v_cache, *rest = paged_attention(
-                q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5,
-                impl=attention_impl, interpret=interpret, scales=scales)
+                cfg, q, k, v, k_cache, v_cache, layer, md, sm_scale=D ** -0.5, scales=scales)
             scales = rest[0] if rest else None
             (out,) = project(attn.reshape(T, QH * D), p, "wo")
             x = x + out
@@ -186,17 +185,15 @@ class LlamaForCausalLM(nnx.Module):
     ``__call__(input_ids [T] int32, k_cache, v_cache, md, logits_indices [N] int32)`` returns
     ``(logits [N, V] float32, k_cache, v_cache)``; caches are
     ``[L, num_pages, page_size, KVH * D]`` (``gqa_cache_spec``) and come back updated (donate
-    them).
+    them). The kernels are ``cfg``'s (``attention_impl``, ``pallas_interpret``: set by the
+    loader from the platform profile).
     Weight layouts (chosen by the platform profile after loading, ``models/platform.py``):
     ``unstack_layers`` (faster steps on XLA CPU, longer compiles) and ``fuse_linear_weights``
     (another weight format, e.g. ``linear.PackedWeight``); the forward reads whichever it holds.
     """
 
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
-                 attention_impl: str | None = None, interpret: bool = False):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.attention_impl = attention_impl
-        self.interpret = interpret
         init = nnx.initializers.normal(0.02)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = DecoderLayers(cfg, dtype=dtype, rngs=rngs)
@@ -208,8 +205,7 @@ class LlamaForCausalLM(nnx.Module):
         """``(x [T, H], k_cache, v_cache)``, plus ``scales`` updated when given (the
         ``(k_scale, v_scale)`` buffers of an FP8 cache; ``DecoderLayers``)."""
         x = self.embed_tokens[...][input_ids]
-        return self.layers(x, k_cache, v_cache, md, attention_impl=self.attention_impl,
-                           interpret=self.interpret, scales=scales)
+        return self.layers(x, k_cache, v_cache, md, scales=scales)
 
     def compute_logits(self, h: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         """``h [N, H]`` (pre-norm hidden states) -> logits ``[N, V]`` float32. ``num_rows``

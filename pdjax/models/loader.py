@@ -13,6 +13,7 @@ mesh and dtype helpers of ``checkpoint.py`` are re-exported here so callers need
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -51,14 +52,24 @@ def _family_model(family: ModelFamily, run_cfg, dtype, model_kwargs):
     return lambda: family.model_class(run_cfg, dtype=dtype, rngs=nnx.Rngs(0), **model_kwargs)
 
 
+def with_kernels(cfg, attention_impl: str | None = None, pallas_interpret: bool = False):
+    """``cfg`` (either family's config) running the attention kernel ``attention_impl``
+    (resolved by the platform profile, ``platform.PlatformProfile``; None: the platform's
+    default) and, with ``pallas_interpret``, its Pallas kernels interpreted (CPU tests).
+    Every layer reads its kernel from the config it already receives."""
+    return dataclasses.replace(cfg, attention_impl=attention_impl,
+                               pallas_interpret=pallas_interpret)
+
+
 def run_config(family: ModelFamily, cfg, tp_size: int, ep_size: int = 1,
-               moe_a2a_backend: str = "none", dp_size: int = 1):
+               moe_a2a_backend: str = "none", dp_size: int = 1,
+               attention_impl: str | None = None, pallas_interpret: bool = False):
     """The config ``family``'s model runs at TP ``tp_size``, EP ``ep_size`` (``--ep-size``:
     ``family.expert_parallel``; 1: ``family.run_config``) and DP attention ``dp_size``
     (``--dp-size``: ``family.dp_attention``, applied first, as it changes which weights TP
-    splits). ``ValueError`` naming the field when the layout cannot split the model
-    (``ep_size`` on a family without routed experts, ``dp_size`` on a family without DP
-    attention included)."""
+    splits), with the kernels ``attention_impl`` / ``pallas_interpret`` (``with_kernels``).
+    ``ValueError`` naming the field when the layout cannot split the model (``ep_size`` on a
+    family without routed experts, ``dp_size`` on a family without DP attention included)."""
     if dp_size != 1:
         if family.dp_attention is None:
             raise ValueError(f"enable_dp_attention: {family.name} models cannot use DP "
@@ -74,27 +85,31 @@ def run_config(family: ModelFamily, cfg, tp_size: int, ep_size: int = 1,
         run_cfg = family.expert_parallel(cfg, tp_size, ep_size, moe_a2a_backend)
     if dp_size != 1:            # the checks that need the EP layout too
         run_cfg = family.dp_attention(run_cfg, tp_size, dp_size)
-    return run_cfg
+    return with_kernels(run_cfg, attention_impl, pallas_interpret)
 
 
 def build_model(family: ModelFamily, cfg, params: Params, mesh: Mesh, dtype="auto",
                 ep_size: int = 1, moe_a2a_backend: str = "none", dp_size: int = 1,
+                attention_impl: str | None = None, pallas_interpret: bool = False,
                 **model_kwargs):
     """Place the stacked ``params`` of ``cfg`` on ``mesh`` as ``family``'s module.
 
     Returns ``(run_cfg, model)``: ``run_cfg`` is ``run_config(family, cfg, tp, ep_size,
-    moe_a2a_backend)`` (Llama: KV heads replicated up to the TP size when fewer; MoE under
-    EP: ``moe_ep.py``). ``ValueError`` when TP / EP does not split the model or a parameter
-    is missing or mis-shaped."""
+    moe_a2a_backend, dp_size, attention_impl, pallas_interpret)`` (Llama: KV heads
+    replicated up to the TP size when fewer; MoE under EP: ``moe_ep.py``). ``ValueError``
+    when TP / EP does not split the model or a parameter is missing or mis-shaped."""
     tp_size = mesh.shape["tp"]
-    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend, dp_size)
+    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend, dp_size,
+                         attention_impl, pallas_interpret)
     params = family.adapt_params(params, cfg, run_cfg)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     return run_cfg, place_params(make, params, family.param_specs(run_cfg, tp_size), mesh)
 
 
 def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
-                     moe_a2a_backend: str = "none", dp_size: int = 1, **model_kwargs):
+                     moe_a2a_backend: str = "none", dp_size: int = 1,
+                     attention_impl: str | None = None, pallas_interpret: bool = False,
+                     **model_kwargs):
     """Restore a pdjax Orbax checkpoint (``orbax_checkpoint.py``) onto ``mesh``.
 
     When the run config equals the checkpoint's (no KV-head replication), every parameter is
@@ -103,12 +118,13 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
     family = model_family(read_marker(path)["architecture"])
     cfg = family.read_config(path)
     tp_size = mesh.shape["tp"]
-    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend, dp_size)
-    if run_cfg != cfg:
+    kernels = dict(attention_impl=attention_impl, pallas_interpret=pallas_interpret)
+    run_cfg = run_config(family, cfg, tp_size, ep_size, moe_a2a_backend, dp_size, **kernels)
+    if run_cfg != with_kernels(cfg, **kernels):
         logger.info("%s: TP %d (EP %d) changes the layout; restoring through the host", path,
                     tp_size, ep_size)
         return build_model(family, cfg, restore_params(path), mesh, dtype, ep_size,
-                           moe_a2a_backend, dp_size, **model_kwargs)
+                           moe_a2a_backend, dp_size, **kernels, **model_kwargs)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     specs = family.param_specs(run_cfg, tp_size)
     targets = {k: a.update(sharding=NamedSharding(mesh, specs[k]))
@@ -117,7 +133,9 @@ def load_orbax_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
 
 
 def load_dummy_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
-                     moe_a2a_backend: str = "none", dp_size: int = 1, **model_kwargs):
+                     moe_a2a_backend: str = "none", dp_size: int = 1,
+                     attention_impl: str | None = None, pallas_interpret: bool = False,
+                     **model_kwargs):
     """A model of the config at ``path`` (an HF folder with only a config.json is enough, a
     GGUF file or an Orbax checkpoint also do) with random weights made on the devices of
     ``mesh`` (``params.random_params``): no tensor is read. For benchmarks of a model's shape
@@ -125,7 +143,7 @@ def load_dummy_model(path: str, *, dtype="auto", mesh: Mesh, ep_size: int = 1,
     ``load_model``; ``ValueError`` naming the config field that is wrong."""
     family = model_family(checkpoint_architecture(path))
     run_cfg = run_config(family, checkpoint_config(path), mesh.shape["tp"], ep_size,
-                         moe_a2a_backend, dp_size)
+                         moe_a2a_backend, dp_size, attention_impl, pallas_interpret)
     make = _family_model(family, run_cfg, resolve_dtype(dtype), model_kwargs)
     specs = family.param_specs(run_cfg, mesh.shape["tp"])
     return run_cfg, place_params(make, random_params(make, specs, mesh), specs, mesh)
@@ -143,7 +161,9 @@ def checkpoint_config(path: str):
 def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None = None,
                progress: bool = True, load_format: str = "auto", unroll_layers: bool = False,
                cpu_matmul_kernel: bool = False, ep_size: int = 1,
-               moe_a2a_backend: str = "none", dp_size: int = 1, **model_kwargs):
+               moe_a2a_backend: str = "none", dp_size: int = 1,
+               attention_impl: str | None = None, pallas_interpret: bool = False,
+               **model_kwargs):
     """Load a checkpoint onto ``mesh`` (default: one device). Returns ``(run_cfg, model)``.
 
     The family comes from the checkpoint's architecture (``registry.py``): Llama / Qwen2 /
@@ -155,14 +175,17 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
     ``cpu_matmul_kernel``: the weight layout of the platform profile, applied once loaded
     (``platform.prepare_model``). ``ep_size`` / ``moe_a2a_backend``: expert parallelism
     over the ``tp`` mesh (``moe_ep.py``; MoE models only). ``dp_size``: DP attention over
-    the ``tp`` mesh (``dp_attention.py``; the MLA family only). Raises ``ValueError`` naming the
+    the ``tp`` mesh (``dp_attention.py``; the MLA family only). ``attention_impl`` /
+    ``pallas_interpret``: the kernels, carried by ``run_cfg`` (``with_kernels``).
+    ``model_kwargs``: the model class's own (``mtp=True``). Raises ``ValueError`` naming the
     file, tensor, architecture or layout that is wrong.
     """
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be one of auto, dummy; got {load_format!r}")
-    ep = dict(ep_size=ep_size, moe_a2a_backend=moe_a2a_backend, dp_size=dp_size)
+    ep = dict(ep_size=ep_size, moe_a2a_backend=moe_a2a_backend, dp_size=dp_size,
+              attention_impl=attention_impl, pallas_interpret=pallas_interpret)
     if load_format == "dummy":
         run_cfg, model = load_dummy_model(path, dtype=dtype, mesh=mesh, **ep, **model_kwargs)
     elif is_orbax_checkpoint(path):

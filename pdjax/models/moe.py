@@ -48,8 +48,8 @@ def route(cfg: DeepseekConfig, h: jax.Array, router: jax.Array, router_bias: jax
     return experts.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
-def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, *,
-                   impl: str | None = None, interpret: bool = False) -> jax.Array:
+def grouped_swiglu(cfg: DeepseekConfig, xs: jax.Array, group_sizes: jax.Array, w_gate, w_up,
+                   w_down) -> jax.Array:
     """The routed experts' SwiGLU MLP over token rows sorted by expert (a grouped GEMM).
 
     ``xs [M, H]``: rows sorted by expert, the first ``group_sizes[0]`` rows for expert 0, the
@@ -62,21 +62,22 @@ def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, 
     of row ``r``.
 
     Expert parallelism calls this with the local experts only (``E`` of this device).
-    ``impl``: the model's kernel choice (``attention_impl``, resolved as
+    The kernel is ``cfg``'s choice (``cfg.attention_impl``, resolved as
     ``ragged_paged_attention.resolve_impl``): ``"tpu"`` / ``"gpu"`` run the Pallas grouped
     GEMM (``pallas_kernels/grouped_gemm``: only the rows routed to each expert are read, FP8
     tiles widened in the kernel); the others the reference, ``lax.ragged_dot`` with FP8
-    stacks dequantized first (DESIGN.md §2, §5). ``interpret``: run the Pallas kernel
-    interpreted (CPU tests).
+    stacks dequantized first (DESIGN.md §2, §5). ``cfg.pallas_interpret``: run the Pallas
+    kernel interpreted (CPU tests).
 
     Tensor parallelism: with the weights split over the mesh's ``"tp"`` axis as
     ``param_groups`` lays them out (gate / up by F, down by F), the kernel runs per shard and
     the partial sums are added (``psum``); inside a ``shard_map`` already manual over
     ``"tp"``, the weights are this shard's and ``ys`` is its partial sum, as ragged_dot's is.
     """
-    impl = resolve_impl(impl)
+    impl = resolve_impl(cfg.attention_impl)
     if impl in KERNEL_IMPLS:
-        return _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl, interpret)
+        return _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl,
+                                      cfg.pallas_interpret)
     gate = jax.lax.ragged_dot(xs, dense_weight(w_gate, xs.dtype), group_sizes)
     up = jax.lax.ragged_dot(xs, dense_weight(w_up, xs.dtype), group_sizes)
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, dense_weight(w_down, xs.dtype),
@@ -106,10 +107,9 @@ def _grouped_swiglu_kernel(xs, group_sizes, w_gate, w_up, w_down, impl, interpre
                          check_vma=False)(xs, group_sizes, w_gate, w_up, w_down)
 
 
-def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array], *,
-                impl: str | None = None, interpret: bool = False) -> jax.Array:
-    """Routed experts (``grouped_swiglu`` over token copies sorted by expert; ``impl`` and
-    ``interpret`` as there) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
+def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """Routed experts (``grouped_swiglu`` over token copies sorted by expert, with ``cfg``'s
+    kernel) plus the shared experts. ``h [T, Hd]`` -> ``[T, Hd]``."""
     T, Hd = h.shape
     k = cfg.num_experts_per_tok
     experts, weights = route(cfg, h, p["router"], p["router_bias"])
@@ -118,8 +118,7 @@ def moe_forward(cfg: DeepseekConfig, h: jax.Array, p: dict[str, jax.Array], *,
     token = order // k
     group_sizes = jnp.zeros((cfg.n_routed_experts,), jnp.int32).at[flat].add(1)
     xs = h[token]                                                                # [T*k, Hd]
-    ys = grouped_swiglu(xs, group_sizes, p["w_gate"], p["w_up"], p["w_down"],
-                        impl=impl, interpret=interpret)                          # [T*k, Hd]
+    ys = grouped_swiglu(cfg, xs, group_sizes, p["w_gate"], p["w_up"], p["w_down"])  # [T*k, Hd]
     ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
     out = jnp.zeros((T, Hd), ys.dtype).at[token].add(ys)
     if cfg.n_shared_experts:

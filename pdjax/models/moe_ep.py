@@ -125,16 +125,15 @@ def expert_shards(w, moe_tp: int, width_axis: int):
 
 # --------------------------------------------------------------------------- forward
 
-def moe_forward_ep(cfg: DeepseekConfig, h: jax.Array, p: dict, *, impl: str | None = None,
-                   interpret: bool = False) -> jax.Array:
+def moe_forward_ep(cfg: DeepseekConfig, h: jax.Array, p: dict) -> jax.Array:
     """The MoE layer under EP: ``h [T, Hd]`` (replicated: TP attention) -> ``[T, Hd]``, equal
     to ``moe.moe_forward`` (same routing, same experts, dropless). ``p``: the layer's ``moe``
     params, the expert stacks in the EP layout (``expert_shards``), plain or
     ``Fp8BlockWeight``. Traced under a mesh with a ``tp`` axis of ``ep_size * moe_tp_size``
     devices (the runner's on accelerators), ``ValueError`` for another one; without a mesh
     context (the CPU runner's case) one is made from ``cfg`` and ``ragged`` takes its padded
-    stand-in, which runs on every platform. ``impl`` / ``interpret``: the grouped GEMM's
-    (``moe.grouped_swiglu``), run per device on its local experts."""
+    stand-in, which runs on every platform. The grouped GEMM (``moe.grouped_swiglu``, with
+    ``cfg``'s kernel) runs per device on its local experts."""
     tp = cfg.ep_size * cfg.moe_tp_size
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -146,7 +145,7 @@ def moe_forward_ep(cfg: DeepseekConfig, h: jax.Array, p: dict, *, impl: str | No
         platform = mesh.abstract_device.platform
     experts, weights = route(cfg, h, p["router"], p["router_bias"])
     body = _dispatch_ragged if cfg.moe_a2a_backend == "ragged" else _dispatch_none
-    gemm = functools.partial(grouped_swiglu, impl=impl, interpret=interpret)
+    gemm = functools.partial(grouped_swiglu, cfg)
     body = functools.partial(body, cfg=cfg, gemm=gemm, padded=platform == "cpu")
     ws = tuple(p[name] for name in EXPERT_WEIGHTS)
     # A kernel-run FP8 layer view (linear.slice_layer) keeps its [L, ...] stack: split axis 1.

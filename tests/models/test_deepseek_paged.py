@@ -101,7 +101,7 @@ def test_pallas_kernels_inside_the_model(tiny_checkpoints, name, impl):
     path = tiny_checkpoints[name]
     _, ref_model = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False, attention_impl=impl,
-                          interpret=True)
+                          pallas_interpret=True)
     prompt, other = prompts(11, (20, 3))
     pages, other_pages = assign_pages([len(prompt), len(other) + 1], PAGE, 96, seed=2)
     out = []

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from kernel_cases import interpret_mode, kernel_device
 from mla_utils import PAGE, new_caches, prompts, run_rows
 from model_utils import assign_pages
+from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.fp8 import dequantize, quantize
 from pdjax.models.linear import Fp8BlockWeight, linear, with_fp8_kernel
 from pdjax.models.loader import load_model, make_mesh
@@ -45,6 +46,13 @@ def _experts(seed, fp8):
     return out, deq
 
 
+def _kernel_cfg(tiny_checkpoints, impl, interpret=False) -> DeepseekConfig:
+    """A tiny MLA config that runs ``impl``'s kernels (the grouped GEMM reads its choice
+    from the run config)."""
+    cfg = DeepseekConfig.from_hf_dir(tiny_checkpoints["deepseek_v32"])
+    return dataclasses.replace(cfg, attention_impl=impl, pallas_interpret=interpret)
+
+
 def _numpy_swiglu(xs, ws, sizes):
     xs = np.asarray(xs, np.float64)
     out, start = np.zeros_like(xs), 0
@@ -58,13 +66,14 @@ def _numpy_swiglu(xs, ws, sizes):
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
-def test_grouped_swiglu_kernel_matches_reference(impl, fp8):
+def test_grouped_swiglu_kernel_matches_reference(tiny_checkpoints, impl, fp8):
     weights, dense = _experts(1, fp8)
     xs = jnp.asarray(np.random.default_rng(2).standard_normal((19, H)), jnp.float32)
     gs = jnp.asarray(SIZES, jnp.int32)
     with kernel_device(impl):
-        out = grouped_swiglu(xs, gs, *weights, impl=impl, interpret=interpret_mode(impl))
-        ref = grouped_swiglu(xs, gs, *weights, impl="reference")
+        out = grouped_swiglu(_kernel_cfg(tiny_checkpoints, impl, interpret_mode(impl)), xs, gs,
+                             *weights)
+        ref = grouped_swiglu(_kernel_cfg(tiny_checkpoints, "reference"), xs, gs, *weights)
     want = _numpy_swiglu(xs, dense, SIZES)
     assert np.abs(np.asarray(out) - want).max() < 1e-3 * (np.abs(want).max() + 1)
     assert np.abs(np.asarray(out) - np.asarray(ref)).max() < 1e-3 * (np.abs(want).max() + 1)
@@ -72,7 +81,7 @@ def test_grouped_swiglu_kernel_matches_reference(impl, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["f32", "fp8"])
-def test_grouped_swiglu_kernel_at_tp2(fp8):
+def test_grouped_swiglu_kernel_at_tp2(tiny_checkpoints, fp8):
     """Weights split over F as param_groups lays them out: the kernel per shard, then psum."""
     weights, dense = _experts(3, fp8)
     mesh = make_mesh(2)
@@ -81,7 +90,8 @@ def test_grouped_swiglu_kernel_at_tp2(fp8):
               zip(weights, (P(None, None, "tp"), P(None, None, "tp"), P(None, "tp", None)))]
     xs = jnp.asarray(np.random.default_rng(4).standard_normal((19, H)), jnp.float32)
     gs = jnp.asarray(SIZES, jnp.int32)
-    f = jax.jit(lambda *a: grouped_swiglu(*a, impl="tpu", interpret=True))
+    cfg = _kernel_cfg(tiny_checkpoints, "tpu", True)
+    f = jax.jit(lambda *a: grouped_swiglu(cfg, *a))
     with jax.set_mesh(mesh):
         out = f(xs, gs, *placed)
         text = f.lower(xs, gs, *placed).as_text(debug_info=True)
@@ -119,7 +129,7 @@ def test_fp8_model_with_gemm_kernels_matches_reference(tiny_checkpoints, name, i
     path = tiny_checkpoints[name]
     _, ref_model = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False, attention_impl=impl,
-                          interpret=True)
+                          pallas_interpret=True)
     from pdjax.pallas_kernels.lanes import kv_row_align
     prompt = prompts(3, (13,))[0]
     pages = assign_pages([len(prompt) + 1], PAGE, 64, seed=1)[0]
@@ -171,7 +181,8 @@ def test_expert_parallel_layer_with_the_kernel(tiny_checkpoints, tp, ep, backend
         if name in ("w_gate", "w_up", "w_down") else v,
         NamedSharding(mesh, P("tp") if name in ("w_gate", "w_up", "w_down") else P()))
         for name, v in p.items()}
-    f = jax.jit(lambda x, q: moe_forward_ep(run_cfg, x, q, impl="tpu", interpret=True))
+    run_cfg = dataclasses.replace(run_cfg, attention_impl="tpu", pallas_interpret=True)
+    f = jax.jit(lambda x, q: moe_forward_ep(run_cfg, x, q))
     x = jax.device_put(h, NamedSharding(mesh, P()))
     with jax.set_mesh(mesh):
         out = np.asarray(f(x, placed))
@@ -202,7 +213,7 @@ def test_slice_layer_keeps_kernel_weights_stacked():
         assert np.abs(np.asarray(linear(x, w)) - want).max() < 1e-3
 
 
-def test_layer_views_at_tp2():
+def test_layer_views_at_tp2(tiny_checkpoints):
     """Layer views under TP 2: the stack [L, K, N] split on its last axis (column-parallel
     linear) and the expert stacks [L, E, H, F] / [L, E, F, H] split on F, per shard."""
     from pdjax.models.linear import slice_layer
@@ -225,11 +236,12 @@ def test_layer_views_at_tp2():
     params = {"g": {"lin": lin, "w_gate": experts[0], "w_up": experts[1], "w_down": experts[2]}}
     xs = jnp.asarray(rng.standard_normal((19, H)), jnp.float32)
     gs = jnp.asarray(SIZES, jnp.int32)
+    cfg = _kernel_cfg(tiny_checkpoints, "tpu", True)
 
     def f(params, xs, gs, layer):
         v = slice_layer(with_fp8_kernel(params, groups, "tpu", interpret=True)["g"], layer)
-        return linear(xs, v["lin"]), grouped_swiglu(xs, gs, v["w_gate"], v["w_up"],
-                                                     v["w_down"], impl="tpu", interpret=True)
+        return linear(xs, v["lin"]), grouped_swiglu(cfg, xs, gs, v["w_gate"], v["w_up"],
+                                                     v["w_down"])
 
     with jax.set_mesh(mesh):
         lin_out, moe_out = jax.jit(f)(params, xs, gs, jnp.int32(1))

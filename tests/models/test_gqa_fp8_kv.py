@@ -267,7 +267,7 @@ def test_fp8_kv_under_tp2_matches_one_device(tiny_checkpoints, impl):
     mesh = make_mesh(2)
     _, ref = load_model(path, dtype="float32", progress=False, attention_impl="reference")
     _, model = load_model(path, dtype="float32", progress=False, mesh=mesh,
-                          attention_impl=impl, interpret=impl == "gpu")
+                          attention_impl=impl, pallas_interpret=impl == "gpu")
     cfg = ref.cfg
     specs = gqa_cache_spec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, num_pages=NUM_PAGES,
                            page_size=PAGE, dtype=jnp.float8_e4m3fn)

@@ -48,7 +48,7 @@ def test_fp8_kv_decode_logits_within_tolerance_of_bf16(tiny_checkpoints, name, r
     """FP8 record (row_align 1: GPU/CPU planes; 128: the TPU split) vs a bf16 latent: every
     decode step's logits within LOGIT_TOL, the cache really FP8. ``impl``: the model runs the
     Pallas kernels (interpreted) over both caches."""
-    kwargs = {} if impl is None else dict(attention_impl=impl, interpret=True)
+    kwargs = {} if impl is None else dict(attention_impl=impl, pallas_interpret=True)
     _, model = load_model(tiny_checkpoints[name], dtype="float32", progress=False, **kwargs)
     ref, _ = decode_logits(model, jnp.bfloat16, row_align)
     got, caches = decode_logits(model, jnp.float8_e4m3fn, row_align)
@@ -109,7 +109,7 @@ def test_fp8_kv_kernels_under_tp2_match_the_reference(tiny_checkpoints, impl, ro
     mesh = make_mesh(2)
     _, ref = load_model(path, dtype="float32", progress=False)
     _, model = load_model(path, dtype="float32", progress=False, mesh=mesh,
-                          attention_impl=impl, interpret=True)
+                          attention_impl=impl, pallas_interpret=True)
     prompt = prompts(4, (21,))[0]
     pages = assign_pages([24], PAGE, 96, seed=2)[0]
     rows = [BatchRow(prompt, 0, pages, logits_start=0)]

@@ -190,11 +190,12 @@ def test_fp8_layer_views_under_ep(tiny_checkpoints, tp, ep, backend):
             if k not in stacks}
     h = np.random.default_rng(6).normal(0, 1, (9, cfg.hidden_size)).astype(np.float32)
     ref = np.asarray(jax.jit(lambda x: moe_forward(cfg, x, ref_p))(h))
+    kernel_cfg = dataclasses.replace(run_cfg, attention_impl="tpu", pallas_interpret=True)
 
     def f(x, params):
         m = slice_layer(params, jnp.int32(1))
         assert m["w_gate"].layer is not None            # a view, the stack kept whole
-        return moe_forward_ep(run_cfg, x, m, impl="tpu", interpret=True)
+        return moe_forward_ep(kernel_cfg, x, m)
 
     with jax.set_mesh(mesh):
         out = np.asarray(jax.jit(f)(jax.device_put(h, NamedSharding(mesh, P())),

@@ -88,7 +88,10 @@ def test_sharded_restore_puts_each_shard_on_its_own_device(tiny_checkpoints, tmp
     real_restore = loader_mod.restore_params
     monkeypatch.setattr(loader_mod, "restore_params",
                         lambda *a, **k: restored.setdefault("params", real_restore(*a, **k)))
-    cfg, model = load_model(dst, dtype="float32", mesh=mesh, progress=False)
+    # With the engine's kernel choice (the config carries it, as the layout): still sharded.
+    cfg, model = load_model(dst, dtype="float32", mesh=mesh, progress=False,
+                            attention_impl="xla")
+    assert cfg.attention_impl == model.cfg.attention_impl == "xla"
     # The model holds the very arrays Orbax restored onto the devices (no trip via the host).
     assert model.layers.wq[...] is restored["params"]["layers.wq"]
     assert model.lm_head[...] is restored["params"]["lm_head"]
