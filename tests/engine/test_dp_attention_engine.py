@@ -7,19 +7,15 @@ later chunk beside other ranks' decode rows); a layout or setting DP attention c
 is one ``error: FIELD: ...`` line at parse time.
 
 The suite's process has 4 simulated devices; DP 8 runs in a child process with 8
-(``dp8_child.py``). DP attention replicates the attention weights, so the 4-head tiny
+(``eight_devices.py``). DP attention replicates the attention weights, so the 4-head tiny
 checkpoints run at TP 8 as they are."""
-
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import transformers
 
+from eight_devices import generate_on_eight_devices
 from model_utils import assert_tokens_match, hf_greedy, top2_gaps
 from pdjax.engine.offline import Engine
 from pdjax.serve import parse_args
@@ -32,12 +28,15 @@ def _prompts(seed=0):
     return [rng.integers(5, 400, n).tolist() for n in (5, 21, 13)]
 
 
+_ENGINE = dict(dtype="float32", page_size=8, max_total_tokens=1024, max_running_requests=4,
+               chunked_prefill_size=16, context_length=32, enable_mixed_chunk=True,
+               progress=False)
+
+
 def _generate(path, prompts, **kwargs):
     """Greedy outputs; prompt + output stay under index_topk (32), so the DSA indexer's
     ties at 0 cannot select differently (test_fp8.py's setting)."""
-    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=1024,
-                 max_running_requests=4, chunked_prefill_size=16, context_length=32,
-                 enable_mixed_chunk=True, progress=False, **kwargs)
+    eng = Engine(path, **_ENGINE, **kwargs)
     try:
         outs = eng.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True},
@@ -109,14 +108,10 @@ def test_dp8_on_eight_devices(tiny_checkpoints, name, layouts):
     EP 4 / experts by width, against transformers and TP 1 (in the same child)."""
     prompts = _prompts(8)
     path = tiny_checkpoints[name]
-    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dp8_child.py")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, child, path, json.dumps([[1, 1, 1], *layouts]),
-                          json.dumps(prompts)], capture_output=True, text=True, env=env,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    outs = json.loads(run.stdout.strip().splitlines()[-1])
+    outs = generate_on_eight_devices(path, {
+        f"{tp},{dp},{ep}": dict(_ENGINE, tp_size=tp, ep_size=ep,
+                                **(dict(enable_dp_attention=True, dp_size=dp) if dp > 1 else {}))
+        for tp, dp, ep in [[1, 1, 1], *layouts]}, prompts, NEW)
     hf = _hf(path)
     tp1 = outs.pop("1,1,1")
     for layout, got in outs.items():

@@ -5,13 +5,11 @@ TP 1's; each device reads only its own experts' FP8 bytes; a layout that cannot 
 ``error: FIELD: ...`` line at parse time.
 
 The tiny checkpoints have 4 attention heads, so TP 8 runs 8-head copies of them, made here,
-in a child process with 8 simulated devices (``ep8_child.py``)."""
+in a child process with 8 simulated devices (``eight_devices.py``)."""
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ import torch
 import transformers
 
 import make_tiny_checkpoint as mk
+from eight_devices import generate_on_eight_devices
 from model_utils import (assert_speculation_keeps_tokens, assert_tokens_match, hf_greedy,
                          top2_gaps)
 from pdjax.engine.offline import Engine
@@ -34,12 +33,14 @@ def _prompts(seed=0):
     return [rng.integers(5, 400, n).tolist() for n in (5, 13, 21)]
 
 
+_ENGINE = dict(dtype="float32", page_size=8, max_total_tokens=512, max_running_requests=4,
+               chunked_prefill_size=16, context_length=32, progress=False)
+
+
 def _generate(path, prompts, **kwargs):
     """Greedy outputs of an engine over ``path``; prompt + output stay under index_topk (32),
     so the DSA indexer's ties at 0 cannot select differently (test_fp8.py's setting)."""
-    eng = Engine(path, dtype="float32", page_size=8, max_total_tokens=512,
-                 max_running_requests=4, chunked_prefill_size=16, context_length=32,
-                 progress=False, **kwargs)
+    eng = Engine(path, **_ENGINE, **kwargs)
     try:
         outs = eng.generate(input_ids=prompts, sampling_params={
             "max_new_tokens": NEW, "temperature": 0, "ignore_eos": True})
@@ -175,14 +176,9 @@ def test_tp8_on_eight_devices(tmp_path_factory, name, layouts):
     finally:
         del mk.CONFIGS[heads8]
     prompts = _prompts(8)
-    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ep8_child.py")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, child, path, json.dumps([[1, 1, "none"], *layouts]),
-                          json.dumps(prompts)], capture_output=True, text=True, env=env,
-                         timeout=1500)
-    assert run.returncode == 0, run.stderr[-3000:]
-    outs = json.loads(run.stdout.strip().splitlines()[-1])
+    outs = generate_on_eight_devices(path, {
+        f"{tp},{ep},{backend}": dict(_ENGINE, tp_size=tp, ep_size=ep, moe_a2a_backend=backend)
+        for tp, ep, backend in [[1, 1, "none"], *layouts]}, prompts, NEW)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager").eval()
     tp1 = outs.pop("1,1,none")
