@@ -11,7 +11,7 @@ from pdjax.pd.lifecycle import IllegalTransition, KVPoll
 from pdjax.pd.protocol import (Abort, AbortAck, Heartbeat, ProtocolError, RegisterDecode,
                                RegisterResult, TransferRequest, TransferStatus, decode_message,
                                encode_message)
-from pdjax.pd.wire import find_duplicates, validate_pages
+from pdjax.pd.wire import find_duplicates, prompt_digest, validate_pages
 
 
 def _register(**over):
@@ -231,3 +231,12 @@ def test_find_duplicates():
     assert find_duplicates([3, 1, 2]) == []
     assert find_duplicates([5, 3, 5, 3, 5, 9]) == [3, 5]
     assert find_duplicates(np.array([7, 7])) == [7]
+
+
+def test_prompt_digest_depends_on_every_token_and_its_position():
+    ids = list(range(40))
+    d = prompt_digest(ids)
+    assert len(d) == 16 and prompt_digest(np.asarray(ids)) == d
+    assert prompt_digest(ids[:-1] + [41]) != d
+    assert prompt_digest(ids[1:] + ids[:1]) != d
+    assert prompt_digest(ids + [0]) != d
