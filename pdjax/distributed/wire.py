@@ -21,7 +21,7 @@ ARRAY_DTYPES = ("bool", "int32", "uint32", "float32")
 MAX_ARRAY_DIMS = 3
 OPS = ("hello", "welcome", "refuse", "warmup", "forward", "resample", "prompt_logprobs",
        "penalty_slot", "shutdown", "heartbeat", "barrier", "kv_peer", "kv_write", "kv_ranks",
-       "kv_check")
+       "kv_check", "kv_stage_in", "kv_drop")
 # ServerArgs fields every node must agree on: they fix the model, the mesh and every bucket
 # shape, so a difference would make the nodes compile different programs.
 AGREED_FIELDS = ("nnodes", "tp_size", "page_size", "max_total_tokens", "max_running_requests",

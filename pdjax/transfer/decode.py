@@ -89,6 +89,8 @@ class DecodeConnector(PDConnector):
         self.num_abort_acks = 0
         # Multi-host (DESIGN.md §6): the other nodes report their sessions and KV shards here.
         self.ranks = DecodeRanks(join_cluster(self.args)) if self.args.nnodes > 1 else None
+        if self.ranks is not None:
+            self.ranks.attach(self.local_kv)
         # The worker handles what the channel receives: it exists before the other nodes are
         # told this endpoint (a DecodeRankInfo that came first was lost, and the decode waited
         # for it until its clients timed out).

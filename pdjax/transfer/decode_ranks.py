@@ -13,6 +13,11 @@ signalling; every node's KV shards are written by the prefill directly:
 Pages are node 0's scheduler's: the cache is one global array sharded by heads, so a page
 id is the same page on every node.
 
+With the ``jax`` backend (pull-based, DESIGN.md §4) the prefill offers each node its units at
+that node's own offer socket (its session); node 0's metadata gate sends ``kv_stage_in(pages)``
+(``kv_drop`` for a failed room) before its own scatter, so every node scatters its pulled units
+at the same step boundary (``DecodeRanks.attach``, ``DecodeRankNode.on_stage_in``).
+
 Pure Python here; ``DecodeRankNode`` reaches JAX only through ``LocalKV`` and the runner.
 """
 
@@ -43,6 +48,27 @@ class DecodeRanks:
         self._cond = threading.Condition()
         self._infos: dict[int, DecodeRankInfo] = {}     # node rank -> its last report
         self._moved = False
+
+    def attach(self, local_kv) -> None:
+        """Node 0's pool: a pull-based one (the jax backend) has every other node scatter its
+        own pulled units at the same step boundary (``kv_stage_in``) or drop them
+        (``kv_drop``), sent on the step socket before node 0's own (engine thread)."""
+        if getattr(local_kv, "mode", "") == "jax":
+            local_kv.mirror = self._mirror
+
+    def _mirror(self, op: str, **fields) -> None:
+        """Send ``op`` to every other node; with a node gone, a ``kv_stage_in`` raises
+        ``ValueError`` (the room fails: its KV cannot be whole) and a ``kv_drop`` is skipped."""
+        lost = self.cluster.lost
+        if lost is None:
+            try:
+                self.cluster.send(op, **fields)
+                return
+            except RuntimeError as e:
+                lost = str(e)
+        if op == "kv_stage_in":
+            raise ValueError(f"the other decode nodes cannot scatter their KV ({lost})")
+        logger.warning("PD decode: %s not sent to the other nodes (%s)", op, lost)
 
     def announce(self, reply_endpoint: str) -> None:
         """Ask every other node for its session and shards (at start-up, after warm-up and
@@ -129,7 +155,38 @@ class DecodeRankNode:
 
     @property
     def handlers(self) -> dict[str, Any]:
-        return {"kv_ranks": self.on_ranks, "kv_check": self.on_check}
+        out = {"kv_ranks": self.on_ranks, "kv_check": self.on_check}
+        if getattr(self.local_kv, "mode", "") == "jax":
+            out.update(kv_stage_in=self.on_stage_in, kv_drop=self.on_drop)
+        return out
+
+    def _pages(self, msg: dict, op: str) -> list[int] | None:
+        pages = msg.get("pages")
+        if not isinstance(pages, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool)
+                and 1 <= p < self.local_kv.num_pages for p in pages):
+            logger.error("PD decode node %d: %s: pages are not ids in [1, %d)", self.rank, op,
+                         self.local_kv.num_pages)
+            return None
+        return pages
+
+    def on_stage_in(self, msg: dict) -> None:
+        """``kv_stage_in`` (jax backend; node 0's metadata gate, a step boundary): scatter this
+        node's pulled units of the room's pages, as node 0 does with its own. Node 0 opened
+        the gate after every offer to this node was acked, so a missing unit is a bug: logged,
+        the pages keep their bytes (a collective-free scatter skipped hangs nothing)."""
+        pages = self._pages(msg, "kv_stage_in")
+        if pages is not None:
+            try:
+                self.local_kv.stage_in(pages)
+            except ValueError as e:
+                logger.error("PD decode node %d: kv_stage_in: %s", self.rank, e)
+
+    def on_drop(self, msg: dict) -> None:
+        """``kv_drop`` (jax backend): node 0 failed the room; forget its pulled units."""
+        pages = self._pages(msg, "kv_drop")
+        if pages is not None:
+            self.local_kv.drop_arrived(pages)
 
     def _on_message(self, msg) -> None:
         logger.error("PD decode node %d: unexpected %s on its control socket", self.rank,

@@ -25,6 +25,11 @@ node's shards into that node's session. Both multi-host: ``kv_peer`` carries the
 holding those heads (``kv_copies.write_nodes``) and reports the bytes per decode node; node 0
 writes the metadata row into decode node 0 after every prefill node reported.
 
+With the ``jax`` backend (pull-based, DESIGN.md §4) ``kv_write`` makes node R gather its own
+shards (``JaxLocalKV.stage_out``, in step order) and its worker offer them to every decode node
+that needs them (``JaxTransferEngine.write_pages``); node 0 offers its own, waits for every
+report, then sends the metadata row alone (``send_meta``).
+
 Pure Python here; ``RankSender`` reaches JAX only through ``LocalKV`` and the runner.
 """
 
@@ -195,15 +200,22 @@ class PrefillRanks:
             raise ValueError(f"decode engine {engine_id!r} is not paired")
         peer, ranked = entry
         writes = node_shards(peer.session_id, peer.node_sessions, peer.shard_nodes)
+        pulled = hasattr(engine, "write_pages")      # the jax backend: offers, then a row
         try:
-            own, n_own = write_nodes(engine, ranked.with_local(0, self.local_kv.layout),
-                                     peer.layout, writes, src, dst,
-                                     src_shards=ranked.shards_of(0))
+            if pulled:
+                own, n_own = engine.write_pages(self.local_kv, peer, src, dst, [])
+            else:
+                own, n_own = write_nodes(engine, ranked.with_local(0, self.local_kv.layout),
+                                         peer.layout, writes, src, dst,
+                                         src_shards=ranked.shards_of(0))
         finally:          # the other nodes were told to write: wait for them in any case
             others, n_others, failures = self.join(job, timeout_s, dst_nodes=len(writes))
         if failures:
             raise TransferError("; ".join(failures))
-        engine.batch_write(peer.session_id, meta)
+        if pulled:
+            engine.send_meta(peer.session_id, meta)
+        else:
+            engine.batch_write(peer.session_id, meta)
         return [a + b for a, b in zip(own, others)], n_own + n_others
 
     def on_done(self, msg: RankWriteDone) -> bool:
@@ -228,6 +240,12 @@ class _Peer:
     ranked: RankedLayout
     layout: KVLayout
     writes: list[tuple[str, NodeShards]]       # ``node_shards`` of the decode
+    node_sessions: tuple[str, ...] = ()        # a multi-host decode's (the jax backend reads
+    shard_nodes: tuple[tuple[int, ...], ...] = ()    # them as a ``DecodePeer``'s)
+
+    @property
+    def session_id(self) -> str:
+        return self.session
 
 
 class RankSender:
@@ -315,7 +333,7 @@ class RankSender:
             sessions, owners = decode_nodes_from_wire(session, msg.get("node_sessions", []),
                                                       msg.get("shard_nodes", []), layout)
             self.peers[index] = _Peer(session, reply, ranked, layout,
-                                      node_shards(session, sessions, owners))
+                                      node_shards(session, sessions, owners), sessions, owners)
         except ValueError as e:
             self.peers[index] = f"kv_peer {index} was refused: {e}"
             logger.error("PD prefill node %d: %s", self.rank, self.peers[index])
@@ -337,6 +355,10 @@ class RankSender:
             src, dst = msg.get("src"), msg.get("dst")
             if not isinstance(src, list) or not isinstance(dst, list):
                 raise RankError("src, dst: expected page lists")
+            if getattr(self.local_kv, "mode", "") == "jax":   # gathered now (step order)
+                self.local_kv.stage_out(src)
+                self._jobs.put((job, self._generation, peer, (src, dst)))
+                return
             import jax
 
             jax.block_until_ready(self.runner.caches)
@@ -362,6 +384,14 @@ class RankSender:
             if generation != self._generation:
                 self._reply(peer, job, ok=False, reason=f"node {self.rank}'s KV cache moved "
                                                         "after a donated step")
+                continue
+            if isinstance(parts, tuple):          # the jax backend: this node's offers
+                try:
+                    node_bytes, n = self.engine.write_pages(self.local_kv, peer, *parts, [])
+                except (TransferError, ValueError) as e:
+                    self._reply(peer, job, ok=False, reason=f"KV offer failed: {e}")
+                    continue
+                self._reply(peer, job, ok=True, node_bytes=node_bytes, ncopies=n)
                 continue
             try:
                 for session, copies in parts:

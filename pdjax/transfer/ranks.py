@@ -174,17 +174,24 @@ def rank_layouts(infos: Sequence[PrefillRankInfo], nnodes: int) -> dict[int, KVL
 
 def node_data_plane(host, name: str, secret):
     """A follower node's own data plane: its transfer engine (``--disaggregation-transfer-*``,
-    at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards,
-    and its control ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound
-    to ``args.host`` and not yet reading (``start`` it with the node's handler). ``host``: the
-    follower's ``NodeRunner`` (its steps must update the pool in place: ``LocalKV``).
-    Returns the three."""
+    at this host's advertised address), a direct ``LocalKV`` over its addressable KV shards
+    (the ``jax`` backend: a ``JaxLocalKV``, its programs compiled), and its control
+    ``MessageChannel`` named ``name`` (frames sealed with ``secret``), bound to ``args.host``
+    and not yet reading (``start`` it with the node's handler). ``host``: the follower's
+    ``NodeRunner`` (its steps must update the pool in place: ``LocalKV``). Returns the
+    three."""
     from pdjax.transfer.channel import MessageChannel
     from pdjax.transfer.local_kv import LocalKV
     from pdjax.transfer.pd_connector import create_role_transfer_engine, kv_head_repeat
 
     args = host.args
     engine = create_role_transfer_engine(args)
-    local_kv = LocalKV(host.runner, engine, "direct", -(-host.context_length // args.page_size),
-                       head_repeat=kv_head_repeat(host))
+    max_pages = -(-host.context_length // args.page_size)
+    if hasattr(engine, "write_pages"):       # the jax backend: its own shards' units
+        from pdjax.transfer.jax_transfer_kv import JaxLocalKV
+        local_kv = JaxLocalKV(host.runner, engine, max_pages, head_repeat=kv_head_repeat(host))
+        local_kv.warmup()           # its own shards only: no collective, any order
+    else:
+        local_kv = LocalKV(host.runner, engine, "direct", max_pages,
+                           head_repeat=kv_head_repeat(host))
     return engine, local_kv, MessageChannel(args.host, None, name, secret=secret)

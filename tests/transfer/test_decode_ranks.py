@@ -240,3 +240,36 @@ def test_a_follower_node_builds_its_own_data_plane(role):
                                       else {"kv_ranks", "kv_check"})
     finally:
         node.channel.close()
+
+
+def test_jax_decode_nodes_scatter_and_drop_at_node_0s_step_boundary():
+    """A pull-based pool (the jax backend): node 0's pool sends ``kv_stage_in`` / ``kv_drop``
+    on the step socket; with a node gone a stage-in fails the room (ValueError) and a drop is
+    skipped; a follower scatters or drops its own units for valid pages only."""
+    cluster = FakeCluster()
+    ranks = DecodeRanks(cluster)
+    pool = types.SimpleNamespace(mode="jax", mirror=None)
+    ranks.attach(pool)
+    pool.mirror("kv_stage_in", pages=[3, 4])
+    pool.mirror("kv_drop", pages=[5])
+    assert cluster.sent == [("kv_stage_in", {"pages": [3, 4]}), ("kv_drop", {"pages": [5]})]
+    cluster.lost = "node 1 went away"
+    with pytest.raises(ValueError, match=r"cannot scatter their KV \(node 1 went away\)"):
+        pool.mirror("kv_stage_in", pages=[6])
+    pool.mirror("kv_drop", pages=[6])
+    assert len(cluster.sent) == 2
+    mooncake = types.SimpleNamespace(mode="direct")
+    ranks.attach(mooncake)
+    assert not hasattr(mooncake, "mirror")
+
+    calls = []
+    kv = types.SimpleNamespace(mode="jax", num_pages=16, stage_in=lambda p: calls.append(
+        ("in", p)), drop_arrived=lambda p: calls.append(("drop", p)))
+    node = DecodeRankNode(1, types.SimpleNamespace(session_id="s1"), kv, FakeChannel())
+    handlers = node.handlers
+    assert {"kv_ranks", "kv_check", "kv_stage_in", "kv_drop"} == set(handlers)
+    handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [3, 4]})
+    handlers["kv_drop"]({"op": "kv_drop", "pages": [5]})
+    handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [0, 3]})     # the null page: refused
+    handlers["kv_drop"]({"op": "kv_drop", "pages": "5"})
+    assert calls == [("in", [3, 4]), ("drop", [5])]

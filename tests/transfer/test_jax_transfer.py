@@ -295,6 +295,31 @@ def test_heads_that_tp_repeats_move_once_per_checkpoint_head(tp_p, rep_p, tp_d, 
             engine.close()
 
 
+def test_routes_pair_units_with_the_decode_nodes_that_hold_them():
+    """A two-node decode (TP 4, two shards a node) of 4 KV heads and a replicated latent: a
+    TP 2 prefill offers node 1 the units of heads 2-3 and node 0 (last) those of heads 0-1,
+    each with the bytes its shards receive; the latent goes to both (prefill node d % 1 = 0).
+    A unit offered twice or one the decode node does not hold is refused before any pull."""
+    prefill = JaxLocalKV(FakeRunner(9, kvh=4, tp=2, latent=True), object(), max_pages_per_seq=8)
+    decode = JaxLocalKV(FakeRunner(10, kvh=4, tp=4, latent=True), object(), max_pages_per_seq=8)
+    nodes = [[0, 0, 1, 1]] * 3            # shards in head order: node 0 holds heads 0 and 1
+    units, routes = prefill.routes(decode.layout, "s0", ["s0", "s1"], nodes)
+    assert units == [4, 4, 1]
+    head_page = L * PS * D * 4            # one head of one buffer, a page, every layer
+    latent_page = L * PS * 24 * 4
+    assert routes == [(1, "s1", [[2, 3], [2, 3], [0]], 2 * 2 * head_page + 2 * latent_page),
+                      (0, "s0", [[0, 1], [0, 1], [0]], 2 * 2 * head_page + 2 * latent_page)]
+    assert sum(r[3] for r in routes) == decode.bytes_per_page
+    desc = prefill.offer_descriptor(2, units, routes[0][2])
+    assert decode.check_offer(desc, [3, 4], 2) == (units, [[2, 3], [2, 3], [0]])
+    desc[0]["unit_ids"] = [2, 2]
+    with pytest.raises(ValueError, match=r"buffers\[0\] \(k_cache\) unit_ids: \[2, 2\]"):
+        decode.check_offer(desc, [3, 4], 2)
+    desc[0]["unit_ids"] = [5]
+    with pytest.raises(ValueError, match=r"unit_ids: \[5\] are not distinct units of the 4"):
+        decode.check_offer(desc, [3, 4], 2)
+
+
 def test_unsupported_pools_and_splits_are_refused_naming_the_field():
     """TP sizes whose head-group units do not split both sides (4 heads on 2 shards here, 3
     on the peer) are refused per buffer."""
