@@ -12,12 +12,13 @@ Policy, per step:
    prefix cache, the decode request with the least progress is retracted (pages released into
    the prefix cache, requeued at the front, recomputed later).
 2. The rest of the token budget (``max_num_batched_tokens``, default ``chunked_prefill_size``;
-   capped by ``max_prefill_tokens``) goes to prefill: first requests already being prefilled,
-   then waiting ones in arrival order (head of line; no skipping), admitted only when the whole
-   prompt's pages plus one fit. A prompt longer than ``chunked_prefill_size`` or the budget is
-   split into chunks; one chunked request at a time. A prefill row shares its full pages in
-   the prefix cache when it is scheduled, so a request admitted after it (in the same step too)
-   starts past the prefix they share (in-batch prefix sharing).
+   capped by ``max_prefill_tokens``; under DP attention each rank's own, ``StepBudget``: the
+   step's bucket is sized by the busiest rank) goes to prefill: first requests already being
+   prefilled, then waiting ones in arrival order (head of line; no skipping), admitted only
+   when the whole prompt's pages plus one fit. A prompt longer than ``chunked_prefill_size``
+   or the budget is split into chunks; one chunked request at a time (a rank). A prefill row
+   shares its full pages in the prefix cache when it is scheduled, so a request admitted after
+   it (in the same step too) starts past the prefix they share (in-batch prefix sharing).
 3. With ``enable_mixed_chunk`` the decode rows and the prefill chunk share one forward (the
    ``mixed`` entry). Without it a step is either decode or prefill, alternating when both have
    work, so decode rows never wait more than one step (the fairness bound).
@@ -58,6 +59,7 @@ from typing import Mapping
 
 from pdjax.request import PENDING_TOKEN, FinishReason, Request
 from pdjax.sched.admission import AdmitResult, admit, start_after_prefix, start_with_first_token
+from pdjax.sched.step_budget import StepBudget
 from pdjax.sched.itl_target import fit_target
 from pdjax.sched.kv_cache_manager import KVCacheManager
 from pdjax.sched.kv_connector import KVConnector, KVConnectorOutput, NullConnector
@@ -218,8 +220,10 @@ class Scheduler:
             rows = self._schedule_decode(decode_reqs)
         run_prefill = has_prefill_work and (mixed or not rows)
         if run_prefill:
-            budget = min(self.config.token_budget - sum(r.num_tokens for r in rows),
-                         self.config.max_prefill_tokens)
+            budget = self._step_budget()
+            for r in rows:
+                budget.take(r.req, r.num_tokens)
+            budget = budget.part(lambda n: min(n, self.config.max_prefill_tokens))
             rows += self._schedule_prefill(budget, rows)
         if not rows and decode_reqs and not run_decode:
             rows = self._schedule_decode(decode_reqs)   # prefill could not start: decode now
@@ -267,9 +271,16 @@ class Scheduler:
             rows.append(ScheduledRow(r, r.num_tokens - 1, 1))
         # Drafts take at most half the budget when prefill work waits (DraftRows).
         has_prefill = any(r.is_prefilling for r in self.running) or bool(self.waiting)
-        spare = self.config.token_budget - len(rows)
-        self.drafts.add_drafts(rows, spare // 2 if has_prefill else spare)
+        spare = self._step_budget()
+        for r in rows:
+            spare.take(r.req, 1)
+        self.drafts.add_drafts(rows, spare.part(lambda n: n // 2) if has_prefill else spare)
         return rows
+
+    def _step_budget(self) -> StepBudget:
+        """A whole step's token budget: one, or each DP attention rank's own (``StepBudget``)."""
+        dp = self.config.dp_size
+        return StepBudget(self.config.token_budget, dp, self.kv.rank_of if dp > 1 else None)
 
     def _admit(self, req: Request, remote_only: bool = False) -> AdmitResult:
         """``admission.admit`` of a queued request; a RUNNING one joins the running batch."""
@@ -296,13 +307,14 @@ class Scheduler:
                 return
             del self.waiting[i]
 
-    def _schedule_prefill(self, budget: int, decode_rows: list[ScheduledRow]) -> list[ScheduledRow]:
+    def _schedule_prefill(self, budget: StepBudget,
+                          decode_rows: list[ScheduledRow]) -> list[ScheduledRow]:
         rows: list[ScheduledRow] = []
         candidates = [r for r in self.running if r.is_prefilling]
         targeted = bool(decode_rows) and self.config.target_itl_ms is not None \
             and self.cost_model is not None
         i = 0           # the next queued request to try ("not yet" ones stay queued)
-        while budget > 0:
+        while not budget.exhausted:
             if candidates:
                 req = candidates.pop(0)
             else:
@@ -322,12 +334,14 @@ class Scheduler:
                 if admitted is AdmitResult.REMOTE:
                     continue          # its KV arrives first
             remaining = req.num_tokens - req.num_computed_tokens
-            n = min(budget, remaining, self.config.chunked_prefill_size)
+            n = min(budget.left_for(req), remaining, self.config.chunked_prefill_size)
             if targeted:
                 n = fit_target(self.cost_model, self.config, decode_rows + rows, req, n,
                                first=not rows)
             if n < remaining and self.config.page_aligned_chunks:
                 n = (req.num_computed_tokens + n) // self.page_size * self.page_size - req.num_computed_tokens
+            if budget.left_for(req) <= 0:
+                continue     # DP attention: its rank's budget is spent, another's is not
             if n <= 0 or not self.kv.grow(req, req.num_computed_tokens + n):
                 if req in self.running and candidates:
                     # A running prompt whose chunk does not fit yet: the next running one
@@ -337,9 +351,9 @@ class Scheduler:
                 break
             rows.append(ScheduledRow(req, req.num_computed_tokens, n))
             self.kv.share(req, req.num_computed_tokens + n)
-            budget -= n
+            budget.take(req, n)
             if n < remaining:
-                break          # one chunked request at a time
+                budget.close(req)       # one chunked request at a time (per DP rank)
         return rows
 
     # ------------------------------------------------------------------ KV from elsewhere

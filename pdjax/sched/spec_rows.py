@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from pdjax.request import PENDING_TOKEN
 from pdjax.sched.kv_cache_manager import KVCacheManager
+from pdjax.sched.step_budget import StepBudget
 
 
 class DraftRows:
@@ -48,15 +49,18 @@ class DraftRows:
         is pending (overlap: its newest token is still on the device)."""
         return self.may_speculate(req) and PENDING_TOKEN not in req.output_ids
 
-    def add_drafts(self, rows: list, budget: int) -> None:
+    def add_drafts(self, rows: list, budget: StepBudget | int) -> None:
         """Give decode ``rows`` (``ScheduledRow``s of one token) the drafts their requests
-        want, within ``budget`` tokens in all and the free pages; a row gets none where its
-        ``max_new_tokens`` or the context leaves no room for more than one token."""
+        want, within ``budget`` (tokens in all, or a ``StepBudget``: under DP attention each
+        rank's) and the free pages; a row gets none where its ``max_new_tokens`` or the
+        context leaves no room for more than one token."""
         if self.speculator is None:
             return
         self.speculator.begin_step()
+        if isinstance(budget, int):
+            budget = StepBudget(budget)
         limit = self.speculator.max_batch_size
-        if budget <= 0 or (limit is not None and len(rows) > limit):
+        if budget.exhausted or (limit is not None and len(rows) > limit):
             return
         picked, wants = [], []
         for row in rows:
@@ -81,17 +85,17 @@ class DraftRows:
                 self.speculator.on_no_draft(row.req.rid)
                 continue
             self.speculator.on_draft(row.req.rid)
-            draft = draft[:budget]
+            req = row.req
+            draft = draft[:max(budget.left_for(req), 0)]
             if not draft:
                 continue
-            req = row.req
             # Free pages only, of the request's own pool (DP attention: its rank's).
             if not self.kv.alloc_free(req, self.kv.pages_needed(req, req.num_tokens
                                                                  + len(draft))):
                 continue
             row.draft_ids = list(draft)
             row.num_tokens += len(draft)
-            budget -= len(draft)
+            budget.take(req, len(draft))
 
     def release_rejected_pages(self, req) -> int:
         """Free ``req``'s pages past the one its next token's KV goes to (they held only

@@ -144,3 +144,30 @@ def test_full_prefix_rank_falls_back_to_a_rank_with_room():
     assert c in sched.running and kv.rank_of(c) == 1
     assert c.num_cached_tokens == 0 and all(p // NP == 1 for p in c.pages)
     sched.check_invariants()
+
+
+def test_each_rank_has_its_own_step_budget():
+    """Per-rank step budgets: the bucket is sized by the busiest rank, so each rank takes
+    ``chunked_prefill_size`` tokens of its own in a step (the group's one budget let 2
+    prompts on 2 ranks take 16 tokens in all, one rank idle); a rank's chunked prompt closes
+    only that rank's prefill; decode rows spend their own rank's budget."""
+    kv = DpKVCacheManager(2, 16, PS)
+    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=PS, chunked_prefill_size=16,
+                                      enable_mixed_chunk=True, dp_size=2), kv=kv)
+    a, b, c = _req("a", _ids(30, 1), max_new=8), _req("b", _ids(30, 2), max_new=8), \
+        _req("c", _ids(6, 3), max_new=8)
+    for r in (a, b, c):
+        sched.add_request(r)
+    batch = sched.schedule()
+    got = [(r.req.rid, kv.rank_of(r.req), r.num_tokens) for r in batch.rows]
+    assert got == [("a", 0, 16), ("b", 1, 16)], got     # c waits: both ranks' budgets spent
+    sched.process_results(batch, {}, _stop)
+    batch = sched.schedule()
+    got = [(r.req.rid, kv.rank_of(r.req), r.num_tokens) for r in batch.rows]
+    # a and b finish their prompts (14 each); c joins the least loaded rank with what is left
+    assert got == [("a", 0, 14), ("b", 1, 14), ("c", 0, 2)], got
+    sched.process_results(batch, {i: 7 for i, r in enumerate(batch.rows) if r.samples}, _stop)
+    batch = sched.schedule()
+    got = [(r.req.rid, r.num_tokens) for r in batch.rows]
+    assert got == [("a", 1), ("b", 1), ("c", 4)], got   # decode rows, c's last 4 on rank 0
+    sched.check_invariants()
