@@ -115,6 +115,15 @@ def test_smollm2_tp3_and_tp1_over_jax_transfer_match_colocated(tmp_path, tp_p, t
     _tp_pair(default_model_path(), str(tmp_path), tp_p, tp_d)
 
 
+@pytest.mark.parametrize("tp_p,tp_d", [(4, 1), (1, 4)])
+def test_tp_above_the_kv_heads_over_jax_transfer_matches_colocated(tiny_checkpoints, tmp_path,
+                                                                   tp_p, tp_d):
+    """The tiny Llama's 2 KV heads at TP 4 (``tp_model_config`` holds each twice, one copy a
+    device) against TP 1: each checkpoint head moves once (2 units of K and of V a chunk);
+    a TP 4 decode copies it to both devices holding it. Colocated's greedy tokens."""
+    _tp_pair(tiny_checkpoints["llama"], str(tmp_path), tp_p, tp_d, arrays_per_chunk=4)
+
+
 @pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)])
 def test_deepseek_v32_replicated_caches_between_tp_sizes(tiny_checkpoints, tmp_path, tp_p,
                                                          tp_d):
