@@ -395,7 +395,7 @@ class JaxTransferEngine(TransferEngine):
         for dst_addr, data in rows:
             ctypes.memmove(dst_addr, data, len(data))
         kv.put_units(dst, units, which, parts)
-        nbytes = len(dst) * sum(p.nbytes // bucket for p in parts)
+        nbytes = kv.received_bytes(units, which, len(dst))
         self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
         return nbytes
 

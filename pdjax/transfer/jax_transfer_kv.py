@@ -49,6 +49,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from typing import Any, Sequence
@@ -356,6 +357,19 @@ class JaxLocalKV:
             specs += [jax.ShapeDtypeStruct(u_shape, dtype, sharding=jax.sharding.
                                            SingleDeviceSharding(holders[u][0])) for u in ids]
         return specs
+
+    def received_bytes(self, units: Sequence[int], which: Sequence[Sequence[int]],
+                       pages: int) -> int:
+        """Bytes this process's shards receive from ``pages`` pages of the units ``which``
+        (ids per buffer of ``units``): each unit once per device holding it, as Mooncake
+        counts the decode's shards."""
+        total = 0
+        for b, ids in enumerate(which):
+            shape = self._logical_shape(b, pages)
+            unit = math.prod(shape) // units[b] * np.dtype(self._dtypes[b]).itemsize
+            holders = self._unit_holders(b, units[b])
+            total += sum(unit * len(holders[u]) for u in ids)
+        return total
 
     def assemble(self, pulled: Sequence[Any], bucket: int, units: Sequence[int]) -> list:
         """Every unit pulled (``pull_specs`` order, all ids) as one compact array per buffer

@@ -273,6 +273,7 @@ def test_heads_that_tp_repeats_move_once_per_checkpoint_head(tp_p, rep_p, tp_d, 
         # What the decode's shards hold: each checkpoint head once per device holding it.
         assert nbytes == [5 * d_kv.bytes_per_page]
         assert d_kv.bytes_per_page == L * PS * 4 * (2 * 2 * D * rep_d + tp_d * 24)
+        assert d_engine.counters().bytes == nbytes[0]         # the decode counts the same
         d_kv.stage_in(dst)
         for name in want:
             got = d_runner.caches[name]
