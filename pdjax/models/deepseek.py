@@ -47,6 +47,7 @@ from pdjax.models.deepseek_params import _Stack, param_groups
 from pdjax.models.moe import moe_forward, swiglu
 from pdjax.models.moe_ep import moe_forward_ep
 from pdjax.models.dp_attention import dp_cache_specs, dp_decoder_layers
+from pdjax.models.dp_rows import dp_write_rows
 
 logger = logging.getLogger(__name__)
 
@@ -286,9 +287,6 @@ class DeepseekForCausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(init(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype))
         if mtp:
-            if cfg.dp_size > 1:
-                raise ValueError("speculative_algorithm: MTP is not built for DP attention "
-                                 "(dp_size > 1) yet")
             self.mtp = DeepseekMTP(cfg, dtype=dtype, rngs=rngs)
 
     # ------------------------------------------------------------------ cache
@@ -302,8 +300,10 @@ class DeepseekForCausalLM(nnx.Module):
         if self.mtp_enabled:      # hidden states: never FP8 (the KV dtype may be)
             hidden_dtype = (self.embed_tokens[...].dtype if jnp.dtype(dtype).itemsize == 1
                             else dtype)
-            specs += (CacheBufferSpec("mtp_hidden", (1, num_pages, page_size, aligned_width(
+            hidden = (CacheBufferSpec("mtp_hidden", (1, num_pages, page_size, aligned_width(
                 self.cfg.hidden_size, row_align)), jnp.dtype(hidden_dtype)),)
+            # DP attention: page-sharded as the latent, a rank's tokens on its devices
+            specs += dp_cache_specs(hidden, self.cfg) if self.cfg.dp_size > 1 else hidden
         return specs
 
     def mtp_cache_spec(self, num_pages: int, page_size: int, dtype=None,
@@ -335,9 +335,13 @@ class DeepseekForCausalLM(nnx.Module):
             if "mtp_hidden" not in caches:
                 raise ValueError("caches is missing buffer(s) ['mtp_hidden']; see cache_spec()")
             caches = dict(caches)
-            caches["mtp_hidden"] = _write_rows(
-                caches["mtp_hidden"], 0, rms_norm(x, self.norm[...], cfg.rms_norm_eps),
-                md.slot_mapping)
+            normed = rms_norm(x, self.norm[...], cfg.rms_norm_eps)
+            if cfg.dp_size > 1:     # rank-local slots: each rank writes its own pages
+                caches["mtp_hidden"] = dp_write_rows(cfg, caches["mtp_hidden"], 0, normed,
+                                                     md.slot_mapping)
+            else:
+                caches["mtp_hidden"] = _write_rows(caches["mtp_hidden"], 0, normed,
+                                                   md.slot_mapping)
         return x, caches
 
     def paged_forward(self, input_ids: jax.Array, caches: dict[str, jax.Array],
@@ -376,7 +380,9 @@ class DeepseekForCausalLM(nnx.Module):
         ``input_ids [T]`` int32, ``prev_hidden [T, Hd]``, ``caches`` the MTP layer's buffers
         (``mtp_cache_spec``). Returns ``(out [T, Hd], caches)``; ``mtp_logits(out[rows])``
         gives the logits. The embedding and the LM head are the target's (as SGLang's
-        ``DeepseekV3ForCausalLMNextN`` shares them)."""
+        ``DeepseekV3ForCausalLMNextN`` shares them). Under DP attention the stream is the
+        ranks' segments and ``md`` has a leading ``[dp]`` axis, as ``hidden_states``'s; the
+        layer's buffers are page-sharded (``dp_attention.dp_decoder_layers``)."""
         m = self.mtp
         cfg = m.layer_cfg
         eps = self.cfg.rms_norm_eps
@@ -384,7 +390,10 @@ class DeepseekForCausalLM(nnx.Module):
         h = rms_norm(prev_hidden.astype(e.dtype), m.hnorm[...], eps)
         x = jnp.concatenate([e, h], axis=-1) @ m.eh_proj[...]
         params = {g: getattr(m, g).values(shapes) for g, (_, shapes) in param_groups(cfg).items()}
-        x, caches = decoder_layers(cfg, params, x, caches, md)
+        if cfg.dp_size > 1:     # DP attention: the layer runs as the target's layers do
+            x, caches = dp_decoder_layers(cfg, params, x, caches, md, rank_layers=decoder_layers)
+        else:
+            x, caches = decoder_layers(cfg, params, x, caches, md)
         return rms_norm(x, m.norm[...], eps), caches
 
     def mtp_logits(self, out: jax.Array) -> jax.Array:

@@ -26,6 +26,11 @@ hidden states, so it never counts as fed: the next ``propose`` writes those posi
 from the target's. Greedy drafts: a one-hot draft distribution, so the verify step applies the
 same lossless rule as for n-gram drafts.
 
+Under DP attention (DESIGN.md §6) the MTP pool is split as the target's: a request's MTP pages
+are on the rank of its target pages (a request retracted and assigned another rank starts
+over there), and its rows run on that rank, reading the target's hidden states on the rank's
+own devices (``MTPRunner``).
+
 In PD the prefill server (started with ``--speculative-algorithm mtp`` too) writes the
 prompt's hidden states into the same buffer, which travels with the KV pages; the decode
 server's first ``propose`` catches up on the whole prompt from them.
@@ -41,9 +46,11 @@ from pdjax.kv.allocator import PageAllocator
 from pdjax.runner.mtp_runner import MTPRunner
 from pdjax.sched.batch import BatchRow
 from pdjax.sched.buckets import Buckets
+from pdjax.sched.dp_batch import rank_sizes, row_starts
+from pdjax.sched.dp_kv_cache_manager import RankedPageAllocator
 from pdjax.spec.drafter import register_drafter
 from pdjax.spec.own_pages import (OwnPoolDrafter, cdiv, chain_drafts, common_prefix,
-                                  feed_in_chunks, truncate_pages)
+                                  feed_in_chunks, reserve_pages, truncate_pages)
 
 
 @dataclasses.dataclass
@@ -51,6 +58,7 @@ class _MTPState:
     ids: list[int]          # all_ids[:fed + 1]: what the fed positions depend on
     fed: int                # positions 0..fed-1 hold MTP KV made from the target's hidden
     pages: list[int]        # pages of the MTP pool covering the positions written
+    rank: int = 0           # DP attention: the rank of the target's pages (and of these)
 
 
 @register_drafter("mtp")
@@ -75,7 +83,11 @@ class MTPDrafter(OwnPoolDrafter):
             max_num_batched_tokens=max_num_batched_tokens)
         self.runner = MTPRunner(target, num_pages=num_pages, buckets=self.buckets,
                                 chunk_size=chunked_prefill_size)
-        self.allocator = PageAllocator(num_pages)
+        # DP attention: the target's ranks and pages per rank (global page ids: rank * Np + p)
+        self.dp_size = self.runner.dp_size
+        self.pages_per_rank = self.runner.pages_per_rank
+        self.allocator = (PageAllocator(num_pages) if self.dp_size == 1 else
+                          RankedPageAllocator(self.dp_size, self.pages_per_rank))
         self._state: dict[str, _MTPState] = {}
 
     # ------------------------------------------------------------------ interface
@@ -97,6 +109,10 @@ class MTPDrafter(OwnPoolDrafter):
             if k <= 0 or L < 2 or req.num_computed_tokens < L - 1:
                 continue
             st = self._state.setdefault(req.rid, _MTPState([], 0, []))
+            rank = req.pages[0] // self.pages_per_rank if self.dp_size > 1 else 0
+            if rank != st.rank:         # assigned another rank (retracted): start over there
+                self._truncate(st, 0)
+                st.rank = rank
             self._truncate(st, min(st.fed, common_prefix(st.ids, ids) - 1, L - 2))
             # Pages up front: positions < L - 1 fed, then the k - 1 chained drafts.
             if self._reserve(st, L - 1 + k - 1):
@@ -120,24 +136,39 @@ class MTPDrafter(OwnPoolDrafter):
         truncate_pages(self.allocator, st.pages, n, self.page_size)
 
 
+    def _reserve(self, st: _MTPState, num_positions: int) -> bool:
+        return reserve_pages(self.allocator, st.pages, num_positions, self.page_size,
+                             st.rank if self.dp_size > 1 else None)
+
     # ------------------------------------------------------------------ forwards
     def _slots(self, target_pages: list[int], start: int, n: int) -> list[int]:
-        ps = self.page_size
-        return [target_pages[p // ps] * ps + p % ps for p in range(start, start + n)]
+        """Target slots of positions ``start .. start + n - 1`` (DP attention: its rank's own
+        page ids, as the target's forward wrote them)."""
+        ps, npr = self.page_size, self.pages_per_rank
+        local = [p % npr for p in target_pages] if self.dp_size > 1 else target_pages
+        return [local[p // ps] * ps + p % ps for p in range(start, start + n)]
 
-    def _run(self, mode: str, rows: list[BatchRow], slots: list[int],
+    def _run(self, mode: str, rows: list[BatchRow], slots: list[list[int]],
              prev_idx: list[int] | None = None, prev=None) -> list[tuple]:
         """One MTP forward of ``rows`` (decode-length rows first), dispatched without waiting;
-        per row ``(tokens, hidden, row)``: where its draft and output hidden lie."""
-        key = self.buckets.pick(mode, sum(len(r.input_ids) for r in rows), len(rows),
+        ``slots[i]``: the target slots row ``i``'s tokens read; ``prev_idx[i]``: the row of
+        ``prev`` a decode row's token and hidden come from. Per row ``(tokens, hidden,
+        row)``: where its draft and output hidden lie."""
+        num_tokens, num_rows = sum(len(r.input_ids) for r in rows), len(rows)
+        if self.dp_size > 1:        # one bucket for every rank, sized by the busiest
+            num_tokens, num_rows = rank_sizes(rows, self.pages_per_rank)
+        key = self.buckets.pick(mode, num_tokens, num_rows,
                                 max(cdiv(r.kv_len, self.page_size) for r in rows))
         fb = self.runner.make_batch(key, rows)
-        hidden_slots = np.zeros(key.num_tokens, np.int32)
-        hidden_slots[:len(slots)] = slots
+        starts = row_starts(fb)             # DP attention: in the row's rank's segment
+        hidden_slots = np.zeros(self.runner.stream_len(key), np.int32)
+        for i, row_slots in enumerate(slots):
+            hidden_slots[int(starts[i]):int(starts[i]) + len(row_slots)] = row_slots
         idx = None
         if prev_idx is not None:
-            idx = np.full(key.num_tokens, -1, np.int32)
-            idx[:len(prev_idx)] = prev_idx        # decode: token t is row t
+            idx = np.full(len(hidden_slots), -1, np.int32)
+            for i, p in enumerate(prev_idx):      # decode rows: one token each
+                idx[int(starts[i])] = p
         tokens, hidden = self.runner.forward(key, fb, hidden_slots, idx, prev)
         return [(tokens, hidden, start) for start, _ in fb.logits_row_spans]
 
@@ -151,7 +182,7 @@ class MTPDrafter(OwnPoolDrafter):
                 _, st, ids, target_pages = live[n]
                 # Position p carries the token at p + 1.
                 rows.append(BatchRow(ids[st.fed + 1:st.fed + 1 + size], st.fed, st.pages))
-                slots += self._slots(target_pages, st.fed, size)
+                slots.append(self._slots(target_pages, st.fed, size))
             srcs = self._run("prefill_chunk", rows, slots)
             for n, size in chunks:
                 _, st, ids, _ = live[n]
@@ -173,7 +204,7 @@ class MTPDrafter(OwnPoolDrafter):
         for members in groups.values():
             tokens, hidden, _ = rows[members[0]][2]
             batch = [BatchRow([0], rows[n][1], rows[n][0].pages) for n in members]
-            srcs = self._run("decode", batch, [0] * len(batch),
+            srcs = self._run("decode", batch, [[0]] * len(batch),
                              [rows[n][2][2] for n in members], (tokens, hidden))
             for n, src in zip(members, srcs):
                 out[n] = src

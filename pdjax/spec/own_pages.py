@@ -33,13 +33,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def reserve_pages(allocator: PageAllocator, pages: list[int], num_positions: int,
-                  page_size: int) -> bool:
+                  page_size: int, rank: int | None = None) -> bool:
     """Grow ``pages`` (in place) to cover positions ``< num_positions``; False, with nothing
-    taken, when ``allocator`` is short."""
+    taken, when ``allocator`` is short. ``rank``: take them from that rank of a
+    ``RankedPageAllocator`` (DP attention)."""
     need = cdiv(num_positions, page_size) - len(pages)
     if need <= 0:
         return True
-    got = allocator.alloc(need)
+    got = allocator.alloc(need) if rank is None else allocator.alloc(need, rank)
     if got is None:
         return False
     pages.extend(got)

@@ -144,9 +144,6 @@ def _parse_error(capsys, argv) -> str:
     ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
                       "--speculative-algorithm", "mtp", "--role", "decode"],
      "error: speculative_algorithm: not built for a decode with DP attention yet"),
-    ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
-                      "--speculative-algorithm", "mtp"],
-     "error: speculative_algorithm: 'mtp' is not built for DP attention yet"),
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
                       "--max-total-tokens", "24", "--page-size", "8"],
      "error: max_total_tokens: 24 tokens give each of the 4 DP attention ranks fewer than 2"),
@@ -163,5 +160,5 @@ def test_flags_parse(tiny_checkpoints):
     assert (args.enable_dp_attention, args.dp_size, args.ep_size) == (True, 4, 4)
     args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
                        "--tp-size", "4", "--enable-dp-attention", "--dp-size", "2",
-                       "--speculative-algorithm", "ngram"])
-    assert (args.dp_size, args.speculative_algorithm) == (2, "ngram")
+                       "--speculative-algorithm", "mtp"])
+    assert (args.dp_size, args.speculative_algorithm) == (2, "mtp")

@@ -2,11 +2,13 @@
 §3 "Speculative decoding", §6): tiny DeepSeek-V3.2 on 4 simulated CPU devices, TP 4 with
 DP 4 (one device a rank) and DP 2 (two), with fewer requests than ranks and more.
 
-With speculation the greedy tokens equal those of the same engine decoding plainly (requests
-opting out) and of TP 1 without DP attention, tie-aware (DESIGN.md §5); drafts are accepted
-where they can be right; a verify row runs on its request's rank (its draft pages are that
-rank's, ``KVCacheManager.alloc_free``), and every page is back after (``check_invariants``,
-the free count after a cache flush). Prompt plus output stay within 32 tokens (the DSA
+With speculation (n-gram, MTP, a draft model) the greedy tokens equal those of the same
+engine decoding plainly (requests opting out) and of TP 1 without DP attention, tie-aware
+(DESIGN.md §5); drafts are accepted where they can be right; a verify row runs on its
+request's rank (its draft pages are that rank's, ``KVCacheManager.alloc_free``), the MTP
+layer reads its request's hidden states on that rank (every draft accepted on the repeater
+checkpoint), and every page of the target's and the MTP layer's pools is back after
+(``check_invariants``, the free counts after a cache flush). Prompt plus output stay within 32 tokens (the DSA
 indexer's top-k of the tiny model), as in ``test_dp_attention_engine.py``.
 """
 
@@ -136,3 +138,85 @@ def test_structured_outputs_under_dp_attention(ngram_engine, tp1_outputs):
     _check_vs_tp1(outs[5:], tp1_outputs["few"], f"dp{dp} plain beside grammar rows")
     _check_pages_back(eng, dp)
 
+
+def _mtp_pool_whole(eng, dp):
+    """The MTP drafter's own pool (a rank's share on each rank) is whole again."""
+    drafter = eng.core.speculator.drafter
+    assert drafter._state == {}
+    assert drafter.allocator.num_free == drafter.allocator.num_pages - dp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dp,ep", [(4, 4, 4), (4, 2, 1)])
+def test_mtp_under_dp_attention(tiny_checkpoints, tp1_outputs, tp, dp, ep):
+    """MTP (the checkpoint's own next-n layer, run data-parallel as the target's layers, its
+    pool split by rank): greedy tokens equal plain decoding's and TP 1's; verify rows ran on
+    every request. The tiny random model's MTP layer rarely guesses right, so acceptance
+    is asserted on the repeater checkpoint below."""
+    eng = Engine(tiny_checkpoints["deepseek_v32"], tp_size=tp, ep_size=ep,
+                 enable_dp_attention=True, dp_size=dp, speculative_algorithm="mtp",
+                 speculative_num_draft_tokens=3, **ENGINE)
+    try:
+        for name, prompts in (("few", FEW), ("many", MANY)):
+            what = f"mtp tp{tp} dp{dp} {name}"
+            out, _ = assert_speculation_keeps_tokens(eng, prompts, GREEDY, what)
+            assert [len(o["output_ids"]) for o in out] == [NEW] * len(prompts)
+            _check_vs_tp1(out, tp1_outputs[name], what)
+            assert all(o["meta_info"].get("spec_verify_ct", 0) > 0 for o in out), what
+            _check_pages_back(eng, dp)
+            _mtp_pool_whole(eng, dp)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_mtp_repeater_every_draft_accepted_under_dp_attention(tiny_checkpoints,
+                                                              tmp_path_factory):
+    """The repeater checkpoint (``tests/mtp_checkpoint.py``): every MTP draft is right only
+    when the MTP layer reads the target's hidden state of the right position, which under DP
+    attention lies on the request's rank's pages. 5 requests on 4 ranks, so every rank drafts
+    (and one waits): every draft is accepted, each output is the last prompt token."""
+    from mtp_checkpoint import write_repeater_checkpoint
+
+    path = write_repeater_checkpoint(tiny_checkpoints["deepseek_v32"],
+                                     str(tmp_path_factory.mktemp("repeater") / "dsv32"))
+    K, dp = 3, 4
+    eng = Engine(path, tp_size=4, ep_size=4, enable_dp_attention=True, dp_size=dp,
+                 speculative_algorithm="mtp", speculative_num_draft_tokens=K,
+                 speculative_disable_adaptive=True, **ENGINE)
+    try:
+        rng = np.random.default_rng(7)
+        prompts = [rng.integers(3, TINY_TOKENIZER_VOCAB, n).tolist() for n in (9, 17, 5, 12, 20)]
+        sp = {**GREEDY, "max_new_tokens": 1 + 3 * K}
+        out = eng.generate(input_ids=prompts, sampling_params=sp)
+        for p, o in zip(prompts, out):
+            assert o["output_ids"] == [p[-1]] * sp["max_new_tokens"]
+        stats = eng.core.speculator.stats
+        assert stats.num_verify_rows >= 3 * len(prompts) - 1
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        _check_pages_back(eng, dp)
+        _mtp_pool_whole(eng, dp)
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.slow
+def test_draft_model_under_dp_attention(tiny_checkpoints, tp1_outputs):
+    """A draft model (``--speculative-algorithm draft``: its own runner on one device, its
+    own pool, nothing of the target's ranks) under DP 4: the target itself as the draft, so
+    its greedy drafts are right; tokens equal plain decoding's and TP 1's."""
+    path = tiny_checkpoints["deepseek_v32"]
+    dp = 4
+    eng = Engine(path, tp_size=4, ep_size=4, enable_dp_attention=True, dp_size=dp,
+                 speculative_algorithm="draft", speculative_draft_model_path=path,
+                 speculative_num_draft_tokens=3, **ENGINE)
+    try:
+        for name, prompts in (("few", FEW), ("many", MANY)):
+            what = f"draft dp{dp} {name}"
+            out, _ = assert_speculation_keeps_tokens(eng, prompts, GREEDY, what)
+            _check_vs_tp1(out, tp1_outputs[name], what)
+            verify, accepted = _accepted(out)
+            assert verify >= len(prompts) and accepted > verify, (what, verify, accepted)
+            _check_pages_back(eng, dp)
+    finally:
+        eng.shutdown()
