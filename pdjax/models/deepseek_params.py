@@ -23,7 +23,7 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
     heads, so every rank keeps it whole). With ``cfg.ep_size > 1`` the routed experts are
     split by expert instead (``moe_ep.py``: ``[moe_tp_size * E, ...]`` stacks over ``"tp"``).
     With ``cfg.dp_size > 1`` (DP attention, ``dp_attention.py``) the attention weights are
-    replicated on every device.
+    replicated on every device, and with the ``ragged`` backend the shared experts too.
     """
     Hd, H, C, R = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     attn: ParamShapes = {
@@ -65,6 +65,10 @@ def param_groups(cfg: DeepseekConfig) -> dict[str, tuple[int, ParamShapes]]:
         Fs = Fm * cfg.n_shared_experts
         moe.update(sh_gate=((Hd, Fs), P(None, "tp")), sh_up=((Hd, Fs), P(None, "tp")),
                    sh_down=((Fs, Hd), P("tp", None)))
+        if cfg.dp_size > 1 and cfg.moe_a2a_backend == "ragged":
+            # each device runs them on its own tokens (moe_ep.moe_forward_dp_ragged)
+            moe.update({n: (shape, P()) for n, (shape, _) in moe.items()
+                        if n.startswith("sh_")})
     Hi, Di = cfg.index_n_heads, cfg.index_head_dim
     indexer: ParamShapes = {
         "wq_b": ((cfg.q_lora_rank, Hi * Di), P()),

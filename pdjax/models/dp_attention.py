@@ -26,11 +26,19 @@ axis on every array (``sched/dp_batch.py`` builds it). With ``attn_tp_size > 1``
 of a rank compute its attention redundantly (the attention weights are not split within a
 rank): the KV per device is a rank's, as SGLang's MLA DP attention has it.
 
-MoE dispatch under DP attention is the gather scheme of ``moe_ep``'s ``none`` backend:
-every device sees every rank's tokens after the DP gather and runs the copies routed to its
-own experts (EP) or its width slice of every expert (TP); the DP scatter sums the partials.
-The ``ragged`` backend (an all-to-all from each rank's own tokens) is not built for DP
-attention yet: ``check_dp_attention`` refuses it. Sources: ``shared/reference/
+MoE dispatch under DP attention, by ``moe_a2a_backend``:
+
+- ``none``: the gather scheme above. Every device sees every rank's tokens after the DP
+  gather and runs the copies routed to its own experts (EP) or its width slice of every
+  expert (TP); the DP scatter sums the partials.
+- ``ragged`` (EP): no DP gather in the MoE layers. Each device routes its slice of its
+  rank's tokens and sends the copies to their experts' devices with ``ragged_all_to_all``
+  (``moe_ep.moe_forward_dp_ragged``); the shared experts are replicated (``param_groups``)
+  and run on the device's slice, as SGLang runs them with DeepEP; the rank's slices are
+  put together by collective permutes. The dense layers keep the DP gather and scatter
+  (their weights stay split over ``tp``, SGLang's default ``--moe-dense-tp-size``).
+
+Sources: ``shared/reference/
 moe_at_scale.md`` §2c (sglang-jax ``[dp_size, per_dp_bs]`` metadata, tpu-inference's
 ``attn_dp`` axis), §3 (SGLang).
 """
@@ -50,6 +58,7 @@ from pdjax.models.deepseek_config import DeepseekConfig
 from pdjax.models.deepseek_params import param_groups
 from pdjax.models.linear import Fp8BlockWeight
 from pdjax.models.moe import grouped_swiglu, moe_forward, route, swiglu
+from pdjax.models.moe_ep import EXPERT_WEIGHTS, _local_experts, moe_forward_dp_ragged
 
 PAGE_SPEC = P(None, "tp")      # a KV buffer [L, tp * Np, ...]: Np pages per device
 
@@ -57,15 +66,13 @@ PAGE_SPEC = P(None, "tp")      # a KV buffer [L, tp * Np, ...]: Np pages per dev
 def check_dp_attention(cfg: DeepseekConfig, tp_size: int, dp_size: int) -> None:
     """``ValueError`` naming the field when ``cfg`` (its EP already set) cannot run DP
     attention ``dp_size`` on ``tp_size`` devices: ``dp_size`` < 1 or not dividing
-    ``tp_size``; ``moe_a2a_backend`` ``ragged`` with ``dp_size > 1``."""
+    ``tp_size``."""
+    del cfg             # every MoE layout and dispatch backend runs under DP attention
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be a positive integer, got {dp_size!r}")
     if tp_size % dp_size:
         raise ValueError(f"dp_size ({dp_size}) must divide tp_size ({tp_size}): the DP "
                          "attention ranks split the devices of the TP group")
-    if dp_size > 1 and cfg.ep_size > 1 and cfg.moe_a2a_backend != "none":
-        raise ValueError(f"moe_a2a_backend: DP attention dispatches with the DP gather "
-                         f"(backend none); {cfg.moe_a2a_backend!r} is not built for it")
 
 
 def dp_attention_config(cfg: DeepseekConfig, tp_size: int, dp_size: int) -> DeepseekConfig:
@@ -118,6 +125,8 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
     dp, a = cfg.dp_size, cfg.attn_tp_size
     tp = dp * a
     mesh = jax.sharding.get_abstract_mesh()
+    # ragged dispatch: its padded all_to_all stand-in on XLA:CPU (moe_ep.py)
+    padded = mesh.empty or mesh.abstract_device.platform == "cpu"
     if mesh.empty:
         mesh = AbstractMesh((tp,), ("tp",))
     elif "tp" not in mesh.axis_names or mesh.shape["tp"] != tp:
@@ -129,7 +138,7 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
         raise ValueError(f"md: DP attention metadata has a leading [dp={dp}] axis; got "
                          f"positions of shape {md.positions.shape}")
     Ts = x.shape[0] // dp
-    mlp = functools.partial(_dp_mlp, cfg=cfg)
+    mlp = functools.partial(_dp_mlp, cfg=cfg, padded=padded)
 
     def body(x, caches, md, params):
         rank = jax.lax.axis_index("tp") // a
@@ -152,10 +161,14 @@ def _gather_ranks(x_r, a):
     return xs.reshape(-1, *x_r.shape[1:])
 
 
-def _dp_mlp(kind, h_r, m, *, cfg):
+def _dp_mlp(kind, h_r, m, *, cfg, padded):
     """The MLP of one layer on device ``d`` under DP attention: ``h_r [Ts, Hd]`` (rank
     ``d // attn_tp_size``'s tokens) -> the MLP output for them ``[Ts, Hd]``, computed over
-    every rank's tokens (DP gather), this device's share summed with ``psum_scatter``."""
+    every rank's tokens (DP gather), this device's share summed with ``psum_scatter``; an
+    MoE layer with the ``ragged`` backend from the rank's own tokens instead
+    (``moe_ep.moe_forward_dp_ragged``; ``padded``: its CPU stand-in)."""
+    if kind == "sparse" and cfg.moe_a2a_backend == "ragged":
+        return moe_forward_dp_ragged(cfg, h_r, m, padded=padded)
     dp, a = cfg.dp_size, cfg.attn_tp_size
     Ts = h_r.shape[0]
     h = _gather_ranks(h_r, a)                                                # [dp * Ts, Hd]
@@ -173,8 +186,6 @@ def _ep_partial(cfg, h, m):
     """This device's part of the MoE under EP (``moe_ep``'s ``none`` dispatch without its
     ``psum``): the token copies of ``h [T, Hd]`` routed to its local experts, plus its width
     slice of the shared experts. Returns ``[T, Hd]``."""
-    from pdjax.models.moe_ep import EXPERT_WEIGHTS, _local_experts
-
     T = h.shape[0]
     experts, weights = route(cfg, h, m["router"], m["router_bias"])
     k = experts.shape[1]
@@ -192,11 +203,18 @@ def _ep_partial(cfg, h, m):
 
 
 def dp_collective_bytes(cfg: DeepseekConfig, tokens_per_rank: int, itemsize: int) -> int:
-    """Bytes each device receives in one forward's DP gathers and scatters: per layer one
-    ``all_gather`` of ``[Ts, Hd]`` and one ``psum_scatter`` of ``[tp, Ts, Hd]`` over the
-    ``tp`` devices (ring algorithms: ``(tp - 1) * Ts * Hd`` elements each), plus the final
-    gather of the hidden states: ``(2 L + 1) (tp - 1) Ts Hd itemsize``. ``tokens_per_rank``:
-    the bucket's padded segment ``Ts``; ``itemsize``: bytes of the activations' dtype."""
-    tp = cfg.dp_size * cfg.attn_tp_size
-    return ((2 * cfg.num_layers + 1) * (tp - 1) * tokens_per_rank * cfg.hidden_size
-            * itemsize)
+    """Bytes each device receives in one forward's DP gathers and scatters: per gathered
+    layer one ``all_gather`` of ``[Ts, Hd]`` and one ``psum_scatter`` of ``[tp, Ts, Hd]``
+    over the ``tp`` devices (ring algorithms: ``(tp - 1) * Ts * Hd`` elements each), plus the
+    final gather of the hidden states: ``(2 Lg + 1) (tp - 1) Ts Hd itemsize``, ``Lg`` every
+    layer (backend ``none``) or the dense layers only (``ragged``: an MoE layer instead puts
+    its rank's slices together, ``(a - 1) ceil(Ts / a) Hd`` with ``a = attn_tp_size``; its
+    dispatch and combine are not counted here). ``tokens_per_rank``: the bucket's padded
+    segment ``Ts``; ``itemsize``: bytes of the activations' dtype."""
+    tp, a = cfg.dp_size * cfg.attn_tp_size, cfg.attn_tp_size
+    Ts, Hd = tokens_per_rank, cfg.hidden_size
+    if cfg.moe_a2a_backend != "ragged":
+        return (2 * cfg.num_layers + 1) * (tp - 1) * Ts * Hd * itemsize
+    gathered = (2 * len(cfg.dense_layers) + 1) * (tp - 1) * Ts
+    slices = len(cfg.moe_layers) * (a - 1) * -(-Ts // a)
+    return (gathered + slices) * Hd * itemsize

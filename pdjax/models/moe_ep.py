@@ -20,6 +20,10 @@ already ends the MoE with)::
             experts (lax.ragged_all_to_all, within the devices of slice t), which run them
             and send the rows back; each device weights its chunk's rows -> psum
 
+Under DP attention (``dp_attention.py``) tokens are not replicated: ``ragged`` then sends
+from each device's slice of its own rank's tokens to the owners of its copies' experts at
+every width slice, with no DP gather (``moe_forward_dp_ragged``).
+
 ``ragged_all_to_all`` is not implemented on XLA:CPU (jax-ml/jax#34755): there a padded
 ``all_to_all`` with the dropless capacity (every copy of a chunk to one peer) stands in, so
 the CPU tests run the same dispatch plan. Routing (grouped top-k with
@@ -213,7 +217,7 @@ def _dispatch_ragged(h, experts, weights, ws, *, cfg, gemm, padded):
     peers = jnp.arange(tp)
     send_sizes = jnp.where(peers // ep == t, counts[peers % ep], 0)         # [tp]
     exchange = _padded_exchange if padded else _ragged_exchange
-    xs, rids, back = exchange(hc[order // k], ids, send_sizes, M, E, ep)
+    xs, rids, back = exchange(hc[order // k], ids, send_sizes, M, E, ep)   # ep senders each
     local = rids - b * El
     key = jnp.where((local >= 0) & (local < El), local, El)
     ys = back(_local_experts(gemm, xs, key, ws, El))                              # [M, Hd]
@@ -224,21 +228,99 @@ def _dispatch_ragged(h, experts, weights, ws, *, cfg, gemm, padded):
     return jax.lax.psum(out, "tp")[:T]
 
 
+# --------------------------------------------------------------------------- DP attention
+
+def moe_forward_dp_ragged(cfg: DeepseekConfig, h_r: jax.Array, p: dict, *,
+                          padded: bool) -> jax.Array:
+    """The MoE layer under DP attention with the ``ragged`` backend, on one device inside
+    the DP ``shard_map`` (manual over ``tp``; ``dp_attention.py``): ``h_r [Ts, Hd]``, the
+    tokens of the device's rank (alike on its ``a = attn_tp_size`` devices) -> the layer's
+    output for them ``[Ts, Hd]``, equal to ``moe.moe_forward`` (same routing, dropless),
+    with no DP gather::
+
+        device d = rank * a + j: slice j of its rank's tokens, Tc = ceil(Ts / a) rows
+        route the slice (moe.route): M = Tc * k copies, sorted by expert (= by owner)
+        send every copy to its expert's device at each width slice t < moe_tp
+          (t * ep + owner; ragged_all_to_all, on CPU the padded stand-in)
+        each device runs the copies of its local experts at its width slice; rows go back
+        sum the moe_tp width partials, weight, add the shared experts (replicated in this
+          layout, ``param_groups``: run on the slice) -> [Tc, Hd]
+        a - 1 collective permutes among the rank's devices assemble [Ts, Hd]
+
+    ``p``: the layer's ``moe`` params as the DP ``shard_map`` hands them in (this device's
+    experts in the EP layout, ``expert_shards``; router and shared experts whole).
+    ``padded``: the CPU stand-in for ``ragged_all_to_all``. Every device may send to every
+    other, so a device receives up to ``tp * M`` rows (the dropless capacity)."""
+    Ts, Hd = h_r.shape
+    a, ep, moe_tp = cfg.attn_tp_size, cfg.ep_size, cfg.moe_tp_size
+    tp, E, k = ep * moe_tp, cfg.n_routed_experts, cfg.num_experts_per_tok
+    El = E // ep
+    me = jax.lax.axis_index("tp")
+    j = me % a
+    Tc = -(-Ts // a)
+    hc = jax.lax.dynamic_slice_in_dim(jnp.pad(h_r, ((0, Tc * a - Ts), (0, 0))), j * Tc, Tc)
+    valid = j * Tc + jnp.arange(Tc) < Ts                                      # [Tc]
+    experts, weights = route(cfg, hc, p["router"], p["router_bias"])          # [Tc, k]
+    ec = jnp.where(valid[:, None], experts, E).reshape(-1)                   # [M]; E: none
+    M = Tc * k
+    order = jnp.argsort(ec, stable=True)
+    ids = ec[order]
+    counts = jnp.zeros((ep + 1,), jnp.int32).at[ids // El].add(1)[:ep]      # per owner
+    # Block t of the send buffer is the sorted copies again, for the devices of width slice t.
+    peers = jnp.arange(tp)
+    send_sizes = counts[peers % ep]                                          # [tp]
+    in_offsets = (peers // ep) * M + _offsets(counts)[peers % ep]
+    rows = jnp.tile(hc[order // k], (moe_tp, 1))                              # [moe_tp*M, Hd]
+    exchange = _padded_exchange if padded else _ragged_exchange
+    xs, rids, back = exchange(rows, jnp.tile(ids, moe_tp), send_sizes, M, E, tp, in_offsets)
+    local = rids - (me % ep) * El
+    key = jnp.where((local >= 0) & (local < El), local, El)
+    gemm = functools.partial(grouped_swiglu, cfg)
+    ys = back(_local_experts(gemm, xs, key, tuple(p[n] for n in EXPERT_WEIGHTS), El))
+    ys = ys.reshape(moe_tp, M, Hd).sum(0)                                   # width partials
+    ys = jnp.zeros_like(ys).at[order].set(ys).reshape(Tc, k, Hd)
+    out = (ys * weights[..., None].astype(ys.dtype)).sum(1)                  # [Tc, Hd]
+    if cfg.n_shared_experts:
+        out = out + swiglu(hc, p["sh_gate"], p["sh_up"], p["sh_down"])
+    return _rank_slices(out.astype(h_r.dtype), a, tp)[:Ts]
+
+
+def _rank_slices(out: jax.Array, a: int, tp: int) -> jax.Array:
+    """``out [Tc, Hd]``, slice ``d % a`` of device ``d``'s rank's tokens -> the rank's ``[a
+    * Tc, Hd]`` on each of its ``a`` devices: ``a - 1`` collective permutes within the rank
+    (``(a - 1) Tc Hd`` received a device; none for ``a`` 1)."""
+    if a == 1:
+        return out
+    j = jax.lax.axis_index("tp") % a
+    parts = jnp.zeros((a, *out.shape), out.dtype).at[j].set(out)
+    for shift in range(1, a):           # from the rank's device j - shift, to j + shift
+        perm = [(d, d - d % a + (d % a + shift) % a) for d in range(tp)]
+        parts = parts.at[(j - shift) % a].set(jax.lax.ppermute(out, "tp", perm))
+    return parts.reshape(a * out.shape[0], -1)
+
+
 def _offsets(sizes):
     return jnp.cumsum(sizes) - sizes
 
 
-def _ragged_exchange(rows, ids, send_sizes, M, E, ep):
-    """Dispatch with ``lax.ragged_all_to_all`` (TPU, GPU). ``rows [M, Hd]`` / ``ids [M]``
-    sorted by peer, ``send_sizes [tp]`` rows per peer. Returns ``(received [R, Hd],
-    their expert ids [R] (E past the received rows), back)``, ``R = ep * M`` (dropless: every
-    chunk's copies to one device), ``back(ys [R, Hd]) -> [M, Hd]`` the combine."""
+def _ragged_exchange(rows, ids, send_sizes, capacity, E, num_senders, in_offsets=None):
+    """Dispatch with ``lax.ragged_all_to_all`` (TPU, GPU). Peer ``p``'s rows are ``rows[
+    in_offsets[p] : in_offsets[p] + send_sizes[p]]`` of ``rows [N, Hd]`` (``ids [N]`` their
+    experts; ``in_offsets`` None: the rows sorted by peer, back to back), ``send_sizes
+    [tp]``; ``capacity``: the most rows a sender sends one peer; ``num_senders``: how many
+    devices may send to one device. Returns ``(received [R, Hd], their expert ids [R] (E past
+    the received rows), back)``, ``R = num_senders * capacity`` (dropless), ``back(ys [R,
+    Hd]) -> [N, Hd]`` the combine (0 for a row sent nowhere)."""
     me = jax.lax.axis_index("tp")
     sizes = jax.lax.all_gather(send_sizes, "tp")                            # [sender, receiver]
     recv_sizes = sizes[:, me]
-    in_offsets = _offsets(send_sizes)
+    if in_offsets is None:
+        in_offsets = _offsets(send_sizes)
+        back_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]          # in each sender
+    else:
+        back_offsets = jax.lax.all_gather(in_offsets, "tp")[:, me]
     out_offsets = (jnp.cumsum(sizes, axis=0) - sizes)[me]                   # in each receiver
-    R = ep * M
+    R, N = num_senders * capacity, rows.shape[0]
 
     def a2a(x, out):
         return jax.lax.ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets,
@@ -247,34 +329,34 @@ def _ragged_exchange(rows, ids, send_sizes, M, E, ep):
     received = a2a(rows, jnp.zeros((R, rows.shape[1]), rows.dtype))
     rids = a2a(ids[:, None], jnp.full((R, 1), E, ids.dtype))[:, 0]
     recv_offsets = _offsets(recv_sizes)
-    back_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]              # in each sender
 
     def back(ys):
-        return jax.lax.ragged_all_to_all(ys, jnp.zeros((M, ys.shape[1]), ys.dtype),
+        return jax.lax.ragged_all_to_all(ys, jnp.zeros((N, ys.shape[1]), ys.dtype),
                                          recv_offsets, recv_sizes, back_offsets, send_sizes,
                                          axis_name="tp")
 
     return received, rids, back
 
 
-def _padded_exchange(rows, ids, send_sizes, M, E, ep):
-    """``_ragged_exchange``'s contract with ``lax.all_to_all`` of ``[tp, M, Hd]`` buffers
-    (each peer's rows padded to ``M``, the dropless capacity): the XLA:CPU stand-in."""
-    del ep
-    tp = send_sizes.shape[0]
-    starts = _offsets(send_sizes)
-    ends = starts + send_sizes
-    r = jnp.arange(M)
-    peer = jnp.sum(r[:, None] >= ends[None, :], axis=1)                     # tp: unsent
-    slot = r - starts[jnp.minimum(peer, tp - 1)]
-    buf = jnp.zeros((tp, M, rows.shape[1]), rows.dtype).at[peer, slot].set(rows, mode="drop")
-    idb = jnp.full((tp, M), E, ids.dtype).at[peer, slot].set(ids, mode="drop")
+def _padded_exchange(rows, ids, send_sizes, capacity, E, num_senders, in_offsets=None):
+    """``_ragged_exchange``'s contract with ``lax.all_to_all`` of ``[tp, capacity, Hd]``
+    buffers (each peer's rows padded to the dropless capacity; ``R = tp * capacity``): the
+    XLA:CPU stand-in."""
+    del num_senders
+    tp, N = send_sizes.shape[0], rows.shape[0]
+    if in_offsets is None:
+        in_offsets = _offsets(send_sizes)
+    slot = jnp.arange(capacity)
+    sent = slot[None, :] < send_sizes[:, None]                              # [tp, capacity]
+    src = jnp.where(sent, in_offsets[:, None] + slot[None, :], N)          # N: nothing
+    buf = jnp.take(rows, src, axis=0, mode="fill", fill_value=0)
+    idb = jnp.where(sent, ids[jnp.minimum(src, N - 1)], E)
     received = jax.lax.all_to_all(buf, "tp", 0, 0, tiled=False)
     rids = jax.lax.all_to_all(idb, "tp", 0, 0, tiled=False)
 
     def back(ys):
-        ys = jax.lax.all_to_all(ys.reshape(tp, M, -1), "tp", 0, 0, tiled=False)
-        return jnp.where((peer < tp)[:, None],
-                         ys[jnp.minimum(peer, tp - 1), slot], 0)
+        ys = jax.lax.all_to_all(ys.reshape(tp, capacity, -1), "tp", 0, 0, tiled=False)
+        return jnp.zeros((N, ys.shape[-1]), ys.dtype).at[src.reshape(-1)].set(
+            ys.reshape(tp * capacity, -1), mode="drop")
 
-    return received.reshape(tp * M, -1), rids.reshape(tp * M), back
+    return received.reshape(tp * capacity, -1), rids.reshape(tp * capacity), back

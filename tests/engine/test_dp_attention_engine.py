@@ -100,22 +100,25 @@ def test_dp_attention_matches_transformers_and_tp1(tiny_checkpoints, name, tp, d
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,layouts", [
-    ("deepseek_v32", [[8, 8, 8]]),
-    ("glm_moe_dsa", [[8, 8, 1], [8, 4, 4]]),
+    ("deepseek_v32", [[8, 8, 8, "none"], [8, 8, 8, "ragged"]]),
+    ("glm_moe_dsa", [[8, 8, 1, "none"], [8, 4, 4, "none"], [8, 8, 8, "ragged"],
+                     [8, 4, 4, "ragged"]]),
 ])
 def test_dp8_on_eight_devices(tiny_checkpoints, name, layouts):
     """TP 8 with DP attention 8 (3 requests: 5 idle ranks) and DP 4 of 2 devices, EP 8 /
-    EP 4 / experts by width, against transformers and TP 1 (in the same child)."""
+    EP 4 / experts by width, dispatch none or ragged (from each rank's own tokens), against
+    transformers and TP 1 (in the same child)."""
     prompts = _prompts(8)
     path = tiny_checkpoints[name]
     outs = generate_on_eight_devices(path, {
-        f"{tp},{dp},{ep}": dict(_ENGINE, tp_size=tp, ep_size=ep,
-                                **(dict(enable_dp_attention=True, dp_size=dp) if dp > 1 else {}))
-        for tp, dp, ep in [[1, 1, 1], *layouts]}, prompts, NEW)
+        f"{tp},{dp},{ep},{backend}": dict(
+            _ENGINE, tp_size=tp, ep_size=ep, moe_a2a_backend=backend,
+            **(dict(enable_dp_attention=True, dp_size=dp) if dp > 1 else {}))
+        for tp, dp, ep, backend in [[1, 1, 1, "none"], *layouts]}, prompts, NEW)
     hf = _hf(path)
-    tp1 = outs.pop("1,1,1")
+    tp1 = outs.pop("1,1,1,none")
     for layout, got in outs.items():
-        _check(got, hf, prompts, f"{name} tp,dp,ep {layout}", tp1)
+        _check(got, hf, prompts, f"{name} tp,dp,ep,backend {layout}", tp1)
 
 
 # --------------------------------------------------------------------------- parse time
@@ -138,9 +141,6 @@ def _parse_error(capsys, argv) -> str:
      "error: enable_dp_attention: needs dp_size > 1"),
     ("llama", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2"],
      "error: enable_dp_attention: llama models cannot use DP attention"),
-    ("deepseek_v32", ["--tp-size", "4", "--ep-size", "4", "--moe-a2a-backend", "ragged",
-                      "--enable-dp-attention", "--dp-size", "4"],
-     "error: moe_a2a_backend: DP attention dispatches with the DP gather"),
     ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
                       "--speculative-algorithm", "mtp", "--role", "decode"],
      "error: speculative_algorithm: not built for a decode with DP attention yet"),
@@ -158,6 +158,10 @@ def test_flags_parse(tiny_checkpoints):
                        "--tp-size", "4", "--ep-size", "4", "--enable-dp-attention",
                        "--dp-size", "4"])
     assert (args.enable_dp_attention, args.dp_size, args.ep_size) == (True, 4, 4)
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
+                       "--tp-size", "4", "--ep-size", "4", "--moe-a2a-backend", "ragged",
+                       "--enable-dp-attention", "--dp-size", "4"])
+    assert (args.moe_a2a_backend, args.dp_size, args.ep_size) == ("ragged", 4, 4)
     args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
                        "--tp-size", "4", "--enable-dp-attention", "--dp-size", "2",
                        "--speculative-algorithm", "mtp"])

@@ -2,7 +2,11 @@
 simulated CPU devices (conftest: 4): tiny DeepSeek-V3.2 and GLM-5 with attention and the DSA
 indexer run per rank over their own KV pages, the MLPs over every rank's tokens (TP or EP),
 give TP 1's logits and greedy tokens (tie-aware), with fewer requests than ranks (idle
-ranks run an empty segment); the pool is sharded by page; the layout checks."""
+ranks run an empty segment); the ``ragged`` dispatch from each rank's own tokens gives the
+``none`` backend's and TP 1's, ``ep < tp``, two devices a rank and uneven routing included;
+the pool is sharded by page; the layout checks."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +18,8 @@ from jax.sharding import NamedSharding
 from model_utils import assert_tokens_match, top2_gaps
 from pdjax.models.attention import AttentionMetadata
 from pdjax.models.deepseek_config import DeepseekConfig
-from pdjax.models.dp_attention import check_dp_attention, dp_attention_config
+from pdjax.models.dp_attention import (check_dp_attention, dp_attention_config,
+                                       dp_collective_bytes)
 from pdjax.models.loader import load_model, make_mesh
 from pdjax.sched.batch import BatchRow, build_flat_batch
 from pdjax.sched.dp_batch import build_dp_batch, local_rows
@@ -35,14 +40,22 @@ def _md(fb):
         fb.distribution)))
 
 
-def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None, kv_dtype=None):
+def _greedy(path, prompts, *, tp=1, dp=1, ep=1, ranks=None, kv_dtype=None, backend="none",
+            favored=0):
     """Greedy continuations of ``prompts`` (one prefill step of every prompt, then ``NEW -
     1`` decode steps of every request: every step's rows all prefill or all decode), each
-    request on rank ``ranks[i]`` (its own pages there). Returns ``(tokens [n][NEW], logits
-    [n][NEW, V], caches)``."""
+    request on rank ``ranks[i]`` (its own pages there), MoE dispatch ``backend``.
+    ``favored`` > 0: a router bias of 100 on experts ``0 .. favored - 1`` of every MoE layer
+    (uneven routing: every copy to them). Returns ``(tokens [n][NEW], logits [n][NEW, V],
+    caches)``."""
     mesh = make_mesh(tp)
     _, model = load_model(path, dtype="float32", mesh=mesh, progress=False, ep_size=ep,
-                          dp_size=dp)
+                          dp_size=dp, moe_a2a_backend=backend)
+    if favored:
+        bias = model.moe.router_bias
+        value = np.zeros(bias[...].shape, np.float32)
+        value[:, :favored] = 100.0
+        bias.set_value(jax.device_put(value, bias[...].sharding))
     graphdef, state = nnx.split(model)
     specs = model.cache_spec(PAGES, PAGE_SIZE, kv_dtype)
     caches = {s.name: s.zeros(NamedSharding(mesh, s.partition)) for s in specs}
@@ -103,8 +116,9 @@ class _TP1(dict):
         self.checkpoints = checkpoints
 
     def __missing__(self, key):
-        name, kv_dtype = key if isinstance(key, tuple) else (key, None)
-        tokens, logits, _ = _greedy(self.checkpoints[name], _prompts(), kv_dtype=kv_dtype)
+        name, kv_dtype, favored = (*key, 0)[:3] if isinstance(key, tuple) else (key, None, 0)
+        tokens, logits, _ = _greedy(self.checkpoints[name], _prompts(), kv_dtype=kv_dtype,
+                                    favored=favored)
         self[key] = (tokens, logits)
         return self[key]
 
@@ -161,6 +175,53 @@ def test_fp8_kv_record_per_rank(tiny_checkpoints, tp1, name):
     _compare(tp1[name, fp8], (tokens, logits), f"{name} fp8 kv tp4 dp4 ep4")
 
 
+@pytest.mark.parametrize("name,tp,dp,ep,ranks,favored", [
+    # EP 4 = TP, a device a rank; 3 requests on 4 ranks (rank 1 idle)
+    ("deepseek_v32", 4, 4, 4, [2, 0, 3], 0),
+    pytest.param("glm_moe_dsa", 4, 4, 4, [2, 0, 3], 0, marks=_SLOW),
+    # ep < tp: EP 2, every copy to both width slices of its expert
+    pytest.param("deepseek_v32", 4, 4, 2, [1, 1, 3], 0, marks=_SLOW),
+    # two devices a rank, each sending its half of the rank's tokens; EP 4, and EP 2 < TP
+    pytest.param("deepseek_v32", 4, 2, 4, [0, 1, 0], 0, marks=_SLOW),
+    pytest.param("glm_moe_dsa", 4, 2, 2, [1, 1, 1], 0, marks=_SLOW),
+    # uneven routing: every copy to rank 0's experts (0, 1 at EP 4; 0 .. 3 at EP 2)
+    pytest.param("deepseek_v32", 4, 4, 4, [2, 0, 3], 2, marks=_SLOW),
+    pytest.param("glm_moe_dsa", 4, 2, 2, [1, 0, 1], 4, marks=_SLOW),
+])
+def test_dp_ragged_dispatch_equals_none_and_tp1(tiny_checkpoints, tp1, name, tp, dp, ep,
+                                                ranks, favored):
+    """``moe_a2a_backend ragged`` under DP attention (its padded CPU stand-in: the same
+    dispatch plan): the MoE layers dispatch from each rank's own tokens, with no DP gather;
+    greedy tokens and logits equal TP 1's and (slow cases) the ``none`` backend's."""
+    path, what = tiny_checkpoints[name], f"{name} tp{tp} dp{dp} ep{ep} ragged"
+    tokens, logits, _ = _greedy(path, _prompts(), tp=tp, dp=dp, ep=ep, ranks=ranks,
+                                backend="ragged", favored=favored)
+    _compare(tp1[name, None, favored], (tokens, logits), what)
+    if favored or dp != 4 or ep != 4 or name != "deepseek_v32":      # slow cases
+        none = _greedy(path, _prompts(), tp=tp, dp=dp, ep=ep, ranks=ranks, favored=favored)
+        _compare(none[:2], (tokens, logits), f"{what} vs none")
+
+
+def test_ragged_step_has_no_dp_gather_in_the_moe_layers(tiny_checkpoints):
+    """The compiled DP 4 step with ragged dispatch (CPU: the padded all_to_all stand-in):
+    the MoE layers' scan holds the dispatch, the ids and the combine (3 all-to-alls) and no
+    DP gather; what is left is the dense layer's gather and scatter and the final gather."""
+    mesh = make_mesh(4)
+    _, model = load_model(tiny_checkpoints["deepseek_v32"], dtype="float32", mesh=mesh,
+                          progress=False, ep_size=4, dp_size=4, moe_a2a_backend="ragged")
+    graphdef, state = nnx.split(model)
+    caches = {s.name: s.zeros(NamedSharding(mesh, s.partition))
+              for s in model.cache_spec(PAGES, PAGE_SIZE)}
+    fb = build_dp_batch([BatchRow([5, 6, 7], 0, [1])], [2], dp_size=4, page_size=PAGE_SIZE,
+                        num_tokens_pad=8, num_rows_pad=2, pages_per_seq_pad=2)
+    step = jax.jit(lambda st, c, i, md, li: nnx.merge(graphdef, st)(i, c, md, li))
+    text = step.lower(state, caches, jnp.asarray(fb.input_ids), _md(fb),
+                      jnp.asarray(fb.logits_indices)).compile().as_text()
+    ops = {k: len(re.findall(rf"\b{k}(?:-start)?\(", text))
+           for k in ("all-gather", "reduce-scatter", "all-to-all")}
+    assert ops == {"all-gather": 2, "reduce-scatter": 1, "all-to-all": 3}, ops
+
+
 def _cfg(tiny_checkpoints, name="deepseek_v32"):
     return DeepseekConfig.from_hf_dir(tiny_checkpoints[name])
 
@@ -175,8 +236,39 @@ def test_layout_checks(tiny_checkpoints):
     with pytest.raises(ValueError, match=r"^dp_size must be a positive integer"):
         check_dp_attention(cfg, 4, 0)
     from pdjax.models.moe_ep import expert_parallel_config
-    with pytest.raises(ValueError, match=r"^moe_a2a_backend: DP attention"):
-        check_dp_attention(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 4)
+    ragged = dp_attention_config(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 4)
+    assert (ragged.moe_a2a_backend, ragged.dp_size, ragged.ep_size) == ("ragged", 4, 4)
+
+
+def test_ragged_layout_replicates_the_shared_experts(tiny_checkpoints):
+    """Under DP attention the ragged backend runs the shared experts on each device's own
+    tokens: their weights are whole on every device; routed experts split by expert; the
+    none backend keeps the shared experts split over tp."""
+    from pdjax.models.deepseek_params import param_groups
+    from pdjax.models.moe_ep import expert_parallel_config
+    from jax.sharding import PartitionSpec as P
+
+    cfg = _cfg(tiny_checkpoints)
+    for backend, shared in (("ragged", P()), ("none", P(None, "tp"))):
+        run = dp_attention_config(expert_parallel_config(cfg, 4, 4, backend), 4, 4)
+        moe = param_groups(run)["moe"][1]
+        assert moe["sh_gate"][1] == shared and moe["sh_up"][1] == shared
+        assert moe["w_gate"][1] == P("tp", None, None)
+
+
+def test_collective_bytes_by_backend(tiny_checkpoints):
+    """``dp_collective_bytes``: the none backend gathers and scatters at every layer; ragged
+    at the dense layer only, plus (two devices a rank) the MoE layers' slice permutes."""
+    from pdjax.models.moe_ep import expert_parallel_config
+
+    cfg = _cfg(tiny_checkpoints)         # 3 layers: 1 dense, 2 MoE; hidden 64
+    Ts, item = 8, 4
+    none = dp_attention_config(expert_parallel_config(cfg, 4, 4, "none"), 4, 4)
+    assert dp_collective_bytes(none, Ts, item) == (2 * 3 + 1) * 3 * Ts * 64 * item
+    ragged = dp_attention_config(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 4)
+    assert dp_collective_bytes(ragged, Ts, item) == (2 * 1 + 1) * 3 * Ts * 64 * item
+    ragged2 = dp_attention_config(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 2)
+    assert dp_collective_bytes(ragged2, 7, item) == ((2 + 1) * 3 * 7 + 2 * 1 * 4) * 64 * item
 
 
 def test_llama_refuses_dp_attention(tiny_checkpoints):
