@@ -3,7 +3,6 @@ taken on the rank of its target pages, and a request the scheduler assigned anot
 retraction, readmitted elsewhere) gives its old rank's MTP pages back and starts over on the
 new one. Pure bookkeeping: the forwards are stubbed (the engine tests run them)."""
 
-
 import pdjax.spec.mtp as mtp
 from pdjax.request import Request, SamplingParams
 from pdjax.sched.dp_kv_cache_manager import RankedPageAllocator
