@@ -31,11 +31,16 @@ One chunk (prefill transfer thread -> decode pull thread)::
                                                                           (expired: poison the
                                                                           connection, drop it)
                                                                           metadata row -> slot
-                                                                          put_arrived(dst, parts)
+                                                                          put_units(dst, units)
              <--------------------------- Ack{ok | error} ----------------
     prefill: drops its references; on an error or no ack by the deadline it resets its pull
              table (one offer in flight per process, so nothing else is in it) and raises
              ``TransferError``: the room fails with the reason, as a failed Mooncake write.
+
+A chunk goes as one offer per decode node that needs units this process holds
+(``JaxLocalKV.routes``; one for a one-process decode), node 0 last with the metadata row; over
+several prefill processes each offers its own units and node 0 sends the row alone after every
+node reported (``send_meta``, ``transfer/prefill_ranks.py``; DESIGN.md §6).
 
 The library's own timeouts are swept lazily on the server and a pull from a dead address never
 times out (the reference note's scenarios 16-20), so both deadlines here are pdjax's own.
