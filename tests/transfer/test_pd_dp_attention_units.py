@@ -201,9 +201,13 @@ def test_pd_roles_refused_at_parse_time(tiny_checkpoints, capsys, argv, message)
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])
 def test_pd_roles_parse(tiny_checkpoints, role):
+    from pdjax.ports import free_port
     from pdjax.serve import parse_args
+    # a prefill's bootstrap port is checked free at parse time: not the default 8998, which
+    # another server on this machine may hold
     args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
-                       *DP_FLAGS, "--role", role])
+                       *DP_FLAGS, "--role", role,
+                       "--disaggregation-bootstrap-port", str(free_port())])
     assert (args.role, args.dp_size) == (role, 4)
 
 
