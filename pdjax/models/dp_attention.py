@@ -144,7 +144,9 @@ def dp_decoder_layers(cfg: DeepseekConfig, params: dict, x: jax.Array,
         rank = jax.lax.axis_index("tp") // a
         x_r = jax.lax.dynamic_slice_in_dim(x, rank * Ts, Ts)
         md_r = jax.tree.map(lambda v: v[rank], md)
-        x_r, caches = rank_layers(cfg, params, x_r, caches, md_r, mlp=mlp)
+        # rows from cu_q_lens[-1] on are the segment's padding: ragged does not send them
+        x_r, caches = rank_layers(cfg, params, x_r, caches, md_r,
+                                  mlp=functools.partial(mlp, num_tokens=md_r.cu_q_lens[-1]))
         return _gather_ranks(x_r, a), caches
 
     cache_specs = {name: PAGE_SPEC for name in caches}
@@ -161,14 +163,14 @@ def _gather_ranks(x_r, a):
     return xs.reshape(-1, *x_r.shape[1:])
 
 
-def _dp_mlp(kind, h_r, m, *, cfg, padded):
+def _dp_mlp(kind, h_r, m, *, cfg, padded, num_tokens):
     """The MLP of one layer on device ``d`` under DP attention: ``h_r [Ts, Hd]`` (rank
     ``d // attn_tp_size``'s tokens) -> the MLP output for them ``[Ts, Hd]``, computed over
     every rank's tokens (DP gather), this device's share summed with ``psum_scatter``; an
-    MoE layer with the ``ragged`` backend from the rank's own tokens instead
-    (``moe_ep.moe_forward_dp_ragged``; ``padded``: its CPU stand-in)."""
+    MoE layer with the ``ragged`` backend from the rank's own ``num_tokens`` real tokens
+    instead (``moe_ep.moe_forward_dp_ragged``; ``padded``: its CPU stand-in)."""
     if kind == "sparse" and cfg.moe_a2a_backend == "ragged":
-        return moe_forward_dp_ragged(cfg, h_r, m, padded=padded)
+        return moe_forward_dp_ragged(cfg, h_r, m, padded=padded, num_tokens=num_tokens)
     dp, a = cfg.dp_size, cfg.attn_tp_size
     Ts = h_r.shape[0]
     h = _gather_ranks(h_r, a)                                                # [dp * Ts, Hd]

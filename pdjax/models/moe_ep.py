@@ -230,13 +230,14 @@ def _dispatch_ragged(h, experts, weights, ws, *, cfg, gemm, padded):
 
 # --------------------------------------------------------------------------- DP attention
 
-def moe_forward_dp_ragged(cfg: DeepseekConfig, h_r: jax.Array, p: dict, *,
-                          padded: bool) -> jax.Array:
+def moe_forward_dp_ragged(cfg: DeepseekConfig, h_r: jax.Array, p: dict, *, padded: bool,
+                          num_tokens: jax.Array | None = None) -> jax.Array:
     """The MoE layer under DP attention with the ``ragged`` backend, on one device inside
     the DP ``shard_map`` (manual over ``tp``; ``dp_attention.py``): ``h_r [Ts, Hd]``, the
     tokens of the device's rank (alike on its ``a = attn_tp_size`` devices) -> the layer's
-    output for them ``[Ts, Hd]``, equal to ``moe.moe_forward`` (same routing, dropless),
-    with no DP gather::
+    output for them ``[Ts, Hd]``, equal to ``moe.moe_forward`` (same routing, dropless)
+    on the first ``num_tokens`` (int32 scalar, traced: the rank's real tokens; None: all),
+    with no DP gather; the segment's padding rows are not sent (their routed output is 0)::
 
         device d = rank * a + j: slice j of its rank's tokens, Tc = ceil(Ts / a) rows
         route the slice (moe.route): M = Tc * k copies, sorted by expert (= by owner)
@@ -259,7 +260,8 @@ def moe_forward_dp_ragged(cfg: DeepseekConfig, h_r: jax.Array, p: dict, *,
     j = me % a
     Tc = -(-Ts // a)
     hc = jax.lax.dynamic_slice_in_dim(jnp.pad(h_r, ((0, Tc * a - Ts), (0, 0))), j * Tc, Tc)
-    valid = j * Tc + jnp.arange(Tc) < Ts                                      # [Tc]
+    real = Ts if num_tokens is None else jnp.minimum(num_tokens, Ts)
+    valid = j * Tc + jnp.arange(Tc) < real                                    # [Tc]
     experts, weights = route(cfg, hc, p["router"], p["router_bias"])          # [Tc, k]
     ec = jnp.where(valid[:, None], experts, E).reshape(-1)                   # [M]; E: none
     M = Tc * k

@@ -222,6 +222,43 @@ def test_ragged_step_has_no_dp_gather_in_the_moe_layers(tiny_checkpoints):
     assert ops == {"all-gather": 2, "reduce-scatter": 1, "all-to-all": 3}, ops
 
 
+def test_ragged_sends_only_the_real_tokens(tiny_checkpoints):
+    """``moe_forward_dp_ragged`` inside a DP 4 ``shard_map`` with each rank's real token
+    count: the real rows equal ``moe_forward``'s, the segment's padding rows get no routed
+    output (only the shared experts'): they were not dispatched."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from pdjax.models.moe import moe_forward, swiglu
+    from pdjax.models.moe_ep import expert_parallel_config, moe_forward_dp_ragged
+
+    cfg = _cfg(tiny_checkpoints)
+    run = dp_attention_config(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 4)
+    rng = np.random.default_rng(3)
+    E, Hd, Fm = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    w = lambda *shape: rng.normal(0, 0.3, shape).astype(np.float32)       # noqa: E731
+    p = {"router": w(Hd, E), "router_bias": np.zeros(E, np.float32), "w_gate": w(E, Hd, Fm),
+         "w_up": w(E, Hd, Fm), "w_down": w(E, Fm, Hd), "sh_gate": w(Hd, Fm),
+         "sh_up": w(Hd, Fm), "sh_down": w(Fm, Hd)}
+    Ts, real = 8, np.array([3, 0, 5, 8], np.int32)
+    h = rng.normal(0, 1, (4 * Ts, Hd)).astype(np.float32)
+    specs = {n: P("tp") if n in ("w_gate", "w_up", "w_down") else P() for n in p}
+
+    def body(h, real, p):
+        r = jax.lax.axis_index("tp")
+        h_r = jax.lax.dynamic_slice_in_dim(h, r * Ts, Ts)
+        return moe_forward_dp_ragged(run, h_r, p, padded=True, num_tokens=real[r])
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    out = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), specs),
+                                           out_specs=P("tp"), check_vma=False))(h, real, p))
+    ref = np.asarray(moe_forward(cfg, jnp.asarray(h), p))
+    shared = np.asarray(swiglu(jnp.asarray(h), p["sh_gate"], p["sh_up"], p["sh_down"]))
+    is_real = (np.arange(4 * Ts) % Ts) < np.repeat(real, Ts)
+    np.testing.assert_allclose(out[is_real], ref[is_real], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(out[~is_real], shared[~is_real], atol=1e-4, rtol=1e-4)
+    assert np.abs(ref[~is_real] - shared[~is_real]).max() > 1e-2    # routed output left out
+
+
 def _cfg(tiny_checkpoints, name="deepseek_v32"):
     return DeepseekConfig.from_hf_dir(tiny_checkpoints[name])
 
