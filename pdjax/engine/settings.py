@@ -252,16 +252,20 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
 
 def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -> None:
     """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
-    with yet: speculative decoding on a PD role (colocated: n-gram, draft model, MTP), a PD
+    with yet: draft-model or MTP speculative decoding on a PD role (n-gram is built; colocated
+    every algorithm), a PD
     role over the ``jax`` transfer backend (``auto`` on ``platform`` TPU), the staging path
     or several hosts, the hierarchical cache, the CPU matmul kernel, or a pool of fewer than
     2 pages a rank (``max_total_tokens``)."""
     dp = args.dp_size
     if dp == 1:
         return
-    if args.speculative_algorithm is not None and args.role != "colocated":
-        raise ValueError(f"speculative_algorithm: not built for a {args.role} with DP "
-                         f"attention yet (dp_size {dp}); colocated it is")
+    spec = args.speculative_algorithm
+    if spec not in (None, "ngram") and args.role != "colocated":
+        # n-gram drafts from the tokens alone; MTP / a draft model on a PD role: not yet
+        raise ValueError(f"speculative_algorithm: {spec!r} is not built for a {args.role} "
+                         f"with DP attention yet (dp_size {dp}); 'ngram' is, and colocated "
+                         f"every algorithm")
     if args.role in ("prefill", "decode"):
         # PD: pages read / written by address in the rank's shards (kv_export, DESIGN §4)
         role = args.role

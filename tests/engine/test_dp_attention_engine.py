@@ -143,7 +143,7 @@ def _parse_error(capsys, argv) -> str:
      "error: enable_dp_attention: llama models cannot use DP attention"),
     ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
                       "--speculative-algorithm", "mtp", "--role", "decode"],
-     "error: speculative_algorithm: not built for a decode with DP attention yet"),
+     "error: speculative_algorithm: 'mtp' is not built for a decode with DP attention yet"),
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
                       "--max-total-tokens", "24", "--page-size", "8"],
      "error: max_total_tokens: 24 tokens give each of the 4 DP attention ranks fewer than 2"),
@@ -166,3 +166,7 @@ def test_flags_parse(tiny_checkpoints):
                        "--tp-size", "4", "--enable-dp-attention", "--dp-size", "2",
                        "--speculative-algorithm", "mtp"])
     assert (args.dp_size, args.speculative_algorithm) == (2, "mtp")
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
+                       "--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
+                       "--speculative-algorithm", "ngram", "--role", "decode"])
+    assert (args.role, args.dp_size, args.speculative_algorithm) == ("decode", 4, "ngram")

@@ -1,0 +1,91 @@
+"""Speculative decoding on a PD decode with DP attention (issue 41; DESIGN.md §3 "Speculative
+decoding", §4, §6), tiny DeepSeek-V3.2, Mooncake, direct path: a TP 1 prefill writes each
+request's pages into the shard of the rank a TP 4 DP 4 decode (4 simulated CPU devices)
+assigned it, and the decode speculates with n-gram drafts from its first step. Its greedy
+tokens equal the colocated engine's decoding plainly (tie-aware), drafts are accepted, and
+both pools are back at baseline after, with more requests in flight than ranks."""
+
+import concurrent.futures
+
+import pytest
+from pd_harness import (at_baseline, child_env, free_port, get, greedy_agrees, load,
+                        metric_value, pd_pair, pd_server, running, wait_until)
+
+pytestmark = pytest.mark.slow
+
+# 148 pages, 37 a rank (test_pd_dp_attention.py says why not 32)
+ARGS = dict(page_size=8, max_total_tokens=1184, chunked_prefill_size=16,
+            max_running_requests=8, context_length=96)
+DP = 4
+NEW = 16
+SAMPLING = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+NGRAM = ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4",
+         "--speculative-ngram-min-match-window-size", "1"]
+
+
+def _dp_flags(spec: list[str]) -> dict:
+    return dict(tp_size=DP, extra=[
+        "--enable-dp-attention", "--dp-size", str(DP), "--disaggregation-transfer-backend",
+        "mooncake", "--disaggregation-transfer-path", "direct", *spec], env=child_env(
+        XLA_FLAGS=f"--xla_cpu_multi_thread_eigen=false "
+                  f"--xla_force_host_platform_device_count={DP}"))
+
+
+@pytest.fixture(scope="module")
+def ngram_pd(tiny_checkpoints, tmp_path_factory):
+    logs = str(tmp_path_factory.mktemp("pd_dp_ngram"))
+    model = tiny_checkpoints["deepseek_v32"]
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model, progress=False, **ARGS)
+    bport = free_port()
+    prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, **ARGS)
+    decode = pd_server("decode_dp4_ngram", "decode", model, logs, **_dp_flags(NGRAM), **ARGS)
+    try:
+        with running([prefill, decode]):
+            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
+    finally:
+        colocated.shutdown()
+
+
+def _repeating_prompts(lengths, salt):
+    # a short pattern repeated: the n-gram drafter finds matches in the prompt
+    pats = [[(13 * i + 7 * k + salt) % 400 + 3 for i in range(3 + k % 4)]
+            for k in range(len(lengths))]
+    return [(pat * 40)[:n] for pat, n in zip(pats, lengths)]
+
+
+def _run_pd(pd, prompts, room0):
+    ref = pd["colocated"].generate(input_ids=prompts, return_logprob=True,
+                                   top_logprobs_num=2, sampling_params=SAMPLING)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(
+            lambda kp: pd_pair(pd["prefill"], pd["decode"], pd["bport"], kp[1],
+                               room0 + kp[0], NEW), enumerate(prompts)))
+    compared = sum(greedy_agrees(r["output_ids"], r["meta_info"]["output_top_logprobs"],
+                                 o["output_ids"]) for r, o in zip(ref, outs))
+    assert compared >= 0.8 * NEW * len(prompts), compared
+    return outs
+
+
+def _back_at_baseline(pd):
+    def ok():
+        return all(at_baseline(s) and all(r["num_requests"] == r["num_pinned_pages"] == 0
+                                           for r in load(s).get("dp_ranks", []))
+                   for s in (pd["prefill"], pd["decode"]))
+    assert wait_until(ok, 15), [load(pd[n]) for n in ("prefill", "decode")]
+
+
+def test_ngram_decode_with_dp_attention(ngram_pd):
+    """2 requests (ranks idle), then 6 (more than ranks): the colocated engine's tokens,
+    verify rows on the DP decode from its first steps, drafts accepted, pools whole."""
+    outs = _run_pd(ngram_pd, _repeating_prompts([11, 30], 0), 700)
+    outs += _run_pd(ngram_pd, _repeating_prompts([9, 17, 24, 33, 41, 12], 1), 710)
+    verified = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    assert verified >= len(outs), verified
+    status, text = get(ngram_pd["decode"].url + "/metrics")
+    assert status == 200
+    assert metric_value(text, "pdjax:spec_verify_rows_total") >= verified
+    assert metric_value(text, "pdjax:spec_accepted_tokens_total") > 0
+    _back_at_baseline(ngram_pd)
+    assert load(ngram_pd["decode"])["num_prompt_tokens_computed"] == 0
