@@ -187,6 +187,8 @@ def test_fp8_kv_record_per_rank(tiny_checkpoints, tp1, name):
     # uneven routing: every copy to rank 0's experts (0, 1 at EP 4; 0 .. 3 at EP 2)
     pytest.param("deepseek_v32", 4, 4, 4, [2, 0, 3], 2, marks=_SLOW),
     pytest.param("glm_moe_dsa", 4, 2, 2, [1, 0, 1], 4, marks=_SLOW),
+    # FP8 block-scaled weights (the replicated shared experts FP8 too)
+    pytest.param("deepseek_v32_fp8", 2, 2, 2, [1, 1, 0], 0, marks=_SLOW),
 ])
 def test_dp_ragged_dispatch_equals_none_and_tp1(tiny_checkpoints, tp1, name, tp, dp, ep,
                                                 ranks, favored):
