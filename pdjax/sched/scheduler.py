@@ -343,6 +343,11 @@ class Scheduler:
             if budget.left_for(req) <= 0:
                 continue     # DP attention: its rank's budget is spent, another's is not
             if n <= 0 or not self.kv.grow(req, req.num_computed_tokens + n):
+                if budget.num_pools > 1:
+                    # DP attention: only this rank's prefill stops (its budget is under a
+                    # page, or its pool is full); the other ranks' go on
+                    budget.close(req)
+                    continue
                 if req in self.running and candidates:
                     # A running prompt whose chunk does not fit yet: the next running one
                     # may (requests admitted with KV from elsewhere took the free pages;

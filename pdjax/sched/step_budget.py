@@ -33,6 +33,11 @@ class StepBudget:
         self.left = [tokens] * dp_size
         self._rank_of = rank_of
 
+    @property
+    def num_pools(self) -> int:
+        """1, or the DP attention ranks."""
+        return len(self.left)
+
     def _pool(self, req) -> int:
         return 0 if len(self.left) == 1 else self._rank_of(req)
 

@@ -171,3 +171,34 @@ def test_each_rank_has_its_own_step_budget():
     got = [(r.req.rid, r.num_tokens) for r in batch.rows]
     assert got == [("a", 1), ("b", 1), ("c", 4)], got   # decode rows, c's last 4 on rank 0
     sched.check_invariants()
+
+
+def test_a_rank_that_cannot_take_a_chunk_does_not_stop_the_other_ranks_prefill():
+    """Under DP attention a prompt whose chunk cannot run on its rank this step (its rank's
+    budget left under a page with page-aligned chunks, or its rank's pool full) closes that
+    rank's prefill only: the scheduler stopped every rank's prefill there, so a prompt on an
+    idle rank waited a step for nothing."""
+    ps = 8
+    kv = DpKVCacheManager(2, 16, ps)
+    sched = Scheduler(SchedulerConfig(num_pages=32, page_size=ps, chunked_prefill_size=8,
+                                      enable_mixed_chunk=True, page_aligned_chunks=True,
+                                      dp_size=2), kv=kv)
+    shared = _ids(16, 1)
+    x = _req("x", shared, max_new=8)
+    sched.add_request(x)
+    for _ in range(2):                       # x's 16 prompt tokens, 8 a step, then its token
+        batch = sched.schedule()
+        sched.process_results(batch, {i: 7 for i, r in enumerate(batch.rows) if r.samples},
+                              _stop)
+    assert x.output_ids and kv.rank_of(x) == 0
+    a = _req("a", shared + _ids(16, 2), max_new=8)    # its prefix is cached on rank 0
+    b = _req("b", _ids(20, 3), max_new=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    batch = sched.schedule()
+    got = [(r.req.rid, kv.rank_of(r.req), r.num_tokens) for r in batch.rows]
+    # rank 0: x's decode row leaves 7 tokens, under a page: a (past its 16 cached tokens) gets
+    # no page-aligned chunk; rank 1 is free for b's first chunk
+    assert kv.rank_of(a) == 0
+    assert got == [("x", 0, 1), ("b", 1, 8)], got
+    sched.check_invariants()
