@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 from pdjax.pd.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.pd.protocol import RankWriteDone
-from pdjax.pd.wire import MAX_ROOM
+from pdjax.pd.wire import MAX_ROOM, validate_pages
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_copies import (KVLayout, NodeShards, build_copies, node_shards,
                                       write_nodes)
@@ -339,8 +339,12 @@ class RankSender:
             logger.error("PD prefill node %d: %s", self.rank, self.peers[index])
 
     def on_write(self, msg: dict) -> None:
-        """``kv_write``: wait for this node's KV (the forward that wrote the pages ran before
-        this command), build its shards' copies and queue them for the worker."""
+        """``kv_write``: range-check the ``src`` pages against this node's pool and ``dst``
+        against the decode's (``validate_pages``, equal lengths), then, direct: wait for this
+        node's KV (the forward that wrote the pages ran before this command), build its
+        shards' copies and queue them for the worker; ``jax``: gather this node's shards of
+        ``src`` now (``stage_out``, step order) and queue the pages for the worker's offers.
+        A refused command is a failed ``RankWriteDone`` naming the field."""
         job = msg.get("job")
         if isinstance(job, bool) or not isinstance(job, int) or not 1 <= job <= MAX_ROOM:
             logger.error("PD prefill node %d: kv_write: job %r is not in [1, 2**63)", self.rank,
@@ -355,6 +359,11 @@ class RankSender:
             src, dst = msg.get("src"), msg.get("dst")
             if not isinstance(src, list) or not isinstance(dst, list):
                 raise RankError("src, dst: expected page lists")
+            # Indices from a socket: range-checked before anything gathers or copies them.
+            validate_pages(src, self.local_kv.num_pages, "src_pages")
+            validate_pages(dst, peer.layout.num_pages, "dst_pages")
+            if len(src) != len(dst):
+                raise RankError(f"src_pages, dst_pages: {len(src)} != {len(dst)} pages")
             if getattr(self.local_kv, "mode", "") == "jax":   # gathered now (step order)
                 self.local_kv.stage_out(src)
                 self._jobs.put((job, self._generation, peer, (src, dst)))

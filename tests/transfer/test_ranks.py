@@ -237,7 +237,8 @@ def _sender():
     """Node 1 of a 2-node prefill, not started (its write queue is read by the test)."""
     return RankSender(types.SimpleNamespace(nnodes=2, node_rank=1),
                       types.SimpleNamespace(caches=[]), None,
-                      types.SimpleNamespace(layout=_node(1), check_addresses=lambda: False),
+                      types.SimpleNamespace(layout=_node(1), num_pages=PAGES,
+                                            check_addresses=lambda: False),
                       _Channel())
 
 
@@ -269,6 +270,41 @@ def test_a_follower_refuses_bad_commands_and_says_why():
     assert len(copies) == 2 * 2 * LAYERS * PS
     assert all(0x200000 <= src < 0x220000 for src, _, _ in copies)
     assert np.unique([d for _, d, _ in copies]).size == len(copies)
+
+
+class _JaxKV:
+    """A follower's ``JaxLocalKV`` as ``on_write`` sees it: 8 pages, ``stage_out`` recorded."""
+    mode = "jax"
+
+    def __init__(self):
+        self.layout, self.num_pages, self.staged = _node(1), 8, []
+
+    def stage_out(self, pages):
+        self.staged.append(list(pages))
+
+
+def test_a_jax_follower_range_checks_both_page_lists_before_it_gathers():
+    kv = _JaxKV()
+    s = RankSender(types.SimpleNamespace(nnodes=2, node_rank=1),
+                   types.SimpleNamespace(caches=[]), None, kv, _Channel())
+    ranked = RankedLayout.from_ranks({0: _node(0), 1: _node(1)})
+    dst = {"kind": "layer_major", "buffers": [b.to_wire() for b in DECODE.buffers]}
+    s.on_peer({"peer": 1, "session": "decode:1", "reply": "tcp://n0:1", "src": ranked.to_wire(),
+               "dst": dst})
+    cases = (([0], [7], "src_pages"), ([-1], [7], "src_pages"), ([8], [7], "src_pages"),
+             (["x"], [7], "src_pages"), ([None], [7], "src_pages"), ([3, 3], [7, 8], "src_pages"),
+             ([3], [0], "dst_pages"), ([3], [PAGES], "dst_pages"), ([3], [-2], "dst_pages"),
+             ([3], ["7"], "dst_pages"), ([3], [True], "dst_pages"), ([3, 4], [7], "!= 1"))
+    for job, (src, dst_pages, needle) in enumerate(cases, start=1):
+        s.on_write({"job": job, "peer": 1, "src": src, "dst": dst_pages})
+        endpoint, done = s.channel.sent[-1]
+        assert endpoint == "tcp://n0:1" and done.job == job and not done.ok
+        assert needle in done.reason, (src, dst_pages, done.reason)
+    assert len(s.channel.sent) == len(cases) and kv.staged == [] and s._jobs.empty()
+    s.on_write({"job": 99, "peer": 1, "src": [7, 1], "dst": [PAGES - 1, 1]})   # both in range
+    assert kv.staged == [[7, 1]] and len(s.channel.sent) == len(cases)
+    job, _, peer, (src, dst_pages) = s._jobs.get_nowait()
+    assert (job, peer.session, src, dst_pages) == (99, "decode:1", [7, 1], [PAGES - 1, 1])
 
 
 # ----------------------------------------------- a multi-host prefill -> a multi-host decode
@@ -324,7 +360,8 @@ def test_two_node_prefill_to_two_node_decode_partitions_by_src_and_dst_node():
 
 def test_a_follower_writes_each_decode_node_into_its_session_and_reports_per_node():
     s = _sender()
-    s.local_kv = types.SimpleNamespace(layout=_prefill_node4(1), check_addresses=lambda: False)
+    s.local_kv = types.SimpleNamespace(layout=_prefill_node4(1), num_pages=PAGES,
+                                       check_addresses=lambda: False)
     s.engine = RecordingEngine()
     src = RankedLayout.from_ranks({0: _prefill_node4(0), 1: _prefill_node4(1)})
     dst = RankedLayout.from_ranks({0: _decode_node(0), 1: _decode_node(1)})
