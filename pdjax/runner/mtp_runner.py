@@ -79,7 +79,9 @@ class MTPRunner:
 
     ``target``: the target's runner (its model built with ``mtp=True``; ``ValueError``
     otherwise). ``num_pages`` / page size (the target's): the MTP KV pool (page 0 is the null
-    page; under DP attention ``num_pages / dp`` a rank, each rank's page 0 its null page).
+    page; under DP attention ``num_pages / dp`` a rank, each rank's page 0 its null page;
+    ``ValueError`` there when it is not the target's ``num_pages``: a request's MTP pages are
+    on the rank of its target pages, read from their ids).
     ``buckets``: the shapes to compile (the engine's limits, as the draft model's; under DP
     attention a rank's).
     """
@@ -98,6 +100,11 @@ class MTPRunner:
         self.buckets = buckets
         self.dp_size = getattr(target, "dp_size", 1)
         self.pages_per_rank = num_pages // self.dp_size
+        if self.dp_size > 1 and num_pages != target.num_pages:
+            # a request's MTP pages are on the rank of its target pages, which is read from
+            # the target's page ids with this pool's pages per rank
+            raise ValueError(f"num_pages: the MTP pool under DP attention has the target's "
+                             f"{target.num_pages} pages, got {num_pages}")
         self.max_rows = buckets.max_rows * self.dp_size     # output rows: every rank's
         self.chunk_size = chunk_size
         mesh = target.mesh

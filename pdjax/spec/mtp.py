@@ -69,20 +69,22 @@ class MTPDrafter(OwnPoolDrafter):
     ``num_pages``: the MTP KV pool (page 0 is the null page; pages of the target's
     ``page_size``). ``max_running_requests``, ``context_length``, ``chunked_prefill_size``,
     ``max_num_batched_tokens``: the engine's limits, which size the buckets (as the draft
-    model's).
+    model's). ``runner``: the MTP layer's runner when built already (default: an
+    ``MTPRunner`` of ``target`` and ``num_pages``; the page book-keeping reads only its
+    ``dp_size`` and ``pages_per_rank``, so tests of it pass a stand-in).
     """
 
     def __init__(self, target, *, num_pages: int, max_running_requests: int,
                  context_length: int, chunked_prefill_size: int,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, runner: MTPRunner | None = None):
         self.page_size = target.page_size
         self.chunk_size = chunked_prefill_size
         self.buckets = Buckets.create(
             chunked_prefill_size=chunked_prefill_size, max_running_requests=max_running_requests,
             max_pages_per_seq=cdiv(context_length, self.page_size),
             max_num_batched_tokens=max_num_batched_tokens)
-        self.runner = MTPRunner(target, num_pages=num_pages, buckets=self.buckets,
-                                chunk_size=chunked_prefill_size)
+        self.runner = runner if runner is not None else MTPRunner(
+            target, num_pages=num_pages, buckets=self.buckets, chunk_size=chunked_prefill_size)
         # DP attention: the target's ranks and pages per rank (global page ids: rank * Np + p)
         self.dp_size = self.runner.dp_size
         self.pages_per_rank = self.runner.pages_per_rank

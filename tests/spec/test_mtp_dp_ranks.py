@@ -3,6 +3,8 @@ taken on the rank of its target pages, and a request the scheduler assigned anot
 retraction, readmitted elsewhere) gives its old rank's MTP pages back and starts over on the
 new one. Pure bookkeeping: the forwards are stubbed (the engine tests run them)."""
 
+import types
+
 import pdjax.spec.mtp as mtp
 from pdjax.request import Request, SamplingParams
 from pdjax.sched.dp_kv_cache_manager import RankedPageAllocator
@@ -11,10 +13,12 @@ NP, PS = 8, 4
 
 
 def _drafter(monkeypatch, fed_log):
-    d = object.__new__(mtp.MTPDrafter)          # no runner: _feed / chain_drafts stubbed
-    d.page_size, d.dp_size, d.pages_per_rank = PS, 2, NP
-    d.allocator = RankedPageAllocator(2, NP)
-    d._state = {}
+    """An MTP drafter at DP 2 whose forwards are stubbed (``_feed``, ``chain_drafts``)."""
+    target = types.SimpleNamespace(page_size=PS)
+    runner = types.SimpleNamespace(dp_size=2, pages_per_rank=NP)     # no model: no forward
+    d = mtp.MTPDrafter(target, num_pages=2 * NP, max_running_requests=4, context_length=64,
+                       chunked_prefill_size=16, runner=runner)
+    assert isinstance(d.allocator, RankedPageAllocator) and d.allocator.num_free == 2 * (NP - 1)
 
     def feed(live):
         for _, st, ids, target_pages in live:
