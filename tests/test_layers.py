@@ -345,3 +345,24 @@ def test_a_kv_connection_sees_the_engine_only_as_its_role_host():
         "wait_for_kv", "abort_request", "num_prompt_tokens_computed"]
     sources = "".join(MODULES[n].read_text() for n in users)
     assert ".scheduler" not in sources.replace("pdjax.sched", "")
+
+
+def _objects_built_without_their_constructor(paths) -> list[str]:
+    """``file:line`` of every ``X.__new__(...)`` / ``object.__new__(...)`` call in ``paths``."""
+    found = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "__new__":
+                found.append(f"{path}:{node.lineno}")
+    return found
+
+
+def test_tests_build_objects_through_their_constructors(tmp_path):
+    """Constructors take their parts, so a test builds an object with fakes through its
+    constructor, never with ``__new__`` and fields set by hand (issue 39): the checker finds
+    such a call, and the suite has none."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("class A: pass\nx = object.__new__(A)\ny = A.__new__(A)\n")
+    assert len(_objects_built_without_their_constructor([probe])) == 2
+    assert _objects_built_without_their_constructor(sorted((ROOT / "tests").rglob("*.py"))) == []
