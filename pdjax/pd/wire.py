@@ -108,9 +108,12 @@ def validate_pages(indices: Sequence[int] | np.ndarray, num_pages: int,
 
     Page 0 is the null page (padding writes land there), so a real page index must lie in
     ``[1, num_pages)``. Returns the indices as a 1-D int64 array. Raises ``ProtocolError``
-    naming ``name`` for a non-integer entry, an index out of range, or a duplicate (two source
+    naming ``name`` for a non-integer (or ``bool``) entry, an index out of range, or a duplicate (two source
     pages written into one destination page would corrupt it).
     """
+    if isinstance(indices, (list, tuple)) and any(isinstance(p, bool) for p in indices):
+        # np.asarray([3, True]) is an int array: a bool is refused before it becomes page 1.
+        raise ProtocolError(f"field {name!r}: page indices must be integers, got a bool")
     arr = np.asarray(indices)
     if arr.ndim != 1:
         raise ProtocolError(f"field {name!r}: expected a 1-D page list, got shape {arr.shape}")

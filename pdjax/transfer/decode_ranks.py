@@ -28,7 +28,8 @@ import threading
 import time
 from typing import Any
 
-from pdjax.pd.protocol import DecodeRankInfo
+from pdjax.pd.protocol import DecodeRankInfo, ProtocolError
+from pdjax.pd.wire import validate_pages
 from pdjax.transfer.kv_copies import KVLayout
 from pdjax.transfer.ranks import LOST_POLL_S, RankedLayout, node_data_plane
 
@@ -160,33 +161,47 @@ class DecodeRankNode:
             out.update(kv_stage_in=self.on_stage_in, kv_drop=self.on_drop)
         return out
 
-    def _pages(self, msg: dict, op: str) -> list[int] | None:
+    def _pages(self, msg: dict) -> list[int]:
+        """The ``pages`` of a ``kv_stage_in`` / ``kv_drop``: ``ProtocolError`` (a
+        ``ValueError``) naming the field unless a list of distinct ids in ``[1, num_pages)``."""
         pages = msg.get("pages")
-        if not isinstance(pages, list) or not all(
-                isinstance(p, int) and not isinstance(p, bool)
-                and 1 <= p < self.local_kv.num_pages for p in pages):
-            logger.error("PD decode node %d: %s: pages are not ids in [1, %d)", self.rank, op,
-                         self.local_kv.num_pages)
-            return None
+        if not isinstance(pages, list):
+            raise ProtocolError(f"field 'pages': expected a page list, got "
+                                f"{type(pages).__name__}")
+        validate_pages(pages, self.local_kv.num_pages, "pages")
         return pages
 
     def on_stage_in(self, msg: dict) -> None:
         """``kv_stage_in`` (jax backend; node 0's metadata gate, a step boundary): scatter this
-        node's pulled units of the room's pages, as node 0 does with its own. Node 0 opened
-        the gate after every offer to this node was acked, so a missing unit is a bug: logged,
-        the pages keep their bytes (a collective-free scatter skipped hangs nothing)."""
-        pages = self._pages(msg, "kv_stage_in")
-        if pages is not None:
-            try:
-                self.local_kv.stage_in(pages)
-            except ValueError as e:
-                logger.error("PD decode node %d: kv_stage_in: %s", self.rank, e)
+        node's pulled units of the room's pages, as node 0 does with its own. Node 0 has
+        already scattered its shards and decodes next, so a scatter that does not happen here
+        (pages refused, a unit missing, a JAX runtime error) would leave this node's heads of
+        those pages stale: wrong tokens with no error. Any failure is therefore fatal to the
+        node (``on_broken``: it exits, node 0 marks it lost, fails its requests in flight and
+        reports 503 naming it, DESIGN.md §6)."""
+        try:
+            pages = self._pages(msg)
+            self.local_kv.stage_in(pages)
+        except Exception as e:      # noqa: BLE001 (any failure leaves the heads stale)
+            self.on_broken(f"PD decode node {self.rank}: kv_stage_in of pages "
+                           f"{str(msg.get('pages'))[:200]} failed ({type(e).__name__}: {e}); "
+                           "its KV heads of those pages would be stale; exiting")
 
     def on_drop(self, msg: dict) -> None:
-        """``kv_drop`` (jax backend): node 0 failed the room; forget its pulled units."""
-        pages = self._pages(msg, "kv_drop")
-        if pages is not None:
-            self.local_kv.drop_arrived(pages)
+        """``kv_drop`` (jax backend): node 0 failed the room; forget its pulled units (a bad
+        page list is logged: nothing is scattered, so nothing goes stale)."""
+        try:
+            self.local_kv.drop_arrived(self._pages(msg))
+        except ValueError as e:
+            logger.error("PD decode node %d: kv_drop: %s", self.rank, e)
+
+    @staticmethod
+    def on_broken(reason: str) -> None:
+        """This node's KV shards can no longer be trusted: leave the process (exit 1) so node
+        0 sees the node gone. Replaced by tests."""
+        from pdjax.distributed.node import exit_now
+
+        exit_now(1, reason)
 
     def _on_message(self, msg) -> None:
         logger.error("PD decode node %d: unexpected %s on its control socket", self.rank,

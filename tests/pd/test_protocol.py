@@ -224,6 +224,9 @@ def test_validate_pages_ranges_and_duplicates():
         validate_pages([1.5], 10)
     with pytest.raises(ProtocolError, match="1-D"):
         validate_pages([[1, 2]], 10)
+    for bad in ([3, True], [False], [None], ["3"]):
+        with pytest.raises(ProtocolError, match="'pages': page indices must be integers"):
+            validate_pages(bad, 10)
 
 
 def test_find_duplicates():

@@ -268,8 +268,39 @@ def test_jax_decode_nodes_scatter_and_drop_at_node_0s_step_boundary():
     node = DecodeRankNode(1, types.SimpleNamespace(session_id="s1"), kv, FakeChannel())
     handlers = node.handlers
     assert {"kv_ranks", "kv_check", "kv_stage_in", "kv_drop"} == set(handlers)
+    broken = []
+    node.on_broken = broken.append
     handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [3, 4]})
     handlers["kv_drop"]({"op": "kv_drop", "pages": [5]})
-    handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [0, 3]})     # the null page: refused
-    handlers["kv_drop"]({"op": "kv_drop", "pages": "5"})
-    assert calls == [("in", [3, 4]), ("drop", [5])]
+    handlers["kv_drop"]({"op": "kv_drop", "pages": "5"})                # logged only
+    handlers["kv_drop"]({"op": "kv_drop", "pages": [16]})
+    assert calls == [("in", [3, 4]), ("drop", [5])] and broken == []
+
+
+@pytest.mark.parametrize("pages, fail, needle", [
+    ([0, 3], None, "page index 0 outside [1, 16)"),           # the null page
+    ([3, 3], None, "duplicate page indices [3]"),
+    ([3, True], None, "must be integers"),
+    ("3", None, "expected a page list"),
+    ([3, 4], ValueError("dst_pages: 1 of the room's 2 pages arrived in no pulled chunk"),
+     "ValueError: dst_pages: 1 of"),
+    ([3, 4], RuntimeError("INTERNAL: scatter failed"), "RuntimeError: INTERNAL"),
+])
+def test_a_jax_decode_follower_whose_scatter_fails_leaves_the_cluster(pages, fail, needle):
+    """A follower that does not scatter a room node 0 scattered would decode with stale heads
+    (wrong tokens, no error): any failure, refused pages or a JAX runtime error included, is
+    fatal to the node (node 0 then marks it lost); it never escapes into the follow loop."""
+    calls, broken = [], []
+
+    def stage_in(p):
+        calls.append(list(p))
+        if fail is not None:
+            raise fail
+
+    kv = types.SimpleNamespace(mode="jax", num_pages=16, stage_in=stage_in)
+    node = DecodeRankNode(2, types.SimpleNamespace(session_id="s2"), kv, FakeChannel())
+    node.on_broken = broken.append
+    node.handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": pages})
+    assert len(broken) == 1 and broken[0].startswith("PD decode node 2: kv_stage_in of pages ")
+    assert needle in broken[0] and "stale" in broken[0], broken[0]
+    assert calls == ([pages] if fail is not None else [])
