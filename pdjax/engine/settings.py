@@ -252,20 +252,22 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
 
 def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -> None:
     """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
-    with yet: draft-model or MTP speculative decoding on a PD role (n-gram is built; colocated
-    every algorithm), a PD
-    role over the ``jax`` transfer backend (``auto`` on ``platform`` TPU), the staging path
-    or several hosts, the hierarchical cache, the CPU matmul kernel, or a pool of fewer than
-    2 pages a rank (``max_total_tokens``)."""
+    with yet: draft-model speculative decoding on a PD role, MTP on a prefill (a decode
+    takes n-gram and MTP, colocated every algorithm), a PD role over the ``jax`` transfer
+    backend (``auto`` on ``platform`` TPU), the staging path or several hosts, the
+    hierarchical cache, the CPU matmul kernel, or a pool of fewer than 2 pages a rank
+    (``max_total_tokens``)."""
     dp = args.dp_size
     if dp == 1:
         return
     spec = args.speculative_algorithm
-    if spec not in (None, "ngram") and args.role != "colocated":
-        # n-gram drafts from the tokens alone; MTP / a draft model on a PD role: not yet
+    built = {"colocated": ("ngram", "draft", "mtp"), "decode": ("ngram", "mtp")}
+    if spec is not None and spec not in built.get(args.role, ()):
+        # n-gram drafts from the tokens alone; a decode's MTP reads the prompt's hidden
+        # states, which land in its rank's mtp_hidden pages with the latent (kv_copies.py)
         raise ValueError(f"speculative_algorithm: {spec!r} is not built for a {args.role} "
-                         f"with DP attention yet (dp_size {dp}); 'ngram' is, and colocated "
-                         f"every algorithm")
+                         f"with DP attention yet (dp_size {dp}); a decode with DP attention "
+                         f"takes 'ngram' and 'mtp', colocated every algorithm")
     if args.role in ("prefill", "decode"):
         # PD: pages read / written by address in the rank's shards (kv_export, DESIGN §4)
         role = args.role

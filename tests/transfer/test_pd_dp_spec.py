@@ -1,9 +1,17 @@
 """Speculative decoding on a PD decode with DP attention (issue 41; DESIGN.md §3 "Speculative
 decoding", §4, §6), tiny DeepSeek-V3.2, Mooncake, direct path: a TP 1 prefill writes each
 request's pages into the shard of the rank a TP 4 DP 4 decode (4 simulated CPU devices)
-assigned it, and the decode speculates with n-gram drafts from its first step. Its greedy
-tokens equal the colocated engine's decoding plainly (tie-aware), drafts are accepted, and
-both pools are back at baseline after, with more requests in flight than ranks."""
+assigned it, and the decode speculates from its first step: with n-gram drafts, and with MTP
+drafts from the prompt's hidden states, which the prefill sends with the KV pages into the
+same rank's shard of the decode's ``mtp_hidden`` buffer (page-sharded as the latent). The
+decode's greedy tokens equal the colocated engine's decoding plainly (tie-aware), drafts are
+accepted, and both pools are back at baseline after, with more requests in flight than ranks.
+
+MTP runs on the repeater checkpoint (``tests/mtp_checkpoint.py``, made from the tiny GLM-5,
+as tests/transfer/test_pd_mtp.py): a draft is accepted only when the MTP layer read the
+target's hidden state of the position before the newest token, on the decode's first step the
+last prompt position, computed on the prefill. An acceptance rate of exactly 1 shows each
+request's hidden states landed on its rank's pages."""
 
 import concurrent.futures
 
@@ -19,6 +27,9 @@ ARGS = dict(page_size=8, max_total_tokens=1184, chunked_prefill_size=16,
 DP = 4
 NEW = 16
 SAMPLING = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
+K = 4
+MTP = ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", str(K),
+       "--speculative-disable-adaptive"]
 NGRAM = ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4",
          "--speculative-ngram-min-match-window-size", "1"]
 
@@ -41,6 +52,27 @@ def ngram_pd(tiny_checkpoints, tmp_path_factory):
     bport = free_port()
     prefill = pd_server("prefill", "prefill", model, logs, bootstrap_port=bport, **ARGS)
     decode = pd_server("decode_dp4_ngram", "decode", model, logs, **_dp_flags(NGRAM), **ARGS)
+    try:
+        with running([prefill, decode]):
+            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
+    finally:
+        colocated.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mtp_pd(tiny_checkpoints, tmp_path_factory):
+    from mtp_checkpoint import write_repeater_checkpoint
+
+    model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
+                                      str(tmp_path_factory.mktemp("pd_dp_mtp") / "repeater"))
+    logs = str(tmp_path_factory.mktemp("pd_dp_mtp_logs"))
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model, progress=False, **ARGS)
+    bport = free_port()
+    prefill = pd_server("prefill_mtp", "prefill", model, logs, bootstrap_port=bport,
+                        extra=MTP, **ARGS)
+    decode = pd_server("decode_dp4_mtp", "decode", model, logs, **_dp_flags(MTP), **ARGS)
     try:
         with running([prefill, decode]):
             yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
@@ -89,3 +121,21 @@ def test_ngram_decode_with_dp_attention(ngram_pd):
     assert metric_value(text, "pdjax:spec_accepted_tokens_total") > 0
     _back_at_baseline(ngram_pd)
     assert load(ngram_pd["decode"])["num_prompt_tokens_computed"] == 0
+
+
+def test_mtp_decode_with_dp_attention(mtp_pd):
+    """6 requests over 4 ranks: the colocated engine's tokens (the last prompt token
+    repeated), every draft accepted (each rank read its requests' prefill hidden states),
+    pools and both MTP pools' ranks whole."""
+    prompts = [[(11 * i + 5 * n) % 440 + 3 for i in range(n)] for n in (9, 17, 30, 12, 41, 24)]
+    outs = _run_pd(mtp_pd, prompts, 800)
+    for ids, out in zip(prompts, outs):
+        assert out["output_ids"] == [ids[-1]] * NEW, out["output_ids"]
+    verified = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    assert verified >= 2 * len(prompts), verified
+    status, text = get(mtp_pd["decode"].url + "/metrics")
+    assert status == 200
+    assert metric_value(text, "pdjax:spec_accepted_tokens_total") > 0
+    assert metric_value(text, "pdjax:spec_accept_rate") == 1.0
+    _back_at_baseline(mtp_pd)
+    assert load(mtp_pd["decode"])["num_prompt_tokens_computed"] == 0
