@@ -194,26 +194,31 @@ class JaxTransferEngine(TransferEngine):
         (``len(dst)`` x their bytes per page, as Mooncake counts them) and the arrays pulled
         (head-group units). Raises ``TransferError`` (a decode node refused, failed or did
         not ack within ``pull_timeout_s + ack_slack_s``) or ``ValueError`` (nothing gathered
-        for ``src``, a metadata source outside registered memory)."""
-        rows = self._meta_rows(meta)
+        for ``src``, a metadata source outside registered memory). The arrays are taken from
+        ``local_kv`` first and released on every exit, so none outlives a failed offer."""
         parts = local_kv.take_gathered(src) if len(src) else None
-        units, routes = local_kv.routes(peer.layout, peer.session_id,
-                                        getattr(peer, "node_sessions", ()),
-                                        getattr(peer, "shard_nodes", ()))
-        node_bytes, arrays = [0] * len(routes), 0
-        for i, (node, session, which, per_page) in enumerate(routes):
-            last_rows = rows if i == len(routes) - 1 else []
-            if parts is None or not any(which):
-                if last_rows:
-                    self._offer(session, None, None, 0, dst, last_rows, 0)
-                continue
-            bucket = int(parts[0].shape[1])
-            sub = local_kv.offer_units(parts, units, which)
-            nbytes = len(dst) * per_page
-            self._offer(session, sub, local_kv.offer_descriptor(bucket, units, which), bucket,
-                        dst, last_rows, nbytes)
-            node_bytes[node], arrays = nbytes, arrays + len(sub)
-        return node_bytes, arrays
+        try:
+            rows = self._meta_rows(meta)
+            units, routes = local_kv.routes(peer.layout, peer.session_id,
+                                            getattr(peer, "node_sessions", ()),
+                                            getattr(peer, "shard_nodes", ()))
+            node_bytes, arrays = [0] * len(routes), 0
+            for i, (node, session, which, per_page) in enumerate(routes):
+                last_rows = rows if i == len(routes) - 1 else []
+                if parts is None or not any(which):
+                    if last_rows:
+                        self._offer(session, None, None, 0, dst, last_rows, 0)
+                    continue
+                bucket = int(parts[0].shape[1])
+                sub = local_kv.offer_units(parts, units, which)
+                nbytes = len(dst) * per_page
+                self._offer(session, sub, local_kv.offer_descriptor(bucket, units, which),
+                            bucket, dst, last_rows, nbytes)
+                node_bytes[node], arrays = nbytes, arrays + len(sub)
+            return node_bytes, arrays
+        finally:
+            # A raised error's traceback keeps this frame alive: drop the arrays here.
+            parts = sub = None
 
     def send_meta(self, session: str, meta: Sequence[tuple[int, int, int]]) -> None:
         """Write the metadata row copies ``meta`` into the decode ``session`` (an offer with no

@@ -192,10 +192,14 @@ class PrefillRanks:
         0's session: the row lands after every prefill node wrote every decode node's KV.
         Returns (bytes of the KV per decode node over every prefill node, node 0 first;
         copies); ``TransferError`` naming each node that failed (the metadata row is then
-        never written), ``ValueError`` when the decode is not paired."""
+        never written), ``ValueError`` when the decode is not paired (a pull-based pool's
+        gathered arrays of ``src`` are dropped then: ``write_pages`` releases them otherwise)."""
         with self._lock:
             entry = self._plans.get(engine_id)
         if entry is None:            # the other nodes were told to write: wait for them
+            drop = getattr(self.local_kv, "drop_gathered", None)
+            if drop is not None:     # a pull-based pool: node 0's arrays are never offered
+                drop(src)
             self.join(job, timeout_s)
             raise ValueError(f"decode engine {engine_id!r} is not paired")
         peer, ranked = entry

@@ -261,11 +261,13 @@ class PrefillTransferWorker(KVTransferWorker):
                 self._post(RoomFailed(r, RoomFailure(f"decode engine {peer_id!r} is no longer "
                                                      f"registered")))
             return
+        offered = False      # the write path was entered: it releases the gathered arrays
         try:
             meta = [self.meta.copy_to(src_slot, peer.metadata_addr, dst_slot,
                                       peer.metadata_num_slots,
                                       peer.metadata_bytes_per_slot)] if last else []
             t0 = time.perf_counter()
+            offered = True
             if job is None:
                 node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
             else:            # multi-host: every node's shards, then the metadata row
@@ -273,6 +275,9 @@ class PrefillTransferWorker(KVTransferWorker):
                                                     meta, job, self.transfer_timeout_s)
             write_s = time.perf_counter() - t0
         except (TransferError, ValueError) as e:
+            drop = getattr(self.local_kv, "drop_gathered", None)
+            if drop is not None and not offered:  # never taken (a later chunk may share the key)
+                drop(src)
             reason = f"KV write to decode {peer.session_id} failed: {e}"
             self.cancel(room)                # the room's later chunks are not written
             self.channel.send(peer.reply_endpoint, TransferStatus(
