@@ -50,6 +50,12 @@ def parse_args(argv=None) -> ServerArgs:
 
             check_listen_port("port", args.host, args.port)
             if args.role in ("prefill", "pd"):
+                if args.role == "pd" and args.disaggregation_bootstrap_port == 0:
+                    # a prefill alone may take any free port and say it in /get_server_info;
+                    # the router of --role pd is given the port before the prefill starts
+                    raise ValueError("disaggregation_bootstrap_port: --role pd tells its router "
+                                     "the prefill's bootstrap port before it starts, so it "
+                                     "must be a port (1-65535), not 0")
                 if args.disaggregation_bootstrap_port == args.port:
                     raise ValueError(f"disaggregation_bootstrap_port: {args.port} is --port "
                                      "too; the HTTP and bootstrap servers need a port each")

@@ -211,6 +211,12 @@ def test_role_pd_checks_its_childrens_ports_at_parse(capsys):
 
     assert _parse_error(capsys, ["--role", "pd", "--port", "65535"]) == (
         "error: port: --role pd runs its prefill server on --port + 1, and 65536 is past 65535")
+    # bootstrap port 0 (any free one) started, and the router, told 0, failed every request
+    # with a 400 blaming the client (a new-user trial)
+    assert _parse_error(capsys, ["--role", "pd", "--port", str(free_port()),
+                                 "--disaggregation-bootstrap-port", "0"]) == (
+        "error: disaggregation_bootstrap_port: --role pd tells its router the prefill's "
+        "bootstrap port before it starts, so it must be a port (1-65535), not 0")
     port = free_port()
     assert _parse_error(capsys, ["--role", "pd", "--port", str(port),
                                  "--disaggregation-bootstrap-port", str(port + 2)]) == (
