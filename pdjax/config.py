@@ -146,7 +146,7 @@ class CacheArgs:
     enable_hierarchical_cache: bool = setting(
         False, "HiCache's host tier (L2): full pages of the prefix cache are copied to a host "
                "memory pool, and a prefix found there is loaded back instead of recomputed "
-               "(colocated servers; DESIGN.md §3)")
+               "(colocated and PD prefill servers; DESIGN.md §3)")
     hicache_ratio: float = setting(2.0, "host KV pool pages over device KV pool pages")
     hicache_size: int = setting(0, "GiB of host memory for the host KV pool; overrides "
                                    "--hicache-ratio when > 0")
