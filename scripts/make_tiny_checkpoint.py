@@ -5,7 +5,7 @@ Each checkpoint is made by transformers itself (``from_config`` + ``save_pretrai
 an independent oracle for pdjax's models. A small byte-level BPE tokenizer (vocab 512, ChatML
 template) is trained with the ``tokenizers`` library and saved beside each model.
 
-    python scripts/make_tiny_checkpoint.py OUT_DIR [--only NAME ...]
+    python scripts/make_tiny_checkpoint.py OUT_DIR [--only NAME] [--only NAME ...]
 
 Writes OUT_DIR/NAME/ for every NAME in ``CONFIGS``; existing complete folders are kept.
 
@@ -312,7 +312,9 @@ def write_dequantized(src: str, dst: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS), default=None)
+    # one name per --only (repeat it): a list option would swallow OUT_DIR after it
+    parser.add_argument("--only", action="append", choices=sorted(CONFIGS), default=None,
+                        metavar="NAME", help="make only this checkpoint (repeatable)")
     args = parser.parse_args(argv)
     for name in args.only or sorted(CONFIGS):
         print(make_checkpoint(name, args.out_dir))
