@@ -21,7 +21,6 @@ once, and the last test pairs the first two tests' multi-host sides.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import sys
@@ -31,7 +30,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_harness import (PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env,  # noqa: E402
+from pd_nodes import node, node_pair  # noqa: E402
+from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline,  # noqa: E402
                         free_port, get, greedy_agrees, load, pd_pair, pd_server, pd_state,
                         running, wait_until)
 
@@ -49,16 +49,8 @@ def _prefill_node(model, rank, coord, http, bport, logs):
 
 
 def _node(role, model, rank, coord, http, logs, extra=(), **overrides):
-    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model,
-            "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
-            f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
-            "--skip-warmup-progress", "--dist-timeout-s", "10",
-            "--disaggregation-secret", SECRET, *extra]
-    # Two decode-row buckets instead of four: the follower compiles every shape itself (the
-    # persistent cache holds node 0's), the test's longest wait.
-    for k, v in dict(TINY_ARGS, max_running_requests=2, **overrides).items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
-    return Server(f"{role}_node{rank}", argv, http, logs, child_env())
+    return node(role, model, rank, coord, http, logs, ["--disaggregation-secret", SECRET, *extra],
+                **overrides)
 
 
 def _route(bport):
@@ -87,19 +79,6 @@ def _reference(engine, prompts, max_new):
     return [(o["output_ids"], o["meta_info"]["output_top_logprobs"]) for o in outs]
 
 
-@contextlib.contextmanager
-def _pair(node0, node1):
-    """Node 0 healthy for the block; node 1 serves no HTTP."""
-    try:
-        with running([node0]):
-            yield
-    except BaseException:
-        print(f"==== {node1.name} log ====\n{node1.log_tail(80)}")
-        raise
-    finally:
-        node1.stop()
-
-
 @pytest.fixture(scope="module")
 def prefill2(tiny_checkpoints, logs):
     """A prefill over two nodes, once node 1 registered (it retries until node 0's bootstrap
@@ -108,7 +87,7 @@ def prefill2(tiny_checkpoints, logs):
     coord, http, bport = free_port(), free_port(), free_port()
     node0 = _prefill_node(model, 0, coord, http, bport, logs)
     node1 = _prefill_node(model, 1, coord, 0, bport, logs)
-    with _pair(node0, node1):
+    with node_pair(node0, node1):
         route = wait_until(lambda: _route(bport), 10)
         yield types.SimpleNamespace(node0=node0, node1=node1, bport=bport, route=route)
 
@@ -122,7 +101,7 @@ def decode2(tiny_checkpoints, logs):
     decode_args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
     node0 = _node("decode", model, 0, coord, http, logs, **decode_args)
     node1 = _node("decode", model, 1, coord, 0, logs, **decode_args)
-    with _pair(node0, node1):
+    with node_pair(node0, node1):
         yield types.SimpleNamespace(node0=node0, node1=node1)
 
 

@@ -21,7 +21,6 @@ the head-group units (2 per buffer). Frames and offers are sealed with a shared 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -33,7 +32,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_harness import (PAGE_SIZE, TINY_ARGS, Server, at_baseline, child_env,  # noqa: E402
+from pd_nodes import node, node_pair  # noqa: E402
+from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline,  # noqa: E402
                         free_port, get, greedy_agrees, load, pd_body, pd_pair, pd_server,
                         pd_state, post, running, wait_until)
 
@@ -47,26 +47,7 @@ pytestmark = pytest.mark.slow
 
 
 def _node(role, model, rank, coord, http, logs, extra=(), **overrides):
-    argv = [sys.executable, "-m", "pdjax.serve", "--role", role, "--model-path", model,
-            "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr",
-            f"127.0.0.1:{coord}", "--tp-size", "2", "--port", str(http),
-            "--skip-warmup-progress", "--dist-timeout-s", "10", *JAX, *extra]
-    for k, v in dict(TINY_ARGS, **dict(dict(max_running_requests=2), **overrides)).items():
-        argv += ["--" + k.replace("_", "-"), str(v)]
-    return Server(f"{role}_node{rank}", argv, http, logs, child_env())
-
-
-@contextlib.contextmanager
-def _pair(node0, node1):
-    """Node 0 healthy for the block; node 1 serves no HTTP."""
-    try:
-        with running([node0]):
-            yield
-    except BaseException:
-        print(f"==== {node1.name} log ====\n{node1.log_tail(80)}")
-        raise
-    finally:
-        node1.stop()
+    return node(role, model, rank, coord, http, logs, [*JAX, *extra], **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +70,7 @@ def prefill2(tiny_checkpoints, logs):
     extra = ["--disaggregation-bootstrap-port", str(bport)]
     node0 = _node("prefill", model, 0, coord, http, logs, extra)
     node1 = _node("prefill", model, 1, coord, 0, logs, extra)
-    with _pair(node0, node1):
+    with node_pair(node0, node1):
         route = wait_until(lambda: (lambda s, b: b if s == 200 else None)(
             *get(f"http://127.0.0.1:{bport}/route")), 10)
         yield types.SimpleNamespace(node0=node0, node1=node1, bport=bport, route=route)
@@ -102,7 +83,7 @@ def decode2(tiny_checkpoints, logs):
     args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
     node0 = _node("decode", model, 0, coord, http, logs, **args)
     node1 = _node("decode", model, 1, coord, 0, logs, **args)
-    with _pair(node0, node1):
+    with node_pair(node0, node1):
         yield types.SimpleNamespace(node0=node0, node1=node1)
 
 
@@ -186,7 +167,7 @@ def test_deepseek_v32_two_nodes_to_two_nodes_over_jax_equals_colocated(tiny_chec
     d = [_node("decode", model, r, coords[1], https[1] if r == 0 else 0, logs,
                ["--num-reserved-decode-tokens", "16"], **args) for r in range(2)]
     with Engine(model_path=model, progress=False, **dict(TINY_ARGS, **args)) as colocated, \
-            _pair(p[0], p[1]), _pair(d[0], d[1]):
+            node_pair(p[0], p[1]), node_pair(d[0], d[1]):
         assert wait_until(lambda: get(f"http://127.0.0.1:{bport}/route")[0] == 200, 30)
         bpp = 2 * pd_state(d[0])["kv_bytes_per_page"]          # both nodes' replicas
         compared, _ = _serve(p[0], d[0], bport, colocated, seed=46, lengths=[9, 33, 41],
