@@ -252,8 +252,8 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
 
 def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -> None:
     """``ValueError`` naming the field that DP attention (``dp_size > 1``) is not built
-    with yet: draft-model speculative decoding on a PD role, MTP on a prefill (a decode
-    takes n-gram and MTP, colocated every algorithm), a PD role over the ``jax`` transfer
+    with yet: draft-model speculative decoding on a PD role (n-gram and MTP are built on
+    both roles, colocated every algorithm), a PD role over the ``jax`` transfer
     backend (``auto`` on ``platform`` TPU), the staging path or several hosts, the
     hierarchical cache, the CPU matmul kernel, or a pool of fewer than 2 pages a rank
     (``max_total_tokens``)."""
@@ -261,13 +261,15 @@ def check_dp_attention_settings(args: ServerArgs, platform: str | None = None) -
     if dp == 1:
         return
     spec = args.speculative_algorithm
-    built = {"colocated": ("ngram", "draft", "mtp"), "decode": ("ngram", "mtp")}
+    built = {"colocated": ("ngram", "draft", "mtp"), "decode": ("ngram", "mtp"),
+             "prefill": ("ngram", "mtp")}
     if spec is not None and spec not in built.get(args.role, ()):
-        # n-gram drafts from the tokens alone; a decode's MTP reads the prompt's hidden
-        # states, which land in its rank's mtp_hidden pages with the latent (kv_copies.py)
+        # n-gram drafts from the tokens alone; MTP's hidden states travel in mtp_hidden,
+        # page-sharded as the latent, so its pages go to / from the rank's shard alike
+        # (kv_copies.py); a draft model on a PD role with DP attention is untested
         raise ValueError(f"speculative_algorithm: {spec!r} is not built for a {args.role} "
-                         f"with DP attention yet (dp_size {dp}); a decode with DP attention "
-                         f"takes 'ngram' and 'mtp', colocated every algorithm")
+                         f"with DP attention yet (dp_size {dp}); a PD role with DP "
+                         f"attention takes 'ngram' and 'mtp', colocated every algorithm")
     if args.role in ("prefill", "decode"):
         # PD: pages read / written by address in the rank's shards (kv_export, DESIGN §4)
         role = args.role

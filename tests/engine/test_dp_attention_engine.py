@@ -142,13 +142,15 @@ def _parse_error(capsys, argv) -> str:
     ("llama", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2"],
      "error: enable_dp_attention: llama models cannot use DP attention"),
     ("deepseek_v32", ["--tp-size", "2", "--enable-dp-attention", "--dp-size", "2",
-                      "--speculative-algorithm", "mtp", "--role", "prefill"],
-     "error: speculative_algorithm: 'mtp' is not built for a prefill with DP attention yet"),
+                      "--speculative-algorithm", "draft", "--role", "decode",
+                      "--speculative-draft-model-path", "MODEL"],
+     "error: speculative_algorithm: 'draft' is not built for a decode with DP attention yet"),
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
                       "--max-total-tokens", "24", "--page-size", "8"],
      "error: max_total_tokens: 24 tokens give each of the 4 DP attention ranks fewer than 2"),
 ])
 def test_layouts_refused_at_parse_time(tiny_checkpoints, capsys, model, argv, message):
+    argv = [tiny_checkpoints[model] if a == "MODEL" else a for a in argv]
     err = _parse_error(capsys, ["--model-path", tiny_checkpoints[model], *argv])
     assert err.startswith(message), err
 
@@ -170,3 +172,7 @@ def test_flags_parse(tiny_checkpoints):
                        "--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
                        "--speculative-algorithm", "ngram", "--role", "decode"])
     assert (args.role, args.dp_size, args.speculative_algorithm) == ("decode", 4, "ngram")
+    args = parse_args(["--port", "0", "--model-path", tiny_checkpoints["deepseek_v32"],
+                       "--tp-size", "4", "--enable-dp-attention", "--dp-size", "4",
+                       "--speculative-algorithm", "mtp", "--role", "prefill"])
+    assert (args.role, args.speculative_algorithm) == ("prefill", "mtp")

@@ -17,7 +17,7 @@ import concurrent.futures
 
 import pytest
 from pd_harness import (at_baseline, child_env, free_port, get, greedy_agrees, load,
-                        metric_value, pd_pair, pd_server, running, wait_until)
+                        metric_value, pd_pair, pd_server, pd_state, running, wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +80,27 @@ def mtp_pd(tiny_checkpoints, tmp_path_factory):
         colocated.shutdown()
 
 
+@pytest.fixture(scope="module")
+def mtp_dp_prefill(tiny_checkpoints, tmp_path_factory):
+    from mtp_checkpoint import write_repeater_checkpoint
+
+    model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
+                                      str(tmp_path_factory.mktemp("pd_dp_mtp_p") / "repeater"))
+    logs = str(tmp_path_factory.mktemp("pd_dp_mtp_p_logs"))
+    from pdjax.engine import Engine
+
+    colocated = Engine(model_path=model, progress=False, **ARGS)
+    bport = free_port()
+    prefill = pd_server("prefill_dp4_mtp", "prefill", model, logs, bootstrap_port=bport,
+                        **_dp_flags(MTP), **ARGS)
+    decode = pd_server("decode_tp1_mtp", "decode", model, logs, extra=MTP, **ARGS)
+    try:
+        with running([prefill, decode]):
+            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
+    finally:
+        colocated.shutdown()
+
+
 def _repeating_prompts(lengths, salt):
     # a short pattern repeated: the n-gram drafter finds matches in the prompt
     pats = [[(13 * i + 7 * k + salt) % 400 + 3 for i in range(3 + k % 4)]
@@ -123,10 +144,13 @@ def test_ngram_decode_with_dp_attention(ngram_pd):
     assert load(ngram_pd["decode"])["num_prompt_tokens_computed"] == 0
 
 
-def test_mtp_decode_with_dp_attention(mtp_pd):
+@pytest.mark.parametrize("pair", ["mtp_pd", "mtp_dp_prefill"])
+def test_mtp_with_dp_attention(request, pair):
     """6 requests over 4 ranks: the colocated engine's tokens (the last prompt token
-    repeated), every draft accepted (each rank read its requests' prefill hidden states),
-    pools and both MTP pools' ranks whole."""
+    repeated), every draft accepted, pools and ranks whole. ``mtp_pd``: TP 1 prefill -> DP 4
+    decode (each rank read its requests' prefill hidden states); ``mtp_dp_prefill``: DP 4
+    prefill -> TP 1 decode (each prompt's hidden states sent from its rank's shard)."""
+    mtp_pd = request.getfixturevalue(pair)
     prompts = [[(11 * i + 5 * n) % 440 + 3 for i in range(n)] for n in (9, 17, 30, 12, 41, 24)]
     outs = _run_pd(mtp_pd, prompts, 800)
     for ids, out in zip(prompts, outs):
@@ -139,3 +163,8 @@ def test_mtp_decode_with_dp_attention(mtp_pd):
     assert metric_value(text, "pdjax:spec_accept_rate") == 1.0
     _back_at_baseline(mtp_pd)
     assert load(mtp_pd["decode"])["num_prompt_tokens_computed"] == 0
+    if pair == "mtp_dp_prefill":            # the prompts were computed on several ranks
+        per_rank = ARGS["max_total_tokens"] // ARGS["page_size"] // DP
+        recs = [r for r in pd_state(mtp_pd["prefill"])["recent"] if r["room"] >= 800]
+        assert len(recs) == 6 and all(r["state"] == "Success" for r in recs), recs
+        assert len({p // per_rank for r in recs for c in r["chunks"] for p in c["src"]}) >= 2
