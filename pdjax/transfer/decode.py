@@ -347,7 +347,10 @@ class DecodeConnector(PDConnector):
                                            f"vocabulary"))
                 return
             try:
-                self.local_kv.stage_in(r.dst_pages)
+                if getattr(self.local_kv, "mode", "") == "jax" and r.room is not None:
+                    self.local_kv.stage_in(r.dst_pages, room=r.room)    # its own offers only
+                else:
+                    self.local_kv.stage_in(r.dst_pages)
             except ValueError as e:      # a pull-based pool (jax) missing a page's rows
                 self._fail(r, WriteFailed(f"KV not received: {e}"))
                 return

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from pdjax.pd.protocol import DecodeRankInfo, ProtocolError
-from pdjax.pd.wire import validate_pages
+from pdjax.pd.wire import MAX_ROOM, check_int, validate_pages
 from pdjax.transfer.kv_copies import KVLayout
 from pdjax.transfer.ranks import LOST_POLL_S, RankedLayout, node_data_plane
 
@@ -181,7 +181,10 @@ class DecodeRankNode:
         reports 503 naming it, DESIGN.md §6)."""
         try:
             pages = self._pages(msg)
-            self.local_kv.stage_in(pages)
+            if "room" in msg:       # the pulled chunks of that bootstrap_room only
+                self.local_kv.stage_in(pages, room=check_int("room", msg["room"], 0, MAX_ROOM))
+            else:
+                self.local_kv.stage_in(pages)
         except Exception as e:      # noqa: BLE001 (any failure leaves the heads stale)
             self.on_broken(f"PD decode node {self.rank}: kv_stage_in of pages "
                            f"{str(msg.get('pages'))[:200]} failed ({type(e).__name__}: {e}); "

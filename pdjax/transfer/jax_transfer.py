@@ -20,7 +20,7 @@ One chunk (prefill transfer thread -> decode pull thread)::
     prefill: parts = the chunk's gathered arrays (JaxLocalKV.stage_out, engine thread)
              uuid = fresh 62-bit id (one per attempt: an entry can be pulled once)
              server.await_pull(uuid, parts, timeout=deadline + slack)   # memory backstop
-             Offer{uuid, transfer address, layout descriptor, dst pages, metadata row bytes}
+             Offer{uuid, transfer address, layout descriptor, room, dst pages, metadata row}
                       ------------------------------------------------->  decode control thread
                                                                           -> pull worker:
                                                                           check the descriptor
@@ -31,7 +31,7 @@ One chunk (prefill transfer thread -> decode pull thread)::
                                                                           (expired: poison the
                                                                           connection, drop it)
                                                                           metadata row -> slot
-                                                                          put_units(dst, units)
+                                                                   put_units(room, dst, units)
              <--------------------------- Ack{ok | error} ----------------
     prefill: drops its references; on an error or no ack by the deadline it resets its pull
              table (one offer in flight per process, so nothing else is in it) and raises
@@ -65,11 +65,12 @@ import time
 from typing import Any, Sequence
 
 from pdjax.pd.frame_auth import AuthError, FrameAuthenticator, FrameSealer
+from pdjax.pd.wire import MAX_ROOM, check_int
 from pdjax.transfer.engine import TransferEngine, TransferError
 
 logger = logging.getLogger(__name__)
 
-OFFER_VERSION = 1
+OFFER_VERSION = 2        # 2: ``room`` (the chunk is (room, dst pages) on the decode)
 MAX_OFFER_BYTES = 1 << 20
 
 
@@ -183,13 +184,15 @@ class JaxTransferEngine(TransferEngine):
 
     # -- prefill: offer a chunk ----------------------------------------------------------
     def write_pages(self, local_kv, peer, src: Sequence[int], dst: Sequence[int],
-                    meta: Sequence[tuple[int, int, int]]) -> tuple[list[int], int]:
+                    meta: Sequence[tuple[int, int, int]],
+                    room: int = 0) -> tuple[list[int], int]:
         """Offer the arrays ``local_kv.stage_out(src)`` gathered to the decode ``peer`` (a
         ``DecodePeer``: ``session_id``, ``layout``, and a multi-host decode's
         ``node_sessions`` / ``shard_nodes``) for its pages ``dst``: one offer per decode node
         that needs units this process holds (``local_kv.routes``), node 0 last with the
         metadata row copies ``meta`` (``(src_addr, dst_addr, length)``: the bytes travel in
-        the offer); blocks until each is acked. Returns ``(bytes per decode node, node 0
+        the offer); ``room``: the chunk's ``bootstrap_room`` (the decode joins a chunk's
+        offers by room and pages); blocks until each is acked. Returns ``(bytes per decode node, node 0
         first; arrays)``: the bytes the decode's shards received from this process
         (``len(dst)`` x their bytes per page, as Mooncake counts them) and the arrays pulled
         (head-group units). Raises ``TransferError`` (a decode node refused, failed or did
@@ -207,13 +210,13 @@ class JaxTransferEngine(TransferEngine):
                 last_rows = rows if i == len(routes) - 1 else []
                 if parts is None or not any(which):
                     if last_rows:
-                        self._offer(session, None, None, 0, dst, last_rows, 0)
+                        self._offer(session, None, None, 0, dst, last_rows, 0, room)
                     continue
                 bucket = int(parts[0].shape[1])
                 sub = local_kv.offer_units(parts, units, which)
                 nbytes = len(dst) * per_page
                 self._offer(session, sub, local_kv.offer_descriptor(bucket, units, which),
-                            bucket, dst, last_rows, nbytes)
+                            bucket, dst, last_rows, nbytes, room)
                 node_bytes[node], arrays = nbytes, arrays + len(sub)
             return node_bytes, arrays
         finally:
@@ -237,13 +240,13 @@ class JaxTransferEngine(TransferEngine):
         return rows
 
     def _offer(self, session: str, parts: list | None, buffers: list | None, bucket: int,
-               dst: Sequence[int], rows: list, nbytes: int) -> None:
+               dst: Sequence[int], rows: list, nbytes: int, room: int = 0) -> None:
         """One offer to the decode ``session``: ``parts`` (None: the metadata ``rows`` alone)
         under a fresh uuid, held until its ack; ``TransferError`` on a refusal or no ack."""
         uuid = secrets.randbits(62) | 1 if parts else 0
         offer = {"v": OFFER_VERSION, "uuid": uuid, "address": self.transfer_address,
                  "dst": [int(p) for p in dst], "bucket": bucket, "buffers": buffers,
-                 "meta": rows}
+                 "meta": rows, "room": int(room)}
         wait_s = self.pull_timeout_s + self.ack_slack_s
         t0 = time.perf_counter()
         with self._offer_lock:
@@ -363,11 +366,12 @@ class JaxTransferEngine(TransferEngine):
             raise ValueError(f"offer version: prefill {offer.get('v')!r} != decode "
                              f"{OFFER_VERSION}")
         uuid, address, bucket = offer.get("uuid"), offer.get("address"), offer.get("bucket")
-        dst = offer.get("dst")
+        dst, room = offer.get("dst"), offer.get("room")
         if not isinstance(uuid, int) or not isinstance(address, str) \
                 or not isinstance(bucket, int) or not isinstance(dst, list) \
                 or not all(isinstance(p, int) for p in dst):
             raise ValueError("offer: uuid, address, bucket or dst missing or mistyped")
+        check_int("room", room, 0, MAX_ROOM)
         rows = offer.get("meta") or []
         for i, row in enumerate(rows):
             if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], int)
@@ -382,6 +386,7 @@ class JaxTransferEngine(TransferEngine):
             return 0
         try:
             units, which = kv.check_offer(offer.get("buffers"), dst, bucket)
+            kv.check_join(room, dst, units, bucket)
         except ValueError:
             self.num_refused_offers += 1
             raise
@@ -404,7 +409,7 @@ class JaxTransferEngine(TransferEngine):
             raise TransferError(f"jax pull from {address} failed: {e}") from e
         for dst_addr, data in rows:
             ctypes.memmove(dst_addr, data, len(data))
-        kv.put_units(dst, units, which, parts)
+        kv.put_units(dst, units, which, parts, room=room, bucket=bucket)
         nbytes = kv.received_bytes(units, which, len(dst))
         self._count(nbytes=nbytes, copies=len(parts), seconds=time.perf_counter() - t0)
         return nbytes

@@ -67,12 +67,13 @@ logger = logging.getLogger(__name__)
 STALE_S = 900.0          # gathered / pulled arrays nobody took are dropped after this long
 
 
-
 @dataclasses.dataclass
 class _Arrival:
     """Pulled rows of decode pages ``dst``: ``parts`` (compact arrays in the pool's sharding),
     or the ``units`` (``(buffer, unit) -> array``, ``bucket`` pages each) of ``counts`` units
-    per buffer that the offers of a chunk brought so far (one per prefill node holding some)."""
+    per buffer that the offers of a chunk brought so far (one per prefill node holding some).
+    A chunk is ``(room, dst)``: ``room`` is the offers' ``bootstrap_room`` (0: none given), so
+    a late offer of a failed room never joins a later room that reuses its pages."""
 
     dst: tuple[int, ...]
     parts: list[Any] | None
@@ -80,6 +81,7 @@ class _Arrival:
     units: dict = dataclasses.field(default_factory=dict)
     counts: tuple[int, ...] = ()
     bucket: int = 0
+    room: int = 0
 
 
 def pad_mask(parts: Sequence[Any], n) -> list:
@@ -339,6 +341,9 @@ class JaxLocalKV:
                                  f"{ids!r} are not distinct units of the {units[i]} that this "
                                  f"decode node holds some of")
             which.append(ids)
+        if not any(which):
+            raise ValueError("layout descriptor: unit_ids: the offer carries no unit of any "
+                             "buffer")
         return units, which
 
     def pull_specs(self, bucket: int, units: Sequence[int],
@@ -505,42 +510,59 @@ class JaxLocalKV:
             pass
 
     # -- decode ----------------------------------------------------------------------------
-    def put_arrived(self, dst: Sequence[int], parts: list) -> None:
+    def put_arrived(self, dst: Sequence[int], parts: list, room: int = 0) -> None:
         """Decode, pull thread: ``parts`` (ready, in the pool's sharding) hold decode pages
-        ``dst`` in their first rows; ``stage_in`` scatters them."""
+        ``dst`` of bootstrap_room ``room`` in their first rows; ``stage_in`` scatters them."""
         now = time.monotonic()
         with self._lock:
             self._arrived = [a for a in self._arrived if now - a.t <= STALE_S]
-            self._arrived.append(_Arrival(tuple(int(p) for p in dst), parts, now))
+            self._arrived.append(_Arrival(tuple(int(p) for p in dst), parts, now,
+                                          room=int(room)))
+
+    def check_join(self, room: int, dst: Sequence[int], units: Sequence[int], bucket: int):
+        """Decode: the arrival of chunk ``(room, dst)`` or None (caller holds the lock, or
+        none before a pull); ``ValueError`` when it came with other unit counts or bucket."""
+        key = tuple(int(p) for p in dst)
+        a = next((a for a in self._arrived if (a.room, a.dst) == (room, key)
+                  and a.parts is None), None)
+        if a is not None and (a.counts, a.bucket) != (tuple(units), int(bucket)):
+            raise ValueError(f"bucket: an offer of bootstrap_room {room} for pages "
+                             f"{list(key)[:8]} has {bucket} pages / units {list(units)}, the "
+                             f"chunk's earlier offer {a.bucket} / {list(a.counts)}")
+        return a
 
     def put_units(self, dst: Sequence[int], units: Sequence[int],
-                  which: Sequence[Sequence[int]], pulled: Sequence[Any]) -> None:
+                  which: Sequence[Sequence[int]], pulled: Sequence[Any], room: int = 0,
+                  bucket: int | None = None) -> None:
         """Decode, pull thread: the units ``which`` (ids per buffer of ``units``; ``pulled``
-        in that order, ready) of the chunk for pages ``dst``, joined to what other offers
-        of the chunk brought; ``stage_in`` assembles them."""
+        in that order, ready, ``bucket`` pages each: the offer's checked bucket) of chunk
+        ``(room, dst)`` (``room``: its ``bootstrap_room``), joined to its other offers';
+        ``stage_in`` assembles them. ``ValueError`` (nothing kept) as ``check_join``."""
         key, now = tuple(int(p) for p in dst), time.monotonic()
+        bucket = int(pulled[0].shape[1]) if bucket is None and len(pulled) else bucket or 0
         got = dict(zip([(b, u) for b, ids in enumerate(which) for u in ids], pulled))
         with self._lock:
             self._arrived = [a for a in self._arrived if now - a.t <= STALE_S]
-            a = next((a for a in self._arrived if a.dst == key and a.parts is None
-                      and a.counts == tuple(units)), None)
+            a = self.check_join(int(room), key, units, bucket)
             if a is None:
-                bucket = int(pulled[0].shape[1]) if len(pulled) else 0
-                self._arrived.append(_Arrival(key, None, now, got, tuple(units), bucket))
+                self._arrived.append(_Arrival(key, None, now, got, tuple(units), int(bucket),
+                                              int(room)))
             else:
                 a.units.update(got)
 
-    def stage_in(self, pages: Sequence[int]) -> None:
+    def stage_in(self, pages: Sequence[int], room: int | None = None) -> None:
         """Decode, engine thread (a step boundary): scatter every pulled chunk whose pages are
-        among ``pages`` (a room's pages) into the pool; with ``mirror`` (node 0 of a
-        multi-host decode) the other nodes are told to scatter theirs first. ``ValueError``
-        naming the count when some page of ``pages`` arrived in no pulled chunk, or the
-        units missing from one (nothing is scattered then: the room fails)."""
+        among ``pages`` (a room's pages) into the pool, of bootstrap_room ``room`` only when
+        given (another room's chunks of those pages are stale: dropped); with ``mirror``
+        (node 0 of a multi-host decode) the other nodes are told to scatter theirs first.
+        ``ValueError`` naming the count when some page of ``pages`` arrived in no pulled
+        chunk, or the units missing from one (nothing is scattered then: the room fails)."""
         want = {int(p) for p in pages}
         if not want:
             return
         with self._lock:
-            mine = [a for a in self._arrived if set(a.dst) <= want]
+            mine = [a for a in self._arrived if set(a.dst) <= want
+                    and (room is None or a.room == room)]
             self._arrived = [a for a in self._arrived if not set(a.dst) <= want]
         covered = set().union(*(a.dst for a in mine))
         try:
@@ -553,7 +575,8 @@ class JaxLocalKV:
             self.num_missing_arrivals += 1
             raise
         if self.mirror is not None:
-            self.mirror("kv_stage_in", pages=sorted(want))
+            self.mirror("kv_stage_in", pages=sorted(want),
+                        **({} if room is None else {"room": int(room)}))
         for dst, parts in ready:
             self._scatter(dst, parts)
 

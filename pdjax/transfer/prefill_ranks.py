@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 from pdjax.pd.bootstrap import PrefillRankInfo, register_prefill_rank
 from pdjax.pd.protocol import RankWriteDone
-from pdjax.pd.wire import MAX_ROOM, validate_pages
+from pdjax.pd.wire import MAX_ROOM, check_int, validate_pages
 from pdjax.transfer.engine import Copy, TransferError
 from pdjax.transfer.kv_copies import (KVLayout, NodeShards, build_copies, node_shards,
                                       write_nodes)
@@ -150,9 +150,11 @@ class PrefillRanks:
         with self._lock:
             self._plans[engine_id] = (peer, ranked)
 
-    def send_write(self, engine_id: str, src: list[int], dst: list[int]) -> int | None:
+    def send_write(self, engine_id: str, src: list[int], dst: list[int],
+                   room: int = 0) -> int | None:
         """Engine thread: tell every other node to write its shards of ``src`` pages into the
-        decode ``engine_id``'s ``dst`` pages (after announcing that decode once per pairing).
+        decode ``engine_id``'s ``dst`` pages (after announcing that decode once per pairing;
+        ``room``: the chunk's ``bootstrap_room``, which the jax backend's offers carry).
         Returns the job to ``join``, or None when the decode is not paired (the worker then
         fails the room as for one process)."""
         with self._lock:
@@ -175,7 +177,8 @@ class PrefillRanks:
                               node_sessions=list(peer.node_sessions),
                               shard_nodes=[list(row) for row in peer.shard_nodes])
         job = self.writes.new_job()
-        self.cluster.send("kv_write", job=job, peer=announced[1], src=list(src), dst=list(dst))
+        self.cluster.send("kv_write", job=job, peer=announced[1], src=list(src), dst=list(dst),
+                          room=int(room))
         return job
 
     def join(self, job: int, timeout_s: float,
@@ -185,7 +188,8 @@ class PrefillRanks:
                                 dst_nodes=dst_nodes)
 
     def write(self, engine, engine_id: str, src: Sequence[int], dst: Sequence[int],
-              meta: list[Copy], job: int, timeout_s: float) -> tuple[list[int], int]:
+              meta: list[Copy], job: int, timeout_s: float,
+              room: int = 0) -> tuple[list[int], int]:
         """Transfer worker: write node 0's copies of ``src`` -> ``dst`` with ``engine`` into
         every node of decode ``engine_id`` (``write_nodes``), wait for every other node's
         report of ``job``, then write ``meta`` (the metadata row, or nothing) into decode node
@@ -207,7 +211,7 @@ class PrefillRanks:
         pulled = hasattr(engine, "write_pages")      # the jax backend: offers, then a row
         try:
             if pulled:
-                own, n_own = engine.write_pages(self.local_kv, peer, src, dst, [])
+                own, n_own = engine.write_pages(self.local_kv, peer, src, dst, [], room)
             else:
                 own, n_own = write_nodes(engine, ranked.with_local(0, self.local_kv.layout),
                                          peer.layout, writes, src, dst,
@@ -369,8 +373,9 @@ class RankSender:
             if len(src) != len(dst):
                 raise RankError(f"src_pages, dst_pages: {len(src)} != {len(dst)} pages")
             if getattr(self.local_kv, "mode", "") == "jax":   # gathered now (step order)
+                room = check_int("room", msg.get("room", 0), 0, MAX_ROOM)
                 self.local_kv.stage_out(src)
-                self._jobs.put((job, self._generation, peer, (src, dst)))
+                self._jobs.put((job, self._generation, peer, (src, dst, [], room)))
                 return
             import jax
 
@@ -400,7 +405,7 @@ class RankSender:
                 continue
             if isinstance(parts, tuple):          # the jax backend: this node's offers
                 try:
-                    node_bytes, n = self.engine.write_pages(self.local_kv, peer, *parts, [])
+                    node_bytes, n = self.engine.write_pages(self.local_kv, peer, *parts)
                 except (TransferError, ValueError) as e:
                     self._reply(peer, job, ok=False, reason=f"KV offer failed: {e}")
                     continue

@@ -160,7 +160,7 @@ class PrefillTransferWorker(KVTransferWorker):
         for c in meta:
             r = c.room
             self.local_kv.stage_out(c.src)
-            job = (self.ranks.send_write(r.peer_id, c.src, c.dst)
+            job = (self.ranks.send_write(r.peer_id, c.src, c.dst, r.room)
                    if self.ranks is not None else None)
             r.jobs_inflight += 1
             self._jobs.put(("chunk", r, (r.room, r.peer_id, r.src_slot, r.dst_slot, c.src,
@@ -269,10 +269,10 @@ class PrefillTransferWorker(KVTransferWorker):
             t0 = time.perf_counter()
             offered = True
             if job is None:
-                node_bytes, n_kv = self._write_nodes(peer, src, dst, meta)
+                node_bytes, n_kv = self._write_nodes(peer, src, dst, meta, room)
             else:            # multi-host: every node's shards, then the metadata row
                 node_bytes, n_kv = self.ranks.write(self.transfer_engine, peer_id, src, dst,
-                                                    meta, job, self.transfer_timeout_s)
+                                                    meta, job, self.transfer_timeout_s, room)
             write_s = time.perf_counter() - t0
         except (TransferError, ValueError) as e:
             drop = getattr(self.local_kv, "drop_gathered", None)
@@ -291,14 +291,14 @@ class PrefillTransferWorker(KVTransferWorker):
         self._post(ChunkWritten(r, src, dst, sum(node_bytes), n_kv, list(node_bytes), write_s,
                                 last))
 
-    def _write_nodes(self, peer, src: list[int], dst: list[int],
-                     meta: list) -> tuple[list[int], int]:
+    def _write_nodes(self, peer, src: list[int], dst: list[int], meta: list,
+                     room: int = 0) -> tuple[list[int], int]:
         """Write ``src`` -> ``dst`` pages into every node of the decode (one process: one), each
         node's shards into its own session, node 0 last with the metadata row ``meta`` (the
         gate comes after all the KV). Returns (bytes per decode node, node 0 first; copies)."""
         write_pages = getattr(self.transfer_engine, "write_pages", None)
         if write_pages is not None:        # a pull-based backend (jax): one offer per chunk
-            return write_pages(self.local_kv, peer, src, dst, meta)
+            return write_pages(self.local_kv, peer, src, dst, meta, room)
         return write_nodes(self.transfer_engine, self.local_kv.layout, peer.layout,
                            peer.node_writes(), src, dst, meta=meta)
 

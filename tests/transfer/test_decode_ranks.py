@@ -304,3 +304,15 @@ def test_a_jax_decode_follower_whose_scatter_fails_leaves_the_cluster(pages, fai
     assert len(broken) == 1 and broken[0].startswith("PD decode node 2: kv_stage_in of pages ")
     assert needle in broken[0] and "stale" in broken[0], broken[0]
     assert calls == ([pages] if fail is not None else [])
+
+
+def test_a_jax_decode_follower_scatters_only_the_room_node_0_names():
+    calls, broken = [], []
+    kv = types.SimpleNamespace(mode="jax", num_pages=16,
+                               stage_in=lambda p, room=None: calls.append((p, room)))
+    node = DecodeRankNode(1, types.SimpleNamespace(session_id="s1"), kv, FakeChannel())
+    node.on_broken = broken.append
+    node.handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [3, 4], "room": 41})
+    assert calls == [([3, 4], 41)] and broken == []
+    node.handlers["kv_stage_in"]({"op": "kv_stage_in", "pages": [3, 4], "room": "41"})
+    assert calls == [([3, 4], 41)] and "field 'room': expected int" in broken[0]

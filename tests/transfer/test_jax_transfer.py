@@ -162,8 +162,8 @@ def test_decode_deadline_ends_a_pull_of_a_missing_uuid_and_keeps_serving(pair):
     import zmq
 
     (p_engine, _, p_kv, _), (d_engine, _, d_kv, _) = pair
-    offer = {"v": 1, "uuid": 12345, "address": p_engine.transfer_address, "dst": [3],
-             "bucket": 1, "buffers": d_kv.offer_descriptor(1, [1, 1]), "meta": []}
+    offer = {"v": 2, "uuid": 12345, "address": p_engine.transfer_address, "dst": [3],
+             "bucket": 1, "buffers": d_kv.offer_descriptor(1, [1, 1]), "meta": [], "room": 1}
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -432,7 +432,7 @@ def test_a_room_whose_rows_did_not_arrive_fails_at_the_gate():
             conn.rooms[req.rid] = r
             return r
 
-        kv.put_arrived([3], [np.zeros((L, 1, PS, KVH * D), np.float32)] * 2)
+        kv.put_arrived([3], [np.zeros((L, 1, PS, KVH * D), np.float32)] * 2, room=41)
         r = room(41, [3, 4])                         # page 4 never arrived
         conn._hand_over(r, time.monotonic())
         assert r.state == KVPoll.Failed and r.failure.label == "write"
@@ -440,7 +440,7 @@ def test_a_room_whose_rows_did_not_arrive_fails_at_the_gate():
         assert kv.num_missing_arrivals == 1 and kv.num_arrived() == 0
         failed = conn.worker.poll().failed_recving
         assert "r41" in failed
-        kv.put_arrived([6, 7], [np.zeros((L, 2, PS, KVH * D), np.float32)] * 2)
+        kv.put_arrived([6, 7], [np.zeros((L, 2, PS, KVH * D), np.float32)] * 2, room=42)
         r2 = room(42, [6, 7])
         conn._fail(r2, Aborted("aborted by client"))
         assert kv.num_arrived() == 0

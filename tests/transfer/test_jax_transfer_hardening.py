@@ -65,7 +65,7 @@ def test_the_worker_drops_a_chunk_only_when_the_write_path_never_took_it(prefill
     finally:
         worker.close()
 
-    def fail_after_taking(local_kv, peer, src, dst, meta):
+    def fail_after_taking(local_kv, peer, src, dst, meta, room=0):
         local_kv.take_gathered(src)
         raise TransferError("jax pull by decode decode:1 failed: gone")
 
@@ -92,3 +92,84 @@ def test_node_zero_drops_its_chunk_for_a_decode_that_is_not_paired():
     with pytest.raises(ValueError, match="decode engine 'd9' is not paired"):
         ranks.write(engine, "d9", [3, 4], [1, 2], [], ranks.writes.new_job(), 0.01)
     assert dropped == [[3, 4]]
+
+
+# ------------------------------------------------- a chunk's offers join by room and pages
+def _units(value0, value1, bucket=2):
+    """Head-group units 0 and 1 (one KV head each) of a ``bucket``-page chunk, filled."""
+    import jax
+    import numpy as np
+
+    from test_jax_transfer import D, L, PS
+
+    dev = jax.devices()[0]
+    return [jax.device_put(np.full((L, bucket, PS, D), v, np.float32), dev)
+            for v in (value0, value1)]
+
+
+@pytest.fixture
+def decode():
+    engine = create_transfer_engine("jax", "127.0.0.1")
+    runner = FakeRunner(22)
+    yield engine, runner, JaxLocalKV(runner, engine, max_pages_per_seq=8)
+    engine.close()
+
+
+def test_a_late_offer_of_a_failed_room_never_joins_a_later_room_on_its_pages(decode):
+    """Room 5 (a TP 2 prefill: unit 0 and 1 from two processes) got only unit 0 of pages
+    3-4 before it failed; room 6 reuses the pages. Joined by pages alone, room 5's stale unit
+    completed room 6's chunk; by room, room 6 scatters exactly its own rows."""
+    import numpy as np
+
+    from test_jax_transfer import D
+
+    engine, runner, kv = decode
+    k0, v0 = _units(1.0, 1.0)
+    kv.put_units([3, 4], [2, 2], [[0], [0]], [k0, v0], room=5, bucket=2)     # room 5: late
+    k1, v1 = _units(3.0, 3.0)
+    kv.put_units([3, 4], [2, 2], [[1], [1]], [k1, v1], room=6, bucket=2)
+    with pytest.raises(ValueError, match=r"units \[0\] of buffer k_cache arrived in no"):
+        kv.stage_in([3, 4], room=6)      # room 5's unit 0 is not room 6's: still missing
+    kv.put_units([3, 4], [2, 2], [[1], [1]], [k1, v1], room=6, bucket=2)
+    k2, v2 = _units(2.0, 2.0)
+    kv.put_units([3, 4], [2, 2], [[0], [0]], [k2, v2], room=6, bucket=2)
+    kv.put_units([3, 4], [2, 2], [[0], [0]], [k0, v0], room=5, bucket=2)     # later still
+    kv.stage_in([3, 4], room=6)
+    assert kv.num_arrived() == 0          # room 5's stale rows of those pages: dropped
+    for name in ("k_cache", "v_cache"):
+        rows = np.asarray(runner.caches[name])[:, [3, 4]]
+        assert (rows[..., :D] == 2.0).all() and (rows[..., D:] == 3.0).all()
+
+
+def test_an_offer_whose_bucket_differs_from_its_chunks_is_refused(decode):
+    engine, runner, kv = decode
+    kv.put_units([3, 4], [2, 2], [[0], [0]], _units(1.0, 1.0), room=7, bucket=2)
+    with pytest.raises(ValueError, match=r"bucket: an offer of bootstrap_room 7 for pages "
+                                         r"\[3, 4\] has 4 pages / units \[2, 2\], the chunk's "
+                                         r"earlier offer 2 / \[2, 2\]"):
+        kv.check_join(7, [3, 4], [2, 2], 4)
+    with pytest.raises(ValueError, match="bucket: an offer of bootstrap_room 7"):
+        kv.put_units([3, 4], [2, 2], [[1], [1]], _units(1.0, 1.0, bucket=4), room=7, bucket=4)
+    kv.check_join(8, [3, 4], [2, 2], 4)    # another room's chunk: its own
+    assert kv.num_arrived() == 1
+    kv.drop_arrived([3, 4])
+
+
+def test_an_offer_with_no_unit_or_a_bad_room_is_refused_before_any_pull(decode):
+    engine, runner, kv = decode
+    prefill = JaxLocalKV(FakeRunner(23, tp=2), object(), max_pages_per_seq=8)
+    desc = prefill.offer_descriptor(2, [2, 2], [[], []])
+    with pytest.raises(ValueError, match="unit_ids: the offer carries no unit of any buffer"):
+        kv.check_offer(desc, [3, 4], 2)
+    assert kv.check_offer(prefill.offer_descriptor(2, [2, 2], [[1], []]), [3, 4], 2) == \
+        ([2, 2], [[1], []])
+    offer = {"v": 2, "uuid": 3, "address": "127.0.0.1:1", "bucket": 2, "dst": [3, 4],
+             "buffers": desc, "meta": []}
+    for room, needle in (("x", "expected int"), (True, "expected int"), (-1, "-1 outside"),
+                         (None, "expected int"), (1 << 63, "9223372036854775808 outside")):
+        with pytest.raises(ValueError, match=f"field 'room': {needle}"):
+            engine._pull(dict(offer, room=room))
+    refused = engine.num_refused_offers
+    with pytest.raises(ValueError, match="carries no unit"):
+        engine._pull(dict(offer, room=9))
+    assert engine.num_refused_offers == refused + 1 and kv.num_arrived() == 0

@@ -199,7 +199,7 @@ def test_a_chunk_succeeds_only_when_every_node_wrote(fail_node):
     worker, channel, job, engine, cluster = _worker(fail_node)
     try:
         assert [op for op, _ in cluster.sent] == ["kv_peer", "kv_write"]
-        assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8])
+        assert cluster.sent[1][1] == dict(job=job, peer=1, src=[3, 4], dst=[7, 8], room=0)
         r = PrefillRoom(room=11, created_s=0.0, peer_id="d1", dst_slot=0, src_slot=0)
         worker._write_chunk(r, 11, "d1", 0, 0, [3, 4], [7, 8], True, job)
         told = [m for _, m in channel.sent]
@@ -301,10 +301,14 @@ def test_a_jax_follower_range_checks_both_page_lists_before_it_gathers():
         assert endpoint == "tcp://n0:1" and done.job == job and not done.ok
         assert needle in done.reason, (src, dst_pages, done.reason)
     assert len(s.channel.sent) == len(cases) and kv.staged == [] and s._jobs.empty()
-    s.on_write({"job": 99, "peer": 1, "src": [7, 1], "dst": [PAGES - 1, 1]})   # both in range
-    assert kv.staged == [[7, 1]] and len(s.channel.sent) == len(cases)
-    job, _, peer, (src, dst_pages) = s._jobs.get_nowait()
-    assert (job, peer.session, src, dst_pages) == (99, "decode:1", [7, 1], [PAGES - 1, 1])
+    s.on_write({"job": 99, "peer": 1, "src": [7, 1], "dst": [PAGES - 1, 1], "room": 41})
+    assert kv.staged == [[7, 1]] and len(s.channel.sent) == len(cases)     # both in range
+    job, _, peer, (src, dst_pages, meta, room) = s._jobs.get_nowait()
+    assert (job, peer.session, src, dst_pages, meta, room) == (
+        99, "decode:1", [7, 1], [PAGES - 1, 1], [], 41)
+    s.on_write({"job": 100, "peer": 1, "src": [7], "dst": [1], "room": "41"})
+    assert "field 'room': expected int" in s.channel.sent[-1][1].reason
+    assert kv.staged == [[7, 1]] and s._jobs.empty()
 
 
 # ----------------------------------------------- a multi-host prefill -> a multi-host decode
