@@ -2,7 +2,7 @@
 (CPU) machine (issue 42 item 5, DESIGN.md §4 and §7): the runner's ``gather_pages`` (the
 prefill's compact chunk) and donated ``scatter_pages`` (the decode's step-boundary write),
 which ``python -m pdjax.aot`` also lists, plus the programs this backend adds
-(``jax_transfer_kv.lower_transfer_programs``: the decode's padding mask, the prefill's
+(``jax_transfer_programs.lower_transfer_programs``: the decode's padding mask, the prefill's
 head-group unit slice and the decode's unit concatenation), at the largest page bucket of the
 server's context. Per program: compile seconds and the compiler's temp bytes per chip beside
 the largest KV buffer a chip holds; a temp that large is a pool-sized temporary.
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from pdjax.runner.model_runner import shard_bytes
-    from pdjax.transfer.jax_transfer_kv import lower_transfer_programs
+    from pdjax.transfer.jax_transfer_programs import lower_transfer_programs
     from pdjax.transfer.local_kv import page_buckets
 
     bucket = page_buckets(-(-engine.context_length // args.page_size))[-1]

@@ -58,6 +58,7 @@ import numpy as np
 
 from pdjax.models.cache_spec import kv_format
 from pdjax.transfer.jax_transfer_layout import descriptor_layout, device_heads
+from pdjax.transfer.jax_transfer_programs import pad_mask
 from pdjax.transfer.kv_copies import KVLayout
 from pdjax.transfer.kv_export import kv_layout_fingerprint
 from pdjax.transfer.local_kv import page_buckets
@@ -82,53 +83,6 @@ class _Arrival:
     counts: tuple[int, ...] = ()
     bucket: int = 0
     room: int = 0
-
-
-def pad_mask(parts: Sequence[Any], n) -> list:
-    """Compact arrays ``[layers, bucket, ...]`` with rows ``>= n`` (an int32 scalar) of the
-    page axis set to zero: the decode's padding rows, which it scatters into the null page."""
-    import jax.numpy as jnp
-
-    def one(p):
-        keep = (jnp.arange(p.shape[1]) < n).reshape(1, -1, *([1] * (p.ndim - 2)))
-        return jnp.where(keep, p, jnp.zeros((), p.dtype))
-    return [one(p) for p in parts]
-
-
-def lower_transfer_programs(caches: dict, bucket: int, units: int) -> list[tuple[str, Any]]:
-    """The device programs this backend adds to the runner's ``gather_pages`` and
-    ``scatter_pages``, lowered for AOT compiles (``scripts/aot_jax_transfer.py``):
-    ``(name, jax.stages.Lowered)`` for the decode's padding mask over every buffer of a
-    ``bucket``-page chunk in the pool's sharding, and, for the first buffer whose row splits
-    into ``units`` head-group units (> 1), the prefill's slice of one unit out of a device's
-    shard and the decode's concatenation of one device's units. ``caches``: ``{name:
-    jax.ShapeDtypeStruct}`` of the pool, with shardings."""
-    import jax
-    import jax.numpy as jnp
-
-    S = jax.ShapeDtypeStruct
-    parts = [S((c.shape[0], bucket, *c.shape[2:]), c.dtype, sharding=c.sharding)
-             for c in caches.values()]
-    out = [(f"jax_pad_mask n={bucket}",
-            jax.jit(pad_mask).trace(parts, jax.ShapeDtypeStruct((), jnp.int32)).lower())]
-    for name, p in zip(caches, parts):
-        if units <= 1 or p.shape[3] % units:
-            continue
-        dev = jax.sharding.SingleDeviceSharding(next(iter(p.sharding.device_set)))
-        shards = len(p.sharding.device_set) if p.sharding.shard_shape(p.shape)[3] < \
-            p.shape[3] else 1
-        width = p.shape[3] // units
-        shard = S((*p.shape[:3], p.shape[3] // shards, *p.shape[4:]), p.dtype, sharding=dev)
-        unit = S((*p.shape[:3], width, *p.shape[4:]), p.dtype, sharding=dev)
-        if shard.shape[3] > width:
-            out.append((f"jax_unit_slice {name} n={bucket}",
-                        jax.jit(lambda x: x[:, :, :, :width]).trace(shard).lower()))
-        per_device = max(1, units // len(p.sharding.device_set))
-        if per_device > 1:
-            out.append((f"jax_unit_concat {name} n={bucket}", jax.jit(
-                lambda *us: jnp.concatenate(us, axis=3)).trace(*[unit] * per_device).lower()))
-        break
-    return out
 
 
 class JaxLocalKV:
@@ -220,6 +174,17 @@ class JaxLocalKV:
                  if self._dev_heads[b][d][0] <= u * w
                  and (u + 1) * w <= sum(self._dev_heads[b][d])] for u in range(units)]
 
+    def _unit_owners(self, b: int, units: int) -> list[int]:
+        """Per unit of buffer ``b``, the lowest process index of a device holding it (copies
+        of a head that TP repeats can span processes: one of them offers the unit)."""
+        w = self.layout.buffers[b].num_heads // units
+        return [min((self._process_of(d) for d, (a, c) in self._dev_heads[b].items()
+                     if a <= u * w and (u + 1) * w <= a + c), default=-1) for u in range(units)]
+
+    @staticmethod
+    def _process_of(device) -> int:
+        return device.process_index
+
     def units_for(self, peer_shards: Sequence[int]) -> list[int]:
         """Head-group units per buffer between this pool and a peer whose buffers have
         ``peer_shards`` distinct head ranges: ``max`` of the two sides' for a buffer with heads
@@ -246,8 +211,8 @@ class JaxLocalKV:
         Returns ``(units per buffer, [(decode node, session, unit ids per buffer, bytes a
         page its shards receive)])`` per decode node, node 0 last: the units this process's
         devices hold that the node's shards need (a buffer without heads from prefill node
-        ``d % P`` alone). Bytes are the decode's, as Mooncake counts them: a unit once per
-        shard of the node holding it."""
+        ``d % P`` alone; a unit held by several processes from the lowest). Bytes are the
+        decode's, as Mooncake counts them: a unit once per shard of the node holding it."""
         units = self.units_for([len(set(b.shard_heads)) for b in layout.buffers])
         sessions = list(node_sessions) or [session_id]
         owners = shard_nodes or [[0] * len(b.shard_heads) for b in layout.buffers]
@@ -259,9 +224,9 @@ class JaxLocalKV:
                 held = [desc.shard_heads[s] for s, n in enumerate(owners[b]) if n == d]
                 need = [sum(1 for a, c in held if a <= u * w and (u + 1) * w <= a + c)
                         for u in range(u_n)]
-                if self._has_heads[b]:
-                    mine = self._unit_holders(b, u_n)
-                    ids = [u for u in range(u_n) if need[u] and mine[u]]
+                if self._has_heads[b]:       # a repeated head: its lowest process offers it
+                    ids = [u for u, p in enumerate(self._unit_owners(b, u_n))
+                           if need[u] and p == self.node_rank]
                 else:
                     ids = [0] if need[0] and d % self.num_nodes == self.node_rank else []
                 which.append(ids)

@@ -173,3 +173,27 @@ def test_an_offer_with_no_unit_or_a_bad_room_is_refused_before_any_pull(decode):
     with pytest.raises(ValueError, match="carries no unit"):
         engine._pull(dict(offer, room=9))
     assert engine.num_refused_offers == refused + 1 and kv.num_arrived() == 0
+
+
+# ------------------------------------------------------------ repeated heads over processes
+def test_a_head_repeated_over_several_prefill_processes_is_offered_by_the_lowest_once():
+    """2 KV heads at TP 4 (each on two devices), as if each device were its own process
+    (node 0..3): before, every holder offered its unit (pulled twice, bytes counted twice);
+    now node 0 offers head 0, node 2 head 1, nodes 1 and 3 nothing, and the bytes over the
+    nodes sum to the decode's bytes per page once."""
+    from test_jax_transfer import _repeated
+
+    runner = FakeRunner(24, kvh=4, tp=4, latent=True)
+    _repeated(runner, 2)
+    kv = JaxLocalKV(runner, object(), max_pages_per_seq=8, head_repeat=2)
+    decode = JaxLocalKV(FakeRunner(25, kvh=2, tp=1, latent=True), object(), max_pages_per_seq=8)
+    kv._process_of = lambda device: device.id
+    kv.num_nodes, offered, per_page = 4, {}, 0
+    for node in range(4):
+        kv.node_rank = node
+        units, [(d, session, which, nbytes)] = kv.routes(decode.layout, "s0")
+        assert (units, d, session) == ([2, 2, 1], 0, "s0")
+        offered[node], per_page = which, per_page + nbytes
+    assert offered == {0: [[0], [0], [0]], 1: [[], [], []], 2: [[1], [1], []],
+                       3: [[], [], []]}
+    assert per_page == decode.bytes_per_page
