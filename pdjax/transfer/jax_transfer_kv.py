@@ -271,18 +271,27 @@ class JaxLocalKV:
         if bucket not in self.buckets:
             raise ValueError(f"bucket: the prefill's {bucket} pages is not a bucket of this "
                              f"decode ({self.buckets})")
+        # Types first: len() or int() of a mistyped field would raise TypeError, which the
+        # pull thread does not count as a refused offer.
+        if not isinstance(dst, (list, tuple)) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in dst):
+            raise ValueError("dst_pages: expected a list of page ids")
         if not 1 <= len(dst) <= bucket:
             raise ValueError(f"dst_pages: {len(dst)} pages for a {bucket}-page bucket")
-        bad = [p for p in dst if not 1 <= int(p) < self.num_pages]
+        bad = [p for p in dst if not 1 <= p < self.num_pages]
         if bad:
             raise ValueError(f"dst_pages: {bad[:4]} outside [1, {self.num_pages})")
-        if not isinstance(buffers, (list, tuple)) or len(buffers) != len(self.names) \
-                or not all(isinstance(d, dict) for d in buffers):
-            raise ValueError(f"layout descriptor: prefill has {len(buffers or ())} KV buffers, "
+        if not isinstance(buffers, (list, tuple)) or not all(isinstance(d, dict)
+                                                             for d in buffers):
+            raise ValueError(f"layout descriptor: expected a list of buffer dicts, got "
+                             f"{type(buffers).__name__}")
+        if len(buffers) != len(self.names):
+            raise ValueError(f"layout descriptor: prefill has {len(buffers)} KV buffers, "
                              f"decode {len(self.names)} ({self.names})")
-        theirs_shards = [len(d.get("shard_heads") or ()) for d in buffers]
-        if not all(theirs_shards):
-            raise ValueError("layout descriptor: a buffer without shard_heads")
+        if not all(isinstance(d.get("shard_heads"), list) and d["shard_heads"]
+                   for d in buffers):
+            raise ValueError("layout descriptor: a buffer without a shard_heads list")
+        theirs_shards = [len(d["shard_heads"]) for d in buffers]
         units = self.units_for(theirs_shards)
         ours = self.offer_descriptor(bucket, units)
         which = []

@@ -197,3 +197,27 @@ def test_a_head_repeated_over_several_prefill_processes_is_offered_by_the_lowest
     assert offered == {0: [[0], [0], [0]], 1: [[], [], []], 2: [[1], [1], []],
                        3: [[], [], []]}
     assert per_page == decode.bytes_per_page
+
+
+def test_a_mistyped_offer_is_refused_and_counted_not_a_type_error(decode):
+    """``len()`` of a non-sized descriptor raised TypeError: an unclear message, and the pull
+    thread did not count the refused offer."""
+    engine, runner, kv = decode
+    good = kv.offer_descriptor(2)
+    for buffers, dst, needle in (
+            (5, [3, 4], "expected a list of buffer dicts, got int"),
+            ([5, 6], [3, 4], "expected a list of buffer dicts, got list"),
+            (good[:1], [3, 4], "prefill has 1 KV buffers, decode 2"),
+            ([dict(d, shard_heads=3) for d in good], [3, 4], "without a shard_heads list"),
+            ([dict(d, shard_heads=None) for d in good], [3, 4], "without a shard_heads list"),
+            (good, [3, True], "dst_pages: expected a list of page ids"),
+            (good, "34", "dst_pages: expected a list of page ids")):
+        with pytest.raises(ValueError, match=needle):
+            kv.check_offer(buffers, dst, 2)
+    offer = {"v": 2, "uuid": 3, "address": "127.0.0.1:1", "bucket": 2, "dst": [3, 4],
+             "meta": [], "room": 1}
+    refused = engine.num_refused_offers
+    for buffers in (5, [5, 6], [dict(d, shard_heads=3) for d in good]):
+        with pytest.raises(ValueError, match="layout descriptor"):
+            engine._pull(dict(offer, buffers=buffers))
+    assert engine.num_refused_offers == refused + 3 and kv.num_arrived() == 0
