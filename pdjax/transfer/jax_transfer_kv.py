@@ -153,6 +153,8 @@ class JaxLocalKV:
 
     @property
     def num_layer_buffers(self) -> int:
+        """Per-layer KV buffers of this process's shards (layers x shards, summed over the
+        buffers), as ``LocalKV`` reports them (start-up log, the connector's state)."""
         return sum(b.num_layers * len(b.shard_addrs) for b in self.layout.buffers)
 
     def check_addresses(self) -> bool:
@@ -569,6 +571,8 @@ class JaxLocalKV:
             return len(self._arrived)
 
     def close(self) -> None:
+        """Forget every gathered (prefill) and pulled (decode) chunk: their device arrays are
+        released with the last reference. Nothing is registered, so nothing else to undo."""
         with self._lock:
             self._gathered.clear()
             self._arrived.clear()
