@@ -28,10 +28,13 @@ DP = 4
 NEW = 16
 SAMPLING = {"temperature": 0, "max_new_tokens": NEW, "ignore_eos": True}
 K = 4
+# drafts in steps of up to 8 decode rows (default 4): 6 requests decoding at once would
+# otherwise verify nothing, depending on how their arrivals interleave
+ROWS = ["--speculative-disable-by-batch-size", "8"]
 MTP = ["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", str(K),
-       "--speculative-disable-adaptive"]
+       "--speculative-disable-adaptive", *ROWS]
 NGRAM = ["--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "4",
-         "--speculative-ngram-min-match-window-size", "1"]
+         "--speculative-ngram-min-match-window-size", "1", *ROWS]
 
 
 def _dp_flags(spec: list[str]) -> dict:
