@@ -105,14 +105,14 @@ class ModelArgs:
         check_int(self, "tp_size", 1)
         check_int(self, "ep_size", 1)
         if self.tp_size % self.ep_size:
-            raise ValueError(f"ep_size ({self.ep_size}) must divide tp_size ({self.tp_size}): "
+            raise ValueError(f"ep_size: {self.ep_size} must divide tp_size ({self.tp_size}): "
                              "the experts are split over the devices of the TP group")
         check_int(self, "dp_size", 1)
         if self.tp_size % self.dp_size:
-            raise ValueError(f"dp_size ({self.dp_size}) must divide tp_size ({self.tp_size}): "
+            raise ValueError(f"dp_size: {self.dp_size} must divide tp_size ({self.tp_size}): "
                              "the DP attention ranks split the devices of the TP group")
         if not isinstance(self.enable_dp_attention, bool):
-            raise ValueError(f"enable_dp_attention must be true or false, got "
+            raise ValueError(f"enable_dp_attention: must be true or false, got "
                              f"{self.enable_dp_attention!r}")
         if self.dp_size > 1 and not self.enable_dp_attention:
             raise ValueError(f"dp_size: {self.dp_size} ranks need enable_dp_attention (data-"
@@ -123,9 +123,9 @@ class ModelArgs:
         for name in ("unroll_layers", "cpu_matmul_kernel"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be true, false or null (auto), got {value!r}")
+                raise ValueError(f"{name}: must be true, false or null (auto), got {value!r}")
         if self.context_length is not None and self.context_length < 2:
-            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+            raise ValueError(f"context_length: must be >= 2, got {self.context_length}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +169,14 @@ class CacheArgs:
         check_int(self, "page_size", 1)
         check_int(self, "max_total_tokens", 1)
         if self.max_total_tokens < 2 * self.page_size:
-            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must hold at least two "
+            raise ValueError(f"max_total_tokens: {self.max_total_tokens} must hold at least two "
                              f"pages of page_size {self.page_size}")
         check_positive(self, "hicache_ratio")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1], got "
+            raise ValueError(f"mem_fraction_static: must be in (0, 1], got "
                              f"{self.mem_fraction_static!r}")
         if self.hicache_size < 0:
-            raise ValueError(f"hicache_size must be >= 0 GiB (0: use hicache_ratio), got "
+            raise ValueError(f"hicache_size: must be >= 0 GiB (0: use hicache_ratio), got "
                              f"{self.hicache_size}")
         from pdjax.kv.hicache_config import parse_storage_config
 
@@ -225,11 +225,11 @@ class SchedulerArgs:
                 isinstance(self.target_itl_ms, (int, float))
                 and not isinstance(self.target_itl_ms, bool)
                 and 0 < self.target_itl_ms < float("inf")):
-            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
+            raise ValueError(f"target_itl_ms: must be a positive number of milliseconds, got "
                              f"{self.target_itl_ms!r}")
         if self.target_itl_ms is not None and not self.enable_mixed_chunk:
-            raise ValueError("target_itl_ms sizes the prefill part of mixed steps: it needs "
-                             "enable_mixed_chunk (--enable-mixed-chunk)")
+            raise ValueError("target_itl_ms: it sizes the prefill part of mixed steps, so it "
+                             "needs enable_mixed_chunk (--enable-mixed-chunk)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +271,7 @@ class DisaggregationArgs:
         check_int(self, "disaggregation_bootstrap_port", 0, 65535)
         check_int(self, "disaggregation_transfer_max_batch", 1)
         if self.num_reserved_decode_tokens < 0:
-            raise ValueError(f"num_reserved_decode_tokens must be >= 0, got "
+            raise ValueError(f"num_reserved_decode_tokens: must be >= 0, got "
                              f"{self.num_reserved_decode_tokens}")
         check_positive(self, "bootstrap_timeout_s", "waiting_timeout_s", "transfer_timeout_s",
                         "heartbeat_interval_s")
@@ -326,15 +326,15 @@ class DistributedArgs:
         check_int(self, "nnodes", 1)
         v = self.node_rank
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"node_rank must be a non-negative integer, got {v!r}")
+            raise ValueError(f"node_rank: must be a non-negative integer, got {v!r}")
         if v >= self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {v}")
+            raise ValueError(f"node_rank: must be in [0, nnodes={self.nnodes}), got {v}")
         check_positive(self, "dist_timeout_s")
         if self.nnodes == 1:
             return
         host, _, port = (self.dist_init_addr or "").rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65533:
-            raise ValueError(f"dist_init_addr must be HOST:PORT with PORT in [1, 65533] when "
+            raise ValueError(f"dist_init_addr: must be HOST:PORT with PORT in [1, 65533] when "
                              f"nnodes > 1, got {self.dist_init_addr!r}")
 
 
@@ -346,10 +346,10 @@ def _check_multihost_role(args) -> None:
     if args.role not in ("prefill", "decode"):
         return
     if args.disaggregation_transfer_path == "staging":
-        raise ValueError("disaggregation_transfer_path 'staging' with nnodes > 1 is not "
+        raise ValueError("disaggregation_transfer_path: 'staging' with nnodes > 1 is not "
                          "supported: every node's own KV shards are written in place")
     if args.role == "prefill" and args.disaggregation_bootstrap_port == 0:
-        raise ValueError("disaggregation_bootstrap_port must be set (not 0) with nnodes > 1: "
+        raise ValueError("disaggregation_bootstrap_port: must be set (not 0) with nnodes > 1: "
                          "the other nodes register their KV shards there")
 
 
@@ -406,12 +406,12 @@ class SpeculativeArgs:
         check_int(self, "speculative_ngram_max_match_window_size", 1, 64)
         check_int(self, "speculative_disable_by_batch_size", 1, allow_none=True)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
-            raise ValueError("speculative_ngram_max_match_window_size must be >= "
+            raise ValueError("speculative_ngram_max_match_window_size: must be >= "
                              "speculative_ngram_min_match_window_size, got "
                              f"{self.speculative_ngram_max_match_window_size} < "
                              f"{self.speculative_ngram_min_match_window_size}")
         if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
-            raise ValueError("speculative_draft_model_path must be set with (and only with) "
+            raise ValueError("speculative_draft_model_path: must be set with (and only with) "
                              "speculative_algorithm 'draft', got "
                              f"{self.speculative_draft_model_path!r} with "
                              f"{self.speculative_algorithm!r}")
@@ -460,7 +460,7 @@ class ServerArgs:
             if self.speculative.speculative_algorithm in ("draft", "mtp"):
                 # The drafter's forwards run on the leader; the followers only mirror the
                 # target's runner calls (DESIGN.md §6).
-                raise ValueError(f"speculative_algorithm "
+                raise ValueError(f"speculative_algorithm: "
                                  f"'{self.speculative.speculative_algorithm}' with nnodes > 1 "
                                  "is not supported")
 
@@ -520,7 +520,7 @@ class ServerArgs:
         if mode is not None:
             role = _DISAGG_MODE_TO_ROLE[mode]
             if kw["role"] not in (cls.default("role"), role):
-                raise ValueError(f"disaggregation_mode {mode!r} (role {role!r}) contradicts "
+                raise ValueError(f"disaggregation_mode: {mode!r} (role {role!r}) contradicts "
                                  f"role {kw['role']!r}; give one of them")
             kw["role"] = role
         return cls(**kw)

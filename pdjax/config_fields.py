@@ -4,7 +4,7 @@ becomes a command-line flag (DESIGN.md §1).
 A settings group (``ModelArgs``, ``CacheArgs``, ...) is a frozen dataclass whose fields are
 made by ``setting`` (default, ``--help`` text, allowed values, declared once); its
 ``__post_init__`` calls ``check_fields`` (declared type, choices) and the range checks below,
-each raising ``ValueError`` naming the field. ``add_flag`` makes a field's ``--flag``;
+each raising ``ValueError("FIELD: message")``, the field's name first. ``add_flag`` makes a field's ``--flag``;
 ``FlagParser`` prints every parse error as one line ``error: FIELD: message``. Pure Python.
 """
 
@@ -15,6 +15,7 @@ import dataclasses
 import numbers
 import os
 import re
+import sys
 
 
 def setting(default, help: str = "", choices=None):
@@ -56,10 +57,10 @@ def _check_type(obj, f: dataclasses.Field) -> None:
     if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
         if optional:      # "true, false or null", "an integer or null"
             what = what.replace(" or ", ", ") + " or null"
-        raise ValueError(f"{f.name} must be {what}, got {type(v).__name__} {v!r:.60}")
+        raise ValueError(f"{f.name}: must be {what}, got {type(v).__name__} {v!r:.60}")
     if types == (numbers.Integral,):
         if abs(v) > _INT_SETTING_MAX:
-            raise ValueError(f"{f.name} must be at most {_INT_SETTING_MAX} in magnitude, got "
+            raise ValueError(f"{f.name}: must be at most {_INT_SETTING_MAX} in magnitude, got "
                              f"{v}")
         object.__setattr__(obj, f.name, int(v))       # a numpy integer becomes an int
 
@@ -73,7 +74,7 @@ def check_fields(obj) -> None:
         v = getattr(obj, f.name)
         choices = setting_choices(f)
         if choices is not None and v not in choices and not (v is None and f.default is None):
-            raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {v!r}")
+            raise ValueError(f"{f.name}: must be one of {', '.join(choices)}; got {v!r}")
 
 
 def check_int(obj, name: str, low: int, high: int | None = None,
@@ -84,9 +85,11 @@ def check_int(obj, name: str, low: int, high: int | None = None,
     if v is None and allow_none:
         return
     if not isinstance(v, int) or isinstance(v, bool) or v < low:
-        raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            low, f"an integer >= {low}")
+        raise ValueError(f"{name}: must be {what}, got {v!r}")
     if high is not None and v > high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {v}")
+        raise ValueError(f"{name}: must be in [{low}, {high}], got {v}")
 
 
 def check_positive(obj, *names: str) -> None:
@@ -95,7 +98,7 @@ def check_positive(obj, *names: str) -> None:
     for name in names:
         v = getattr(obj, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
+            raise ValueError(f"{name}: must be > 0, got {v!r}")
 
 
 def add_flag(group, f: dataclasses.Field) -> None:
@@ -121,7 +124,24 @@ class FlagParser(argparse.ArgumentParser):
     """``argparse`` whose every error, its own included, is one line on stderr and exit 2:
     ``error: FIELD: message`` (``argument --page-size: invalid int value: 'x'`` becomes
     ``error: page_size: invalid int value: 'x'``), without the usage block (``--help`` prints
-    it)."""
+    it). An unknown flag is reported before a missing required one (argparse checks the
+    required ones first: ``python -m pdjax.router --bogus`` named ``--prefill, --decode``
+    and not ``--bogus``)."""
+
+    def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        required = [a for a in self._actions if a.required]
+        for a in required:
+            a.required = False
+        try:      # a first pass only for the unknown flags (its namespace is thrown away)
+            _, unknown = self.parse_known_args(args, argparse.Namespace(**vars(namespace))
+                                               if namespace is not None else None)
+        finally:
+            for a in required:
+                a.required = True
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return super().parse_args(args, namespace)
 
     def error(self, message: str):
         m = re.match(r"argument --([\w-]+)(?:/--[\w-]+)?: (.*)", message, re.S)

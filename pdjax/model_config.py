@@ -26,7 +26,7 @@ def check_positive_ints(obj, names) -> None:
     for name in names:
         v = getattr(obj, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise ValueError(f"{name}: must be a positive integer, got {v!r}")
 
 
 # The numbers each RoPE scaling reads (``models/layers.rope_inv_freq``).
@@ -44,10 +44,10 @@ def check_rope_type(rope_scaling: tuple | None, allowed: tuple[str, ...]) -> Non
     params = dict(rope_scaling or ())
     rope_type = params.get("rope_type", "default")
     if rope_type not in allowed:
-        raise ValueError(f"rope_scaling.rope_type must be one of {allowed}, got {rope_type!r}")
+        raise ValueError(f"rope_scaling.rope_type: must be one of {allowed}, got {rope_type!r}")
     for key in _ROPE_REQUIRED.get(rope_type, ()):
         if params.get(key) is None:
-            raise ValueError(f"rope_scaling.{key} is required by rope_type {rope_type!r}")
+            raise ValueError(f"rope_scaling.{key}: required by rope_type {rope_type!r}")
     for key in _ROPE_REQUIRED.get(rope_type, ()) + _ROPE_OPTIONAL:
         v = params.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -61,9 +61,9 @@ def check_kernel_choice(obj) -> None:
     resolve, ``ragged_paged_attention.resolve_impl``)."""
     impl = obj.attention_impl
     if impl is not None and (not isinstance(impl, str) or not impl):
-        raise ValueError(f"attention_impl must be None or a kernel name, got {impl!r}")
+        raise ValueError(f"attention_impl: must be None or a kernel name, got {impl!r}")
     if not isinstance(obj.pallas_interpret, bool):
-        raise ValueError(f"pallas_interpret must be true or false, got {obj.pallas_interpret!r}")
+        raise ValueError(f"pallas_interpret: must be true or false, got {obj.pallas_interpret!r}")
 
 
 def hf_architecture(cfg: dict[str, Any], source: str) -> str:
@@ -221,16 +221,16 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
+            raise ValueError(f"architecture: {self.architecture!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size",
                                    "num_layers", "num_q_heads", "num_kv_heads", "head_dim",
                                    "max_position_embeddings"))
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_q_heads}) must be a multiple of "
+            raise ValueError(f"num_attention_heads: {self.num_q_heads} must be a multiple of "
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {self.hidden_act!r}")
+            raise ValueError(f"hidden_act: must be 'silu', got {self.hidden_act!r}")
         check_rope_type(self.rope_scaling, ROPE_TYPES)
         check_kernel_choice(self)
 

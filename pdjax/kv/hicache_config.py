@@ -26,7 +26,7 @@ def parse_storage_config(backend: str | None, extra_config: str) -> dict[str, An
             raise ValueError(f"{name}: set without hicache_storage_backend")
         return {}
     if backend not in STORAGE_BACKENDS:
-        raise ValueError(f"hicache_storage_backend must be one of {STORAGE_BACKENDS}, "
+        raise ValueError(f"hicache_storage_backend: must be one of {STORAGE_BACKENDS}, "
                          f"got {backend!r}")
     try:
         cfg = json.loads(extra_config) if extra_config else {}

@@ -103,7 +103,7 @@ class DeepseekConfig:
 
     def __post_init__(self):
         if self.architecture not in DEEPSEEK_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not an MLA architecture; "
+            raise ValueError(f"architecture: {self.architecture!r} is not an MLA architecture; "
                              f"supported: {', '.join(DEEPSEEK_ARCHITECTURES)}")
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                    "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",

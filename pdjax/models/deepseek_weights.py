@@ -49,7 +49,7 @@ def check_tp(cfg: DeepseekConfig, tp_size: int) -> None:
                        cfg.moe_intermediate_size * cfg.n_shared_experts))
     for name, value in checks:
         if value % tp_size:
-            raise ValueError(f"tp_size ({tp_size}) must divide {name} ({value})")
+            raise ValueError(f"tp_size: {tp_size} must divide {name} ({value})")
     if tp_size > 1:
         groups = param_groups(cfg)
         B = cfg.weight_block_size

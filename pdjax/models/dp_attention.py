@@ -69,9 +69,9 @@ def check_dp_attention(cfg: DeepseekConfig, tp_size: int, dp_size: int) -> None:
     ``tp_size``."""
     del cfg             # every MoE layout and dispatch backend runs under DP attention
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be a positive integer, got {dp_size!r}")
+        raise ValueError(f"dp_size: must be a positive integer, got {dp_size!r}")
     if tp_size % dp_size:
-        raise ValueError(f"dp_size ({dp_size}) must divide tp_size ({tp_size}): the DP "
+        raise ValueError(f"dp_size: {dp_size} must divide tp_size ({tp_size}): the DP "
                          "attention ranks split the devices of the TP group")
 
 

@@ -47,13 +47,13 @@ def tp_model_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     Raises ``ValueError`` when heads or the MLP width do not split over ``tp_size``.
     """
     if cfg.num_q_heads % tp_size:
-        raise ValueError(f"tp_size ({tp_size}) must divide num_attention_heads ({cfg.num_q_heads})")
+        raise ValueError(f"tp_size: {tp_size} must divide num_attention_heads ({cfg.num_q_heads})")
     if cfg.intermediate_size % tp_size:
-        raise ValueError(f"tp_size ({tp_size}) must divide intermediate_size ({cfg.intermediate_size})")
+        raise ValueError(f"tp_size: {tp_size} must divide intermediate_size ({cfg.intermediate_size})")
     if cfg.num_kv_heads % tp_size == 0:
         return cfg
     if tp_size % cfg.num_kv_heads:
-        raise ValueError(f"tp_size ({tp_size}) must divide or be a multiple of "
+        raise ValueError(f"tp_size: {tp_size} must divide or be a multiple of "
                          f"num_key_value_heads ({cfg.num_kv_heads})")
     return dataclasses.replace(cfg, num_kv_heads=tp_size)
 

@@ -183,7 +183,7 @@ def load_model(model_path: str | None = None, *, dtype="auto", mesh: Mesh | None
     mesh = mesh if mesh is not None else make_mesh(1)
     path = resolve_model_path(model_path)
     if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be one of auto, dummy; got {load_format!r}")
+        raise ValueError(f"load_format: must be one of auto, dummy; got {load_format!r}")
     ep = dict(ep_size=ep_size, moe_a2a_backend=moe_a2a_backend, dp_size=dp_size,
               attention_impl=attention_impl, pallas_interpret=pallas_interpret)
     if load_format == "dummy":

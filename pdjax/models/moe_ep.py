@@ -62,12 +62,12 @@ def check_expert_parallel(cfg: DeepseekConfig, tp_size: int, ep_size: int,
     divisible by ``ep_size``; ``moe_intermediate_size`` not divisible by ``tp_size / ep_size``,
     or (FP8) its slices not whole ``weight_block_size`` blocks."""
     if moe_a2a_backend not in A2A_BACKENDS:
-        raise ValueError(f"moe_a2a_backend must be one of {', '.join(A2A_BACKENDS)}; got "
+        raise ValueError(f"moe_a2a_backend: must be one of {', '.join(A2A_BACKENDS)}; got "
                          f"{moe_a2a_backend!r}")
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
+        raise ValueError(f"ep_size: must be a positive integer, got {ep_size!r}")
     if tp_size % ep_size:
-        raise ValueError(f"ep_size ({ep_size}) must divide tp_size ({tp_size}): the experts "
+        raise ValueError(f"ep_size: {ep_size} must divide tp_size ({tp_size}): the experts "
                          "are split over the devices of the TP group")
     if ep_size == 1:
         return
@@ -76,7 +76,7 @@ def check_expert_parallel(cfg: DeepseekConfig, tp_size: int, ep_size: int,
                          f"{ep_size} needs an MoE model)")
     E, Fm, moe_tp = cfg.n_routed_experts, cfg.moe_intermediate_size, tp_size // ep_size
     if E % ep_size:
-        raise ValueError(f"ep_size ({ep_size}) must divide n_routed_experts ({E})")
+        raise ValueError(f"ep_size: {ep_size} must divide n_routed_experts ({E})")
     if Fm % moe_tp:
         raise ValueError(f"ep_size: tp_size / ep_size ({moe_tp}) must divide "
                          f"moe_intermediate_size ({Fm})")

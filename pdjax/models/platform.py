@@ -45,11 +45,11 @@ class PlatformProfile:
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS or self.attention_impl == "auto":
-            raise ValueError(f"attention_impl must be a resolved implementation "
+            raise ValueError(f"attention_impl: must be a resolved implementation "
                              f"({', '.join(ATTENTION_IMPLS[1:])}); got {self.attention_impl!r}")
         for name in ("unroll_layers", "cpu_matmul_kernel"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
+                raise ValueError(f"{name}: must be true or false; got {getattr(self, name)!r}")
 
     @classmethod
     def resolve(cls, platform: str, *, attention_backend: str | None = None,
@@ -75,7 +75,7 @@ def _attention_impl(backend: str | None, platform: str, tp_size: int) -> str:
     impl = resolve_impl(backend, platform)
     if impl in SINGLE_DEVICE_IMPLS and tp_size > 1:
         if backend not in (None, "auto"):
-            raise ValueError(f"attention_backend {impl!r} runs on one device; tp_size is "
+            raise ValueError(f"attention_backend: {impl!r} runs on one device; tp_size is "
                              f"{tp_size} (use 'xla' or 'auto')")
         return "xla"
     return impl

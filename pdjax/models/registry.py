@@ -98,7 +98,7 @@ def model_family(architecture: str) -> ModelFamily:
     try:
         return _REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+        raise ValueError(f"architecture: {architecture!r} is not supported; supported: "
                          f"{', '.join(supported_architectures())}") from None
 
 

@@ -31,21 +31,23 @@ class SchedulerConfig:
             if v is None and name == "max_num_batched_tokens":
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise ValueError(f"{name}: must be a positive integer, got {v!r}")
         if not isinstance(self.num_reserved_decode_tokens, int) or \
                 isinstance(self.num_reserved_decode_tokens, bool) or \
                 self.num_reserved_decode_tokens < 0:
-            raise ValueError(f"num_reserved_decode_tokens must be a non-negative integer, got "
+            raise ValueError(f"num_reserved_decode_tokens: must be a non-negative integer, got "
                              f"{self.num_reserved_decode_tokens!r}")
         if self.num_pages // self.dp_size < 2:
-            raise ValueError(f"num_pages must be >= 2 a rank (page 0 is reserved), got "
+            raise ValueError(f"num_pages: must be >= 2 a rank (page 0 is reserved), got "
                              f"{self.num_pages} for {self.dp_size} rank(s)")
         if self.page_aligned_chunks and min(self.chunked_prefill_size, self.token_budget) < self.page_size:
-            raise ValueError("chunked_prefill_size and max_num_batched_tokens must be >= page_size "
-                             "when chunks are page-aligned")
+            name = ("chunked_prefill_size" if self.chunked_prefill_size < self.page_size
+                    else "max_num_batched_tokens")
+            raise ValueError(f"{name}: must be >= page_size ({self.page_size}) when chunks are "
+                             f"page-aligned, got {getattr(self, name)}")
         if self.target_itl_ms is not None and not (isinstance(self.target_itl_ms, (int, float))
                                                    and 0 < self.target_itl_ms < float("inf")):
-            raise ValueError(f"target_itl_ms must be a positive number of milliseconds, got "
+            raise ValueError(f"target_itl_ms: must be a positive number of milliseconds, got "
                              f"{self.target_itl_ms!r}")
 
     @property

@@ -210,10 +210,10 @@ def test_layouts_that_cannot_work_fail_at_parse(capsys, tiny_checkpoints, tmp_pa
     ds = tiny_checkpoints["deepseek_v32"]
     cases = [
         (["--model-path", ds, "--tp-size", "4", "--ep-size", "3"],
-         "error: ep_size (3) must divide tp_size (4)"),
+         "error: ep_size: 3 must divide tp_size (4)"),
         (["--model-path", _six_experts(ds, tmp_path), "--load-format", "dummy",
           "--tp-size", "4", "--ep-size", "4"],
-         "error: ep_size (4) must divide n_routed_experts (6)"),
+         "error: ep_size: 4 must divide n_routed_experts (6)"),
         (["--model-path", tiny_checkpoints["llama"], "--tp-size", "2", "--ep-size", "2"],
          "error: ep_size: llama models have no routed experts"),
         (["--model-path", ds, "--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "x"],
@@ -232,7 +232,7 @@ def test_a_working_layout_parses(tiny_checkpoints):
 
 
 def test_engine_takes_the_same_names(tiny_checkpoints):
-    with pytest.raises(ValueError, match=r"^ep_size \(3\) must divide tp_size \(4\)"):
+    with pytest.raises(ValueError, match=r"^ep_size: 3 must divide tp_size \(4\)"):
         Engine(tiny_checkpoints["deepseek_v32"], tp_size=4, ep_size=3, progress=False)
     with pytest.raises(ValueError, match=r"^ep_size: llama models have no routed experts"):
         Engine(tiny_checkpoints["llama"], tp_size=2, ep_size=2, progress=False)
@@ -256,7 +256,7 @@ def test_aot_takes_ep_size(capsys):
     assert aot_main(["--topology", "v5e:2x2", "--model-path", tiny, "--tp-size", "4",
                      "--ep-size", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ep_size (3) must divide tp_size (4)") and err.count("\n") == 1
+    assert err.startswith("error: ep_size: 3 must divide tp_size (4)") and err.count("\n") == 1
     target = Target("cpu", "cpu", tuple(jax.devices("cpu")), "cpu", 1 << 30)
     args = ServerArgs(model_path=tiny, tp_size=4, ep_size=2, moe_a2a_backend="ragged",
                       max_total_tokens=512, context_length=128, chunked_prefill_size=64,

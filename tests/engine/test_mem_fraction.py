@@ -25,7 +25,7 @@ def test_tokens_for_fraction_is_the_budget_in_whole_pages():
 
 @pytest.mark.parametrize("value", [0, 1.5, -0.2, True, "0.5"])
 def test_a_fraction_outside_0_1_is_refused(value):
-    with pytest.raises(ValueError, match="mem_fraction_static must be"):
+    with pytest.raises(ValueError, match="^mem_fraction_static: must be"):
         ServerArgs(mem_fraction_static=value)
 
 

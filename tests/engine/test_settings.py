@@ -31,7 +31,7 @@ def test_flat_and_grouped_settings_are_one_value():
     assert flat["page_size"] == 8 and flat["drain_timeout_s"] == 30.0
     with pytest.raises(TypeError, match="unknown setting"):
         ServerArgs(pagesize=8)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+    with pytest.raises(ValueError, match="^kv_cache_dtype: must be one of"):
         ServerArgs(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="max_total_tokens"):
         ServerArgs(page_size=64, max_total_tokens=100)
@@ -56,7 +56,7 @@ def test_one_cli_flag_per_setting_and_the_alias():
         parser.parse_args(["--dtype", "int8"])
     assert ServerArgs.from_cli_args(parser.parse_args(
         ["--role", "decode", "--disaggregation-mode", "decode"])).role == "decode"
-    with pytest.raises(ValueError, match="disaggregation_mode 'prefill' .* contradicts role "
+    with pytest.raises(ValueError, match="^disaggregation_mode: 'prefill' .* contradicts role "
                                          "'decode'"):
         ServerArgs.from_cli_args(parser.parse_args(
             ["--role", "decode", "--disaggregation-mode", "prefill"]))
@@ -101,7 +101,7 @@ def test_single_device_kernel_is_not_picked_for_tensor_parallel(tiny_checkpoints
     path = tiny_checkpoints["llama"]
     assert resolve_engine_config(ServerArgs(model_path=path, tp_size=2)).attention_impl == "xla"
     assert resolve_engine_config(ServerArgs(model_path=path)).attention_impl == "cpu"
-    with pytest.raises(ValueError, match="attention_backend 'cpu' runs on one device"):
+    with pytest.raises(ValueError, match="^attention_backend: 'cpu' runs on one device"):
         resolve_engine_config(ServerArgs(model_path=path, tp_size=2, attention_backend="cpu"))
 
 
@@ -123,7 +123,7 @@ def test_unroll_layers_auto_follows_platform_and_family(tiny_checkpoints):
     ServerArgs.add_cli_args(parser)
     for argv, want in (([], None), (["--unroll-layers"], True), (["--no-unroll-layers"], False)):
         assert ServerArgs.from_cli_args(parser.parse_args(argv)).unroll_layers is want
-    with pytest.raises(ValueError, match="unroll_layers must be true, false or null"):
+    with pytest.raises(ValueError, match="^unroll_layers: must be true, false or null"):
         ServerArgs(unroll_layers=1)
 
 
@@ -157,7 +157,7 @@ def test_cpu_matmul_kernel_auto_and_refusals(tiny_checkpoints):
     for argv, want in (([], None), (["--cpu-matmul-kernel"], True),
                        (["--no-cpu-matmul-kernel"], False)):
         assert ServerArgs.from_cli_args(parser.parse_args(argv)).cpu_matmul_kernel is want
-    with pytest.raises(ValueError, match="cpu_matmul_kernel must be true, false or null"):
+    with pytest.raises(ValueError, match="^cpu_matmul_kernel: must be true, false or null"):
         ServerArgs(cpu_matmul_kernel="yes")
 
 

@@ -163,7 +163,7 @@ def test_resample_is_compiled_per_row_count_and_grammar_backend_none_refuses(lla
     core = llama_engine.core
     assert core.runner.resample_rows == tuple(sorted({k.num_rows for k in
                                                       core.buckets.all_keys()}))
-    with pytest.raises(ValueError, match="grammar_backend must be one of"):
+    with pytest.raises(ValueError, match="^grammar_backend: must be one of"):
         ServerArgs(grammar_backend="xgrammar")
     before = core.args
     core.args = dataclasses.replace(before, grammar_backend="none")

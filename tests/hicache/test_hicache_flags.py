@@ -16,9 +16,9 @@ from pdjax.config import ServerArgs
     (["--enable-hierarchical-cache", "--role", "decode"],
      "error: enable_hierarchical_cache: only on a colocated or prefill single-host server "
      "without another KV connector, got role 'decode'\n"),
-    (["--hicache-ratio", "0"], "error: hicache_ratio must be > 0, got 0.0\n"),
+    (["--hicache-ratio", "0"], "error: hicache_ratio: must be > 0, got 0.0\n"),
     (["--hicache-size", "-1"],
-     "error: hicache_size must be >= 0 GiB (0: use hicache_ratio), got -1\n"),
+     "error: hicache_size: must be >= 0 GiB (0: use hicache_ratio), got -1\n"),
     (["--hicache-size", "1.5"], "error: hicache_size: invalid int value: '1.5'\n"),
 ])
 def test_hicache_flag_errors_are_one_line(capsys, argv, line):

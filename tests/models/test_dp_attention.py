@@ -270,9 +270,9 @@ def test_layout_checks(tiny_checkpoints):
     run = dp_attention_config(cfg, 8, 4)
     assert (run.dp_size, run.attn_tp_size) == (4, 2)
     assert dp_attention_config(cfg, 4, 1) is cfg
-    with pytest.raises(ValueError, match=r"^dp_size \(3\) must divide tp_size \(4\)"):
+    with pytest.raises(ValueError, match=r"^dp_size: 3 must divide tp_size \(4\)"):
         check_dp_attention(cfg, 4, 3)
-    with pytest.raises(ValueError, match=r"^dp_size must be a positive integer"):
+    with pytest.raises(ValueError, match=r"^dp_size: must be a positive integer"):
         check_dp_attention(cfg, 4, 0)
     from pdjax.models.moe_ep import expert_parallel_config
     ragged = dp_attention_config(expert_parallel_config(cfg, 4, 4, "ragged"), 4, 4)

@@ -49,9 +49,9 @@ def test_dummy_load_in_bfloat16(tiny_checkpoints):
 
 
 def test_bad_load_format_is_named(tiny_checkpoints):
-    with pytest.raises(ValueError, match="load_format must be one of auto, dummy; got 'npz'"):
+    with pytest.raises(ValueError, match="^load_format: must be one of auto, dummy; got 'npz'"):
         load_model(tiny_checkpoints["llama"], load_format="npz")
-    with pytest.raises(ValueError, match="load_format must be one of auto, dummy; got 'npz'"):
+    with pytest.raises(ValueError, match="^load_format: must be one of auto, dummy; got 'npz'"):
         ServerArgs(load_format="npz")
     assert ServerArgs(load_format="dummy").load_format == "dummy"
 

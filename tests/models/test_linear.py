@@ -78,7 +78,7 @@ def test_the_profile_is_resolved_and_checked():
     assert not scanned.unroll_layers and not scanned.cpu_matmul_kernel
     with pytest.raises(ValueError, match="cpu_matmul_kernel: the backend is gpu"):
         PlatformProfile.resolve("gpu", cpu_matmul_kernel=True)
-    with pytest.raises(ValueError, match="attention_impl must be a resolved"):
+    with pytest.raises(ValueError, match="^attention_impl: must be a resolved"):
         PlatformProfile("cpu", "auto")
-    with pytest.raises(ValueError, match="unroll_layers must be true or false"):
+    with pytest.raises(ValueError, match="^unroll_layers: must be true or false"):
         PlatformProfile("cpu", "xla", unroll_layers=1)

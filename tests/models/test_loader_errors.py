@@ -80,7 +80,7 @@ def test_unsupported_architecture(tiny_checkpoints, tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["architectures"] = ["MambaForCausalLM"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="architecture 'MambaForCausalLM' is not supported"):
+    with pytest.raises(ValueError, match="architecture: 'MambaForCausalLM' is not supported"):
         load_model(str(d), progress=False)
 
 
@@ -106,7 +106,7 @@ def _bad_values(name):
               ("architectures", "LlamaForCausalLM", "architectures: expected a list of names"),
               ("rope_parameters", 5, "rope_parameters: expected an object, got 5"),
               ("rope_parameters.factor", "8", "rope_scaling.factor: expected a number, got '8'"),
-              ("rope_parameters.factor", None, "rope_scaling.factor is required by rope_type")]
+              ("rope_parameters.factor", None, "rope_scaling.factor: required by rope_type")]
     if name == "llama":
         cases += [(f, "big", f"{f}: expected an integer, got 'big'")
                   for f in ("num_key_value_heads", "head_dim")]

@@ -128,11 +128,11 @@ def test_expert_shards_layout():
 
 
 @pytest.mark.parametrize("tp,ep,backend,message", [
-    (4, 3, "none", r"^ep_size \(3\) must divide tp_size \(4\)"),
+    (4, 3, "none", r"^ep_size: 3 must divide tp_size \(4\)"),
     (8, 8, "none", None),
-    (16, 16, "none", r"^ep_size \(16\) must divide n_routed_experts \(8\)"),
-    (4, 2, "bogus", r"^moe_a2a_backend must be one of none, ragged"),
-    (4, 0, "none", r"^ep_size must be a positive integer"),
+    (16, 16, "none", r"^ep_size: 16 must divide n_routed_experts \(8\)"),
+    (4, 2, "bogus", r"^moe_a2a_backend: must be one of none, ragged"),
+    (4, 0, "none", r"^ep_size: must be a positive integer"),
 ])
 def test_layout_checks(tiny_checkpoints, tp, ep, backend, message):
     cfg = _cfg(tiny_checkpoints)

@@ -43,9 +43,9 @@ def test_the_run_config_carries_the_kernel_choice(tiny_checkpoints, name):
     default, _ = load_model(tiny_checkpoints[name], dtype="float32", progress=False)
     assert (default.attention_impl, default.pallas_interpret) == (None, False)
     assert dataclasses.replace(cfg, attention_impl=None, pallas_interpret=False) == default
-    with pytest.raises(ValueError, match="^attention_impl must be None or a kernel name"):
+    with pytest.raises(ValueError, match="^attention_impl: must be None or a kernel name"):
         dataclasses.replace(cfg, attention_impl=3)
-    with pytest.raises(ValueError, match="^pallas_interpret must be true or false"):
+    with pytest.raises(ValueError, match="^pallas_interpret: must be true or false"):
         dataclasses.replace(cfg, pallas_interpret="yes")
 
 

@@ -301,10 +301,10 @@ def test_max_num_batched_tokens_counts_decode_rows_and_chunk_size_caps_a_prompt(
 def test_server_args_name_the_bad_field():
     from pdjax.config import ServerArgs
 
-    for kw, name in (({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
-                     ({"target_itl_ms": 0}, "target_itl_ms"),
-                     ({"target_itl_ms": True}, "target_itl_ms"),
-                     ({"target_itl_ms": 25.5}, "target_itl_ms .*enable_mixed_chunk")):
+    for kw, name in (({"max_num_batched_tokens": 0}, "^max_num_batched_tokens: "),
+                     ({"target_itl_ms": 0}, "^target_itl_ms: "),
+                     ({"target_itl_ms": True}, "^target_itl_ms: "),
+                     ({"target_itl_ms": 25.5}, "^target_itl_ms: .*enable_mixed_chunk")):
         with pytest.raises(ValueError, match=name):
             ServerArgs(**kw)
     assert ServerArgs(max_num_batched_tokens=300, target_itl_ms=25.5,

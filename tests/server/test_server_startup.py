@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.parametrize("tp,needle", [(64, "tp_size must be in"),
-                                       (3, "tp_size (3) must divide num_attention_heads (4)")])
+                                       (3, "tp_size: 3 must divide num_attention_heads (4)")])
 def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tp, needle):
     """A setting the engine would refuse at start (too many devices; heads that do not split)
     exits 2 at parse time with the reason on one line, no traceback (it is the user's
@@ -65,7 +65,7 @@ def _bad_checkpoint(tmp_path, kind):
         return str(tmp_path), "config.json: a JSON object of settings, got a JSON list"
     if kind == "unknown architecture":
         (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"]}')
-        return str(tmp_path), "architecture 'FooForCausalLM' is not supported"
+        return str(tmp_path), "architecture: 'FooForCausalLM' is not supported"
     (tmp_path / "x.gguf").write_text("not a gguf")
     return str(tmp_path / "x.gguf"), "x.gguf: cannot read GGUF"
 
@@ -135,7 +135,7 @@ def test_a_port_in_use_fails_before_loading(role, flag, field):
 
 
 def test_server_args_port_range():
-    with pytest.raises(ValueError, match="port must be in"):
+    with pytest.raises(ValueError, match="^port: must be in"):
         ServerArgs(port=99999)
 
 

@@ -205,7 +205,7 @@ def test_vocabulary_and_settings_checked(tiny_checkpoints):
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         ServerArgs(model_path=tiny_checkpoints["llama"], speculative_algorithm="ngram",
                    speculative_draft_model_path=tiny_checkpoints["llama"])
-    with pytest.raises(ValueError, match="speculative_algorithm 'draft' with nnodes > 1"):
+    with pytest.raises(ValueError, match="^speculative_algorithm: 'draft' with nnodes > 1"):
         ServerArgs(model_path=tiny_checkpoints["llama"], speculative_algorithm="draft",
                    speculative_draft_model_path=tiny_checkpoints["llama"], nnodes=2,
                    dist_init_addr="127.0.0.1:5000")

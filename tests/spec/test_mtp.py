@@ -87,7 +87,7 @@ def test_mtp_needs_a_checkpoint_with_an_mtp_layer(tiny_checkpoints):
     with pytest.raises(ValueError, match="speculative_algorithm: 'mtp' needs"):
         Engine(tiny_checkpoints["llama"], dtype="float32", progress=False,
                speculative_algorithm="mtp")
-    with pytest.raises(ValueError, match="speculative_algorithm 'mtp' with nnodes > 1"):
+    with pytest.raises(ValueError, match="^speculative_algorithm: 'mtp' with nnodes > 1"):
         ServerArgs(model_path=tiny_checkpoints["glm_moe_dsa"], speculative_algorithm="mtp",
                    nnodes=2, dist_init_addr="127.0.0.1:5000")
 

@@ -266,7 +266,7 @@ def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
     from pdjax.ports import free_port
     from pdjax.serve import parse_args
 
-    with pytest.raises(ValueError, match="disaggregation_transfer_backend must be one of "
+    with pytest.raises(ValueError, match="^disaggregation_transfer_backend: must be one of "
                                          "auto, fake, jax, mooncake"):
         ServerArgs(disaggregation_transfer_backend="nixl")
     corrupt_backend.register()
@@ -279,11 +279,11 @@ def test_server_args_take_the_backend_from_the_registry_and_the_pd_knobs():
             args.disaggregation_transfer_max_batch) == ("mooncake-corrupt", "staging", 7)
     assert (ServerArgs().disaggregation_transfer_path,
             ServerArgs().disaggregation_transfer_max_batch) == ("auto", 1024)
-    with pytest.raises(ValueError, match="disaggregation_transfer_path must be one of auto, "
+    with pytest.raises(ValueError, match="^disaggregation_transfer_path: must be one of auto, "
                                          "direct, staging; got 'dma'"):
         ServerArgs(disaggregation_transfer_path="dma")
     for bad in (0, -3, True, 2.5):
         with pytest.raises(ValueError,
-                           match="disaggregation_transfer_max_batch must be (a positive "
+                           match="^disaggregation_transfer_max_batch: must be (a positive "
                                  "integer|an integer, got)"):
             ServerArgs(disaggregation_transfer_max_batch=bad)
