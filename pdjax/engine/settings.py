@@ -205,7 +205,7 @@ def check_devices(args: ServerArgs, model_cfg, *, platform: str, num_devices: in
     ``model_cfg``: the checkpoint's config as written (``checkpoint_config``); ``platform``:
     ``"cpu"``, ``"gpu"`` or ``"tpu"``. Raises ``ValueError`` naming the field."""
     if num_devices is not None and not 1 <= args.tp_size <= num_devices:
-        raise ValueError(f"tp_size must be in [1, {num_devices}] (devices available), got "
+        raise ValueError(f"tp_size: must be in [1, {num_devices}] (devices available), got "
                          f"{args.tp_size}")
     check_dp_attention_settings(args, platform)
     family = model_family(model_cfg.architecture)
@@ -318,7 +318,7 @@ def resolve_engine_config(args: ServerArgs, platform: str | None = None, *,
     if args.cache.kv_cache_dtype == "fp8_e4m3" and fp8_impls is not None \
             and profile.attention_impl not in fp8_impls:
         if args.attention_backend not in (None, "auto"):
-            raise ValueError(f"attention_backend {profile.attention_impl!r} does not read an "
+            raise ValueError(f"attention_backend: {profile.attention_impl!r} does not read an "
                              f"FP8 KV cache of {model_cfg.architecture} (kv_cache_dtype "
                              f"fp8_e4m3): use one of {', '.join(fp8_impls)}")
         profile = dataclasses.replace(profile, attention_impl="xla")

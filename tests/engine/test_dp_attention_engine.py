@@ -134,7 +134,7 @@ def _parse_error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("model,argv,message", [
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention", "--dp-size", "3"],
-     "error: dp_size (3) must divide tp_size (4)"),
+     "error: dp_size: 3 must divide tp_size (4)"),
     ("deepseek_v32", ["--tp-size", "4", "--dp-size", "2"],
      "error: dp_size: 2 ranks need enable_dp_attention"),
     ("deepseek_v32", ["--tp-size", "4", "--enable-dp-attention"],

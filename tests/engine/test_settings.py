@@ -180,7 +180,7 @@ def test_the_offline_engine_refuses_what_no_device_holds_before_loading(tiny_che
     with pytest.raises(ValueError, match=r"^max_running_requests: 100,000 rows need at least "
                                          r"0\.6 GiB .* more than its 0\.2 GiB"):
         Engine(tiny_checkpoints["llama"], max_running_requests=100_000, progress=False)
-    with pytest.raises(ValueError, match=r"^tp_size must be in \[1, 4\] \(devices available\)"):
+    with pytest.raises(ValueError, match=r"^tp_size: must be in \[1, 4\] \(devices available\)"):
         Engine(tiny_checkpoints["llama"], tp_size=8, progress=False)
 
 
@@ -196,7 +196,7 @@ def test_fp8_gqa_kv_takes_an_attention_path_that_reads_its_scales(tiny_checkpoin
 
     assert impl(llama) == "tpu"
     assert impl(llama, kv_cache_dtype="fp8_e4m3") == "xla"
-    with pytest.raises(ValueError, match=r"attention_backend 'tpu' does not read an FP8 KV "
+    with pytest.raises(ValueError, match=r"^attention_backend: 'tpu' does not read an FP8 KV "
                                          r"cache .* use one of reference, xla, cpu, gpu"):
         impl(llama, kv_cache_dtype="fp8_e4m3", attention_backend="tpu")
     assert impl(tiny_checkpoints["deepseek_v32"], kv_cache_dtype="fp8_e4m3") == "tpu"

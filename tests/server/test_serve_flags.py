@@ -40,7 +40,7 @@ def test_every_flag_error_is_one_line(capsys, argv, line):
 
 
 @pytest.mark.parametrize("model,tp,line", [
-    ("llama", 7, "error: tp_size must be in [1, 4] (devices available), got 7"),
+    ("llama", 7, "error: tp_size: must be in [1, 4] (devices available), got 7"),
     ("llama", 3, "error: tp_size: 3 must divide num_attention_heads (4)"),
     ("deepseek_v3", 3, "error: tp_size: 3 must divide"),
 ])

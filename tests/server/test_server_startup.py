@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow      # starts processes (README: the fast tier sta
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("tp,needle", [(64, "tp_size must be in"),
+@pytest.mark.parametrize("tp,needle", [(64, "tp_size: must be in"),
                                        (3, "tp_size: 3 must divide num_attention_heads (4)")])
 def test_engine_start_failure_exits_nonzero(tiny_checkpoints, tp, needle):
     """A setting the engine would refuse at start (too many devices; heads that do not split)
