@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_harness import TINY_ARGS, Server, child_env, running  # noqa: E402
+from pd_harness import TINY_ARGS, Server, child_env, free_port, running  # noqa: E402
 
 
 def node(role: str, model: str, rank: int, coord: int, http: int, logs: str, flags=(),
@@ -41,3 +42,15 @@ def node_pair(node0: Server, node1: Server):
         raise
     finally:
         node1.stop()
+
+
+def decode_nodes(model: str, logs: str, flags=()):
+    """A decode over two nodes with ``flags`` (the data plane's, the secret): yields
+    ``SimpleNamespace(node0, node1)`` while node 0 is healthy (a fixture's body). It computes
+    no prompt: one token bucket (16) is enough, one shape less to compile."""
+    coord, http = free_port(), free_port()
+    nodes = [node("decode", model, rank, coord, http if rank == 0 else 0, logs,
+                  [*flags, "--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
+             for rank in (0, 1)]
+    with node_pair(*nodes):
+        yield types.SimpleNamespace(node0=nodes[0], node1=nodes[1])

@@ -30,8 +30,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_nodes import node, node_pair  # noqa: E402
-from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline,  # noqa: E402
+from pd_nodes import decode_nodes, node, node_pair  # noqa: E402
+from pd_harness import (PAGE_SIZE, at_baseline,  # noqa: E402
                         free_port, get, greedy_agrees, load, pd_pair, pd_server, pd_state,
                         running, wait_until)
 
@@ -64,14 +64,6 @@ def logs(tmp_path_factory):
     return str(tmp_path_factory.mktemp("pd_multihost"))
 
 
-@pytest.fixture(scope="module")
-def colocated(tiny_checkpoints):
-    from pdjax.engine import Engine
-
-    with Engine(model_path=tiny_checkpoints["llama"], progress=False, **TINY_ARGS) as engine:
-        yield engine
-
-
 def _reference(engine, prompts, max_new):
     outs = engine.generate(input_ids=prompts, return_logprob=True, top_logprobs_num=2,
                            sampling_params=[{"temperature": 0, "max_new_tokens": m}
@@ -94,15 +86,7 @@ def prefill2(tiny_checkpoints, logs):
 
 @pytest.fixture(scope="module")
 def decode2(tiny_checkpoints, logs):
-    """A decode over two nodes; it computes no prompt: one token bucket (16) is enough, one
-    shape less to compile."""
-    model = tiny_checkpoints["llama"]
-    coord, http = free_port(), free_port()
-    decode_args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
-    node0 = _node("decode", model, 0, coord, http, logs, **decode_args)
-    node1 = _node("decode", model, 1, coord, 0, logs, **decode_args)
-    with node_pair(node0, node1):
-        yield types.SimpleNamespace(node0=node0, node1=node1)
+    yield from decode_nodes(tiny_checkpoints["llama"], logs, ["--disaggregation-secret", SECRET])
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "transfer"))
-from pd_nodes import node, node_pair  # noqa: E402
+from pd_nodes import decode_nodes, node, node_pair  # noqa: E402
 from pd_harness import (PAGE_SIZE, TINY_ARGS, at_baseline,  # noqa: E402
                         free_port, get, greedy_agrees, load, pd_body, pd_pair, pd_server,
                         pd_state, post, running, wait_until)
@@ -56,14 +56,6 @@ def logs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def colocated(tiny_checkpoints):
-    from pdjax.engine import Engine
-
-    with Engine(model_path=tiny_checkpoints["llama"], progress=False, **TINY_ARGS) as engine:
-        yield engine
-
-
-@pytest.fixture(scope="module")
 def prefill2(tiny_checkpoints, logs):
     model = tiny_checkpoints["llama"]
     coord, http, bport = free_port(), free_port(), free_port()
@@ -78,13 +70,7 @@ def prefill2(tiny_checkpoints, logs):
 
 @pytest.fixture(scope="module")
 def decode2(tiny_checkpoints, logs):
-    model = tiny_checkpoints["llama"]
-    coord, http = free_port(), free_port()
-    args = dict(extra=["--num-reserved-decode-tokens", "16"], chunked_prefill_size=16)
-    node0 = _node("decode", model, 0, coord, http, logs, **args)
-    node1 = _node("decode", model, 1, coord, 0, logs, **args)
-    with node_pair(node0, node1):
-        yield types.SimpleNamespace(node0=node0, node1=node1)
+    yield from decode_nodes(tiny_checkpoints["llama"], logs, JAX)
 
 
 @pytest.fixture(scope="module")

@@ -62,46 +62,41 @@ def ngram_pd(tiny_checkpoints, tmp_path_factory):
         colocated.shutdown()
 
 
-@pytest.fixture(scope="module")
-def mtp_pd(tiny_checkpoints, tmp_path_factory):
+def _mtp_pair(tiny_checkpoints, tmp_path_factory, name, dp_side):
+    """The MTP repeater checkpoint (from the tiny GLM-5) served by a PD pair whose
+    ``dp_side`` ("decode" or "prefill") runs TP 4 DP 4, the other TP 1, and its colocated
+    engine: a dict of prefill, decode, bport, colocated (a generator: the fixtures' body)."""
     from mtp_checkpoint import write_repeater_checkpoint
 
     model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
-                                      str(tmp_path_factory.mktemp("pd_dp_mtp") / "repeater"))
-    logs = str(tmp_path_factory.mktemp("pd_dp_mtp_logs"))
+                                      str(tmp_path_factory.mktemp(name) / "repeater"))
+    logs = str(tmp_path_factory.mktemp(name + "_logs"))
     from pdjax.engine import Engine
 
     colocated = Engine(model_path=model, progress=False, **ARGS)
     bport = free_port()
-    prefill = pd_server("prefill_mtp", "prefill", model, logs, bootstrap_port=bport,
-                        extra=MTP, **ARGS)
-    decode = pd_server("decode_dp4_mtp", "decode", model, logs, **_dp_flags(MTP), **ARGS)
+    kw = {side: (_dp_flags(MTP) if side == dp_side else dict(extra=MTP))
+          for side in ("prefill", "decode")}
+    tp = {side: ("dp4" if side == dp_side else "tp1") for side in ("prefill", "decode")}
+    prefill = pd_server(f"prefill_{tp['prefill']}_mtp", "prefill", model, logs,
+                        bootstrap_port=bport, **kw["prefill"], **ARGS)
+    decode = pd_server(f"decode_{tp['decode']}_mtp", "decode", model, logs, **kw["decode"],
+                       **ARGS)
     try:
         with running([prefill, decode]):
             yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
     finally:
         colocated.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mtp_pd(tiny_checkpoints, tmp_path_factory):
+    yield from _mtp_pair(tiny_checkpoints, tmp_path_factory, "pd_dp_mtp", "decode")
 
 
 @pytest.fixture(scope="module")
 def mtp_dp_prefill(tiny_checkpoints, tmp_path_factory):
-    from mtp_checkpoint import write_repeater_checkpoint
-
-    model = write_repeater_checkpoint(tiny_checkpoints["glm_moe_dsa"],
-                                      str(tmp_path_factory.mktemp("pd_dp_mtp_p") / "repeater"))
-    logs = str(tmp_path_factory.mktemp("pd_dp_mtp_p_logs"))
-    from pdjax.engine import Engine
-
-    colocated = Engine(model_path=model, progress=False, **ARGS)
-    bport = free_port()
-    prefill = pd_server("prefill_dp4_mtp", "prefill", model, logs, bootstrap_port=bport,
-                        **_dp_flags(MTP), **ARGS)
-    decode = pd_server("decode_tp1_mtp", "decode", model, logs, extra=MTP, **ARGS)
-    try:
-        with running([prefill, decode]):
-            yield dict(prefill=prefill, decode=decode, bport=bport, colocated=colocated)
-    finally:
-        colocated.shutdown()
+    yield from _mtp_pair(tiny_checkpoints, tmp_path_factory, "pd_dp_mtp_p", "prefill")
 
 
 def _repeating_prompts(lengths, salt):
