@@ -6,6 +6,7 @@ decode. The decode's greedy tokens equal the colocated engine's (tie-aware) with
 requests in flight than ranks and more, and the pools are back at baseline after."""
 
 import concurrent.futures
+import os
 
 import pytest
 from pd_harness import (at_baseline, child_env, free_port, greedy_agrees, load, pd_pair,
@@ -13,12 +14,14 @@ from pd_harness import (at_baseline, child_env, free_port, greedy_agrees, load, 
 
 pytestmark = pytest.mark.slow
 
-ARGS = dict(page_size=8, max_total_tokens=1184, chunked_prefill_size=16,
-            max_running_requests=8, context_length=64)
-DP = 4
-# 148 pages, 37 a rank: at 32 a rank some DP step temporaries had a KV buffer's exact size
+# DP attention ranks of the DP servers (4 in the suite's runs; PDJAX_TEST_DP=8 runs the
+# deployment's size, 8 simulated devices a DP server, by hand)
+DP = int(os.environ.get("PDJAX_TEST_DP", "4"))
+# 37 pages a rank: at 32 a rank some DP step temporaries had a KV buffer's exact size
 # (98,304 B, 49,152 B) and the in-place check of runner/pool_copy.py took them for copies of
 # the pool; 37 shares no factor with them
+ARGS = dict(page_size=8, max_total_tokens=37 * 8 * DP, chunked_prefill_size=16,
+            max_running_requests=8, context_length=64)
 SAMPLING = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
