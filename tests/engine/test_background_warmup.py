@@ -7,6 +7,7 @@ import re
 import threading
 
 import jax
+import pytest
 
 from model_utils import assert_tokens_match, boundary_prompts, top2_gaps_from_top_logprobs
 from pdjax.engine import Engine
@@ -67,6 +68,7 @@ def _assert_same(ref, outs, what):
         assert len(pa) == len(pb) > 0 and max(abs(x - y) for x, y in zip(pa, pb)) < 1e-4, what
 
 
+@pytest.mark.slow      # compiles every bucket in the background: a heavy engine check
 def test_requests_before_and_after_background_warmup(tiny_checkpoints, llama_engine, monkeypatch):
     prompts = boundary_prompts(6, seed=11)
     ref = _generate(llama_engine, prompts, [])
@@ -142,6 +144,7 @@ def test_stop_background_waits_for_the_compile_in_flight(tiny_checkpoints, monke
         eng.shutdown()
 
 
+@pytest.mark.slow      # compiles every bucket in the background: a heavy engine check
 def test_speculative_verify_rows_never_compile(tiny_checkpoints, llama_engine, monkeypatch):
     """n-gram speculation on a lazily warmed engine (issue 33): verify rows run on the extend
     shapes warm-up compiled (the core one before the background set, the small ones after),

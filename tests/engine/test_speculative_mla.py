@@ -10,6 +10,7 @@ from pdjax.engine import Engine
 from pdjax.runner.model_runner import compile_count
 
 
+@pytest.mark.slow      # two MLA engines each: a heavy model check
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_mla_greedy_tokens_equal_with_speculation(tiny_checkpoints, name):
     eng = Engine(tiny_checkpoints[name], dtype="float32", page_size=8, max_total_tokens=2048,

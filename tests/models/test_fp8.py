@@ -143,6 +143,7 @@ def dequantized_oracles(tiny_checkpoints, tmp_path_factory):
             for name in FP8_NAMES}
 
 
+@pytest.mark.slow      # an engine and transformers per case: a heavy model check
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", FP8_NAMES)
 def test_engine_greedy_matches_transformers_on_dequantized_weights(

@@ -62,6 +62,7 @@ def test_round_trip_logits_equal_the_source(tiny_checkpoints, tmp_path, name):
     assert load_tokenizer(dst).encode(text) == load_tokenizer(src).encode(text)
 
 
+@pytest.mark.slow      # converts the default model (SmolLM2): a heavy model check
 def test_default_gguf_round_trip(tmp_path):
     """SmolLM2 from its Q4_1 GGUF: convert (dequantized once) and load give the same logits,
     and the written config.json reads back as the GGUF's own config."""
