@@ -347,10 +347,7 @@ class DecodeConnector(PDConnector):
                                            f"vocabulary"))
                 return
             try:
-                if getattr(self.local_kv, "mode", "") == "jax" and r.room is not None:
-                    self.local_kv.stage_in(r.dst_pages, room=r.room)    # its own offers only
-                else:
-                    self.local_kv.stage_in(r.dst_pages)
+                self.local_kv.stage_in(r.dst_pages, room=r.room)    # its own offers only
             except ValueError as e:      # a pull-based pool (jax) missing a page's rows
                 self._fail(r, WriteFailed(f"KV not received: {e}"))
                 return

@@ -181,10 +181,9 @@ class DecodeRankNode:
         reports 503 naming it, DESIGN.md §6)."""
         try:
             pages = self._pages(msg)
-            if "room" in msg:       # the pulled chunks of that bootstrap_room only
-                self.local_kv.stage_in(pages, room=check_int("room", msg["room"], 0, MAX_ROOM))
-            else:
-                self.local_kv.stage_in(pages)
+            # the pulled chunks of that bootstrap_room only (a message without one: any room)
+            room = check_int("room", msg["room"], 0, MAX_ROOM) if "room" in msg else None
+            self.local_kv.stage_in(pages, room=room)
         except Exception as e:      # noqa: BLE001 (any failure leaves the heads stale)
             self.on_broken(f"PD decode node {self.rank}: kv_stage_in of pages "
                            f"{str(msg.get('pages'))[:200]} failed ({type(e).__name__}: {e}); "

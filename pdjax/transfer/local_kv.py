@@ -189,8 +189,10 @@ class LocalKV:
         for mirror, part in zip(self.mirrors, self.runner.gather_pages(idx)):
             mirror[:, np.asarray(pages)] = part[:, :n]
 
-    def stage_in(self, pages: Sequence[int]) -> None:
-        """Decode, staging: copy ``pages`` that arrived in the mirrors into the cache."""
+    def stage_in(self, pages: Sequence[int], room: int | None = None) -> None:
+        """Decode, staging: copy ``pages`` that arrived in the mirrors into the cache.
+        ``room``: the bootstrap_room they belong to, for data planes whose arrivals are kept
+        per room (the jax backend's); a write into the mirrors lands by address, so unused."""
         if self.mode != "staging" or len(pages) == 0:
             return
         idx = self._padded(pages)

@@ -263,7 +263,7 @@ def test_jax_decode_nodes_scatter_and_drop_at_node_0s_step_boundary():
     assert not hasattr(mooncake, "mirror")
 
     calls = []
-    kv = types.SimpleNamespace(mode="jax", num_pages=16, stage_in=lambda p: calls.append(
+    kv = types.SimpleNamespace(mode="jax", num_pages=16, stage_in=lambda p, room=None: calls.append(
         ("in", p)), drop_arrived=lambda p: calls.append(("drop", p)))
     node = DecodeRankNode(1, types.SimpleNamespace(session_id="s1"), kv, FakeChannel())
     handlers = node.handlers
@@ -292,7 +292,7 @@ def test_a_jax_decode_follower_whose_scatter_fails_leaves_the_cluster(pages, fai
     fatal to the node (node 0 then marks it lost); it never escapes into the follow loop."""
     calls, broken = [], []
 
-    def stage_in(p):
+    def stage_in(p, room=None):
         calls.append(list(p))
         if fail is not None:
             raise fail
